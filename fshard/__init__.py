@@ -1,0 +1,44 @@
+"""fshard: JAX-style functional sharding for PyTorch.
+
+A sharded value is an immutable pytree of one plain local tensor plus a static layout, so every
+``torch.func`` transform sees ordinary tensors; communication happens only in the collective
+primitives of :mod:`fshard.lax`.
+"""
+
+from . import config, debug, lax, ops
+from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
+from .array import ShardedArray
+from .mesh import Mesh
+from .planner import Step, plan
+from .spec import Layout, P, PartitionSpec, ShardMetadata
+from .tree import tree_flatten, tree_leaves, tree_map, tree_structure, tree_unflatten
+
+__all__ = [
+    "Mesh",
+    "P",
+    "PartitionSpec",
+    "Layout",
+    "ShardMetadata",
+    "ShardedArray",
+    "Step",
+    "plan",
+    "shard",
+    "from_local",
+    "gather",
+    "reshard",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "rand",
+    "randn",
+    "tree_map",
+    "tree_leaves",
+    "tree_flatten",
+    "tree_unflatten",
+    "tree_structure",
+    "lax",
+    "debug",
+    "config",
+    "ops",
+]

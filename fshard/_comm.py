@@ -1,0 +1,270 @@
+"""Raw collectives on plain (never batched) local tensors over an :class:`AxisGroup`.
+
+One implementation per primitive; every call that communicates is recorded in the active
+``fs.debug.comm_log()`` as ``(op, axes, nbytes)`` with ``nbytes`` this rank's input bytes.
+Chunks are in *chunk order* (mixed radix over the axes); torch's group ranks are sorted global
+ranks, so a reversed axis tuple is reordered here. Uneven chunks are padded to the largest chunk
+for the wire and trimmed after (Gloo wants equal sizes), which costs at most one chunk of
+padding per peer.
+
+Lowering choices on Gloo (measured in ../shared/reference/perf-anchors.md): reduce_scatter is an
+``all_to_all_single`` plus a local sum (Gloo's own reduce_scatter all-reduces the whole buffer:
+2x slower); all_gather is ``all_gather_single``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .mesh import AxisGroup
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as issued: ``op``, mesh ``axes``, ``nbytes`` of this rank's input."""
+
+    op: str
+    axes: tuple[str, ...]
+    nbytes: int
+
+
+_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("fshard_comm_log", default=None)
+
+
+def record(op: str, axes: tuple[str, ...], nbytes: int) -> None:
+    log = _LOG.get()
+    if log is not None:
+        log.append(CommRecord(op, axes, int(nbytes)))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _even_sizes(total: int, n: int) -> tuple[int, ...]:
+    if total % n:
+        raise ValueError(
+            f"size {total} does not split evenly over {n} ranks; pass sizes= for uneven chunks"
+        )
+    return (total // n,) * n
+
+
+def _pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
+    if t.shape[0] == size:
+        return t.contiguous()
+    out = t.new_zeros((size, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def all_gather(
+    t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
+) -> torch.Tensor:
+    """Concatenate every chunk's ``t`` along ``dim`` in chunk order (``sizes``: chunk sizes)."""
+    if g.size == 1:
+        return t
+    record("all_gather", g.axes, _nbytes(t))
+    x = t.movedim(dim, 0)
+    sizes = tuple(sizes) if sizes is not None else (x.shape[0],) * g.size
+    m = max(sizes)
+    x = _pad_dim0(x, m)
+    out = x.new_empty((g.size * m, *x.shape[1:]))
+    dist.all_gather_single(out, x, group=g.pg)
+    blocks = out.view(g.size, m, *x.shape[1:])
+    parts = [blocks[g.group_rank[j], : sizes[j]] for j in range(g.size)]
+    full = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    return full.movedim(0, dim)
+
+
+def all_reduce(t: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """Elementwise reduction (``sum``, ``max`` or ``min``) over the group; a new tensor."""
+    if g.size == 1:
+        return t
+    record("all_reduce", g.axes, _nbytes(t))
+    out = t.clone(memory_format=torch.contiguous_format)
+    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, red, group=g.pg)
+    return out
+
+
+def _exchange(pieces: list[torch.Tensor], g: AxisGroup) -> list[torch.Tensor]:
+    """Send ``pieces[j]`` (equal shapes) to chunk ``j``; return what chunk ``j`` sent us."""
+    send = torch.stack([pieces[j] for j in _chunk_of_group_rank(g)])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=g.pg)
+    return [recv[g.group_rank[j]] for j in range(g.size)]
+
+
+def _chunk_of_group_rank(g: AxisGroup) -> list[int]:
+    inv = [0] * g.size
+    for j, k in enumerate(g.group_rank):
+        inv[k] = j
+    return inv
+
+
+def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    if tuple(t.shape) == tuple(shape):
+        return t
+    out = t.new_zeros(tuple(shape))
+    out[tuple(slice(0, s) for s in t.shape)] = t
+    return out
+
+
+def reduce_scatter(
+    t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
+) -> torch.Tensor:
+    """Sum over the group, keeping chunk ``g.index`` of ``dim`` (all_to_all + local sum)."""
+    if g.size == 1:
+        return t
+    record("reduce_scatter", g.axes, _nbytes(t))
+    x = t.movedim(dim, 0)
+    sizes = tuple(sizes) if sizes is not None else _even_sizes(x.shape[0], g.size)
+    m = max(sizes)
+    pieces = [_pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)]
+    got = _exchange(pieces, g)
+    out = torch.stack(got).sum(0)[: sizes[g.index]]
+    return out.movedim(0, dim)
+
+
+def all_to_all(
+    t: torch.Tensor,
+    g: AxisGroup,
+    split_dim: int,
+    concat_dim: int,
+    split_sizes: Sequence[int] | None,
+    concat_sizes: Sequence[int] | None,
+) -> torch.Tensor:
+    """Split ``split_dim`` into chunks sent to each rank; concat what arrives along ``concat_dim``.
+
+    ``split_sizes[j]``: size of the piece sent to chunk ``j``; ``concat_sizes[j]``: size along
+    ``concat_dim`` of the piece received from chunk ``j``. ``None`` means even.
+    """
+    if g.size == 1:
+        return t
+    record("all_to_all", g.axes, _nbytes(t))
+    n = g.size
+    split_sizes = (
+        tuple(split_sizes) if split_sizes is not None else _even_sizes(t.shape[split_dim], n)
+    )
+    concat_sizes = tuple(concat_sizes) if concat_sizes is not None else (t.shape[concat_dim],) * n
+    shape = list(t.shape)
+    shape[split_dim] = max(split_sizes)
+    shape[concat_dim] = max(concat_sizes) if split_dim != concat_dim else shape[split_dim]
+    pieces = [_pad_to(p, shape) for p in torch.split(t, list(split_sizes), split_dim)]
+    got = _exchange(pieces, g)
+    mine = split_sizes[g.index]
+    parts = []
+    for j, p in enumerate(got):
+        idx = [slice(None)] * t.dim()
+        idx[split_dim] = slice(0, mine)
+        if split_dim != concat_dim:
+            idx[concat_dim] = slice(0, concat_sizes[j])
+        parts.append(p[tuple(idx)])
+    return torch.cat(parts, concat_dim)
+
+
+def ppermute(
+    t: torch.Tensor,
+    g: AxisGroup,
+    perm: Sequence[tuple[int, int]],
+    out_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Send to and receive from chunk indices per ``perm`` (pairs ``(src, dst)``); others get 0."""
+    out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
+    out = t.new_zeros(out_shape)
+    me = g.index
+    ops = []
+    moved = False
+    for src, dst in perm:
+        if src == me and dst == me:
+            out = t.clone()
+        elif src == me:
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), g.ranks[dst], group=g.pg))
+            moved = True
+        elif dst == me:
+            ops.append(dist.P2POp(dist.irecv, out, g.ranks[src], group=g.pg))
+            moved = True
+    if g.size > 1:
+        record("ppermute", g.axes, _nbytes(t) if any(s == me for s, _ in perm) else 0)
+    if moved:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return out
+
+
+def scatter_from(
+    full: torch.Tensor | None,
+    g: AxisGroup,
+    src: int,
+    blocks: Sequence[tuple[slice, ...]],
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """Chunk ``src`` holds ``full``; chunk ``j`` receives ``full[blocks[j]]`` (``blocks`` static).
+
+    ``like`` gives dtype and device on ranks without ``full``. Only the blocks travel, padded
+    to the largest block so that Gloo's equal-size scatter accepts them.
+    """
+    if g.size == 1:
+        return full[blocks[0]].clone()
+    numel = max(max(_static_numel(b) for b in blocks), 1)
+    recv = like.new_empty(numel)
+    if g.index == src:
+        record("scatter", g.axes, _nbytes(full))
+        parts = [_pad_flat(full[b], numel) for b in blocks]
+        send = [parts[j] for j in _chunk_of_group_rank(g)]
+    else:
+        record("scatter", g.axes, 0)
+        send = None
+    dist.scatter(recv, send, src=g.ranks[src], group=g.pg)
+    mine = tuple(s.stop - s.start for s in blocks[g.index])
+    return recv[: _prod(mine)].view(mine)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _static_numel(block: tuple[slice, ...]) -> int:
+    return _prod(s.stop - s.start for s in block)
+
+
+def _pad_flat(t: torch.Tensor, numel: int) -> torch.Tensor:
+    flat = t.reshape(-1)
+    if flat.numel() == numel:
+        return flat.contiguous()
+    out = flat.new_zeros(numel)
+    out[: flat.numel()] = flat
+    return out
+
+
+def gather_to(
+    t: torch.Tensor, g: AxisGroup, dst: int, blocks: Sequence[tuple[slice, ...]], shape
+) -> torch.Tensor | None:
+    """Chunk ``dst`` receives every chunk's ``t`` placed at ``blocks[j]`` of a ``shape`` tensor."""
+    if g.size == 1:
+        out = t.new_empty(tuple(shape))
+        out[blocks[0]] = t
+        return out
+    record("gather", g.axes, _nbytes(t))
+    numel = max(max(_static_numel(b) for b in blocks), 1)
+    send = _pad_flat(t, numel)
+    if g.index == dst:
+        recv = [torch.empty_like(send) for _ in range(g.size)]
+        dist.gather(send, recv, dst=g.ranks[dst], group=g.pg)
+        out = t.new_empty(tuple(shape))
+        for j in range(g.size):
+            part = recv[g.group_rank[j]]
+            b = blocks[j]
+            sub = tuple(s.stop - s.start for s in b)
+            out[b] = part[: _prod(sub)].view(sub)
+        return out
+    dist.gather(send, None, dst=g.ranks[dst], group=g.pg)
+    return None

@@ -1,0 +1,358 @@
+"""Moving between full tensors, local shards and layouts: shard, from_local, gather, reshard,
+and the creation functions.
+
+All of these are pure: they return new values and never mutate their inputs. ``shard``,
+``gather`` and ``reshard`` are differentiable and vmappable (they are built from
+:mod:`fshard.lax` ops), with the gradient contract of DESIGN §4: a cotangent has the layout of
+its primal, and a replicated value is *invariant* (its cotangent is the same on every rank), so
+``gather``'s backward keeps the local block with no communication and ``shard``'s backward
+all-gathers the cotangent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+
+from . import _comm
+from .array import ShardedArray
+from .lax import AllGather, AllToAll, LocalSlice, Pcast, Ppermute, Psum, PsumScatter, apply
+from .mesh import Mesh
+from .planner import Step, chunk_sizes, plan
+from .spec import Layout, P, _layout
+
+__all__ = [
+    "shard",
+    "from_local",
+    "gather",
+    "reshard",
+    "plan",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "rand",
+    "randn",
+]
+
+
+def _check_mesh(mesh, name="mesh") -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{name} must be a fshard.Mesh, got {type(mesh).__name__}")
+    if mesh.is_abstract:
+        raise ValueError(
+            f"{name} is abstract ({mesh!r}): sharded values need a real mesh; use Mesh.create"
+        )
+    return mesh
+
+
+def _check_spec(spec, name="spec") -> P:
+    if not isinstance(spec, P):
+        raise TypeError(
+            f"{name} must be a fshard.P (e.g. fs.P('x', None)), got {type(spec).__name__} {spec!r}"
+        )
+    return spec
+
+
+def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
+    """Run one planned step on a local tensor (differentiable)."""
+    src, dst, mesh = step.src, step.dst, step.src.mesh
+    if step.op == "zero":
+        g = mesh.group(step.axes)
+        return apply(Pcast(g), x) * (1.0 if g.index == 0 else 0.0)
+    if step.op == "ppermute":
+        me = mesh.rank
+        op = Ppermute(
+            mesh.group(step.axes), step.perm, tuple(src.local_shape(me)), tuple(dst.local_shape(me))
+        )
+        return apply(op, x)
+    g = mesh.group(step.axes)
+    if step.op == "all_reduce":
+        return apply(Psum(g), x)
+    if step.op == "all_to_all":
+        j, i = step.dim, step.concat_dim
+        split = chunk_sizes(src.shape[j], mesh, step.axes)
+        concat = chunk_sizes(src.shape[i], mesh, step.axes)
+        return apply(AllToAll(g, j, i, split, concat), x)
+    sizes = chunk_sizes(src.shape[step.dim], mesh, step.axes)
+    if step.op == "all_gather":
+        return apply(AllGather(g, step.dim, sizes, invariant=True), x)
+    if step.op == "reduce_scatter":
+        return apply(PsumScatter(g, step.dim, sizes), x)
+    if step.op == "slice":
+        return apply(LocalSlice(g, step.dim, sizes), x)
+    raise AssertionError(step.op)
+
+
+def _reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
+    if x.layout.spec == spec:
+        return x
+    steps = plan(x.layout, spec)
+    local = x.local
+    for step in steps:
+        local = _run_step(local, step)
+    return ShardedArray._raw(local, x.layout.with_spec(spec))
+
+
+def reshard(x, spec):
+    """Move ``x`` to layout ``spec`` with the fewest bytes (see :func:`fshard.plan`).
+
+    Args:
+        x: a :class:`ShardedArray`, or a pytree of them.
+        spec: a :class:`P`, or a pytree of specs matching ``x`` (a prefix: one spec for a
+            whole subtree).
+
+    Returns:
+        A new value (or pytree) with the target layouts; the input is not modified.
+
+    Example:
+        >>> y = fs.reshard(x, fs.P(None, "x"))  # S(0) -> S(1): one all_to_all  # doctest: +SKIP
+    """
+    if isinstance(x, ShardedArray):
+        return _reshard_one(x, _check_spec(spec))
+    if isinstance(spec, P):
+        return optree.tree_map(
+            lambda v: _reshard_one(_expect_sharded(v), spec),
+            x,
+            is_leaf=_is_leaf,
+            none_is_leaf=False,
+        )
+    specs = optree.tree_broadcast_prefix(spec, x, is_leaf=lambda s: isinstance(s, P) or s is None)
+    return optree.tree_map(
+        lambda v, s: _reshard_one(_expect_sharded(v), _check_spec(s)),
+        x,
+        specs,
+        is_leaf=_is_leaf,
+    )
+
+
+def _is_leaf(v) -> bool:
+    return isinstance(v, ShardedArray)
+
+
+def _expect_sharded(v) -> ShardedArray:
+    if not isinstance(v, ShardedArray):
+        raise TypeError(f"reshard: expected ShardedArray leaves, got {type(v).__name__}")
+    return v
+
+
+def shard(
+    t: torch.Tensor | None,
+    mesh: Mesh,
+    spec: P,
+    *,
+    src: int | None = None,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+) -> ShardedArray:
+    """Split a full tensor into a :class:`ShardedArray`.
+
+    Args:
+        t: the full tensor. With ``src=None`` every rank passes the same ``t`` and keeps its
+            block with no communication (differentiable: the backward all-gathers the
+            cotangent). With ``src=r`` only rank ``r`` needs ``t`` (others may pass ``None``);
+            each rank receives only its block (a scatter, never a broadcast of the whole). The
+            scatter path is not differentiable.
+        mesh: the mesh (``Mesh.create``).
+        spec: the layout, e.g. ``P("dp", None)``; partial axes keep ``t`` on the first rank of
+            the axis and zeros elsewhere.
+        src: see ``t``.
+        shape, dtype: with ``src=r``, ranks other than ``r`` may give these instead of ``t``;
+            if they do not, rank ``r`` broadcasts them (one small message).
+
+    Returns:
+        The sharded value.
+
+    Example:
+        >>> x = fs.shard(torch.randn(8, 4), mesh, fs.P("x", None))  # doctest: +SKIP
+    """
+    mesh, spec = _check_mesh(mesh), _check_spec(spec)
+    if src is not None:
+        return _scatter(t, mesh, spec, src, shape, dtype)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"shard: t must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(t, ShardedArray):
+        raise TypeError("shard: t is already a ShardedArray; use fs.reshard to change its layout")
+    full = _layout(mesh, P(), tuple(t.shape), t.dtype)
+    layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
+    return _reshard_one(ShardedArray._raw(t, full), layout.spec)
+
+
+def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
+    if isinstance(src, bool) or not isinstance(src, int) or src not in mesh.ranks:
+        raise ValueError(f"shard: src must be a rank of the mesh {mesh.ranks}, got {src!r}")
+    me = mesh.rank
+    if me == src and not isinstance(t, torch.Tensor):
+        raise TypeError(f"shard: rank {src} is src and must pass a tensor, got {type(t).__name__}")
+    if me == src:
+        meta = (tuple(t.shape), t.dtype)
+    elif shape is not None and dtype is not None:
+        meta = (tuple(shape), dtype)
+    else:
+        meta = None
+    if shape is None or dtype is None:
+        box = [meta]
+        dist.broadcast_object_list(box, src=src)
+        meta = box[0]
+    layout = Layout(mesh, spec.__class__(*spec.dims), meta[0], meta[1])
+    g = mesh.group(mesh.axis_names)
+    blocks = [layout.shard_metadata(r).slices() for r in g.ranks]
+    like = t if me == src else torch.empty(0, dtype=meta[1], device=mesh.device())
+    local = _comm.scatter_from(t, g, g.ranks.index(src), blocks, like)
+    out = ShardedArray._raw(local, layout)
+    return _reshard_one(out, spec) if spec.partial else out
+
+
+def from_local(
+    local: torch.Tensor, mesh: Mesh, spec: P, shape: Sequence[int] | None = None
+) -> ShardedArray:
+    """Wrap this rank's block as a :class:`ShardedArray` (no communication).
+
+    Args:
+        local: this rank's block.
+        mesh: the mesh.
+        spec: the layout the blocks follow.
+        shape: the global shape. Required whenever a dim is split (it is never inferred from
+            local sizes, which is ambiguous for uneven shards); may be omitted for a fully
+            replicated or purely partial spec.
+
+    Returns:
+        The sharded value; ``local`` is checked against the layout's block for this rank.
+
+    Example:
+        >>> x = fs.from_local(torch.ones(3, 4), mesh, fs.P("x"), shape=(5, 4))  # doctest: +SKIP
+    """
+    mesh, spec = _check_mesh(mesh), _check_spec(spec)
+    if isinstance(local, ShardedArray) or not isinstance(local, torch.Tensor):
+        raise TypeError(f"from_local: local must be a torch.Tensor, got {type(local).__name__}")
+    if shape is None:
+        if any(spec.dims):
+            raise ValueError(
+                f"from_local: spec {spec} splits a dim, so shape= (the global shape) is required; "
+                "fshard never infers it from local sizes"
+            )
+        shape = tuple(local.shape)
+    layout = Layout(mesh, spec, shape, local.dtype)
+    want = layout.local_shape(mesh.rank)
+    if tuple(local.shape) != want:
+        raise ValueError(
+            f"from_local: rank {mesh.rank} holds a block of shape {tuple(local.shape)} but layout "
+            f"{spec} of global shape {layout.shape} gives this rank {want}"
+        )
+    return ShardedArray._raw(local, layout)
+
+
+def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
+    """The full tensor: on every rank (``dst=None``), or on rank ``dst`` only (others: None).
+
+    ``dst=None`` is differentiable; a partial value is summed. Its backward keeps the local
+    block (the full value is invariant), so no communication happens in backward.
+
+    Example:
+        >>> t = fs.gather(x)  # doctest: +SKIP
+    """
+    if not isinstance(x, ShardedArray):
+        raise TypeError(f"gather: x must be a ShardedArray, got {type(x).__name__}")
+    if dst is None:
+        return _reshard_one(x, P()).local
+    mesh = x.mesh
+    if isinstance(dst, bool) or not isinstance(dst, int) or dst not in mesh.ranks:
+        raise ValueError(f"gather: dst must be a rank of the mesh {mesh.ranks}, got {dst!r}")
+    if x.layout.partial:
+        x = _reshard_one(x, P(*x.layout.dim_axes))
+    g = mesh.group(mesh.axis_names)
+    blocks = [x.layout.shard_metadata(r).slices() for r in g.ranks]
+    return _comm.gather_to(x.local, g, g.ranks.index(dst), blocks, x.layout.shape)
+
+
+# -- creation ---------------------------------------------------------------------------------
+
+
+def _creation_layout(shape, mesh, spec, dtype) -> Layout:
+    mesh, spec = _check_mesh(mesh), _check_spec(spec)
+    if spec.partial:
+        raise ValueError(f"creation functions make unreduced values only via reshard; got {spec}")
+    if isinstance(shape, int):
+        shape = (shape,)
+    return Layout(mesh, spec, tuple(shape), dtype or torch.get_default_dtype())
+
+
+def _filled(fill, shape, mesh, spec, dtype) -> ShardedArray:
+    layout = _creation_layout(shape, mesh, spec, dtype)
+    local = fill(layout.local_shape(mesh.rank), dtype=layout.dtype, device=mesh.device())
+    return ShardedArray._raw(local, layout)
+
+
+def zeros(shape, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None) -> ShardedArray:
+    """A sharded tensor of zeros (each rank allocates only its block).
+
+    Example:
+        >>> z = fs.zeros((8, 4), mesh, fs.P("x"))  # doctest: +SKIP
+    """
+    return _filled(torch.zeros, shape, mesh, spec, dtype)
+
+
+def ones(shape, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None) -> ShardedArray:
+    """A sharded tensor of ones (each rank allocates only its block).
+
+    Example:
+        >>> o = fs.ones((8, 4), mesh, fs.P("x"))  # doctest: +SKIP
+    """
+    return _filled(torch.ones, shape, mesh, spec, dtype)
+
+
+def empty(shape, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None) -> ShardedArray:
+    """A sharded tensor with uninitialised values (each rank allocates only its block).
+
+    Example:
+        >>> e = fs.empty((8, 4), mesh, fs.P("x"))  # doctest: +SKIP
+    """
+    return _filled(torch.empty, shape, mesh, spec, dtype)
+
+
+def full(shape, fill_value, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None):
+    """A sharded tensor filled with ``fill_value``.
+
+    Example:
+        >>> f = fs.full((8, 4), 3.0, mesh, fs.P("x"))  # doctest: +SKIP
+    """
+    return _filled(lambda s, **kw: torch.full(s, fill_value, **kw), shape, mesh, spec, dtype)
+
+
+def _random(draw, shape, mesh, spec, dtype, generator) -> ShardedArray:
+    layout = _creation_layout(shape, mesh, spec, dtype)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    # Draw the whole tensor and keep this rank's block: the values equal the dense call with the
+    # same seed on any mesh and spec. Cost: each rank draws and briefly holds the full tensor.
+    whole = draw(layout.shape, generator=generator, dtype=layout.dtype, device=mesh.device())
+    block = whole[layout.shard_metadata(mesh.rank).slices()].clone()
+    return ShardedArray._raw(block, layout)
+
+
+def rand(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedArray:
+    """Uniform [0, 1) values equal to ``torch.rand(shape, generator=g)`` for the same seed.
+
+    Every rank must hold a generator in the same state (same seed). Memory: each rank draws the
+    full tensor once (O(global size) transiently, then keeps only its block), which is what
+    makes the values independent of the mesh and the spec.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)  # doctest: +SKIP
+        >>> w = fs.rand((1024, 1024), mesh, fs.P(None, "tp"), generator=g)  # doctest: +SKIP
+    """
+    return _random(torch.rand, shape, mesh, spec, dtype, generator)
+
+
+def randn(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedArray:
+    """Normal values equal to ``torch.randn(shape, generator=g)`` for the same seed.
+
+    Same contract and memory cost as :func:`rand`.
+
+    Example:
+        >>> w = fs.randn((512, 512), mesh, fs.P("tp"), generator=torch.Generator().manual_seed(0))  # doctest: +SKIP
+    """
+    return _random(torch.randn, shape, mesh, spec, dtype, generator)

@@ -1,0 +1,282 @@
+"""ShardedArray: one plain local tensor plus a static :class:`Layout`, registered as a pytree.
+
+The only pytree child is the local tensor, so ``torch.func`` transforms, optree utilities and
+``torch.compile`` see ordinary tensors; the layout rides along as static aux data.
+
+Under ``torch.func.vmap`` a layout describes the per-example (logical) value and the batch dim
+lives only in the local tensor. The unflatten rule below keeps the two consistent at vmap's
+boundaries: a local tensor with *more* dims than its layout (what vmap returns, with
+``out_dims=0``) gets unsharded leading dims prepended to the layout; a local tensor with *fewer*
+dims (what vmap passes in for stacked values) drops the unsharded dim whose removal matches the
+local shape. Vmapping over a sharded dim is refused with an error.
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from .spec import Layout, P, ShardMetadata, _layout
+
+__all__ = ["ShardedArray"]
+
+
+class ShardedArray:
+    """An immutable sharded value: ``local`` (this rank's shard) and ``layout`` (static).
+
+    Build one with :func:`fshard.shard`, :func:`fshard.from_local` or a creation function,
+    never by assigning fields. Torch functions and operators dispatch to fshard's op rules;
+    in-place methods raise ``TypeError``.
+
+    Example:
+        >>> import fshard as fs  # doctest: +SKIP
+        >>> x = fs.shard(torch.arange(8.0), mesh, fs.P("x"))  # doctest: +SKIP
+        >>> x.shape, x.local.shape  # doctest: +SKIP
+        (torch.Size([8]), torch.Size([4]))
+    """
+
+    __slots__ = ("local", "layout")
+
+    def __init__(self, local: torch.Tensor, layout: Layout):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a fshard.Layout, got {type(layout).__name__}")
+        if not isinstance(local, torch.Tensor):
+            raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "layout", layout)
+
+    @classmethod
+    def _raw(cls, local, layout: Layout) -> ShardedArray:
+        """Construct without checks (hot path and pytree unflatten)."""
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "local", local)
+        object.__setattr__(obj, "layout", layout)
+        return obj
+
+    def __setattr__(self, name, value):
+        raise TypeError(
+            f"ShardedArray is immutable: cannot set {name!r}. Build a new value instead "
+            "(fs.reshard, fs.from_local, or a functional op such as x + y)"
+        )
+
+    def __setitem__(self, key, value):
+        raise TypeError(
+            "ShardedArray does not support item assignment; use a functional form such as "
+            "torch.where(mask, value, x) or fs.shard_map on local tensors"
+        )
+
+    def __reduce__(self):
+        return (ShardedArray._raw, (self.local, self.layout))
+
+    # -- static metadata ----------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.layout.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layout.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.layout.ndim
+
+    def dim(self) -> int:
+        return self.layout.ndim
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def spec(self) -> P:
+        return self.layout.spec
+
+    @property
+    def mesh(self):
+        return self.layout.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.local.requires_grad
+
+    def shards_metadata(self) -> list[ShardMetadata]:
+        """Every rank's block of the global value, in rank order."""
+        return self.layout.shards_metadata()
+
+    def __repr__(self) -> str:
+        local = tuple(self.local.shape) if isinstance(self.local, torch.Tensor) else self.local
+        return (
+            f"ShardedArray(shape={tuple(self.layout.shape)}, dtype={self.layout.dtype}, "
+            f"spec={self.layout.spec}, mesh={self.layout.mesh!r}, local_shape={local})"
+        )
+
+    def __len__(self) -> int:
+        if not self.layout.shape:
+            raise TypeError("len() of a 0-d ShardedArray")
+        return self.layout.shape[0]
+
+    def __bool__(self):
+        raise TypeError(
+            "the truth value of a ShardedArray is undefined on one rank; gather it first "
+            "(bool(fs.gather(x)))"
+        )
+
+    __hash__ = object.__hash__
+
+    # -- torch function protocol: everything goes to the op rules -----------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .ops.registry import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __getattr__(self, name: str):
+        # Tensor methods (x.sum(0), x.reshape(...)) do not reach __torch_function__ on a
+        # non-Tensor class, so forward them as the corresponding Tensor method.
+        method = getattr(torch.Tensor, name, None)
+        if method is None or name.startswith("__"):
+            raise AttributeError(f"'ShardedArray' object has no attribute {name!r}")
+        if name.endswith("_") and not name.endswith("__"):
+            raise TypeError(
+                f"ShardedArray is immutable: in-place Tensor.{name} is not supported; use the "
+                f"functional form {name[:-1]!r} (e.g. y = x.{name[:-1]}(...))"
+            )
+        from .ops.registry import dispatch
+
+        if not callable(method):  # a property such as x.T or x.mT
+            return dispatch(method.__get__, (self,), {})
+
+        def bound(*args, **kwargs):
+            return dispatch(method, (self, *args), kwargs)
+
+        return bound
+
+
+def _forward_operator(name: str):
+    tensor_op = getattr(torch.Tensor, name)
+
+    def op(self, *args):
+        from .ops.registry import dispatch
+
+        return dispatch(tensor_op, (self, *args), {})
+
+    op.__name__ = name
+    return op
+
+
+_OPERATORS = [
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__matmul__",
+    "__rmatmul__",
+    "__pow__",
+    "__rpow__",
+    "__neg__",
+    "__abs__",
+    "__getitem__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__eq__",
+    "__ne__",
+    "__and__",
+    "__or__",
+    "__invert__",
+    "__floordiv__",
+    "__mod__",
+]
+
+for _name in _OPERATORS:
+    setattr(ShardedArray, _name, _forward_operator(_name))
+ShardedArray.__hash__ = object.__hash__  # __eq__ above would otherwise unset it
+
+
+def _inplace_operator(name: str):
+    def op(self, other):
+        raise TypeError(
+            f"ShardedArray is immutable: {name} would update it in place; write x = x {name[2:-3]} y"
+        )
+
+    return op
+
+
+for _name in ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__imatmul__", "__ipow__"):
+    setattr(ShardedArray, _name, _inplace_operator(_name))
+
+
+# -- pytree registration ---------------------------------------------------------------------
+
+
+def _flatten(x: ShardedArray):
+    return (x.local,), x.layout
+
+
+def _unflatten(layout: Layout, children) -> ShardedArray:
+    (local,) = children
+    if isinstance(local, torch.Tensor):
+        extra = local.dim() - layout.ndim
+        if extra:
+            layout = _relayout_for_rank_change(layout, local, extra)
+    return ShardedArray._raw(local, layout)
+
+
+def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -> Layout:
+    if extra > 0:
+        # vmap outputs (batch dims in front): unsharded leading dims, sizes from the local.
+        spec = P(*([None] * extra), *layout.dim_axes, partial=layout.partial)
+        return _layout(layout.mesh, spec, tuple(local.shape[:extra]) + layout.shape, layout.dtype)
+    # vmap inputs: a stacked dim was taken off. Find the unsharded dim whose removal matches.
+    want = tuple(local.shape)
+    local_full = layout.local_shape(layout.mesh.rank) if not layout.mesh.is_abstract else None
+    for d in range(layout.ndim):
+        if layout.dim_axes[d]:
+            continue
+        shape = layout.shape[:d] + layout.shape[d + 1 :]
+        if local_full is not None and local_full[:d] + local_full[d + 1 :] != want:
+            continue
+        axes = layout.dim_axes[:d] + layout.dim_axes[d + 1 :]
+        spec = P(*axes, partial=layout.partial)
+        out = _layout(layout.mesh, spec, shape, layout.dtype)
+        if extra == -1:
+            return out
+        return _relayout_for_rank_change(out, local, extra + 1)
+    raise ValueError(
+        f"cannot map over this ShardedArray: its local shape {want} does not match {layout} with "
+        "one unsharded dim removed. vmap can only map over an unsharded dim of a ShardedArray; "
+        "reshard it so that the mapped dim is not split (e.g. fs.reshard(x, fs.P(None, ...)))"
+    )
+
+
+try:
+    from optree.registry import __GLOBAL_NAMESPACE as _OPTREE_NS  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - older optree
+    _OPTREE_NS = "fshard"
+
+optree.register_pytree_node(ShardedArray, _flatten, _unflatten, namespace=_OPTREE_NS)
+torch_pytree.register_pytree_node(
+    ShardedArray,
+    lambda x: ([x.local], x.layout),
+    _unflatten,
+    serialized_type_name="fshard.ShardedArray",
+    flatten_with_keys_fn=lambda x: ([(torch_pytree.GetAttrKey("local"), x.local)], x.layout),
+)
+
+
+def is_sharded(x) -> bool:
+    """True for a :class:`ShardedArray` (use as ``is_leaf=`` in tree utilities)."""
+    return isinstance(x, ShardedArray)

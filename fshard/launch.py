@@ -1,0 +1,442 @@
+"""Local multi-process launcher: run a function on N CPU ranks joined by one Gloo process group.
+
+:class:`World` keeps N spawned worker processes (one ``torch.distributed`` Gloo group) alive
+across many calls, so tests and notebooks pay the start-up cost once and module-level state
+(e.g. mesh caches) persists between calls. :func:`run` is the one-shot form, and under
+``torchrun`` it runs the function in place instead.
+
+Example::
+
+    import torch
+    import torch.distributed as dist
+    from fshard.launch import World
+
+    def total(x):  # module level, so it pickles by reference
+        t = torch.tensor([float(x + dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item()
+
+    with World(2) as world:
+        world.run(total, 10)  # [21.0, 21.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "World", "is_worker", "run"]
+
+_WORKER_ENV = "FSHARD_LAUNCH_WORKER"
+_GRACE_S = 5.0  # after one rank fails, how long the others get to finish
+_PARENT_POLL_S = 1.0  # how often an idle worker checks that its parent is still alive
+
+
+def is_worker() -> bool:
+    """Whether this process is a :class:`World` worker.
+
+    Returns:
+      ``True`` inside a worker started by :class:`World` or :func:`run`, else ``False``.
+    """
+    return os.environ.get(_WORKER_ENV) == "1"
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception, or its process died, inside :meth:`World.run`.
+
+    Attributes:
+      rank: The lowest failing rank.
+      exc_type: Class name of the remote exception (``"WorkerDied"`` if the process died).
+      remote_traceback: The remote traceback as text (empty if the process died).
+      exception: The original exception object if it could be unpickled, else ``None``.
+      exit_code: The process exit code if the worker died (negative: killed by that signal),
+        else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int = -1,
+        exc_type: str = "",
+        remote_traceback: str = "",
+        exception: BaseException | None = None,
+        exit_code: int | None = None,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+        self.exception = exception
+        self.exit_code = exit_code
+
+
+class World:
+    """A persistent pool of ``world_size`` worker processes forming one Gloo process group.
+
+    Workers are spawned lazily on the first :meth:`run`, and again on the next :meth:`run`
+    after a failure that had to kill them (a hang, a dead worker, a rank stuck in a
+    collective). Each worker runs with ``torch.set_num_threads(1)`` and has ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+    ``FSHARD_LAUNCH_WORKER=1`` in its environment.
+
+    Args:
+      world_size: Number of ranks (an int >= 1).
+      timeout: Default per-call limit in seconds for :meth:`run`; also bounds worker start-up.
+      pg_timeout: Timeout in seconds of the Gloo process group (how long a collective waits
+        for the other ranks before raising).
+
+    Example::
+
+      with World(4) as world:
+          ranks = world.run(get_rank)  # [0, 1, 2, 3]
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 300.0, pg_timeout: float = 60.0):
+        _check_world_size(world_size)
+        self.world_size = world_size
+        self.timeout = timeout
+        self.pg_timeout = pg_timeout
+        self._store: dist.TCPStore | None = None
+        self._generation = 0
+        self._closed = False
+        # Mutated in place (never rebound) so the finalizer always sees the live workers.
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        # Runs on close(), on garbage collection and at interpreter exit: no orphans.
+        self._finalizer = weakref.finalize(self, _terminate, self._procs, self._conns)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list:
+        """Runs ``fn(*args)`` on every rank and returns the results in rank order.
+
+        ``fn``, ``args`` and the results travel by pickle, so ``fn`` must be importable
+        (defined at module level).
+
+        Args:
+          fn: The function to run on each rank.
+          *args: Positional arguments, the same for every rank.
+          timeout: Seconds to wait for all ranks; defaults to the World's ``timeout``.
+
+        Returns:
+          A list with ``fn``'s return value from each rank, rank 0 first.
+
+        Raises:
+          RankError: A rank raised or its process died (the lowest such rank is reported).
+          TimeoutError: Not every rank finished within ``timeout``; all workers are killed.
+
+        Example::
+
+          world.run(dist.get_rank)  # [0, 1]
+        """
+        if self._closed:
+            raise RuntimeError("World.run: this World is closed; create a new one")
+        if is_worker():
+            raise RuntimeError(
+                "fshard.launch: cannot launch workers from inside a World worker "
+                "(nested launches are not supported); call fn directly instead"
+            )
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            payload = pickle.dumps((fn, args))
+        except Exception as e:
+            raise TypeError(
+                f"World.run: could not pickle fn={fn!r} and its args ({e}); fn must be "
+                "importable (defined at module level, not a lambda or a local function)"
+            ) from e
+        try:
+            if len(self._procs) != self.world_size or not all(p.is_alive() for p in self._procs):
+                self._start()
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # a dead worker: _collect reports it
+                    conn.send_bytes(payload)
+            outcomes, pending = self._collect(timeout)
+        except BaseException:  # e.g. KeyboardInterrupt: the workers' state is unknown
+            _terminate(self._procs, self._conns)
+            raise
+        return self._results(outcomes, pending, timeout)
+
+    def close(self) -> None:
+        """Terminates the workers (then kills any that linger) and joins them; idempotent."""
+        self._closed = True
+        self._finalizer()
+        self._store = None
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        _terminate(self._procs, self._conns)
+        if self._store is None:
+            # Port 0: the OS picks a free port, so there is no racy free-port search.
+            self._store = dist.TCPStore(
+                "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False
+            )
+        self._generation += 1
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker,
+                args=(
+                    rank,
+                    self.world_size,
+                    self._store.port,
+                    self._generation,
+                    self.pg_timeout,
+                    child_conn,
+                ),
+                name=f"fshard-rank{rank}",
+            )
+            proc.start()
+            child_conn.close()  # else the parent would never see EOF when the child dies
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        # Each worker replies once its process group is up; a failure there raises here
+        # (run() then kills the workers).
+        self._results(*self._collect(self.timeout), self.timeout)
+
+    def _collect(self, timeout: float) -> tuple[dict[int, tuple], set[int]]:
+        """Waits for one reply per rank; returns {rank: reply} and the ranks that gave none."""
+        outcomes: dict[int, tuple] = {}
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while pending:
+            end = deadline if failed_at is None else min(deadline, failed_at + _GRACE_S)
+            now = time.monotonic()
+            if now >= end:
+                break
+            waitables = [self._conns[r] for r in pending]
+            waitables += [self._procs[r].sentinel for r in pending]
+            wait(waitables, timeout=end - now)
+            for rank in sorted(pending):
+                reply = self._poll(rank)
+                if reply is not None:
+                    pending.discard(rank)
+                    outcomes[rank] = reply
+                    if reply[0] != "ok" and failed_at is None:
+                        failed_at = time.monotonic()
+        return outcomes, pending
+
+    def _poll(self, rank: int) -> tuple | None:
+        """The reply of ``rank`` if it has one, ``("died", exit_code)`` if it died, else None."""
+        proc, conn = self._procs[rank], self._conns[rank]
+        alive = proc.is_alive()  # checked before reading, so a reply sent just before exit wins
+        try:
+            if conn.poll():
+                return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            alive = False
+        if alive:
+            return None
+        proc.join(1.0)
+        return ("died", proc.exitcode)
+
+    def _results(self, outcomes: dict[int, tuple], pending: set[int], timeout: float) -> list:
+        failed = sorted(r for r, o in outcomes.items() if o[0] != "ok")
+        if pending or any(outcomes[r][0] == "died" for r in failed):
+            # A rank is stuck (likely in a collective) or the group lost a member: the
+            # process group is unusable, so restart the world on the next run.
+            _terminate(self._procs, self._conns)
+        if failed:
+            note = ""
+            if pending:
+                note = (
+                    f"\n\n(ranks {sorted(pending)} had not finished {_GRACE_S:g} s after the "
+                    "failure and were killed; the world restarts on the next run)"
+                )
+            raise _rank_error(failed[0], outcomes[failed[0]], note)
+        if pending:
+            finished = sorted(outcomes)
+            raise TimeoutError(
+                f"World.run: ranks {sorted(pending)} did not finish within {timeout:g} s "
+                f"(ranks {finished} did); a collective not issued on every rank is the usual "
+                "cause. All workers were killed; the world restarts on the next run."
+            )
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+
+def run(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout: float = 300.0
+) -> list:
+    """Runs ``fn(*args)`` on ``world_size`` ranks and returns the results in rank order.
+
+    Locally this starts a :class:`World`, runs ``fn`` once and closes the World. Under
+    ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) it runs ``fn`` in this
+    process instead, initialising the default process group if needed (NCCL if CUDA is
+    available, else Gloo), and gathers every rank's result; ``timeout`` is not applied then.
+
+    Args:
+      fn: The function to run on each rank; must be importable (defined at module level).
+      world_size: Number of ranks (an int >= 1); under ``torchrun`` it must equal
+        ``WORLD_SIZE``.
+      args: Positional arguments for ``fn``, the same for every rank.
+      timeout: Seconds to wait for all ranks (local launch only).
+
+    Returns:
+      A list with ``fn``'s return value from each rank, rank 0 first.
+
+    Example::
+
+      results = run(train_step, 2, (batch,))
+    """
+    _check_world_size(world_size)
+    if is_worker():
+        raise RuntimeError(
+            "fshard.launch.run: called inside a World worker; nested launches are not "
+            "supported (call fn directly: this process is already one rank of a world)"
+        )
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        env_size = int(os.environ["WORLD_SIZE"])
+        if world_size != env_size:
+            raise ValueError(
+                f"run: world_size={world_size} does not match WORLD_SIZE={env_size} set by "
+                "torchrun; pass the same number of processes"
+            )
+        if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group("nccl")
+            else:
+                dist.init_process_group("gloo")
+        result = fn(*args)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+    with World(world_size, timeout=timeout) as world:
+        return world.run(fn, *args)
+
+
+def _check_world_size(world_size: object) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"world_size must be an int >= 1 (the number of ranks); got {world_size!r} "
+            f"of type {type(world_size).__name__}"
+        )
+
+
+def _rank_error(rank: int, reply: tuple, note: str = "") -> RankError:
+    if reply[0] == "died":
+        code = reply[1]
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            how += f" (killed by {signal.Signals(-code).name})"
+        return RankError(
+            f"rank {rank} died with {how} before replying (os._exit, a segfault, the OOM "
+            f"killer, or an error while the worker process started: see its stderr){note}",
+            rank=rank,
+            exc_type="WorkerDied",
+            exit_code=code,
+        )
+    _, exc_type, text, tb, exc_bytes = reply
+    try:
+        exception = pickle.loads(exc_bytes) if exc_bytes is not None else None
+    except Exception:
+        exception = None
+    return RankError(
+        f"rank {rank} raised {exc_type}: {text}\n\nRemote traceback (rank {rank}):\n{tb}{note}",
+        rank=rank,
+        exc_type=exc_type,
+        remote_traceback=tb,
+        exception=exception,
+    )
+
+
+def _error_reply(exc: BaseException) -> tuple:
+    try:
+        exc_bytes = pickle.dumps(exc)
+    except Exception:
+        exc_bytes = None
+    return ("error", type(exc).__name__, str(exc), traceback.format_exc(), exc_bytes)
+
+
+def _terminate(procs: list, conns: list[Connection]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for c in conns:
+        c.close()
+    procs.clear()
+    conns.clear()
+
+
+def _worker(
+    rank: int, world_size: int, port: int, generation: int, pg_timeout: float, conn: Connection
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    os.environ[_WORKER_ENV] = "1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no hostname resolution needed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    parent = os.getppid()
+
+    def reply(message: tuple) -> bool:
+        try:
+            data = pickle.dumps(message)
+        except Exception as e:  # an unpicklable result
+            data = pickle.dumps(_error_reply(e))
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            return False  # the parent is gone
+        return True
+
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=pg_timeout)
+        )
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"gen{generation}", store),  # fresh keys per restart
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+    except BaseException as e:
+        reply(_error_reply(e))
+        return
+    if not reply(("ok", None)):
+        return
+    while True:
+        if not conn.poll(_PARENT_POLL_S):
+            if os.getppid() != parent:
+                return  # the parent died without closing us
+            continue
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the parent closed the pipe
+        try:
+            fn, args = pickle.loads(payload)
+            message = ("ok", fn(*args))
+        except BaseException as e:
+            message = _error_reply(e)
+        if not reply(message):
+            return

@@ -1,0 +1,335 @@
+"""Mesh: an N-D grid of ranks with axis names, over ``torch.distributed.DeviceMesh``.
+
+A mesh is row-major: the rank at position ``i`` of ``mesh.ranks`` sits at
+``numpy.unravel_index(i, shape)``. ``Mesh.abstract`` needs no process group and serves layout
+math and planning; ``Mesh.create`` builds (and caches) the DeviceMesh and one process group per
+subset of axes, so that collectives over a tuple of axes (``("dp", "tp")``) have a group.
+Meshes compare and hash by shape, names and ranks: an abstract mesh equals the real mesh of the
+same shape, so layouts built on either are interchangeable.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Mesh", "AxisGroup"]
+
+
+@dataclass(frozen=True, eq=False)
+class AxisGroup:
+    """A process group over a tuple of mesh axes, seen from this rank.
+
+    ``ranks[j]`` is the global rank holding chunk ``j`` (mixed radix over the axes, first axis
+    most significant); ``group_rank[j]`` is that rank's rank inside ``pg`` (torch sorts group
+    ranks, so a reversed axis tuple has a non-identity order). ``index`` is this rank's chunk.
+    """
+
+    axes: tuple[str, ...]
+    pg: object
+    size: int
+    index: int
+    ranks: tuple[int, ...]
+    group_rank: tuple[int, ...]
+
+    @property
+    def identity_order(self) -> bool:
+        return self.group_rank == tuple(range(self.size))
+
+
+def _check_mesh_args(shape, names) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if isinstance(names, str):
+        names = (names,)
+    if not isinstance(shape, (tuple, list)) or not shape:
+        raise ValueError(f"Mesh: shape must be a non-empty tuple of positive ints, got {shape!r}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+        raise ValueError(f"Mesh: shape must be a non-empty tuple of positive ints, got {shape!r}")
+    if not isinstance(names, (tuple, list)) or any(not isinstance(n, str) for n in names):
+        raise TypeError(f"Mesh: names must be a tuple of str, got {names!r}")
+    if len(names) != len(shape):
+        raise ValueError(
+            f"Mesh: shape {tuple(shape)} has {len(shape)} axes but names {tuple(names)} has "
+            f"{len(names)}; give one name per axis"
+        )
+    if any(not n for n in names):
+        raise ValueError(f"Mesh: axis names must be non-empty strings, got {tuple(names)!r}")
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(
+            f"Mesh: axis name {dup!r} appears twice in {tuple(names)}; names must be unique"
+        )
+    return tuple(shape), tuple(names)
+
+
+class Mesh:
+    """An N-D grid of ranks with named axes.
+
+    Example:
+        >>> m = Mesh.abstract((2, 2), ("dp", "tp"))
+        >>> m.coords(3), m.size("tp"), m.size(("dp", "tp"))
+        ((1, 1), 2, 4)
+    """
+
+    __slots__ = ("shape", "axis_names", "ranks", "device_type", "device_mesh", "_coords", "_hash")
+
+    def __init__(self, shape, axis_names, ranks=None, device_type: str = "cpu", device_mesh=None):
+        shape, axis_names = _check_mesh_args(shape, axis_names)
+        n = math.prod(shape)
+        ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)
+        if len(ranks) != n:
+            raise ValueError(f"Mesh: {len(ranks)} ranks given for a mesh of shape {shape}")
+        set_ = object.__setattr__
+        set_(self, "shape", shape)
+        set_(self, "axis_names", axis_names)
+        set_(self, "ranks", ranks)
+        set_(self, "device_type", device_type)
+        set_(self, "device_mesh", device_mesh)
+        coords = {}
+        for pos, r in enumerate(ranks):
+            coords[r] = _unravel(pos, shape)
+        set_(self, "_coords", coords)
+        set_(self, "_hash", hash((shape, axis_names, ranks)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Mesh is immutable")
+
+    # -- construction -------------------------------------------------------------------
+    @staticmethod
+    def abstract(shape: Sequence[int], names: Sequence[str]) -> Mesh:
+        """A mesh with no process group, for layout math and planning.
+
+        Example:
+            >>> Mesh.abstract((2, 4), ("x", "y")).size("y")
+            4
+        """
+        return Mesh(shape, names)
+
+    @staticmethod
+    def create(shape: Sequence[int], names: Sequence[str], device_type: str | None = None) -> Mesh:
+        """A mesh over the initialised default process group (cached per shape and names).
+
+        Args:
+            shape: ranks along each axis; their product must equal the world size.
+            names: one unique name per axis.
+            device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` when the default process
+                group uses NCCL, else ``"cpu"``.
+
+        Example:
+            >>> mesh = Mesh.create((2, 2), ("dp", "tp"))  # doctest: +SKIP
+        """
+        shape, names = _check_mesh_args(shape, names)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Mesh.create needs an initialised torch.distributed process group; run under "
+                "fshard.launch.run / torchrun, or use Mesh.abstract for layout math"
+            )
+        world = dist.get_world_size()
+        if math.prod(shape) != world:
+            raise ValueError(
+                f"Mesh.create: shape {shape} has {math.prod(shape)} ranks but the world size is "
+                f"{world}; the product of the shape must equal the world size"
+            )
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"Mesh.create: device_type must be 'cpu' or 'cuda', got {device_type!r}"
+            )
+        return _create(shape, names, device_type, id(dist.group.WORLD))
+
+    def __reduce__(self):
+        return (_restore, (self.shape, self.axis_names, self.ranks, self.device_type))
+
+    # -- queries ------------------------------------------------------------------------
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, Mesh)
+            and self.shape == other.shape
+            and self.axis_names == other.axis_names
+            and self.ranks == other.ranks
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        kind = "" if self.device_mesh is not None else ", abstract"
+        return f"Mesh({axes}{kind})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size_total(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_abstract(self) -> bool:
+        return self.device_mesh is None
+
+    def axis_index_of(self, name: str) -> int:
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise ValueError(
+                f"{name!r} is not an axis of the mesh; the mesh axes are {self.axis_names}"
+            ) from None
+
+    def axes_tuple(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        """Normalise ``"x"`` or ``("x", "y")`` into a checked tuple of axis names."""
+        if isinstance(axes, str):
+            axes = (axes,)
+        axes = tuple(axes)
+        for a in axes:
+            if not isinstance(a, str):
+                raise TypeError(f"axis must be a mesh axis name or a tuple of names, got {a!r}")
+            self.axis_index_of(a)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"axis {axes} names a mesh axis twice")
+        return axes
+
+    def size(self, axes: str | Sequence[str]) -> int:
+        """Number of ranks along ``axes`` (a name or a tuple of names)."""
+        return math.prod(self.shape[self.axis_index_of(a)] for a in self.axes_tuple(axes))
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinates of a global rank."""
+        try:
+            return self._coords[rank]
+        except KeyError:
+            raise ValueError(f"rank {rank} is not in the mesh (ranks {self.ranks})") from None
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        """Global rank at mesh coordinates ``coords``."""
+        pos = 0
+        for c, s in zip(coords, self.shape):
+            pos = pos * s + c
+        return self.ranks[pos]
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (real meshes only)."""
+        if self.device_mesh is None:
+            raise ValueError(
+                f"{self!r} is abstract: it has no 'this rank'. Pass a rank explicitly, or use "
+                "Mesh.create inside a process group"
+            )
+        return dist.get_rank()
+
+    def device(self) -> torch.device:
+        """The device local shards live on for this rank."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def placement(self, rank: int) -> str:
+        if self.device_type == "cuda":
+            local = rank % max(torch.cuda.device_count(), 1)
+            return f"rank:{rank}/cuda:{local}"
+        return f"rank:{rank}/cpu"
+
+    def axis_index(self, axes: str | Sequence[str], rank: int | None = None) -> int:
+        """Mixed-radix position of ``rank`` along ``axes`` (first axis most significant)."""
+        coords = self.coords(self.rank if rank is None else rank)
+        idx = 0
+        for a in self.axes_tuple(axes):
+            ax = self.axis_index_of(a)
+            idx = idx * self.shape[ax] + coords[ax]
+        return idx
+
+    def group(self, axes: str | Sequence[str]) -> AxisGroup:
+        """This rank's process group over ``axes`` (cached)."""
+        return _axis_group(self, self.axes_tuple(axes))
+
+
+def _unravel(pos: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for s in reversed(shape):
+        out.append(pos % s)
+        pos //= s
+    return tuple(reversed(out))
+
+
+def _member_ranks(mesh: Mesh, axes: tuple[str, ...], rank: int) -> tuple[int, ...]:
+    """Global ranks sharing ``rank``'s coordinates off ``axes``, in chunk order over ``axes``."""
+    base = list(mesh.coords(rank))
+    idx = [mesh.axis_index_of(a) for a in axes]
+    out = []
+    for combo in itertools.product(*(range(mesh.shape[i]) for i in idx)):
+        c = list(base)
+        for i, v in zip(idx, combo):
+            c[i] = v
+        out.append(mesh.rank_at(c))
+    return tuple(out)
+
+
+_GROUPS: dict = {}
+_LIVE: dict = {}
+
+
+@functools.cache
+def _create(shape, names, device_type, _world_key) -> Mesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    ranks = tuple(int(r) for r in dm.mesh.flatten().tolist())
+    mesh = Mesh(shape, names, ranks, device_type, dm)
+    _LIVE[(shape, names, ranks)] = mesh
+    # One group per subset of >= 2 axes. Group creation is collective over the whole world, so
+    # every rank creates every group here, in the same order, once per mesh.
+    me = dist.get_rank()
+    for k in range(2, len(names) + 1):
+        for subset in itertools.combinations(names, k):
+            if k == len(names) and len(ranks) == dist.get_world_size():
+                _GROUPS[(mesh, subset)] = dist.group.WORLD
+                continue
+            seen = set()
+            for r in ranks:
+                members = tuple(sorted(_member_ranks(mesh, subset, r)))
+                if members in seen:
+                    continue
+                seen.add(members)
+                pg = dist.new_group(list(members))
+                if me in members:
+                    _GROUPS[(mesh, subset)] = pg
+    return mesh
+
+
+def _restore(shape, names, ranks, device_type) -> Mesh:
+    """Unpickle: the live mesh when this process has one of that shape, else an abstract one."""
+    return _LIVE.get((shape, names, ranks)) or Mesh(shape, names, ranks, device_type)
+
+
+@functools.cache
+def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
+    if mesh.device_mesh is None:
+        raise ValueError(f"{mesh!r} is abstract: it has no process groups. Use Mesh.create")
+    me = dist.get_rank()
+    ranks = _member_ranks(mesh, axes, me)
+    if len(axes) == 1:
+        pg = mesh.device_mesh.get_group(axes[0])
+    elif not axes:
+        pg = None
+    else:
+        key = tuple(a for a in mesh.axis_names if a in axes)
+        pg = _GROUPS[(mesh, key)]
+    sorted_ranks = sorted(ranks)
+    group_rank = tuple(sorted_ranks.index(r) for r in ranks)
+    return AxisGroup(
+        axes=axes,
+        pg=pg,
+        size=len(ranks),
+        index=ranks.index(me),
+        ranks=ranks,
+        group_rank=group_rank,
+    )

@@ -1,0 +1,231 @@
+"""The reshard planner: every layout transition lives here, as data.
+
+``plan(layout, dst_spec)`` returns the steps ``reshard`` will run, each with the mesh axes it
+communicates over and this rank's input bytes. The plan is pure (works on abstract meshes) and
+cached per ``(layout, dst_spec)``. Lowering, per mesh axis (DESIGN §5, n ranks, local size L):
+
+    from -> to               step             bytes received per rank
+    Shard(i) -> Replicate    all_gather       (n-1)·L
+    Replicate -> Shard(i)    slice (local)    0
+    Shard(i) -> Shard(j)     all_to_all       (n-1)/n·L
+    Partial -> Replicate     all_reduce       ~2(n-1)/n·L
+    Partial -> Shard(i)      reduce_scatter   (n-1)/n·L   (all_to_all + local sum on Gloo)
+    Replicate -> Partial     zero (local)     0
+    any block permutation    ppermute         L           (e.g. P('x','y') -> P('y','x'))
+
+Order: partial axes are reduced first (as a reduce_scatter where the target shards a dim over
+exactly those axes, else an all_reduce), then dims move (one all_to_all, a ppermute, or
+all_gathers of the dims that change followed by local slices), then new partial axes are
+introduced by zeroing. Gathering a dim over an axis also gathers any other dim split over that
+axis, so the intermediate layouts are always valid.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .spec import Layout, P, chunk_bounds
+
+__all__ = ["Step", "plan"]
+
+LOCAL_OPS = ("slice", "zero")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a reshard: ``op`` over mesh ``axes`` from layout ``src`` to ``dst``.
+
+    ``nbytes`` is the input bytes of the rank the plan was made for (0 for local steps);
+    ``collective`` says whether the step communicates (local steps and size-1 axes do not).
+    ``split_dim``/``concat_dim``: the tensor dims the step works on (``dim`` for one-dim ops).
+    """
+
+    op: str
+    axes: tuple[str, ...]
+    src: Layout
+    dst: Layout
+    dim: int | None = None
+    concat_dim: int | None = None
+    perm: tuple[tuple[int, int], ...] = ()
+    nbytes: int = 0
+
+    @property
+    def collective(self) -> bool:
+        return self.op not in LOCAL_OPS and self.src.mesh.size(self.axes) > 1
+
+    def __repr__(self) -> str:
+        where = f" dim={self.dim}" if self.dim is not None else ""
+        if self.concat_dim is not None:
+            where = f" split={self.dim} concat={self.concat_dim}"
+        return (
+            f"Step({self.op} over {self.axes}{where}: {self.src.spec} -> {self.dst.spec}, "
+            f"{self.nbytes} B)"
+        )
+
+
+def chunk_sizes(n: int, mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
+    """Sizes of the chunks of a dim of size ``n`` split over ``axes``, in chunk order."""
+    k = mesh.size(axes) if axes else 1
+    return tuple(b - a for a, b in (chunk_bounds(n, k, j) for j in range(k)))
+
+
+def _with(layout: Layout, dims=None, partial=None) -> Layout:
+    dims = layout.dim_axes if dims is None else dims
+    partial = layout.partial if partial is None else partial
+    return layout.with_spec(P(*dims, partial=tuple(partial)))
+
+
+def _in_mesh_order(mesh, axes) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a in set(axes))
+
+
+def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
+    """The steps ``reshard`` takes from ``layout`` to ``dst_spec``, with this rank's bytes.
+
+    Args:
+        layout: the source layout (``x.layout``); its mesh may be abstract.
+        dst_spec: the target :class:`P`.
+        rank: whose input bytes to report; default this process's rank (rank 0 on an abstract
+            mesh).
+
+    Returns:
+        A list of :class:`Step`; empty when the layouts are equal.
+
+    Example:
+        >>> m = Mesh.abstract((2,), ("x",))
+        >>> [s.op for s in plan(Layout(m, P("x"), (8, 8)), P(None, "x"))]
+        ['all_to_all']
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"plan: layout must be a fshard.Layout, got {type(layout).__name__}")
+    if not isinstance(dst_spec, P):
+        raise TypeError(f"plan: dst_spec must be a fshard.P, got {type(dst_spec).__name__}")
+    if rank is None:
+        rank = layout.mesh.ranks[0] if layout.mesh.is_abstract else layout.mesh.rank
+    return [_with_bytes(s, rank) for s in _plan(layout, layout.with_spec(dst_spec))]
+
+
+def _with_bytes(step: Step, rank: int) -> Step:
+    if not step.collective:
+        return step
+    shape = step.src.local_shape(rank)
+    n = 1
+    for s in shape:
+        n *= s
+    from dataclasses import replace
+
+    return replace(step, nbytes=n * step.src.dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
+    steps: list[Step] = []
+    cur = src
+    mesh = src.mesh
+
+    # 1. Pending sums the target no longer has.
+    removing = [a for a in cur.partial if a not in dst.partial]
+    if removing:
+        for d in range(cur.ndim):
+            axes = dst.dim_axes[d]
+            if axes and not cur.dim_axes[d] and set(axes) <= set(removing):
+                dims = list(cur.dim_axes)
+                dims[d] = axes
+                nxt = _with(cur, dims, [a for a in cur.partial if a not in axes])
+                steps.append(Step("reduce_scatter", axes, cur, nxt, dim=d))
+                cur = nxt
+                removing = [a for a in removing if a not in axes]
+                break
+        if removing:
+            axes = _in_mesh_order(mesh, removing)
+            nxt = _with(cur, partial=[a for a in cur.partial if a not in axes])
+            steps.append(Step("all_reduce", axes, cur, nxt))
+            cur = nxt
+
+    # 2. Dims.
+    target_dims = dst.dim_axes
+    changed = [d for d in range(cur.ndim) if cur.dim_axes[d] != target_dims[d]]
+    if changed:
+        target = _with(cur, target_dims)
+        gathers = [d for d in changed if cur.dim_axes[d]]
+        slices = [d for d in changed if target_dims[d]]
+        if (
+            len(gathers) == 1
+            and len(slices) == 1
+            and gathers != slices
+            and cur.dim_axes[gathers[0]] == target_dims[slices[0]]
+            and not target_dims[gathers[0]]
+            and not cur.dim_axes[slices[0]]
+        ):
+            i, j = gathers[0], slices[0]
+            steps.append(Step("all_to_all", cur.dim_axes[i], cur, target, dim=j, concat_dim=i))
+            cur = target
+        elif gathers and (perm := _block_permutation(cur, target)) is not None:
+            steps.append(Step("ppermute", mesh.axis_names, cur, target, perm=perm))
+            cur = target
+        else:
+            axes_out = set()
+            for d in gathers:
+                axes_out |= set(cur.dim_axes[d])
+            # Closure: a dim split over any gathered axis is gathered too.
+            grow = True
+            to_gather = set(gathers)
+            while grow:
+                grow = False
+                for d in range(cur.ndim):
+                    if d not in to_gather and set(cur.dim_axes[d]) & axes_out:
+                        to_gather.add(d)
+                        axes_out |= set(cur.dim_axes[d])
+                        grow = True
+            for d in sorted(to_gather):
+                dims = list(cur.dim_axes)
+                dims[d] = ()
+                nxt = _with(cur, dims)
+                steps.append(Step("all_gather", cur.dim_axes[d], cur, nxt, dim=d))
+                cur = nxt
+            for d in range(cur.ndim):
+                if cur.dim_axes[d] != target_dims[d]:
+                    dims = list(cur.dim_axes)
+                    dims[d] = target_dims[d]
+                    nxt = _with(cur, dims)
+                    steps.append(Step("slice", target_dims[d], cur, nxt, dim=d))
+                    cur = nxt
+
+    # 3. New pending sums.
+    adding = [a for a in dst.partial if a not in cur.partial]
+    if adding:
+        axes = _in_mesh_order(mesh, adding)
+        steps.append(Step("zero", axes, cur, dst))
+        cur = dst
+    assert cur == dst, (cur, dst)
+    return tuple(steps)
+
+
+def _block_permutation(src: Layout, dst: Layout):
+    """``((src_pos, dst_pos), ...)`` in mesh order if every rank's target block is exactly some
+    other rank's current block (a pure permutation), else None."""
+    ranks = src.mesh.ranks
+    have = [src.shard_metadata(r) for r in ranks]
+    want = [dst.shard_metadata(r) for r in ranks]
+    if sorted(_box(m) for m in have) != sorted(_box(m) for m in want):
+        return None
+    used: set[int] = set()
+    pairs = []
+    for q, w in enumerate(want):
+        box = _box(w)
+        if _box(have[q]) == box and q not in used:
+            p = q
+        else:
+            p = next((i for i, h in enumerate(have) if _box(h) == box and i not in used), None)
+            if p is None:
+                return None
+        used.add(p)
+        pairs.append((p, q))
+    if all(p == q for p, q in pairs):
+        return None
+    return tuple(pairs)
+
+
+def _box(m):
+    return (m.shard_offsets, m.shard_sizes)
