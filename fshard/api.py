@@ -60,6 +60,8 @@ def _check_spec(spec, name="spec") -> P:
 def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
     """Run one planned step on a local tensor (differentiable)."""
     src, dst, mesh = step.src, step.dst, step.src.mesh
+    if step.op == "gather_blocks":
+        return _GatherBlocks.apply(x, src)
     if step.op == "zero":
         g = mesh.group(step.axes)
         return apply(Pcast(g), x) * (1.0 if g.index == 0 else 0.0)
@@ -85,6 +87,43 @@ def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
     if step.op == "slice":
         return apply(LocalSlice(g, step.dim, sizes), x)
     raise AssertionError(step.op)
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """Explicit layout -> full tensor on every rank: all_gather of padded flat blocks over the
+    whole mesh, assembled by offsets. Cost per rank: receives (N-1) x the largest block
+    (replicas included). Backward keeps this rank's box of the (invariant) cotangent, with no
+    communication, as for ``gather``. Not vmappable."""
+
+    @staticmethod
+    def forward(local, layout):
+        mesh = layout.mesh
+        g = mesh.group(mesh.axis_names)
+        metas = [layout.shard_metadata(r) for r in g.ranks]
+        sizes = [m.numel for m in metas]
+        flat = local.detach().contiguous().reshape(-1)
+        if max(sizes) == 0:
+            flat = flat.new_zeros(1)
+            sizes = [1] * len(sizes)
+        elif flat.numel() == 0:
+            flat = flat.new_zeros(0)
+        flat = _comm.all_gather(flat, g, 0, sizes)
+        out = local.new_empty(layout.shape)
+        start = 0
+        for m, n in zip(metas, sizes):
+            if m.numel:
+                out[m.slices()] = flat[start : start + m.numel].view(m.shard_sizes)
+            start += n
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        return grad[layout.shard_metadata(layout.mesh.rank).slices()].clone(), None
 
 
 def _reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
@@ -120,7 +159,9 @@ def reshard(x, spec):
             is_leaf=_is_leaf,
             none_is_leaf=False,
         )
-    specs = optree.tree_broadcast_prefix(spec, x, is_leaf=lambda s: isinstance(s, P) or s is None)
+    specs = optree.tree_broadcast_prefix(
+        spec, x, is_leaf=lambda s: isinstance(s, (P, ShardedArray)) or s is None
+    )
     return optree.tree_map(
         lambda v, s: _reshard_one(_expect_sharded(v), _check_spec(s)),
         x,

@@ -271,7 +271,7 @@ optree.register_pytree_node(ShardedArray, _flatten, _unflatten, namespace=_OPTRE
 torch_pytree.register_pytree_node(
     ShardedArray,
     lambda x: ([x.local], x.layout),
-    _unflatten,
+    lambda children, layout: _unflatten(layout, children),
     serialized_type_name="fshard.ShardedArray",
     flatten_with_keys_fn=lambda x: ([(torch_pytree.GetAttrKey("local"), x.local)], x.layout),
 )

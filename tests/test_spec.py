@@ -1,0 +1,190 @@
+"""Layout math against an independent brute-force oracle (no process group needed)."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fshard as fs
+from fshard.spec import chunk_bounds
+
+MESHES = [
+    ((1,), ("x",)),
+    ((2,), ("x",)),
+    ((4,), ("x",)),
+    ((8,), ("x",)),
+    ((2, 2), ("x", "y")),
+    ((2, 4), ("x", "y")),
+    ((4, 2), ("x", "y")),
+    ((3, 2), ("x", "y")),
+    ((2, 2, 2), ("x", "y", "z")),
+    ((1, 2, 3), ("x", "y", "z")),
+]
+
+
+def brute_force_block(shape, mesh_shape, names, dim_axes, rank):
+    """Assign every element index to a chunk by element (not by bounds) and read off the block."""
+    coords = np.unravel_index(rank, mesh_shape)
+    offsets, sizes = [], []
+    for d, n in enumerate(shape):
+        axes = dim_axes[d] if d < len(dim_axes) else ()
+        k, j = 1, 0
+        for a in axes:
+            i = names.index(a)
+            k *= mesh_shape[i]
+            j = j * mesh_shape[i] + int(coords[i])
+        c = -(-n // k) if n else 0
+        owner = [i // c if c else 0 for i in range(n)]
+        mine = [i for i in range(n) if owner[i] == j]
+        sizes.append(len(mine))
+        offsets.append(sum(1 for i in range(n) if owner[i] < j))
+    return tuple(offsets), tuple(sizes)
+
+
+@st.composite
+def layouts(draw):
+    mesh_shape, names = draw(st.sampled_from(MESHES))
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 11), min_size=ndim, max_size=ndim)))
+    free = list(names)
+    draw(st.randoms()).shuffle(free)
+    dim_axes = []
+    for _ in range(ndim):
+        k = draw(st.integers(0, min(2, len(free))))
+        dim_axes.append(tuple(free[:k]))
+        free = free[k:]
+    n_partial = draw(st.integers(0, len(free)))
+    partial = tuple(free[:n_partial])
+    return mesh_shape, names, shape, tuple(dim_axes), partial
+
+
+@settings(max_examples=400, deadline=None)
+@given(layouts())
+def test_layout_matches_brute_force(case):
+    mesh_shape, names, shape, dim_axes, partial = case
+    mesh = fs.Mesh.abstract(mesh_shape, names)
+    spec = fs.P(*[a if a else None for a in dim_axes], partial=partial)
+    layout = fs.Layout(mesh, spec, shape)
+    metas = layout.shards_metadata()
+    assert len(metas) == int(np.prod(mesh_shape))
+    for rank, meta in enumerate(metas):
+        assert (meta.shard_offsets, meta.shard_sizes) == brute_force_block(
+            shape, mesh_shape, names, dim_axes, rank
+        )
+        assert meta.placement == f"rank:{rank}/cpu"
+    # Every element is held by exactly (number of replicas) ranks: blocks tile the tensor.
+    replicas = int(np.prod([mesh_shape[names.index(a)] for a in names if a not in layout.sharded_axes]))
+    count = torch.zeros(shape, dtype=torch.int64)
+    for meta in metas:
+        count[meta.slices()] += 1
+    assert bool((count == replicas).all())
+
+
+def test_jax_reference_cases():
+    """Cases recorded from JAX/GSPMD in ../shared/reference (flat ceil-div over the product)."""
+    m = fs.Mesh.abstract((2, 4), ("x", "y"))
+    lay = fs.Layout(m, fs.P(("x", "y")), (10,))
+    assert [s.shard_sizes[0] for s in lay.shards_metadata()] == [2, 2, 2, 2, 2, 0, 0, 0]
+    lay = fs.Layout(m, fs.P(("y", "x")), (8,))
+    assert lay.shard_metadata(1).shard_offsets == (2,)  # x=0, y=1 holds rows 2:3
+    lay = fs.Layout(fs.Mesh.abstract((4,), ("x",)), fs.P("x"), (10, 6))
+    assert [s.shard_offsets[0] for s in lay.shards_metadata()] == [0, 3, 6, 9]
+    assert [s.shard_sizes for s in lay.shards_metadata()] == [(3, 6)] * 3 + [(1, 6)]
+    lay = fs.Layout(fs.Mesh.abstract((3, 2), ("x", "y")), fs.P(("x", "y")), (7,))
+    assert [s.shard_sizes[0] for s in lay.shards_metadata()] == [2, 2, 2, 1, 0, 0]
+
+
+@pytest.mark.parametrize("n,k", [(5, 2), (4, 3), (1, 2), (2, 4), (10, 4), (0, 3), (7, 7)])
+def test_single_axis_equals_chunk_sharding_spec(n, k):
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(k)])
+    seed = spec.build_metadata(torch.Size([n, 3]), None).shards_metadata
+    ours = fs.Layout(fs.Mesh.abstract((k,), ("x",)), fs.P("x"), (n, 3)).shards_metadata()
+    for a, b in zip(seed, ours):
+        assert tuple(a.shard_sizes) == b.shard_sizes
+        if b.numel:  # the seed leaves an empty chunk's offset unclipped (past the end); we clip
+            assert tuple(a.shard_offsets) == b.shard_offsets
+        assert str(a.placement) == str(b.to_torch().placement)
+
+
+def test_chunk_bounds_empty_tail():
+    assert [chunk_bounds(2, 4, j) for j in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_spec_normalisation_and_hashing():
+    assert fs.P("x") == fs.P("x", None) == fs.P(("x",))
+    assert hash(fs.P("x")) == hash(fs.P("x", None, None))
+    assert fs.P(partial="x") == fs.P(partial=("x",))
+    assert fs.P("x") != fs.P(None, "x")
+    m = fs.Mesh.abstract((2,), ("x",))
+    a, b = fs.Layout(m, fs.P("x"), (4, 2)), fs.Layout(m, fs.P("x", None), (4, 2))
+    assert a == b and hash(a) == hash(b)
+    assert a != fs.Layout(m, fs.P("x"), (4, 2), torch.float64)
+
+
+def test_scalar_and_zero_size():
+    m = fs.Mesh.abstract((2, 2), ("x", "y"))
+    assert fs.Layout(m, fs.P(), ()).shard_metadata(3).shard_sizes == ()
+    lay = fs.Layout(m, fs.P("x", "y"), (0, 3))
+    assert [s.shard_sizes for s in lay.shards_metadata()] == [(0, 2), (0, 1), (0, 2), (0, 1)]
+
+
+def test_shard_metadata_to_torch():
+    meta = fs.Layout(fs.Mesh.abstract((2,), ("x",)), fs.P("x"), (5, 2)).shard_metadata(1)
+    t = meta.to_torch()
+    assert list(t.shard_offsets) == [3, 0] and list(t.shard_sizes) == [2, 2]
+    assert t.placement.rank() == 1 and str(t.placement.device()) == "cpu"
+
+
+def test_mesh_coords_row_major():
+    m = fs.Mesh.abstract((2, 3), ("a", "b"))
+    for r in range(6):
+        assert m.coords(r) == tuple(int(c) for c in np.unravel_index(r, (2, 3)))
+        assert m.rank_at(m.coords(r)) == r
+    assert m.size("b") == 3 and m.size(("a", "b")) == 6
+    assert m.axis_index(("b", "a"), rank=4) == 1 * 2 + 1
+
+
+def test_plan_is_pure_and_cached():
+    m = fs.Mesh.abstract((4,), ("x",))
+    lay = fs.Layout(m, fs.P("x"), (8, 8))
+    steps = fs.plan(lay, fs.P(None, "x"))
+    assert [s.op for s in steps] == ["all_to_all"]
+    assert steps[0].nbytes == 2 * 8 * 4  # this rank's local bytes
+    assert fs.plan(lay, fs.P("x")) == []
+    ops = {
+        fs.P(): ["all_gather"],
+        fs.P(None, "x"): ["all_to_all"],
+    }
+    for dst, want in ops.items():
+        assert [s.op for s in fs.plan(lay, dst)] == want
+    part = lay.with_spec(fs.P(partial="x"))
+    assert [s.op for s in fs.plan(part, fs.P())] == ["all_reduce"]
+    assert [s.op for s in fs.plan(part, fs.P("x"))] == ["reduce_scatter"]
+    assert [s.op for s in fs.plan(lay.with_spec(fs.P()), fs.P("x"))] == ["slice"]
+    assert [s.op for s in fs.plan(lay.with_spec(fs.P()), fs.P(partial="x"))] == ["zero"]
+    m2 = fs.Mesh.abstract((2, 2), ("x", "y"))
+    lay2 = fs.Layout(m2, fs.P("x", "y"), (4, 4))
+    assert [s.op for s in fs.plan(lay2, fs.P("y", "x"))] == ["ppermute"]
+
+
+def test_every_2x2_plan_reaches_its_target():
+    m = fs.Mesh.abstract((2, 2), ("x", "y"))
+    axes = [None, "x", "y", ("x", "y"), ("y", "x")]
+    specs = []
+    for d0, d1 in itertools.product(axes, axes):
+        try:
+            specs.append(fs.P(d0, d1))
+        except ValueError:
+            pass
+    specs += [fs.P(partial="x"), fs.P("y", partial="x"), fs.P(partial=("x", "y"))]
+    for a, b in itertools.product(specs, specs):
+        steps = fs.plan(fs.Layout(m, a, (5, 7)), b)
+        if steps:
+            assert steps[0].src.spec == a and steps[-1].dst.spec == b
+            for s, t in zip(steps, steps[1:]):
+                assert s.dst == t.src
