@@ -1,7 +1,7 @@
 """Quickstart: shard a tensor on 2 local ranks, reshard it, and look at layouts and traffic.
 
-    python examples/quickstart.py          # self-launches 2 local Gloo ranks
-    torchrun --nproc-per-node 2 examples/quickstart.py
+python examples/quickstart.py          # self-launches 2 local Gloo ranks
+torchrun --nproc-per-node 2 examples/quickstart.py
 """
 
 import torch

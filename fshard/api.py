@@ -11,6 +11,7 @@ all-gathers the cotangent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import optree
@@ -57,39 +58,45 @@ def _check_spec(spec, name="spec") -> P:
     return spec
 
 
-def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
-    """Run one planned step on a local tensor (differentiable)."""
+class _ZeroOthers:
+    """R -> P on ``group``: pcast, then keep the value on the first rank only (backward: psum)."""
+
+    def __init__(self, group):
+        self.pcast, self.keep = Pcast(group), 1.0 if group.index == 0 else 0.0
+
+    def __call__(self, x):
+        return apply(self.pcast, x) * self.keep
+
+
+def _compile_step(step: Step):
+    """The op that runs one planned step on a local tensor (differentiable)."""
     src, dst, mesh = step.src, step.dst, step.src.mesh
     if step.op == "gather_blocks":
-        return _GatherBlocks.apply(x, src)
+        return _GatherBlocks(src)
+    g = mesh.group(step.axes)
     if step.op == "zero":
-        g = mesh.group(step.axes)
-        return apply(Pcast(g), x) * (1.0 if g.index == 0 else 0.0)
+        return _ZeroOthers(g)
     if step.op == "ppermute":
         me = mesh.rank
-        op = Ppermute(
-            mesh.group(step.axes), step.perm, tuple(src.local_shape(me)), tuple(dst.local_shape(me))
-        )
-        return apply(op, x)
-    g = mesh.group(step.axes)
+        return Ppermute(g, step.perm, src.local_shape(me), dst.local_shape(me))
     if step.op == "all_reduce":
-        return apply(Psum(g), x)
+        return Psum(g)
     if step.op == "all_to_all":
         j, i = step.dim, step.concat_dim
         split = chunk_sizes(src.shape[j], mesh, step.axes)
         concat = chunk_sizes(src.shape[i], mesh, step.axes)
-        return apply(AllToAll(g, j, i, split, concat), x)
+        return AllToAll(g, j, i, split, concat)
     sizes = chunk_sizes(src.shape[step.dim], mesh, step.axes)
     if step.op == "all_gather":
-        return apply(AllGather(g, step.dim, sizes, invariant=True), x)
+        return AllGather(g, step.dim, sizes, invariant=True)
     if step.op == "reduce_scatter":
-        return apply(PsumScatter(g, step.dim, sizes), x)
+        return PsumScatter(g, step.dim, sizes)
     if step.op == "slice":
-        return apply(LocalSlice(g, step.dim, sizes), x)
+        return LocalSlice(g, step.dim, sizes)
     raise AssertionError(step.op)
 
 
-class _GatherBlocks(torch.autograd.Function):
+class _GatherBlocksFn(torch.autograd.Function):
     """Explicit layout -> full tensor on every rank: all_gather of padded flat blocks over the
     whole mesh, assembled by offsets. Cost per rank: receives (N-1) x the largest block
     (replicas included). Backward keeps this rank's box of the (invariant) cotangent, with no
@@ -103,10 +110,7 @@ class _GatherBlocks(torch.autograd.Function):
         sizes = [m.numel for m in metas]
         flat = local.detach().contiguous().reshape(-1)
         if max(sizes) == 0:
-            flat = flat.new_zeros(1)
-            sizes = [1] * len(sizes)
-        elif flat.numel() == 0:
-            flat = flat.new_zeros(0)
+            flat, sizes = flat.new_zeros(1), [1] * len(sizes)
         flat = _comm.all_gather(flat, g, 0, sizes)
         out = local.new_empty(layout.shape)
         start = 0
@@ -126,14 +130,30 @@ class _GatherBlocks(torch.autograd.Function):
         return grad[layout.shard_metadata(layout.mesh.rank).slices()].clone(), None
 
 
+class _GatherBlocks:
+    """The ``gather_blocks`` step (source: a ``Layout.explicit``)."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def __call__(self, x):
+        return _GatherBlocksFn.apply(x, self.layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _program(layout: Layout, spec: P):
+    """Planned once per (layout, target): the ops to run and the output layout."""
+    return tuple(_compile_step(s) for s in plan(layout, spec)), layout.with_spec(spec)
+
+
 def _reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
     if x.layout.spec == spec:
         return x
-    steps = plan(x.layout, spec)
+    ops, out = _program(x.layout, spec)
     local = x.local
-    for step in steps:
-        local = _run_step(local, step)
-    return ShardedArray._raw(local, x.layout.with_spec(spec))
+    for op in ops:
+        local = op(local) if isinstance(op, (_ZeroOthers, _GatherBlocks)) else apply(op, local)
+    return ShardedArray._raw(local, out)
 
 
 def reshard(x, spec):

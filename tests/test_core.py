@@ -200,7 +200,10 @@ def test_random_creation_matches_dense(world2, world4):
 
 def pytree_reshard():
     mesh = fs.Mesh.create((2,), ("x",))
-    tree = {"a": fs.shard(_dense((4, 6)), mesh, fs.P("x")), "b": [fs.shard(_dense((6,)), mesh, fs.P())]}
+    tree = {
+        "a": fs.shard(_dense((4, 6)), mesh, fs.P("x")),
+        "b": [fs.shard(_dense((6,)), mesh, fs.P())],
+    }
     out = fs.reshard(tree, {"a": fs.P(None, "x"), "b": fs.P("x")})
     assert out["a"].spec == fs.P(None, "x") and out["b"][0].spec == fs.P("x")
     same = fs.reshard(tree, fs.P())
@@ -225,3 +228,18 @@ def test_visualize_abstract_layout():
     for r in range(4):
         assert f"ranks {r}" in text
     assert "[0:2)" in text and "[3:6)" in text
+
+
+def reshard_broadcast_gather_path():
+    from fshard import _comm
+
+    old = _comm.BROADCAST_GATHER_BYTES
+    _comm.BROADCAST_GATHER_BYTES = 0  # force the large-block lowering on small tensors
+    try:
+        return reshard_1d([(5, 7), (3, 2)])
+    finally:
+        _comm.BROADCAST_GATHER_BYTES = old
+
+
+def test_all_gather_broadcast_lowering(world2):
+    assert world2.run(reshard_broadcast_gather_path) == [32, 32]

@@ -76,7 +76,9 @@ def test_layout_matches_brute_force(case):
         )
         assert meta.placement == f"rank:{rank}/cpu"
     # Every element is held by exactly (number of replicas) ranks: blocks tile the tensor.
-    replicas = int(np.prod([mesh_shape[names.index(a)] for a in names if a not in layout.sharded_axes]))
+    replicas = int(
+        np.prod([mesh_shape[names.index(a)] for a in names if a not in layout.sharded_axes])
+    )
     count = torch.zeros(shape, dtype=torch.int64)
     for meta in metas:
         count[meta.slices()] += 1
