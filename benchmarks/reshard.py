@@ -122,7 +122,7 @@ def bench(mib: int, reps: int):
     n = dist.get_world_size()
     cases = _cases(n, mib)
     results = {name: {"fshard": [], "raw": [], "dtensor": []} for name, *_ in cases}
-    for name, f, raw, _, dt in cases:  # warm-up (plans, caches, buffers)
+    for _name, f, raw, _, dt in cases:  # warm-up (plans, caches, buffers)
         f(), raw(), dt()
     for _ in range(reps):
         for name, f, raw, _, dt in cases:

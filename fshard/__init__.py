@@ -5,11 +5,13 @@ A sharded value is an immutable pytree of one plain local tensor plus a static l
 primitives of :mod:`fshard.lax`.
 """
 
-from . import config, debug, lax, ops
+from . import config, debug, lax, nn, ops, optim
+from . import checkpoint, interop
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .mesh import Mesh
 from .planner import Step, plan
+from .shard_map import shard_map
 from .spec import Layout, P, PartitionSpec, ShardMetadata
 from .tree import tree_flatten, tree_leaves, tree_map, tree_structure, tree_unflatten
 
@@ -26,6 +28,7 @@ __all__ = [
     "from_local",
     "gather",
     "reshard",
+    "shard_map",
     "zeros",
     "ones",
     "full",
@@ -41,4 +44,8 @@ __all__ = [
     "debug",
     "config",
     "ops",
+    "optim",
+    "nn",
+    "checkpoint",
+    "interop",
 ]

@@ -20,10 +20,15 @@ A value is, per mesh axis, *invariant* (I: the same on every rank of the axis) o
     psum_scatter             V -> V    reduce_scatter       all_gather(to=varying)
     all_to_all(split a, b)   V -> V    all_to_all           all_to_all(split b, concat a)
     ppermute(perm)           V -> V    send/recv            ppermute(inverse perm)
-    pmax                     V -> I    all_reduce(max)      mask ties, psum of the mask
+    pmax / pmin              V -> I    all_reduce(max/min)  mask ties, psum of the mask
 
 Inside :func:`fshard.shard_map` the axis names refer to the shard_map's mesh; elsewhere pass
-``mesh=``.
+``mesh=``. Inside a shard_map body each local tensor also carries its *varying axes* (tracked by
+the body's ``TorchFunctionMode``, see :mod:`fshard.shard_map`): a collective that expects a
+varying operand first applies ``pcast`` to an operand that is invariant over some of its axes (so
+``psum`` of an invariant value is ``n * x`` with gradient ``n``, as in JAX), and tags its result
+(``psum``/``pmax``/``all_gather(to="invariant")`` remove the axes; the others add them). Outside
+a body nothing is tracked and the ops run as written.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "psum",
     "pmean",
     "pmax",
+    "pmin",
     "all_gather",
     "psum_scatter",
     "all_to_all",
@@ -52,6 +58,8 @@ __all__ = [
 ]
 
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("fshard_mesh", default=None)
+# The active shard_map body's varying-axes tracker (fshard.shard_map._Tracker) or None.
+_TRACKER: contextvars.ContextVar = contextvars.ContextVar("fshard_vma", default=None)
 
 
 def current_mesh(mesh: Mesh | None = None) -> Mesh:
@@ -202,6 +210,44 @@ class Ppermute:
         return replace(self, in_shape=grow(self.in_shape), out_shape=grow(self.out_shape))
 
 
+@dataclass(frozen=True, eq=False)
+class Scale:
+    """Multiply by a constant (self-transpose); the backward of :class:`Unvary`."""
+
+    factor: float
+
+    def run(self, x):
+        return x * self.factor
+
+    def transpose(self):
+        return self
+
+    def batched(self, batch: int):
+        return self
+
+
+@dataclass(frozen=True, eq=False)
+class Unvary:
+    """Declare a value that varies in type but is equal in value over the group as invariant.
+
+    Forward: identity. Backward: the cotangent of an invariant value arrives identical on every
+    rank of the group, and each rank's backward then sends it through the varying computation,
+    whose transposes sum the ``n`` copies; scaling by ``1/n`` counts it once. Used by
+    ``shard_map`` at its output boundary (e.g. ``all_gather(to="varying")`` returned as ``P()``).
+    """
+
+    group: AxisGroup
+
+    def run(self, x):
+        return x.view_as(x)
+
+    def transpose(self):
+        return Scale(1.0 / self.group.size)
+
+    def batched(self, batch: int):
+        return self
+
+
 class _Collective(torch.autograd.Function):
     """Runs a linear collective op; backward runs its transpose through this same Function."""
 
@@ -235,43 +281,60 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Pmax(torch.autograd.Function):
+    """Elementwise max (or min) over the group; the gradient is shared among the ties."""
+
     @staticmethod
-    def forward(x, group):
-        return _comm.all_reduce(x, group, "max")
+    def forward(x, group, how):
+        return _comm.all_reduce(x, group, how)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, group = inputs
+        x, group, _ = inputs
         ctx.group = group
-        ctx.save_for_backward(x, output)
+        mask = x == output
+        ctx.save_for_backward(mask)
+        ctx.save_for_forward(mask)
 
     @staticmethod
     def _share(ctx, t):
-        x, out = ctx.saved_tensors
-        mask = (x == out).to(t.dtype)
+        (mask,) = ctx.saved_tensors
+        mask = mask.to(t.dtype)
         count = apply(Psum(ctx.group), mask)
         return t * mask / count
 
     @staticmethod
     def backward(ctx, g):
-        return _Pmax._share(ctx, g), None
+        return _Pmax._share(ctx, g), None, None
 
     @staticmethod
-    def jvp(ctx, x_t, _):
+    def jvp(ctx, x_t, _, __):
         return apply(Psum(ctx.group), _Pmax._share(ctx, x_t))
 
     @staticmethod
-    def vmap(info, in_dims, x, group):
+    def vmap(info, in_dims, x, group, how):
         if in_dims[0] is None:
-            return _Pmax.apply(x, group), None
-        return _Pmax.apply(x.movedim(in_dims[0], 0), group), 0
+            return _Pmax.apply(x, group, how), None
+        return _Pmax.apply(x.movedim(in_dims[0], 0), group, how), 0
 
 
 # -- public named-axis API --------------------------------------------------------------------
 
 
 def _group(axis, mesh: Mesh | None) -> AxisGroup:
+    if not isinstance(axis, (str, tuple, list)):
+        raise TypeError(
+            f"axis must be a mesh axis name or a tuple of names, got {type(axis).__name__} {axis!r}"
+        )
     return current_mesh(mesh).group(axis)
+
+
+def _tensor(x, fn: str, name: str = "x") -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{fn}: {name} must be a torch.Tensor (a local block), got {type(x).__name__}; "
+            "on a ShardedArray use fs.reshard / fs.gather, or call this inside fs.shard_map"
+        )
+    return x
 
 
 def _dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
@@ -283,57 +346,122 @@ def _dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
     return dim % max(nd, 1)
 
 
-def _tree_or_tensor(fn, x):
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    return optree.tree_map(fn, x)
+def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> list:
+    """Run ``run(xs) -> list`` (the collective); inside a shard_map body also track varying axes.
+
+    ``varies``: whether the result varies over ``g.axes`` (all_gather, psum_scatter, ...) or is
+    invariant over them (psum, pmax, ...).
+    """
+    tracker = _TRACKER.get()
+    if tracker is None or (mesh is not None and mesh != tracker.mesh):
+        return run(xs)
+    return tracker.collective(xs, g.axes, run, varies)
+
+
+def _one(x, g, mesh, op, varies: bool) -> torch.Tensor:
+    return _tracked([x], g, mesh, lambda xs: [apply(op, xs[0])], varies)[0]
 
 
 def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None):
     """Sum over mesh ``axis``: varying in, invariant out (all_reduce).
 
-    ``x`` may be a tensor or a pytree of tensors; a pytree is reduced with one all_reduce per
-    dtype (leaves are flattened into one buffer), which is how data-parallel gradients are
-    bucketed.
+    Args:
+        x: a tensor, or a pytree of tensors; a pytree is reduced with one all_reduce per dtype
+            (leaves are flattened into one buffer), which is how data-parallel gradients are
+            bucketed.
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        The sum, the same on every rank of ``axis``. Inside a shard_map body a value that is
+        already invariant over ``axis`` sums to ``n * x`` (JAX semantics), gradient included.
 
     Example:
         >>> total = fs.lax.psum(local_loss, "dp")  # doctest: +SKIP
     """
     g = _group(axis, mesh)
     if isinstance(x, torch.Tensor):
-        return apply(Psum(g), x)
+        return _one(x, g, mesh, Psum(g), varies=False)
     leaves, spec = optree.tree_flatten(x)
-    out = list(leaves)
-    by_dtype: dict = {}
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"psum: pytree leaf {i} is {type(leaf).__name__}, not a tensor")
+    out = _tracked(leaves, g, mesh, lambda ls: _psum_bucketed(ls, g), varies=False)
+    return optree.tree_unflatten(spec, out)
+
+
+def _psum_bucketed(leaves: list, g: AxisGroup) -> list:
+    out = list(leaves)
+    by_dtype: dict = {}
+    for i, leaf in enumerate(leaves):
         by_dtype.setdefault((leaf.dtype, leaf.device), []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
         summed = apply(Psum(g), flat)
         for i, piece in zip(idx, torch.split(summed, [leaves[i].numel() for i in idx])):
             out[i] = piece.view_as(leaves[i])
-    return optree.tree_unflatten(spec, out)
+    return out
 
 
 def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None):
     """Mean over mesh ``axis`` (psum, then divide by the axis size).
 
+    Args:
+        x: a tensor or a pytree of tensors.
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        The mean, the same on every rank of ``axis``.
+
     Example:
         >>> avg = fs.lax.pmean(local_loss, "dp")  # doctest: +SKIP
     """
     n = _group(axis, mesh).size
-    return _tree_or_tensor(lambda t: t / n, psum(x, axis, mesh=mesh))
+    summed = psum(x, axis, mesh=mesh)
+    if isinstance(summed, torch.Tensor):
+        return summed / n
+    return optree.tree_map(lambda t: t / n, summed)
+
+
+def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
+    _tensor(x, f"p{how}")
+    g = _group(axis, mesh)
+    return _tracked([x], g, mesh, lambda xs: [_Pmax.apply(xs[0], g, how)], varies=False)[0]
 
 
 def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:
     """Elementwise max over mesh ``axis``; the gradient goes to the maxima (ties share it).
 
+    Args:
+        x: this rank's tensor.
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        The elementwise maximum, the same on every rank of ``axis``.
+
     Example:
         >>> m = fs.lax.pmax(local_max, "tp")  # doctest: +SKIP
     """
-    return _Pmax.apply(x, _group(axis, mesh))
+    return _preduce(x, axis, mesh, "max")
+
+
+def pmin(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Elementwise min over mesh ``axis``; the gradient goes to the minima (ties share it).
+
+    Args:
+        x: this rank's tensor.
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        The elementwise minimum, the same on every rank of ``axis``.
+
+    Example:
+        >>> m = fs.lax.pmin(local_min, "tp")  # doctest: +SKIP
+    """
+    return _preduce(x, axis, mesh, "min")
 
 
 def all_gather(
@@ -357,28 +485,38 @@ def all_gather(
         to: ``"varying"`` (JAX's default: the transpose is ``psum_scatter``) or
             ``"invariant"`` (the result is the same on every rank and its cotangent is taken as
             invariant: the transpose keeps the local block, no communication).
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        The gathered tensor (the same values on every rank of ``axis``).
 
     Example:
         >>> full = fs.lax.all_gather(block, "x", dim=0)  # doctest: +SKIP
     """
+    _tensor(x, "all_gather")
     if to not in ("varying", "invariant"):
         raise ValueError(f"all_gather: to must be 'varying' or 'invariant', got {to!r}")
     g = _group(axis, mesh)
     if not tiled:
-        x = x.unsqueeze(_dim(x.unsqueeze(0), dim))
         if sizes is not None:
             raise ValueError("all_gather: sizes= needs tiled=True (untiled blocks are equal)")
+        x = x.unsqueeze(_dim(x.unsqueeze(0), dim))
     d = _dim(x, dim)
     sizes = _check_sizes(sizes, g.size, "all_gather", x.shape[d] if x.dim() else 0, g.index)
-    return apply(AllGather(g, d, sizes, invariant=(to == "invariant")), x)
+    op = AllGather(g, d, sizes, invariant=(to == "invariant"))
+    return _one(x, g, mesh, op, varies=(to == "varying"))
 
 
 def _check_sizes(sizes, n, name, local, index):
     if sizes is None:
         return None
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"{name}: sizes must be a sequence of ints, got {sizes!r}")
     sizes = tuple(int(s) for s in sizes)
     if len(sizes) != n:
         raise ValueError(f"{name}: sizes has {len(sizes)} entries; the axis has {n} ranks")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{name}: sizes must be >= 0, got {sizes}")
     if sizes[index] != local:
         raise ValueError(
             f"{name}: sizes[{index}] = {sizes[index]} but this rank's block has size {local}"
@@ -397,33 +535,48 @@ def psum_scatter(
 ) -> torch.Tensor:
     """Sum over ``axis`` and keep this rank's block of ``dim`` (reduce-scatter).
 
-    With ``tiled=False`` the size of ``dim`` must equal the axis size and the dim is removed.
-    ``sizes`` gives uneven block sizes (must sum to the size of ``dim``).
+    Args:
+        x: this rank's addend (the full extent of ``dim``).
+        axis: a mesh axis name or a tuple of names.
+        dim: the dim to scatter.
+        tiled: with ``False`` the size of ``dim`` must equal the axis size and the dim is
+            removed (JAX ``tiled=False``).
+        sizes: uneven block sizes, one per rank, summing to the size of ``dim``.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        This rank's block of the sum.
 
     Example:
         >>> block = fs.lax.psum_scatter(partial_sum, "x", dim=0)  # doctest: +SKIP
     """
+    _tensor(x, "psum_scatter")
     g = _group(axis, mesh)
     d = _dim(x, dim)
     if not tiled:
+        if sizes is not None:
+            raise ValueError("psum_scatter: sizes= needs tiled=True")
         if x.shape[d] != g.size:
             raise ValueError(
                 f"psum_scatter(tiled=False): dim {d} has size {x.shape[d]}, must equal the axis "
                 f"size {g.size}"
             )
-        return apply(PsumScatter(g, d, None), x).squeeze(d)
+        return _one(x, g, mesh, PsumScatter(g, d, None), varies=True).squeeze(d)
     if sizes is not None:
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise TypeError(f"psum_scatter: sizes must be a sequence of ints, got {sizes!r}")
         sizes = tuple(int(s) for s in sizes)
-        if len(sizes) != g.size or sum(sizes) != x.shape[d]:
+        if len(sizes) != g.size or sum(sizes) != x.shape[d] or any(s < 0 for s in sizes):
             raise ValueError(
-                f"psum_scatter: sizes {sizes} must have {g.size} entries summing to {x.shape[d]}"
+                f"psum_scatter: sizes {sizes} must have {g.size} entries >= 0 summing to "
+                f"{x.shape[d]} (the size of dim {d})"
             )
     elif x.shape[d] % g.size:
         raise ValueError(
             f"psum_scatter: dim {d} has size {x.shape[d]}, not divisible by the axis size "
             f"{g.size}; pass sizes= for uneven blocks"
         )
-    return apply(PsumScatter(g, d, sizes), x)
+    return _one(x, g, mesh, PsumScatter(g, d, sizes), varies=True)
 
 
 def all_to_all(
@@ -438,19 +591,39 @@ def all_to_all(
     """Split ``split_dim`` into one block per rank, send block ``j`` to rank ``j``, and
     concatenate what arrives along ``concat_dim``.
 
+    Args:
+        x: this rank's tensor.
+        axis: a mesh axis name or a tuple of names.
+        split_dim: the dim cut into ``n`` equal blocks.
+        concat_dim: the dim the received blocks are concatenated along.
+        tiled: ``True`` keeps the rank (JAX ``tiled=True``); ``False`` needs ``split_dim`` of
+            size ``n``, removes it and inserts a new dim of size ``n`` (indexed by the source
+            rank) at ``concat_dim`` of the result, as JAX ``tiled=False``.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        The exchanged tensor.
+
     Example:
         >>> y = fs.lax.all_to_all(x, "x", split_dim=1, concat_dim=0)  # doctest: +SKIP
     """
+    _tensor(x, "all_to_all")
     g = _group(axis, mesh)
     s, c = _dim(x, split_dim, "split_dim"), _dim(x, concat_dim, "concat_dim")
+    if not tiled:
+        if x.shape[s] != g.size:
+            raise ValueError(
+                f"all_to_all(tiled=False): split_dim {s} has size {x.shape[s]}, must equal the "
+                f"axis size {g.size}"
+            )
+        y = _one(x, g, mesh, AllToAll(g, s, s), varies=True)
+        return y.movedim(s, c)
     if x.shape[s] % g.size:
         raise ValueError(
             f"all_to_all: split_dim {s} has size {x.shape[s]}, not divisible by the axis size "
             f"{g.size}"
         )
-    if not tiled:
-        raise NotImplementedError("all_to_all(tiled=False) is not supported; use tiled=True")
-    return apply(AllToAll(g, s, c), x)
+    return _one(x, g, mesh, AllToAll(g, s, c), varies=True)
 
 
 def ppermute(
@@ -463,17 +636,32 @@ def ppermute(
     """Send ``x`` from axis index ``src`` to ``dst`` for each pair in ``perm``; ranks that
     receive nothing get zeros (JAX semantics). The transpose is the inverse permutation.
 
+    Args:
+        x: this rank's tensor (every rank of ``axis`` passes the same shape).
+        axis: a mesh axis name or a tuple of names.
+        perm: pairs ``(src, dst)`` of positions along ``axis``; each used at most once.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        What this rank received (zeros if nothing).
+
     Example:
         >>> shifted = fs.lax.ppermute(x, "x", [(i, (i + 1) % 4) for i in range(4)])  # doctest: +SKIP
     """
+    _tensor(x, "ppermute")
     g = _group(axis, mesh)
-    pairs = tuple((int(s), int(d)) for s, d in perm)
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"ppermute: perm must be a sequence of (src, dst) int pairs, got {perm!r}"
+        ) from None
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ValueError(f"ppermute: perm {list(pairs)} must use each source and destination once")
     if any(not 0 <= i < g.size for i in srcs + dsts):
         raise ValueError(f"ppermute: perm {list(pairs)} has indices outside [0, {g.size})")
-    return apply(Ppermute(g, pairs), x)
+    return _one(x, g, mesh, Ppermute(g, pairs), varies=True)
 
 
 def pcast(
@@ -482,16 +670,42 @@ def pcast(
     """Mark an invariant value as varying over ``axis``: no forward communication; the
     gradient is summed over the axis (psum) so a replicated operand's gradient is reduced once.
 
+    Inside a shard_map body fshard inserts this automatically where an invariant operand meets
+    a varying one; axes the value already varies over are left alone.
+
+    Args:
+        x: the (invariant) tensor.
+        axis: a mesh axis name or a tuple of names.
+        to: only ``"varying"``.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        ``x`` (same values), typed varying over ``axis``.
+
     Example:
         >>> w_v = fs.lax.pcast(w, "dp")  # doctest: +SKIP
     """
+    _tensor(x, "pcast")
     if to != "varying":
         raise ValueError(f"pcast: only to='varying' is supported, got {to!r}")
-    return apply(Pcast(_group(axis, mesh)), x)
+    g = _group(axis, mesh)
+    tracker = _TRACKER.get()
+    if tracker is not None and (mesh is None or mesh == tracker.mesh):
+        return tracker.pcast(x, g.axes)
+    return apply(Pcast(g), x)
 
 
 def axis_index(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
     """This rank's position along ``axis`` (a tuple is linearised, first axis most significant).
+
+    Args:
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        A Python int. (Unlike JAX it is not a traced varying value: a tensor built from it
+        inside a shard_map body is tracked as invariant; ``check_replication=True`` still
+        catches such an output declared replicated.)
 
     Example:
         >>> i = fs.lax.axis_index("tp")  # doctest: +SKIP
@@ -501,6 +715,13 @@ def axis_index(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
 
 def axis_size(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
     """Number of ranks along ``axis``.
+
+    Args:
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        A Python int.
 
     Example:
         >>> n = fs.lax.axis_size(("dp", "tp"))  # doctest: +SKIP

@@ -12,6 +12,7 @@ cached per ``(layout, dst_spec)``. Lowering, per mesh axis (DESIGN §5, n ranks,
     Partial -> Shard(i)      reduce_scatter   (n-1)/n·L   (all_to_all + local sum on Gloo)
     Replicate -> Partial     zero (local)     0
     any block permutation    ppermute         L           (e.g. P('x','y') -> P('y','x'))
+    Layout.explicit -> any   gather_blocks    (N-1)·max block   (then local slices)
 
 Order: partial axes are reduced first (as a reduce_scatter where the target shards a dim over
 exactly those axes, else an all_reduce), then dims move (one all_to_all, a ppermute, or
@@ -120,6 +121,11 @@ def _with_bytes(step: Step, rank: int) -> Step:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
+    if src.is_explicit:
+        # Explicit boxes: gather every block over the whole mesh (padded flat blocks,
+        # assembled by offsets), then plan from the replicated value.
+        full = src.with_spec(P())
+        return (Step("gather_blocks", src.mesh.axis_names, src, full),) + _plan(full, dst)
     steps: list[Step] = []
     cur = src
     mesh = src.mesh

@@ -24,7 +24,7 @@ import torch
 
 AxisEntry = None | str | tuple[str, ...]
 
-__all__ = ["P", "PartitionSpec", "Layout", "ShardMetadata", "chunk_bounds"]
+__all__ = ["P", "PartitionSpec", "Layout", "ExplicitLayout", "ShardMetadata", "chunk_bounds"]
 
 
 def _normalize_entry(entry: Any, position: int) -> tuple[str, ...]:
@@ -280,6 +280,49 @@ class Layout:
         """Bytes of the global value."""
         return math.prod(self.shape) * _itemsize(self.dtype)
 
+    @property
+    def is_explicit(self) -> bool:
+        """True for a layout built by :meth:`Layout.explicit` (arbitrary per-rank boxes)."""
+        return False
+
+    @staticmethod
+    def explicit(mesh, chunks, shape, dtype: torch.dtype = torch.float32) -> ExplicitLayout:
+        """A layout from arbitrary per-rank boxes (the expressiveness of ``EnumerableShardingSpec``).
+
+        One box per rank of the mesh, in ``mesh.ranks`` order. Boxes may be empty (a size of 0
+        in some dim). **Replication:** several ranks may hold the *identical* box (same offsets
+        and sizes); they are replicas of that block. Distinct non-empty boxes must not overlap,
+        and together they must cover the whole tensor. There are no partial (pending-sum)
+        explicit layouts.
+
+        ``fs.gather`` and ``fs.reshard`` accept explicit layouts (reshard *from* an explicit
+        layout to any :class:`P`); the spec of an explicit layout is ``None``. Per-op rules do not
+        apply to explicit layouts: reshard to a :class:`P` layout first.
+
+        Args:
+            mesh: a :class:`fshard.Mesh` (real or abstract).
+            chunks: one entry per rank, in ``mesh.ranks`` order; each a :class:`ShardMetadata`
+                (its placement is ignored), a torch ``ShardMetadata``, or an
+                ``(offsets, sizes)`` pair of int sequences.
+            shape: the global shape.
+            dtype: element type (default float32).
+
+        Returns:
+            An :class:`ExplicitLayout` (a :class:`Layout`; hashable, immutable, picklable).
+
+        Raises:
+            ValueError: wrong number of boxes, wrong rank (ndim), a box out of bounds, two
+                distinct boxes overlapping, or boxes that do not cover the tensor.
+
+        Example:
+            >>> from fshard import Mesh
+            >>> m = Mesh.abstract((3,), ("x",))
+            >>> lay = Layout.explicit(m, [((0, 0), (2, 4)), ((2, 0), (1, 4)), ((2, 0), (1, 4))], (3, 4))
+            >>> lay.shard_metadata(2).shard_offsets
+            (2, 0)
+        """
+        return ExplicitLayout(mesh, chunks, shape, dtype)
+
     def with_spec(self, spec: PartitionSpec) -> Layout:
         return _layout(self.mesh, spec, self.shape, self.dtype)
 
@@ -327,3 +370,184 @@ def _shard_metadata(layout: Layout, rank: int) -> ShardMetadata:
         offsets.append(start)
         sizes.append(stop - start)
     return ShardMetadata(tuple(offsets), tuple(sizes), layout.mesh.placement(rank))
+
+
+def _box_of(entry: Any, i: int, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if hasattr(entry, "shard_offsets") and hasattr(entry, "shard_sizes"):  # fshard's or torch's
+        offsets, sizes = entry.shard_offsets, entry.shard_sizes
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+        offsets, sizes = entry
+    else:
+        raise TypeError(
+            f"Layout.explicit: chunks[{i}] is {entry!r}; each chunk must be a ShardMetadata or "
+            "an (offsets, sizes) pair of int sequences"
+        )
+    try:
+        offsets = tuple(int(o) for o in offsets)
+        sizes = tuple(int(s) for s in sizes)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"Layout.explicit: chunks[{i}] has offsets {offsets!r} and sizes {sizes!r}; both must "
+            "be sequences of ints"
+        ) from None
+    if len(offsets) != len(sizes):
+        raise ValueError(
+            f"Layout.explicit: chunks[{i}] has {len(offsets)} offsets and {len(sizes)} sizes; "
+            "they must have one entry per dim"
+        )
+    if len(offsets) != ndim:
+        raise ValueError(
+            f"Layout.explicit: Rank of tensor is {ndim}, but shards rank is {len(offsets)} "
+            f"(chunks[{i}] = offsets {offsets}, sizes {sizes})"
+        )
+    if any(o < 0 for o in offsets) or any(s < 0 for s in sizes):
+        raise ValueError(
+            f"Layout.explicit: chunks[{i}] has offsets {offsets} and sizes {sizes}; both must "
+            "be >= 0"
+        )
+    return offsets, sizes
+
+
+def _boxes_overlap(a, b) -> bool:
+    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
+
+
+class ExplicitLayout(Layout):
+    """A :class:`Layout` given by one explicit box per rank; build it with :meth:`Layout.explicit`.
+
+    ``spec`` is ``None`` and ``dim_axes`` is ``None`` (no partition spec describes it);
+    ``chunks`` holds ``(offsets, sizes)`` per rank in ``mesh.ranks`` order. Equality and hash
+    use ``(mesh, chunks, shape, dtype)``.
+    """
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, mesh, chunks, shape, dtype: torch.dtype = torch.float32):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Layout.explicit: dtype must be a torch.dtype, got {dtype!r}")
+        shape = _check_shape(shape)
+        if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+            raise TypeError(
+                f"Layout.explicit: chunks must be a sequence with one box per rank, got "
+                f"{type(chunks).__name__}"
+            )
+        n = len(mesh.ranks)
+        if len(chunks) != n:
+            raise ValueError(
+                f"Layout.explicit: got {len(chunks)} chunks for a mesh of {n} ranks "
+                f"({mesh!r}); give exactly one box per rank, in mesh.ranks order (an empty box "
+                "is a size of 0 in some dim)"
+            )
+        boxes = tuple(_box_of(c, i, len(shape)) for i, c in enumerate(chunks))
+        for i, (offsets, sizes) in enumerate(boxes):
+            for d, (o, s, dim) in enumerate(zip(offsets, sizes, shape)):
+                if s and o + s > dim:
+                    raise ValueError(
+                        f"Layout.explicit: Shard offset {o} and length {s} exceeds tensor dim: "
+                        f"{dim} (dim {d}) for shard chunks[{i}] = offsets {offsets}, sizes "
+                        f"{sizes} of a tensor of shape {shape}"
+                    )
+        distinct: dict = {}
+        for i, box in enumerate(boxes):
+            if math.prod(box[1]) and box not in distinct:
+                distinct[box] = i
+        items = sorted(distinct.items(), key=lambda kv: kv[0][0])
+        for a in range(len(items)):
+            for b in range(a + 1, len(items)):
+                (ba, ia), (bb, ib) = items[a], items[b]
+                if _boxes_overlap(ba, bb):
+                    first, second = sorted((ia, ib))
+                    raise ValueError(
+                        f"Layout.explicit: Shards chunks[{first}] (offsets {boxes[first][0]}, "
+                        f"sizes {boxes[first][1]}) and chunks[{second}] (offsets "
+                        f"{boxes[second][0]}, sizes {boxes[second][1]}) overlap; distinct boxes "
+                        "must not overlap (ranks holding a replica must give the identical box)"
+                    )
+        volume = sum(math.prod(box[1]) for box in distinct)
+        want = math.prod(shape)
+        if volume != want:
+            raise ValueError(
+                f"Layout.explicit: Total volume of shards: {volume} does not match tensor "
+                f"volume: {want}, in other words the distinct boxes do not cover the entire "
+                f"tensor of shape {shape}"
+            )
+        set_ = object.__setattr__
+        set_(self, "mesh", mesh)
+        set_(self, "spec", None)
+        set_(self, "shape", shape)
+        set_(self, "dtype", dtype)
+        set_(self, "dim_axes", None)
+        set_(self, "chunks", boxes)
+        set_(self, "_hash", hash(("explicit", mesh, boxes, shape, dtype)))
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, ExplicitLayout)
+            and self._hash == other._hash
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and self.chunks == other.chunks
+            and self.mesh == other.mesh
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout.explicit({self.mesh!r}, {len(self.chunks)} chunks, shape={self.shape}, "
+            f"dtype={self.dtype})"
+        )
+
+    def __reduce__(self):
+        return (ExplicitLayout, (self.mesh, self.chunks, self.shape, self.dtype))
+
+    @property
+    def is_explicit(self) -> bool:
+        return True
+
+    @property
+    def partial(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def varying_axes(self) -> frozenset[str]:
+        """Conservatively every mesh axis: boxes may differ between any two ranks."""
+        return frozenset(self.mesh.axis_names)
+
+    def with_dtype(self, dtype: torch.dtype) -> ExplicitLayout:
+        return ExplicitLayout(self.mesh, self.chunks, self.shape, dtype)
+
+    def chunk_index(self, dim: int, coords: tuple[int, ...]) -> tuple[int, int]:
+        raise ValueError(
+            "chunk_index is undefined for an explicit layout (it has no partition spec); use "
+            "shard_metadata(rank)"
+        )
+
+    def shard_metadata(self, rank: int) -> ShardMetadata:
+        """The box held by ``rank`` (a global rank of the mesh)."""
+        try:
+            pos = self.mesh.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not in the mesh (ranks {self.mesh.ranks})") from None
+        offsets, sizes = self.chunks[pos]
+        return ShardMetadata(offsets, sizes, self.mesh.placement(rank))
+
+    def shards_metadata(self) -> list[ShardMetadata]:
+        return [self.shard_metadata(r) for r in self.mesh.ranks]
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        return self.shard_metadata(self.mesh.rank if rank is None else rank).shard_sizes
+
+    def owner_ranks(self) -> list[int]:
+        """For each distinct non-empty box, the first rank (in mesh order) that holds it."""
+        seen, out = set(), []
+        for r, box in zip(self.mesh.ranks, self.chunks):
+            if math.prod(box[1]) and box not in seen:
+                seen.add(box)
+                out.append(r)
+        return out

@@ -1,5 +1,25 @@
-"""Per-op rules: global-view torch ops on ShardedArray."""
+"""Per-op rules: global-view torch ops on ShardedArray.
 
-from .registry import dispatch, register_rule
+``torch.matmul(x, w)``, ``x @ w``, ``x + y``, ``x.sum(0)``, ``F.softmax(x, -1)``... on
+:class:`~fshard.ShardedArray` values dispatch here (``ShardedArray.__torch_function__``, Tensor
+method forwarding and Python operators all call :func:`dispatch`). Each op family has one rule
+(:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.nn`); see
+:mod:`.registry` for the rule protocol and :func:`register_rule` to add your own.
+"""
 
-__all__ = ["dispatch", "register_rule"]
+from . import elementwise, linalg, nn, reduction, shape
+from .registry import SCALAR, Plan, dispatch, register_rule, rule_for, tensor_inputs
+
+__all__ = [
+    "Plan",
+    "SCALAR",
+    "dispatch",
+    "register_rule",
+    "rule_for",
+    "tensor_inputs",
+    "elementwise",
+    "reduction",
+    "linalg",
+    "shape",
+    "nn",
+]

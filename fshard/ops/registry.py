@@ -1,24 +1,356 @@
-"""Op rule registry (placeholder until the op-rules work lands: every op raises clearly)."""
+"""The op-rule registry and the dispatcher every ShardedArray op goes through.
+
+A *rule* is a function ``rule(op, args, kwargs) -> Plan``. It sees the call with every tensor
+input replaced by its :class:`~fshard.Layout` (plain tensors as replicated layouts) and every
+Python ``float``/``complex`` replaced by :data:`SCALAR` (a run-time value: rules must not depend
+on it, which is what lets ``x * lr`` hit the cache for every ``lr``, unlike pytorch#109101). It
+returns a :class:`Plan`: the spec each tensor input must have, the output layout(s), and the
+function to run on local tensors.
+
+Plans are cached by ``(op, input layouts, static args)``, so after the first call an op costs a
+dict lookup plus the local torch call. When the plan's input specs differ from the inputs'
+layouts, the inputs are resharded with :func:`fshard.api._reshard_one` (differentiable, logged);
+then every input that is invariant over a mesh axis on which another input varies (sharded or
+partial) goes through ``pcast`` (forward identity, backward psum), so a replicated parameter's
+gradient is reduced exactly once. In strict mode (:func:`fshard.config.strict`) a reshard that
+would communicate raises instead.
+
+Tensor inputs are numbered in flattening order: positional arguments left to right (lists and
+tuples in order), then keyword arguments sorted by name. ``Plan.in_specs`` follows that order.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from .. import config
+from ..api import _reshard_one
+from ..array import ShardedArray
+from ..lax import Pcast, apply
+from ..planner import plan as _plan_steps
+from ..spec import Layout, P, _layout
+
+__all__ = ["Plan", "SCALAR", "register_rule", "dispatch", "tensor_inputs", "rule_for"]
+
+
+class _Scalar:
+    """Placeholder for a run-time Python number (float/complex) in the arguments a rule sees."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SCALAR"
+
+
+#: What a rule sees in place of a Python float/complex argument (its value is a run-time input).
+SCALAR = _Scalar()
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What a rule decides for one op call, once per ``(op, layouts, static args)``.
+
+    Attributes:
+        in_specs: one :class:`~fshard.P` (or ``None``: keep as is) per tensor input, in
+            flattening order (positional, then keyword arguments sorted by name).
+        out: the output :class:`~fshard.Layout`, a tuple/list of them for ops returning
+            several tensors, or ``None`` for an op whose result is returned as is.
+        local: called as ``local(*args, **kwargs)`` with the resharded local tensors (and the
+            call's actual scalars); default: the op itself.
+
+    Example:
+        >>> Plan(in_specs=(P("x"),), out=Layout(Mesh.abstract((2,), ("x",)), P("x"), (4,)))  # doctest: +SKIP
+    """
+
+    in_specs: Sequence[P | None]
+    out: Any
+    local: Callable | None = None
+
+
 _RULES: dict = {}
+_CACHE: dict = {}
 
 
-def register_rule(op, rule=None):
-    """Register ``rule`` for torch function ``op``."""
+def register_rule(op, rule=None, *, aliases: Sequence = ()):
+    """Register ``rule`` for torch function or Tensor method ``op`` (and ``aliases``).
+
+    A rule is ``rule(op, args, kwargs) -> Plan``; in ``args``/``kwargs`` tensors appear as
+    their :class:`~fshard.Layout` and Python floats as :data:`SCALAR`. Plans are cached per
+    layouts and static arguments, so a rule runs once per distinct call signature. Register
+    ``torch.Tensor.<name>`` too for the method form (``x.<name>(...)``). Usable as a decorator.
+
+    Example (a custom op that keeps any layout, as every elementwise op does)::
+
+        def softclip(x, limit):  # a plain torch function with a torch-function override
+            if torch.overrides.has_torch_function_unary(x):
+                return torch.overrides.handle_torch_function(softclip, (x,), x, limit)
+            return limit * torch.tanh(x / limit)
+
+        @fs.ops.register_rule(softclip)
+        def _softclip_rule(op, args, kwargs):
+            x = args[0]                      # a Layout
+            keep = fs.P(*x.dim_axes)         # nonlinear: drop any pending sum first
+            return fs.ops.Plan(in_specs=(keep,), out=x.with_spec(keep), local=softclip)
+
+        y = softclip(x_sharded, 2.0)         # runs on local shards, no communication
+    """
     if rule is None:
-        return lambda r: register_rule(op, r)
-    _RULES[op] = rule
+        return lambda r: register_rule(op, r, aliases=aliases)
+    if not callable(rule):
+        raise TypeError(f"register_rule: rule must be callable, got {type(rule).__name__}")
+    for o in (op, *aliases):
+        _RULES[o] = rule
+    _CACHE.clear()
     return rule
 
 
+def rule_for(op):
+    """The rule registered for ``op``, or ``None``."""
+    return _RULES.get(op)
+
+
+def op_name(op) -> str:
+    """A readable name for a torch function / Tensor method / property getter."""
+    self = getattr(op, "__self__", None)
+    if self is not None and type(self).__name__ == "getset_descriptor":
+        return f"torch.Tensor.{self.__name__}"
+    qual = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+    mod = getattr(op, "__module__", None) or ""
+    if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
+        return "torch.Tensor." + qual.split(".", 1)[1]
+    if mod.startswith("torch.nn.functional") or mod == "torch._C._nn":
+        return f"torch.nn.functional.{qual}"
+    if mod.startswith("torch"):
+        return f"torch.{qual}"
+    return f"{mod}.{qual}" if mod else qual
+
+
+# -- dispatch -------------------------------------------------------------------------------
+
+
+def _leaf_key(a):
+    t = type(a)
+    if t is ShardedArray:
+        return a.layout
+    if t is float or t is complex:
+        return SCALAR
+    if isinstance(a, torch.Tensor):
+        return (torch.Tensor, a.shape, a.dtype)
+    if t is slice:
+        return (slice, a.start, a.stop, a.step)
+    return a
+
+
+_SIMPLE = (ShardedArray, float, int, bool, type(None), str, torch.dtype)
+
+
 def dispatch(func, args, kwargs):
-    rule = _RULES.get(func)
-    if rule is None:
-        name = getattr(func, "__name__", repr(func))
-        raise TypeError(
-            f"fshard has no rule for {name} on ShardedArray; gather/reshard first, use "
-            "fs.shard_map on local tensors, or fs.ops.register_rule"
+    """Run torch function/method ``func`` on ShardedArray arguments through its rule."""
+    if not kwargs and all(type(a) in _SIMPLE for a in args):
+        leaves, tree = args, None
+        key = (func, *[_leaf_key(a) for a in args])
+    else:
+        leaves, tree = optree.tree_flatten(
+            (args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True
         )
-    return rule(func, args, kwargs)
+        key = (func, tree, *[_leaf_key(a) for a in leaves])
+    try:
+        compiled = _CACHE.get(key)
+    except TypeError:  # an unhashable static argument: plan without caching
+        compiled, key = None, None
+    if compiled is None:
+        compiled = _compile(func, leaves, tree)
+        if key is not None:
+            _CACHE[key] = compiled
+    return compiled.run(leaves, tree)
+
+
+def _is_tensor_like(x) -> bool:
+    return isinstance(x, (ShardedArray, torch.Tensor))
+
+
+def tensor_inputs(args, kwargs) -> list[Layout]:
+    """The tensor inputs a rule sees (Layouts), in the order ``Plan.in_specs`` follows.
+
+    Example:
+        >>> tensor_inputs((lay_x, 2, [lay_y]), {})  # doctest: +SKIP
+        [lay_x, lay_y]
+    """
+    leaves = optree.tree_leaves((args, kwargs), is_leaf=_is_layout, none_is_leaf=True)
+    return [a for a in leaves if isinstance(a, Layout)]
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, Layout)
+
+
+def _static_view(leaves, mesh):
+    """Leaves as a rule sees them: Layouts for tensors, SCALAR for floats."""
+    out = []
+    for a in leaves:
+        t = type(a)
+        if t is ShardedArray:
+            out.append(a.layout)
+        elif isinstance(a, torch.Tensor):
+            out.append(_layout(mesh, P(), tuple(a.shape), a.dtype))
+        elif t is float or t is complex:
+            out.append(SCALAR)
+        else:
+            out.append(a)
+    return out
+
+
+def _unflatten(tree, leaves):
+    if tree is None:
+        return tuple(leaves), {}
+    return optree.tree_unflatten(tree, leaves)
+
+
+def _compile(func, leaves, tree) -> _Compiled:
+    name = op_name(func)
+    sharded = [a for a in leaves if type(a) is ShardedArray]
+    mesh = sharded[0].layout.mesh
+    for a in sharded[1:]:
+        if a.layout.mesh != mesh:
+            raise ValueError(
+                f"{name}: inputs live on different meshes ({mesh!r} and {a.layout.mesh!r}); "
+                "move them to one mesh first"
+            )
+    fname = getattr(func, "__name__", "")
+    if fname.endswith("_") and not fname.endswith("__"):
+        raise TypeError(
+            f"ShardedArray is immutable: in-place {name} is not supported; use the functional "
+            f"form {fname[:-1]!r}"
+        )
+    rule = _RULES.get(func)
+    view = _static_view(leaves, mesh)
+    args, kwargs = _unflatten(tree, view)
+    if kwargs.get("out") is not None or kwargs.get("inplace") is True:
+        raise TypeError(
+            f"ShardedArray is immutable: {name} with out=/inplace=True is not supported; "
+            "use the functional form and keep the returned value"
+        )
+    if rule is None:
+        raise NotImplementedError(unsupported_message(name, view))
+    plan = rule(func, args, kwargs)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"the rule for {name} returned {type(plan).__name__}, not a fs.ops.Plan")
+    return _Compiled.build(func, name, plan, leaves, view, mesh)
+
+
+def unsupported_message(name: str, view) -> str:
+    layouts = ", ".join(f"{tuple(v.shape)} {v.spec}" for v in view if isinstance(v, Layout))
+    return (
+        f"fshard has no sharding rule for {name} (inputs: {layouts}). Ways out: "
+        "gather to a full tensor with fs.gather(x) (or fs.reshard to the layout you need) and "
+        "call the op on plain tensors; run it on local shards inside fs.shard_map(f, mesh, "
+        "in_specs, out_specs) with fs.lax collectives; or teach fshard the op with "
+        "fs.ops.register_rule(op, rule) (see help(fs.ops.register_rule))"
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _Input:
+    index: int  # leaf index
+    layout: Layout  # source layout (plain tensors: replicated)
+    spec: P | None  # reshard target, None when no reshard
+    pcast: Any  # AxisGroup or None
+    plain: bool
+
+
+class _Compiled:
+    """A plan bound to concrete leaf positions: what ``dispatch`` runs on a cache hit."""
+
+    __slots__ = ("name", "inputs", "fn", "out", "comm", "tensor_idx", "nleaves", "trivial")
+
+    @staticmethod
+    def build(func, name, plan: Plan, leaves, view, mesh) -> _Compiled:
+        tensor_idx = [i for i, v in enumerate(view) if isinstance(v, Layout)]
+        specs = tuple(plan.in_specs)
+        if len(specs) != len(tensor_idx):
+            raise ValueError(
+                f"the rule for {name} gave {len(specs)} in_specs for {len(tensor_idx)} tensor "
+                "inputs; give one P (or None) per tensor input"
+            )
+        targets = []
+        comm = []
+        for pos, (i, spec) in enumerate(zip(tensor_idx, specs)):
+            src = view[i]
+            if spec is None or spec == src.spec:
+                targets.append((src, None))
+                continue
+            tgt = src.with_spec(spec)
+            steps = _plan_steps(src, spec, rank=mesh.ranks[0] if mesh.is_abstract else None)
+            if any(s.collective for s in steps):
+                comm.append((pos, src, spec, steps))
+            targets.append((tgt, spec))
+        union = frozenset().union(*[t.varying_axes for t, _ in targets]) if targets else frozenset()
+        inputs = []
+        for i, (tgt, spec) in zip(tensor_idx, targets):
+            missing = [a for a in mesh.axis_names if a in union and a not in tgt.varying_axes]
+            group = mesh.group(tuple(missing)) if missing and not mesh.is_abstract else None
+            plain = type(leaves[i]) is not ShardedArray
+            inputs.append(_Input(i, view[i], spec, group, plain))
+        self = _Compiled()
+        self.name = name
+        self.inputs = tuple(inputs)
+        self.fn = plan.local or func
+        self.out = plan.out
+        self.comm = tuple(comm)
+        self.tensor_idx = tuple(tensor_idx)
+        self.nleaves = len(view)
+        self.trivial = all(x.spec is None and x.pcast is None and not x.plain for x in inputs)
+        return self
+
+    def run(self, leaves, tree):
+        if self.comm and config._STRICT.get():
+            raise strict_error(self.name, self.inputs, self.comm)
+        if self.trivial:
+            locs = [a.local if type(a) is ShardedArray else a for a in leaves]
+        else:
+            locs = list(leaves)
+            for inp in self.inputs:
+                a = leaves[inp.index]
+                if inp.plain:
+                    a = ShardedArray._raw(a, inp.layout)
+                if inp.spec is not None:
+                    a = _reshard_one(a, inp.spec)
+                loc = a.local
+                if inp.pcast is not None and loc.requires_grad:
+                    loc = apply(Pcast(inp.pcast), loc)
+                locs[inp.index] = loc
+        if tree is None:
+            result = self.fn(*locs)
+        else:
+            args, kwargs = optree.tree_unflatten(tree, locs)
+            result = self.fn(*args, **kwargs)
+        return _wrap(result, self.out)
+
+
+def _wrap(result, out):
+    if out is None:
+        return result
+    if isinstance(out, Layout):
+        return ShardedArray._raw(result, out)
+    return type(out)(_wrap(r, o) for r, o in zip(result, out))
+
+
+def strict_error(name, inputs, comm) -> RuntimeError:
+    lines = []
+    for pos, src, spec, steps in comm:
+        ops = ", ".join(f"{s.op} over {s.axes}" for s in steps if s.collective)
+        lines.append(
+            f"input {pos} {tuple(src.shape)} has {src.spec} but the rule needs {spec} ({ops}); "
+            f"fix: x{pos} = fs.reshard(x{pos}, fs.{spec!r})"
+        )
+    layouts = ", ".join(str(i.layout.spec) for i in inputs)
+    return RuntimeError(
+        f"fshard strict mode: {name} on inputs with layouts ({layouts}) needs an implicit "
+        "reshard that communicates: " + "; ".join(lines) + ". Reshard explicitly before the "
+        "call, or leave fs.config.strict()"
+    )
