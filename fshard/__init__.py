@@ -5,8 +5,7 @@ A sharded value is an immutable pytree of one plain local tensor plus a static l
 primitives of :mod:`fshard.lax`.
 """
 
-from . import config, debug, lax, nn, ops, optim
-from . import checkpoint, interop
+from . import checkpoint, config, debug, interop, lax, nn, ops, optim
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .mesh import Mesh

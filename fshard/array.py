@@ -134,9 +134,7 @@ class ShardedArray:
     # -- torch function protocol: everything goes to the op rules -----------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .ops.registry import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch()(func, args, kwargs or {})
 
     def __getattr__(self, name: str):
         # Tensor methods (x.sum(0), x.reshape(...)) do not reach __torch_function__ on a
@@ -149,24 +147,40 @@ class ShardedArray:
                 f"ShardedArray is immutable: in-place Tensor.{name} is not supported; use the "
                 f"functional form {name[:-1]!r} (e.g. y = x.{name[:-1]}(...))"
             )
-        from .ops.registry import dispatch
-
+        dispatch = _dispatch()
         if not callable(method):  # a property such as x.T or x.mT
             return dispatch(method.__get__, (self,), {})
+        # Install a forwarding method on the class, so later calls skip __getattr__.
+        setattr(ShardedArray, name, _forward_method(method))
+        return getattr(self, name)
 
-        def bound(*args, **kwargs):
-            return dispatch(method, (self, *args), kwargs)
 
-        return bound
+def _forward_method(tensor_method):
+    def method(self, *args, **kwargs):
+        return _dispatch()(tensor_method, (self, *args), kwargs)
+
+    method.__name__ = getattr(tensor_method, "__name__", "method")
+    return method
+
+
+def _dispatch():
+    """``fshard.ops.registry.dispatch`` (imported on first use: ops imports this module)."""
+    global _DISPATCH
+    if _DISPATCH is None:
+        from .ops.registry import dispatch
+
+        _DISPATCH = dispatch
+    return _DISPATCH
+
+
+_DISPATCH = None
 
 
 def _forward_operator(name: str):
     tensor_op = getattr(torch.Tensor, name)
 
     def op(self, *args):
-        from .ops.registry import dispatch
-
-        return dispatch(tensor_op, (self, *args), {})
+        return _dispatch()(tensor_op, (self, *args), {})
 
     op.__name__ = name
     return op

@@ -121,6 +121,8 @@ def op_name(op) -> str:
         return f"torch.Tensor.{self.__name__}"
     qual = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
     mod = getattr(op, "__module__", None) or ""
+    if qual.startswith("_VariableFunctionsClass."):
+        return "torch." + qual.split(".", 1)[1]
     if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
         return "torch.Tensor." + qual.split(".", 1)[1]
     if mod.startswith("torch.nn.functional") or mod == "torch._C._nn":
@@ -146,19 +148,60 @@ def _leaf_key(a):
     return a
 
 
-_SIMPLE = (ShardedArray, float, int, bool, type(None), str, torch.dtype)
+_STATIC = frozenset(
+    {int, bool, type(None), str, torch.dtype, torch.device, torch.memory_format, torch.layout}
+)
 
 
 def dispatch(func, args, kwargs):
-    """Run torch function/method ``func`` on ShardedArray arguments through its rule."""
-    if not kwargs and all(type(a) in _SIMPLE for a in args):
-        leaves, tree = args, None
-        key = (func, *[_leaf_key(a) for a in args])
+    """Run torch function/method ``func`` on ShardedArray arguments through its rule.
+
+    Hot path: a flat argument list is keyed without building a pytree; the plan is looked up
+    in a dict and run. Keyword arguments are keyed (and numbered) in sorted-name order.
+    """
+    key = [func]
+    append = key.append
+    for a in args:
+        t = type(a)
+        if t is ShardedArray:
+            append(a.layout)
+        elif t is float or t is complex:
+            append(SCALAR)
+        elif t in _STATIC:
+            append(a)
+        elif isinstance(a, torch.Tensor):
+            append((torch.Tensor, a.shape, a.dtype))
+        else:
+            return _dispatch_tree(func, args, kwargs)
+    if kwargs:
+        names = tuple(sorted(kwargs))
+        append(names)
+        vals = [kwargs[n] for n in names]
+        for a in vals:
+            t = type(a)
+            if t is ShardedArray:
+                append(a.layout)
+            elif t is float or t is complex:
+                append(SCALAR)
+            elif t in _STATIC:
+                append(a)
+            elif isinstance(a, torch.Tensor):
+                append((torch.Tensor, a.shape, a.dtype))
+            else:
+                return _dispatch_tree(func, args, kwargs)
+        leaves, tree = (*args, *vals), (len(args), names)
     else:
-        leaves, tree = optree.tree_flatten(
-            (args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True
-        )
-        key = (func, tree, *[_leaf_key(a) for a in leaves])
+        leaves, tree = args, None
+    key = tuple(key)
+    compiled = _CACHE.get(key)
+    if compiled is None:
+        compiled = _CACHE[key] = _compile(func, leaves, tree)
+    return compiled.run(leaves, tree)
+
+
+def _dispatch_tree(func, args, kwargs):
+    leaves, tree = optree.tree_flatten((args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True)
+    key = (func, tree, *[_leaf_key(a) for a in leaves])
     try:
         compiled = _CACHE.get(key)
     except TypeError:  # an unhashable static argument: plan without caching
@@ -206,8 +249,13 @@ def _static_view(leaves, mesh):
 
 
 def _unflatten(tree, leaves):
+    """``(args, kwargs)`` from leaves: ``tree`` is None (positional only), ``(n, names)`` (flat
+    keywords) or an optree treespec."""
     if tree is None:
         return tuple(leaves), {}
+    if type(tree) is tuple:
+        n, names = tree
+        return tuple(leaves[:n]), dict(zip(names, leaves[n:]))
     return optree.tree_unflatten(tree, leaves)
 
 
@@ -327,7 +375,7 @@ class _Compiled:
         if tree is None:
             result = self.fn(*locs)
         else:
-            args, kwargs = optree.tree_unflatten(tree, locs)
+            args, kwargs = _unflatten(tree, locs)
             result = self.fn(*args, **kwargs)
         return _wrap(result, self.out)
 

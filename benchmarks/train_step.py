@@ -1,0 +1,329 @@
+"""Training-step benchmarks on 2 local Gloo ranks (1 thread each), printed as rich tables.
+
+    python benchmarks/train_step.py [--reps 7] [--steps 10]
+
+1. Tensor-parallel MLP 1024 -> 4096 -> 1024, batch 64, fwd + bwd + SGD: fshard (local view:
+   ``pcast``/``psum`` + ``torch.func.grad`` + ``fs.optim.sgd``; and global view through the
+   op rules with ``fs.nn.functional_call``) vs DTensor ``parallelize_module``
+   (ColwiseParallel/RowwiseParallel) vs hand-written local tensors + ``dist.all_reduce``.
+   Anchors (reference/perf-anchors.md §7): DTensor 27.3 ms, hand-written 23.0 ms.
+2. Data parallel, the same MLP, global batch 64: fshard (local grads, then one bucketed
+   ``fs.lax.psum`` of the gradient pytree) vs DistributedDataParallel (anchor 77 ms).
+3. AdamW step over 100 sharded params: fs.optim.adamw vs torch.optim.AdamW(foreach) on
+   DTensors vs on plain local tensors.
+
+Each rep runs ``--steps`` steps after a barrier; a rep's time is the slowest rank's mean step
+time. Configurations are interleaved within each rep; tables show the median over reps and
+the per-rep ratio to the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fshard as fs
+from fshard.launch import World
+
+D, H, BATCH = 1024, 4096, 64
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _timed(fn, steps: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    dt = torch.tensor([(time.perf_counter() - t0) / steps])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
+def _run(configs: dict, reps: int, steps: int, warmup: int = 3) -> dict:
+    for fn in configs.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in configs}
+    for _ in range(reps):
+        for k, fn in configs.items():
+            times[k].append(_timed(fn, steps))
+    return times
+
+
+# -- 1. tensor parallel ---------------------------------------------------------------------
+
+
+def tp_configs(lr=1e-3):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = fs.Mesh.create((2,), ("tp",))
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(BATCH, D)
+    y = torch.randn(BATCH, D)
+
+    # fshard, local view
+    plan = fs.nn.megatron_plan(column=["fc1"], row=["fc2"])
+    params = fs.nn.shard_params(model, mesh, plan)
+    tx = fs.optim.sgd(lr)
+    st = {"p": params, "s": tx.init(params)}
+
+    def local_loss(ps, x, y):
+        h = F.gelu(
+            F.linear(fs.lax.pcast(x, "tp", mesh=mesh), ps["fc1.weight"].local, ps["fc1.bias"].local)
+        )
+        out = (
+            fs.lax.psum(F.linear(h, ps["fc2.weight"].local), "tp", mesh=mesh) + ps["fc2.bias"].local
+        )
+        return F.mse_loss(out, y)
+
+    grad_fn = torch.func.grad(local_loss)
+
+    def fshard_step():
+        g = grad_fn(st["p"], x, y)
+        upd, st["s"] = tx.update(g, st["s"], st["p"])
+        st["p"] = fs.optim.apply_updates(st["p"], upd)
+
+    # fshard, global view (op rules through __torch_function__)
+    gmodel = MLP()
+    gmodel.load_state_dict(model.state_dict())
+    gst = {"p": fs.nn.shard_params(gmodel, mesh, plan)}
+    gst["s"] = tx.init(gst["p"])
+    xs, ys = fs.shard(x, mesh, fs.P()), y
+
+    def global_loss(ps):
+        out = fs.nn.functional_call(gmodel, ps, (xs,))
+        return F.mse_loss(fs.gather(out), ys)
+
+    ggrad = torch.func.grad(global_loss)
+
+    def fshard_global_step():
+        g = ggrad(gst["p"])
+        upd, gst["s"] = tx.update(g, gst["s"], gst["p"])
+        gst["p"] = fs.optim.apply_updates(gst["p"], upd)
+
+    # DTensor
+    dmodel = MLP()
+    dmodel.load_state_dict(model.state_dict())
+    dmesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    parallelize_module(dmodel, dmesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    dopt = torch.optim.SGD(dmodel.parameters(), lr=lr)
+
+    def dtensor_step():
+        dopt.zero_grad(set_to_none=True)
+        F.mse_loss(dmodel(x), y).backward()
+        dopt.step()
+
+    # hand-written local tensors
+    r = dist.get_rank()
+    w1 = model.fc1.weight.detach()[r * H // 2 : (r + 1) * H // 2].clone().requires_grad_()
+    b1 = model.fc1.bias.detach()[r * H // 2 : (r + 1) * H // 2].clone().requires_grad_()
+    w2 = model.fc2.weight.detach()[:, r * H // 2 : (r + 1) * H // 2].clone().requires_grad_()
+    b2 = model.fc2.bias.detach().clone().requires_grad_()
+    mopt = torch.optim.SGD([w1, b1, w2, b2], lr=lr)
+
+    def manual_step():
+        mopt.zero_grad(set_to_none=True)
+        out = _AllReduce.apply(F.linear(F.gelu(F.linear(x, w1, b1)), w2)) + b2
+        F.mse_loss(out, y).backward()
+        mopt.step()
+
+    # correctness: one step of each from the same start gives the same loss
+    with torch.no_grad():
+        l_f = float(local_loss(st["p"], x, y))
+        l_m = float(F.mse_loss(_AllReduce.apply(F.linear(F.gelu(F.linear(x, w1, b1)), w2)) + b2, y))
+    assert abs(l_f - l_m) < 1e-5 * abs(l_m), (l_f, l_m)
+    configs = {
+        "hand-written (local + all_reduce)": manual_step,
+        "DTensor parallelize_module": dtensor_step,
+        "fshard local view (pcast/psum)": fshard_step,
+    }
+    try:
+        fshard_global_step()
+        configs["fshard global view (op rules)"] = fshard_global_step
+    except Exception as e:  # op rules still landing: report, do not fail the benchmark
+        if r == 0:
+            print(f"(global-view TP row skipped: {type(e).__name__}: {e})")
+    return configs, "hand-written (local + all_reduce)"
+
+
+# -- 2. data parallel -----------------------------------------------------------------------
+
+
+def dp_configs(lr=1e-3):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = fs.Mesh.create((2,), ("dp",))
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(BATCH, D)
+    y = torch.randn(BATCH, D)
+    xs, ys = fs.shard(x, mesh, fs.P("dp")), fs.shard(y, mesh, fs.P("dp"))
+    params = fs.nn.shard_params(model, mesh)  # replicated
+    tx = fs.optim.sgd(lr)
+    st = {"p": params, "s": tx.init(params)}
+
+    n = mesh.size("dp")
+
+    def local_loss(ps, x, y):
+        # divided by the dp size here, so one psum of the grads is their mean (no extra pass)
+        out = torch.func.functional_call(model, {k: v.local for k, v in ps.items()}, (x,))
+        return F.mse_loss(out, y) / n
+
+    grad_fn = torch.func.grad(local_loss)
+
+    def fshard_step():
+        g = grad_fn(st["p"], xs.local, ys.local)
+        g = fs.lax.psum(g, "dp", mesh=mesh)  # one all_reduce for the whole pytree
+        upd, st["s"] = tx.update(g, st["s"], st["p"])
+        st["p"] = fs.optim.apply_updates(st["p"], upd)
+
+    dmodel = MLP()
+    dmodel.load_state_dict(model.state_dict())
+    ddp = DDP(dmodel)
+    dopt = torch.optim.SGD(ddp.parameters(), lr=lr)
+
+    def ddp_step():
+        dopt.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(xs.local), ys.local).backward()
+        dopt.step()
+
+    return {"DDP": ddp_step, "fshard (grad + bucketed psum)": fshard_step}, "DDP"
+
+
+# -- 3. optimizer step ----------------------------------------------------------------------
+
+
+def optim_configs(n=100, shape=(256, 256)):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    dmesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(shape, generator=g) for _ in range(n)]
+    grads_full = [torch.randn(shape, generator=g) * 1e-2 for _ in range(n)]
+
+    params = {f"p{i}": fs.shard(t, mesh, fs.P("x")) for i, t in enumerate(full)}
+    grads = {f"p{i}": fs.shard(t, mesh, fs.P("x")) for i, t in enumerate(grads_full)}
+    tx = fs.optim.adamw(1e-3, weight_decay=0.01)
+    st = {"p": params, "s": tx.init(params)}
+
+    def fshard_step():
+        upd, st["s"] = tx.update(grads, st["s"], st["p"])
+        st["p"] = fs.optim.apply_updates(st["p"], upd)
+
+    def torch_opt(tensors, grads_):
+        ps = [nn.Parameter(t) for t in tensors]
+        for p, gr in zip(ps, grads_):
+            p.grad = gr
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True)
+        return opt.step
+
+    dt_params = [distribute_tensor(t, dmesh, [Shard(0)]) for t in full]
+    dt_grads = [distribute_tensor(t, dmesh, [Shard(0)]) for t in grads_full]
+    plain = [p.local.clone() for p in params.values()]
+    plain_g = [gr.local.clone() for gr in grads.values()]
+    return {
+        "torch.optim.AdamW, plain local tensors": torch_opt(plain, plain_g),
+        "torch.optim.AdamW on DTensors": torch_opt(dt_params, dt_grads),
+        "fs.optim.adamw (+ apply_updates)": fshard_step,
+    }, "torch.optim.AdamW, plain local tensors"
+
+
+def bench_rank(reps: int, steps: int):
+    torch.set_num_threads(1)
+    out = {}
+    for name, make in (("tp", tp_configs), ("dp", dp_configs), ("optim", optim_configs)):
+        configs, base = make()
+        n = steps if name != "dp" else max(2, steps // 2)
+        out[name] = (_run(configs, reps, n), base)
+    return out
+
+
+def _table(title, times, base, anchors, target=None):
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("config")
+    t.add_column("median ms/step", justify="right")
+    t.add_column("min", justify="right")
+    t.add_column("max", justify="right")
+    t.add_column(f"ratio to {base} (per-rep median)", justify="right")
+    t.add_column("anchor", justify="right")
+    for k, v in times.items():
+        ratios = [a / b for a, b in zip(v, times[base])]
+        t.add_row(
+            k,
+            f"{statistics.median(v) * 1e3:.2f}",
+            f"{min(v) * 1e3:.2f}",
+            f"{max(v) * 1e3:.2f}",
+            f"{statistics.median(ratios):.3f}x",
+            anchors.get(k, ""),
+        )
+    if target:
+        t.caption = target
+    return t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args(argv)
+    from rich.console import Console
+
+    with World(2, timeout=3600) as world:
+        res = world.run(bench_rank, a.reps, a.steps)[0]
+    console = Console()
+    anchors = {
+        "hand-written (local + all_reduce)": "23.0 ms",
+        "DTensor parallelize_module": "27.3 ms",
+        "DDP": "77.3 ms",
+    }
+    targets = {
+        "tp": "target: fshard <= 1.05x hand-written",
+        "dp": "target: fshard <= DDP",
+        "optim": "target: fshard <= 1.5x plain",
+    }
+    titles = {
+        "tp": "TP MLP 1024->4096->1024, batch 64, fwd+bwd+SGD, 2 ranks x 1 thread",
+        "dp": "DP MLP 1024->4096->1024, global batch 64, fwd+bwd+SGD, 2 ranks x 1 thread",
+        "optim": "AdamW step, 100 params 256x256 sharded P('x') on 2 ranks",
+    }
+    for name, (times, base) in res.items():
+        console.print(_table(titles[name], times, base, anchors, targets[name]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""Train a small byte-level GPT with fshard: Megatron tensor parallelism x data parallelism.
+
+    python examples/train_gpt.py                    # 2 local Gloo ranks, dp=1 x tp=2, 200 steps
+    python examples/train_gpt.py --dp 2 --tp 1      # pure data parallel
+    torchrun --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2   # NCCL on GPUs
+
+What it shows:
+
+* ``fs.nn.shard_params(model, mesh, plan)`` shards an ordinary ``nn.Module``'s parameters with
+  a Megatron plan (:func:`gpt_plan`): qkv, fc1 and the LM head column-parallel (torch weight
+  ``(out, in)`` split on out-features, ``P('tp', None)``), attention-out and fc2 row-parallel
+  (``P(None, 'tp')``), embeddings and LayerNorms replicated.
+* The batch is sharded over ``dp`` with ``fs.shard(batch, mesh, P('dp'))``.
+* The step is functional: ``torch.func.grad_and_value`` of the loss, one bucketed
+  ``fs.lax.psum`` of the gradient pytree over ``dp`` (one all_reduce per dtype, like DDP's
+  buckets), ``fs.optim.adamw`` (warmup + cosine schedule, clipping) and
+  ``fs.optim.apply_updates``. Gradients and optimizer state keep the params' layouts.
+
+The forward of the sharded model is written in fshard's *local view* (what ``fs.shard_map``
+bodies see): each rank computes on its shards with explicit JAX-style collectives
+(``pcast`` where a replicated activation enters a column-parallel layer, ``psum`` after a
+row-parallel one). ``GPT.forward`` is the same model in dense form: the test checks that
+both train identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fshard as fs
+from fshard.launch import run as launch_run
+
+DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 256
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    ctx: int = 64
+
+
+# -- the model (dense definition; also the source of parameter names and init) ---------------
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        # qkv output features are head-major: [h0: q k v | h1: q k v | ...], so a contiguous
+        # split of the out-features over tp gives every rank whole heads (Megatron layout).
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.n_heads, 3, -1)
+        return self.proj(_attend(qkv).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc2 = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A pre-LayerNorm GPT: token + position embeddings, ``n_layers`` blocks, LM head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.ctx, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+                if name.endswith(("proj.weight", "fc2.weight")):
+                    p.data.mul_(1 / math.sqrt(2 * cfg.n_layers))
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        x = self.tok(tokens) + self.pos.weight[:t]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _attend(qkv):
+    """Causal attention on ``(b, t, heads, 3, hd)``: returns ``(b, t, heads, hd)``."""
+    q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+def gpt_plan(axis: str = "tp") -> dict:
+    """The Megatron plan of :class:`GPT` for :func:`fshard.nn.shard_params`."""
+    plan = fs.nn.megatron_plan(
+        column=["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
+        row=["blocks.*.attn.proj", "blocks.*.mlp.fc2"],
+        axis=axis,
+    )
+    plan.update(fs.nn.megatron_plan(column=["head"], axis=axis, bias=False))
+    return plan
+
+
+def dense_loss(params: dict, model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference loss: the dense module on plain tensors (single process)."""
+    logits = torch.func.functional_call(model, params, (tokens[:, :-1],))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+# -- the sharded model, local view ----------------------------------------------------------
+
+
+def tp_loss(params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh) -> torch.Tensor:
+    """Mean next-byte cross entropy over this rank's sequences, Megatron TP over ``'tp'``.
+
+    ``params`` maps names to ShardedArrays (from :func:`gpt_plan`); this function reads their
+    local shards. Replicated activations enter each column-parallel layer through
+    ``fs.lax.pcast`` (no forward comm; the backward all-reduces their gradient once) and leave
+    each row-parallel layer through ``fs.lax.psum``; the vocab-sharded logits are all-gathered.
+    The result is the same on every ``tp`` rank and differs over ``dp``.
+    """
+    p = {k: v.local for k, v in params.items()}
+    tp = mesh.size("tp")
+    heads, hd = cfg.n_heads // tp, cfg.d_model // cfg.n_heads
+    x_tok, y = tokens[:, :-1], tokens[:, 1:]
+    b, t = x_tok.shape
+
+    def column(x, name, bias=True):
+        return F.linear(
+            fs.lax.pcast(x, "tp", mesh=mesh),
+            p[name + ".weight"],
+            p.get(name + ".bias") if bias else None,
+        )
+
+    def row(x, name):
+        return fs.lax.psum(F.linear(x, p[name + ".weight"]), "tp", mesh=mesh) + p[name + ".bias"]
+
+    def ln(x, name):
+        return F.layer_norm(x, (cfg.d_model,), p[name + ".weight"], p[name + ".bias"])
+
+    x = F.embedding(x_tok, p["tok.weight"]) + p["pos.weight"][:t]
+    for i in range(cfg.n_layers):
+        pre = f"blocks.{i}."
+        qkv = column(ln(x, pre + "ln1"), pre + "attn.qkv").view(b, t, heads, 3, hd)
+        x = x + row(_attend(qkv).reshape(b, t, heads * hd), pre + "attn.proj")
+        h = F.gelu(column(ln(x, pre + "ln2"), pre + "mlp.fc1"))
+        x = x + row(h, pre + "mlp.fc2")
+    logits = column(ln(x, "ln_f"), "head", bias=False)
+    logits = fs.lax.all_gather(logits, "tp", dim=-1, to="invariant", mesh=mesh)
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def load_corpus(path: Path = DATA) -> torch.Tensor:
+    """The corpus as a uint8 tensor of bytes."""
+    data = path.read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def get_batch(data: torch.Tensor, batch: int, ctx: int, gen: torch.Generator) -> torch.Tensor:
+    """``batch`` random windows of ``ctx + 1`` bytes, as int64 (same on every rank)."""
+    starts = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
+    return torch.stack([data[s : s + ctx + 1] for s in starts.tolist()]).long()
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
+    """AdamW with linear warmup + cosine decay, global-norm clipping, no decay on vectors."""
+    schedule = fs.optim.warmup_cosine_decay_schedule(
+        0.0, lr, min(warmup, steps - 1), max(steps, 2), end_value=lr / 10
+    )
+    return fs.optim.chain(
+        fs.optim.clip_by_global_norm(clip),
+        fs.optim.adamw(
+            schedule,
+            b2=0.95,
+            weight_decay=weight_decay,
+            mask=lambda ps: {k: v.ndim >= 2 for k, v in ps.items()},
+        ),
+    )
+
+
+def make_train_step(model_cfg: GPTConfig, mesh: fs.Mesh, tx):
+    """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+    dp = mesh.size("dp")
+    grad_and_value = torch.func.grad_and_value(tp_loss)
+
+    def step(params, opt_state, batch: fs.ShardedArray):
+        grads, loss = grad_and_value(params, batch.local, model_cfg, mesh)
+        if dp > 1:  # one bucketed all_reduce per dtype for the whole gradient pytree
+            grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return fs.optim.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def train(args: dict) -> dict:
+    """One rank of the training run; returns losses (and timing) for rank 0."""
+    cfg = GPTConfig(**args["model"])
+    dp, tp = args["dp"], args["tp"]
+    if dist.get_world_size() != dp * tp:
+        raise ValueError(f"world size {dist.get_world_size()} != dp * tp = {dp * tp}")
+    mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
+    torch.manual_seed(args["seed"])
+    model = GPT(cfg).to(mesh.device())
+    params = fs.nn.shard_params(model, mesh, gpt_plan("tp"))
+    tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
+    opt_state = tx.init(params)
+    step = make_train_step(cfg, mesh, tx)
+    data = load_corpus(Path(args["data"]))
+    gen = torch.Generator().manual_seed(args["seed"] + 1)
+    rank0 = dist.get_rank() == 0
+    losses, times = [], []
+    tokens_per_step = args["batch"] * cfg.ctx
+    progress = _progress(args["steps"]) if rank0 and args["progress"] else None
+    task = (
+        progress.add_task("train", total=args["steps"], loss=float("nan"), tps=0.0)
+        if progress
+        else None
+    )
+    try:
+        for _ in range(args["steps"]):
+            t0 = time.perf_counter()
+            batch = fs.shard(
+                get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device()), mesh, fs.P("dp")
+            )
+            params, opt_state, loss = step(params, opt_state, batch)
+            loss = float(loss)
+            dt = time.perf_counter() - t0
+            losses.append(loss)
+            times.append(dt)
+            if progress:
+                recent = times[-10:]
+                progress.update(
+                    task, advance=1, loss=loss, tps=tokens_per_step * len(recent) / sum(recent)
+                )
+    finally:
+        if progress:
+            progress.stop()
+    steady = times[min(5, len(times) - 1) :]
+    out = {"losses": losses, "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
+    if args.get("return_params"):
+        out["params"] = {k: fs.gather(v) for k, v in params.items()}
+    return out if rank0 else {}
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss [cyan]{task.fields[loss]:.3f}"),
+        TextColumn("[green]{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+    )
+    progress.start()
+    return progress
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
+    a = ap.parse_args(argv)
+    for name in ("dp", "tp", "steps", "batch", "layers", "heads", "ctx"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1")
+    if a.batch % a.dp:
+        raise SystemExit(f"--batch ({a.batch}) must be divisible by --dp ({a.dp})")
+    if a.heads % a.tp:
+        raise SystemExit(f"--heads ({a.heads}) must be divisible by --tp ({a.tp})")
+    if a.d_model % a.heads:
+        raise SystemExit(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
+    model = {"d_model": a.d_model, "n_heads": a.heads, "n_layers": a.layers, "ctx": a.ctx}
+    return {
+        "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
+        "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
+        "model": model, "plot": a.plot, "progress": True,
+    }  # fmt: skip
+
+
+def save_plot(losses: list, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(losses, lw=1, alpha=0.5, label="loss")
+    k = max(1, len(losses) // 20)
+    smooth = [
+        sum(losses[max(0, i - k) : i + 1]) / len(losses[max(0, i - k) : i + 1])
+        for i in range(len(losses))
+    ]
+    ax.plot(smooth, lw=2, label=f"running mean ({k + 1})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/byte)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    world = args["dp"] * args["tp"]
+    under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    out = launch_run(train, world, (args,), timeout=3600)[0]
+    if under_torchrun and dist.get_rank() != 0:
+        return out
+    losses = out["losses"]
+    first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
+    print(
+        f"dp={args['dp']} tp={args['tp']} steps={args['steps']}: loss {first:.3f} (first 10) -> "
+        f"{last:.3f} (last 10), {out['tokens_per_s']:,.0f} tokens/s"
+    )
+    marks = sorted({0, len(losses) // 4, len(losses) // 2, 3 * len(losses) // 4, len(losses) - 1})
+    print("loss at step " + ", ".join(f"{i}: {losses[i]:.3f}" for i in marks))
+    if args["plot"]:
+        save_plot(losses, args["plot"], f"byte-level GPT, dp={args['dp']} x tp={args['tp']}")
+        print(f"loss curve: {args['plot']}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

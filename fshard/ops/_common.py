@@ -1,0 +1,113 @@
+"""Helpers shared by the rule families: meta evaluation, spec building, local collectives."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import torch
+
+from ..lax import Pcast, Psum, _Pmax, apply
+from ..spec import Layout, P, _layout, chunk_bounds
+from .registry import SCALAR
+
+
+def is_layout(x) -> bool:
+    return isinstance(x, Layout)
+
+
+def meta_call(op, args, kwargs):
+    """Run ``op`` on meta tensors standing in for the Layouts: global output shape and dtype."""
+
+    def to_meta(v):
+        if isinstance(v, Layout):
+            return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        if v is SCALAR:
+            return 0.5
+        return v
+
+    margs, mkwargs = optree.tree_map(to_meta, (args, kwargs), is_leaf=is_layout, none_is_leaf=True)
+    return op(*margs, **mkwargs)
+
+
+def spec(dims, partial=()) -> P:
+    """A P from per-dim axis tuples, written the way a user would (``None``, ``"x"``)."""
+    entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
+    return P(*entries, partial=tuple(partial))
+
+
+def out_layout(mesh, dims, partial, meta: torch.Tensor) -> Layout:
+    return _layout(mesh, spec(dims, partial), tuple(meta.shape), meta.dtype)
+
+
+def unreduced(layout: Layout) -> P:
+    """``layout``'s spec with its pending sums removed (what a nonlinear op needs)."""
+    return spec(layout.dim_axes)
+
+
+def in_mesh_order(mesh, axes) -> tuple[str, ...]:
+    axes = set(axes)
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def norm_dim(d: int, ndim: int, name: str = "dim") -> int:
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise TypeError(f"{name} must be an int, got {d!r}")
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise IndexError(f"{name}={d} is out of range for a tensor with {ndim} dims")
+    return d % n
+
+
+def norm_dims(dims, ndim: int) -> tuple[int, ...]:
+    """``None``/``()`` -> all dims; an int or sequence -> sorted non-negative dims."""
+    if dims is None or (isinstance(dims, (tuple, list)) and len(dims) == 0):
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted({norm_dim(d, ndim) for d in dims}))
+
+
+def block_bounds(layout: Layout, dim: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s block of ``dim``."""
+    coords = layout.mesh.coords(rank)
+    index, count = layout.chunk_index(dim, coords)
+    return chunk_bounds(layout.shape[dim], count, index)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+# -- local collectives (groups are captured at plan time) -----------------------------------
+
+
+def psum(t, group):
+    return t if group is None else apply(Psum(group), t)
+
+
+def pcast(t, group):
+    if group is None or not t.requires_grad:
+        return t
+    return apply(Pcast(group), t)
+
+
+def pmax(t, group, how: str = "max"):
+    return t if group is None else _Pmax.apply(t, group, how)
+
+
+def safe_amax(x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
+    """``amax`` that gives ``-inf`` over an empty (uneven) shard instead of raising."""
+    if all(x.shape[d] > 0 for d in dims) or not dims:
+        return torch.amax(x, dim=dims, keepdim=keepdim)
+    shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    if not keepdim:
+        shape = [s for d, s in enumerate(shape) if d not in dims]
+    return x.new_full(shape, -math.inf) + 0 * x.sum(dim=dims, keepdim=keepdim)
+
+
+def group_of(mesh, axes):
+    axes = in_mesh_order(mesh, axes)
+    if not axes or mesh.is_abstract or mesh.size(axes) == 1:
+        return None
+    return mesh.group(axes)

@@ -1,0 +1,264 @@
+"""Elementwise rules: one rule for every unary, binary and ternary pointwise op.
+
+Inputs broadcast as in torch (a lower-rank operand's dims align to the right) and are aligned
+to one common layout: each output dim takes the axes of the most-sharded operand that splits it,
+the other operands are resharded to match (replicated operands are sliced locally, no
+communication). Pending sums (partial values) survive only where the op is linear in them:
+
+- additive ops (``add``, ``sub``, ``neg``, ``clone``, float casts...) keep a pending sum when no
+  Python number is added; non-partial operands become partial by zeroing all but one addend;
+- ``mul`` keeps it when exactly one operand is partial, ``div`` when only the numerator is;
+- every other op (``exp``, ``gelu``, comparisons...) first reduces partial inputs (an
+  all_reduce, refused in strict mode).
+
+Example:
+    >>> y = torch.exp(x) * 2.0 + b   # x P("dp"), b replicated: b is sliced, no communication  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..spec import Layout
+from ._common import meta_call, out_layout, spec
+from .registry import SCALAR, Plan, register_rule, tensor_inputs
+
+__all__ = ["elementwise_rule", "align"]
+
+NONLINEAR, ADDITIVE, SCALE, DIVIDE, CAST = "nonlinear", "additive", "scale", "divide", "cast"
+
+
+def _has_number_addend(args) -> bool:
+    return any(a is SCALAR or (type(a) in (int, bool)) for a in args[1:]) or (
+        bool(args) and (args[0] is SCALAR or type(args[0]) in (int, bool))
+    )
+
+
+def _kept_partial(kind: str, ins: list[Layout], args, meta) -> tuple[str, ...]:
+    partial_ins = [x for x in ins if x.partial]
+    if not partial_ins or kind == NONLINEAR:
+        return ()
+    if kind == CAST:
+        src, dst = ins[0].dtype, meta.dtype
+        return ins[0].partial if src.is_floating_point and dst.is_floating_point else ()
+    if kind == ADDITIVE:
+        if _has_number_addend(args):
+            return ()
+        axes = tuple(dict.fromkeys(a for x in partial_ins for a in x.partial))
+    elif kind == SCALE:
+        if len(partial_ins) != 1:
+            return ()
+        axes = partial_ins[0].partial
+    else:  # DIVIDE: only the numerator may be pending
+        if len(partial_ins) != 1 or partial_ins[0] is not ins[0] or args[0] is not ins[0]:
+            return ()
+        axes = ins[0].partial
+    if any(set(axes) & set(x.sharded_axes) for x in ins):
+        return ()
+    return axes
+
+
+def align(ins: list[Layout], shape: tuple[int, ...], reserved=()) -> list[tuple[str, ...]]:
+    """Per output dim, the axes of the most-sharded operand splitting it (right-aligned)."""
+    nd = len(shape)
+    dims: list[tuple[str, ...]] = [()] * nd
+    used = set(reserved)
+    for x in sorted(ins, key=lambda x: -len(x.sharded_axes)):
+        off = nd - x.ndim
+        for d, axes in enumerate(x.dim_axes):
+            o = off + d
+            if axes and x.shape[d] == shape[o] and not dims[o] and not used & set(axes):
+                dims[o] = axes
+                used |= set(axes)
+    return dims
+
+
+def input_specs(ins, dims, shape, partial, keep_partial_of) -> list:
+    nd = len(shape)
+    specs = []
+    for x in ins:
+        off = nd - x.ndim
+        own = [dims[off + d] if x.shape[d] == shape[off + d] else () for d in range(x.ndim)]
+        specs.append(spec(own, partial if keep_partial_of(x) else ()))
+    return specs
+
+
+def elementwise_rule(kind: str):
+    """A rule for pointwise ops whose partial-value behaviour is ``kind``."""
+
+    def rule(op, args, kwargs):
+        ins = tensor_inputs(args, kwargs)
+        meta = meta_call(op, args, kwargs)
+        shape = tuple(meta.shape)
+        partial = _kept_partial(kind, ins, args, meta)
+        dims = align(ins, shape, reserved=partial)
+        if kind == ADDITIVE:
+            keep = lambda x: bool(partial)  # noqa: E731
+        else:
+            keep = lambda x: bool(partial) and bool(x.partial)  # noqa: E731
+        specs = input_specs(ins, dims, shape, partial, keep)
+        return Plan(specs, out_layout(ins[0].mesh, dims, partial, meta))
+
+    return rule
+
+
+def like_rule(op, args, kwargs):
+    """``zeros_like`` & co.: the input's dims, no pending sum, the op's dtype."""
+    (x,) = tensor_inputs(args, kwargs)
+    meta = meta_call(op, args, kwargs)
+    return Plan([None], out_layout(x.mesh, x.dim_axes, (), meta))
+
+
+def _variants(*names, fn=True, method=True, nn=False):
+    out = []
+    for n in names:
+        if fn and hasattr(torch, n):
+            out.append(getattr(torch, n))
+        if method and hasattr(torch.Tensor, n):
+            out.append(getattr(torch.Tensor, n))
+        if nn and hasattr(F, n):
+            out.append(getattr(F, n))
+        if hasattr(torch.special, n) and fn:
+            out.append(getattr(torch.special, n))
+    return out
+
+
+UNARY_NONLINEAR = [
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log2",
+    "log10",
+    "log1p",
+    "sqrt",
+    "rsqrt",
+    "abs",
+    "sign",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "erf",
+    "erfc",
+    "reciprocal",
+    "square",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "frac",
+    "sinh",
+    "cosh",
+    "asin",
+    "acos",
+    "atan",
+    "logical_not",
+    "bitwise_not",
+    "isnan",
+    "isinf",
+    "isfinite",
+    "nan_to_num",
+    "logit",
+]
+NN_UNARY = "gelu silu relu tanh sigmoid softplus mish elu leaky_relu relu6 hardtanh logsigmoid"
+BINARY_NONLINEAR = [
+    "pow",
+    "maximum",
+    "minimum",
+    "fmax",
+    "fmin",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "remainder",
+    "fmod",
+    "floor_divide",
+    "atan2",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_xor",
+    "where",
+    "clamp",
+    "clip",
+    "clamp_min",
+    "clamp_max",
+    "lerp",
+    "masked_fill",
+    "hypot",
+    "copysign",
+]
+OPERATORS_NONLINEAR = [
+    "__pow__",
+    "__rpow__",
+    "__abs__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__eq__",
+    "__ne__",
+    "__and__",
+    "__or__",
+    "__xor__",
+    "__invert__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rtruediv__",
+]
+ADDITIVE_OPS = [
+    "add",
+    "sub",
+    "subtract",
+    "neg",
+    "negative",
+    "positive",
+    "clone",
+    "detach",
+    "contiguous",
+]
+ADDITIVE_OPERATORS = ["__add__", "__radd__", "__sub__", "__rsub__", "__neg__", "__pos__"]
+CAST_METHODS = ["to", "float", "double", "half", "bfloat16"]
+INT_CASTS = ["long", "int", "short", "bool", "byte", "char"]
+LIKE = ["zeros_like", "ones_like", "empty_like", "full_like"]
+
+
+def _register():
+    for n in UNARY_NONLINEAR + BINARY_NONLINEAR:
+        for op in _variants(n):
+            register_rule(op, elementwise_rule(NONLINEAR))
+    for n in NN_UNARY.split():
+        for op in _variants(n, fn=False, method=False, nn=True):
+            register_rule(op, elementwise_rule(NONLINEAR))
+    for n in OPERATORS_NONLINEAR:
+        if hasattr(torch.Tensor, n):
+            register_rule(getattr(torch.Tensor, n), elementwise_rule(NONLINEAR))
+    for n in ADDITIVE_OPS:
+        for op in _variants(n):
+            register_rule(op, elementwise_rule(ADDITIVE))
+    for n in ADDITIVE_OPERATORS:
+        if hasattr(torch.Tensor, n):
+            register_rule(getattr(torch.Tensor, n), elementwise_rule(ADDITIVE))
+    for op in _variants("mul", "multiply") + [torch.Tensor.__mul__, torch.Tensor.__rmul__]:
+        register_rule(op, elementwise_rule(SCALE))
+    for op in _variants("div", "divide", "true_divide") + [torch.Tensor.__truediv__]:
+        register_rule(op, elementwise_rule(DIVIDE))
+    for n in CAST_METHODS:
+        register_rule(getattr(torch.Tensor, n), elementwise_rule(CAST))
+    for n in INT_CASTS:
+        register_rule(getattr(torch.Tensor, n), elementwise_rule(NONLINEAR))
+    for n in LIKE:
+        register_rule(getattr(torch, n), like_rule)
+
+
+_register()

@@ -1,0 +1,202 @@
+"""Contraction rules: matmul, mm, bmm, F.linear, addmm, einsum — one engine over index letters.
+
+Every operand dim gets an index letter (broadcast size-1 dims get none and must be unsplit).
+Letters are assigned mesh axes greedily, largest operand first (resharding the biggest operand
+is what costs most), a mesh axis at most once; every operand is resharded to carry its letters'
+axes (replicated operands are sliced locally). A letter split over axes ``A`` that is summed
+over (contracted) makes the output *partial* over ``A``; kept letters keep their axes. One
+partial operand keeps its pending sum (the op is linear in it); further partial operands are
+reduced first. Additive terms (the bias of ``F.linear``, ``addmm``'s input) take the output's
+layout, pending sum included (zeroed on all but one rank: no communication).
+
+Example:
+    >>> h = F.linear(x, w1)   # w1 P("tp", None): h is P(None, "tp"), no communication  # doctest: +SKIP
+    >>> y = F.linear(h, w2)   # w2 P(None, "tp"): y is partial over "tp"  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..spec import Layout
+from ._common import in_mesh_order, meta_call, out_layout, spec
+from .registry import Plan, register_rule, tensor_inputs
+
+__all__ = ["contract", "matmul_letters"]
+
+
+def contract(operands: list[Layout], letters, out_letters):
+    """Assign mesh axes to index letters.
+
+    Returns ``(in_specs, out_dims, out_partial)`` for ``operands`` with per-dim ``letters``
+    (``None`` for a broadcast dim) and output ``out_letters``.
+    """
+    kept = next((x for x in operands if x.partial), None)
+    reserved = set(kept.partial) if kept is not None else set()
+    assign: dict[str, tuple[str, ...]] = {}
+    used = set(reserved)
+    order = sorted(range(len(operands)), key=lambda i: -operands[i].nbytes)
+    for i in order:
+        x = operands[i]
+        for d, letter in enumerate(letters[i]):
+            axes = x.dim_axes[d]
+            if letter is None or not axes or letter in assign or used & set(axes):
+                continue
+            assign[letter] = axes
+            used |= set(axes)
+    specs = []
+    for x, ls in zip(operands, letters):
+        dims = [assign.get(letter, ()) if letter is not None else () for letter in ls]
+        specs.append(spec(dims, kept.partial if x is kept else ()))
+    out_dims = [assign.get(letter, ()) for letter in out_letters]
+    summed = [a for letter, axes in assign.items() if letter not in out_letters for a in axes]
+    mesh = operands[0].mesh
+    partial = in_mesh_order(mesh, (*reserved, *summed))
+    return specs, out_dims, partial
+
+
+def matmul_letters(a_shape, b_shape):
+    """Index letters of ``a @ b`` (torch.matmul broadcasting): ``(a_letters, b_letters, out)``."""
+    la, lb = len(a_shape), len(b_shape)
+    if la == 0 or lb == 0:
+        raise ValueError("matmul: both arguments need at least 1 dimension")
+    a_batch = tuple(a_shape[:-2]) if la >= 2 else ()
+    b_batch = tuple(b_shape[:-2]) if lb >= 2 else ()
+    nb = max(len(a_batch), len(b_batch))
+    out_batch = torch.broadcast_shapes(a_batch, b_batch)
+
+    def batch_letters(batch):
+        off = nb - len(batch)
+        return [f"b{off + i}" if s == out_batch[off + i] else None for i, s in enumerate(batch)]
+
+    a = batch_letters(a_batch) + (["n", "k"] if la >= 2 else ["k"])
+    b = batch_letters(b_batch) + (["k", "m"] if lb >= 2 else ["k"])
+    out = [f"b{i}" for i in range(nb)] + (["n"] if la >= 2 else []) + (["m"] if lb >= 2 else [])
+    return a, b, out
+
+
+def _additive_spec(term: Layout, out_dims, out_shape, partial):
+    off = len(out_shape) - term.ndim
+    dims = [
+        out_dims[off + d] if term.shape[d] == out_shape[off + d] else () for d in range(term.ndim)
+    ]
+    return spec(dims, partial)
+
+
+def matmul_rule(op, args, kwargs):
+    ins = tensor_inputs(args, kwargs)
+    if len(ins) != 2:
+        raise TypeError(f"{op.__name__}: expected two tensor operands")
+    swapped = op is torch.Tensor.__rmatmul__
+    a, b = (ins[1], ins[0]) if swapped else (ins[0], ins[1])
+    la, lb, lo = matmul_letters(a.shape, b.shape)
+    (sa, sb), out_dims, partial = contract([a, b], [la, lb], lo)
+    meta = meta_call(op, args, kwargs)
+    specs = [sb, sa] if swapped else [sa, sb]
+    return Plan(specs, out_layout(a.mesh, out_dims, partial, meta))
+
+
+def linear_rule(op, args, kwargs):
+    names = ("input", "weight", "bias")
+    bound = dict(zip(names, args)) | kwargs
+    x, w, bias = bound["input"], bound["weight"], bound.get("bias")
+    lx = [f"b{i}" for i in range(x.ndim - 1)] + ["k"]
+    lw = ["m", "k"] if w.ndim == 2 else ["k"]
+    lo = lx[:-1] + (["m"] if w.ndim == 2 else [])
+    (sx, sw), out_dims, partial = contract([x, w], [lx, lw], lo)
+    meta = meta_call(op, args, kwargs)
+    specs = {"input": sx, "weight": sw}
+    if isinstance(bias, Layout):
+        specs["bias"] = _additive_spec(bias, out_dims, tuple(meta.shape), partial)
+    order = [n for n in names[: len(args)] if isinstance(bound.get(n), Layout)]
+    order += [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
+    return Plan([specs[n] for n in order], out_layout(x.mesh, out_dims, partial, meta))
+
+
+def addmm_rule(op, args, kwargs):
+    names = ("input", "mat1", "mat2")
+    bound = dict(zip(names, args)) | kwargs
+    c, a, b = bound["input"], bound["mat1"], bound["mat2"]
+    (sa, sb), out_dims, partial = contract([a, b], [["n", "k"], ["k", "m"]], ["n", "m"])
+    meta = meta_call(op, args, kwargs)
+    specs = {"input": _additive_spec(c, out_dims, tuple(meta.shape), partial), "mat1": sa}
+    specs["mat2"] = sb
+    order = [n for n in names[: len(args)] if isinstance(bound.get(n), Layout)]
+    order += [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
+    return Plan([specs[n] for n in order], out_layout(a.mesh, out_dims, partial, meta))
+
+
+def parse_einsum(eq: str, shapes) -> tuple[list[list[str | None]], list[str]]:
+    """Letters per operand dim (``None`` for broadcast size-1 ellipsis dims) and output letters."""
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        raise ValueError(f"einsum: equation {eq!r} has {len(terms)} operands, got {len(shapes)}")
+    n_ell = max(
+        (len(s) - len(t.replace("...", "")) for t, s in zip(terms, shapes) if "..." in t),
+        default=0,
+    )
+    ell = [f"e{i}" for i in range(n_ell)]
+    ell_sizes = [1] * n_ell
+    for t, s in zip(terms, shapes):
+        if "..." in t:
+            k = len(s) - len(t.replace("...", ""))
+            start = t.index("...")
+            for i in range(k):
+                ell_sizes[n_ell - k + i] = max(ell_sizes[n_ell - k + i], s[start + i])
+    letters = []
+    for t, s in zip(terms, shapes):
+        ls: list[str | None] = []
+        i = 0
+        while i < len(t):
+            if t.startswith("...", i):
+                k = len(s) - len(t.replace("...", ""))
+                for j in range(k):
+                    e = n_ell - k + j
+                    ls.append(ell[e] if s[len(ls)] == ell_sizes[e] else None)
+                i += 3
+            else:
+                ls.append(t[i])
+                i += 1
+        letters.append(ls)
+    if arrow:
+        out = []
+        i = 0
+        while i < len(rhs):
+            if rhs.startswith("...", i):
+                out.extend(ell)
+                i += 3
+            else:
+                out.append(rhs[i])
+                i += 1
+    else:
+        flat = [c for t in terms for c in t.replace("...", "")]
+        out = ell + sorted(c for c in set(flat) if flat.count(c) == 1)
+    return letters, out
+
+
+def einsum_rule(op, args, kwargs):
+    eq = args[0]
+    if not isinstance(eq, str):
+        raise TypeError("einsum: the first argument must be the equation string")
+    ins = tensor_inputs(args, kwargs)
+    letters, out = parse_einsum(eq, [x.shape for x in ins])
+    specs, out_dims, partial = contract(ins, letters, out)
+    meta = meta_call(op, args, kwargs)
+    return Plan(specs, out_layout(ins[0].mesh, out_dims, partial, meta))
+
+
+def _register():
+    for op in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+        register_rule(op, matmul_rule)
+    register_rule(torch.Tensor.__rmatmul__, matmul_rule)
+    for op in (torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm):
+        register_rule(op, matmul_rule)
+    register_rule(F.linear, linear_rule)
+    register_rule(torch.addmm, addmm_rule, aliases=(torch.Tensor.addmm,))
+    register_rule(torch.einsum, einsum_rule)
+
+
+_register()

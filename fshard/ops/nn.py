@@ -1,0 +1,361 @@
+"""Neural-net rules: softmax, log_softmax, layer_norm, rms_norm, embedding, cross_entropy,
+scaled_dot_product_attention, dropout.
+
+None of them gathers a split dim:
+
+- ``softmax``/``log_softmax`` over a split dim: ``pmax`` of the local max and ``psum`` of the
+  local sums of exponentials (two small all_reduces of the non-softmax dims);
+- ``layer_norm``/``rms_norm`` over split normalized dims: ``psum`` of the moments, the weight
+  and bias sharded like those dims;
+- ``embedding`` with a vocab-split weight: each rank looks up the ids in its vocab block (others
+  masked to zero); the output is partial over the vocab axes (Megatron's masked lookup; the
+  ``psum`` happens when a nonlinear op or ``fs.gather`` needs it);
+- ``cross_entropy`` with vocab-split logits (Megatron vocab-parallel CE): one ``pmax`` and one
+  ``psum`` of ``O(batch)`` floats; the logits are never gathered;
+- ``scaled_dot_product_attention``: batch and head dims may be split (any layout shared by
+  q, k, v); sequence and feature dims are made whole;
+- ``dropout``: every rank draws the full mask from the default generator (so generators stay
+  in step) and keeps its block: the same mask as dense ``F.dropout`` with the same seed. Under
+  ``vmap`` the mask is shared across the batch.
+
+Example:
+    >>> loss = F.cross_entropy(logits, target)  # logits P(None, "tp"): O(batch) bytes moved  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..spec import Layout
+from ._common import (
+    block_bounds,
+    group_of,
+    in_mesh_order,
+    meta_call,
+    norm_dim,
+    out_layout,
+    pcast,
+    pmax,
+    psum,
+    safe_amax,
+    spec,
+    unreduced,
+)
+from .elementwise import align
+from .registry import Plan, register_rule, tensor_inputs
+
+__all__ = []
+
+
+def _bind(names, args, kwargs):
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _order(names, args, kwargs, bound):
+    """Names of the tensor inputs in flattening order (positional, then sorted keywords)."""
+    order = [n for n in names[: len(args)] if isinstance(bound.get(n), Layout)]
+    return order + [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
+
+
+def _rank(mesh):
+    return mesh.ranks[0] if mesh.is_abstract else mesh.rank
+
+
+# -- softmax --------------------------------------------------------------------------------
+
+
+def softmax_rule(op, args, kwargs):
+    ins = tensor_inputs(args, kwargs)
+    x = ins[0]
+    dim_arg = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim_arg is None:
+        raise TypeError(f"{op.__name__}: pass dim explicitly for a ShardedArray")
+    dim = norm_dim(dim_arg, x.ndim)
+    meta = meta_call(op, args, kwargs)
+    group = group_of(x.mesh, x.dim_axes[dim])
+    out = out_layout(x.mesh, x.dim_axes, (), meta)
+    log = op.__name__ == "log_softmax"
+    if group is None:
+        return Plan([unreduced(x)], out)
+    dtype = meta.dtype
+
+    def local(t, *a, **k):
+        t = t.to(dtype)
+        m = pmax(safe_amax(t, (dim,), True), group).detach()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        z = t - m
+        e = torch.exp(z)
+        s = pcast(psum(e.sum(dim, keepdim=True), group), group)
+        return z - torch.log(s) if log else e / s
+
+    return Plan([unreduced(x)], out, local)
+
+
+# -- normalization --------------------------------------------------------------------------
+
+
+def _norm_rule(names, rms: bool):
+    def rule(op, args, kwargs):
+        bound = _bind(names, args, kwargs)
+        x = bound["input"]
+        ns = bound["normalized_shape"]
+        ns = (ns,) if isinstance(ns, int) else tuple(ns)
+        nd = len(ns)
+        norm_axes = [a for d in x.dim_axes[x.ndim - nd :] for a in d]
+        specs = {"input": unreduced(x)}
+        for n in ("weight", "bias"):
+            if isinstance(bound.get(n), Layout):
+                specs[n] = spec(x.dim_axes[x.ndim - nd :])
+        meta = meta_call(op, args, kwargs)
+        out = out_layout(x.mesh, x.dim_axes, (), meta)
+        order = _order(names, args, kwargs, bound)
+        group = group_of(x.mesh, norm_axes)
+        if group is None:
+            return Plan([specs[n] for n in order], out)
+        dims = tuple(range(-nd, 0))
+        count = math.prod(ns)
+
+        def local(*a, **k):
+            b = _bind(names, a, k)
+            t, w, bias, eps = b["input"], b.get("weight"), b.get("bias"), b.get("eps")
+            if eps is None:
+                eps = torch.finfo(t.dtype).eps if rms else 1e-5
+            if rms:
+                ms = psum((t * t).sum(dims, keepdim=True), group) / count
+                y = t * torch.rsqrt(pcast(ms, group) + eps)
+            else:
+                mean = psum(t.sum(dims, keepdim=True), group) / count
+                d = t - pcast(mean, group)
+                var = psum((d * d).sum(dims, keepdim=True), group) / count
+                y = d * torch.rsqrt(pcast(var, group) + eps)
+            if w is not None:
+                y = y * w
+            if bias is not None:
+                y = y + bias
+            return y
+
+        return Plan([specs[n] for n in order], out, local)
+
+    return rule
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+_EMB = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+def embedding_rule(op, args, kwargs):
+    bound = _bind(_EMB, args, kwargs)
+    ids, w = bound["input"], bound["weight"]
+    if bound.get("max_norm") is not None or bound.get("sparse"):
+        raise NotImplementedError(
+            "F.embedding on a ShardedArray supports neither max_norm (it renormalises the "
+            "weight in place) nor sparse=True"
+        )
+    vocab_axes, dim_axes = w.dim_axes[0], w.dim_axes[1]
+    taken = set(vocab_axes) | set(dim_axes)
+    id_dims = [() if set(axes) & taken else axes for axes in ids.dim_axes]
+    specs = {"input": spec(id_dims), "weight": spec(w.dim_axes)}
+    meta = meta_call(op, args, kwargs)
+    out = out_layout(w.mesh, [*id_dims, dim_axes], in_mesh_order(w.mesh, vocab_axes), meta)
+    order = _order(_EMB, args, kwargs, bound)
+    in_specs = [specs[n] for n in order]
+    if not vocab_axes:
+        return Plan(in_specs, out)
+    lo, hi = block_bounds(w, 0, _rank(w.mesh))
+    pad = bound.get("padding_idx")
+    if pad is not None:
+        pad = pad % w.shape[0]
+        pad = pad - lo if lo <= pad < hi else None
+
+    def local(*a, **k):
+        b = _bind(_EMB, a, k)
+        i, weight = b["input"], b["weight"]
+        if hi == lo:
+            return weight.new_zeros((*i.shape, weight.shape[1])) + 0 * weight.sum()
+        inside = (i >= lo) & (i < hi)
+        rows = F.embedding(torch.where(inside, i - lo, 0), weight, padding_idx=pad)
+        return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+    return Plan(in_specs, out, local)
+
+
+# -- cross entropy --------------------------------------------------------------------------
+
+_CE = (
+    "input",
+    "target",
+    "weight",
+    "size_average",
+    "ignore_index",
+    "reduce",
+    "reduction",
+    "label_smoothing",
+)
+
+
+def cross_entropy_rule(op, args, kwargs):
+    bound = _bind(_CE, args, kwargs)
+    x, target = bound["input"], bound["target"]
+    if isinstance(bound.get("weight"), Layout) or bound.get("size_average") is not None:
+        raise NotImplementedError(
+            "F.cross_entropy on a ShardedArray supports no class weight= and no legacy "
+            "size_average=/reduce=; gather first or use fs.shard_map"
+        )
+    if bound.get("reduce") is not None:
+        raise NotImplementedError("F.cross_entropy: legacy reduce= is not supported")
+    if x.ndim != 2 or not isinstance(target, Layout) or target.ndim != 1:
+        raise NotImplementedError(
+            "F.cross_entropy on a ShardedArray expects (N, C) logits and (N,) class indices; "
+            "reshape first (logits.reshape(-1, C), target.reshape(-1))"
+        )
+    reduction = bound.get("reduction", "mean")
+    n_axes, c_axes = x.dim_axes
+    mesh = x.mesh
+    specs = {"input": spec(x.dim_axes), "target": spec([n_axes])}
+    order = _order(_CE, args, kwargs, bound)
+    if reduction == "none":
+        out = Layout(mesh, spec([n_axes]), (x.shape[0],), x.dtype)
+    else:
+        out = Layout(mesh, spec([], in_mesh_order(mesh, n_axes)), (), x.dtype)
+    c_group, n_group = group_of(mesh, c_axes), group_of(mesh, n_axes)
+    lo, hi = block_bounds(x, 1, _rank(mesh))
+    n_classes = x.shape[1]
+
+    def local(*a, **k):
+        b = _bind(_CE, a, k)
+        logits, t = b["input"], b["target"]
+        ignore = b.get("ignore_index", -100)
+        smooth = b.get("label_smoothing", 0.0)
+        valid = t != ignore
+        if c_group is None:
+            loss = F.cross_entropy(
+                logits, t, ignore_index=ignore, reduction="none", label_smoothing=smooth
+            )
+        else:
+            loss = _vocab_parallel_ce(logits, t, valid, lo, hi, n_classes, smooth, c_group)
+        if reduction == "none":
+            return loss
+        total = loss.sum()
+        if reduction == "sum":
+            return total
+        count = valid.sum().to(total.dtype)
+        if n_group is not None:
+            count = psum(count, n_group)
+        return total / count
+
+    return Plan([specs[n] for n in order], out, local)
+
+
+def _vocab_parallel_ce(logits, t, valid, lo, hi, n_classes, smooth, group):
+    m = pmax(safe_amax(logits, (1,), True), group).detach()
+    z = logits - m
+    sumexp = torch.exp(z).sum(1)
+    inside = (t >= lo) & (t < hi)
+    if hi > lo:
+        idx = torch.where(inside, t - lo, 0).unsqueeze(1)
+        picked = z.gather(1, idx).squeeze(1) * inside.to(z.dtype)
+    else:
+        picked = z.sum(1) * 0
+    parts = [sumexp, picked] + ([z.sum(1)] if smooth else [])
+    red = psum(torch.stack(parts), group)
+    lse = torch.log(red[0])
+    loss = lse - red[1]
+    if smooth:
+        loss = (1 - smooth) * loss + smooth * (lse - red[2] / n_classes)
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+# -- attention ------------------------------------------------------------------------------
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_rule(op, args, kwargs):
+    bound = _bind(_SDPA, args, kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if bound.get("enable_gqa"):
+        raise NotImplementedError("scaled_dot_product_attention: enable_gqa is not supported")
+    batch = tuple(q.shape[:-2])
+    trimmed = [
+        Layout(x.mesh, spec(x.dim_axes[:-2]), tuple(x.shape[:-2]), x.dtype) for x in (q, k, v)
+    ]
+    dims = align(trimmed, batch)
+    qkv = spec([*dims, (), ()])
+    specs = {"query": qkv, "key": qkv, "value": qkv}
+    mask = bound.get("attn_mask")
+    if isinstance(mask, Layout):
+        off = len(batch) + 2 - mask.ndim
+        mdims = [
+            dims[off + d] if d + off < len(batch) and mask.shape[d] == batch[off + d] else ()
+            for d in range(mask.ndim)
+        ]
+        specs["attn_mask"] = spec(mdims)
+    meta = meta_call(op, args, kwargs)
+    order = _order(_SDPA, args, kwargs, bound)
+
+    def local(*a, **kw):
+        b = _bind(_SDPA, a, kw)
+        if b.get("dropout_p", 0.0):
+            raise NotImplementedError(
+                "scaled_dot_product_attention with dropout_p > 0 on a ShardedArray is not "
+                "supported (per-rank masks would differ from dense); apply F.dropout to the "
+                "attention output instead"
+            )
+        return op(*a, **kw)
+
+    return Plan([specs[n] for n in order], out_layout(q.mesh, [*dims, (), ()], (), meta), local)
+
+
+# -- dropout --------------------------------------------------------------------------------
+
+
+def dropout_rule(op, args, kwargs):
+    bound = _bind(("input", "p", "training", "inplace"), args, kwargs)
+    x = bound["input"]
+    if bound.get("inplace"):
+        raise TypeError("ShardedArray is immutable: dropout(inplace=True) is not supported")
+    meta = meta_call(op, args, kwargs)
+    out = out_layout(x.mesh, x.dim_axes, x.partial, meta)
+    if not bound.get("training", True):
+        return Plan([None], out, lambda t, *a, **k: t)
+    block = None if x.mesh.is_abstract else x.shard_metadata(x.mesh.rank).slices()
+    shape = x.shape
+
+    def local(t, *a, **k):
+        p = _bind(("p",), a, k).get("p", 0.5)
+        if p == 0:
+            return t
+        if p == 1:
+            return t * torch.zeros_like(t)
+        noise = torch.empty(shape, dtype=t.dtype, device=t.device).bernoulli_(1 - p)
+        noise.div_(1 - p)
+        return t * noise[block]
+
+    return Plan([None], out, local)
+
+
+def _register():
+    for name in ("softmax", "log_softmax"):
+        register_rule(
+            getattr(F, name),
+            softmax_rule,
+            aliases=(getattr(torch, name), getattr(torch.Tensor, name)),
+        )
+    register_rule(
+        F.layer_norm,
+        _norm_rule(("input", "normalized_shape", "weight", "bias", "eps"), rms=False),
+    )
+    register_rule(F.rms_norm, _norm_rule(("input", "normalized_shape", "weight", "eps"), rms=True))
+    register_rule(F.embedding, embedding_rule)
+    register_rule(F.cross_entropy, cross_entropy_rule)
+    register_rule(F.scaled_dot_product_attention, sdpa_rule)
+    register_rule(F.dropout, dropout_rule)
+
+
+_register()

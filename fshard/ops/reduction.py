@@ -1,0 +1,159 @@
+"""Reduction rules: one rule for sum, mean, amax/amin, max/min, norm, logsumexp, var/std.
+
+Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
+
+- ``sum`` and ``mean`` give a *partial* value over ``A`` (a pending sum: no communication until
+  a nonlinear op or ``fs.gather`` needs the total; ``mean`` divides each addend by the global
+  count). They are linear, so a partial input stays partial;
+- ``amax``/``amin``/``max``/``min`` reduce locally, then ``pmax`` over ``A`` (the gradient goes
+  to the maxima, ties share it); empty uneven shards contribute ``-inf``;
+- ``logsumexp``: ``pmax`` of the local max, then ``psum`` of the shifted exponentials;
+- ``norm``: ``psum`` of ``|x|^p`` (``pmax`` of ``|x|`` for ``p=inf``); ``var``/``std``: two
+  ``psum`` passes (mean, then squared deviations), exact for uneven shards.
+
+Nonlinear reductions of a partial input reduce it first (refused in strict mode). ``max(dim)``
+and ``min(dim)`` with indices all-gather a split reduced dim first (``amax`` does not).
+
+Example:
+    >>> s = x.sum(0)        # x P("x", None): s is P(None, partial="x"), no communication  # doctest: +SKIP
+    >>> m = torch.amax(x, 0)  # one all_reduce(max) of the local maxima  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import (
+    group_of,
+    in_mesh_order,
+    meta_call,
+    norm_dims,
+    numel,
+    out_layout,
+    pcast,
+    pmax,
+    psum,
+    safe_amax,
+    spec,
+)
+from .elementwise import NONLINEAR, elementwise_rule
+from .registry import Plan, register_rule, tensor_inputs
+
+__all__ = ["reduction_rule"]
+
+LINEAR = ("sum", "mean")
+
+
+def _dim_arg(kind, args, kwargs):
+    pos = 2 if kind in ("norm", "vector_norm") else 1
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    if len(args) > pos and not isinstance(args[pos], bool):
+        return args[pos]
+    return None
+
+
+def _correction(args, kwargs) -> float:
+    if "correction" in kwargs and kwargs["correction"] is not None:
+        return kwargs["correction"]
+    unbiased = kwargs.get("unbiased")
+    bools = [a for a in args[1:] if isinstance(a, bool)]
+    if unbiased is None and bools:
+        unbiased = bools[0]
+    return 0 if unbiased is False else 1
+
+
+def reduction_rule(kind: str):
+    """The rule for reduction ``kind`` (sum, mean, amax, amin, max, min, norm, ...)."""
+    elementwise = elementwise_rule(NONLINEAR)
+
+    def rule(op, args, kwargs):
+        ins = tensor_inputs(args, kwargs)
+        if kind in ("max", "min") and len(ins) > 1:
+            return elementwise(op, args, kwargs)  # torch.max(x, other)
+        x = ins[0]
+        if len(ins) != 1:
+            raise TypeError(f"{op.__name__}: expected one tensor input, got {len(ins)}")
+        dims = norm_dims(_dim_arg(kind, args, kwargs), x.ndim)
+        meta = meta_call(op, args, kwargs)
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        keepdim = metas[0].ndim == x.ndim and x.ndim > 0
+        axes = in_mesh_order(x.mesh, [a for d in dims for a in x.dim_axes[d]])
+        keep_partial = x.partial if kind in LINEAR else ()
+        if kind in LINEAR:
+            partial = in_mesh_order(x.mesh, (*keep_partial, *axes))
+        else:
+            partial = ()
+        out_dims = [
+            () if d in dims else x.dim_axes[d] for d in range(x.ndim) if keepdim or d not in dims
+        ]
+        in_spec = spec(x.dim_axes, keep_partial)
+        if len(metas) > 1:  # max/min(dim) with indices: gather the reduced dim first
+            whole = [() if d in dims else a for d, a in enumerate(x.dim_axes)]
+            outs = tuple(out_layout(x.mesh, out_dims, (), m) for m in metas)
+            return Plan([spec(whole)], outs)
+        out = out_layout(x.mesh, out_dims, partial, meta)
+        group = group_of(x.mesh, axes)
+        local = _local_fn(kind, op, dims, keepdim, group, x, meta.dtype)
+        return Plan([in_spec], out, local)
+
+    return rule
+
+
+def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
+    if group is None:
+        return None  # the op itself, on local tensors
+    count = numel(x.shape[d] for d in dims)
+    if kind == "sum":
+        return None
+    if kind == "mean":
+        return lambda t, *a, **k: torch.sum(t, dim=dims, keepdim=keepdim, dtype=out_dtype) / count
+    if kind in ("amax", "max"):
+        return lambda t, *a, **k: pmax(safe_amax(t, dims, keepdim), group)
+    if kind in ("amin", "min"):
+        return lambda t, *a, **k: pmax(-safe_amax(-t, dims, keepdim), group, "min")
+    if kind == "logsumexp":
+
+        def logsumexp(t, *a, **k):
+            m = pmax(safe_amax(t, dims, True), group).detach()
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            s = psum(torch.sum(torch.exp(t - m), dim=dims, keepdim=True), group)
+            out = m + torch.log(s)
+            return out if keepdim else out.squeeze(dims)
+
+        return logsumexp
+    if kind in ("norm", "vector_norm"):
+
+        def norm(t, *a, **k):
+            p = k.get("ord" if kind == "vector_norm" else "p", a[0] if a else 2)
+            if p in ("fro", None):
+                p = 2
+            if p == math.inf:
+                return pmax(safe_amax(t.abs(), dims, keepdim), group)
+            s = psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
+            return s ** (1.0 / p)
+
+        return norm
+    if kind in ("var", "std"):
+
+        def var(t, *a, **k):
+            corr = _correction((None, *a), k)
+            mean = psum(torch.sum(t, dim=dims, keepdim=True), group) / count
+            d = t - pcast(mean, group)
+            v = psum(torch.sum(d * d, dim=dims, keepdim=keepdim), group) / max(count - corr, 0)
+            return v.sqrt() if kind == "std" else v
+
+        return var
+    raise AssertionError(kind)
+
+
+def _register():
+    for kind in ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std"):
+        rule = reduction_rule(kind)
+        register_rule(getattr(torch, kind), rule, aliases=(getattr(torch.Tensor, kind),))
+    register_rule(torch.linalg.vector_norm, reduction_rule("vector_norm"))
+
+
+_register()

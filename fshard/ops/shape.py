@@ -1,0 +1,269 @@
+"""Shape rules: permutations, reshape family, expand, cat/stack, split family, indexing.
+
+- Permutations (``transpose``, ``permute``, ``t``, ``.T``, ``.mT``, ``movedim``) permute the
+  spec; no communication.
+- ``reshape``/``view``/``flatten``/``unflatten``/``squeeze``/``unsqueeze`` work on groups of
+  dims whose products match. A group may be split over mesh axes only on its first input dim,
+  and only when every rank's block stays one contiguous block of the first output dim under the
+  flat ceil-div chunking. That covers every even split and uneven shards whenever the result is
+  well defined (e.g. ``(5, 4)`` split on dim 0 -> ``(5, 2, 2)``); other cases raise a
+  ``ValueError`` naming the ``fs.reshard`` that makes them local.
+- ``expand`` keeps the spec (expanded size-1 dims must be unsplit; new dims are unsplit).
+- ``cat``/``stack`` align inputs like elementwise ops with the cat dim unsplit; ``split``,
+  ``chunk``, ``unbind``, ``narrow``, ``select`` and basic indexing (ints, slices, ``None``,
+  ``...``) are local on unsplit dims and gather a split dim they cut first.
+
+Pending sums pass through every shape op (they are linear).
+
+Example:
+    >>> y = x.reshape(5, 2, 2)  # x (5, 4) P("x"): y P("x", None, None), no communication  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..spec import Layout
+from ._common import meta_call, norm_dim, out_layout, spec
+from .elementwise import align
+from .registry import Plan, register_rule, tensor_inputs
+
+__all__ = ["reshape_dims", "permutation_rule", "reshape_rule"]
+
+
+# -- permutations ---------------------------------------------------------------------------
+
+
+def permutation_rule(op, args, kwargs):
+    """Ops that only reorder dims: the perm is read off a meta tensor with distinct sizes."""
+    (x,) = tensor_inputs(args, kwargs)
+    probe = torch.empty([d + 2 for d in range(x.ndim)], device="meta")
+    margs = [probe if isinstance(a, Layout) else a for a in args]
+    out = op(*margs, **kwargs)
+    perm = [s - 2 for s in out.shape]
+    meta = meta_call(op, args, kwargs)
+    dims = [x.dim_axes[p] for p in perm]
+    return Plan([None], out_layout(x.mesh, dims, x.partial, meta))
+
+
+# -- reshape family -------------------------------------------------------------------------
+
+
+def _groups(src, dst):
+    """Pair dim groups of equal product: list of (src dims, dst dims)."""
+    groups = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+        groups.append((tuple(gi), tuple(gj)))
+    return groups
+
+
+def reshape_dims(layout: Layout, dst: tuple[int, ...]) -> list[tuple[str, ...]]:
+    """The output dim axes of reshaping ``layout`` to ``dst``, or a ``ValueError``."""
+    src = layout.shape
+    out: list[tuple[str, ...]] = [()] * len(dst)
+    if math.prod(src) == 0:
+        if layout.sharded_axes:
+            raise ValueError(
+                f"reshape of an empty tensor {src} split as {layout.spec}; reshard it first"
+            )
+        return out
+    for gi, gj in _groups(src, dst):
+        split = [d for d in gi if layout.dim_axes[d]]
+        if not split:
+            continue
+        first = gi[0]
+        ok = split == [first] and gj
+        if ok:
+            axes = layout.dim_axes[first]
+            k = layout.mesh.size(axes)
+            rest_in = math.prod(src[d] for d in gi[1:])
+            rest_out = math.prod(dst[d] for d in gj[1:])
+            c_in = -(-src[first] // k)
+            c_out = -(-dst[gj[0]] // k)
+            ok = c_in * rest_in == c_out * rest_out
+        if not ok:
+            dims = [() if d in gi else a for d, a in enumerate(layout.dim_axes)]
+            raise ValueError(
+                f"cannot reshape {src} with {layout.spec} to {tuple(dst)} without moving data: "
+                f"dims {list(gi)} map to {list(gj)} and the split of dim {split[0]} does not "
+                "stay one contiguous block per rank (only the first dim of a merged/split "
+                "group may be split, with chunks that line up). Reshard first: "
+                f"x = fs.reshard(x, fs.{spec(dims, layout.partial)!r})"
+            )
+        out[gj[0]] = layout.dim_axes[first]
+    return out
+
+
+def reshape_rule(op, args, kwargs):
+    (x,) = tensor_inputs(args, kwargs)[:1]
+    meta = meta_call(op, args, kwargs)
+    dims = reshape_dims(x, tuple(meta.shape))
+    out = out_layout(x.mesh, dims, x.partial, meta)
+    shape = None if x.mesh.is_abstract else out.local_shape()
+    n_in = len(tensor_inputs(args, kwargs))
+    return Plan([None] * n_in, out, lambda t, *a, **k: t.reshape(shape))
+
+
+# -- expand ---------------------------------------------------------------------------------
+
+
+def expand_rule(op, args, kwargs):
+    ins = tensor_inputs(args, kwargs)
+    x = ins[0]
+    meta = meta_call(op, args, kwargs)
+    shape = tuple(meta.shape)
+    off = len(shape) - x.ndim
+    dims = [()] * off + [
+        a if x.shape[d] == shape[off + d] else () for d, a in enumerate(x.dim_axes)
+    ]
+    out = out_layout(x.mesh, dims, x.partial, meta)
+    local_shape = None if x.mesh.is_abstract else out.local_shape()
+    specs = [spec(dims[off:], x.partial)] + [None] * (len(ins) - 1)
+    return Plan(specs, out, lambda t, *a, **k: t.expand(local_shape))
+
+
+# -- cat / stack ----------------------------------------------------------------------------
+
+
+def _dim_kw(args, kwargs, pos, default=0):
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    return args[pos] if len(args) > pos else default
+
+
+def cat_rule(op, args, kwargs):
+    ins = tensor_inputs(args, kwargs)
+    meta = meta_call(op, args, kwargs)
+    shape = tuple(meta.shape)
+    stack = op is torch.stack
+    dim = norm_dim(_dim_kw(args, kwargs, 1), len(shape))
+    partials = {x.partial for x in ins}
+    partial = ins[0].partial if len(partials) == 1 else ()
+    if stack:
+        shape_in = shape[:dim] + shape[dim + 1 :]
+        dims = align(ins, shape_in, reserved=partial)
+        out_dims = dims[:dim] + [()] + dims[dim:]
+        specs = [spec(dims, partial) for _ in ins]
+    else:
+        same_rank = [x for x in ins if x.ndim == len(shape)]
+        dims = align(same_rank, shape, reserved=(*partial, *_cat_dim_axes(same_rank, dim)))
+        out_dims = dims
+        specs = [spec(dims, partial) if x.ndim == len(shape) else None for x in ins]
+    return Plan(specs, out_layout(ins[0].mesh, out_dims, partial, meta))
+
+
+def _cat_dim_axes(ins, dim):
+    return [a for x in ins for a in x.dim_axes[dim]]
+
+
+# -- split family and indexing --------------------------------------------------------------
+
+
+def _unsplit(x: Layout, dims) -> list:
+    return [() if d in dims else a for d, a in enumerate(x.dim_axes)]
+
+
+def split_rule_at(pos: int, removes_dim: bool = False):
+    """Rule for ops cutting dim ``args[pos]`` (split, chunk, unbind, narrow, select)."""
+
+    def rule(op, args, kwargs):
+        ins = tensor_inputs(args, kwargs)
+        x = ins[0]
+        dim = norm_dim(_dim_kw(args, kwargs, pos), x.ndim)
+        dims = _unsplit(x, {dim})
+        meta = meta_call(op, args, kwargs)
+        out_dims = [a for d, a in enumerate(dims) if not (removes_dim and d == dim)]
+        specs = [spec(dims, x.partial)] + [None] * (len(ins) - 1)
+        if isinstance(meta, torch.Tensor):
+            return Plan(specs, out_layout(x.mesh, out_dims, x.partial, meta))
+        outs = tuple(out_layout(x.mesh, out_dims, x.partial, m) for m in meta)
+        return Plan(specs, outs)
+
+    return rule
+
+
+def getitem_rule(op, args, kwargs):
+    x, key = args[0], args[1]
+    if not isinstance(x, Layout):
+        raise NotImplementedError("indexing a tensor with a ShardedArray is not supported")
+    items = key if isinstance(key, tuple) else (key,)
+    for it in items:
+        if not (it is None or it is Ellipsis or isinstance(it, (int, slice))) or isinstance(
+            it, bool
+        ):
+            raise NotImplementedError(
+                f"ShardedArray indexing supports ints, slices, None and ...; got {it!r}. "
+                "Gather first (fs.gather(x)[idx]) or use torch.index_select on an unsplit dim"
+            )
+    n_real = sum(1 for it in items if isinstance(it, (int, slice)))
+    expanded = []
+    for it in items:
+        if it is Ellipsis:
+            expanded.extend([slice(None)] * (x.ndim - n_real))
+        else:
+            expanded.append(it)
+    expanded.extend([slice(None)] * (x.ndim - sum(1 for it in expanded if it is not None)))
+    cut, out_dims, d = set(), [], 0
+    for it in expanded:
+        if it is None:
+            out_dims.append(())
+            continue
+        full = isinstance(it, slice) and it.indices(x.shape[d]) == (0, x.shape[d], 1)
+        if not full:
+            cut.add(d)
+        if isinstance(it, slice):
+            out_dims.append(() if d in cut else x.dim_axes[d])
+        d += 1
+    meta = meta_call(op, args, kwargs)
+    in_spec = spec(_unsplit(x, cut), x.partial)
+    return Plan([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
+
+
+def _register():
+    perms = [torch.transpose, torch.permute, torch.t, torch.movedim, torch.swapaxes]
+    perms += [torch.swapdims, torch.adjoint]
+    for op in perms:
+        register_rule(op, permutation_rule, aliases=(getattr(torch.Tensor, op.__name__),))
+    register_rule(torch.Tensor.T.__get__, permutation_rule)
+    register_rule(torch.Tensor.mT.__get__, permutation_rule)
+    for n in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze"):
+        register_rule(getattr(torch, n), reshape_rule, aliases=(getattr(torch.Tensor, n),))
+    for n in ("view", "view_as", "reshape_as"):
+        register_rule(getattr(torch.Tensor, n), reshape_rule)
+    register_rule(torch.Tensor.expand, expand_rule)
+    register_rule(torch.Tensor.expand_as, expand_rule)
+    register_rule(torch.broadcast_to, expand_rule, aliases=(torch.Tensor.broadcast_to,))
+    for op in (torch.cat, torch.concat, torch.concatenate, torch.stack):
+        register_rule(op, cat_rule)
+    register_rule(torch.split, split_rule_at(2), aliases=(torch.Tensor.split,))
+    register_rule(torch.chunk, split_rule_at(2), aliases=(torch.Tensor.chunk,))
+    register_rule(torch.narrow, split_rule_at(1), aliases=(torch.Tensor.narrow,))
+    register_rule(torch.unbind, split_rule_at(1, True), aliases=(torch.Tensor.unbind,))
+    register_rule(torch.select, split_rule_at(1, True), aliases=(torch.Tensor.select,))
+    register_rule(torch.Tensor.__getitem__, getitem_rule)
+
+
+_register()

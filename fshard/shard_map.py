@@ -1,0 +1,559 @@
+"""``shard_map``: run a function on local blocks, with explicit ``fs.lax`` collectives.
+
+The body sees plain local tensors (``ShardedArray.local``, or blocks of full tensors) and
+returns local tensors; ``out_specs`` says how those blocks form global :class:`ShardedArray`
+outputs. Everything is built from differentiable, vmappable pieces, so ``grad``, ``vjp``,
+``jvp``, ``jacrev``, ``jacfwd``, ``hessian`` and ``vmap`` work on a function that calls
+``shard_map``, with the gradient contract of DESIGN §4.
+
+Varying-axes tracking (JAX's ``check_vma``, at run time). Per mesh axis a local value is
+*invariant* (the same on every rank of the axis) or *varying*. While the body runs, a
+``torch.overrides.TorchFunctionMode`` records each tensor's varying axes (an attribute on the
+tensor object, stamped with the active body so stale marks are ignored):
+
+- inputs vary over the axes their in_spec shards or marks partial;
+- the result of a torch op varies over the union of its tensor operands' axes; when an operand
+  is invariant over an axis another operand varies over, the invariant one is first passed
+  through :func:`fshard.lax.pcast` over the missing axes (forward: no-op; backward: psum), so a
+  replicated parameter's gradient is reduced exactly once (data parallel) and never when it only
+  feeds invariant computation (``lambda w: w * 2`` with ``out_specs=P()``);
+- collectives set their result's axes (``psum`` removes, ``all_gather`` adds, ...);
+- tensors created in the body or closed over are invariant (constants, as in JAX).
+  ``torch.func`` transforms applied *inside* the body: their wrappers of tracked tensors inherit
+  the tracked axes, and a ``vmap`` result that comes back without moving a dim is tracked too;
+  other results of inner transforms (notably gradients from an inner ``grad``) are untracked,
+  i.e. treated as invariant. That is right for the gradient of a replicated input (it is
+  already reduced, see the pitfall below) but not for a varying inner result that you then mix
+  with replicated values and differentiate again: put ``vmap``/``grad`` *around* the
+  ``shard_map`` (fully supported) in that case.
+
+At the output boundary, an output declared varying over an axis (sharded or partial in its
+out_spec) but tracked invariant is ``pcast`` (its blocks are copies, so its gradient sums
+them); an output declared replicated over an axis but tracked varying (e.g. the default
+``all_gather(to="varying")`` returned as ``P()``) gets a cast whose forward is the identity and
+whose backward scales the cotangent by ``1/n``: the cotangent of an invariant output arrives
+identical on every rank and the varying computation behind it would otherwise add the ``n``
+copies up.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from . import _comm, lax
+from .api import shard
+from .array import ShardedArray
+from .lax import Pcast, Unvary, apply
+from .mesh import Mesh
+from .spec import Layout, P, chunk_bounds
+
+__all__ = ["shard_map"]
+
+_EMPTY: frozenset = frozenset()
+_ATTR = "_fshard_vma"
+# Calls that must never get a pcast operand: autograd entry points take tensors that have to
+# stay the very objects of the graph.
+_PASSTHROUGH = {
+    torch.autograd.grad,
+    torch.autograd.backward,
+    torch.Tensor.backward,
+    torch.Tensor.register_hook,
+    torch.Tensor.requires_grad_,
+    torch.Tensor.detach,
+    torch.Tensor.detach_,
+}
+_FUNCTORCH = torch._C._functorch
+
+
+class _Tracker(TorchFunctionMode):
+    """Records the varying mesh axes of every tensor produced in a shard_map body."""
+
+    def __init__(self, mesh: Mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.paused = 0
+
+    # -- marks --------------------------------------------------------------------------
+    def vma(self, t: torch.Tensor) -> frozenset:
+        mark = getattr(t, _ATTR, None)
+        if mark is not None and mark[0] is self:
+            return mark[1]
+        # A functorch wrapper made inside the body (grad/vmap in the body) of a tracked tensor.
+        while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+            t = _FUNCTORCH.get_unwrapped(t)
+            mark = getattr(t, _ATTR, None)
+            if mark is not None and mark[0] is self:
+                return mark[1]
+        return _EMPTY
+
+    def tag(self, t, axes: frozenset) -> None:
+        if isinstance(t, torch.Tensor):
+            _mark(t, (self, axes))
+        elif isinstance(t, (tuple, list)):
+            for item in t:
+                if isinstance(item, torch.Tensor):
+                    _mark(item, (self, axes))
+
+    def pcast(self, t: torch.Tensor, axes: Sequence[str]) -> torch.Tensor:
+        """``t`` made varying over ``axes``; axes it already varies over are skipped."""
+        have = self.vma(t)
+        missing = tuple(a for a in self.mesh.axis_names if a in axes and a not in have)
+        if not missing:
+            return t
+        self.paused += 1
+        try:
+            out = apply(Pcast(self.mesh.group(missing)), t)
+        finally:
+            self.paused -= 1
+        self.tag(out, have | frozenset(missing))
+        return out
+
+    def collective(self, xs: list, axes: tuple[str, ...], run: Callable, varies: bool) -> list:
+        """Run a collective on ``xs`` (pcast first where invariant) and mark its results."""
+        vmas = [self.vma(x) for x in xs]
+        xs = [self.pcast(x, axes) for x in xs]
+        self.paused += 1
+        try:
+            ys = run(xs)
+        finally:
+            self.paused -= 1
+        axes_set = frozenset(axes)
+        for y, v in zip(ys, vmas):
+            self.tag(y, (v | axes_set) if varies else (v - axes_set))
+        return ys
+
+    # -- the mode -------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused or func in _PASSTHROUGH:
+            return func(*args, **kwargs)
+        found = []  # vma of every tensor operand
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                found.append(self.vma(a))
+            elif isinstance(a, (tuple, list)):
+                found.extend(self.vma(t) for t in a if isinstance(t, torch.Tensor))
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                found.append(self.vma(a))
+        union = _EMPTY.union(*found) if found else _EMPTY
+        if union and any(v != union for v in found):
+            args, kwargs = self._align(func, args, kwargs, union)
+        out = func(*args, **kwargs)
+        if union:
+            self.tag(args[0] if _in_place(func, kwargs) else out, union)
+        return out
+
+    def _align(self, func, args, kwargs, union):
+        """pcast every floating operand that is invariant over an axis in ``union``."""
+        skip_first = _in_place(func, kwargs)
+
+        def fix(t):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and self.vma(t) != union:
+                return self.pcast(t, tuple(union))
+            return t
+
+        new_args = []
+        for i, a in enumerate(args):
+            if i == 0 and skip_first:
+                new_args.append(a)
+            elif isinstance(a, torch.Tensor):
+                new_args.append(fix(a))
+            elif isinstance(a, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in a):
+                new_args.append(type(a)(fix(t) for t in a))
+            else:
+                new_args.append(a)
+        new_kwargs = {k: fix(v) if k != "out" else v for k, v in kwargs.items()}
+        return tuple(new_args), new_kwargs
+
+
+def _mark(t: torch.Tensor, mark: tuple) -> None:
+    setattr(t, _ATTR, mark)
+    # A transform applied inside the body (vmap) hands back its physical result when no dim
+    # moves; marking the physical tensor keeps that result tracked.
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        t = _FUNCTORCH.get_unwrapped(t)
+        setattr(t, _ATTR, mark)
+
+
+def _in_place(func, kwargs) -> bool:
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name == "__setitem__" or (name.endswith("_") and name[-2] != "_")
+
+
+# -- specs and pytrees ----------------------------------------------------------------------
+
+
+def _is_spec(s) -> bool:
+    return isinstance(s, P) or s is None
+
+
+def _spec_leaves(specs, tree, what: str) -> tuple[list, list, object]:
+    """Match the prefix ``specs`` against ``tree``: (spec per subtree, subtrees, treedef)."""
+    treedef = optree.tree_structure(specs, is_leaf=_is_spec, none_is_leaf=True)
+    spec_list = optree.tree_leaves(specs, is_leaf=_is_spec, none_is_leaf=True)
+    for s in spec_list:
+        if not _is_spec(s):
+            raise TypeError(
+                f"shard_map: {what} must hold fshard.P entries (or None), got "
+                f"{type(s).__name__} {s!r}"
+            )
+    try:
+        subtrees = treedef.flatten_up_to(tree)
+    except ValueError as e:
+        raise ValueError(
+            f"shard_map: {what} {specs!r} is not a prefix of the structure it describes "
+            f"({optree.tree_structure(tree, is_leaf=_is_sharded)}); give one P per input / "
+            f"output, or one P for a whole subtree ({e})"
+        ) from None
+    return spec_list, subtrees, treedef
+
+
+def _is_sharded(v) -> bool:
+    return isinstance(v, ShardedArray)
+
+
+def _path(prefix: str, sub: tuple) -> str:
+    return prefix + "".join(f"[{k!r}]" for k in sub)
+
+
+def _check_spec_axes(spec: P, mesh: Mesh, where: str) -> None:
+    unknown = [a for a in spec.axes if a not in mesh.axis_names]
+    if unknown:
+        raise ValueError(
+            f"shard_map: {where} has spec {spec} naming axis {unknown[0]!r}, which is not an "
+            f"axis of the mesh; the mesh axes are {mesh.axis_names}"
+        )
+
+
+# -- the input boundary ---------------------------------------------------------------------
+
+
+def _local_input(x, spec: P | None, mesh: Mesh, where: str):
+    if spec is None:
+        return x
+    if isinstance(x, ShardedArray):
+        if x.mesh != mesh:
+            raise ValueError(
+                f"shard_map: {where} lives on {x.mesh!r}, not on the shard_map mesh {mesh!r}"
+            )
+        if x.layout.spec != spec:
+            raise ValueError(
+                f"shard_map: {where} has layout {x.layout.spec} but in_specs gives {spec}; "
+                f"shard_map never reshards implicitly: call fs.reshard(x, {spec}) first"
+            )
+        return x.local
+    if isinstance(x, torch.Tensor):
+        return shard(x, mesh, spec).local
+    return x
+
+
+def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
+    """Local inputs and, per tensor leaf, (local, varying axes) to mark once the body starts."""
+    if isinstance(in_specs, list):
+        in_specs = tuple(in_specs)
+    if _is_spec(in_specs):
+        in_specs = (in_specs,) * len(args)
+    specs, subtrees, treedef = _spec_leaves(in_specs, args, "in_specs")
+    paths = optree.tree_paths(in_specs, is_leaf=_is_spec, none_is_leaf=True)
+    marks: list = []
+    seen: dict = {}
+    new = []
+    for spec, sub, path in zip(specs, subtrees, paths):
+        where = _path("args", path)
+        if spec is not None:
+            _check_spec_axes(spec, mesh, f"input {where}")
+        sub_paths, sub_leaves, sub_def = optree.tree_flatten_with_path(sub, is_leaf=_is_sharded)
+        locals_ = []
+        for p, leaf in zip(sub_paths, sub_leaves):
+            local = _local_input(leaf, spec, mesh, f"input {_path(where, p)}")
+            if spec is not None and isinstance(local, torch.Tensor):
+                axes = frozenset(spec.axes)
+                if seen.setdefault(id(local), axes) != axes:  # one object, two specs
+                    local = local.view_as(local)
+                marks.append((local, axes))
+            locals_.append(local)
+        new.append(optree.tree_unflatten(sub_def, locals_))
+    return treedef.unflatten(new), marks
+
+
+# -- the output boundary --------------------------------------------------------------------
+
+
+def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: bool):
+    if isinstance(out_specs, list):
+        out_specs = tuple(out_specs)
+    specs, subtrees, treedef = _spec_leaves(out_specs, out, "out_specs")
+    paths = optree.tree_paths(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    flat = []  # (where, local tensor, spec)
+    subdefs = []
+    for spec, sub, path in zip(specs, subtrees, paths):
+        where = _path("output", path)
+        if spec is None:
+            raise TypeError(f"shard_map: out_specs entry for {where} is None; give a fshard.P")
+        _check_spec_axes(spec, mesh, where)
+        sub_paths, sub_leaves, sub_def = optree.tree_flatten_with_path(sub, is_leaf=_is_sharded)
+        subdefs.append((sub_def, len(sub_leaves)))
+        for p, leaf in zip(sub_paths, sub_leaves):
+            w = _path(where, p)
+            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, ShardedArray):
+                raise TypeError(
+                    f"shard_map: the body returned {type(leaf).__name__} at {w}; it must return "
+                    "local torch.Tensors (the body works on local blocks)"
+                )
+            if leaf.dim() < len(spec):
+                raise ValueError(
+                    f"shard_map: {w} has {leaf.dim()} dims but its out_spec {spec} has "
+                    f"{len(spec)} entries"
+                )
+            flat.append((w, leaf, spec))
+    if check:
+        for w, local, spec in flat:
+            _check_replicated(w, local, spec, mesh)
+    shapes = _global_shapes(flat, mesh, out_shapes, out, treedef)
+    results = []
+    for (_w, local, spec), shape in zip(flat, shapes):
+        local = _cast_out(local, spec, mesh, tracker.vma(local))
+        layout = Layout(mesh, spec, shape, local.dtype)
+        results.append(ShardedArray._raw(local, layout))
+    new, i = [], 0
+    for sub_def, n in subdefs:
+        new.append(optree.tree_unflatten(sub_def, results[i : i + n]))
+        i += n
+    return treedef.unflatten(new)
+
+
+def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch.Tensor:
+    declared = frozenset(spec.axes)
+    add = tuple(a for a in mesh.axis_names if a in declared and a not in vma)
+    drop = tuple(a for a in mesh.axis_names if a in vma and a not in declared)
+    if add:
+        local = apply(Pcast(mesh.group(add)), local)
+    if drop:
+        local = apply(Unvary(mesh.group(drop)), local)
+    return local
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The physical tensor under any functorch wrappers (for checks that only read values)."""
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        t = _FUNCTORCH.get_unwrapped(t)
+    return t.detach()
+
+
+def _check_replicated(where: str, local: torch.Tensor, spec: P, mesh: Mesh) -> None:
+    """Raise unless ``local`` is equal on every rank of each axis ``spec`` leaves replicated."""
+    t = _plain(local)
+    for a in mesh.axis_names:
+        if a in spec.axes or mesh.size(a) == 1:
+            continue
+        g = mesh.group(a)
+        with torch.no_grad():
+            hi = _comm.all_reduce(t, g, "max")
+            lo = _comm.all_reduce(t, g, "min")
+            same = torch.tensor([float(torch.equal(hi, lo))])
+            agreed = _comm.all_reduce(same, g, "min")  # every rank raises, or none
+        if agreed.item() != 1.0:
+            worst = (hi.float() - lo.float()).abs().max().item() if hi.numel() else 0.0
+            raise ValueError(
+                f"shard_map(check_replication=True): {where} is declared replicated over mesh "
+                f"axis {a!r} by out_spec {spec}, but its values differ across that axis (max "
+                f"abs difference {worst:g}). Return it with a spec that names {a!r} (sharded or "
+                f"partial), or reduce it first (fs.lax.psum / pmean / all_gather)"
+            )
+
+
+def _global_shapes(flat: list, mesh: Mesh, out_shapes, out, treedef) -> list:
+    if out_shapes is not None:
+        return _given_shapes(flat, mesh, out_shapes, out)
+    if not any(any(spec.dims) for _, _, spec in flat):
+        return [tuple(local.shape) for _, local, _ in flat]
+    return _exchanged_shapes(flat, mesh)
+
+
+def _is_shape(v) -> bool:
+    return isinstance(v, (tuple, list, torch.Size)) and all(
+        isinstance(s, int) and not isinstance(s, bool) for s in v
+    )
+
+
+def _given_shapes(flat: list, mesh: Mesh, out_shapes, out) -> list:
+    if _is_shape(out_shapes) and len(flat) == 1 and isinstance(out, torch.Tensor):
+        given = [tuple(out_shapes)]
+    else:
+        given = optree.tree_leaves(out_shapes, is_leaf=_is_shape, none_is_leaf=True)
+        if len(given) != len(flat) or not all(_is_shape(s) for s in given):
+            raise ValueError(
+                f"shard_map: out_shapes must give one global shape (a tuple of ints) per output "
+                f"tensor, in the output's structure; the body returned {len(flat)} tensors, "
+                f"out_shapes has {len(given)} entries: {out_shapes!r}"
+            )
+    shapes = []
+    for (w, local, spec), shape in zip(flat, given):
+        shape = tuple(shape)
+        layout = Layout(mesh, spec, shape, local.dtype)
+        want = layout.local_shape(mesh.rank)
+        if tuple(local.shape) != want:
+            raise ValueError(
+                f"shard_map: {w} has local shape {tuple(local.shape)} but out_shapes gives "
+                f"global shape {shape} with spec {spec}, whose block on rank {mesh.rank} is {want}"
+            )
+        shapes.append(shape)
+    return shapes
+
+
+def _exchanged_shapes(flat: list, mesh: Mesh) -> list:
+    """Global shapes from every rank's local shapes: ONE small all_gather of int64 sizes.
+
+    Local sizes alone cannot say whether a block of 3 belongs to a dim of 5 or 6 split in two,
+    so the ranks exchange their local shapes (all outputs in one message); the global size of a
+    split dim is the sum of its chunk sizes, checked against fshard's chunking convention.
+    """
+    mine = [s for _, local, _ in flat for s in local.shape]
+    g = mesh.group(mesh.axis_names)
+    if g.size == 1:
+        table = {mesh.rank: mine}
+    else:
+        send = torch.tensor(mine, dtype=torch.int64, device=mesh.device())
+        recv = send.new_empty(g.size * len(mine))
+        _comm.record("size_exchange", g.axes, send.numel() * send.element_size())
+        dist.all_gather_single(recv, send, group=g.pg)
+        rows = recv.view(g.size, len(mine)).tolist()
+        table = {g.ranks[j]: rows[g.group_rank[j]] for j in range(g.size)}
+    shapes, k = [], 0
+    for w, local, spec in flat:
+        nd = local.dim()
+        dims = spec.padded(nd)
+        shape = []
+        for d in range(nd):
+            sizes = {r: table[r][k + d] for r in mesh.ranks}
+            shape.append(_dim_size(w, d, dims[d], sizes, mesh))
+        shapes.append(tuple(shape))
+        k += nd
+    return shapes
+
+
+def _dim_size(where: str, d: int, axes: tuple, sizes: dict, mesh: Mesh) -> int:
+    if not axes:
+        distinct = sorted(set(sizes.values()))
+        if len(distinct) > 1:
+            raise ValueError(
+                f"shard_map: {where} dim {d} is not split by its out_spec but its local size "
+                f"differs across ranks ({[sizes[r] for r in mesh.ranks]} in rank order); split "
+                "it in the out_spec or make the sizes agree"
+            )
+        return distinct[0]
+    k = mesh.size(axes)
+    chunk: dict = {}
+    for r, s in sizes.items():
+        j = mesh.axis_index(axes, r)
+        if chunk.setdefault(j, s) != s:
+            raise ValueError(
+                f"shard_map: {where} dim {d} is split over {axes}, but ranks holding the same "
+                f"chunk {j} have different sizes ({chunk[j]} and {s})"
+            )
+    per = [chunk[j] for j in range(k)]
+    n = sum(per)
+    expected = [b - a for a, b in (chunk_bounds(n, k, j) for j in range(k))]
+    if per != expected:
+        raise ValueError(
+            f"shard_map: {where} dim {d} is split over {axes} with chunk sizes {per} (total "
+            f"{n}), but fshard's layout of a dim of size {n} over {k} chunks is {expected} "
+            "(ceil-div chunks, the last ones smaller or empty). Return blocks with those sizes "
+            "or pass out_shapes="
+        )
+    return n
+
+
+# -- the public function --------------------------------------------------------------------
+
+
+def shard_map(
+    f: Callable,
+    mesh: Mesh,
+    in_specs,
+    out_specs,
+    check_replication: bool = False,
+    out_shapes=None,
+) -> Callable:
+    """Map ``f`` over local blocks: ``f`` sees this rank's local tensors and uses ``fs.lax``.
+
+    Args:
+        f: the body. It receives local ``torch.Tensor`` blocks (in the structure of the
+            arguments) and returns local tensors (any pytree). ``fs.lax`` collectives inside it
+            use ``mesh``; ``fs.lax.axis_index`` gives this rank's position.
+        mesh: a real :class:`fshard.Mesh` (``Mesh.create``).
+        in_specs: a pytree prefix of the positional arguments: one :class:`P` per argument or
+            per subtree (a single ``P`` applies to every argument). A :class:`ShardedArray`
+            argument must already have that layout (else ``ValueError``: use ``fs.reshard``);
+            a plain full tensor is split with ``fs.shard`` (no communication); ``None`` passes
+            that subtree through untouched (e.g. Python numbers).
+        out_specs: a pytree prefix of the body's output: how the local blocks form each global
+            output. ``P(partial="x")`` means the local values are addends over ``x``.
+        check_replication: verify that every output is equal over each mesh axis its out_spec
+            leaves replicated (two all_reduces per output and axis) and raise a ``ValueError``
+            naming the output and the axis otherwise.
+        out_shapes: the global shapes of the outputs (a shape per output tensor, in the
+            output's structure). Without it, outputs whose out_spec splits a dim cost one small
+            all_gather of the local shapes per call (all outputs in one message), because
+            uneven blocks make the global size undecidable from one rank's block; outputs with
+            no split dim need no exchange.
+
+    Returns:
+        A function of the same positional arguments returning :class:`ShardedArray` outputs
+        with the ``out_specs`` layouts and exact global shapes.
+
+    Gradients (DESIGN §4, as JAX with ``check_vma=True``): fshard tracks which mesh axes each
+    local value varies over and inserts ``fs.lax.pcast`` where a replicated value meets a
+    varying one, so a replicated input's gradient is summed exactly once (data parallel) and
+    not at all when it only feeds replicated computation (``lambda w: w * 2`` with
+    ``out_specs=P()``). **Pitfall (as in JAX):** ``torch.func.grad`` taken *inside* the body
+    with respect to a replicated input already returns the reduced gradient (the pcast's
+    backward summed it); do not ``fs.lax.psum`` it again, that counts it ``n`` times. Taking
+    ``grad`` around the ``shard_map`` gives ShardedArray gradients with the inputs' layouts.
+
+    Example:
+        >>> def body(x, w):  # x: batch block, w: replicated  # doctest: +SKIP
+        ...     return fs.lax.psum((x @ w).pow(2).sum(), "dp")
+        >>> loss = fs.shard_map(body, mesh, (P("dp"), P()), P())  # doctest: +SKIP
+        >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # doctest: +SKIP
+    """
+    if not callable(f):
+        raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"shard_map: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
+    if mesh.is_abstract:
+        raise ValueError(f"shard_map: mesh {mesh!r} is abstract; use Mesh.create")
+    if not isinstance(check_replication, bool):
+        raise TypeError(f"shard_map: check_replication must be a bool, got {check_replication!r}")
+
+    @functools.wraps(f)
+    def mapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"shard_map: pass inputs positionally (in_specs describes the positional "
+                f"arguments); got keyword arguments {sorted(kwargs)}"
+            )
+        if lax._TRACKER.get() is not None:
+            raise NotImplementedError("shard_map: nesting shard_map bodies is not supported")
+        local_args, marks = _inputs(args, in_specs, mesh)
+        tracker = _Tracker(mesh)
+        for local, axes in marks:
+            tracker.tag(local, axes)
+        mesh_token = lax._MESH.set(mesh)
+        tracker_token = lax._TRACKER.set(tracker)
+        try:
+            with tracker:
+                out = f(*local_args)
+        finally:
+            lax._TRACKER.reset(tracker_token)
+            lax._MESH.reset(mesh_token)
+        return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication)
+
+    return mapped

@@ -1,0 +1,316 @@
+"""fs.lax collectives against their dense meaning, under every torch.func transform.
+
+Every rank builds the same stack of per-rank inputs from a fixed seed (so each rank can compute
+the dense reference locally), runs the collective on its own row, and compares with torch.func
+on the dense function. Conventions (DESIGN §4): the global loss of a *varying* output is the sum
+of the per-rank losses; an *invariant* output (psum, pmax, all_gather(to="invariant")) is one
+value, counted once (its cotangent is the same on every rank of the axis); an invariant input
+(pcast) is one value shared by its group.
+"""
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+
+import fshard as fs
+from fshard import lax
+from fshard.launch import RankError
+from fshard.mesh import _member_ranks
+
+DT = torch.float64
+SHAPE = (4, 8)
+
+
+def _prims(k):
+    """(name, local fn(x, axes, mesh), dense group fn(Xg) -> (k, ...), in kind, out kind)."""
+    m = SHAPE[1] * SHAPE[0] // k
+
+    def rep(y):
+        return y.unsqueeze(0).expand(k, *y.shape)
+
+    def stacked(fn):
+        return lambda xg: torch.stack([fn(xg, j) for j in range(k)])
+
+    return [
+        ("psum", lambda x, a, me: lax.psum(x, a, mesh=me), lambda g: rep(g.sum(0)), "V", "I"),
+        ("pmean", lambda x, a, me: lax.pmean(x, a, mesh=me), lambda g: rep(g.mean(0)), "V", "I"),
+        ("pmax", lambda x, a, me: lax.pmax(x, a, mesh=me), lambda g: rep(g.amax(0)), "V", "I"),
+        ("pmin", lambda x, a, me: lax.pmin(x, a, mesh=me), lambda g: rep(g.amin(0)), "V", "I"),
+        (
+            "all_gather",
+            lambda x, a, me: lax.all_gather(x, a, mesh=me),
+            lambda g: rep(torch.cat(list(g), 0)),
+            "V",
+            "V",
+        ),
+        (
+            "all_gather_invariant_dim1",
+            lambda x, a, me: lax.all_gather(x, a, dim=1, to="invariant", mesh=me),
+            lambda g: rep(torch.cat(list(g), 1)),
+            "V",
+            "I",
+        ),
+        (
+            "all_gather_untiled",
+            lambda x, a, me: lax.all_gather(x, a, dim=1, tiled=False, mesh=me),
+            lambda g: rep(torch.stack(list(g), 1)),
+            "V",
+            "V",
+        ),
+        (
+            "psum_scatter",
+            lambda x, a, me: lax.psum_scatter(x, a, mesh=me),
+            stacked(lambda g, j: g.sum(0).chunk(k, 0)[j]),
+            "V",
+            "V",
+        ),
+        (
+            "psum_scatter_untiled",
+            lambda x, a, me: lax.psum_scatter(x.reshape(k, m), a, tiled=False, mesh=me),
+            stacked(lambda g, j: g.reshape(k, k, m).sum(0)[j]),
+            "V",
+            "V",
+        ),
+        (
+            "all_to_all",
+            lambda x, a, me: lax.all_to_all(x, a, 1, 0, mesh=me),
+            stacked(lambda g, j: torch.cat([g[s].chunk(k, 1)[j] for s in range(k)], 0)),
+            "V",
+            "V",
+        ),
+        (
+            "all_to_all_untiled",
+            lambda x, a, me: lax.all_to_all(x.reshape(k, m), a, 0, 1, tiled=False, mesh=me),
+            stacked(lambda g, j: torch.stack([g[s].reshape(k, m)[j] for s in range(k)], 1)),
+            "V",
+            "V",
+        ),
+        (
+            "ppermute_shift",
+            lambda x, a, me: lax.ppermute(x, a, [(i, (i + 1) % k) for i in range(k)], mesh=me),
+            stacked(lambda g, j: g[(j - 1) % k]),
+            "V",
+            "V",
+        ),
+        (
+            "ppermute_partial",
+            lambda x, a, me: lax.ppermute(x, a, [(0, 1)], mesh=me),
+            stacked(lambda g, j: g[0] if j == 1 else torch.zeros_like(g[0])),
+            "V",
+            "V",
+        ),
+        ("pcast", lambda x, a, me: lax.pcast(x, a, mesh=me), lambda g: g, "I", "V"),
+    ]
+
+
+class _Dense:
+    """The dense meaning of a collective over ``axes`` on ``mesh``, on stacked inputs."""
+
+    def __init__(self, mesh, axes, group_fn, in_kind, out_kind):
+        self.ranks = list(mesh.ranks)
+        self.me = self.ranks.index(dist.get_rank())
+        self.members = [
+            [self.ranks.index(q) for q in _member_ranks(mesh, axes, r)] for r in self.ranks
+        ]
+        groups = sorted({tuple(sorted(m)) for m in self.members})
+        self.gid = [groups.index(tuple(sorted(m))) for m in self.members]
+        n = len(self.ranks)
+        self.din = self.gid if in_kind == "I" else list(range(n))  # distinct input row
+        self.dout = self.gid if out_kind == "I" else list(range(n))  # distinct cotangent row
+        self.m_out = len(self.members[0]) if out_kind == "I" else 1
+        self.group_fn = group_fn
+
+    def F(self, xd):
+        """Per-rank outputs (stacked) of the distinct inputs ``xd``."""
+        x = xd[self.din]
+        outs = []
+        for r, mem in enumerate(self.members):
+            outs.append(self.group_fn(x[mem])[mem.index(r)])
+        return torch.stack(outs)
+
+
+def _gen(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+def _close(got, want, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.allclose(got, want, atol=1e-9, rtol=1e-7), f"{what}: {got} != {want}"
+
+
+def _check_prim(name, local_fn, dense: _Dense, axes, mesh, B=3):
+    r, g = dense.me, dense.din[dense.me]
+    n_in = len(set(dense.din))
+    xd = _gen(1, n_in, *SHAPE)
+    x = xd[g]
+
+    def f(t):
+        return local_fn(t, axes, mesh)
+
+    out_shape = f(x).shape
+    cs = _gen(2, len(dense.ranks), *out_shape)[dense.dout]  # cotangent per rank
+
+    def phi(y, c):
+        return (c * y).sum() + 0.25 * (y**2).sum()
+
+    def local_loss(t):
+        return phi(f(t), cs[r])
+
+    def dense_loss(xd_):
+        ys = dense.F(xd_)
+        return sum(phi(ys[q], cs[q]) for q in range(len(ys))) / dense.m_out
+
+    def G(xd_):
+        return dense.F(xd_).sum(0) / dense.m_out
+
+    zero = torch.zeros(SHAPE, dtype=DT)
+    w = f"{name} over {axes}"
+    _close(f(x), dense.F(xd)[r], f"{w}: forward")
+    _close(grad(local_loss)(x), grad(dense_loss)(xd)[g], f"{w}: grad")
+    _, pull = vjp(f, x)
+    _, dpull = vjp(dense.F, xd)
+    _close(pull(cs[r])[0], dpull(cs / dense.m_out)[0][g], f"{w}: vjp")
+    td = _gen(3, n_in, *SHAPE)
+    _close(jvp(f, (x,), (td[g],))[1], jvp(dense.F, (xd,), (td,))[1][r], f"{w}: jvp")
+    jr = jacrev(G)(xd).select(len(out_shape), g)
+    _close(jacrev(f)(x), jr, f"{w}: jacrev")
+    _close(jacfwd(f)(x), jacfwd(lambda u: dense.F(xd + u)[r])(zero), f"{w}: jacfwd")
+    want_h = jacfwd(lambda u: grad(dense_loss)(xd + u)[g])(zero)
+    _close(hessian(local_loss)(x), want_h, f"{w}: hessian")
+    xs_d = _gen(4, n_in, B, *SHAPE)
+    want_v = vmap(dense.F, in_dims=1)(xs_d)[:, r]
+    _close(vmap(f)(xs_d[g]), want_v, f"{w}: vmap in_dims=0")
+    _close(vmap(f, in_dims=1)(xs_d[g].movedim(0, 1)), want_v, f"{w}: vmap in_dims=1")
+    bs = _gen(5, B)
+    want_n = vmap(lambda b: dense.F(xd)[r] * b)(bs)
+    _close(vmap(lambda b: f(x) * b)(bs), want_n, f"{w}: vmap in_dims=None")
+    want_vg = vmap(grad(dense_loss), in_dims=1)(xs_d)[:, g]
+    _close(vmap(grad(local_loss))(xs_d[g]), want_vg, f"{w}: vmap(grad)")
+    gg = grad(lambda t: (grad(local_loss)(t) ** 2).sum())(x)
+    _close(gg, grad(lambda a: (grad(dense_loss)(a) ** 2).sum())(xd)[g], f"{w}: grad(grad)")
+    xx_d = _gen(6, n_in, 2, B, *SHAPE)
+    want_vv = vmap(vmap(dense.F, in_dims=1), in_dims=1)(xx_d)[:, :, r]
+    _close(vmap(vmap(f))(xx_d[g]), want_vv, f"{w}: vmap(vmap)")
+
+
+def check_all_prims(shape, names, axes_list):
+    mesh = fs.Mesh.create(shape, names)
+    done = []
+    for axes in axes_list:
+        k = mesh.size(axes)
+        for name, local_fn, group_fn, ik, ok in _prims(k):
+            tup = (axes,) if isinstance(axes, str) else tuple(axes)
+            dense = _Dense(mesh, tup, group_fn, ik, ok)
+            _check_prim(name, local_fn, dense, axes, mesh)
+            done.append((name, axes))
+    return done
+
+
+def test_primitives_1d(world2):
+    done = world2.run(check_all_prims, (2,), ("x",), ["x", ("x",)])
+    assert len(done[0]) == 2 * len(_prims(2)) and done[0] == done[1]
+
+
+def test_primitives_2x2(world4):
+    done = world4.run(check_all_prims, (2, 2), ("a", "b"), ["b", ("b", "a")])
+    assert len(done[0]) == 2 * len(_prims(2))
+
+
+def uneven_blocks():
+    """all_gather / psum_scatter with uneven per-rank sizes (3 and 1 rows)."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    r = dist.get_rank()
+    sizes = (3, 1)
+    full = _gen(7, 4, 2)
+    mine = full[:3] if r == 0 else full[3:]
+    c = _gen(8, 2, 4, 2)[r]
+
+    def ag(t):
+        return lax.all_gather(t, "x", sizes=sizes, mesh=mesh)
+
+    _close(ag(mine), full, "uneven all_gather forward")
+    # varying output: global loss = sum over ranks; d/d block = its rows of sum_r c_r
+    csum = _gen(8, 2, 4, 2).sum(0)
+    want = csum[:3] if r == 0 else csum[3:]
+    _close(grad(lambda t: (c * ag(t)).sum())(mine), want, "uneven all_gather grad")
+    _close(jvp(ag, (mine,), (torch.ones_like(mine),))[1], torch.ones(4, 2, dtype=DT), "jvp")
+    vg = vmap(grad(lambda t: (c * ag(t)).sum()))(torch.stack([mine, 2 * mine]))
+    _close(vg, torch.stack([want, want]), "uneven all_gather vmap(grad)")
+    addend = _gen(9, 2, 4, 2)[r]
+    total = _gen(9, 2, 4, 2).sum(0)
+
+    def ps(t):
+        return lax.psum_scatter(t, "x", sizes=sizes, mesh=mesh)
+
+    _close(ps(addend), total[:3] if r == 0 else total[3:], "uneven psum_scatter forward")
+    cb = c[:3] if r == 0 else c[3:]
+    gs = grad(lambda t: (cb * ps(t)).sum())(addend)
+    _close(gs, _uneven_ps_grad(sizes), "uneven psum_scatter grad")
+    return True
+
+
+def _uneven_ps_grad(sizes):
+    cs = _gen(8, 2, 4, 2)
+    return torch.cat([cs[0][: sizes[0]], cs[1][sizes[0] :]], 0)
+
+
+def test_uneven_blocks(world2):
+    assert world2.run(uneven_blocks) == [True, True]
+
+
+def bad_arguments():
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = torch.ones(4, 2)
+    cases = [
+        (lambda: lax.psum(x, "y", mesh=mesh), ValueError, "not an axis of the mesh"),
+        (lambda: lax.psum(x, 3, mesh=mesh), TypeError, "axis must be"),
+        (lambda: lax.psum(x, "x"), ValueError, "inside fs.shard_map, or pass mesh="),
+        (lambda: lax.all_gather([1.0], "x", mesh=mesh), TypeError, "must be a torch.Tensor"),
+        (lambda: lax.all_gather(x, "x", to="both", mesh=mesh), ValueError, "'varying' or"),
+        (lambda: lax.all_gather(x, "x", dim=2, mesh=mesh), ValueError, "out of range"),
+        (lambda: lax.all_gather(x, "x", sizes=(4, 4, 4), mesh=mesh), ValueError, "3 entries"),
+        (lambda: lax.all_gather(x, "x", sizes=(3, 1), mesh=mesh), ValueError, "sizes\\["),
+        (lambda: lax.psum_scatter(torch.ones(3), "x", mesh=mesh), ValueError, "divisible"),
+        (lambda: lax.psum_scatter(x, "x", sizes=(3, 2), mesh=mesh), ValueError, "summing to 4"),
+        (lambda: lax.psum_scatter(x, "x", tiled=False, mesh=mesh), ValueError, "equal the axis"),
+        (lambda: lax.all_to_all(torch.ones(4, 3), "x", 1, 0, mesh=mesh), ValueError, "divisible"),
+        (lambda: lax.all_to_all(x, "x", 0, 1, tiled=False, mesh=mesh), ValueError, "tiled=False"),
+        (lambda: lax.ppermute(x, "x", [(0, 1), (1, 1)], mesh=mesh), ValueError, "once"),
+        (lambda: lax.ppermute(x, "x", [(0, 2)], mesh=mesh), ValueError, "outside"),
+        (lambda: lax.ppermute(x, "x", [0, 1], mesh=mesh), TypeError, "pairs"),
+        (lambda: lax.pcast(x, "x", to="invariant", mesh=mesh), ValueError, "only to="),
+        (lambda: lax.pmax("a", "x", mesh=mesh), TypeError, "pmax: x must be"),
+    ]
+    for fn, exc, pattern in cases:
+        try:
+            fn()
+        except exc as e:
+            assert re.search(pattern, str(e)), (pattern, str(e))
+        else:
+            raise AssertionError(f"no {exc.__name__} for {pattern}")
+    return lax.axis_index("x", mesh=mesh), lax.axis_size("x", mesh=mesh)
+
+
+def test_bad_arguments_fail_locally(world2):
+    assert world2.run(bad_arguments) == [(0, 2), (1, 2)]
+
+
+def psum_on_rank0_only():
+    mesh = fs.Mesh.create((2,), ("x",))
+    if dist.get_rank() == 0:
+        lax.psum(torch.ones(2), "x", mesh=mesh)
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(60)
+def test_collective_on_some_ranks_fails_not_hangs(world2):
+    start = time.monotonic()
+    with pytest.raises((TimeoutError, RankError)) as info:
+        world2.run(psum_on_rank0_only, timeout=5)
+    assert time.monotonic() - start < 25
+    assert "did not finish within 5 s" in str(info.value) or "rank 0" in str(info.value)
+    assert world2.run(bad_arguments)[0] == (0, 2)  # the world restarted and works
