@@ -16,7 +16,11 @@ check_consistency: bool = False
 
 @contextlib.contextmanager
 def strict(enabled: bool = True):
-    """Within the block, any implicit reshard in an op rule raises instead of communicating.
+    """Within the block, any implicit reshard in an op rule that would communicate raises.
+
+    The error names the op, the input layouts and the ``fs.reshard`` call that fixes it (JAX
+    explicit-sharding behaviour). Reshards that need no communication (slicing a replicated
+    operand to match a sharded one, zeroing addends to make a value partial) stay implicit.
 
     Example:
         >>> with fs.config.strict():  # doctest: +SKIP
