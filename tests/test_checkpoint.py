@@ -103,8 +103,8 @@ def test_save_4_ranks_load_on_2_and_1(world4, world2, world1, tmp_path):
 
 
 # -- resume training on another world size -----------------------------------------------------
-# fs.optim is written in parallel by another engineer, so this test uses a small hand-written
-# Adam over the local shards (elementwise, so sharded and dense runs are bit-identical).
+# fs.optim.adamw over a sharded parameter; its state (moments with the param's layout, a step
+# count) is checkpointed on a 2x2 mesh and resumed on 2 ranks with another spec.
 
 _TARGET_SEED, _SHAPE = 3, (7, 5)
 
@@ -113,63 +113,53 @@ def _target():
     return torch.randn(_SHAPE, generator=torch.Generator().manual_seed(_TARGET_SEED))
 
 
-def _adam(w, m, v, step, target):
-    """One Adam step on the loss sum((w - target)^2); w, m, v local tensors, step an int."""
-    b1, b2, lr, eps = 0.9, 0.999, 0.05, 1e-8
-    g = 2 * (w - target)
-    step += 1
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    mhat = m / (1 - b1**step)
-    vhat = v / (1 - b2**step)
-    return w - lr * mhat / (vhat.sqrt() + eps), m, v, step
+def _grad(w):
+    """Gradient of sum((w - target)^2), elementwise (dense tensor or ShardedArray)."""
+    if isinstance(w, fs.ShardedArray):
+        block = _target()[w.layout.shard_metadata(w.layout.mesh.rank).slices()]
+        return fs.ShardedArray(2 * (w.local - block), w.layout)
+    return 2 * (w - _target())
 
 
-def _train(state, steps):
-    w, m, v, step = state["w"], state["m"], state["v"], state["step"]
-    layout = w.layout
-    target = _target()[layout.shard_metadata(layout.mesh.rank).slices()]
-    wl, ml, vl = w.local, m.local, v.local
+def _train(params, opt_state, steps):
+    opt = fs.optim.adamw(0.05, weight_decay=0.01)
     for _ in range(steps):
-        wl, ml, vl, step = _adam(wl, ml, vl, step, target)
-    wrap = lambda t: fs.ShardedArray(t, layout)  # noqa: E731
-    return {"w": wrap(wl), "m": wrap(ml), "v": wrap(vl), "step": step}
+        updates, opt_state = opt.update({"w": _grad(params["w"])}, opt_state, params)
+        params = fs.optim.apply_updates(params, updates)
+    return params, opt_state
 
 
 def train_then_save(path):
     mesh = fs.Mesh.create((2, 2), ("x", "y"))
-    spec = fs.P("y", "x")
-    w0 = torch.linspace(-1, 1, 35).reshape(_SHAPE)
-    state = {
-        "w": fs.shard(w0, mesh, spec),
-        "m": fs.zeros(_SHAPE, mesh, spec),
-        "v": fs.zeros(_SHAPE, mesh, spec),
-        "step": 0,
-    }
-    state = _train(state, 3)
-    fs.checkpoint.save(path, state)
+    params = {"w": fs.shard(torch.linspace(-1, 1, 35).reshape(_SHAPE), mesh, fs.P("y", "x"))}
+    opt_state = fs.optim.adamw(0.05, weight_decay=0.01).init(params)
+    params, opt_state = _train(params, opt_state, 3)
+    fs.checkpoint.save(path, {"params": params, "opt": opt_state, "step": 3})
 
 
 def resume(path):
     mesh = fs.Mesh.create((2,), ("d",))
-    spec = fs.P(None, "d")
-    like = {k: fs.Layout(mesh, spec, _SHAPE) for k in ("w", "m", "v")} | {"step": 0}
+    like_params = {"w": fs.zeros(_SHAPE, mesh, fs.P(None, "d"))}
+    like = {
+        "params": like_params,
+        "opt": fs.optim.adamw(0.05, weight_decay=0.01).init(like_params),
+        "step": 0,
+    }
     state = fs.checkpoint.load(path, like)
     assert state["step"] == 3
-    state = _train(state, 3)
-    return fs.gather(state["w"])
+    assert state["params"]["w"].layout == like_params["w"].layout
+    params, _ = _train(state["params"], state["opt"], 3)
+    return fs.gather(params["w"])
 
 
 def test_resume_training_on_another_world_size(world4, world2, tmp_path):
     path = str(tmp_path / "train")
     world4.run(train_then_save, path)
     got = world2.run(resume, path)
-    w, m, v, step = torch.linspace(-1, 1, 35).reshape(_SHAPE), 0, 0, 0
-    m = v = torch.zeros(_SHAPE)
-    for _ in range(6):
-        w, m, v, step = _adam(w, m, v, step, _target())
+    params = {"w": torch.linspace(-1, 1, 35).reshape(_SHAPE)}
+    params, _ = _train(params, fs.optim.adamw(0.05, weight_decay=0.01).init(params), 6)
     for g in got:
-        assert torch.equal(g, w)
+        assert torch.equal(g, params["w"])  # uninterrupted dense run, bit-identical
 
 
 # -- interrupted saves and bad checkpoints ----------------------------------------------------
