@@ -159,9 +159,14 @@ def dispatch(func, args, kwargs):
     Hot path: a flat argument list is keyed without building a pytree; the plan is looked up
     in a dict and run. Keyword arguments are keyed (and numbered) in sorted-name order.
     """
-    key = [func]
+    if kwargs:
+        names = tuple(sorted(kwargs))
+        leaves, tree = (*args, *[kwargs[n] for n in names]), (len(args), names)
+    else:
+        leaves, tree = args, None
+    key = [func, tree]
     append = key.append
-    for a in args:
+    for a in leaves:
         t = type(a)
         if t is ShardedArray:
             append(a.layout)
@@ -173,25 +178,6 @@ def dispatch(func, args, kwargs):
             append((torch.Tensor, a.shape, a.dtype))
         else:
             return _dispatch_tree(func, args, kwargs)
-    if kwargs:
-        names = tuple(sorted(kwargs))
-        append(names)
-        vals = [kwargs[n] for n in names]
-        for a in vals:
-            t = type(a)
-            if t is ShardedArray:
-                append(a.layout)
-            elif t is float or t is complex:
-                append(SCALAR)
-            elif t in _STATIC:
-                append(a)
-            elif isinstance(a, torch.Tensor):
-                append((torch.Tensor, a.shape, a.dtype))
-            else:
-                return _dispatch_tree(func, args, kwargs)
-        leaves, tree = (*args, *vals), (len(args), names)
-    else:
-        leaves, tree = args, None
     key = tuple(key)
     compiled = _CACHE.get(key)
     if compiled is None:
