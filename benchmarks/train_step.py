@@ -112,8 +112,16 @@ def tp_configs(lr=1e-3):
 
     def fshard_step():
         g = grad_fn(st["p"], x, y)
-        upd, st["s"] = tx.update(g, st["s"], st["p"])
-        st["p"] = fs.optim.apply_updates(st["p"], upd)
+        st["p"], st["s"] = fs.optim.step(tx, g, st["s"], st["p"], donate=True)
+
+    pst = {"p": fs.nn.shard_params(model, mesh, plan)}
+    pst["p"] = {k: v.clone() for k, v in pst["p"].items()}
+    pst["s"] = tx.init(pst["p"])
+
+    def fshard_pure_step():  # the optax two-call step: fresh params every step
+        g = grad_fn(pst["p"], x, y)
+        upd, pst["s"] = tx.update(g, pst["s"], pst["p"])
+        pst["p"] = fs.optim.apply_updates(pst["p"], upd)
 
     # fshard, global view (op rules through __torch_function__)
     gmodel = MLP()
@@ -130,8 +138,7 @@ def tp_configs(lr=1e-3):
 
     def fshard_global_step():
         g = ggrad(gst["p"])
-        upd, gst["s"] = tx.update(g, gst["s"], gst["p"])
-        gst["p"] = fs.optim.apply_updates(gst["p"], upd)
+        gst["p"], gst["s"] = fs.optim.step(tx, g, gst["s"], gst["p"], donate=True)
 
     # DTensor
     dmodel = MLP()
@@ -168,6 +175,7 @@ def tp_configs(lr=1e-3):
         "hand-written (local + all_reduce)": manual_step,
         "DTensor parallelize_module": dtensor_step,
         "fshard local view (pcast/psum)": fshard_step,
+        "fshard local view, pure update+apply": fshard_pure_step,
     }
     try:
         fshard_global_step()
@@ -206,8 +214,7 @@ def dp_configs(lr=1e-3):
     def fshard_step():
         g = grad_fn(st["p"], xs.local, ys.local)
         g = fs.lax.psum(g, "dp", mesh=mesh)  # one all_reduce for the whole pytree
-        upd, st["s"] = tx.update(g, st["s"], st["p"])
-        st["p"] = fs.optim.apply_updates(st["p"], upd)
+        st["p"], st["s"] = fs.optim.step(tx, g, st["s"], st["p"], donate=True)
 
     dmodel = MLP()
     dmodel.load_state_dict(model.state_dict())
@@ -243,6 +250,12 @@ def optim_configs(n=100, shape=(256, 256)):
         upd, st["s"] = tx.update(grads, st["s"], st["p"])
         st["p"] = fs.optim.apply_updates(st["p"], upd)
 
+    dparams = {k: v.clone() for k, v in params.items()}
+    dst = {"p": dparams, "s": tx.init(dparams)}
+
+    def fshard_donated_step():
+        dst["p"], dst["s"] = fs.optim.step(tx, grads, dst["s"], dst["p"], donate=True)
+
     def torch_opt(tensors, grads_):
         ps = [nn.Parameter(t) for t in tensors]
         for p, gr in zip(ps, grads_):
@@ -258,6 +271,7 @@ def optim_configs(n=100, shape=(256, 256)):
         "torch.optim.AdamW, plain local tensors": torch_opt(plain, plain_g),
         "torch.optim.AdamW on DTensors": torch_opt(dt_params, dt_grads),
         "fs.optim.adamw (+ apply_updates)": fshard_step,
+        "fs.optim.step(adamw, donate=True)": fshard_donated_step,
     }, "torch.optim.AdamW, plain local tensors"
 
 

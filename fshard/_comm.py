@@ -96,12 +96,16 @@ def all_gather(
     return torch.cat(parts, 0).movedim(0, dim)
 
 
-def all_reduce(t: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
-    """Elementwise reduction (``sum``, ``max`` or ``min``) over the group; a new tensor."""
+def all_reduce(
+    t: torch.Tensor, g: AxisGroup, op: str = "sum", *, inplace: bool = False
+) -> torch.Tensor:
+    """Elementwise reduction (``sum``, ``max`` or ``min``) over the group; a new tensor, or
+    ``t`` itself reduced in place with ``inplace`` (``t`` must then be a contiguous temporary
+    the caller owns, e.g. a gradient bucket)."""
     if g.size == 1:
         return t
     record("all_reduce", g.axes, _nbytes(t))
-    out = t.clone(memory_format=torch.contiguous_format)
+    out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     dist.all_reduce(out, red, group=g.pg)
     return out

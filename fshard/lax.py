@@ -114,7 +114,9 @@ class LocalSlice:
         start, size = _split_offset(
             self.sizes, x.shape[self.dim], self.group.size, self.group.index
         )
-        return x.narrow(self.dim, start, size)
+        # A contiguous block (a view when the slice already is one, e.g. dim 0): strided
+        # locals make every later kernel and collective on them slower, in-place ones most.
+        return x.narrow(self.dim, start, size).contiguous()
 
     def transpose(self):
         return AllGather(self.group, self.dim, self.sizes, invariant=True)
@@ -390,6 +392,10 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None):
     return optree.tree_unflatten(spec, out)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    return not t.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def _psum_bucketed(leaves: list, g: AxisGroup) -> list:
     out = list(leaves)
     by_dtype: dict = {}
@@ -397,7 +403,10 @@ def _psum_bucketed(leaves: list, g: AxisGroup) -> list:
         by_dtype.setdefault((leaf.dtype, leaf.device), []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
-        summed = apply(Psum(g), flat)
+        if _plain(flat):  # no autograd or transform: reduce the bucket we own in place
+            summed = _comm.all_reduce(flat, g, "sum", inplace=True)
+        else:
+            summed = apply(Psum(g), flat)
         for i, piece in zip(idx, torch.split(summed, [leaves[i].numel() for i in idx])):
             out[i] = piece.view_as(leaves[i])
     return out

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -67,6 +68,7 @@ __all__ = [
     "masked",
     "multi_transform",
     "apply_updates",
+    "step",
     "constant_schedule",
     "linear_schedule",
     "cosine_decay_schedule",
@@ -447,6 +449,27 @@ def sgd(
             )
         return new_updates, TraceState(state.count + 1, trace)
 
+    def in_place(grads, state, params):
+        # torch.optim.SGD's foreach kernels, on the donated params and momentum buffers
+        operands = _step_operands(grads, params)
+        lr = _lr_value(learning_rate, int(state.count))
+        if operands is None or _needs_autograd(lr):
+            return None
+        _, p, g = operands
+        bufs = [_local(x) for x in _flatten(state.trace, "state.trace")[0]] if momentum else None
+        for idx in _groups(p).values():
+            gi, pi = [g[i] for i in idx], [p[i] for i in idx]
+            if weight_decay:
+                gi = torch._foreach_add(gi, pi, alpha=weight_decay)
+            if momentum:
+                bi = [bufs[i] for i in idx]
+                torch._foreach_mul_(bi, momentum)
+                torch._foreach_add_(bi, gi)
+                gi = torch._foreach_add(gi, bi, alpha=momentum) if nesterov else bi
+            torch._foreach_add_(pi, gi, alpha=-lr)
+        return params, TraceState(state.count + 1, state.trace)
+
+    _IN_PLACE[update] = in_place
     return GradientTransformation(init, update)
 
 
@@ -560,6 +583,39 @@ def _adam(learning_rate, b1, b2, eps, weight_decay, mask, name) -> GradientTrans
         nu = optree.tree_unflatten(spec, [_rebuild(x, u) for x, u in zip(nu_leaves, new_v)])
         return new_updates, ScaleByAdamState(state.count + 1, mu, nu)
 
+    def in_place(grads, state, params):
+        # torch.optim.Adam(W)'s foreach kernels, on the donated params and moments
+        operands = _step_operands(grads, params)
+        count = int(state.count)
+        lr = _lr_value(learning_rate, count)
+        if operands is None or _needs_autograd(lr):
+            return None
+        pspec, p, g = operands
+        m_all = [_local(x) for x in _flatten(state.mu, "state.mu")[0]]
+        v_all = [_local(x) for x in _flatten(state.nu, "state.nu")[0]]
+        if len(m_all) != len(p):
+            return None  # update() raises the explanatory error
+        flags = [weight_decay != 0.0] * len(p)
+        if mask is not None and weight_decay != 0.0:
+            flags = _mask_leaves(mask, params, pspec, len(p), "mask")
+        t = count + 1
+        step_size = lr / (1.0 - b1**t)
+        bc2_sqrt = math.sqrt(1.0 - b2**t)
+        for key, idx in _groups(p, flags).items():
+            gi, pi = [g[i] for i in idx], [p[i] for i in idx]
+            mi, vi = [m_all[i] for i in idx], [v_all[i] for i in idx]
+            if key[2]:
+                torch._foreach_mul_(pi, 1.0 - lr * weight_decay)
+            torch._foreach_lerp_(mi, gi, 1.0 - b1)
+            torch._foreach_mul_(vi, b2)
+            torch._foreach_addcmul_(vi, gi, gi, value=1.0 - b2)
+            denom = torch._foreach_sqrt(vi)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(pi, mi, denom, value=-step_size)
+        return params, ScaleByAdamState(state.count + 1, state.mu, state.nu)
+
+    _IN_PLACE[update] = in_place
     return GradientTransformation(init, update)
 
 
@@ -730,6 +786,18 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    def in_place(grads, state, params):
+        if not transforms or not isinstance(state, tuple) or len(state) != len(transforms):
+            return None
+        *head, last = transforms
+        new_state = []
+        for t, s in zip(head, state):
+            grads, s = t.update(grads, s, params)
+            new_state.append(s)
+        params, s = _donated_step(last, grads, state[-1], params)
+        return params, (*new_state, s)
+
+    _IN_PLACE[update] = in_place
     return GradientTransformation(init, update)
 
 
@@ -842,15 +910,23 @@ def multi_transform(transforms: dict, param_labels) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def apply_updates(params, updates):
-    """``params + updates``, leaf by leaf, as a new pytree (inputs are not modified).
+def apply_updates(params, updates, *, donate: bool = False):
+    """``params + updates``, leaf by leaf (optax's ``apply_updates``).
 
     Args:
         params: pytree of ShardedArrays / tensors.
         updates: pytree with the same structure and layouts.
+        donate: reuse the params' local buffers for the result, like ``jax.jit``'s
+            ``donate_argnums``: the sum is added in place (one ``torch._foreach_add_`` per
+            dtype/device group), so no new parameter memory is allocated. ``params`` must not
+            be used afterwards, and any tensor its local shards alias is overwritten too
+            (``fs.shard`` of a replicated value and ``fs.nn.shard_params`` keep views of the
+            tensors they were given). Ignored (out of place, nothing mutated) when a leaf takes
+            part in autograd or a ``torch.func`` transform, or two leaves share a buffer.
 
     Returns:
-        The new params (same layouts). Differentiable w.r.t. both arguments.
+        The new params (same layouts). Without donation, differentiable w.r.t. both arguments
+        and the inputs are untouched.
 
     Example:
         >>> params = fs.optim.apply_updates(params, updates)  # doctest: +SKIP
@@ -859,12 +935,110 @@ def apply_updates(params, updates):
     uleaves, uspec = _flatten(updates, "updates")
     _check_match(uleaves, pleaves, uspec, pspec, "updates", "params")
     p, u = [_local(x) for x in pleaves], [_local(x) for x in uleaves]
+    in_place = donate and _donatable(p, u)
     out = list(p)
     for idx in _groups(p).values():
         ui = [u[i] if u[i].dtype == p[i].dtype else u[i].to(p[i].dtype) for i in idx]
+        if in_place:
+            torch._foreach_add_([p[i] for i in idx], ui)
+            continue
         for i, r in zip(idx, torch._foreach_add([p[i] for i in idx], ui)):
             out[i] = r
+    if in_place:
+        return params
     return optree.tree_unflatten(pspec, [_rebuild(x, t) for x, t in zip(pleaves, out)])
+
+
+# -- whole steps, optionally with donated buffers ---------------------------------------------
+
+#: ``update`` function -> in-place step ``(grads, state, params) -> (params, state) | None``
+#: for the transformations whose step torch.optim runs as in-place foreach kernels. ``None``
+#: means "not possible here" (e.g. a differentiable learning rate); the caller falls back.
+_IN_PLACE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_operands(grads, params):
+    """``(pspec, param locals, grad locals)``, or None when a grad's dtype or device differs
+    from its param's (the out-of-place path handles the conversion)."""
+    leaves, spec = _flatten(grads, "grads")
+    pleaves, pspec = _flatten(params, "params")
+    _check_match(leaves, pleaves, spec, pspec, "grads", "params")
+    p, g = [_local(x) for x in pleaves], [_local(x) for x in leaves]
+    if any(a.dtype != b.dtype or a.device != b.device for a, b in zip(p, g)):
+        return None
+    return pspec, p, g
+
+
+def _tensors(tree) -> list:
+    return [_local(x) for x in optree.tree_leaves(tree, is_leaf=_is_leaf) if _is_tensor(x)]
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, (torch.Tensor, ShardedArray))
+
+
+def _donatable(*groups: list) -> bool:
+    """No tensor takes part in autograd and no two share a buffer (in-place is then exact)."""
+    seen = set()
+    for ts in groups:
+        for t in ts:
+            if _needs_autograd(t):
+                return False
+            if t.numel():
+                ptr = t.data_ptr()
+                if ptr in seen:
+                    return False
+                seen.add(ptr)
+    return True
+
+
+def _donated_step(tx: GradientTransformation, grads, state, params):
+    fused = _IN_PLACE.get(tx.update)
+    res = fused(grads, state, params) if fused is not None else None
+    if res is not None:
+        return res
+    updates, state = tx.update(grads, state, params)
+    return apply_updates(params, updates, donate=True), state
+
+
+def step(tx: GradientTransformation, grads, state, params, *, donate: bool = False):
+    """One optimizer step: ``tx.update`` then :func:`apply_updates`, returning
+    ``(new_params, new_state)``.
+
+    Without ``donate`` this is exactly the two-call optax step (pure; nothing is mutated).
+    With ``donate=True`` the params' and the state's local buffers are reused for the results,
+    as ``jax.jit(step, donate_argnums=...)`` would: :func:`sgd`, :func:`adam`, :func:`adamw`
+    (alone or last in a :func:`chain`) then run the same in-place ``torch._foreach_*`` kernels
+    as ``torch.optim`` (one pass over memory for plain SGD instead of three, and no fresh
+    parameter-sized allocations, which cost page faults on CPU); other transformations run
+    ``update`` and an in-place ``apply_updates``. ``grads`` are never modified. Donation is
+    skipped (the pure path runs) when any leaf takes part in autograd or a ``torch.func``
+    transform (meta-learning) or two leaves share a buffer.
+
+    Args:
+        tx: a :class:`GradientTransformation`.
+        grads: gradients, with the params' structure and layouts.
+        state: ``tx``'s state (from ``tx.init`` or a previous step).
+        params: the current params.
+        donate: reuse ``params``' and ``state``'s buffers; do not use them afterwards (and
+            note that tensors they alias, e.g. module parameters that ``fs.nn.shard_params``
+            viewed, are overwritten too).
+
+    Returns:
+        ``(new_params, new_state)``.
+
+    Example:
+        >>> tx = fs.optim.adamw(1e-3)  # doctest: +SKIP
+        >>> params, state = fs.optim.step(tx, grads, state, params, donate=True)  # doctest: +SKIP
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"step: donate must be a bool, got {donate!r}")
+    if donate and _donatable(_tensors(params), _tensors(state), _tensors(grads)):
+        return _donated_step(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return apply_updates(params, updates), state
 
 
 # -- schedules ------------------------------------------------------------------------------

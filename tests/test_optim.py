@@ -97,6 +97,99 @@ def test_matches_torch_optim_dense(case):
             _assert_close(g, r, rtol=rtol)
 
 
+DONATED_CASES = CASES + [
+    (
+        lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1)),
+        lambda ps: _ClippedAdamW(ps),
+    ),
+    (
+        lambda: optim.adamw(
+            1e-2, weight_decay=0.1, mask={"w1": True, "b1": False, "w2": True, "h": False}
+        ),
+        lambda ps: torch.optim.AdamW(
+            [{"params": [ps[0], ps[2]]}, {"params": [ps[1], ps[3]], "weight_decay": 0.0}],
+            lr=1e-2,
+            weight_decay=0.1,
+        ),
+    ),
+]
+
+
+class _ClippedAdamW(torch.optim.AdamW):
+    def __init__(self, ps):
+        super().__init__(ps, lr=1e-2, weight_decay=0.1)
+        self._ps = ps
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self._ps, 1.0)
+        return super().step()
+
+
+@pytest.mark.parametrize("case", range(len(DONATED_CASES)))
+def test_donated_step_matches_torch_optim_dense(case):
+    """fs.optim.step(donate=True) reuses the params' and state's buffers (checked by pointer)
+    and follows torch.optim's trajectory; donate=False equals update + apply_updates."""
+    make_fs, make_torch = DONATED_CASES[case]
+    for dtype, rtol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        params, grads = _problem(case, dtype)
+        ref = _torch_traj(make_torch, params, grads)
+        pure = _fs_traj(make_fs(), params, grads)
+        tx = make_fs()
+        ps = {k: v.clone() for k, v in params.items()}
+        ptrs = {k: v.data_ptr() for k, v in ps.items()}
+        state = tx.init(ps)
+        state_ptrs = [t.data_ptr() for t in optree_leaves(state) if t.dim() > 0]
+        for i, gs in enumerate(grads):
+            before = {k: v.clone() for k, v in gs.items()}
+            ps, state = optim.step(tx, gs, state, ps, donate=True)
+            assert {k: v.data_ptr() for k, v in ps.items()} == ptrs  # written in place
+            assert all(torch.equal(gs[k], before[k]) for k in gs)  # grads never touched
+            # vs torch at float32 precision (global_norm is float32, as documented);
+            # vs the pure fs trajectory at the dtype's precision
+            _assert_close(ps, ref[i], rtol=1e-6)
+            _assert_close(ps, pure[i], rtol=rtol)
+        moments = [t.data_ptr() for t in optree_leaves(state) if t.dim() > 0]
+        assert moments == state_ptrs  # momentum / Adam moments updated in place
+        # without donation: identical to the two-call step, inputs untouched
+        tx = make_fs()
+        ps0 = {k: v.clone() for k, v in params.items()}
+        st0 = tx.init(ps0)
+        new, _ = optim.step(tx, grads[0], st0, ps0)
+        assert all(torch.equal(ps0[k], params[k]) for k in params)
+        _assert_close(new, pure[0], rtol=0, atol=0)
+
+
+def optree_leaves(tree):
+    import optree
+
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def test_donation_skipped_when_unsafe():
+    params, grads = _problem(5)
+    tx = optim.sgd(0.1, momentum=0.9)
+    # leaves sharing one buffer: in place would apply the update twice -> pure path
+    shared = torch.ones(4)
+    ps = {"a": shared, "b": shared}
+    out, _ = optim.step(tx, {"a": torch.ones(4), "b": torch.ones(4)}, tx.init(ps), ps, donate=True)
+    assert torch.equal(shared, torch.ones(4)) and torch.allclose(out["a"], torch.full((4,), 0.9))
+    # under torch.func.grad (meta-learning through the step): pure and differentiable
+    w0 = params["w1"]
+
+    def outer(lr):
+        t = optim.sgd(lr)
+        new, _ = optim.step(t, {"w": grads[0]["w1"]}, t.init({"w": w0}), {"w": w0}, donate=True)
+        return new["w"].sum()
+
+    d = torch.func.grad(outer)(torch.tensor(0.1))
+    torch.testing.assert_close(d, -grads[0]["w1"].sum())
+    assert torch.equal(w0, _problem(5)[0]["w1"])
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        optim.step(lambda g: g, grads[0], None, params)
+    with pytest.raises(TypeError, match="donate"):
+        optim.step(tx, grads[0], tx.init(params), params, donate="yes")
+
+
 def test_schedule_matches_torch_lambda_lr():
     sched = optim.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS, end_value=1e-3)
     params, grads = _problem(7)
@@ -307,14 +400,19 @@ def sharded_rank_fn():
         if name == "adamw":  # state has the params' layouts
             for k in ps:
                 assert state.mu[k].layout == ps[k].layout and state.nu[k].layout == ps[k].layout
+        dps = {k: fs.shard(v.clone(), mesh, specs[k]) for k, v in dense.items()}
+        dstate = tx.init(dps)
         with fs.debug.comm_log() as log:
             for gs in grads:
                 upd, state = tx.update(sh(gs), state, ps)
                 ps = optim.apply_updates(ps, upd)
+                dps, dstate = optim.step(tx, sh(gs), dstate, dps, donate=True)
         assert len(log) == 0  # element-wise optimizers never communicate
         for k in ps:
             assert ps[k].layout == fs.Layout(mesh, specs[k], dense[k].shape)
+            assert dps[k].layout == ps[k].layout
             torch.testing.assert_close(fs.gather(ps[k]), ref[k], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(fs.gather(dps[k]), ref[k], rtol=1e-6, atol=1e-7)
         results[name] = True
 
     # clip_by_global_norm: true global norm; sharded summed over shards, replicated once,
