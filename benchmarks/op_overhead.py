@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import fshard as fs
 import fshard.launch
 
-REPS, ITERS = 7, 2000
+REPS, ITERS = 15, 2000
 
 
 def _ops(x, y, w, r, s):
@@ -27,7 +27,8 @@ def _ops(x, y, w, r, s):
         "mul S(0) by scalar": lambda: y * s,
         "matmul S(1)@S(0)->P": lambda: torch.matmul(x, w),
         "sum S(0)->P": lambda: y.sum(),
-        "softmax S(0), dim -1": lambda: F.softmax(y, dim=-1),
+        "torch.softmax S(0), dim -1": lambda: torch.softmax(y, -1),
+        "F.softmax S(0), dim -1": lambda: F.softmax(y, dim=-1),
         "F.linear S(0), R": lambda: F.linear(y, r),
     }
 

@@ -46,12 +46,12 @@ class ShardedArray:
         object.__setattr__(self, "local", local)
         object.__setattr__(self, "layout", layout)
 
-    @classmethod
-    def _raw(cls, local, layout: Layout) -> ShardedArray:
+    @staticmethod
+    def _raw(local, layout: Layout) -> ShardedArray:
         """Construct without checks (hot path and pytree unflatten)."""
-        obj = object.__new__(cls)
-        object.__setattr__(obj, "local", local)
-        object.__setattr__(obj, "layout", layout)
+        obj = _new(ShardedArray)
+        _set_local(obj, local)
+        _set_layout(obj, layout)
         return obj
 
     def __setattr__(self, name, value):
@@ -134,7 +134,7 @@ class ShardedArray:
     # -- torch function protocol: everything goes to the op rules -----------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _dispatch()(func, args, kwargs or {})
+        return (_DISPATCH or _dispatch())(func, args, kwargs or _NO_KWARGS)
 
     def __getattr__(self, name: str):
         # Tensor methods (x.sum(0), x.reshape(...)) do not reach __torch_function__ on a
@@ -157,7 +157,7 @@ class ShardedArray:
 
 def _forward_method(tensor_method):
     def method(self, *args, **kwargs):
-        return _dispatch()(tensor_method, (self, *args), kwargs)
+        return (_DISPATCH or _dispatch())(tensor_method, (self, *args), kwargs)
 
     method.__name__ = getattr(tensor_method, "__name__", "method")
     return method
@@ -174,13 +174,17 @@ def _dispatch():
 
 
 _DISPATCH = None
+_NO_KWARGS: dict = {}  # never mutated: dispatch only reads kwargs
+_new = object.__new__
+_set_local = ShardedArray.__dict__["local"].__set__  # slot setters: the frozen class's
+_set_layout = ShardedArray.__dict__["layout"].__set__  # __setattr__ refuses assignment
 
 
 def _forward_operator(name: str):
     tensor_op = getattr(torch.Tensor, name)
 
     def op(self, *args):
-        return _dispatch()(tensor_op, (self, *args), {})
+        return (_DISPATCH or _dispatch())(tensor_op, (self, *args), _NO_KWARGS)
 
     op.__name__ = name
     return op

@@ -412,6 +412,23 @@ def api_cases():
     for lr in (0.1, 0.2, 0.3, 0.4):
         x * lr
     assert len(registry._CACHE) - before <= 1
+    # The unary fast path (one ShardedArray then static arguments) keys positional and keyword
+    # arguments apart, never caches a float's value, and passes arguments through unchanged.
+    dense = fs.gather(x)
+    before = (len(registry._CACHE), len(registry._UNARY))
+    for k in (1.5, 2.5, 3.5):
+        torch.testing.assert_close(fs.gather(x.clamp(min=k)), dense.clamp(min=k))
+    assert len(registry._UNARY) == before[1]
+    for call in (
+        lambda t: t.sum(1),
+        lambda t: t.sum(dim=1),
+        lambda t: t.sum(1, keepdim=True),
+        lambda t: torch.softmax(t, 0),
+        lambda t: F.softmax(t, dim=1),
+        lambda t: F.log_softmax(t, dim=1, dtype=torch.float64),
+    ):
+        for _ in range(2):  # compile, then the cached fast path
+            torch.testing.assert_close(fs.gather(call(x)), call(dense))
     return True
 
 

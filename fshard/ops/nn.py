@@ -80,9 +80,12 @@ def softmax_rule(op, args, kwargs):
     group = group_of(x.mesh, x.dim_axes[dim])
     out = out_layout(x.mesh, x.dim_axes, (), meta)
     log = op.__name__ == "log_softmax"
-    if group is None:
-        return Plan([unreduced(x)], out)
     dtype = meta.dtype
+    if group is None:  # the kernel F.softmax would call, without its torch-function check
+        kernel = torch.Tensor.log_softmax if log else torch.Tensor.softmax
+        if dtype == x.dtype:
+            return Plan([unreduced(x)], out, lambda t, *a, **k: kernel(t, dim))
+        return Plan([unreduced(x)], out, lambda t, *a, **k: kernel(t, dim, dtype=dtype))
 
     def local(t, *a, **k):
         t = t.to(dtype)

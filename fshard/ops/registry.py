@@ -74,6 +74,10 @@ class Plan:
 
 _RULES: dict = {}
 _CACHE: dict = {}
+#: Calls of one ShardedArray then static arguments, keyed by
+#: ``(op, layout, *args[1:], _KW, *kwargs.items())``.
+_UNARY: dict = {}
+_KW = object()  # separates positional from keyword arguments in a _UNARY key
 
 
 def register_rule(op, rule=None, *, aliases: Sequence = ()):
@@ -106,6 +110,7 @@ def register_rule(op, rule=None, *, aliases: Sequence = ()):
     for o in (op, *aliases):
         _RULES[o] = rule
     _CACHE.clear()
+    _UNARY.clear()
     return rule
 
 
@@ -159,6 +164,30 @@ def dispatch(func, args, kwargs):
     Hot path: a flat argument list is keyed without building a pytree; the plan is looked up
     in a dict and run. Keyword arguments are keyed (and numbered) in sorted-name order.
     """
+    ukey = None
+    x = args[0] if args else None
+    if type(x) is ShardedArray:
+        if len(args) == 2 and not kwargs:  # binary: key without the general loop
+            y = args[1]
+            ty = type(y)
+            key = (
+                (func, None, x.layout, y.layout)
+                if ty is ShardedArray
+                else (func, None, x.layout, SCALAR)
+                if ty is float
+                else None
+            )
+            compiled = _CACHE.get(key) if key is not None else None
+            if compiled is not None:
+                return compiled.run(args, None)
+        # one ShardedArray then static arguments (x.sum(0), F.softmax(x, dim=-1)): one probe
+        ukey = (func, x.layout, *args[1:], _KW, *kwargs.items())
+        try:
+            run = _UNARY.get(ukey)
+        except TypeError:  # an unhashable argument
+            run = ukey = None
+        if run is not None:
+            return run(args, kwargs)
     if kwargs:
         names = tuple(sorted(kwargs))
         leaves, tree = (*args, *[kwargs[n] for n in names]), (len(args), names)
@@ -182,7 +211,28 @@ def dispatch(func, args, kwargs):
     compiled = _CACHE.get(key)
     if compiled is None:
         compiled = _CACHE[key] = _compile(func, leaves, tree)
+        if ukey is not None:
+            unary = _unary_runner(compiled, args, kwargs)
+            if unary is not None:
+                _UNARY[ukey] = unary
     return compiled.run(leaves, tree)
+
+
+def _unary_runner(c: _Compiled, args, kwargs):
+    """``run(args, kwargs)`` for a trivial plan of one ShardedArray followed by static
+    arguments only (they are part of the unary cache key, so they are passed through as given)."""
+    if not c.trivial or c.comm or not isinstance(c.out, Layout):
+        return None
+    if any(type(v) not in _STATIC for v in (*args[1:], *kwargs.values())):
+        return None
+    fn, out, raw = c.fn, c.out, ShardedArray._raw
+    if len(args) == 2 and not kwargs:
+        return lambda a, kw: raw(fn(a[0].local, a[1]), out)
+    if len(args) > 1:
+        return lambda a, kw: raw(fn(a[0].local, *a[1:], **kw), out)
+    if kwargs:
+        return lambda a, kw: raw(fn(a[0].local, **kw), out)
+    return lambda a, kw: raw(fn(a[0].local), out)
 
 
 def _dispatch_tree(func, args, kwargs):
@@ -274,7 +324,7 @@ def _compile(func, leaves, tree) -> _Compiled:
     plan = rule(func, args, kwargs)
     if not isinstance(plan, Plan):
         raise TypeError(f"the rule for {name} returned {type(plan).__name__}, not a fs.ops.Plan")
-    return _Compiled.build(func, name, plan, leaves, view, mesh)
+    return _Compiled.build(func, name, plan, leaves, view, mesh, tree)
 
 
 def unsupported_message(name: str, view) -> str:
@@ -300,10 +350,10 @@ class _Input:
 class _Compiled:
     """A plan bound to concrete leaf positions: what ``dispatch`` runs on a cache hit."""
 
-    __slots__ = ("name", "inputs", "fn", "out", "comm", "tensor_idx", "nleaves", "trivial")
+    __slots__ = ("name", "inputs", "fn", "out", "comm", "tensor_idx", "nleaves", "trivial", "run")
 
     @staticmethod
-    def build(func, name, plan: Plan, leaves, view, mesh) -> _Compiled:
+    def build(func, name, plan: Plan, leaves, view, mesh, tree=None) -> _Compiled:
         tensor_idx = [i for i, v in enumerate(view) if isinstance(v, Layout)]
         specs = tuple(plan.in_specs)
         if len(specs) != len(tensor_idx):
@@ -339,9 +389,11 @@ class _Compiled:
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
         self.trivial = all(x.spec is None and x.pcast is None and not x.plain for x in inputs)
+        flat = tree is None or type(tree) is tuple
+        self.run = (flat and _fast_runner(self, tree)) or self.run_general
         return self
 
-    def run(self, leaves, tree):
+    def run_general(self, leaves, tree):
         if self.comm and config._STRICT.get():
             raise strict_error(self.name, self.inputs, self.comm)
         if self.trivial:
@@ -364,6 +416,35 @@ class _Compiled:
             args, kwargs = _unflatten(tree, locs)
             result = self.fn(*args, **kwargs)
         return _wrap(result, self.out)
+
+
+def _fast_runner(c: _Compiled, tree):
+    """A closure for the common cache hit: no reshard, no pcast, one output layout, positional
+    arguments or flat keywords. It does only what the call needs (swap in local tensors, call,
+    wrap); anything else runs :meth:`_Compiled.run_general`."""
+    if not c.trivial or c.comm or not isinstance(c.out, Layout):
+        return None
+    fn, out, raw, tidx = c.fn, c.out, ShardedArray._raw, c.tensor_idx
+    if tidx == (0,) and c.nleaves == 1:
+        return lambda leaves, tree: raw(fn(leaves[0].local), out)
+    if c.nleaves == 2 and tree is None:
+        if tidx == (0, 1):
+            return lambda leaves, tree: raw(fn(leaves[0].local, leaves[1].local), out)
+        if tidx == (0,):
+            return lambda leaves, tree: raw(fn(leaves[0].local, leaves[1]), out)
+        if tidx == (1,):
+            return lambda leaves, tree: raw(fn(leaves[0], leaves[1].local), out)
+
+    def run(leaves, tree):
+        locs = list(leaves)
+        for i in tidx:
+            locs[i] = locs[i].local
+        if tree is None:
+            return raw(fn(*locs), out)
+        n, names = tree
+        return raw(fn(*locs[:n], **dict(zip(names, locs[n:]))), out)
+
+    return run
 
 
 def _wrap(result, out):
