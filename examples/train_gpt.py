@@ -226,8 +226,10 @@ def make_train_step(model_cfg: GPTConfig, mesh: fs.Mesh, tx):
         grads, loss = grad_and_value(params, batch.local, model_cfg, mesh)
         if dp > 1:  # one bucketed all_reduce per dtype for the whole gradient pytree
             grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return fs.optim.apply_updates(params, updates), opt_state, loss
+        # tx.update + apply_updates, with the params' and moments' buffers reused in place
+        # (jax.jit donate_argnums): the previous params are not used after this step
+        params, opt_state = fs.optim.step(tx, grads, opt_state, params, donate=True)
+        return params, opt_state, loss
 
     return step
 

@@ -59,7 +59,8 @@ def sharded_rank_fn(dp, tp):
         assert {k: v.layout for k, v in params.items()} == layouts
         assert state[1].mu["blocks.0.mlp.fc1.weight"].layout == layouts["blocks.0.mlp.fc1.weight"]
         losses.append(float(loss))
-        snaps.append({k: fs.gather(v) for k, v in params.items()})
+        # copies: the demo's step donates params (gather of a replicated value is its buffer)
+        snaps.append({k: fs.gather(v).clone() for k, v in params.items()})
     return losses, snaps if dist.get_rank() == 0 else None
 
 
