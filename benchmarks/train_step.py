@@ -3,14 +3,15 @@
     python benchmarks/train_step.py [--reps 7] [--steps 10]
 
 1. Tensor-parallel MLP 1024 -> 4096 -> 1024, batch 64, fwd + bwd + SGD: fshard (local view:
-   ``pcast``/``psum`` + ``torch.func.grad`` + ``fs.optim.sgd``; and global view through the
-   op rules with ``fs.nn.functional_call``) vs DTensor ``parallelize_module``
+   ``pcast``/``psum`` + ``torch.func.grad`` + ``fs.optim.step(sgd, donate=True)``, the same
+   with the pure ``update`` + ``apply_updates`` pair, and global view through the op rules
+   with ``fs.nn.functional_call``) vs DTensor ``parallelize_module``
    (ColwiseParallel/RowwiseParallel) vs hand-written local tensors + ``dist.all_reduce``.
    Anchors (reference/perf-anchors.md §7): DTensor 27.3 ms, hand-written 23.0 ms.
 2. Data parallel, the same MLP, global batch 64: fshard (local grads, then one bucketed
    ``fs.lax.psum`` of the gradient pytree) vs DistributedDataParallel (anchor 77 ms).
-3. AdamW step over 100 sharded params: fs.optim.adamw vs torch.optim.AdamW(foreach) on
-   DTensors vs on plain local tensors.
+3. AdamW step over 100 sharded params: fs.optim.adamw (pure, and ``fs.optim.step`` with
+   donation) vs torch.optim.AdamW(foreach) on DTensors vs on plain local tensors.
 
 Each rep runs ``--steps`` steps after a barrier; a rep's time is the slowest rank's mean step
 time. Configurations are interleaved within each rep; tables show the median over reps and

@@ -9,7 +9,10 @@ A :class:`GradientTransformation` is a NamedTuple of two pure functions::
 Nothing is ever mutated: every step returns new tensors (out-of-place ``torch._foreach_*``
 kernels over the *local* shards, grouped by dtype and device), so the whole step can be
 differentiated (meta-learning: the gradient w.r.t. the learning rate or the initial params
-through ``apply_updates``) and run under ``torch.func`` transforms.
+through ``apply_updates``) and run under ``torch.func`` transforms. The one opt-in exception is
+:func:`step` with ``donate=True`` (JAX's ``donate_argnums``): params and state buffers are then
+reused in place with ``torch.optim``'s own foreach kernels, which on CPU saves the page faults
+and memory passes of fresh parameter-sized tensors every step.
 
 State tensors are ShardedArrays with the parameters' layouts (a sharded param's Adam moments
 are sharded the same way), so optimizer memory is sharded with the params and no collective is
