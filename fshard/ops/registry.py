@@ -425,7 +425,7 @@ def _fast_runner(c: _Compiled, tree):
     if not c.trivial or c.comm or not isinstance(c.out, Layout):
         return None
     fn, out, raw, tidx = c.fn, c.out, ShardedArray._raw, c.tensor_idx
-    if tidx == (0,) and c.nleaves == 1:
+    if tidx == (0,) and c.nleaves == 1 and tree is None:
         return lambda leaves, tree: raw(fn(leaves[0].local), out)
     if c.nleaves == 2 and tree is None:
         if tidx == (0, 1):
