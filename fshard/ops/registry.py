@@ -180,14 +180,15 @@ def dispatch(func, args, kwargs):
             compiled = _CACHE.get(key) if key is not None else None
             if compiled is not None:
                 return compiled.run(args, None)
-        # one ShardedArray then static arguments (x.sum(0), F.softmax(x, dim=-1)): one probe
-        ukey = (func, x.layout, *args[1:], _KW, *kwargs.items())
-        try:
-            run = _UNARY.get(ukey)
-        except TypeError:  # an unhashable argument
-            run = ukey = None
-        if run is not None:
-            return run(args, kwargs)
+        if len(args) == 1 or type(args[1]) is not ShardedArray:
+            # one ShardedArray then static arguments (x.sum(0), F.softmax(x, dim=-1)): one probe
+            ukey = (func, x.layout, *args[1:], _KW, *kwargs.items())
+            try:
+                run = _UNARY.get(ukey)
+            except TypeError:  # an unhashable argument
+                run = ukey = None
+            if run is not None:
+                return run(args, kwargs)
     if kwargs:
         names = tuple(sorted(kwargs))
         leaves, tree = (*args, *[kwargs[n] for n in names]), (len(args), names)
@@ -221,7 +222,7 @@ def dispatch(func, args, kwargs):
 def _unary_runner(c: _Compiled, args, kwargs):
     """``run(args, kwargs)`` for a trivial plan of one ShardedArray followed by static
     arguments only (they are part of the unary cache key, so they are passed through as given)."""
-    if not c.trivial or c.comm or not isinstance(c.out, Layout):
+    if not _runs_as_is(c):
         return None
     if any(type(v) not in _STATIC for v in (*args[1:], *kwargs.values())):
         return None
@@ -418,11 +419,16 @@ class _Compiled:
         return _wrap(result, self.out)
 
 
+def _runs_as_is(c: _Compiled) -> bool:
+    """No reshard, no pcast, no communication, one output layout: swap in locals, call, wrap."""
+    return c.trivial and not c.comm and isinstance(c.out, Layout)
+
+
 def _fast_runner(c: _Compiled, tree):
     """A closure for the common cache hit: no reshard, no pcast, one output layout, positional
     arguments or flat keywords. It does only what the call needs (swap in local tensors, call,
     wrap); anything else runs :meth:`_Compiled.run_general`."""
-    if not c.trivial or c.comm or not isinstance(c.out, Layout):
+    if not _runs_as_is(c):
         return None
     fn, out, raw, tidx = c.fn, c.out, ShardedArray._raw, c.tensor_idx
     if tidx == (0,) and c.nleaves == 1 and tree is None:
