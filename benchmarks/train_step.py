@@ -1,15 +1,17 @@
 """Training-step benchmarks on 2 local Gloo ranks (1 thread each), printed as rich tables.
 
-    python benchmarks/train_step.py [--reps 7] [--steps 10]
+    python benchmarks/train_step.py [--reps 7] [--steps 10] [--only tp,dp,optim]
 
 1. Tensor-parallel MLP 1024 -> 4096 -> 1024, batch 64, fwd + bwd + SGD: fshard (local view:
    ``pcast``/``psum`` + ``torch.func.grad`` + ``fs.optim.step(sgd, donate=True)``, the same
    with the pure ``update`` + ``apply_updates`` pair, and global view through the op rules
    with ``fs.nn.functional_call``) vs DTensor ``parallelize_module``
-   (ColwiseParallel/RowwiseParallel) vs hand-written local tensors + ``dist.all_reduce``.
-   Anchors (reference/perf-anchors.md §7): DTensor 27.3 ms, hand-written 23.0 ms.
-2. Data parallel, the same MLP, global batch 64: fshard (local grads, then one bucketed
-   ``fs.lax.psum`` of the gradient pytree) vs DistributedDataParallel (anchor 77 ms).
+   (ColwiseParallel/RowwiseParallel) vs hand-written local tensors + ``dist.all_reduce``, and
+   that hand-written model stepped with ``torch.func.grad`` + a foreach update (the functional
+   floor, no fshard). Anchors (reference/perf-anchors.md §7): DTensor 27.3 ms, hand-written 23.0 ms.
+2. Data parallel, the same MLP, global batch 64: fshard (local grads, then one
+   ``fs.lax.psum(grads, donate=True)`` of the gradient pytree: large grads reduced in place,
+   small ones bucketed, all launched together) vs DistributedDataParallel (anchor 77 ms).
 3. AdamW step over 100 sharded params: fs.optim.adamw (pure, and ``fs.optim.step`` with
    donation) vs torch.optim.AdamW(foreach) on DTensors vs on plain local tensors.
 
@@ -47,10 +49,14 @@ class MLP(nn.Module):
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(x):
         x = x.clone()
         dist.all_reduce(x)
         return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, g):
@@ -167,6 +173,19 @@ def tp_configs(lr=1e-3):
         F.mse_loss(out, y).backward()
         mopt.step()
 
+    # the same hand-written model as a torch.func step (no fshard): the floor a functional
+    # step starts from (torch.func.grad instead of .backward(), foreach update)
+    fw = [t.detach().clone() for t in (w1, b1, w2, b2)]
+
+    def func_loss(ws, x, y):
+        out = _AllReduce.apply(F.linear(F.gelu(F.linear(x, ws[0], ws[1])), ws[2])) + ws[3]
+        return F.mse_loss(out, y)
+
+    func_grad = torch.func.grad(func_loss)
+
+    def func_step():
+        torch._foreach_add_(fw, func_grad(fw, x, y), alpha=-lr)
+
     # correctness: one step of each from the same start gives the same loss
     with torch.no_grad():
         l_f = float(local_loss(st["p"], x, y))
@@ -175,6 +194,7 @@ def tp_configs(lr=1e-3):
     configs = {
         "hand-written (local + all_reduce)": manual_step,
         "DTensor parallelize_module": dtensor_step,
+        "torch.func.grad, local tensors, no fshard": func_step,
         "fshard local view (pcast/psum)": fshard_step,
         "fshard local view, pure update+apply": fshard_pure_step,
     }
@@ -214,7 +234,8 @@ def dp_configs(lr=1e-3):
 
     def fshard_step():
         g = grad_fn(st["p"], xs.local, ys.local)
-        g = fs.lax.psum(g, "dp", mesh=mesh)  # one all_reduce for the whole pytree
+        # the whole gradient pytree, bucketed; donated: the large grads are reduced in place
+        g = fs.lax.psum(g, "dp", mesh=mesh, donate=True)
         st["p"], st["s"] = fs.optim.step(tx, g, st["s"], st["p"], donate=True)
 
     dmodel = MLP()
@@ -227,7 +248,7 @@ def dp_configs(lr=1e-3):
         F.mse_loss(ddp(xs.local), ys.local).backward()
         dopt.step()
 
-    return {"DDP": ddp_step, "fshard (grad + bucketed psum)": fshard_step}, "DDP"
+    return {"DDP": ddp_step, "fshard (grad + psum(donate=True))": fshard_step}, "DDP"
 
 
 # -- 3. optimizer step ----------------------------------------------------------------------
@@ -276,11 +297,14 @@ def optim_configs(n=100, shape=(256, 256)):
     }, "torch.optim.AdamW, plain local tensors"
 
 
-def bench_rank(reps: int, steps: int):
+SECTIONS = {"tp": tp_configs, "dp": dp_configs, "optim": optim_configs}
+
+
+def bench_rank(reps: int, steps: int, only: tuple[str, ...] = tuple(SECTIONS)):
     torch.set_num_threads(1)
     out = {}
-    for name, make in (("tp", tp_configs), ("dp", dp_configs), ("optim", optim_configs)):
-        configs, base = make()
+    for name in only:
+        configs, base = SECTIONS[name]()
         n = steps if name != "dp" else max(2, steps // 2)
         out[name] = (_run(configs, reps, n), base)
     return out
@@ -315,11 +339,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--only", default=",".join(SECTIONS), help="comma-separated sections: tp,dp,optim"
+    )
     a = ap.parse_args(argv)
+    only = tuple(a.only.split(","))
+    if not set(only) <= set(SECTIONS):
+        ap.error(f"--only takes sections from {sorted(SECTIONS)}, got {a.only!r}")
     from rich.console import Console
 
     with World(2, timeout=3600) as world:
-        res = world.run(bench_rank, a.reps, a.steps)[0]
+        res = world.run(bench_rank, a.reps, a.steps, only)[0]
     console = Console()
     anchors = {
         "hand-written (local + all_reduce)": "23.0 ms",

@@ -12,8 +12,8 @@ What it shows:
   (``P(None, 'tp')``), embeddings and LayerNorms replicated.
 * The batch is sharded over ``dp`` with ``fs.shard(batch, mesh, P('dp'))``.
 * The step is functional: ``torch.func.grad_and_value`` of the loss, one bucketed
-  ``fs.lax.psum`` of the gradient pytree over ``dp`` (one all_reduce per dtype, like DDP's
-  buckets), ``fs.optim.adamw`` (warmup + cosine schedule, clipping) and
+  ``fs.lax.pmean`` of the gradient pytree over ``dp`` (DDP-like buckets; donated, so large
+  grads are reduced in place), ``fs.optim.adamw`` (warmup + cosine schedule, clipping) and
   ``fs.optim.apply_updates``. Gradients and optimizer state keep the params' layouts.
 
 The forward of the sharded model is written in fshard's *local view* (what ``fs.shard_map``
@@ -224,8 +224,8 @@ def make_train_step(model_cfg: GPTConfig, mesh: fs.Mesh, tx):
 
     def step(params, opt_state, batch: fs.ShardedArray):
         grads, loss = grad_and_value(params, batch.local, model_cfg, mesh)
-        if dp > 1:  # one bucketed all_reduce per dtype for the whole gradient pytree
-            grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh)
+        if dp > 1:  # the whole gradient pytree, bucketed; the fresh grads are donated
+            grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh, donate=True)
         # tx.update + apply_updates, with the params' and moments' buffers reused in place
         # (jax.jit donate_argnums): the previous params are not used after this step
         params, opt_state = fs.optim.step(tx, grads, opt_state, params, donate=True)

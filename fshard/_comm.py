@@ -96,19 +96,32 @@ def all_gather(
     return torch.cat(parts, 0).movedim(0, dim)
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
 def all_reduce(
     t: torch.Tensor, g: AxisGroup, op: str = "sum", *, inplace: bool = False
 ) -> torch.Tensor:
     """Elementwise reduction (``sum``, ``max`` or ``min``) over the group; a new tensor, or
     ``t`` itself reduced in place with ``inplace`` (``t`` must then be a contiguous temporary
     the caller owns, e.g. a gradient bucket)."""
+    out, work = all_reduce_start(t, g, op, inplace=inplace)
+    if work is not None:
+        work.wait()
+    return out
+
+
+def all_reduce_start(
+    t: torch.Tensor, g: AxisGroup, op: str = "sum", *, inplace: bool = False
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """:func:`all_reduce` launched asynchronously: ``(out, work)``; ``out`` holds the result
+    once ``work.wait()`` returns (``work`` is ``None`` when nothing was sent). Several launched
+    back to back queue on the group's worker, so copying the next bucket overlaps the wire."""
     if g.size == 1:
-        return t
+        return t, None
     record("all_reduce", g.axes, _nbytes(t))
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
-    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(out, red, group=g.pg)
-    return out
+    return out, dist.all_reduce(out, _REDUCE_OPS[op], group=g.pg, async_op=True)
 
 
 def _exchange(pieces: list[torch.Tensor], g: AxisGroup) -> torch.Tensor:

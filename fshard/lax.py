@@ -34,6 +34,7 @@ a body nothing is tracked and the ops run as written.
 from __future__ import annotations
 
 import contextvars
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -364,15 +365,24 @@ def _one(x, g, mesh, op, varies: bool) -> torch.Tensor:
     return _tracked([x], g, mesh, lambda xs: [apply(op, xs[0])], varies)[0]
 
 
-def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None):
+def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool = False):
     """Sum over mesh ``axis``: varying in, invariant out (all_reduce).
 
     Args:
-        x: a tensor, or a pytree of tensors; a pytree is reduced with one all_reduce per dtype
-            (leaves are flattened into one buffer), which is how data-parallel gradients are
-            bucketed.
+        x: a tensor, or a pytree of tensors. A pytree is how data-parallel gradients are
+            bucketed: leaves of one dtype are packed back to back into buffers of at most
+            ``fs.lax.PSUM_BUCKET_BYTES`` (16 MiB; env ``FSHARD_PSUM_BUCKET_BYTES``; a larger
+            leaf is its own bucket), one all_reduce per buffer, all launched before the first
+            is waited on.
         axis: a mesh axis name or a tuple of names.
         mesh: the mesh; default the enclosing shard_map's.
+        donate: JAX ``donate_argnums`` semantics for ``x``: its buffers may hold the result,
+            so do not use ``x`` afterwards. Leaves of at least ``PSUM_INPLACE_MIN_BYTES``
+            (1 MiB) are then reduced in place instead of being copied into a bucket (no copy,
+            no fresh memory: on this CPU machine that is most of a data-parallel step's
+            reduction cost). Leaves that take part in autograd or a ``torch.func`` transform,
+            are not contiguous or share a buffer with another leaf are packed as usual. Without
+            ``donate`` the inputs are never written.
 
     Returns:
         The sum, the same on every rank of ``axis``. Inside a shard_map body a value that is
@@ -380,15 +390,18 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None):
 
     Example:
         >>> total = fs.lax.psum(local_loss, "dp")  # doctest: +SKIP
+        >>> grads = fs.lax.psum(grads, "dp", donate=True)  # doctest: +SKIP
     """
     g = _group(axis, mesh)
-    if isinstance(x, torch.Tensor):
+    if not isinstance(donate, bool):
+        raise TypeError(f"psum: donate must be a bool, got {donate!r}")
+    if isinstance(x, torch.Tensor) and not donate:
         return _one(x, g, mesh, Psum(g), varies=False)
     leaves, spec = optree.tree_flatten(x)
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"psum: pytree leaf {i} is {type(leaf).__name__}, not a tensor")
-    out = _tracked(leaves, g, mesh, lambda ls: _psum_bucketed(ls, g), varies=False)
+    out = _tracked(leaves, g, mesh, lambda ls: _psum_bucketed(ls, g, donate), varies=False)
     return optree.tree_unflatten(spec, out)
 
 
@@ -396,41 +409,110 @@ def _plain(t: torch.Tensor) -> bool:
     return not t.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-def _psum_bucketed(leaves: list, g: AxisGroup) -> list:
+#: Largest gradient bucket :func:`psum` of a pytree packs (bytes). Below glibc's 32 MiB mmap
+#: ceiling a freed bucket's memory is reused by the next step's; above it every bucket is fresh
+#: pages (measured on the 33 MB MLP: packing into fresh pages cost 24 ms, into reused 6 ms).
+PSUM_BUCKET_BYTES = int(os.environ.get("FSHARD_PSUM_BUCKET_BYTES", 16 << 20))
+#: With ``psum(..., donate=True)``, leaves at least this large are reduced in place.
+PSUM_INPLACE_MIN_BYTES = 1 << 20
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(leaves: list, idx: Sequence[int]) -> list[list[int]]:
+    """``idx`` grouped by the leaves' (dtype, device), then cut into runs of at most
+    ``PSUM_BUCKET_BYTES`` (a larger leaf is a bucket of its own)."""
+    by_kind: dict = {}
+    for i in idx:
+        by_kind.setdefault((leaves[i].dtype, leaves[i].device), []).append(i)
+    buckets = []
+    for same in by_kind.values():
+        run, size = [], 0
+        for i in same:
+            if run and size + _nbytes(leaves[i]) > PSUM_BUCKET_BYTES:
+                buckets.append(run)
+                run, size = [], 0
+            run.append(i)
+            size += _nbytes(leaves[i])
+        buckets.append(run)
+    return buckets
+
+
+def _reducible_in_place(leaves: list) -> set[int]:
+    """Donated leaves that may hold their own sum: large, contiguous, plain, unshared."""
+    owners: dict = {}
+    for leaf in leaves:
+        key = leaf.untyped_storage().data_ptr()
+        owners[key] = owners.get(key, 0) + 1
+    return {
+        i
+        for i, leaf in enumerate(leaves)
+        if _nbytes(leaf) >= PSUM_INPLACE_MIN_BYTES
+        and leaf.is_contiguous()
+        and owners[leaf.untyped_storage().data_ptr()] == 1
+    }
+
+
+def _psum_bucketed(leaves: list, g: AxisGroup, donate: bool = False) -> list:
     out = list(leaves)
-    by_dtype: dict = {}
-    for i, leaf in enumerate(leaves):
-        by_dtype.setdefault((leaf.dtype, leaf.device), []).append(i)
-    for idx in by_dtype.values():
-        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
-        if _plain(flat):  # no autograd or transform: reduce the bucket we own in place
-            summed = _comm.all_reduce(flat, g, "sum", inplace=True)
+    if not all(_plain(leaf) for leaf in leaves):
+        for idx in _buckets(leaves, range(len(leaves))):
+            _unpack(out, leaves, idx, apply(Psum(g), _flat(leaves, idx)))
+        return out
+    # No autograd or transform: every all_reduce is launched before the first is waited on
+    # (packing bucket k+1 overlaps bucket k on the wire), each in place on a buffer we own: a
+    # packed bucket, or a donated leaf.
+    own = _reducible_in_place(leaves) if donate else set()
+    packed = [i for i in range(len(leaves)) if i not in own]
+    launched = [([i], *_comm.all_reduce_start(leaves[i], g, inplace=True)) for i in sorted(own)]
+    launched += [
+        (idx, *_comm.all_reduce_start(_flat(leaves, idx), g, inplace=True))
+        for idx in _buckets(leaves, packed)
+    ]
+    for _, _, work in launched:
+        if work is not None:
+            work.wait()
+    for idx, flat, _ in launched:
+        if idx[0] in own:
+            out[idx[0]] = flat
         else:
-            summed = apply(Psum(g), flat)
-        for i, piece in zip(idx, torch.split(summed, [leaves[i].numel() for i in idx])):
-            out[i] = piece.view_as(leaves[i])
+            _unpack(out, leaves, idx, flat)
     return out
 
 
-def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None):
+def _flat(leaves: list, idx: list[int]) -> torch.Tensor:
+    """A new contiguous 1-D buffer holding ``leaves[idx]`` back to back."""
+    return torch.cat([leaves[i].reshape(-1) for i in idx])
+
+
+def _unpack(out: list, leaves: list, idx: list[int], flat: torch.Tensor) -> None:
+    for i, piece in zip(idx, torch.split(flat, [leaves[i].numel() for i in idx])):
+        out[i] = piece.view_as(leaves[i])
+
+
+def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool = False):
     """Mean over mesh ``axis`` (psum, then divide by the axis size).
 
     Args:
         x: a tensor or a pytree of tensors.
         axis: a mesh axis name or a tuple of names.
         mesh: the mesh; default the enclosing shard_map's.
+        donate: as in :func:`psum`.
 
     Returns:
-        The mean, the same on every rank of ``axis``.
+        The mean, the same on every rank of ``axis``. Outside autograd the division runs in
+        place on the sums (buffers psum allocated, or the donated inputs).
 
     Example:
         >>> avg = fs.lax.pmean(local_loss, "dp")  # doctest: +SKIP
     """
     n = _group(axis, mesh).size
-    summed = psum(x, axis, mesh=mesh)
-    if isinstance(summed, torch.Tensor):
-        return summed / n
-    return optree.tree_map(lambda t: t / n, summed)
+    summed = psum(x, axis, mesh=mesh, donate=donate)
+    if n == 1:
+        return summed
+    return optree.tree_map(lambda t: t.div_(n) if _plain(t) else t / n, summed)
 
 
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:

@@ -262,6 +262,118 @@ def test_uneven_blocks(world2):
     assert world2.run(uneven_blocks) == [True, True]
 
 
+def psum_pytree_buckets():
+    """psum of a gradient pytree: buckets of at most PSUM_BUCKET_BYTES per dtype, launched
+    together; values equal the dense sum, inputs are never written, grads flow."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    r = dist.get_rank()
+    shapes = [(4, 8), (3,), (10, 3), (5,), (60,)]
+    f32 = [_gen(20 + i, 2, *s)[r].float() for i, s in enumerate(shapes)]
+    tree = {
+        "a": f32[0],
+        "b": f32[1],
+        "c": f32[2].t(),  # non-contiguous leaf
+        "d": f32[3],
+        "e": _gen(30, 2, 6)[r],  # float64: its own bucket
+        "f": f32[4],  # larger than the cap: a bucket of its own
+    }
+    before = {k: v.clone() for k, v in tree.items()}
+    old = lax.PSUM_BUCKET_BYTES
+    lax.PSUM_BUCKET_BYTES = 192  # f32: [a + b (128 + 12 B)] [c + d (120 + 20)] [f (240)]; f64: [e]
+    try:
+        with fs.debug.comm_log() as log:
+            out = lax.psum(tree, "x", mesh=mesh)
+        with fs.debug.comm_log() as glog:  # autograd path: same buckets, through the Function
+            g = grad(lambda t: sum((v**2).sum() for v in lax.psum(t, "x", mesh=mesh).values()))(tree)
+    finally:
+        lax.PSUM_BUCKET_BYTES = old
+    assert [(c.op, c.nbytes) for c in log] == [
+        ("all_reduce", 140),
+        ("all_reduce", 140),
+        ("all_reduce", 240),
+        ("all_reduce", 48),
+    ], log
+    dense = {
+        "a": _gen(20, 2, 4, 8).float().sum(0),
+        "b": _gen(21, 2, 3).float().sum(0),
+        "c": _gen(22, 2, 10, 3).float().sum(0).t(),
+        "d": _gen(23, 2, 5).float().sum(0),
+        "e": _gen(30, 2, 6).sum(0),
+        "f": _gen(24, 2, 60).float().sum(0),
+    }
+    for k in tree:
+        assert out[k].shape == tree[k].shape and out[k].dtype == tree[k].dtype, k
+        torch.testing.assert_close(out[k], dense[k], rtol=1e-6, atol=1e-6)
+        assert torch.equal(tree[k], before[k]), f"psum wrote its input {k}"
+        # loss = sum_k |psum(t)_k|^2 counted once (invariant); d/dt_k = 2 * psum(t)_k via pcast
+        torch.testing.assert_close(g[k], 2 * dense[k], rtol=1e-6, atol=1e-6)
+    # forward buckets + the backward's (pcast: no comm)
+    assert [(c.op, c.nbytes) for c in glog] == [(c.op, c.nbytes) for c in log], glog
+    return True
+
+
+def psum_donated():
+    """psum(donate=True): large contiguous unshared plain leaves are reduced in place (the
+    result is the input tensor), the rest packed; values equal the dense sum either way."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    r = dist.get_rank()
+    old = lax.PSUM_INPLACE_MIN_BYTES
+    lax.PSUM_INPLACE_MIN_BYTES = 64  # bytes, so small test leaves qualify
+    try:
+        base = _gen(40, 2, 10, 4)[r].float()
+        shared = _gen(41, 2, 32)[r].float()
+        tree = {
+            "big": base.clone(),  # 160 B: in place
+            "strided": base.clone().t(),  # non-contiguous: packed
+            "small": _gen(42, 2, 3)[r].float(),  # 12 B: packed
+            "s1": shared[:16],  # two leaves sharing one buffer: packed, not reduced twice
+            "s2": shared[16:],
+        }
+        dense = {
+            "big": _gen(40, 2, 10, 4).float().sum(0),
+            "strided": _gen(40, 2, 10, 4).float().sum(0).t(),
+            "small": _gen(42, 2, 3).float().sum(0),
+            "s1": _gen(41, 2, 32).float().sum(0)[:16],
+            "s2": _gen(41, 2, 32).float().sum(0)[16:],
+        }
+        big, strided = tree["big"], tree["strided"].clone()
+        with fs.debug.comm_log() as log:
+            out = lax.psum(tree, "x", mesh=mesh, donate=True)
+        assert out["big"] is big, "a donated large leaf is reduced in place"
+        assert torch.equal(tree["strided"], strided), "a packed donated leaf is not written"
+        for k in tree:
+            torch.testing.assert_close(out[k], dense[k], rtol=1e-6, atol=1e-6)
+        # the in-place leaf, then one bucket of the rest: 160 + 12 + 64 + 64 bytes
+        assert [(c.op, c.nbytes) for c in log] == [("all_reduce", 160), ("all_reduce", 300)], log
+        # pmean divides in place on what psum returned; donate=False leaves inputs untouched
+        x = _gen(43, 2, 10, 4)[r]
+        keep = x.clone()
+        m = lax.pmean({"x": x}, "x", mesh=mesh)["x"]
+        torch.testing.assert_close(m, _gen(43, 2, 10, 4).mean(0))
+        assert torch.equal(x, keep)
+        m2 = lax.pmean(x, "x", mesh=mesh, donate=True)
+        assert m2 is x
+        torch.testing.assert_close(m2, _gen(43, 2, 10, 4).mean(0))
+        # under grad a donated leaf is never written: the autograd path runs
+        w = _gen(44, 2, 10, 4)[r]
+        gw = grad(lambda t: (lax.psum({"w": t}, "x", mesh=mesh, donate=True)["w"] ** 2).sum())(w)
+        torch.testing.assert_close(gw, 2 * _gen(44, 2, 10, 4).sum(0))
+        assert torch.equal(w, _gen(44, 2, 10, 4)[r])
+    finally:
+        lax.PSUM_INPLACE_MIN_BYTES = old
+    with pytest.raises(TypeError, match="donate must be a bool"):
+        lax.psum(x, "x", mesh=mesh, donate="yes")
+    return True
+
+
+def test_psum_donated(world2):
+    assert world2.run(psum_donated) == [True, True]
+
+
+def test_psum_pytree_buckets(world2):
+    assert world2.run(psum_pytree_buckets) == [True, True]
+
+
 def bad_arguments():
     mesh = fs.Mesh.create((2,), ("x",))
     x = torch.ones(4, 2)

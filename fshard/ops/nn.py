@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+from operator import methodcaller
 
 import torch
 import torch.nn.functional as F
@@ -81,11 +82,10 @@ def softmax_rule(op, args, kwargs):
     out = out_layout(x.mesh, x.dim_axes, (), meta)
     log = op.__name__ == "log_softmax"
     dtype = meta.dtype
-    if group is None:  # the kernel F.softmax would call, without its torch-function check
-        kernel = torch.Tensor.log_softmax if log else torch.Tensor.softmax
-        if dtype == x.dtype:
-            return Plan([unreduced(x)], out, lambda t, *a, **k: kernel(t, dim))
-        return Plan([unreduced(x)], out, lambda t, *a, **k: kernel(t, dim, dtype=dtype))
+    if group is None:  # the Tensor kernel F.softmax would call, without its torch-function check
+        name = op.__name__
+        kernel = methodcaller(name, dim) if dtype == x.dtype else methodcaller(name, dim, dtype)
+        return Plan([unreduced(x)], out, kernel, tensors_only=True)
 
     def local(t, *a, **k):
         t = t.to(dtype)

@@ -62,6 +62,10 @@ class Plan:
             several tensors, or ``None`` for an op whose result is returned as is.
         local: called as ``local(*args, **kwargs)`` with the resharded local tensors (and the
             call's actual scalars); default: the op itself.
+        tensors_only: ``local`` already holds every non-tensor argument (the rule bound the
+            static ones; there are no scalars) and is called with the local tensors alone, in
+            flattening order. Saves re-passing keywords such as ``F.softmax``'s ``_stacklevel``
+            on every call.
 
     Example:
         >>> Plan(in_specs=(P("x"),), out=Layout(Mesh.abstract((2,), ("x",)), P("x"), (4,)))  # doctest: +SKIP
@@ -70,12 +74,14 @@ class Plan:
     in_specs: Sequence[P | None]
     out: Any
     local: Callable | None = None
+    tensors_only: bool = False
 
 
 _RULES: dict = {}
 _CACHE: dict = {}
 #: Calls of one ShardedArray then static arguments, keyed by
-#: ``(op, layout, *args[1:], _KW, *kwargs.items())``.
+#: ``(op, layout, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then values: no tuple
+#: per item; the length fixes where the names end).
 _UNARY: dict = {}
 _KW = object()  # separates positional from keyword arguments in a _UNARY key
 
@@ -182,7 +188,7 @@ def dispatch(func, args, kwargs):
                 return compiled.run(args, None)
         if len(args) == 1 or type(args[1]) is not ShardedArray:
             # one ShardedArray then static arguments (x.sum(0), F.softmax(x, dim=-1)): one probe
-            ukey = (func, x.layout, *args[1:], _KW, *kwargs.items())
+            ukey = (func, x.layout, *args[1:], _KW, *kwargs, *kwargs.values())
             try:
                 run = _UNARY.get(ukey)
             except TypeError:  # an unhashable argument
@@ -227,13 +233,13 @@ def _unary_runner(c: _Compiled, args, kwargs):
     if any(type(v) not in _STATIC for v in (*args[1:], *kwargs.values())):
         return None
     fn, out, raw = c.fn, c.out, ShardedArray._raw
+    if c.tensors_only or len(args) == 1 and not kwargs:
+        return lambda a, kw: raw(fn(a[0].local), out)
     if len(args) == 2 and not kwargs:
         return lambda a, kw: raw(fn(a[0].local, a[1]), out)
     if len(args) > 1:
         return lambda a, kw: raw(fn(a[0].local, *a[1:], **kw), out)
-    if kwargs:
-        return lambda a, kw: raw(fn(a[0].local, **kw), out)
-    return lambda a, kw: raw(fn(a[0].local), out)
+    return lambda a, kw: raw(fn(a[0].local, **kw), out)
 
 
 def _dispatch_tree(func, args, kwargs):
@@ -351,7 +357,18 @@ class _Input:
 class _Compiled:
     """A plan bound to concrete leaf positions: what ``dispatch`` runs on a cache hit."""
 
-    __slots__ = ("name", "inputs", "fn", "out", "comm", "tensor_idx", "nleaves", "trivial", "run")
+    __slots__ = (
+        "name",
+        "inputs",
+        "fn",
+        "out",
+        "comm",
+        "tensor_idx",
+        "nleaves",
+        "trivial",
+        "tensors_only",
+        "run",
+    )
 
     @staticmethod
     def build(func, name, plan: Plan, leaves, view, mesh, tree=None) -> _Compiled:
@@ -390,6 +407,7 @@ class _Compiled:
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
         self.trivial = all(x.spec is None and x.pcast is None and not x.plain for x in inputs)
+        self.tensors_only = plan.tensors_only
         flat = tree is None or type(tree) is tuple
         self.run = (flat and _fast_runner(self, tree)) or self.run_general
         return self
@@ -411,7 +429,9 @@ class _Compiled:
                 if inp.pcast is not None and loc.requires_grad:
                     loc = apply(Pcast(inp.pcast), loc)
                 locs[inp.index] = loc
-        if tree is None:
+        if self.tensors_only:
+            result = self.fn(*[locs[i] for i in self.tensor_idx])
+        elif tree is None:
             result = self.fn(*locs)
         else:
             args, kwargs = _unflatten(tree, locs)
@@ -431,8 +451,10 @@ def _fast_runner(c: _Compiled, tree):
     if not _runs_as_is(c):
         return None
     fn, out, raw, tidx = c.fn, c.out, ShardedArray._raw, c.tensor_idx
-    if tidx == (0,) and c.nleaves == 1 and tree is None:
+    if tidx == (0,) and (c.tensors_only or c.nleaves == 1 and tree is None):
         return lambda leaves, tree: raw(fn(leaves[0].local), out)
+    if c.tensors_only:
+        return lambda leaves, tree: raw(fn(*[leaves[i].local for i in tidx]), out)
     if c.nleaves == 2 and tree is None:
         if tidx == (0, 1):
             return lambda leaves, tree: raw(fn(leaves[0].local, leaves[1].local), out)
