@@ -262,6 +262,10 @@ def test_uneven_blocks(world2):
     assert world2.run(uneven_blocks) == [True, True]
 
 
+def _sq(tree):
+    return sum((v**2).sum() for v in tree.values())
+
+
 def psum_pytree_buckets():
     """psum of a gradient pytree: buckets of at most PSUM_BUCKET_BYTES per dtype, launched
     together; values equal the dense sum, inputs are never written, grads flow."""
@@ -284,7 +288,7 @@ def psum_pytree_buckets():
         with fs.debug.comm_log() as log:
             out = lax.psum(tree, "x", mesh=mesh)
         with fs.debug.comm_log() as glog:  # autograd path: same buckets, through the Function
-            g = grad(lambda t: sum((v**2).sum() for v in lax.psum(t, "x", mesh=mesh).values()))(tree)
+            g = grad(lambda t: _sq(lax.psum(t, "x", mesh=mesh)))(tree)
     finally:
         lax.PSUM_BUCKET_BYTES = old
     assert [(c.op, c.nbytes) for c in log] == [
