@@ -91,7 +91,8 @@ def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
             mesh).
 
     Returns:
-        A list of :class:`Step`; empty when the layouts are equal.
+        A list of :class:`Step`; empty when the layouts have the same local blocks (equal, or
+        differing only on size-1 mesh axes, which split nothing and sum nothing).
 
     Example:
         >>> m = Mesh.abstract((2,), ("x",))
@@ -119,6 +120,13 @@ def _with_bytes(step: Step, rank: int) -> Step:
     return replace(step, nbytes=n * step.src.dtype.itemsize)
 
 
+def _on_big_axes(layout: Layout):
+    """``layout``'s placement with the mesh's size-1 axes dropped."""
+    unit = {a for a in layout.mesh.axis_names if layout.mesh.size(a) == 1}
+    dims = tuple(tuple(a for a in axes if a not in unit) for axes in layout.dim_axes)
+    return dims, tuple(a for a in layout.partial if a not in unit)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
     if src.is_explicit:
@@ -126,6 +134,8 @@ def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
         # assembled by offsets), then plan from the replicated value.
         full = src.with_spec(P())
         return (Step("gather_blocks", src.mesh.axis_names, src, full),) + _plan(full, dst)
+    if _on_big_axes(src) == _on_big_axes(dst):
+        return ()
     steps: list[Step] = []
     cur = src
     mesh = src.mesh

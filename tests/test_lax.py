@@ -370,6 +370,30 @@ def psum_donated():
     return True
 
 
+def plain_and_forward_ad():
+    """A tensor no transform sees skips the Function (plain result, no graph); a forward-AD
+    dual tensor (torch.autograd.forward_ad, not torch.func) still gets its tangent reduced."""
+    import torch.autograd.forward_ad as fwad
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    r = dist.get_rank()
+    x, t = _gen(50, 2, 3)[r], _gen(51, 2, 3)[r]
+    y = lax.psum(x, "x", mesh=mesh)
+    assert y.grad_fn is None and not y.requires_grad
+    _close(y, _gen(50, 2, 3).sum(0), "plain psum")
+    assert lax.pcast(x, "x", mesh=mesh).grad_fn is None
+    with fwad.dual_level():
+        out = lax.psum(fwad.make_dual(x, t), "x", mesh=mesh)
+        primal, tangent = fwad.unpack_dual(out)
+    _close(primal, _gen(50, 2, 3).sum(0), "forward-AD psum primal")
+    _close(tangent, _gen(51, 2, 3).sum(0), "forward-AD psum tangent")
+    return True
+
+
+def test_plain_and_forward_ad(world2):
+    assert world2.run(plain_and_forward_ad) == [True, True]
+
+
 def test_psum_donated(world2):
     assert world2.run(psum_donated) == [True, True]
 

@@ -462,3 +462,33 @@ def mesh4_cases():
 
 def test_mesh_2x2(world4):
     assert world4.run(mesh4_cases)[0] > 50
+
+
+def unit_axis_cases():
+    """Layouts that differ only on size-1 mesh axes have the same local blocks: the rule runs
+    with no reshard and no pcast (nothing logged, strict mode passes), values and grads dense."""
+    mesh = fs.Mesh.create((1, 2), ("dp", "tp"))
+    a, b, v = randn(6, 4), randn(4, 5, seed=1), randn(4, seed=2)
+    cases = [
+        (lambda x, w: x @ w, [a, b], [P("dp"), P(None, "tp")]),  # S(0)@S(1) on dp=1: local mm
+        (lambda x, w: x @ w, [a, b], [P(("dp", "tp")), P()]),
+        (lambda x, y: x + y, [a, a], [P("dp"), P()]),
+        (lambda x, y: x * y, [a, v], [P(None, ("tp", "dp")), P("tp")]),
+        (lambda x: x.sum(0), [a], [P("dp")]),
+        (lambda x: torch.softmax(x, 0), [a], [P("dp", "tp")]),
+    ]
+    for n, (f, ts, ss) in enumerate(cases):
+        check(mesh, f, ts, ss, label=f"unit-axis case {n}")
+        xs = [fs.shard(t, mesh, s) for t, s in zip(ts, ss)]
+        with fs.config.strict(), fs.debug.comm_log() as log:
+            f(*xs)
+        assert not log, (n, log)
+    # a real reshard over the size-2 axis still communicates (and strict mode refuses it)
+    x, w = fs.shard(a, mesh, P(None, "tp")), fs.shard(b, mesh, P(None, "tp"))
+    with pytest.raises(RuntimeError, match="strict"), fs.config.strict():
+        x @ w
+    return len(cases)
+
+
+def test_unit_mesh_axes_need_no_reshard(world2):
+    assert world2.run(unit_axis_cases) == [6, 6]

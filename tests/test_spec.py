@@ -174,6 +174,20 @@ def test_plan_is_pure_and_cached():
     assert [s.op for s in fs.plan(lay2, fs.P("y", "x"))] == ["ppermute"]
 
 
+def test_plan_ignores_size_one_axes():
+    m = fs.Mesh.abstract((1, 2), ("dp", "tp"))
+    lay = fs.Layout(m, fs.P("tp"), (4, 6))
+    # same local blocks on every rank: nothing to run
+    for dst in [fs.P(("tp", "dp")), fs.P(("dp", "tp")), fs.P("tp", "dp"), fs.P("tp", partial="dp")]:
+        assert fs.plan(lay, dst) == [], dst
+        for r in m.ranks:
+            assert lay.local_shape(r) == lay.with_spec(dst).local_shape(r)
+    assert fs.plan(lay.with_spec(fs.P(partial="dp")), fs.P()) == []
+    # a change on the size-2 axis still moves data
+    assert [s.op for s in fs.plan(lay, fs.P(None, "tp"))] == ["all_to_all"]
+    assert [s.op for s in fs.plan(lay.with_spec(fs.P()), fs.P(partial="tp"))] == ["zero"]
+
+
 def test_every_2x2_plan_reaches_its_target():
     m = fs.Mesh.abstract((2, 2), ("x", "y"))
     axes = [None, "x", "y", ("x", "y"), ("y", "x")]

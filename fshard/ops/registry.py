@@ -388,13 +388,20 @@ class _Compiled:
                 continue
             tgt = src.with_spec(spec)
             steps = _plan_steps(src, spec, rank=mesh.ranks[0] if mesh.is_abstract else None)
+            if not steps:  # differs on size-1 mesh axes only: the same local block
+                targets.append((tgt, None))
+                continue
             if any(s.collective for s in steps):
                 comm.append((pos, src, spec, steps))
             targets.append((tgt, spec))
         union = frozenset().union(*[t.varying_axes for t, _ in targets]) if targets else frozenset()
         inputs = []
         for i, (tgt, spec) in zip(tensor_idx, targets):
-            missing = [a for a in mesh.axis_names if a in union and a not in tgt.varying_axes]
+            missing = [
+                a
+                for a in mesh.axis_names
+                if a in union and a not in tgt.varying_axes and mesh.size(a) > 1
+            ]
             group = mesh.group(tuple(missing)) if missing and not mesh.is_abstract else None
             plain = type(leaves[i]) is not ShardedArray
             inputs.append(_Input(i, view[i], spec, group, plain))
