@@ -173,22 +173,30 @@ def dispatch(func, args, kwargs):
     ukey = None
     x = args[0] if args else None
     if type(x) is ShardedArray:
-        if len(args) == 2 and not kwargs:  # binary: key without the general loop
+        # One probe per call shape; tuple displays, not star-unpacking, on the common shapes.
+        # Unary keys: (op, layout, *args[1:], _KW, *kwargs, *kwargs.values()).
+        n = len(args)
+        if kwargs:
+            if n == 1:
+                ukey = (func, x.layout, _KW, *kwargs, *kwargs.values())
+            elif type(args[1]) is not ShardedArray:
+                ukey = (func, x.layout, *args[1:], _KW, *kwargs, *kwargs.values())
+        elif n == 1:
+            ukey = (func, x.layout, _KW)
+        elif n == 2:
             y = args[1]
             ty = type(y)
-            key = (
-                (func, None, x.layout, y.layout)
-                if ty is ShardedArray
-                else (func, None, x.layout, SCALAR)
-                if ty is float
-                else None
-            )
-            compiled = _CACHE.get(key) if key is not None else None
-            if compiled is not None:
-                return compiled.run(args, None)
-        if len(args) == 1 or type(args[1]) is not ShardedArray:
-            # one ShardedArray then static arguments (x.sum(0), F.softmax(x, dim=-1)): one probe
-            ukey = (func, x.layout, *args[1:], _KW, *kwargs, *kwargs.values())
+            if ty is ShardedArray or ty is float:  # binary (floats never enter _UNARY)
+                compiled = _CACHE.get(
+                    (func, None, x.layout, y.layout if ty is ShardedArray else SCALAR)
+                )
+                if compiled is not None:
+                    return compiled.run(args, None)
+            else:  # x.sum(0), torch.softmax(x, -1)
+                ukey = (func, x.layout, y, _KW)
+        elif type(args[1]) is not ShardedArray:
+            ukey = (func, x.layout, *args[1:], _KW)
+        if ukey is not None:
             try:
                 run = _UNARY.get(ukey)
             except TypeError:  # an unhashable argument
