@@ -179,9 +179,12 @@ def embedding_rule(op, args, kwargs):
     def local(*a, **k):
         b = _bind(_EMB, a, k)
         i, weight = b["input"], b["weight"]
-        if hi == lo:
-            return weight.new_zeros((*i.shape, weight.shape[1])) + 0 * weight.sum()
         inside = (i >= lo) & (i < hi)
+        if hi == lo:
+            # An empty vocab block: zero rows, computed from both the ids and the weight so that
+            # under vmap this rank's result is batched exactly when the other ranks' rows are
+            # (the psum of the pending sum then runs with the same shape on every rank).
+            return inside.unsqueeze(-1).to(weight.dtype) * weight.sum(0)
         rows = F.embedding(torch.where(inside, i - lo, 0), weight, padding_idx=pad)
         return rows * inside.unsqueeze(-1).to(rows.dtype)
 
@@ -263,8 +266,9 @@ def _vocab_parallel_ce(logits, t, valid, lo, hi, n_classes, smooth, group):
     if hi > lo:
         idx = torch.where(inside, t - lo, 0).unsqueeze(1)
         picked = z.gather(1, idx).squeeze(1) * inside.to(z.dtype)
-    else:
-        picked = z.sum(1) * 0
+    else:  # an empty vocab block: zeros that depend on the targets as on the other ranks, so
+        # that under vmap the psum below is batched (or not) the same way on every rank
+        picked = z.sum(1) * inside.to(z.dtype)
     parts = [sumexp, picked] + ([z.sum(1)] if smooth else [])
     red = psum(torch.stack(parts), group)
     lse = torch.log(red[0])
