@@ -258,8 +258,22 @@ def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -
         # vmap outputs (batch dims in front): unsharded leading dims, sizes from the local.
         spec = P(*([None] * extra), *layout.dim_axes, partial=layout.partial)
         return _layout(layout.mesh, spec, tuple(local.shape[:extra]) + layout.shape, layout.dtype)
-    # vmap inputs: a stacked dim was taken off. Find the unsharded dim whose removal matches.
+    # vmap inputs: a stacked dim was taken off. A batched local says which one (its bdim, in
+    # the coordinates of the value one level out: the layout's); otherwise find the unsharded
+    # dim whose removal matches the local shape.
     want = tuple(local.shape)
+    if extra == -1 and torch._C._functorch.is_batchedtensor(local):
+        d = torch._C._functorch.maybe_get_bdim(local)
+        if layout.dim_axes[d]:
+            raise ValueError(
+                f"cannot map over dim {d} of this ShardedArray: it is split over "
+                f"{layout.dim_axes[d]} in {layout}. vmap can only map over an unsharded dim of a "
+                "ShardedArray; reshard it so that the mapped dim is not split "
+                "(e.g. fs.reshard(x, fs.P(None, ...)))"
+            )
+        spec = P(*(layout.dim_axes[:d] + layout.dim_axes[d + 1 :]), partial=layout.partial)
+        shape = layout.shape[:d] + layout.shape[d + 1 :]
+        return _layout(layout.mesh, spec, shape, layout.dtype)
     local_full = layout.local_shape(layout.mesh.rank) if not layout.mesh.is_abstract else None
     for d in range(layout.ndim):
         if layout.dim_axes[d]:

@@ -437,6 +437,14 @@ def shape_cases():
     _check_like(got, R, want, "vmap in_dims=1 over a split input", cotangent=False)
     with pytest.raises(ValueError, match="vmap can only map over an unsharded dim"):
         vmap(torch.sin)(fs.shard(a[:, :5], mesh, S0))
+    # ...also when dropping another, unsplit dim would fit the local shape: (4, 2) split over
+    # dim 0 has (2, 2) blocks, which look like dim 1 of the (4, 2) value mapped away
+    sq = fs.shard(_randn(4, 2, seed=3), mesh, S0)
+    with pytest.raises(ValueError, match="cannot map over dim 0 of this ShardedArray"):
+        vmap(torch.sin)(sq)
+    torch.testing.assert_close(
+        fs.gather(vmap(torch.sin, in_dims=1)(sq)), torch.sin(_randn(4, 2, seed=3)).T
+    )
     return check.count, check.hessians
 
 
