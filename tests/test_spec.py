@@ -174,6 +174,22 @@ def test_plan_is_pure_and_cached():
     assert [s.op for s in fs.plan(lay2, fs.P("y", "x"))] == ["ppermute"]
 
 
+def test_layout_id_is_shared_by_equal_layouts_only():
+    m = fs.Mesh.abstract((2,), ("x",))
+    a, b = fs.Layout(m, fs.P("x"), (4, 4)), fs.Layout(m, fs.P("x"), (4, 4))
+    assert a is not b and a._id is b._id
+    others = [
+        fs.Layout(m, fs.P(None, "x"), (4, 4)),
+        fs.Layout(m, fs.P("x"), (4, 5)),
+        fs.Layout(m, fs.P("x"), (4, 4), torch.float64),
+        fs.Layout(fs.Mesh.abstract((2,), ("y",)), fs.P("y"), (4, 4)),
+        fs.Layout.explicit(m, [((0, 0), (2, 4)), ((2, 0), (2, 4))], (4, 4)),
+    ]
+    assert len({id(o._id) for o in others} | {id(a._id)}) == len(others) + 1
+    # a token, not a number: it can never equal a static argument in a dispatch key
+    assert a._id != 0 and a._id != 1 and a._id is not True
+
+
 def test_plan_ignores_size_one_axes():
     m = fs.Mesh.abstract((1, 2), ("dp", "tp"))
     lay = fs.Layout(m, fs.P("tp"), (4, 6))

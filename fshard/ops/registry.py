@@ -80,7 +80,7 @@ class Plan:
 _RULES: dict = {}
 _CACHE: dict = {}
 #: Calls of one ShardedArray then static arguments, keyed by
-#: ``(op, layout, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then values: no tuple
+#: ``(op, layout._id, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then values: no tuple
 #: per item; the length fixes where the names end).
 _UNARY: dict = {}
 _KW = object()  # separates positional from keyword arguments in a _UNARY key
@@ -149,7 +149,7 @@ def op_name(op) -> str:
 def _leaf_key(a):
     t = type(a)
     if t is ShardedArray:
-        return a.layout
+        return a.layout._id
     if t is float or t is complex:
         return SCALAR
     if isinstance(a, torch.Tensor):
@@ -174,28 +174,28 @@ def dispatch(func, args, kwargs):
     x = args[0] if args else None
     if type(x) is ShardedArray:
         # One probe per call shape; tuple displays, not star-unpacking, on the common shapes.
-        # Unary keys: (op, layout, *args[1:], _KW, *kwargs, *kwargs.values()).
+        # Unary keys: (op, layout id, *args[1:], _KW, *kwargs, *kwargs.values()).
         n = len(args)
         if kwargs:
             if n == 1:
-                ukey = (func, x.layout, _KW, *kwargs, *kwargs.values())
+                ukey = (func, x.layout._id, _KW, *kwargs, *kwargs.values())
             elif type(args[1]) is not ShardedArray:
-                ukey = (func, x.layout, *args[1:], _KW, *kwargs, *kwargs.values())
+                ukey = (func, x.layout._id, *args[1:], _KW, *kwargs, *kwargs.values())
         elif n == 1:
-            ukey = (func, x.layout, _KW)
+            ukey = (func, x.layout._id, _KW)
         elif n == 2:
             y = args[1]
             ty = type(y)
             if ty is ShardedArray or ty is float:  # binary (floats never enter _UNARY)
                 compiled = _CACHE.get(
-                    (func, None, x.layout, y.layout if ty is ShardedArray else SCALAR)
+                    (func, None, x.layout._id, y.layout._id if ty is ShardedArray else SCALAR)
                 )
                 if compiled is not None:
                     return compiled.run(args, None)
             else:  # x.sum(0), torch.softmax(x, -1)
-                ukey = (func, x.layout, y, _KW)
+                ukey = (func, x.layout._id, y, _KW)
         elif type(args[1]) is not ShardedArray:
-            ukey = (func, x.layout, *args[1:], _KW)
+            ukey = (func, x.layout._id, *args[1:], _KW)
         if ukey is not None:
             try:
                 run = _UNARY.get(ukey)
@@ -213,7 +213,7 @@ def dispatch(func, args, kwargs):
     for a in leaves:
         t = type(a)
         if t is ShardedArray:
-            append(a.layout)
+            append(a.layout._id)
         elif t is float or t is complex:
             append(SCALAR)
         elif t in _STATIC:
