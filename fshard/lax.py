@@ -401,9 +401,9 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
         >>> total = fs.lax.psum(local_loss, "dp")  # doctest: +SKIP
         >>> grads = fs.lax.psum(grads, "dp", donate=True)  # doctest: +SKIP
     """
-    g = _group(axis, mesh)
     if not isinstance(donate, bool):
         raise TypeError(f"psum: donate must be a bool, got {donate!r}")
+    g = _group(axis, mesh)
     if isinstance(x, torch.Tensor) and not donate:
         return _one(x, g, mesh, Psum(g), varies=False)
     leaves, spec = optree.tree_flatten(x)
@@ -426,10 +426,6 @@ PSUM_BUCKET_BYTES = int(os.environ.get("FSHARD_PSUM_BUCKET_BYTES", 16 << 20))
 PSUM_INPLACE_MIN_BYTES = 1 << 20
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _buckets(leaves: list, idx: Sequence[int]) -> list[list[int]]:
     """``idx`` grouped by the leaves' (dtype, device), then cut into runs of at most
     ``PSUM_BUCKET_BYTES`` (a larger leaf is a bucket of its own)."""
@@ -440,11 +436,11 @@ def _buckets(leaves: list, idx: Sequence[int]) -> list[list[int]]:
     for same in by_kind.values():
         run, size = [], 0
         for i in same:
-            if run and size + _nbytes(leaves[i]) > PSUM_BUCKET_BYTES:
+            if run and size + _comm.nbytes(leaves[i]) > PSUM_BUCKET_BYTES:
                 buckets.append(run)
                 run, size = [], 0
             run.append(i)
-            size += _nbytes(leaves[i])
+            size += _comm.nbytes(leaves[i])
         buckets.append(run)
     return buckets
 
@@ -458,7 +454,7 @@ def _reducible_in_place(leaves: list) -> set[int]:
     return {
         i
         for i, leaf in enumerate(leaves)
-        if _nbytes(leaf) >= PSUM_INPLACE_MIN_BYTES
+        if _comm.nbytes(leaf) >= PSUM_INPLACE_MIN_BYTES
         and leaf.is_contiguous()
         and owners[leaf.untyped_storage().data_ptr()] == 1
     }
