@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
+from ._function import call
 from .array import ShardedArray
 from .lax import AllGather, AllToAll, LocalSlice, Pcast, Ppermute, Psum, PsumScatter, apply
 from .mesh import Mesh
@@ -137,7 +138,7 @@ class _GatherBlocks:
         self.layout = layout
 
     def __call__(self, x):
-        return _GatherBlocksFn.apply(x, self.layout)
+        return call(_GatherBlocksFn, x, self.layout)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,7 +1,8 @@
 """Named-axis collectives with JAX semantics, differentiable under every torch.func transform.
 
 Every collective is a small frozen *op* (hashable static config: group, dims, chunk sizes) run
-through one new-style ``torch.autograd.Function`` (:class:`_Collective`). The Function's
+through one new-style ``torch.autograd.Function`` (:class:`_Collective`, applied with
+:func:`fshard._function.call`). The Function's
 ``backward`` applies the op's *transpose*, which is again an op run through the same Function,
 so double backward, ``vmap(grad)``, ``jacrev``, ``jacfwd`` and ``hessian`` all work. Its ``vmap``
 staticmethod moves the batch dim to the front and runs the collective once on the whole batch
@@ -43,6 +44,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import _comm
+from ._function import call
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -283,13 +285,14 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     """Run collective ``op`` on local tensor ``x`` (differentiable, vmappable).
 
     A tensor no transform can see (no autograd history, not wrapped by torch.func, no forward-AD
-    level open) runs ``op`` directly: the Function would record nothing, and under
-    ``torch.func.grad`` its functorch wrapping costs ~0.1 ms per call (e.g. the ``pcast`` of the
-    input batch in a tensor-parallel step, which is not differentiated).
+    level open) runs ``op`` directly: the Function would record nothing (e.g. the ``pcast`` of
+    the input batch in a tensor-parallel step, which is not differentiated). Otherwise the
+    Function runs through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp``
+    costs a fraction of ``Function.apply``'s per-call class building.
     """
     if _plain(x) and forward_ad._current_level < 0:
         return op.run(x)
-    return _Collective.apply(x, op)
+    return call(_Collective, x, op)
 
 
 class _Pmax(torch.autograd.Function):
@@ -325,8 +328,8 @@ class _Pmax(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, group, how):
         if in_dims[0] is None:
-            return _Pmax.apply(x, group, how), None
-        return _Pmax.apply(x.movedim(in_dims[0], 0), group, how), 0
+            return call(_Pmax, x, group, how), None
+        return call(_Pmax, x.movedim(in_dims[0], 0), group, how), 0
 
 
 # -- public named-axis API --------------------------------------------------------------------
@@ -523,7 +526,7 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
     _tensor(x, f"p{how}")
     g = _group(axis, mesh)
-    return _tracked([x], g, mesh, lambda xs: [_Pmax.apply(xs[0], g, how)], varies=False)[0]
+    return _tracked([x], g, mesh, lambda xs: [call(_Pmax, xs[0], g, how)], varies=False)[0]
 
 
 def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:

@@ -390,6 +390,60 @@ def plain_and_forward_ad():
     return True
 
 
+def level_functions():
+    """Under torch.func grad/jvp the collectives' Function runs through fshard's one-class
+    level wrapper (fshard._function), never torch's per-call generated class, and stays exact:
+    grad, grad of grad, jvp, vmap(grad), torch.autograd.grad(create_graph=True) inside
+    torch.func.grad, and a collective that returns its operand (a size-1 axis)."""
+    import torch._functorch.autograd_function as taf
+
+    mesh = fs.Mesh.create((2, 1), ("x", "one"))
+    r = dist.get_rank()
+    X = _gen(60, 2, 3)
+    generated = []
+    original = taf.generate_single_level_function
+    taf.generate_single_level_function = lambda *a: generated.append(a) or original(*a)
+    try:
+
+        def local(x):  # varying x -> invariant psum -> loss counted once
+            return (lax.psum(x, "x", mesh=mesh) ** 3).sum()
+
+        def dense(xs):
+            return (xs.sum(0) ** 3).sum()
+
+        _close(grad(local)(X[r]), grad(dense)(X)[r], "grad")
+        # grad of a varying loss built from a grad: the per-rank losses sum
+        _close(
+            grad(lambda x: (grad(local)(x) ** 2).sum())(X[r]),
+            grad(lambda xs: (grad(dense)(xs) ** 2).sum())(X)[r],
+            "grad(grad)",
+        )
+
+        def inner_autograd(x):  # create_graph inside torch.func.grad: the same level twice
+            (gx,) = torch.autograd.grad(local(x), x, create_graph=True)
+            return (gx**2).sum()
+
+        _close(
+            grad(inner_autograd)(X[r]),
+            grad(lambda xs: (grad(dense)(xs) ** 2).sum())(X)[r],
+            "autograd.grad(create_graph) inside grad",
+        )
+        T = _gen(61, 2, 3)
+        _close(jvp(lambda x: lax.psum(x, "x", mesh=mesh), (X[r],), (T[r],))[1], T.sum(0), "jvp")
+        XB = _gen(62, 4, 2, 3)  # vmap over 4 examples of the stacked per-rank inputs
+        _close(vmap(grad(local))(XB[:, r]), vmap(grad(dense))(XB)[:, r], "vmap(grad)")
+        # a size-1 axis: the collective returns its operand; the grad is the identity's
+        _close(grad(lambda x: (lax.psum(x, "one", mesh=mesh) ** 2).sum())(X[r]), 2 * X[r], "n=1")
+    finally:
+        taf.generate_single_level_function = original
+    assert not generated, f"torch built {len(generated)} per-call Function classes"
+    return True
+
+
+def test_level_functions(world2):
+    assert world2.run(level_functions) == [True, True]
+
+
 def test_plain_and_forward_ad(world2):
     assert world2.run(plain_and_forward_ad) == [True, True]
 

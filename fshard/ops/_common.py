@@ -7,6 +7,7 @@ import math
 import optree
 import torch
 
+from .._function import call
 from ..lax import Pcast, Psum, _Pmax, apply
 from ..spec import Layout, P, _layout, chunk_bounds
 from .registry import SCALAR
@@ -93,7 +94,7 @@ def pcast(t, group):
 
 
 def pmax(t, group, how: str = "max"):
-    return t if group is None else _Pmax.apply(t, group, how)
+    return t if group is None else call(_Pmax, t, group, how)
 
 
 def safe_amax(x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
