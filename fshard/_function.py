@@ -12,7 +12,8 @@ percent of a 25 ms step.
 down (recursively through :func:`call`), wraps the result back, and records the Function's own
 ``setup_context``/``backward``/``jvp`` at this level. A ``vmap`` level on top goes through
 ``Function.apply`` (torch's ``vmap`` rule calls the Function's ``vmap`` staticmethod, which calls
-back into :func:`call`). Outside any transform, ``call`` skips ``Function.apply``'s
+back into :func:`call`). :func:`untracked` finds the tensors no transform can see, which
+need no Function at all. Outside any transform, ``call`` skips ``Function.apply``'s
 ``inspect.signature`` default-argument binding (fshard passes every argument).
 
 This uses functorch's private Python API (``_unwrap_for_grad``/``_wrap_for_grad``, the
@@ -28,11 +29,15 @@ from torch._C._functorch import (
     TransformType,
     _unwrap_for_grad,
     _wrap_for_grad,
+    get_interpreter_stack,
     get_single_level_autograd_function_allowed,
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
     peek_interpreter_stack,
     set_single_level_autograd_function_allowed,
 )
 from torch._functorch.pyfunctorch import coerce_cinterpreter
+from torch.autograd import forward_ad
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 
@@ -58,6 +63,25 @@ def call(fn: type[torch.autograd.Function], *args):
         return _base_apply(_AtLevel, fn, top.level(), coerce_cinterpreter(top), *args)
     finally:
         set_single_level_autograd_function_allowed(allowed)
+
+
+def untracked(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``t`` if no transform can see ``t``, else ``None``.
+
+    Unseen: no forward-AD level is open, and ``t`` has no autograd history at any level, where
+    its only wrappers are ``torch.func.grad`` levels (``grad`` wraps every tensor argument, also
+    the ones it does not differentiate, such as the input batch).
+    """
+    if forward_ad._current_level >= 0:
+        return None
+    if is_functorch_wrapped_tensor(t):
+        if any(ci.key() != TransformType.Grad for ci in get_interpreter_stack()):
+            return None
+        while is_functorch_wrapped_tensor(t):
+            if t.requires_grad:
+                return None
+            t = get_unwrapped(t)
+    return None if t.requires_grad else t
 
 
 class _AtLevel(_SingleLevelFunction):

@@ -41,10 +41,9 @@ from dataclasses import dataclass, replace
 
 import optree
 import torch
-from torch.autograd import forward_ad
 
 from . import _comm
-from ._function import call
+from ._function import call, untracked
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -284,14 +283,15 @@ class _Collective(torch.autograd.Function):
 def apply(op, x: torch.Tensor) -> torch.Tensor:
     """Run collective ``op`` on local tensor ``x`` (differentiable, vmappable).
 
-    A tensor no transform can see (no autograd history, not wrapped by torch.func, no forward-AD
-    level open) runs ``op`` directly: the Function would record nothing (e.g. the ``pcast`` of
-    the input batch in a tensor-parallel step, which is not differentiated). Otherwise the
-    Function runs through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp``
-    costs a fraction of ``Function.apply``'s per-call class building.
+    A tensor no transform can see (:func:`fshard._function.untracked`: e.g. the input batch
+    under ``torch.func.grad``, which wraps it but does not differentiate it) runs ``op``
+    directly on the plain tensor: the Function would record nothing. Otherwise the Function runs
+    through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
+    fraction of ``Function.apply``'s per-call class building.
     """
-    if _plain(x) and forward_ad._current_level < 0:
-        return op.run(x)
+    plain = untracked(x)
+    if plain is not None:
+        return op.run(plain)
     return call(_Collective, x, op)
 
 

@@ -432,6 +432,28 @@ def level_functions():
         _close(jvp(lambda x: lax.psum(x, "x", mesh=mesh), (X[r],), (T[r],))[1], T.sum(0), "jvp")
         XB = _gen(62, 4, 2, 3)  # vmap over 4 examples of the stacked per-rank inputs
         _close(vmap(grad(local))(XB[:, r]), vmap(grad(dense))(XB)[:, r], "vmap(grad)")
+        # an argument grad does not differentiate is wrapped but untracked: its pcast runs no
+        # Function (2 applies per step: psum and its transpose); differentiated, it runs one and
+        # reduces the cotangent (4: pcast, psum and their transposes)
+        W, x0 = _gen(63, 2, 3), _gen(64, 3)
+
+        def f(w, x):
+            return (lax.psum(w * lax.pcast(x, "x", mesh=mesh), "x", mesh=mesh) ** 2).sum()
+
+        def fd(ws, x):
+            return ((ws * x).sum(0) ** 2).sum()
+
+        applied = []
+        real_call = lax.call
+        lax.call = lambda fn, *a: applied.append(type(a[1]).__name__) or real_call(fn, *a)
+        try:
+            _close(grad(f)(W[r], x0), grad(fd)(W, x0)[r], "grad w.r.t. the varying operand")
+            assert applied == ["Psum", "Pcast"], applied
+            applied.clear()
+            _close(grad(f, argnums=1)(W[r], x0), grad(fd, argnums=1)(W, x0), "grad via pcast")
+            assert sorted(applied) == ["Pcast", "Pcast", "Psum", "Psum"], applied
+        finally:
+            lax.call = real_call
         # a size-1 axis: the collective returns its operand; the grad is the identity's
         _close(grad(lambda x: (lax.psum(x, "one", mesh=mesh) ** 2).sum())(X[r]), 2 * X[r], "n=1")
     finally:
