@@ -16,13 +16,15 @@
    donation) vs torch.optim.AdamW(foreach) on DTensors vs on plain local tensors.
 
 Each rep runs ``--steps`` steps after a barrier; a rep's time is the slowest rank's mean step
-time. Configurations are interleaved within each rep; tables show the median over reps and
-the per-rep ratio to the baseline.
+time. Configurations are interleaved within each rep, in an order shuffled per rep (the same
+on every rank), so none always runs after the same neighbour; tables show the median over reps
+and the per-rep ratio to the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -78,9 +80,12 @@ def _run(configs: dict, reps: int, steps: int, warmup: int = 3) -> dict:
         for _ in range(warmup):
             fn()
     times = {k: [] for k in configs}
-    for _ in range(reps):
-        for k, fn in configs.items():
-            times[k].append(_timed(fn, steps))
+    order = list(configs)
+    for rep in range(reps):
+        # a fresh order each rep (the same on every rank): no config always follows the same one
+        random.Random(rep).shuffle(order)
+        for k in order:
+            times[k].append(_timed(configs[k], steps))
     return times
 
 
