@@ -417,10 +417,6 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
     return optree.tree_unflatten(spec, out)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return not t.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
 #: Largest gradient bucket :func:`psum` of a pytree packs (bytes). Below glibc's 32 MiB mmap
 #: ceiling a freed bucket's memory is reused by the next step's; above it every bucket is fresh
 #: pages (measured on the 33 MB MLP: packing into fresh pages cost 24 ms, into reused 6 ms).
@@ -465,10 +461,12 @@ def _reducible_in_place(leaves: list) -> set[int]:
 
 def _psum_bucketed(leaves: list, g: AxisGroup, donate: bool = False) -> list:
     out = list(leaves)
-    if not all(_plain(leaf) for leaf in leaves):
+    plain = [untracked(leaf) for leaf in leaves]
+    if any(p is None for p in plain):
         for idx in _buckets(leaves, range(len(leaves))):
             _unpack(out, leaves, idx, apply(Psum(g), _flat(leaves, idx)))
         return out
+    leaves, out = plain, list(plain)
     # No autograd or transform: every all_reduce is launched before the first is waited on
     # (packing bucket k+1 overlaps bucket k on the wire), each in place on a buffer we own: a
     # packed bucket, or a donated leaf.
@@ -520,7 +518,7 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
     summed = psum(x, axis, mesh=mesh, donate=donate)
     if n == 1:
         return summed
-    return optree.tree_map(lambda t: t.div_(n) if _plain(t) else t / n, summed)
+    return optree.tree_map(lambda t: t.div_(n) if untracked(t) is t else t / n, summed)
 
 
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:

@@ -387,6 +387,12 @@ def plain_and_forward_ad():
         primal, tangent = fwad.unpack_dual(out)
     _close(primal, _gen(50, 2, 3).sum(0), "forward-AD psum primal")
     _close(tangent, _gen(51, 2, 3).sum(0), "forward-AD psum tangent")
+    with fwad.dual_level():  # a pytree of duals (the bucketed path) keeps its tangents too
+        out = lax.pmean({"a": fwad.make_dual(x, t), "b": x}, "x", mesh=mesh)
+        primal, tangent = fwad.unpack_dual(out["a"])
+    _close(primal, _gen(50, 2, 3).mean(0), "forward-AD pytree pmean primal")
+    _close(tangent, _gen(51, 2, 3).mean(0), "forward-AD pytree pmean tangent")
+    _close(out["b"], _gen(50, 2, 3).mean(0), "forward-AD pytree pmean, plain leaf")
     return True
 
 
