@@ -15,16 +15,24 @@
 3. AdamW step over 100 sharded params: fs.optim.adamw (pure, and ``fs.optim.step`` with
    donation) vs torch.optim.AdamW(foreach) on DTensors vs on plain local tensors.
 
-Each rep runs ``--steps`` steps after a barrier; a rep's time is the slowest rank's mean step
-time. Configurations are interleaved within each rep, in an order shuffled per rep (the same
-on every rank), so none always runs after the same neighbour; tables show the median over reps
-and the per-rep ratio to the baseline.
+Every configuration runs in its own pair of rank processes (one :class:`fshard.launch.World`
+each), so no configuration's memory sits in the heap of another. Sharing processes made the
+comparison a measure of glibc rather than of the libraries: a 33 MB gradient set freed at the
+top of the heap is trimmed back to the OS (trim threshold 32 MiB), and whichever configuration
+allocates next while another still holds its gradients page-faults 33 MB on every step (~8,000
+faults, 10-15 ms here; which rank pays depends on the process's allocation history).
+
+Each rep runs ``--steps`` steps of every configuration after a barrier, in an order shuffled per
+rep, so none always runs after the same neighbour; a rep's time is the slowest rank's mean step
+time. Tables show the median over reps, the per-rep ratio to the baseline, and the minor page
+faults per step of the rank with the most (fresh memory: ~4 KiB each).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import time
 
@@ -65,28 +73,57 @@ class _AllReduce(torch.autograd.Function):
         return g
 
 
-def _timed(fn, steps: int) -> float:
+def _timed(fn, steps: int) -> tuple[float, float]:
+    """(mean step seconds, minor page faults per step), each the slowest rank's."""
     dist.barrier()
-    t0 = time.perf_counter()
+    f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     for _ in range(steps):
         fn()
-    dt = torch.tensor([(time.perf_counter() - t0) / steps])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
+    dt = time.perf_counter() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    out = torch.tensor([dt / steps, faults / steps], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out[0]), float(out[1])
 
 
-def _run(configs: dict, reps: int, steps: int, warmup: int = 3) -> dict:
-    for fn in configs.values():
-        for _ in range(warmup):
-            fn()
-    times = {k: [] for k in configs}
-    order = list(configs)
-    for rep in range(reps):
-        # a fresh order each rep (the same on every rank): no config always follows the same one
-        random.Random(rep).shuffle(order)
-        for k in order:
-            times[k].append(_timed(configs[k], steps))
-    return times
+_BUILT: dict = {}  # section -> its configs, built once per worker process
+
+
+def _time_config(section: str, name: str, steps: int, warmup: int) -> tuple[float, float]:
+    """One rep of one configuration, run on every rank of its World (configs built on first use)."""
+    if section not in _BUILT:
+        torch.set_num_threads(1)
+        _BUILT[section] = SECTIONS[section]()
+    fn = _BUILT[section][0][name]
+    for _ in range(warmup):
+        fn()
+    return _timed(fn, steps)
+
+
+def _config_names(section: str) -> tuple[list[str], str]:
+    configs, base = SECTIONS[section]()
+    return list(configs), base
+
+
+def _run_section(section: str, reps: int, steps: int, warmup: int = 3) -> tuple[dict, str]:
+    """Times every configuration of ``section`` in its own World, reps interleaved:
+    ``({config: [(seconds, faults) per rep]}, baseline config)``."""
+    with World(2, timeout=3600) as probe:
+        names, base = probe.run(_config_names, section)[0]
+    worlds = {k: World(2, timeout=3600) for k in names}
+    try:
+        for k, w in worlds.items():  # build and warm up every configuration first
+            w.run(_time_config, section, k, 1, warmup)
+        times = {k: [] for k in names}
+        order = list(names)
+        for rep in range(reps):
+            random.Random(rep).shuffle(order)
+            for k in order:
+                times[k].append(worlds[k].run(_time_config, section, k, steps, 0)[0])
+    finally:
+        for w in worlds.values():
+            w.close()
+    return times, base
 
 
 # -- 1. tensor parallel ---------------------------------------------------------------------
@@ -305,17 +342,7 @@ def optim_configs(n=100, shape=(256, 256)):
 SECTIONS = {"tp": tp_configs, "dp": dp_configs, "optim": optim_configs}
 
 
-def bench_rank(reps: int, steps: int, only: tuple[str, ...] = tuple(SECTIONS)):
-    torch.set_num_threads(1)
-    out = {}
-    for name in only:
-        configs, base = SECTIONS[name]()
-        n = steps if name != "dp" else max(2, steps // 2)
-        out[name] = (_run(configs, reps, n), base)
-    return out
-
-
-def _table(title, times, base, anchors, target=None):
+def _table(title, runs, base, anchors, target=None):
     from rich.table import Table
 
     t = Table(title=title)
@@ -324,15 +351,18 @@ def _table(title, times, base, anchors, target=None):
     t.add_column("min", justify="right")
     t.add_column("max", justify="right")
     t.add_column(f"ratio to {base} (per-rep median)", justify="right")
+    t.add_column("page faults/step", justify="right")
     t.add_column("anchor", justify="right")
-    for k, v in times.items():
-        ratios = [a / b for a, b in zip(v, times[base])]
+    for k, reps in runs.items():
+        v = [sec for sec, _ in reps]
+        ratios = [sec / b for sec, (b, _) in zip(v, runs[base])]
         t.add_row(
             k,
             f"{statistics.median(v) * 1e3:.2f}",
             f"{min(v) * 1e3:.2f}",
             f"{max(v) * 1e3:.2f}",
             f"{statistics.median(ratios):.3f}x",
+            f"{statistics.median(f for _, f in reps):.0f}",
             anchors.get(k, ""),
         )
     if target:
@@ -353,9 +383,11 @@ def main(argv=None):
         ap.error(f"--only takes sections from {sorted(SECTIONS)}, got {a.only!r}")
     from rich.console import Console
 
-    with World(2, timeout=3600) as world:
-        res = world.run(bench_rank, a.reps, a.steps, only)[0]
-    console = Console()
+    res = {
+        name: _run_section(name, a.reps, a.steps if name != "dp" else max(2, a.steps // 2))
+        for name in only
+    }
+    console = Console(width=max(Console().width, 120))
     anchors = {
         "hand-written (local + all_reduce)": "23.0 ms",
         "DTensor parallelize_module": "27.3 ms",
