@@ -16,11 +16,20 @@ What it shows:
   grads are reduced in place), ``fs.optim.adamw`` (warmup + cosine schedule, clipping) and
   ``fs.optim.apply_updates``. Gradients and optimizer state keep the params' layouts.
 
-The forward of the sharded model is written in fshard's *local view* (what ``fs.shard_map``
-bodies see): each rank computes on its shards with explicit JAX-style collectives
-(``pcast`` where a replicated activation enters a column-parallel layer, ``psum`` after a
-row-parallel one). ``GPT.forward`` is the same model in dense form: the test checks that
-both train identically.
+Two ways to write the sharded forward (``--view``):
+
+* ``local`` (default, :func:`tp_loss`): fshard's *local view*, what ``fs.shard_map`` bodies
+  see. Each rank computes on its shards with explicit JAX-style collectives (``pcast`` where a
+  replicated activation enters a column-parallel layer, ``psum`` after a row-parallel one), and
+  the gradients are averaged over ``dp`` by one bucketed ``fs.lax.pmean``.
+* ``global`` (:func:`global_loss`): the module's own ``GPT.forward``, run on the sharded
+  params and batch by ``fs.nn.functional_call``; the op rules insert the collectives. A
+  replicated param meets the ``dp``-sharded batch through ``pcast``, whose backward sums its
+  gradient over ``dp`` (one all_reduce per param, not bucketed), so the step needs no explicit
+  gradient reduction. Slower, and nothing to write by hand.
+
+``GPT.forward`` on plain tensors is the dense reference: the test checks that both views train
+exactly like it.
 """
 
 from __future__ import annotations
@@ -186,6 +195,18 @@ def tp_loss(params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh) -
     return F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
 
 
+def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray) -> torch.Tensor:
+    """Mean next-byte cross entropy of the global batch: the module's own forward on sharded
+    params (``fs.nn.functional_call``), collectives inserted by the op rules.
+
+    ``tokens`` is the ``(batch, ctx + 1)`` batch sharded over ``dp``. The loss is replicated,
+    and :func:`fshard.gather` of a replicated value is its local tensor (no communication).
+    """
+    logits = fs.nn.functional_call(model, params, (tokens[:, :-1],))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return fs.gather(loss)
+
+
 # -- training --------------------------------------------------------------------------------
 
 
@@ -217,15 +238,30 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
     )
 
 
-def make_train_step(model_cfg: GPTConfig, mesh: fs.Mesh, tx):
-    """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+def make_train_step(model_cfg: GPTConfig, mesh: fs.Mesh, tx, *, model: GPT | None = None):
+    """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    With ``model`` the step differentiates :func:`global_loss` (the module's own forward);
+    without, the local-view :func:`tp_loss`.
+    """
     dp = mesh.size("dp")
-    grad_and_value = torch.func.grad_and_value(tp_loss)
+    if model is not None:
+        global_grad = torch.func.grad_and_value(global_loss)
+
+        def loss_and_grads(params, batch):  # dp reduction: in the backward of the op rules' pcast
+            return global_grad(params, model, batch)
+
+    else:
+        local_grad = torch.func.grad_and_value(tp_loss)
+
+        def loss_and_grads(params, batch):
+            grads, loss = local_grad(params, batch.local, model_cfg, mesh)
+            if dp > 1:  # the whole gradient pytree, bucketed; the fresh grads are donated
+                grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh, donate=True)
+            return grads, loss
 
     def step(params, opt_state, batch: fs.ShardedArray):
-        grads, loss = grad_and_value(params, batch.local, model_cfg, mesh)
-        if dp > 1:  # the whole gradient pytree, bucketed; the fresh grads are donated
-            grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh, donate=True)
+        grads, loss = loss_and_grads(params, batch)
         # tx.update + apply_updates, with the params' and moments' buffers reused in place
         # (jax.jit donate_argnums): the previous params are not used after this step
         params, opt_state = fs.optim.step(tx, grads, opt_state, params, donate=True)
@@ -246,7 +282,7 @@ def train(args: dict) -> dict:
     params = fs.nn.shard_params(model, mesh, gpt_plan("tp"))
     tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
     opt_state = tx.init(params)
-    step = make_train_step(cfg, mesh, tx)
+    step = make_train_step(cfg, mesh, tx, model=model if args["view"] == "global" else None)
     data = load_corpus(Path(args["data"]))
     gen = torch.Generator().manual_seed(args["seed"] + 1)
     rank0 = dist.get_rank() == 0
@@ -314,6 +350,12 @@ def parse_args(argv=None) -> dict:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--view",
+        choices=("local", "global"),
+        default="local",
+        help="local: explicit collectives (tp_loss); global: the module's own forward",
+    )
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     a = ap.parse_args(argv)
@@ -330,7 +372,7 @@ def parse_args(argv=None) -> dict:
     return {
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
-        "model": model, "plot": a.plot, "progress": True,
+        "model": model, "plot": a.plot, "progress": True, "view": a.view,
     }  # fmt: skip
 
 
@@ -367,13 +409,15 @@ def main(argv=None) -> dict:
     losses = out["losses"]
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     print(
-        f"dp={args['dp']} tp={args['tp']} steps={args['steps']}: loss {first:.3f} (first 10) -> "
-        f"{last:.3f} (last 10), {out['tokens_per_s']:,.0f} tokens/s"
+        f"dp={args['dp']} tp={args['tp']} view={args['view']} steps={args['steps']}: "
+        f"loss {first:.3f} (first 10) -> {last:.3f} (last 10), "
+        f"{out['tokens_per_s']:,.0f} tokens/s"
     )
     marks = sorted({0, len(losses) // 4, len(losses) // 2, 3 * len(losses) // 4, len(losses) - 1})
     print("loss at step " + ", ".join(f"{i}: {losses[i]:.3f}" for i in marks))
     if args["plot"]:
-        save_plot(losses, args["plot"], f"byte-level GPT, dp={args['dp']} x tp={args['tp']}")
+        title = f"byte-level GPT, dp={args['dp']} x tp={args['tp']}, {args['view']} view"
+        save_plot(losses, args["plot"], title)
         print(f"loss curve: {args['plot']}")
     return out
 

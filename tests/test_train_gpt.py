@@ -1,4 +1,5 @@
-"""The GPT demo's sharded training (tp=2, dp=2) matches dense single-process training."""
+"""The GPT demo's sharded training (tp=2, dp=2; local and global view) matches dense
+single-process training."""
 
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def dense_run():
     return losses, snaps
 
 
-def sharded_rank_fn(dp, tp):
+def sharded_rank_fn(dp, tp, view):
     mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
     torch.manual_seed(SEED)
     model = demo.GPT(CFG)
@@ -52,7 +53,7 @@ def sharded_rank_fn(dp, tp):
     layouts = {k: v.layout for k, v in params.items()}
     tx = demo.make_optimizer(**OPT)
     state = tx.init(params)
-    step = demo.make_train_step(CFG, mesh, tx)
+    step = demo.make_train_step(CFG, mesh, tx, model=model if view == "global" else None)
     losses, snaps = [], []
     for batch in _batches():
         params, state, loss = step(params, state, fs.shard(batch, mesh, fs.P("dp")))
@@ -69,11 +70,12 @@ def dense():
     return dense_run()
 
 
+@pytest.mark.parametrize("view", ["local", "global"])
 @pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
-def test_sharded_training_matches_dense(world2, dense, dp, tp):
+def test_sharded_training_matches_dense(world2, dense, dp, tp, view):
     ref_losses, ref_snaps = dense
     assert ref_losses[-1] < ref_losses[0]  # it actually trains
-    out = world2.run(sharded_rank_fn, dp, tp)
+    out = world2.run(sharded_rank_fn, dp, tp, view)
     losses, snaps = out[0]
     assert out[0][0] == out[1][0]  # every rank reports the same loss
     for i in range(STEPS):
@@ -88,3 +90,6 @@ def test_parse_args_validation():
     with pytest.raises(SystemExit, match="heads"):
         demo.parse_args(["--tp", "3"])
     assert demo.parse_args([])["tp"] == 2
+    assert demo.parse_args(["--view", "global"])["view"] == "global"
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--view", "dense"])
