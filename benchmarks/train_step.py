@@ -86,42 +86,47 @@ def _timed(fn, steps: int) -> tuple[float, float]:
     return float(out[0]), float(out[1])
 
 
-_BUILT: dict = {}  # section -> its configs, built once per worker process
+_BUILT: dict = {}  # section -> (its configs, baseline name), built once per worker process
 
 
-def _time_config(section: str, name: str, steps: int, warmup: int) -> tuple[float, float]:
-    """One rep of one configuration, run on every rank of its World (configs built on first use)."""
+def _built(section: str) -> tuple[dict, str]:
     if section not in _BUILT:
         torch.set_num_threads(1)
         _BUILT[section] = SECTIONS[section]()
-    fn = _BUILT[section][0][name]
+    return _BUILT[section]
+
+
+def _config_names(section: str) -> tuple[list[str], str]:
+    configs, base = _built(section)
+    return list(configs), base
+
+
+def _time_config(section: str, name: str, steps: int, warmup: int) -> tuple[float, float]:
+    """One rep of one configuration, run on every rank of its World."""
+    fn = _built(section)[0][name]
     for _ in range(warmup):
         fn()
     return _timed(fn, steps)
 
 
-def _config_names(section: str) -> tuple[list[str], str]:
-    configs, base = SECTIONS[section]()
-    return list(configs), base
-
-
 def _run_section(section: str, reps: int, steps: int, warmup: int = 3) -> tuple[dict, str]:
     """Times every configuration of ``section`` in its own World, reps interleaved:
     ``({config: [(seconds, faults) per rep]}, baseline config)``."""
-    with World(2, timeout=3600) as probe:
-        names, base = probe.run(_config_names, section)[0]
-    worlds = {k: World(2, timeout=3600) for k in names}
+    worlds = [World(2, timeout=3600)]
     try:
-        for k, w in worlds.items():  # build and warm up every configuration first
+        names, base = worlds[0].run(_config_names, section)[0]
+        worlds += [World(2, timeout=3600) for _ in names[1:]]
+        by_name = dict(zip(names, worlds))
+        for k, w in by_name.items():  # build and warm up every configuration first
             w.run(_time_config, section, k, 1, warmup)
         times = {k: [] for k in names}
         order = list(names)
         for rep in range(reps):
             random.Random(rep).shuffle(order)
             for k in order:
-                times[k].append(worlds[k].run(_time_config, section, k, steps, 0)[0])
+                times[k].append(by_name[k].run(_time_config, section, k, steps, 0)[0])
     finally:
-        for w in worlds.values():
+        for w in worlds:
             w.close()
     return times, base
 
@@ -239,13 +244,8 @@ def tp_configs(lr=1e-3):
         "torch.func.grad, local tensors, no fshard": func_step,
         "fshard local view (pcast/psum)": fshard_step,
         "fshard local view, pure update+apply": fshard_pure_step,
+        "fshard global view (op rules)": fshard_global_step,
     }
-    try:
-        fshard_global_step()
-        configs["fshard global view (op rules)"] = fshard_global_step
-    except Exception as e:  # op rules still landing: report, do not fail the benchmark
-        if r == 0:
-            print(f"(global-view TP row skipped: {type(e).__name__}: {e})")
     return configs, "hand-written (local + all_reduce)"
 
 
