@@ -54,6 +54,18 @@ class ShardedArray:
         _set_layout(obj, layout)
         return obj
 
+    @staticmethod
+    def _derived(local, layout: Layout) -> ShardedArray:
+        """:meth:`_raw` with the layout's dtype taken from ``local`` (a layout describes its
+        local tensor: autocast or a cast inside a tree map may change the dtype a rule or the
+        flattened value predicted). One identity check on the hot path; the retyped layout is a
+        cache lookup."""
+        obj = _new(ShardedArray)
+        _set_local(obj, local)
+        dtype = local.dtype
+        _set_layout(obj, layout if dtype is layout.dtype else layout.with_dtype(dtype))
+        return obj
+
     def __setattr__(self, name, value):
         raise TypeError(
             f"ShardedArray is immutable: cannot set {name!r}. Build a new value instead "
@@ -190,50 +202,54 @@ def _forward_operator(name: str):
     return op
 
 
-_OPERATORS = [
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__matmul__",
-    "__rmatmul__",
-    "__pow__",
-    "__rpow__",
-    "__neg__",
-    "__abs__",
-    "__getitem__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__eq__",
-    "__ne__",
-    "__and__",
-    "__or__",
-    "__invert__",
-    "__floordiv__",
-    "__mod__",
-]
+#: Tensor dunders a ShardedArray defines itself (protocol, immutability): never forwarded.
+_OWN = frozenset(n for n, v in vars(ShardedArray).items() if n.startswith("__"))
 
-for _name in _OPERATORS:
-    setattr(ShardedArray, _name, _forward_operator(_name))
-ShardedArray.__hash__ = object.__hash__  # __eq__ above would otherwise unset it
+
+def expose_operators(op) -> None:
+    """Forward every Python operator of ``torch.Tensor`` that is ``op`` (e.g. ``__xor__``,
+    ``__rfloordiv__``, ``__pos__``) on ShardedArray, so ``x ^ y`` reaches ``op``'s rule. The op
+    registry calls this for each registered op: the operator list is derived from the rules."""
+    for name in _TENSOR_OPERATORS.get(op, ()):
+        setattr(ShardedArray, name, _forward_operator(name))
+        if name == "__eq__":  # defining __eq__ would otherwise leave the class unhashable
+            ShardedArray.__hash__ = object.__hash__
+
+
+def _tensor_operators() -> dict:
+    """``{Tensor method: (its dunder names)}`` for Tensor's operator dunders."""
+    out: dict = {}
+    for name in dir(torch.Tensor):
+        if not (name.startswith("__") and name.endswith("__")) or name in _OWN:
+            continue
+        if name.startswith("__i") and name[3:-2] in _INPLACE_NAMES:
+            continue
+        value = getattr(torch.Tensor, name, None)
+        if callable(value):
+            try:
+                out.setdefault(value, []).append(name)
+            except TypeError:  # unhashable
+                continue
+    return {k: tuple(v) for k, v in out.items()}
+
+
+_INPLACE_NAMES = ("add", "sub", "mul", "truediv", "matmul", "pow", "and", "or", "xor", "mod")
+_INPLACE_NAMES += ("floordiv", "lshift", "rshift", "div")
+_TENSOR_OPERATORS = _tensor_operators()
+ShardedArray.__hash__ = object.__hash__
 
 
 def _inplace_operator(name: str):
     def op(self, other):
         raise TypeError(
-            f"ShardedArray is immutable: {name} would update it in place; write x = x {name[2:-3]} y"
+            f"ShardedArray is immutable: {name} would update it in place; write x = x.{name[3:-2]}(y)"
+            " (or x = x <op> y)"
         )
 
     return op
 
 
-for _name in ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__imatmul__", "__ipow__"):
+for _name in ("__i" + n + "__" for n in _INPLACE_NAMES):
     setattr(ShardedArray, _name, _inplace_operator(_name))
 
 
@@ -246,11 +262,12 @@ def _flatten(x: ShardedArray):
 
 def _unflatten(layout: Layout, children) -> ShardedArray:
     (local,) = children
-    if isinstance(local, torch.Tensor):
-        extra = local.dim() - layout.ndim
-        if extra:
-            layout = _relayout_for_rank_change(layout, local, extra)
-    return ShardedArray._raw(local, layout)
+    if not isinstance(local, torch.Tensor):  # optree/torch utilities put placeholders here
+        return ShardedArray._raw(local, layout)
+    extra = local.dim() - layout.ndim
+    if extra:
+        layout = _relayout_for_rank_change(layout, local, extra)
+    return ShardedArray._derived(local, layout)
 
 
 def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -> Layout:

@@ -28,7 +28,10 @@ def meta_call(op, args, kwargs):
         return v
 
     margs, mkwargs = optree.tree_map(to_meta, (args, kwargs), is_leaf=is_layout, none_is_leaf=True)
-    return op(*margs, **mkwargs)
+    # Outside every torch.func level: a rule planned inside vmap must not trip vmap's
+    # randomness='error' check with the placeholder arguments (dropout's p=0.5).
+    with torch._C._DisableFuncTorch():
+        return op(*margs, **mkwargs)
 
 
 def spec(dims, partial=()) -> P:

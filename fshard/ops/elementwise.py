@@ -24,7 +24,7 @@ from ..spec import Layout
 from ._common import meta_call, out_layout, spec
 from .registry import SCALAR, Plan, register_rule, tensor_inputs
 
-__all__ = ["elementwise_rule", "align"]
+__all__ = ["elementwise_rule", "align", "own_dims"]
 
 NONLINEAR, ADDITIVE, SCALE, DIVIDE, CAST = "nonlinear", "additive", "scale", "divide", "cast"
 
@@ -74,14 +74,14 @@ def align(ins: list[Layout], shape: tuple[int, ...], reserved=()) -> list[tuple[
     return dims
 
 
+def own_dims(x: Layout, dims, shape) -> list[tuple[str, ...]]:
+    """The output ``dims``' axes on ``x``'s own (right-aligned) dims; broadcast dims unsplit."""
+    off = len(shape) - x.ndim
+    return [dims[off + d] if x.shape[d] == shape[off + d] else () for d in range(x.ndim)]
+
+
 def input_specs(ins, dims, shape, partial, keep_partial_of) -> list:
-    nd = len(shape)
-    specs = []
-    for x in ins:
-        off = nd - x.ndim
-        own = [dims[off + d] if x.shape[d] == shape[off + d] else () for d in range(x.ndim)]
-        specs.append(spec(own, partial if keep_partial_of(x) else ()))
-    return specs
+    return [spec(own_dims(x, dims, shape), partial if keep_partial_of(x) else ()) for x in ins]
 
 
 def elementwise_rule(kind: str):
@@ -108,6 +108,47 @@ def like_rule(op, args, kwargs):
     (x,) = tensor_inputs(args, kwargs)
     meta = meta_call(op, args, kwargs)
     return Plan([None], out_layout(x.mesh, x.dim_axes, (), meta))
+
+
+def _cast_target(op, args, kwargs) -> tuple[torch.dtype | None, torch.device | None]:
+    """The dtype and device a ``Tensor.to``/``Tensor.type`` call asks for (``None``: keep)."""
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device")
+    for a in args[1:]:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (torch.device, str, int)) and not isinstance(a, bool):
+            if op is torch.Tensor.type and isinstance(a, str):  # "torch.DoubleTensor"
+                dtype = torch.empty(0).type(a.replace("cuda.", "")).dtype
+                device = "cuda" if ".cuda." in a else "cpu"
+            else:
+                device = a
+        elif isinstance(a, Layout):  # x.to(other)
+            dtype = a.dtype
+    return dtype, None if device is None else torch.device(device)
+
+
+def cast_rule(op, args, kwargs):
+    """``Tensor.to``/``Tensor.type``: a dtype cast (pending sums survive float -> float); a
+    device argument must name the mesh's device (moving shards between devices is a new mesh)."""
+    x = args[0]
+    dtype, device = _cast_target(op, args, kwargs)
+    if op is torch.Tensor.type and dtype is None and len(args) == 1 and not kwargs:
+        return Plan([None] * len(tensor_inputs(args, kwargs)), None)  # x.type() -> its name
+    if device is not None and not x.mesh.is_abstract:
+        here = x.mesh.device()
+        if device.type != here.type or (device.index is not None and device != here):
+            raise NotImplementedError(
+                f"{op.__name__}(device={device}) on a ShardedArray whose mesh lives on {here}: "
+                "fshard does not move shards between devices. Build the value on a mesh of "
+                f"that device (fs.shard(fs.gather(x).to({str(device)!r}), mesh, spec))"
+            )
+    meta = torch.empty(x.shape, dtype=x.dtype, device="meta").to(dtype or x.dtype)
+    partial = _kept_partial(CAST, [x], args, meta)
+    out = out_layout(x.mesh, x.dim_axes, partial, meta)
+    specs = [spec(x.dim_axes, partial)] + [None] * (len(tensor_inputs(args, kwargs)) - 1)
+    target = meta.dtype
+    return Plan(specs, out, lambda t, *a, **k: t.to(target), tensors_only=True)
 
 
 def _variants(*names, fn=True, method=True, nn=False):
@@ -214,7 +255,15 @@ OPERATORS_NONLINEAR = [
     "__floordiv__",
     "__rfloordiv__",
     "__mod__",
+    "__rmod__",
     "__rtruediv__",
+    "__rand__",
+    "__ror__",
+    "__rxor__",
+    "__lshift__",
+    "__rshift__",
+    "__rlshift__",
+    "__rrshift__",
 ]
 ADDITIVE_OPS = [
     "add",
@@ -228,7 +277,7 @@ ADDITIVE_OPS = [
     "contiguous",
 ]
 ADDITIVE_OPERATORS = ["__add__", "__radd__", "__sub__", "__rsub__", "__neg__", "__pos__"]
-CAST_METHODS = ["to", "float", "double", "half", "bfloat16"]
+CAST_METHODS = ["float", "double", "half", "bfloat16"]
 INT_CASTS = ["long", "int", "short", "bool", "byte", "char"]
 LIKE = ["zeros_like", "ones_like", "empty_like", "full_like"]
 
@@ -255,6 +304,7 @@ def _register():
         register_rule(op, elementwise_rule(DIVIDE))
     for n in CAST_METHODS:
         register_rule(getattr(torch.Tensor, n), elementwise_rule(CAST))
+    register_rule(torch.Tensor.to, cast_rule, aliases=(torch.Tensor.type,))
     for n in INT_CASTS:
         register_rule(getattr(torch.Tensor, n), elementwise_rule(NONLINEAR))
     for n in LIKE:

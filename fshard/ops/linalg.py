@@ -34,7 +34,10 @@ def contract(operands: list[Layout], letters, out_letters):
     """
     kept = next((x for x in operands if x.partial), None)
     reserved = set(kept.partial) if kept is not None else set()
-    assign: dict[str, tuple[str, ...]] = {}
+    # A letter repeated within one operand (einsum "ii->i": a diagonal) pairs two dims of the
+    # same tensor: it stays unsplit, since one mesh axis cannot split two dims of a tensor.
+    repeated = {c for ls in letters for c in ls if c is not None and ls.count(c) > 1}
+    assign: dict[str, tuple[str, ...]] = {c: () for c in repeated}
     used = set(reserved)
     order = sorted(range(len(operands)), key=lambda i: -operands[i].nbytes)
     for i in order:

@@ -12,8 +12,10 @@ None of them gathers a split dim:
   ``psum`` happens when a nonlinear op or ``fs.gather`` needs it);
 - ``cross_entropy`` with vocab-split logits (Megatron vocab-parallel CE): one ``pmax`` and one
   ``psum`` of ``O(batch)`` floats; the logits are never gathered;
-- ``scaled_dot_product_attention``: batch and head dims may be split (any layout shared by
-  q, k, v); sequence and feature dims are made whole;
+- ``scaled_dot_product_attention``: batch and head dims may be split (q, k, v broadcast as
+  in torch; size-1 dims stay whole; with ``enable_gqa`` the heads stay split when every head
+  count divides evenly); sequence and feature dims are made whole. ``dropout_p > 0`` runs the
+  math path with the mask drawn for the global shape (equal to dense for the same seed);
 - ``dropout``: every rank draws the full mask from the default generator (so generators stay
   in step) and keeps its block: the same mask as dense ``F.dropout`` with the same seed. Under
   ``vmap`` the mask is shared across the batch.
@@ -45,7 +47,7 @@ from ._common import (
     spec,
     unreduced,
 )
-from .elementwise import align
+from .elementwise import align, own_dims
 from .registry import Plan, register_rule, tensor_inputs
 
 __all__ = []
@@ -161,6 +163,13 @@ def embedding_rule(op, args, kwargs):
             "weight in place) nor sparse=True"
         )
     vocab_axes, dim_axes = w.dim_axes[0], w.dim_axes[1]
+    if bound.get("scale_grad_by_freq") and (vocab_axes or ids.sharded_axes):
+        raise NotImplementedError(
+            "F.embedding(scale_grad_by_freq=True) with a vocab-split weight or split ids is not "
+            f"supported (weight {w.spec}, ids {ids.spec}): the id counts would be per rank, not "
+            "global. Replicate the ids and the weight's vocab dim (fs.reshard(ids, fs.P()), "
+            "fs.reshard(weight, fs.P(None, ...))) or drop scale_grad_by_freq"
+        )
     taken = set(vocab_axes) | set(dim_axes)
     id_dims = [() if set(axes) & taken else axes for axes in ids.dim_axes]
     specs = {"input": spec(id_dims), "weight": spec(w.dim_axes)}
@@ -286,37 +295,67 @@ _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 def sdpa_rule(op, args, kwargs):
     bound = _bind(_SDPA, args, kwargs)
     q, k, v = bound["query"], bound["key"], bound["value"]
-    if bound.get("enable_gqa"):
-        raise NotImplementedError("scaled_dot_product_attention: enable_gqa is not supported")
-    batch = tuple(q.shape[:-2])
-    trimmed = [
-        Layout(x.mesh, spec(x.dim_axes[:-2]), tuple(x.shape[:-2]), x.dtype) for x in (q, k, v)
-    ]
-    dims = align(trimmed, batch)
-    qkv = spec([*dims, (), ()])
-    specs = {"query": qkv, "key": qkv, "value": qkv}
+    gqa = bool(bound.get("enable_gqa"))
+    meta = meta_call(op, args, kwargs)
+    batch = tuple(meta.shape[:-2])  # q, k and v's leading dims broadcast to these
+
+    def leading(x):  # x's leading dims; under enable_gqa k/v's head count is shown as q's
+        shape = list(x.shape[:-2])
+        if gqa and x is not q and shape and shape[-1] > 1:
+            shape[-1] = batch[-1]
+        return Layout(x.mesh, spec(x.dim_axes[:-2]), tuple(shape), x.dtype)
+
+    lead = [leading(x) for x in (q, k, v)]
+    dims = align(lead, batch)
+    if gqa and dims and dims[-1]:
+        n = q.mesh.size(dims[-1])
+        if any(x.shape[-3] % n for x in (q, k, v) if x.ndim >= 3):
+            dims[-1] = ()  # uneven head blocks would not pair q heads with their k/v group
+    out_dims = [*dims, (), ()]
+    specs = {
+        n: spec([*own_dims(x, dims, batch), (), ()])
+        for n, x in zip(("query", "key", "value"), lead)
+    }
     mask = bound.get("attn_mask")
     if isinstance(mask, Layout):
-        off = len(batch) + 2 - mask.ndim
-        mdims = [
-            dims[off + d] if d + off < len(batch) and mask.shape[d] == batch[off + d] else ()
-            for d in range(mask.ndim)
-        ]
-        specs["attn_mask"] = spec(mdims)
-    meta = meta_call(op, args, kwargs)
+        specs["attn_mask"] = spec(own_dims(mask, out_dims, tuple(meta.shape)))
     order = _order(_SDPA, args, kwargs, bound)
+    out = out_layout(q.mesh, out_dims, (), meta)
+    block = None if q.mesh.is_abstract else out.shard_metadata(q.mesh.rank).slices()
+    shape = (*batch, q.shape[-2], k.shape[-2])  # the attention weights' global shape
 
     def local(*a, **kw):
         b = _bind(_SDPA, a, kw)
-        if b.get("dropout_p", 0.0):
-            raise NotImplementedError(
-                "scaled_dot_product_attention with dropout_p > 0 on a ShardedArray is not "
-                "supported (per-rank masks would differ from dense); apply F.dropout to the "
-                "attention output instead"
-            )
-        return op(*a, **kw)
+        p = b.get("dropout_p", 0.0)
+        if not p:
+            return op(*a, **kw)
+        return _sdpa_dropout(b, p, shape, block)
 
-    return Plan([specs[n] for n in order], out_layout(q.mesh, [*dims, (), ()], (), meta), local)
+    return Plan([specs[n] for n in order], out, local)
+
+
+def _sdpa_dropout(b, p, shape, block):
+    """Attention with dropout on local blocks: the math path of dense sdpa, with the weights'
+    dropout mask drawn for the global shape from the default generator and sliced to this
+    rank's block, so it equals dense ``F.scaled_dot_product_attention`` for the same seed."""
+    q, k, v = b["query"], b["key"], b["value"]
+    if b.get("enable_gqa") and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scale = b.get("scale")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    mask = b.get("attn_mask")
+    if b.get("is_causal"):
+        mask = torch.ones(shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+    elif mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, -1)
+    noise = torch.empty(shape, dtype=weights.dtype, device=weights.device).bernoulli_(1 - p)
+    noise = noise[(*block[:-2], slice(None), slice(None))] if block is not None else noise
+    return (weights * noise.div_(1 - p)) @ v
 
 
 # -- dropout --------------------------------------------------------------------------------

@@ -128,12 +128,9 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
 
         def norm(t, *a, **k):
             p = k.get("ord" if kind == "vector_norm" else "p", a[0] if a else 2)
-            if p in ("fro", None):
-                p = 2
-            if p == math.inf:
-                return pmax(safe_amax(t.abs(), dims, keepdim), group)
-            s = psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
-            return s ** (1.0 / p)
+            if k.get("dtype") is not None:
+                t = t.to(k["dtype"])
+            return _split_norm(t, p, dims, keepdim, group)
 
         return norm
     if kind in ("var", "std"):
@@ -147,6 +144,27 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
 
         return var
     raise AssertionError(kind)
+
+
+def _split_norm(t, p, dims, keepdim, group):
+    """The vector ``p``-norm over ``dims`` of a value split over ``group`` along them."""
+    if p in ("fro", None):
+        p = 2
+    if isinstance(p, (str, bool)) or not isinstance(p, (int, float)):
+        raise NotImplementedError(
+            f"torch.norm with p={p!r} over a dim split across ranks is not supported (a matrix "
+            "norm needs the whole matrix); gather the reduced dims first "
+            "(fs.reshard(x, fs.P(...)) with those dims None) or use fs.shard_map"
+        )
+    if p == math.inf:
+        return pmax(safe_amax(t.abs(), dims, keepdim), group)
+    if p == -math.inf:
+        return pmax(-safe_amax(-t.abs(), dims, keepdim), group, "min")
+    if p == 0:  # the count of non-zeros; its gradient is zero, as torch's
+        nonzero = (t != 0).to(t.dtype) + 0 * t
+        return psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
+    s = psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
+    return s ** (1.0 / p)
 
 
 def _register():

@@ -30,7 +30,7 @@ import torch
 
 from .. import config
 from ..api import _reshard_one
-from ..array import ShardedArray
+from ..array import ShardedArray, expose_operators
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
 from ..spec import Layout, P, _layout
@@ -115,6 +115,7 @@ def register_rule(op, rule=None, *, aliases: Sequence = ()):
         raise TypeError(f"register_rule: rule must be callable, got {type(rule).__name__}")
     for o in (op, *aliases):
         _RULES[o] = rule
+        expose_operators(o)
     _CACHE.clear()
     _UNARY.clear()
     return rule
@@ -240,7 +241,7 @@ def _unary_runner(c: _Compiled, args, kwargs):
         return None
     if any(type(v) not in _STATIC for v in (*args[1:], *kwargs.values())):
         return None
-    fn, out, raw = c.fn, c.out, ShardedArray._raw
+    fn, out, raw = c.fn, c.out, ShardedArray._derived
     if c.tensors_only or len(args) == 1 and not kwargs:
         return lambda a, kw: raw(fn(a[0].local), out)
     if len(args) == 2 and not kwargs:
@@ -465,7 +466,7 @@ def _fast_runner(c: _Compiled, tree):
     wrap); anything else runs :meth:`_Compiled.run_general`."""
     if not _runs_as_is(c):
         return None
-    fn, out, raw, tidx = c.fn, c.out, ShardedArray._raw, c.tensor_idx
+    fn, out, raw, tidx = c.fn, c.out, ShardedArray._derived, c.tensor_idx
     if tidx == (0,) and (c.tensors_only or c.nleaves == 1 and tree is None):
         return lambda leaves, tree: raw(fn(leaves[0].local), out)
     if c.tensors_only:
@@ -494,7 +495,7 @@ def _wrap(result, out):
     if out is None:
         return result
     if isinstance(out, Layout):
-        return ShardedArray._raw(result, out)
+        return ShardedArray._derived(result, out)
     return type(out)(_wrap(r, o) for r, o in zip(result, out))
 
 

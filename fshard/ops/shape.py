@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..spec import Layout
 from ._common import meta_call, norm_dim, out_layout, spec
@@ -205,6 +206,41 @@ def split_rule_at(pos: int, removes_dim: bool = False):
     return rule
 
 
+def pad_rule(op, args, kwargs):
+    """``F.pad``: the padded (last ``len(pad) // 2``) dims are made whole, the others keep their
+    axes. A pending sum survives zero padding only (``mode="constant"`` with no or int 0 value)."""
+    x = args[0]
+    pad = kwargs.get("pad", args[1] if len(args) > 1 else None)
+    mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
+    value = kwargs.get("value", args[3] if len(args) > 3 else None)
+    padded = set(range(x.ndim - len(pad) // 2, x.ndim))
+    zero_fill = mode == "constant" and (value is None or (type(value) is int and value == 0))
+    partial = x.partial if zero_fill else ()
+    dims = _unsplit(x, padded)
+    meta = meta_call(op, args, kwargs)
+    return Plan([spec(dims, partial)], out_layout(x.mesh, dims, partial, meta))
+
+
+def narrow_rule(op, args, kwargs):
+    """``narrow(x, dim, start, length)``: ``start`` may be a 0-d tensor (plain or replicated)."""
+    x = args[0]
+    names = ("input", "dim", "start", "length")
+    bound = dict(zip(names, args)) | kwargs
+    dim = norm_dim(bound["dim"], x.ndim)
+    start = bound["start"]
+    if isinstance(start, Layout):
+        if start.ndim != 0 or start.dtype.is_floating_point or start.sharded_axes:
+            raise TypeError(
+                f"narrow: a tensor start must be a 0-d integer tensor, got {tuple(start.shape)} "
+                f"{start.dtype} {start.spec}"
+            )
+        start = 0  # the output shape does not depend on it
+    dims = _unsplit(x, {dim})
+    meta = meta_call(op, (x, dim, start, bound["length"]), {})
+    specs = [spec(dims, x.partial)] + [None] * (len(tensor_inputs(args, kwargs)) - 1)
+    return Plan(specs, out_layout(x.mesh, dims, x.partial, meta))
+
+
 def getitem_rule(op, args, kwargs):
     x, key = args[0], args[1]
     if not isinstance(x, Layout):
@@ -260,7 +296,8 @@ def _register():
         register_rule(op, cat_rule)
     register_rule(torch.split, split_rule_at(2), aliases=(torch.Tensor.split,))
     register_rule(torch.chunk, split_rule_at(2), aliases=(torch.Tensor.chunk,))
-    register_rule(torch.narrow, split_rule_at(1), aliases=(torch.Tensor.narrow,))
+    register_rule(torch.narrow, narrow_rule, aliases=(torch.Tensor.narrow,))
+    register_rule(F.pad, pad_rule)
     register_rule(torch.unbind, split_rule_at(1, True), aliases=(torch.Tensor.unbind,))
     register_rule(torch.select, split_rule_at(1, True), aliases=(torch.Tensor.select,))
     register_rule(torch.Tensor.__getitem__, getitem_rule)
