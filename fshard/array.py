@@ -103,6 +103,12 @@ class ShardedArray:
     def numel(self) -> int:
         return self.shape.numel()
 
+    def is_floating_point(self) -> bool:
+        return self.layout.dtype.is_floating_point
+
+    def is_complex(self) -> bool:
+        return self.layout.dtype.is_complex
+
     @property
     def spec(self) -> P:
         return self.layout.spec

@@ -68,3 +68,157 @@ def check(mesh, f, tensors, specs, *, grad_wrt=None, atol=1e-5, label=""):
 
 def _first(o):
     return o[0] if isinstance(o, (tuple, list)) else o
+
+
+# -- OpInfo conformance (tests/test_opinfo.py builds the cases; ranks run them here) ---------
+
+#: What an op fshard cannot do must raise: these, from fshard's own code, naming the fix.
+CLEAR_ERRORS = (NotImplementedError, TypeError, ValueError)
+
+
+def _from_fshard(exc: BaseException) -> bool:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any("/fshard/" in f.filename for f in frames[-3:])
+
+
+def _shard_leaves(tree, mesh, how):
+    import optree
+
+    def one(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        spec = fs.P("x") if how == "dim0" and t.ndim >= 1 else fs.P()
+        return fs.shard(t, mesh, spec)
+
+    return optree.tree_map(one, tree, none_is_leaf=True)
+
+
+def _float_outputs(out):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [
+        o for o in outs if isinstance(o, (torch.Tensor, fs.ShardedArray)) and o.is_floating_point()
+    ]
+
+
+def _compare(got, want, label):
+    """gathered ``got`` (a ShardedArray, a tuple/list of them, or a plain value) == ``want``."""
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want), (label, type(got))
+        for g, w in zip(got, want):
+            _compare(g, w, label)
+        return
+    if not isinstance(want, torch.Tensor):
+        assert got == want, (label, got, want)
+        return
+    assert isinstance(got, fs.ShardedArray), (label, type(got))
+    assert tuple(got.shape) == tuple(want.shape), (label, tuple(got.shape), tuple(want.shape))
+    assert got.dtype == want.dtype == got.local.dtype, (label, got.dtype, want.dtype)
+    if got.dtype == torch.int16:  # Gloo has no int16 collectives
+        got, want = got.int(), want.int()
+    full = fs.gather(got)
+    torch.testing.assert_close(
+        full, want, atol=1e-4, rtol=1e-3, equal_nan=True, msg=lambda m: f"{label}: {m}"
+    )
+
+
+def opinfo_case(mesh, fn, inp, args, kwargs, how, values=True):
+    """One OpInfo sample under one layout: ``'ok'``, ``'error'`` (a clear fshard error) or
+    ``'skip'`` (dense raises). A wrong value or gradient, or an unclear error, raises."""
+    import optree
+
+    try:
+        want = fn(inp, *args, **kwargs)
+    except Exception:
+        return "skip"
+    s_inp, s_args, s_kwargs = _shard_leaves((inp, args, kwargs), mesh, how)
+    try:
+        got = fn(s_inp, *s_args, **s_kwargs)
+    except CLEAR_ERRORS as e:
+        if _from_fshard(e):
+            return "error: " + str(e)[:200]
+        raise
+    if values:
+        _compare(got, want, "value")
+    else:
+        _compare_shapes(got, want)
+    # gradients w.r.t. every float tensor input, through the float outputs
+    wants = _float_outputs(want)
+    leaves, spec = optree.tree_flatten((inp, args, kwargs), none_is_leaf=True)
+    s_leaves = optree.tree_leaves(
+        (s_inp, s_args, s_kwargs),
+        none_is_leaf=True,
+        is_leaf=lambda v: isinstance(v, fs.ShardedArray),
+    )
+    idx = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not wants or not idx or not values:
+        return "ok"
+    cots = [randn(*w.shape, seed=i) for i, w in enumerate(wants)]
+
+    def call(sel, base, gather):
+        vals = list(base)
+        for i, v in zip(idx, sel):
+            vals[i] = v
+        a, b, c = optree.tree_unflatten(spec, vals)
+        outs = _float_outputs(fn(a, *b, **c))
+        return sum(((fs.gather(o) if gather else o) * ct).sum() for o, ct in zip(outs, cots))
+
+    try:
+        gd = torch.func.grad(lambda sel: call(sel, leaves, False))([leaves[i] for i in idx])
+    except Exception:
+        return "ok"  # no dense gradient
+    try:
+        gs = torch.func.grad(lambda sel: call(sel, s_leaves, True))([s_leaves[i] for i in idx])
+    except CLEAR_ERRORS as e:
+        if _from_fshard(e):
+            return "grad error: " + str(e)[:200]
+        raise
+    for i, g_s, g_d in zip(idx, gs, gd):
+        assert g_s.layout == s_leaves[i].layout, ("grad layout", i, g_s.layout, s_leaves[i].layout)
+        torch.testing.assert_close(
+            fs.gather(g_s),
+            g_d,
+            atol=1e-4,
+            rtol=1e-3,
+            equal_nan=True,
+            msg=lambda m, i=i: f"grad {i}: {m}",
+        )
+    return "ok"
+
+
+def _compare_shapes(got, want):
+    gots = got if isinstance(got, (tuple, list)) else (got,)
+    wants = want if isinstance(want, (tuple, list)) else (want,)
+    for g, w in zip(gots, wants):
+        assert tuple(g.shape) == tuple(w.shape) and g.dtype == w.dtype, (g, w.shape, w.dtype)
+
+
+class Method:
+    """``Method(name)(x, *args)`` calls ``x.<name>(*args)`` (picklable, for ShardedArray too)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, x, *args, **kwargs):
+        return getattr(x, self.name)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tensor.{self.name}"
+
+
+def opinfo_cases(cases):
+    """Run every ``(name, fn, input, args, kwargs, values)`` case replicated and split on dim 0
+    over a 2-rank mesh; returns ``[(name, how, outcome, message)]`` (outcome ``'wrong'`` for a
+    wrong value/gradient or an unclear error, with its message)."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    results = []
+    for name, fn, inp, args, kwargs, values in cases:
+        for how in ("replicated", "dim0"):
+            try:
+                outcome = opinfo_case(mesh, fn, inp, args, kwargs, how, values)
+                outcome, _, msg = outcome.partition(": ")
+            except Exception as e:  # noqa: BLE001 - every other failure is reported
+                outcome, msg = "wrong", f"{type(e).__name__}: {str(e)[:300]}"
+            results.append((name, how, outcome, msg))
+    return results

@@ -8,11 +8,12 @@ method forwarding and Python operators all call :func:`dispatch`). Each op famil
 """
 
 from . import elementwise, linalg, nn, reduction, shape
-from .registry import SCALAR, Plan, dispatch, register_rule, rule_for, tensor_inputs
+from .registry import SCALAR, SHAPE_ONLY, Plan, dispatch, register_rule, rule_for, tensor_inputs
 
 __all__ = [
     "Plan",
     "SCALAR",
+    "SHAPE_ONLY",
     "dispatch",
     "register_rule",
     "rule_for",

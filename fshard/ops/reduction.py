@@ -76,7 +76,7 @@ def reduction_rule(kind: str):
         x = ins[0]
         if len(ins) != 1:
             raise TypeError(f"{op.__name__}: expected one tensor input, got {len(ins)}")
-        dims = norm_dims(_dim_arg(kind, args, kwargs), x.ndim)
+        dims = norm_dims(_dim_arg(kind, args, kwargs), x.ndim) if x.ndim else ()
         meta = meta_call(op, args, kwargs)
         metas = meta if isinstance(meta, tuple) else (meta,)
         keepdim = metas[0].ndim == x.ndim and x.ndim > 0

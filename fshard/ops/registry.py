@@ -35,7 +35,7 @@ from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
 from ..spec import Layout, P, _layout
 
-__all__ = ["Plan", "SCALAR", "register_rule", "dispatch", "tensor_inputs", "rule_for"]
+__all__ = ["Plan", "SCALAR", "SHAPE_ONLY", "register_rule", "dispatch", "tensor_inputs", "rule_for"]
 
 
 class _Scalar:
@@ -51,13 +51,28 @@ class _Scalar:
 SCALAR = _Scalar()
 
 
+class _ShapeOnly:
+    """``Plan.in_specs`` entry for a tensor read for its shape only (``x.expand_as(other)``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SHAPE_ONLY"
+
+
+#: An ``in_specs`` entry: the input is passed as it is and its layout does not make the other
+#: inputs varying (its values never reach the output, so no gradient flows through it).
+SHAPE_ONLY = _ShapeOnly()
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What a rule decides for one op call, once per ``(op, layouts, static args)``.
 
     Attributes:
-        in_specs: one :class:`~fshard.P` (or ``None``: keep as is) per tensor input, in
-            flattening order (positional, then keyword arguments sorted by name).
+        in_specs: one :class:`~fshard.P` (or ``None``: keep as is; :data:`SHAPE_ONLY`: read
+            for its shape only) per tensor input, in flattening order (positional, then keyword
+            arguments sorted by name).
         out: the output :class:`~fshard.Layout`, a tuple/list of them for ops returning
             several tensors, or ``None`` for an op whose result is returned as is.
         local: called as ``local(*args, **kwargs)`` with the resharded local tensors (and the
@@ -392,6 +407,9 @@ class _Compiled:
         comm = []
         for pos, (i, spec) in enumerate(zip(tensor_idx, specs)):
             src = view[i]
+            if spec is SHAPE_ONLY:
+                targets.append((src.with_spec(P()), None))
+                continue
             if spec is None or spec == src.spec:
                 targets.append((src, None))
                 continue
@@ -405,12 +423,14 @@ class _Compiled:
             targets.append((tgt, spec))
         union = frozenset().union(*[t.varying_axes for t, _ in targets]) if targets else frozenset()
         inputs = []
-        for i, (tgt, spec) in zip(tensor_idx, targets):
+        for i, (tgt, spec), given in zip(tensor_idx, targets, specs):
             missing = [
                 a
                 for a in mesh.axis_names
                 if a in union and a not in tgt.varying_axes and mesh.size(a) > 1
             ]
+            if given is SHAPE_ONLY:
+                missing = []
             group = mesh.group(tuple(missing)) if missing and not mesh.is_abstract else None
             plain = type(leaves[i]) is not ShardedArray
             inputs.append(_Input(i, view[i], spec, group, plain))

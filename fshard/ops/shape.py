@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..spec import Layout
 from ._common import meta_call, norm_dim, out_layout, spec
 from .elementwise import align
-from .registry import Plan, register_rule, tensor_inputs
+from .registry import SHAPE_ONLY, Plan, register_rule, tensor_inputs
 
 __all__ = ["reshape_dims", "permutation_rule", "reshape_rule"]
 
@@ -125,7 +125,7 @@ def reshape_rule(op, args, kwargs):
     out = out_layout(x.mesh, dims, x.partial, meta)
     shape = None if x.mesh.is_abstract else out.local_shape()
     n_in = len(tensor_inputs(args, kwargs))
-    return Plan([None] * n_in, out, lambda t, *a, **k: t.reshape(shape))
+    return Plan([None] + [SHAPE_ONLY] * (n_in - 1), out, lambda t, *a, **k: t.reshape(shape))
 
 
 # -- expand ---------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def expand_rule(op, args, kwargs):
     ]
     out = out_layout(x.mesh, dims, x.partial, meta)
     local_shape = None if x.mesh.is_abstract else out.local_shape()
-    specs = [spec(dims[off:], x.partial)] + [None] * (len(ins) - 1)
+    specs = [spec(dims[off:], x.partial)] + [SHAPE_ONLY] * (len(ins) - 1)
     return Plan(specs, out, lambda t, *a, **k: t.expand(local_shape))
 
 
@@ -214,6 +214,9 @@ def pad_rule(op, args, kwargs):
     mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
     value = kwargs.get("value", args[3] if len(args) > 3 else None)
     padded = set(range(x.ndim - len(pad) // 2, x.ndim))
+    if mode != "constant":  # torch allows an empty block on the batch dim of (N, C, *) only
+        batched = x.ndim == len(pad) // 2 + 2
+        padded = set(range(1 if batched else 0, x.ndim))
     zero_fill = mode == "constant" and (value is None or (type(value) is int and value == 0))
     partial = x.partial if zero_fill else ()
     dims = _unsplit(x, padded)

@@ -1,0 +1,99 @@
+"""Conformance over torch's own OpInfo database: every op fshard claims a rule for.
+
+For each OpInfo entry whose function, method or operator variant has a fshard rule, the first
+float32 samples (deterministic: seeded, in OpInfo order; samples with a tensor over
+``MAX_NUMEL`` elements are skipped) run on 2 ranks twice: every tensor input replicated, and
+every tensor input split on dim 0 (uneven where the size is odd). Each run must either equal
+dense torch (value, dtype, shape, and the gradient of every float input through
+``torch.func.grad``, with the input's layout) or raise a clear fshard error
+(NotImplementedError/TypeError/ValueError raised in fshard's code). A wrong number, a wrong
+layout or any other error fails the test.
+
+Coverage (torch 2.13): 171 OpInfo entries claimed, 562 samples, 1124 runs; the test prints the
+outcome counts (``pytest -s``).
+"""
+
+import sys
+import types
+import unittest
+from collections import Counter
+
+import optree
+import pytest
+import torch
+
+from fshard.ops.registry import rule_for
+from tests._opcheck import Method, opinfo_cases
+
+# torch's internal test utilities import expecttest only for a TestCase base class.
+if "expecttest" not in sys.modules:
+    try:
+        import expecttest  # noqa: F401
+    except ImportError:
+        _shim = types.ModuleType("expecttest")
+        _shim.TestCase = unittest.TestCase
+        sys.modules["expecttest"] = _shim
+
+SAMPLES_PER_OP = 4
+MAX_NUMEL = 400
+#: Values are unspecified (uninitialised memory): compare shape and dtype only.
+NO_VALUES = {"empty_like"}
+
+
+def _claimed_fn(op):
+    """The first variant of OpInfo ``op`` with a fshard rule, in a form a rank can receive."""
+    import pickle
+
+    if op.op is not None and rule_for(op.op) is not None:
+        try:
+            pickle.dumps(op.op)
+            if not getattr(op.op, "__qualname__", "").startswith(("TensorBase.", "Tensor.")):
+                return op.op
+        except Exception:  # noqa: BLE001 - a lambda: try the method
+            pass
+    method = op.method_variant
+    if method is not None and rule_for(method) is not None:
+        return Method(method.__name__)
+    return None
+
+
+def _small(sample) -> bool:
+    leaves = optree.tree_leaves((sample.input, sample.args, sample.kwargs), none_is_leaf=True)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() <= MAX_NUMEL for t in tensors)
+
+
+def collect():
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    cases = []
+    for op in op_db:
+        fn = _claimed_fn(op)
+        if fn is None or torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+        torch.manual_seed(0)
+        samples = [s for s in op.sample_inputs("cpu", torch.float32) if _small(s)]
+        # the most dims first (what sharding exercises), in OpInfo order within a rank
+        samples.sort(key=lambda s: -min(_ndim(s.input), 2))
+        for sample in samples[:SAMPLES_PER_OP]:
+            values = op.name not in NO_VALUES
+            cases.append((name, fn, sample.input, tuple(sample.args), dict(sample.kwargs), values))
+    return cases
+
+
+def _ndim(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.ndim
+    return max((_ndim(t) for t in x), default=0) if isinstance(x, (list, tuple)) else 0
+
+
+@pytest.mark.timeout(420)
+def test_opinfo_conformance(world2):
+    cases = collect()
+    results = world2.run(opinfo_cases, cases)[0]
+    counts = Counter(outcome for _, _, outcome, _ in results)
+    wrong = [r for r in results if r[2] == "wrong"]
+    ops = {name for name, *_ in cases}
+    print(f"\nOpInfo: {len(ops)} ops, {len(cases)} samples, {len(results)} runs: {dict(counts)}")
+    assert not wrong, "\n".join(f"{n} [{how}]: {msg}" for n, how, _, msg in wrong)
