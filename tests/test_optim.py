@@ -399,7 +399,9 @@ def sharded_rank_fn():
         state = tx.init(ps)
         if name == "adamw":  # state has the params' layouts
             for k in ps:
-                assert state[0].mu[k].layout == ps[k].layout and state[0].nu[k].layout == ps[k].layout
+                assert (
+                    state[0].mu[k].layout == ps[k].layout and state[0].nu[k].layout == ps[k].layout
+                )
         dps = {k: fs.shard(v.clone(), mesh, specs[k]) for k, v in dense.items()}
         dstate = tx.init(dps)
         with fs.debug.comm_log() as log:
