@@ -37,7 +37,7 @@ if "expecttest" not in sys.modules:
 SAMPLES_PER_OP = 4
 MAX_NUMEL = 400
 #: Values are unspecified (uninitialised memory): compare shape and dtype only.
-NO_VALUES = {"empty_like"}
+NO_VALUES = {"empty_like", "new_empty"}
 
 
 def _claimed_fn(op):
@@ -88,7 +88,7 @@ def _ndim(x) -> int:
     return max((_ndim(t) for t in x), default=0) if isinstance(x, (list, tuple)) else 0
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)  # ~1 min on a quiet 2-core machine; much more under load
 def test_opinfo_conformance(world2):
     cases = collect()
     results = world2.run(opinfo_cases, cases)[0]

@@ -220,3 +220,33 @@ def vmap_random_cases():
 
 def test_random_ops_under_vmap_error_mode(world2):
     assert all(world2.run(vmap_random_cases))
+
+
+# -- matmul: reduce a pending activation or gather a split weight, whichever moves less ------
+
+
+def matmul_choice_cases():
+    mesh = fs.Mesh.create((2,), ("tp",))
+    out = []
+    # (B, D, F): reduce x costs B*D*4 received bytes (all_reduce over 2 ranks); keeping the
+    # sum costs the gather of w's other half (D*F/2*4) plus the later reduce of the (B, F)
+    # pending output (B*F*4)
+    for b, d, f, want_ops, want_spec in [
+        (64, 8, 8, [("all_reduce", 64 * 8 * 4)], P(None, "tp")),
+        (2, 8, 64, [("all_reduce", 2 * 8 * 4)], P(None, "tp")),
+        (64, 32, 4, [("all_gather", 32 * 2 * 4)], P(partial="tp")),
+    ]:
+        xd, wd = randn(b, d), randn(d, f, seed=1)
+        x = fs.shard(xd, mesh, P(partial="tp"))
+        w = fs.shard(wd, mesh, P(None, "tp"))
+        with fs.debug.comm_log() as log:
+            y = x @ w
+        assert [(r.op, r.nbytes) for r in log] == want_ops, (b, d, f, log)
+        assert y.spec == want_spec, (b, d, f, y.spec)
+        torch.testing.assert_close(fs.gather(y), xd @ wd, atol=1e-5, rtol=1e-4)
+        out.append(y.spec)
+    return out
+
+
+def test_matmul_reduces_pending_activation_when_cheaper(world2):
+    assert world2.run(matmul_choice_cases)[0] == [P(None, "tp"), P(None, "tp"), P(partial="tp")]

@@ -7,7 +7,7 @@ method forwarding and Python operators all call :func:`dispatch`). Each op famil
 :mod:`.registry` for the rule protocol and :func:`register_rule` to add your own.
 """
 
-from . import elementwise, linalg, nn, reduction, shape
+from . import elementwise, linalg, loss, nn, reduction, shape, whole
 from .registry import SCALAR, SHAPE_ONLY, Plan, dispatch, register_rule, rule_for, tensor_inputs
 
 __all__ = [
@@ -23,4 +23,6 @@ __all__ = [
     "linalg",
     "shape",
     "nn",
+    "loss",
+    "whole",
 ]

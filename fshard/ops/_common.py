@@ -9,6 +9,7 @@ import torch
 
 from .._function import call
 from ..lax import Pcast, Psum, _Pmax, apply
+from ..planner import plan as plan_steps
 from ..spec import Layout, P, _layout, chunk_bounds
 from .registry import SCALAR
 
@@ -81,6 +82,30 @@ def block_bounds(layout: Layout, dim: int, rank: int) -> tuple[int, int]:
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+#: Bytes a rank receives per input byte of a step over ``n`` ranks (the planner's table).
+_TRAFFIC = {
+    "all_gather": lambda n: n - 1,
+    "gather_blocks": lambda n: n - 1,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "ppermute": lambda n: 1,
+}
+
+
+def reshard_cost(layout: Layout, target: P) -> float:
+    """Bytes the mesh's first rank receives to reshard ``layout`` to ``target`` (from the
+    planner's steps). The same number on every rank, so rules that compare costs decide alike
+    (per-rank bytes differ for uneven shards)."""
+    mesh = layout.mesh
+    rank = mesh.ranks[0]
+    return sum(
+        _TRAFFIC[s.op](mesh.size(s.axes)) * s.nbytes
+        for s in plan_steps(layout, target, rank=rank)
+        if s.collective
+    )
 
 
 # -- local collectives (groups are captured at plan time) -----------------------------------

@@ -237,6 +237,10 @@ BINARY_NONLINEAR = [
     "masked_fill",
     "hypot",
     "copysign",
+    "addcmul",
+    "addcdiv",
+    "polar",
+    "complex",
 ]
 OPERATORS_NONLINEAR = [
     "__pow__",

@@ -16,11 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from ..spec import Layout
-from ._common import in_mesh_order, meta_call, out_layout, spec
+from ._common import in_mesh_order, meta_call, out_layout, reshard_cost, spec
 from .registry import Plan, register_rule, tensor_inputs
 
 __all__ = ["contract", "matmul_letters"]
@@ -30,9 +32,23 @@ def contract(operands: list[Layout], letters, out_letters):
     """Assign mesh axes to index letters.
 
     Returns ``(in_specs, out_dims, out_partial)`` for ``operands`` with per-dim ``letters``
-    (``None`` for a broadcast dim) and output ``out_letters``.
+    (``None`` for a broadcast dim) and output ``out_letters``. With a partial operand there are
+    two candidates: keep its pending sum (the other operands give up its axes, e.g. gather a
+    weight split over them) or reduce it first (every operand keeps its axes). The one that
+    moves fewer bytes wins, counting the all_reduce a pending output needs later; ties keep
+    the pending sum.
     """
     kept = next((x for x in operands if x.partial), None)
+    best = _assign(operands, letters, out_letters, kept)
+    if kept is None:
+        return best
+    reduced = _assign(operands, letters, out_letters, None)
+    if _cost(operands, letters, out_letters, reduced) < _cost(operands, letters, out_letters, best):
+        return reduced
+    return best
+
+
+def _assign(operands, letters, out_letters, kept):
     reserved = set(kept.partial) if kept is not None else set()
     # A letter repeated within one operand (einsum "ii->i": a diagonal) pairs two dims of the
     # same tensor: it stays unsplit, since one mesh axis cannot split two dims of a tensor.
@@ -57,6 +73,20 @@ def contract(operands: list[Layout], letters, out_letters):
     mesh = operands[0].mesh
     partial = in_mesh_order(mesh, (*reserved, *summed))
     return specs, out_dims, partial
+
+
+def _cost(operands, letters, out_letters, candidate) -> float:
+    """Bytes received: the operands' reshards, plus the all_reduce of a pending output."""
+    specs, out_dims, partial = candidate
+    cost = sum(reshard_cost(x, s) for x, s in zip(operands, specs))
+    if partial:
+        mesh = operands[0].mesh
+        sizes = {c: x.shape[d] for x, ls in zip(operands, letters) for d, c in enumerate(ls) if c}
+        n = mesh.size(partial)
+        out = math.prod(sizes.get(c, 1) for c in out_letters)
+        split = math.prod(mesh.size(a) for a in out_dims if a)
+        cost += 2 * (n - 1) / n * out / split * operands[0].dtype.itemsize
+    return cost
 
 
 def matmul_letters(a_shape, b_shape):
@@ -130,6 +160,24 @@ def addmm_rule(op, args, kwargs):
     return Plan([specs[n] for n in order], out_layout(a.mesh, out_dims, partial, meta))
 
 
+def baddbmm_rule(op, args, kwargs):
+    """``baddbmm(input, batch1, batch2, beta=, alpha=)``: a batched ``addmm``."""
+    c, a, b = args[0], args[1], args[2]
+    letters = [["b", "n", "k"], ["b", "k", "m"]]
+    (sa, sb), out_dims, partial = contract([a, b], letters, ["b", "n", "m"])
+    meta = meta_call(op, args, kwargs)
+    sc = _additive_spec(c, out_dims, tuple(meta.shape), partial)
+    return Plan([sc, sa, sb], out_layout(a.mesh, out_dims, partial, meta))
+
+
+def outer_rule(op, args, kwargs):
+    """``outer(a, b)``: ``einsum("i,j->ij")``."""
+    a, b = tensor_inputs(args, kwargs)
+    (sa, sb), out_dims, partial = contract([a, b], [["i"], ["j"]], ["i", "j"])
+    meta = meta_call(op, args, kwargs)
+    return Plan([sa, sb], out_layout(a.mesh, out_dims, partial, meta))
+
+
 def parse_einsum(eq: str, shapes) -> tuple[list[list[str | None]], list[str]]:
     """Letters per operand dim (``None`` for broadcast size-1 ellipsis dims) and output letters."""
     eq = eq.replace(" ", "")
@@ -200,6 +248,9 @@ def _register():
     register_rule(F.linear, linear_rule)
     register_rule(torch.addmm, addmm_rule, aliases=(torch.Tensor.addmm,))
     register_rule(torch.einsum, einsum_rule)
+    register_rule(torch.baddbmm, baddbmm_rule, aliases=(torch.Tensor.baddbmm,))
+    for op in (torch.outer, torch.Tensor.outer, torch.ger, torch.Tensor.ger):
+        register_rule(op, outer_rule)
 
 
 _register()

@@ -94,6 +94,9 @@ class Plan:
 
 _RULES: dict = {}
 _CACHE: dict = {}
+#: Ops whose rule sees the values of float arguments (an output shape depends on them, e.g.
+#: interpolate's scale_factor): planned per value.
+_FLOAT_VALUED: set = set()
 #: Calls of one ShardedArray then static arguments, keyed by
 #: ``(op, layout._id, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then values: no tuple
 #: per item; the length fixes where the names end).
@@ -101,12 +104,14 @@ _UNARY: dict = {}
 _KW = object()  # separates positional from keyword arguments in a _UNARY key
 
 
-def register_rule(op, rule=None, *, aliases: Sequence = ()):
+def register_rule(op, rule=None, *, aliases: Sequence = (), float_valued: bool = False):
     """Register ``rule`` for torch function or Tensor method ``op`` (and ``aliases``).
 
     A rule is ``rule(op, args, kwargs) -> Plan``; in ``args``/``kwargs`` tensors appear as
-    their :class:`~fshard.Layout` and Python floats as :data:`SCALAR`. Plans are cached per
-    layouts and static arguments, so a rule runs once per distinct call signature. Register
+    their :class:`~fshard.Layout` and Python floats as :data:`SCALAR` (with
+    ``float_valued=True``, as their values: for ops whose output shape depends on a float).
+    Plans are cached per layouts and static arguments, so a rule runs once per distinct call
+    signature. Register
     ``torch.Tensor.<name>`` too for the method form (``x.<name>(...)``). Usable as a decorator.
 
     Example (a custom op that keeps any layout, as every elementwise op does)::
@@ -125,11 +130,13 @@ def register_rule(op, rule=None, *, aliases: Sequence = ()):
         y = softclip(x_sharded, 2.0)         # runs on local shards, no communication
     """
     if rule is None:
-        return lambda r: register_rule(op, r, aliases=aliases)
+        return lambda r: register_rule(op, r, aliases=aliases, float_valued=float_valued)
     if not callable(rule):
         raise TypeError(f"register_rule: rule must be callable, got {type(rule).__name__}")
     for o in (op, *aliases):
         _RULES[o] = rule
+        if float_valued:
+            _FLOAT_VALUED.add(o)
         expose_operators(o)
     _CACHE.clear()
     _UNARY.clear()
@@ -241,6 +248,8 @@ def dispatch(func, args, kwargs):
     key = tuple(key)
     compiled = _CACHE.get(key)
     if compiled is None:
+        if func in _FLOAT_VALUED:
+            return _dispatch_tree(func, args, kwargs)
         compiled = _CACHE[key] = _compile(func, leaves, tree)
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
@@ -268,7 +277,10 @@ def _unary_runner(c: _Compiled, args, kwargs):
 
 def _dispatch_tree(func, args, kwargs):
     leaves, tree = optree.tree_flatten((args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True)
-    key = (func, tree, *[_leaf_key(a) for a in leaves])
+    if func in _FLOAT_VALUED:  # planned per float value (never under the SCALAR key)
+        key = (func, tree, *[a if type(a) is float else _leaf_key(a) for a in leaves])
+    else:
+        key = (func, tree, *[_leaf_key(a) for a in leaves])
     try:
         compiled = _CACHE.get(key)
     except TypeError:  # an unhashable static argument: plan without caching
@@ -299,8 +311,8 @@ def _is_layout(x) -> bool:
     return isinstance(x, Layout)
 
 
-def _static_view(leaves, mesh):
-    """Leaves as a rule sees them: Layouts for tensors, SCALAR for floats."""
+def _static_view(leaves, mesh, floats=False):
+    """Leaves as a rule sees them: Layouts for tensors, SCALAR for floats (unless ``floats``)."""
     out = []
     for a in leaves:
         t = type(a)
@@ -308,7 +320,7 @@ def _static_view(leaves, mesh):
             out.append(a.layout)
         elif isinstance(a, torch.Tensor):
             out.append(_layout(mesh, P(), tuple(a.shape), a.dtype))
-        elif t is float or t is complex:
+        elif (t is float or t is complex) and not floats:
             out.append(SCALAR)
         else:
             out.append(a)
@@ -343,7 +355,7 @@ def _compile(func, leaves, tree) -> _Compiled:
             f"form {fname[:-1]!r}"
         )
     rule = _RULES.get(func)
-    view = _static_view(leaves, mesh)
+    view = _static_view(leaves, mesh, floats=func in _FLOAT_VALUED)
     args, kwargs = _unflatten(tree, view)
     if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         raise TypeError(
@@ -516,7 +528,7 @@ def _wrap(result, out):
         return result
     if isinstance(out, Layout):
         return ShardedArray._derived(result, out)
-    return type(out)(_wrap(r, o) for r, o in zip(result, out))
+    return type(out)([_wrap(r, o) for r, o in zip(result, out)])
 
 
 def strict_error(name, inputs, comm) -> RuntimeError:

@@ -244,6 +244,19 @@ def narrow_rule(op, args, kwargs):
     return Plan(specs, out_layout(x.mesh, dims, x.partial, meta))
 
 
+def complex_view_rule(op, args, kwargs):
+    """``view_as_real`` adds a whole trailing dim of 2; ``view_as_complex`` drops it (it must be
+    whole). Other dims and pending sums pass through (both are linear views)."""
+    x = args[0]
+    meta = meta_call(op, args, kwargs)
+    dims = list(x.dim_axes)
+    if meta.ndim > x.ndim:
+        in_spec, out_dims = None, [*dims, ()]
+    else:
+        in_spec, out_dims = spec([*dims[:-1], ()], x.partial), dims[:-1]
+    return Plan([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
+
+
 def getitem_rule(op, args, kwargs):
     x, key = args[0], args[1]
     if not isinstance(x, Layout):
@@ -301,6 +314,8 @@ def _register():
     register_rule(torch.chunk, split_rule_at(2), aliases=(torch.Tensor.chunk,))
     register_rule(torch.narrow, narrow_rule, aliases=(torch.Tensor.narrow,))
     register_rule(F.pad, pad_rule)
+    register_rule(torch.view_as_real, complex_view_rule)
+    register_rule(torch.view_as_complex, complex_view_rule)
     register_rule(torch.unbind, split_rule_at(1, True), aliases=(torch.Tensor.unbind,))
     register_rule(torch.select, split_rule_at(1, True), aliases=(torch.Tensor.select,))
     register_rule(torch.Tensor.__getitem__, getitem_rule)
