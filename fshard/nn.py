@@ -506,8 +506,8 @@ def megatron_plan(
         axis: the tensor-parallel mesh axis.
         bias: whether the column-parallel layers have a bias (its pattern must match).
             Ignored when ``model`` is given (read from the modules).
-        row_output: the layout each row-parallel layer's output is resharded to right after
-            it (an :class:`Output` entry): ``P()`` (default, DTensor's ``RowwiseParallel``)
+        row_output: the layout each row-parallel layer's (and vocab-parallel Embedding's)
+            output, a pending sum, is resharded to right after it (an :class:`Output` entry): ``P()`` (default, DTensor's ``RowwiseParallel``)
             all-reduces the pending sum once, so the residual stream and every norm after it
             stay replicated; ``P(None, axis)`` reduce-scatters over the sequence dim;
             ``None`` leaves the sum pending for the op rules.
@@ -550,7 +550,7 @@ def megatron_plan(
         plan[f"{m}.weight"] = P(None, axis) if kind == "linear" else P(axis, None)
     for m in vocab:
         plan[f"{m}.weight"] = P(axis, None)
-    if row_output is not None:
-        for m in row:
+    if row_output is not None:  # a row-parallel layer's and a vocab-parallel lookup's output
+        for m in (*row, *vocab):  # is a pending sum
             plan[m] = Output(row_output)
     return plan

@@ -72,6 +72,7 @@ def test_match_plan_globs_regex_and_errors():
         "*.fc2.weight": fs.P(None, "tp"),
         "emb.weight": fs.P("tp", None),
         "*.fc2": fs.nn.Output(fs.P()),
+        "emb": fs.nn.Output(fs.P()),
     }
     assert "*.fc2" not in fs.nn.megatron_plan(row=["*.fc2"], row_output=None)
     # Output entries are module-output layouts, skipped by match_plan (parameter names)
