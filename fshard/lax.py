@@ -34,7 +34,6 @@ a body nothing is tracked and the ops run as written.
 
 from __future__ import annotations
 
-import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -42,8 +41,9 @@ from dataclasses import dataclass, replace
 import optree
 import torch
 
-from . import _comm
+from . import _comm, axis_env
 from ._function import call, untracked
+from .axis_env import current_mesh
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -59,24 +59,6 @@ __all__ = [
     "axis_index",
     "axis_size",
 ]
-
-_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("fshard_mesh", default=None)
-# The active shard_map body's varying-axes tracker (fshard.shard_map._Tracker) or None.
-_TRACKER: contextvars.ContextVar = contextvars.ContextVar("fshard_vma", default=None)
-
-
-def current_mesh(mesh: Mesh | None = None) -> Mesh:
-    """``mesh`` if given, else the mesh of the enclosing ``shard_map``."""
-    if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
-        return mesh
-    mesh = _MESH.get()
-    if mesh is None:
-        raise ValueError(
-            "fs.lax collectives need a mesh: call them inside fs.shard_map, or pass mesh=..."
-        )
-    return mesh
 
 
 # -- ops: static, hashable descriptions of one collective ------------------------------------
@@ -367,8 +349,8 @@ def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> li
     ``varies``: whether the result varies over ``g.axes`` (all_gather, psum_scatter, ...) or is
     invariant over them (psum, pmax, ...).
     """
-    tracker = _TRACKER.get()
-    if tracker is None or (mesh is not None and mesh != tracker.mesh):
+    tracker = axis_env.tracker(mesh)
+    if tracker is None:
         return run(xs)
     return tracker.collective(xs, g.axes, run, varies)
 
@@ -786,8 +768,8 @@ def pcast(
     if to != "varying":
         raise ValueError(f"pcast: only to='varying' is supported, got {to!r}")
     g = _group(axis, mesh)
-    tracker = _TRACKER.get()
-    if tracker is not None and (mesh is None or mesh == tracker.mesh):
+    tracker = axis_env.tracker(mesh)
+    if tracker is not None:
         return tracker.pcast(x, g.axes)
     return apply(Pcast(g), x)
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, lax
+from . import _comm, axis_env
 from .api import shard
 from .array import ShardedArray
 from .lax import Pcast, Unvary, apply
@@ -540,20 +540,14 @@ def shard_map(
                 f"shard_map: pass inputs positionally (in_specs describes the positional "
                 f"arguments); got keyword arguments {sorted(kwargs)}"
             )
-        if lax._TRACKER.get() is not None:
+        if axis_env.in_body():
             raise NotImplementedError("shard_map: nesting shard_map bodies is not supported")
         local_args, marks = _inputs(args, in_specs, mesh)
         tracker = _Tracker(mesh)
         for local, axes in marks:
             tracker.tag(local, axes)
-        mesh_token = lax._MESH.set(mesh)
-        tracker_token = lax._TRACKER.set(tracker)
-        try:
-            with tracker:
-                out = f(*local_args)
-        finally:
-            lax._TRACKER.reset(tracker_token)
-            lax._MESH.reset(mesh_token)
+        with axis_env.enter(mesh, tracker), tracker:
+            out = f(*local_args)
         return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication)
 
     return mapped
