@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _comm, consistency
 from ._function import call
 from .array import ShardedArray
 from .lax import AllGather, AllToAll, LocalSlice, Pcast, Ppermute, Psum, PsumScatter, apply
@@ -240,6 +240,8 @@ def shard(
         raise TypeError("shard: t is already a ShardedArray; use fs.reshard to change its layout")
     full = _layout(mesh, P(), tuple(t.shape), t.dtype)
     layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
+    if consistency.enabled():
+        _agree(layout, "shard (every rank must pass the same full tensor)", values=_plain(t))
     return _reshard_one(ShardedArray._raw(t, full), layout.spec)
 
 
@@ -304,7 +306,15 @@ def from_local(
             f"from_local: rank {mesh.rank} holds a block of shape {tuple(local.shape)} but layout "
             f"{spec} of global shape {layout.shape} gives this rank {want}"
         )
+    _agree(layout, "from_local")
     return ShardedArray._raw(local, layout)
+
+
+def _agree(layout: Layout, what: str, **values) -> None:
+    """Consistency mode: every rank of the mesh must pass the same layout (and ``values``)."""
+    if consistency.enabled():
+        fields = {"spec": layout.spec, "global shape": layout.shape, "dtype": layout.dtype}
+        consistency.check_equal({**fields, **values}, layout.mesh, what=what)
 
 
 def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
@@ -342,8 +352,16 @@ def _creation_layout(shape, mesh, spec, dtype) -> Layout:
     return Layout(mesh, spec, tuple(shape), dtype or torch.get_default_dtype())
 
 
-def _filled(fill, shape, mesh, spec, dtype) -> ShardedArray:
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The physical tensor under any torch.func wrappers (to read its values)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.detach()
+
+
+def _filled(fill, shape, mesh, spec, dtype, value=None) -> ShardedArray:
     layout = _creation_layout(shape, mesh, spec, dtype)
+    _agree(layout, f"{getattr(fill, '__name__', 'full')}({tuple(layout.shape)})", fill=value)
     local = fill(layout.local_shape(mesh.rank), dtype=layout.dtype, device=mesh.device())
     return ShardedArray._raw(local, layout)
 
@@ -381,13 +399,18 @@ def full(shape, fill_value, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = 
     Example:
         >>> f = fs.full((8, 4), 3.0, mesh, fs.P("x"))  # doctest: +SKIP
     """
-    return _filled(lambda s, **kw: torch.full(s, fill_value, **kw), shape, mesh, spec, dtype)
+    return _filled(
+        lambda s, **kw: torch.full(s, fill_value, **kw), shape, mesh, spec, dtype, fill_value
+    )
 
 
 def _random(draw, shape, mesh, spec, dtype, generator) -> ShardedArray:
     layout = _creation_layout(shape, mesh, spec, dtype)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if consistency.enabled():
+        state = consistency.rng_state(generator, mesh.device())
+        _agree(layout, f"{draw.__name__}: the generator state every rank draws from", rng=state)
     # Draw the whole tensor and keep this rank's block: the values equal the dense call with the
     # same seed on any mesh and spec. Cost: each rank draws and briefly holds the full tensor.
     whole = draw(layout.shape, generator=generator, dtype=layout.dtype, device=mesh.device())

@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, axis_env
-from .api import shard
+from . import _comm, axis_env, consistency
+from .api import _plain, shard
 from .array import ShardedArray
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
@@ -340,13 +340,6 @@ def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch
     return local
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The physical tensor under any functorch wrappers (for checks that only read values)."""
-    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
-        t = _FUNCTORCH.get_unwrapped(t)
-    return t.detach()
-
-
 def _check_replicated(where: str, local: torch.Tensor, spec: P, mesh: Mesh) -> None:
     """Raise unless ``local`` is equal on every rank of each axis ``spec`` leaves replicated."""
     t = _plain(local)
@@ -422,6 +415,7 @@ def _exchanged_shapes(flat: list, mesh: Mesh) -> list:
     else:
         send = torch.tensor(mine, dtype=torch.int64, device=mesh.device())
         recv = send.new_empty(g.size * len(mine))
+        consistency.check_collective("size_exchange", g, send, count=len(mine))
         _comm.record("size_exchange", g.axes, send.numel() * send.element_size())
         dist.all_gather_single(recv, send, group=g.pg)
         rows = recv.view(g.size, len(mine)).tolist()
@@ -469,6 +463,24 @@ def _dim_size(where: str, d: int, axes: tuple, sizes: dict, mesh: Mesh) -> int:
             "or pass out_shapes="
         )
     return n
+
+
+def _signature(args: tuple, in_specs, out_specs) -> dict:
+    """What every rank must agree on when calling a shard_map (consistency mode)."""
+
+    def describe(v):
+        if isinstance(v, ShardedArray):
+            return ("ShardedArray", v.layout.spec, v.layout.shape, v.layout.dtype)
+        if isinstance(v, torch.Tensor):
+            return ("Tensor", tuple(v.shape), v.dtype)
+        return type(v).__name__
+
+    leaves = optree.tree_leaves(args, is_leaf=_is_sharded, none_is_leaf=True)
+    return {
+        "in_specs": repr(in_specs),
+        "out_specs": repr(out_specs),
+        "inputs": tuple(describe(v) for v in leaves),
+    }
 
 
 # -- the public function --------------------------------------------------------------------
@@ -542,6 +554,8 @@ def shard_map(
             )
         if axis_env.in_body():
             raise NotImplementedError("shard_map: nesting shard_map bodies is not supported")
+        if consistency.enabled():
+            consistency.check_equal(_signature(args, in_specs, out_specs), mesh, what="shard_map")
         local_args, marks = _inputs(args, in_specs, mesh)
         tracker = _Tracker(mesh)
         for local, axes in marks:

@@ -10,6 +10,114 @@ Sections (kept apart so they can grow independently):
 # 1. SPMD safety: consistency mode, shard_map out_specs / varying axes, partial cotangents
 # ==========================================================================================
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fshard as fs  # noqa: E402
+from fshard.consistency import ConsistencyError  # noqa: E402
+
+
+def _mesh2():
+    return fs.Mesh.create((2,), ("x",))
+
+
+def _disagree(case: str, rank: int):
+    """One way for rank 0 and rank 1 to disagree; each returns what this rank did."""
+    mesh = _mesh2()
+    x = torch.ones(4)
+    if case == "from_local shape":
+        return fs.from_local(torch.ones(2, 4 + rank), mesh, fs.P("x"), shape=(4, 4 + rank))
+    if case == "from_local spec":
+        spec, local = (fs.P("x"), torch.ones(2, 4)) if rank == 0 else (fs.P(None, "x"), x[:2])
+        return fs.from_local(
+            local.reshape(2, -1) if rank == 0 else torch.ones(4, 2), mesh, spec, shape=(4, 4)
+        )
+    if case == "psum vs pmax":
+        return (fs.lax.psum if rank == 0 else fs.lax.pmax)(x, "x", mesh=mesh)
+    if case == "gather skipped":
+        y = fs.shard(torch.arange(4.0), mesh, fs.P("x"))
+        if rank == 0:
+            fs.gather(y)
+        return fs.lax.psum(x, "x", mesh=mesh)
+    if case == "float32 vs int32":
+        return fs.lax.psum(x if rank == 0 else x.int(), "x", mesh=mesh)
+    if case == "size":  # today: SIGABRT inside Gloo
+        return fs.lax.psum(torch.ones(4 + rank), "x", mesh=mesh)
+    if case == "itemsize":  # float32 vs float64 all_gather: today SIGABRT inside Gloo
+        return fs.lax.all_gather(x if rank == 0 else x.double(), "x", mesh=mesh)
+    if case == "shard_map in_specs":
+        spec = fs.P("x") if rank == 0 else fs.P()
+        return fs.shard_map(lambda a: a * 2, mesh, (spec,), spec)(torch.arange(4.0))
+    if case == "per-rank seed":
+        torch.manual_seed(rank)
+        return fs.randn((4,), mesh, fs.P())
+    if case == "python values":  # what fs.checkpoint asks before saving Python leaves
+        fs.consistency.check_equal({"step": 10 + rank}, mesh, what="checkpoint Python values")
+        return None
+    if case == "reshard target":
+        y = fs.shard(torch.arange(16.0).reshape(4, 4), mesh, fs.P("x"))
+        return fs.reshard(y, fs.P() if rank == 0 else fs.P(None, "x"))
+    if case == "shard values":
+        return fs.shard(torch.full((4,), float(rank)), mesh, fs.P())
+    raise AssertionError(case)
+
+
+def _disagree_on_ranks(case: str):
+    rank = torch.distributed.get_rank()
+    assert fs.config.consistency_checked(), "the suite runs with consistency mode on"
+    with fs.debug.comm_log() as log:
+        try:
+            _disagree(case, rank)
+        except ConsistencyError as e:
+            return str(e), [r.op for r in log]
+    return None, [r.op for r in log]
+
+
+_DISAGREE = {
+    "from_local shape": "global shape",
+    "from_local spec": "spec",
+    "psum vs pmax": "reduce",
+    "gather skipped": "collective",
+    "float32 vs int32": "dtype",
+    "size": "shape",
+    "itemsize": "dtype",
+    "shard_map in_specs": "in_specs",
+    "per-rank seed": "rng",
+    "python values": "step",
+    "reshard target": "collective",
+    "shard values": "values",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DISAGREE))
+def test_consistency_rank_disagreement_raises_everywhere(world2, case):
+    """Each silent (or SIGABRT) disagreement of issue 14.1 becomes the same ConsistencyError on
+    both ranks, naming both ranks and the differing field, before any data collective ran."""
+    (msg0, log0), (msg1, log1) = world2.run(_disagree_on_ranks, case)
+    assert msg0 is not None and msg0 == msg1, (msg0, msg1)
+    assert "rank 0" in msg0 and "rank 1" in msg0 and _DISAGREE[case] in msg0, msg0
+    # Nothing but what both ranks agreed on ran (the skipped gather: rank 0's gather is the
+    # mismatch itself, so neither rank logged it).
+    assert log0 == log1 == [], (log0, log1)
+
+
+def _agreeing_ranks():
+    mesh = _mesh2()
+    torch.manual_seed(0)
+    x = fs.randn((4, 6), mesh, fs.P("x"))
+    y = fs.reshard(x, fs.P(None, "x"))
+    z = fs.shard_map(lambda a: fs.lax.psum(a.sum(), "x"), mesh, (fs.P("x"),), fs.P())(x)
+    fs.consistency.check_equal({"step": 3}, mesh, what="state")
+    return fs.gather(y), fs.gather(z)
+
+
+def test_consistency_agreeing_ranks_pass(world2):
+    (y0, z0), (y1, z1) = world2.run(_agreeing_ranks)
+    torch.manual_seed(0)
+    dense = torch.randn(4, 6)
+    assert torch.equal(y0, dense) and torch.equal(y1, dense)
+    assert torch.allclose(z0, dense.sum()) and torch.equal(z0, z1)
+
 
 # (section 1 ends here)
 
