@@ -241,7 +241,7 @@ def shard(
     full = _layout(mesh, P(), tuple(t.shape), t.dtype)
     layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
     if consistency.enabled():
-        _agree(layout, "shard (every rank must pass the same full tensor)", values=_plain(t))
+        _agree(layout, "shard (every rank must pass the same full tensor)", values=t)
     return _reshard_one(ShardedArray._raw(t, full), layout.spec)
 
 
@@ -350,13 +350,6 @@ def _creation_layout(shape, mesh, spec, dtype) -> Layout:
     if isinstance(shape, int):
         shape = (shape,)
     return Layout(mesh, spec, tuple(shape), dtype or torch.get_default_dtype())
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The physical tensor under any torch.func wrappers (to read its values)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t.detach()
 
 
 def _filled(fill, shape, mesh, spec, dtype, value=None) -> ShardedArray:

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import config
 from .mesh import AxisGroup, Mesh
@@ -55,8 +56,13 @@ class ConsistencyError(RuntimeError):
 
 
 def enabled() -> bool:
-    """Whether consistency mode is on in this context (see :mod:`fshard.config`)."""
-    return config.consistency_checked()
+    """Whether consistency mode is on in this context (see :mod:`fshard.config`). Graph
+    tracing (``torch.compile``, ``make_fx``) runs no checks: they would be traced, not run."""
+    return (
+        config.consistency_checked()
+        and not torch.compiler.is_compiling()
+        and get_proxy_mode() is None
+    )
 
 
 def reset() -> None:
@@ -67,10 +73,7 @@ def reset() -> None:
 def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes)."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        raw = t.view(torch.uint8) if t.numel() and t.element_size() else t
-        data = hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
-        return ("tensor", str(obj.dtype), tuple(obj.shape), data)
+        return ("tensor", str(obj.dtype), tuple(obj.shape), _content_hash(obj))
     if isinstance(obj, Mapping):
         return ("dict", tuple((repr(k), _canonical(v)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
@@ -78,6 +81,16 @@ def _canonical(obj):
     if isinstance(obj, torch.Generator):
         return ("generator", _canonical(obj.get_state()))
     return obj
+
+
+def _content_hash(t: torch.Tensor) -> str:
+    """A hash of the bytes of ``t`` (the physical tensor under any torch.func wrappers)."""
+    with torch._C._DisableFuncTorch():
+        while torch._C._functorch.is_functorch_wrapped_tensor(t):
+            t = torch._C._functorch.get_unwrapped(t)
+        t = t.detach().cpu().contiguous()
+        raw = t.view(torch.uint8) if t.numel() and t.element_size() else t
+        return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _show(v) -> str:

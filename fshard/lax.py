@@ -40,6 +40,8 @@ from dataclasses import dataclass, replace
 
 import optree
 import torch
+from torch.autograd import forward_ad as _forward_ad
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import _comm, axis_env
 from ._function import call, untracked
@@ -271,10 +273,24 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
+    if _forward_ad._current_level >= 0:
+        _refuse_linearize()
     plain = untracked(x)
     if plain is not None:
         return op.run(plain)
     return call(_Collective, x, op)
+
+
+def _refuse_linearize() -> None:
+    """``torch.func.linearize`` traces the jvp with ``make_fx`` and replays the graph later: a
+    collective in that graph would run on one rank's replay only (a hang) or on stale buffers."""
+    if get_proxy_mode() is not None:
+        raise NotImplementedError(
+            "torch.func.linearize cannot trace fshard collectives (it records a graph with "
+            "make_fx and replays it later, outside the collective's process group schedule). "
+            "Use torch.func.jvp(f, primals, tangents) for each tangent (or "
+            "torch.func.vmap over jvp for many), or torch.func.jacfwd"
+        )
 
 
 class _Pmax(torch.autograd.Function):
@@ -505,6 +521,8 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
 
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
     _tensor(x, f"p{how}")
+    if _forward_ad._current_level >= 0:
+        _refuse_linearize()
     g = _group(axis, mesh)
     return _tracked([x], g, mesh, lambda xs: [call(_Pmax, xs[0], g, how)], varies=False)[0]
 
@@ -782,14 +800,22 @@ def axis_index(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
         mesh: the mesh; default the enclosing shard_map's.
 
     Returns:
-        A Python int. (Unlike JAX it is not a traced varying value: a tensor built from it
-        inside a shard_map body is tracked as invariant; ``check_replication=True`` still
-        catches such an output declared replicated.)
+        Inside a ``shard_map`` body (of this mesh): a 0-dim int64 tensor that *varies* over
+        ``axis``, as in JAX, so values built from it are tracked as varying (a replicated
+        operand multiplied by it is ``pcast`` first, and its gradient is reduced once). It
+        indexes and slices like an int. Outside a body: a Python int.
 
     Example:
         >>> i = fs.lax.axis_index("tp")  # doctest: +SKIP
     """
-    return current_mesh(mesh).axis_index(axis)
+    m = current_mesh(mesh)
+    index = m.axis_index(axis)
+    tracker = axis_env.tracker(mesh)
+    if tracker is None:
+        return index
+    out = torch.tensor(index, dtype=torch.int64, device=m.device())
+    tracker.tag(out, frozenset(m.axes_tuple(axis)))
+    return out
 
 
 def axis_size(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from . import _comm, axis_env, consistency
-from .api import _plain, shard
+from .api import shard
 from .array import ShardedArray
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
@@ -90,6 +90,12 @@ class _Tracker(TorchFunctionMode):
             mark = getattr(t, _ATTR, None)
             if mark is not None and mark[0] is self:
                 return mark[1]
+        # A view made where the mode cannot see it (vmap moving its result's batch dim to
+        # out_dims) varies as what it views; views of closed-over constants stay invariant.
+        base = t._base
+        mark = getattr(base, _ATTR, None) if base is not None else None
+        if mark is not None and mark[0] is self:
+            return mark[1]
         return _EMPTY
 
     def tag(self, t, axes: frozenset) -> None:
@@ -131,6 +137,8 @@ class _Tracker(TorchFunctionMode):
     # -- the mode -------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.autograd.grad and not self.paused:
+            return self._grad(func, args, kwargs)
         if self.paused or func in _PASSTHROUGH:
             return func(*args, **kwargs)
         found = []  # vma of every tensor operand
@@ -149,6 +157,17 @@ class _Tracker(TorchFunctionMode):
         if union:
             self.tag(args[0] if _in_place(func, kwargs) else out, union)
         return out
+
+    def _grad(self, func, args, kwargs):
+        """``torch.autograd.grad`` in the body (what an inner ``torch.func.grad``/``vjp`` calls):
+        a cotangent varies over the axes its primal varies over (JAX: same vma type)."""
+        inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
+        grads = func(*args, **kwargs)
+        primals = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        for g, p in zip(grads, primals):
+            if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor):
+                self.tag(g, self.vma(p))
+        return grads
 
     def _align(self, func, args, kwargs, union):
         """pcast every floating operand that is invariant over an axis in ``union``."""
@@ -286,7 +305,7 @@ def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
 # -- the output boundary --------------------------------------------------------------------
 
 
-def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: bool):
+def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: bool, vma: bool):
     if isinstance(out_specs, list):
         out_specs = tuple(out_specs)
     specs, subtrees, treedef = _spec_leaves(out_specs, out, "out_specs")
@@ -318,6 +337,9 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
             _check_replicated(w, local, spec, mesh)
     shapes = _global_shapes(flat, mesh, out_shapes, out, treedef)
     results = []
+    if vma:
+        for w, local, spec in flat:
+            _check_invariant(w, spec, mesh, tracker.vma(local))
     for (_w, local, spec), shape in zip(flat, shapes):
         local = _cast_out(local, spec, mesh, tracker.vma(local))
         layout = Layout(mesh, spec, shape, local.dtype)
@@ -329,6 +351,23 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
     return treedef.unflatten(new)
 
 
+def _check_invariant(where: str, spec: P, mesh: Mesh, vma: frozenset) -> None:
+    """JAX's static out_specs check (``check_vma``): an output declared replicated over an axis
+    must be invariant over it. Uses the tracked varying axes only: no communication."""
+    bad = [a for a in mesh.axis_names if a in vma and a not in spec.axes]
+    if bad:
+        axes = bad[0] if len(bad) == 1 else tuple(bad)
+        raise ValueError(
+            f"shard_map: {where} is declared replicated over mesh axis {axes!r} by its out_spec "
+            f"{spec}, but it varies over {axes!r} (it was computed from values sharded or "
+            f"partial over {axes!r} and not reduced). Reduce it in the body (fs.lax.psum / "
+            f"pmean / pmax, or fs.lax.all_gather(..., to='invariant')), or name the axis in its "
+            f"out_spec (P({axes!r}) to concatenate the blocks, P(partial={axes!r}) for "
+            "addends). If the blocks are equal by construction, pass check_vma=False to trust "
+            "the out_spec (check_replication=True then verifies the values)."
+        )
+
+
 def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch.Tensor:
     declared = frozenset(spec.axes)
     add = tuple(a for a in mesh.axis_names if a in declared and a not in vma)
@@ -338,6 +377,13 @@ def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch
     if drop:
         local = apply(Unvary(mesh.group(drop)), local)
     return local
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The physical tensor under any functorch wrappers (for checks that only read values)."""
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        t = _FUNCTORCH.get_unwrapped(t)
+    return t.detach()
 
 
 def _check_replicated(where: str, local: torch.Tensor, spec: P, mesh: Mesh) -> None:
@@ -493,6 +539,7 @@ def shard_map(
     out_specs,
     check_replication: bool = False,
     out_shapes=None,
+    check_vma: bool = True,
 ) -> Callable:
     """Map ``f`` over local blocks: ``f`` sees this rank's local tensors and uses ``fs.lax``.
 
@@ -516,6 +563,11 @@ def shard_map(
             all_gather of the local shapes per call (all outputs in one message), because
             uneven blocks make the global size undecidable from one rank's block; outputs with
             no split dim need no exchange.
+        check_vma: JAX's check: an output whose out_spec leaves an axis replicated must be
+            invariant over it (reduced, or never mixed with values sharded over it), else
+            ``ValueError`` naming the output, the axis and the fix. Free: it reads the tracked
+            varying axes. ``False`` trusts the out_spec (the output is taken as equal over the
+            axis; its cotangent is counted once).
 
     Returns:
         A function of the same positional arguments returning :class:`ShardedArray` outputs
@@ -544,6 +596,8 @@ def shard_map(
         raise ValueError(f"shard_map: mesh {mesh!r} is abstract; use Mesh.create")
     if not isinstance(check_replication, bool):
         raise TypeError(f"shard_map: check_replication must be a bool, got {check_replication!r}")
+    if not isinstance(check_vma, bool):
+        raise TypeError(f"shard_map: check_vma must be a bool, got {check_vma!r}")
 
     @functools.wraps(f)
     def mapped(*args, **kwargs):
@@ -562,6 +616,6 @@ def shard_map(
             tracker.tag(local, axes)
         with axis_env.enter(mesh, tracker), tracker:
             out = f(*local_args)
-        return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication)
+        return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication, check_vma)
 
     return mapped
