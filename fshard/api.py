@@ -21,7 +21,17 @@ import torch.distributed as dist
 from . import _comm, consistency
 from ._function import call
 from .array import ShardedArray
-from .lax import AllGather, AllToAll, LocalSlice, Pcast, Ppermute, Psum, PsumScatter, apply
+from .lax import (
+    AllGather,
+    AllToAll,
+    LocalSlice,
+    Pcast,
+    Ppermute,
+    Psum,
+    PsumScatter,
+    apply,
+    claim_partial_leaf,
+)
 from .mesh import Mesh
 from .planner import Step, chunk_sizes, plan
 from .spec import Layout, P, _layout
@@ -147,11 +157,23 @@ def _program(layout: Layout, spec: P):
     return tuple(_compile_step(s) for s in plan(layout, spec)), layout.with_spec(spec)
 
 
+def claimed_local(x: ShardedArray) -> torch.Tensor:
+    """``x.local`` ready to be consumed: a partial leaf being differentiated goes through
+    :class:`fshard.lax.Claim`, so its gradient holds addends of the dense gradient (DESIGN §4:
+    the cotangent of a partial value is invariant; a partial *parameter's* gradient keeps the
+    parameter's layout, with the full gradient on the first rank of the partial axes and zeros
+    on the others)."""
+    layout = x.layout
+    if not layout.partial:
+        return x.local
+    return claim_partial_leaf(x.local, layout.mesh.group(layout.partial))
+
+
 def _reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
     if x.layout.spec == spec:
         return x
     ops, out = _program(x.layout, spec)
-    local = x.local
+    local = claimed_local(x)
     for op in ops:
         local = op(local) if isinstance(op, (_ZeroOthers, _GatherBlocks)) else apply(op, local)
     return ShardedArray._raw(local, out)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 import optree
 import torch
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 from torch.autograd import forward_ad as _forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -235,6 +236,51 @@ class Unvary:
 
     def batched(self, batch: int):
         return self
+
+
+@dataclass(frozen=True, eq=False)
+class Claim:
+    """Where a *leaf* with a partial layout (e.g. a parameter held as addends) is first used.
+
+    Forward: identity. Backward: the cotangent of a partial value is invariant (the same full
+    cotangent on every rank: each addend contributes to the sum with weight one), and that is
+    what flows upstream of a partial *intermediate*. A leaf's gradient, however, is returned
+    with the leaf's partial layout, whose local values are addends; so here the first rank of
+    the partial axes keeps the cotangent and the others get zeros: the gradient then gathers
+    to the dense gradient and an SGD step on the addends moves the sum once.
+    """
+
+    group: AxisGroup
+
+    def run(self, x):
+        return x.view_as(x)
+
+    def transpose(self):
+        return Scale(1.0 if self.group.index == 0 else 0.0)
+
+    def batched(self, batch: int):
+        return self
+
+
+def _is_grad_leaf(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a leaf being differentiated (by autograd or an enclosing torch.func
+    transform level), looking through vmap wrappers."""
+    while True:
+        if t.grad_fn is not None:
+            return False
+        if t.requires_grad:
+            return True
+        if not is_functorch_wrapped_tensor(t):
+            return False
+        t = get_unwrapped(t)
+
+
+def claim_partial_leaf(local: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """``local`` through :class:`Claim` over ``group`` (the partial axes) if it is a leaf being
+    differentiated; otherwise ``local`` itself (an intermediate's cotangent stays invariant)."""
+    if group.size == 1 or not _is_grad_leaf(local):
+        return local
+    return apply(Claim(group), local)
 
 
 class _Collective(torch.autograd.Function):

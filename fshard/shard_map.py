@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from . import _comm, axis_env, consistency
-from .api import shard
+from .api import claimed_local, shard
 from .array import ShardedArray
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
@@ -267,7 +267,7 @@ def _local_input(x, spec: P | None, mesh: Mesh, where: str):
                 f"shard_map: {where} has layout {x.layout.spec} but in_specs gives {spec}; "
                 f"shard_map never reshards implicitly: call fs.reshard(x, {spec}) first"
             )
-        return x.local
+        return claimed_local(x)
     if isinstance(x, torch.Tensor):
         return shard(x, mesh, spec).local
     return x

@@ -29,7 +29,7 @@ import optree
 import torch
 
 from .. import config
-from ..api import _reshard_one
+from ..api import _reshard_one, claimed_local
 from ..array import ShardedArray
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
@@ -421,7 +421,10 @@ class _Compiled:
         self.comm = tuple(comm)
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
-        self.trivial = all(x.spec is None and x.pcast is None and not x.plain for x in inputs)
+        self.trivial = all(
+            x.spec is None and x.pcast is None and not x.plain and not x.layout.partial
+            for x in inputs
+        )
         self.tensors_only = plan.tensors_only
         flat = tree is None or type(tree) is tuple
         self.run = (flat and _fast_runner(self, tree)) or self.run_general
@@ -440,7 +443,7 @@ class _Compiled:
                     a = ShardedArray._raw(a, inp.layout)
                 if inp.spec is not None:
                     a = _reshard_one(a, inp.spec)
-                loc = a.local
+                loc = claimed_local(a)  # a partial leaf's gradient holds addends (DESIGN §4)
                 if inp.pcast is not None and loc.requires_grad:
                     loc = apply(Pcast(inp.pcast), loc)
                 locs[inp.index] = loc
