@@ -69,6 +69,25 @@ def _check_spec(spec, name="spec") -> P:
     return spec
 
 
+def check_plain_tensor(t: torch.Tensor, where: str) -> None:
+    """Refuse tensors fshard cannot shard as dense local blocks: DTensors and non-strided
+    (sparse, mkldnn) tensors. Plain tensors (and torch.func wrappers of them) pass."""
+    if type(t) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{where}: got a DTensor; fshard works on plain tensors. Convert it with "
+                "fs.interop.from_dtensor(d) (keeps its sharding), or pass d.full_tensor() / "
+                "d.to_local()"
+            )
+    if t.layout is not torch.strided:
+        raise TypeError(
+            f"{where}: got a {t.layout} tensor; fshard shards dense (torch.strided) tensors "
+            "only. Pass t.to_dense()"
+        )
+
+
 class _ZeroOthers:
     """R -> P on ``group``: pcast, then keep the value on the first rank only (backward: psum)."""
 
@@ -260,6 +279,7 @@ def shard(
         raise TypeError(f"shard: t must be a torch.Tensor, got {type(t).__name__}")
     if isinstance(t, ShardedArray):
         raise TypeError("shard: t is already a ShardedArray; use fs.reshard to change its layout")
+    check_plain_tensor(t, "shard: t")
     full = _layout(mesh, P(), tuple(t.shape), t.dtype)
     layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
     if consistency.enabled():
@@ -273,6 +293,8 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
     me = mesh.rank
     if me == src and not isinstance(t, torch.Tensor):
         raise TypeError(f"shard: rank {src} is src and must pass a tensor, got {type(t).__name__}")
+    if isinstance(t, torch.Tensor):
+        check_plain_tensor(t, "shard: t")
     if me == src:
         meta = (tuple(t.shape), t.dtype)
     elif shape is not None and dtype is not None:
@@ -314,6 +336,7 @@ def from_local(
     mesh, spec = _check_mesh(mesh), _check_spec(spec)
     if isinstance(local, ShardedArray) or not isinstance(local, torch.Tensor):
         raise TypeError(f"from_local: local must be a torch.Tensor, got {type(local).__name__}")
+    check_plain_tensor(local, "from_local: local")
     if shape is None:
         if any(spec.dims):
             raise ValueError(
@@ -421,6 +444,13 @@ def full(shape, fill_value, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = 
 
 def _random(draw, shape, mesh, spec, dtype, generator) -> ShardedArray:
     layout = _creation_layout(shape, mesh, spec, dtype)
+    if not (layout.dtype.is_floating_point or layout.dtype.is_complex):
+        raise TypeError(
+            f"{draw.__name__}: dtype must be a floating point or complex dtype (as for "
+            f"torch.{draw.__name__}), got {layout.dtype}; draw floats and convert "
+            f"(fs.{draw.__name__}(...).to(...)), or use torch.randint on full tensors with "
+            "fs.shard"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if consistency.enabled():

@@ -181,6 +181,91 @@ def test_partial_param_gradient_gathers_and_steps_once(world2):
         assert all(all(ok) for ok in per_rank.values()), per_rank
 
 
+# -- 14.7: clear errors for unsupported inputs; bounded caches --------------------------------
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None, "no error"
+
+
+def _small_errors():
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = _mesh2()
+    r = torch.distributed.get_rank()
+    x = fs.shard(torch.arange(4.0), mesh, fs.P("x"))
+    d = DTensor.from_local(torch.ones(4), mesh.device_mesh, [Replicate()])
+    sp = torch.eye(4).to_sparse()
+    ex = fs.ShardedArray(
+        torch.ones(3 if r == 0 else 1), fs.Layout.explicit(mesh, [((0,), (3,)), ((3,), (1,))], (4,))
+    )
+    w = fs.shard(torch.ones(4), mesh, fs.P())
+    cases = {
+        "cuda mesh on a CPU build": lambda: fs.Mesh.create((2,), ("x",), device_type="cuda"),
+        "randn int dtype": lambda: fs.randn((4,), mesh, fs.P(), dtype=torch.int64),
+        "rand int dtype": lambda: fs.rand((4,), mesh, fs.P("x"), dtype=torch.int32),
+        "op on explicit layout": lambda: ex + ex,
+        "shard(DTensor)": lambda: fs.shard(d, mesh, fs.P("x")),
+        "from_local(DTensor)": lambda: fs.from_local(d, mesh, fs.P()),
+        "op(ShardedArray, DTensor)": lambda: x + d,
+        "shard(sparse)": lambda: fs.shard(sp, mesh, fs.P("x")),
+        "from_local(sparse)": lambda: fs.from_local(sp, mesh, fs.P()),
+        "op(ShardedArray, sparse)": lambda: w + sp[0],
+        "jacrev of a ShardedArray function": lambda: torch.func.jacrev(torch.sin)(w),
+        "hessian of a ShardedArray function": lambda: torch.func.hessian(lambda v: v * v)(w),
+    }
+    return {name: _error_of(fn) for name, fn in cases.items()}
+
+
+_SMALL_ERRORS = {
+    "cuda mesh on a CPU build": ("ValueError", "device_type='cpu'"),
+    "randn int dtype": ("TypeError", "floating point"),
+    "rand int dtype": ("TypeError", "floating point"),
+    "op on explicit layout": ("TypeError", "fs.reshard(x, fs.P"),
+    "shard(DTensor)": ("TypeError", "fs.interop.from_dtensor"),
+    "from_local(DTensor)": ("TypeError", "fs.interop.from_dtensor"),
+    "op(ShardedArray, DTensor)": ("TypeError", "fs.interop.from_dtensor"),
+    "shard(sparse)": ("TypeError", "to_dense()"),
+    "from_local(sparse)": ("TypeError", "to_dense()"),
+    "op(ShardedArray, sparse)": ("TypeError", "to_dense()"),
+    "jacrev of a ShardedArray function": ("TypeError", "fs.gather(f(fs.shard(t"),
+    "hessian of a ShardedArray function": ("TypeError", "fs.gather(f(fs.shard(t"),
+}
+
+
+def test_small_errors_are_clear(world2):
+    """Issue 14.7: each unsupported input raises the documented error type with the fix."""
+    for got in world2.run(_small_errors):
+        for name, (kind, words) in _SMALL_ERRORS.items():
+            assert got[name][0] == kind and words in got[name][1], (name, got[name])
+
+
+def test_caches_keyed_by_shape_are_bounded():
+    from fshard import api, planner, spec
+    from fshard.ops import registry
+
+    for cached in (api._program, planner._plan):
+        assert cached.cache_info().maxsize is not None, cached
+    assert all(
+        f.cache_info().maxsize is not None for f in vars(spec).values() if hasattr(f, "cache_info")
+    )
+    mesh = fs.Mesh.abstract((2,), ("x",))
+    saved = registry.CACHE_MAX
+    registry.CACHE_MAX = 8
+    try:
+        for n in range(1, 40):  # op plans keyed by shape: one new entry per shape
+            lay = fs.Layout(mesh, fs.P(), (n,))
+            registry._remember(registry._CACHE, ("probe", lay), n)
+            assert len(registry._CACHE) <= 8
+    finally:
+        registry.CACHE_MAX = saved
+        registry._CACHE.clear()
+
+
 # (section 1 ends here)
 
 
