@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE.parent), str(_HERE)]  # this checkout's fshard; train_step's model
 from train_step import BATCH, MLP, D  # noqa: E402  (the same model as the step benchmark)
 
 import fshard as fs  # noqa: E402
@@ -57,7 +58,7 @@ def _collective_configs(mesh):
             ).to_local()
 
         def fshard(t=t):
-            fs.lax.psum(t, "x", mesh=mesh)
+            fs.lax.psum(t, "tp", mesh=mesh)
 
         configs[label] = {
             "raw dist.all_reduce": (raw, False),
@@ -76,9 +77,9 @@ def _step_configs(mesh, lr=1e-3):
     tx = fs.optim.sgd(lr)
 
     def local_loss(ps, x, y):
-        xv = fs.lax.pcast(x, "x", mesh=mesh)
+        xv = fs.lax.pcast(x, "tp", mesh=mesh)
         h = F.gelu(F.linear(xv, ps["fc1.weight"].local, ps["fc1.bias"].local))
-        out = fs.lax.psum(F.linear(h, ps["fc2.weight"].local), "x", mesh=mesh)
+        out = fs.lax.psum(F.linear(h, ps["fc2.weight"].local), "tp", mesh=mesh)
         return F.mse_loss(out + ps["fc2.bias"].local, y)
 
     local_grad = torch.func.grad(local_loss)
@@ -121,7 +122,7 @@ def _collectives_per_step(fn, check: bool) -> int:
 
 def bench(reps: int, coll_iters: int, step_iters: int) -> dict:
     """Run on every rank: {section: {config: [ms per rep]}} plus collectives per step."""
-    mesh = fs.Mesh.create((2,), ("x",))
+    mesh = fs.Mesh.create((2,), ("tp",))
     sections = {**_collective_configs(mesh), **_step_configs(mesh)}
     out: dict = {s: {name: [] for name in cfgs} for s, cfgs in sections.items()}
     counts = {

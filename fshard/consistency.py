@@ -182,7 +182,7 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
     Example:
         >>> consistency.check_equal({"step": step}, mesh, what="train state")  # doctest: +SKIP
     """
-    if not enabled():
+    if not enabled() or not dist.is_initialized():
         return
     if isinstance(group, Mesh):
         group = group.group(group.axis_names)
