@@ -399,7 +399,7 @@ def _creation_layout(shape, mesh, spec, dtype) -> Layout:
 
 def _filled(fill, shape, mesh, spec, dtype, value=None) -> ShardedArray:
     layout = _creation_layout(shape, mesh, spec, dtype)
-    _agree(layout, f"{getattr(fill, '__name__', 'full')}({tuple(layout.shape)})", fill=value)
+    _agree(layout, "a creation function (zeros/ones/full/empty)", fill=value)
     local = fill(layout.local_shape(mesh.rank), dtype=layout.dtype, device=mesh.device())
     return ShardedArray._raw(local, layout)
 

@@ -18,22 +18,21 @@ tensor object, stamped with the active body so stale marks are ignored):
   replicated parameter's gradient is reduced exactly once (data parallel) and never when it only
   feeds invariant computation (``lambda w: w * 2`` with ``out_specs=P()``);
 - collectives set their result's axes (``psum`` removes, ``all_gather`` adds, ...);
-- tensors created in the body or closed over are invariant (constants, as in JAX).
+- tensors created in the body or closed over are invariant (constants, as in JAX);
+  ``fs.lax.axis_index`` is a tensor varying over its axis.
   ``torch.func`` transforms applied *inside* the body: their wrappers of tracked tensors inherit
-  the tracked axes, and a ``vmap`` result that comes back without moving a dim is tracked too;
-  other results of inner transforms (notably gradients from an inner ``grad``) are untracked,
-  i.e. treated as invariant. That is right for the gradient of a replicated input (it is
-  already reduced, see the pitfall below) but not for a varying inner result that you then mix
-  with replicated values and differentiate again: put ``vmap``/``grad`` *around* the
-  ``shard_map`` (fully supported) in that case.
+  the tracked axes; a gradient from an inner ``grad``/``vjp`` (``torch.autograd.grad`` in the
+  body) varies over the axes of its primal (JAX: a cotangent has its primal's type); a ``vmap``
+  result varies as the physical tensor it views (``out_dims`` moves a dim by a view).
 
 At the output boundary, an output declared varying over an axis (sharded or partial in its
 out_spec) but tracked invariant is ``pcast`` (its blocks are copies, so its gradient sums
-them); an output declared replicated over an axis but tracked varying (e.g. the default
-``all_gather(to="varying")`` returned as ``P()``) gets a cast whose forward is the identity and
-whose backward scales the cotangent by ``1/n``: the cotangent of an invariant output arrives
-identical on every rank and the varying computation behind it would otherwise add the ``n``
-copies up.
+them). An output declared replicated over an axis but tracked varying is an error by default
+(``check_vma=True``, JAX's static check: a ``ValueError`` naming the fix, no communication);
+with ``check_vma=False`` it gets a cast whose forward is the identity and whose backward
+scales the cotangent by ``1/n`` (e.g. the default ``all_gather(to="varying")`` returned as
+``P()``: the cotangent of an invariant output arrives identical on every rank and the varying
+computation behind it would otherwise add the ``n`` copies up).
 """
 
 from __future__ import annotations
