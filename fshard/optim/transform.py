@@ -310,7 +310,11 @@ def _adam_direction(b1, b2, eps, eps_root, nesterov, count, fresh: bool):
         c = sc(g.dtype)
         mu = torch.lerp(mu, g, 1 - b1)
         if fresh:
-            nu = (g * g).lerp_(nu, b2)
+            # torch.optim's order (lerp_ towards nu with weight b2 ~ 1 would lose digits)
+            if isinstance(b2, torch.Tensor):
+                nu = torch.lerp(nu, g * g, 1 - b2)
+            else:
+                nu = torch.mul(nu, b2).addcmul_(g, g, value=1 - b2)
             num = (mu * c["s_m"]).addcmul_(g, c["s_g"]) if nesterov else mu
         else:
             nu = torch.lerp(nu, g * g, 1 - b2)
