@@ -168,26 +168,10 @@ def hf_rank_fn(configs):
     return out
 
 
-# configuration -> the op rule it still lacks (strict: the test flips when the op lands)
-_TO = (
-    "Tensor.to(device) of a ShardedArray (GPT2Model.forward: position_embeds.to("
-    "inputs_embeds.device)) raises 'Cannot copy out of meta tensor' in the op rule"
-)
-_GQA = "F.scaled_dot_product_attention(..., enable_gqa=True) (HF sdpa for GQA) has no rule"
-_DROPOUT = (
-    "F.dropout(p=0.0, training=True) under vmap: the rule's meta call raises vmap's "
-    "randomness='error' although the dense model runs"
-)
-MISSING = {
-    **{("gpt2", attn, job): _TO for attn in ("sdpa", "eager") for job in ("dp", "tp", "vmap-tp")},
-    **{("llama", "sdpa", job): _GQA for job in ("dp", "tp", "vmap-tp")},
-    ("llama", "eager", "vmap-tp-train"): _DROPOUT,
-    ("llama", "eager", "tp-pending"): (
-        "SILENT WRONG GRADIENT: torch.matmul(q, k.transpose) with both operands partial over "
-        "'tp' and one interned Layout object: ops/linalg.contract keeps *both* pending "
-        "(`x is kept` compares Layout identity), so the cross terms are lost"
-    ),
-}
+# configuration -> the op rule it still lacks (strict: the test flips when the op lands).
+# Empty since the ops branch landed Tensor.to(device), sdpa enable_gqa, vmap-safe dropout
+# planning and the contraction fix for two pending operands with one interned layout.
+MISSING: dict = {}
 
 
 @pytest.fixture(scope="module")

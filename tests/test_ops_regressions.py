@@ -245,6 +245,11 @@ def matmul_choice_cases():
         assert y.spec == want_spec, (b, d, f, y.spec)
         torch.testing.assert_close(fs.gather(y), xd @ wd, atol=1e-5, rtol=1e-4)
         out.append(y.spec)
+    # two pending operands with one (interned) layout: only one may stay pending
+    a, b = randn(4, 6), randn(4, 6, seed=2)
+    for f in (lambda x, y: x @ y.T, lambda x, y: torch.matmul(x, y.transpose(0, 1))):
+        check(mesh, f, [a, b], [P(partial="tp"), P(partial="tp")], label="both pending")
+        check(mesh, lambda x, f=f: f(x, x), [a], [P(partial="tp")], label="x @ x.T pending")
     return out
 
 

@@ -38,7 +38,8 @@ def contract(operands: list[Layout], letters, out_letters):
     moves fewer bytes wins, counting the all_reduce a pending output needs later; ties keep
     the pending sum.
     """
-    kept = next((x for x in operands if x.partial), None)
+    # by position: equal layouts are one interned object, so identity cannot tell operands apart
+    kept = next((i for i, x in enumerate(operands) if x.partial), None)
     best = _assign(operands, letters, out_letters, kept)
     if kept is None:
         return best
@@ -49,7 +50,8 @@ def contract(operands: list[Layout], letters, out_letters):
 
 
 def _assign(operands, letters, out_letters, kept):
-    reserved = set(kept.partial) if kept is not None else set()
+    """Axes per letter, keeping the pending sum of ``operands[kept]`` (``None``: reduce all)."""
+    reserved = set(operands[kept].partial) if kept is not None else set()
     # A letter repeated within one operand (einsum "ii->i": a diagonal) pairs two dims of the
     # same tensor: it stays unsplit, since one mesh axis cannot split two dims of a tensor.
     repeated = {c for ls in letters for c in ls if c is not None and ls.count(c) > 1}
@@ -65,9 +67,9 @@ def _assign(operands, letters, out_letters, kept):
             assign[letter] = axes
             used |= set(axes)
     specs = []
-    for x, ls in zip(operands, letters):
+    for i, ls in enumerate(letters):
         dims = [assign.get(letter, ()) if letter is not None else () for letter in ls]
-        specs.append(spec(dims, kept.partial if x is kept else ()))
+        specs.append(spec(dims, operands[i].partial if i == kept else ()))
     out_dims = [assign.get(letter, ()) for letter in out_letters]
     summed = [a for letter, axes in assign.items() if letter not in out_letters for a in axes]
     mesh = operands[0].mesh
