@@ -89,7 +89,7 @@ def _content_hash(t: torch.Tensor) -> str:
         while torch._C._functorch.is_functorch_wrapped_tensor(t):
             t = torch._C._functorch.get_unwrapped(t)
         t = t.detach().cpu().contiguous()
-        raw = t.view(torch.uint8) if t.numel() and t.element_size() else t
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() and t.element_size() else t
         return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
 
 

@@ -1,16 +1,19 @@
 """Conformance over torch's own OpInfo database: every op fshard claims a rule for.
 
-For each OpInfo entry whose function, method or operator variant has a fshard rule, the first
-float32 samples (deterministic: seeded, in OpInfo order; samples with a tensor over
-``MAX_NUMEL`` elements are skipped) run on 2 ranks twice: every tensor input replicated, and
+For each OpInfo entry whose function or method variant has a fshard rule, up to
+``SAMPLES_PER_OP`` float32 samples (deterministic: seeded; those with the most dims first, in
+OpInfo order; samples with a tensor over ``MAX_NUMEL`` elements are skipped) run on 2 ranks
+twice, in one ``world2.run`` call: every tensor input replicated, and
 every tensor input split on dim 0 (uneven where the size is odd). Each run must either equal
 dense torch (value, dtype, shape, and the gradient of every float input through
 ``torch.func.grad``, with the input's layout) or raise a clear fshard error
 (NotImplementedError/TypeError/ValueError raised in fshard's code). A wrong number, a wrong
 layout or any other error fails the test.
 
-Coverage (torch 2.13): 171 OpInfo entries claimed, 562 samples, 1124 runs; the test prints the
-outcome counts (``pytest -s``).
+Coverage (torch 2.13): 224 OpInfo entries claimed, 778 samples, 1556 runs: 1528 equal to
+dense (value and gradient), 28 clear fshard errors (e.g. a reshape whose uneven blocks would
+have to move, cross_entropy on non-(N, C) logits, 'nuc' norms over a split dim,
+repeat_interleave with tensor repeats), 0 wrong. The test prints the counts (``pytest -s``).
 """
 
 import sys
