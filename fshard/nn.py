@@ -248,3 +248,6 @@ def megatron_plan(
     for m in vocab:
         plan[f"{m}.weight"] = P(axis, None)
     return plan
+
+
+from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: E402, F401
