@@ -16,14 +16,14 @@ from fshard import lax
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt as demo  # noqa: E402
 
-D, H, O, B = 8, 16, 4, 6
+D, H, OUT, B = 8, 16, 4, 6
 
 
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(D, H)
-        self.fc2 = nn.Linear(H, O)
+        self.fc2 = nn.Linear(H, OUT)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
@@ -31,7 +31,11 @@ class MLP(nn.Module):
 
 def _data():
     torch.manual_seed(0)
-    return MLP().double(), torch.randn(B * 2, D, dtype=torch.float64), torch.randn(B * 2, O).double()
+    return (
+        MLP().double(),
+        torch.randn(B * 2, D, dtype=torch.float64),
+        torch.randn(B * 2, OUT).double(),
+    )
 
 
 def _dense_grads(model, x, y, wd):
@@ -85,7 +89,7 @@ def dp_local_rank_fn():
         return fs.lax.psum(local, "dp", mesh=mesh) + wd * (p["fc1.weight"] ** 2).sum()
 
     old = lax.PSUM_BUCKET_BYTES
-    lax.PSUM_BUCKET_BYTES = 8 * (H * O + O)  # fc2's two grads (float64) fill one bucket
+    lax.PSUM_BUCKET_BYTES = 8 * (H * OUT + OUT)  # fc2's two grads (float64) fill one bucket
     try:
         with fs.debug.comm_log() as log_:
             log.append(log_)
@@ -119,7 +123,7 @@ def test_dp_local_view_bucketed_overlapped(world2):
         # bias and weight in a bucket each (reverse forward order, 8-byte float64)
         assert records == [
             ("all_reduce", 8),
-            ("all_reduce", 8 * (O + H * O)),
+            ("all_reduce", 8 * (OUT + H * OUT)),
             ("all_reduce", 8 * H),
             ("all_reduce", 8 * H * D),
         ]

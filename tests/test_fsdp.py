@@ -14,7 +14,7 @@ import fshard as fs
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt as demo  # noqa: E402
 
-D, H, O, B, STEPS = 8, 16, 6, 4, 3
+D, H, OUT, B, STEPS = 8, 16, 6, 4, 3
 
 
 class Net(nn.Module):
@@ -22,7 +22,7 @@ class Net(nn.Module):
         super().__init__()
         self.inp = nn.Linear(D, H)
         self.layers = nn.ModuleList([nn.Linear(H, H) for _ in range(2)])
-        self.out = nn.Linear(H, O)
+        self.out = nn.Linear(H, OUT)
         self.gain = nn.Parameter(torch.full((3,), 0.5))  # 3 does not split over dp=2
 
     def forward(self, x):
@@ -35,7 +35,9 @@ class Net(nn.Module):
 def _setup():
     torch.manual_seed(0)
     model = Net().double()
-    data = [(torch.randn(2 * B, D).double(), torch.randn(2 * B, O).double()) for _ in range(STEPS)]
+    data = [
+        (torch.randn(2 * B, D).double(), torch.randn(2 * B, OUT).double()) for _ in range(STEPS)
+    ]
     return model, data
 
 
@@ -50,10 +52,10 @@ def dense_run():
     losses = []
     for x, y in data:
 
-        def loss(ps):
+        def loss(ps, x, y):
             return F.mse_loss(torch.func.functional_call(model, ps, (x,)), y)
 
-        g, v = torch.func.grad_and_value(loss)(params)
+        g, v = torch.func.grad_and_value(loss)(params, x, y)
         upd, state = tx.update(g, state, params)
         params = fs.optim.apply_updates(params, upd)
         losses.append(float(v))
