@@ -84,6 +84,26 @@ def _scalar_loss(out, has_aux: bool):
     return loss, aux
 
 
+#: Bucket buffers kept between calls, per (numel, dtype, device), as DDP keeps its buckets: on
+#: CPU a fresh 16 MiB buffer is fresh pages every step (page faults cost more than the copy).
+#: A buffer is reused only once nothing else references its storage (the gradients returned
+#: from it, which are views, are gone), so results are never overwritten.
+_POOL: dict[tuple, list[torch.Tensor]] = {}
+_POOL_DEPTH = 2
+
+
+def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    free = _POOL.setdefault((numel, like.dtype, like.device), [])
+    for buf in free:
+        # 2: the pool's tensor and the temporary storage object of this call
+        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
+            return buf.view(numel)  # a new tensor: it holds the storage while in use
+    buf = like.new_empty(numel)
+    if len(free) < _POOL_DEPTH:
+        free.append(buf)
+    return buf.view(numel)
+
+
 class _Bucket:
     __slots__ = ("group", "entries", "sizes", "flat", "pending", "work")
 
@@ -142,7 +162,7 @@ class _Reducer:
             self._plan()
         b, off = self.slot[k]
         if b.flat is None:
-            b.flat = g.new_empty(sum(b.sizes))
+            b.flat = _buffer(sum(b.sizes), g)
         b.flat[off : off + g.numel()].view_as(g).copy_(g)
         self.arrived.add(k)
         b.pending -= 1
@@ -158,7 +178,7 @@ class _Reducer:
                 if not flush:
                     return
                 if b.flat is None:
-                    b.flat = self.entries[b.entries[0]][2].new_zeros(sum(b.sizes))
+                    b.flat = _buffer(sum(b.sizes), self.entries[b.entries[0]][2]).zero_()
                 else:  # cotangents that never arrived (the pcast did not reach the loss)
                     for k, size in zip(b.entries, b.sizes):
                         if k not in self.arrived:

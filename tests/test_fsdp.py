@@ -70,7 +70,13 @@ def fsdp_rank_fn(traced):
     params = fs.nn.shard_params(model, mesh, plan)
     tx = fs.optim.adamw(**TX)
     state = tx.init(params)
-    assert state.mu["inp.weight"].layout == params["inp.weight"].layout  # sharded state
+    moments = [  # AdamW's mu and nu of inp.weight: sharded like it
+        t
+        for t in fs.tree_leaves(state, is_leaf=lambda t: isinstance(t, fs.ShardedArray))
+        if isinstance(t, fs.ShardedArray) and t.shape == (H, D)
+    ]
+    assert len(moments) == 2
+    assert all(t.layout == params["inp.weight"].layout for t in moments)
 
     def loss(ps, x, y):
         out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)
