@@ -178,10 +178,10 @@ def _build(name, dim, layers, warmup):
     torch.set_num_threads(1)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _STEP["fn"] = CONFIGS[name](dim, layers)
-    counts: dict = {}
-    with _count_bytes(counts):
+    for _ in range(warmup):
         _STEP["fn"]()
-    for _ in range(warmup - 1):
+    counts: dict = {}
+    with _count_bytes(counts):  # one steady-state step
         _STEP["fn"]()
     _STEP["rss0"] = rss0
     return counts

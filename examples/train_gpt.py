@@ -29,6 +29,12 @@ Two ways to write the sharded forward (``--view``):
   gradient over ``dp`` (one all_reduce per param, not bucketed), so the step needs no explicit
   gradient reduction. Slower, and nothing to write by hand.
 
+``--fsdp N`` (local view, dp=N): FSDP (ZeRO-3) by layouts. ``fs.nn.fsdp_plan`` adds ``'dp'`` to
+dim 0 of every param of the Megatron plan (params and AdamW moments sharded over dp x tp), and
+:func:`fsdp_loss` gathers each block's weights over dp just before use (``fs.nn.fsdp_gather``:
+to a varying value, so the gradient is a reduce_scatter; the next block prefetched, re-gathered
+in the backward instead of kept), differentiated with ``fs.value_and_grad``.
+
 ``GPT.forward`` on plain tensors is the dense reference: the test checks that both views train
 exactly like it.
 """
@@ -176,7 +182,8 @@ def tp_loss(
         def get(unit):
             return whole
 
-    p = dict(get(""))
+    root = get("")
+    p = dict(root)
     tp = mesh.size("tp")
     heads, hd = cfg.n_heads // tp, cfg.d_model // cfg.n_heads
     x_tok, y = tokens[:, :-1], tokens[:, 1:]
@@ -198,7 +205,7 @@ def tp_loss(
     x = F.embedding(x_tok, p["tok.weight"]) + p["pos.weight"][:t]
     for i in range(cfg.n_layers):
         pre = f"blocks.{i}."
-        p.update(get(pre[:-1]))
+        p = {**root, **get(pre[:-1])}  # the previous block's weights can be freed
         qkv = column(ln(x, pre + "ln1"), pre + "attn.qkv").view(b, t, heads, 3, hd)
         x = x + row(_attend(qkv).reshape(b, t, heads * hd), pre + "attn.proj")
         h = F.gelu(column(ln(x, pre + "ln2"), pre + "mlp.fc1"))
