@@ -34,6 +34,7 @@ a body nothing is tracked and the ops run as written.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
