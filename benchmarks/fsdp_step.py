@@ -17,7 +17,8 @@ Each configuration runs in its own pair of fresh rank processes, so ``ru_maxrss`
 high-water mark) is that configuration's alone; the table shows it and its growth over the RSS
 after building the model's inputs (imports and the process's baseline excluded). Collective
 bytes per step and rank are counted by wrapping the ``torch.distributed`` collectives every
-configuration calls (input bytes, as ``fs.debug.comm_log``). Reps are interleaved across the
+configuration calls (input bytes, as ``fs.debug.comm_log``); DDP's C++ reducer bypasses them, so
+its row gives the bytes of its gradient all_reduce (every fp32 gradient once). Reps are interleaved across the
 configurations in a shuffled order; a rep's time is the slowest rank's mean step time.
 """
 
@@ -43,6 +44,7 @@ _COUNTED = (
     "all_gather_into_tensor",
     "all_gather_single",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all_single",
     "all_reduce",
     "broadcast",
@@ -243,6 +245,8 @@ def main(argv=None):
     for k, reps in times.items():
         ratios = [s / b for s, b in zip(reps, times[base])]
         comm = ", ".join(f"{op} {b / 2**20:.1f}" for op, b in sorted(counts[k].items()) if b)
+        if k.startswith("DDP"):  # its C++ reducer calls the process group directly
+            comm = f"all_reduce {nparams * 4 / 2**20:.1f} (C++ reducer: every fp32 grad)"
         t.add_row(
             k,
             f"{statistics.median(reps) * 1e3:.1f}",
