@@ -23,9 +23,10 @@ How values are stored (decisions):
 - **Plain tensors** are saved once, from rank 0's copy (DCP deduplicates equal writes; every
   rank must hold the same value). ``None`` is an empty subtree (nothing is saved).
 - **Python values** (every other leaf) are written by rank 0 as JSON into ``fshard.json``, never
-  pickled. Allowed: ``None``, ``bool``, ``int``, ``float``, ``str``, ``torch.Size``,
-  ``torch.dtype`` and lists, tuples and dicts of those (exact types; anything else is refused
-  at save time with the key named, e.g. a numpy float: convert it with ``float()``).
+  pickled. Allowed leaves: ``bool``, ``int``, ``float`` (nan and inf too), ``str``,
+  ``torch.Size``, ``torch.dtype`` (exact types; lists, tuples and dicts are pytree nodes, so
+  their leaves are stored one by one, and ``None`` is an empty subtree). Anything else is
+  refused at save time with the key named (e.g. a numpy float: convert it with ``float()``).
 
 Safety: ``load`` never executes code from the checkpoint directory.
 
@@ -79,6 +80,7 @@ replicated value is read by every rank).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -88,6 +90,7 @@ import pickle
 import shutil
 import socket
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -137,6 +140,14 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if _is_dist() else 1
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process even when told so (``no_dist=True``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _barrier() -> None:
@@ -214,24 +225,16 @@ def _to_saveable(key: str, leaf: Any, me: int) -> Any:
 
 # -- Python values: JSON with an allow-list -----------------------------------------------------
 
-_ALLOWED = (
-    "None, bool, int, float, str, torch.Size, torch.dtype, and lists, tuples and dicts of those"
-)
+_ALLOWED = "bool, int, float, str, torch.Size, torch.dtype (lists, tuples, dicts: of those)"
 
 
 def _encode(value: Any) -> Any:
-    """``value`` as JSON: scalars as themselves, lists as arrays, the rest as a one-key tag."""
+    """A Python leaf as JSON: scalars as themselves, the rest as a one-key tag."""
     kind = type(value)
-    if value is None or kind in (bool, int, str):
+    if kind in (bool, int, str):
         return value
     if kind is float:
         return value if math.isfinite(value) else {"float": repr(value)}
-    if kind is list:
-        return [_encode(v) for v in value]
-    if kind is tuple:
-        return {"tuple": [_encode(v) for v in value]}
-    if kind is dict:
-        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
     if kind is torch.Size:
         return {"size": list(value)}
     if kind is torch.dtype:
@@ -241,16 +244,10 @@ def _encode(value: Any) -> Any:
 
 def _decode(obj: Any) -> Any:
     """Inverse of :func:`_encode`; only ever builds the allowed types."""
-    if obj is None or type(obj) in (bool, int, float, str):
+    if type(obj) in (bool, int, float, str):
         return obj
-    if type(obj) is list:
-        return [_decode(v) for v in obj]
     if type(obj) is dict and len(obj) == 1:
         ((tag, body),) = obj.items()
-        if tag == "tuple" and type(body) is list:
-            return tuple(_decode(v) for v in body)
-        if tag == "dict" and type(body) is list:
-            return {_decode(k): _decode(v) for k, v in body}
         if tag == "size" and type(body) is list and all(type(n) is int for n in body):
             return torch.Size(body)
         if tag == "dtype" and isinstance(getattr(torch, str(body), None), torch.dtype):
@@ -371,6 +368,21 @@ def _dcp_failure(e: BaseException) -> str:
     return "; ".join(
         f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(failures.items())
     )
+
+
+def _disk_hint(directory: str) -> str:
+    """Name a full disk (torch.save's writer reports ENOSPC as "unexpected pos")."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if free < max(1 << 20, total // 1000):
+        return (
+            f" (the file system holding {directory!r} has {free} of {total} bytes free: the "
+            "disk is likely full)"
+        )
+    return ""
 
 
 class _Busy(Exception):
@@ -530,7 +542,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
             raise CheckpointError(error)
         _hook("start")
         try:
-            with _quiet():
+            with _quiet(), _single_process_quiet():
                 dcp.save(
                     state,
                     storage_writer=FileSystemWriter(tmp),
@@ -539,7 +551,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
                 )
         except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
             raise CheckpointError(
-                f"checkpoint save to {path!r} failed: {_dcp_failure(e)}"
+                f"checkpoint save to {path!r} failed: {_dcp_failure(e)}{_disk_hint(tmp)}"
             ) from None
         _hook("written")
         _barrier()  # every rank's data is on disk
@@ -833,7 +845,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         finishers.append((key, finish))
     if state:
         try:
-            with _quiet():
+            with _quiet(), _single_process_quiet():
                 dcp.load(state, storage_reader=_reader(path, md), no_dist=not _is_dist())
         except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
             raise CheckpointError(

@@ -293,7 +293,8 @@ def test_real_full_disk_on_a_tiny_tmpfs(world2, tmp_path):
         _pytest.skip("cannot mount a tmpfs here (the ENOSPC test above still runs)")
     try:
         error = _one_error(world2.run(save_to_tiny_tmpfs, str(mnt / "ck")))
-        assert "No space left on device" in error, error
+        # torch.save's writer turns ENOSPC into "unexpected pos"; fshard names the cause
+        assert "the disk is likely full" in error, error
         assert _os.listdir(mnt) == []  # the failed save left nothing behind
     finally:
         _subprocess.run(["umount", str(mnt)], check=True)
@@ -368,6 +369,7 @@ def test_test_extra_declares_what_the_tests_import():
         for r in [*project["dependencies"], *project["optional-dependencies"]["test"]]
     }
     dists = md.packages_distributions()
+    local = {"tests", "fshard"} | {f.stem for f in root.glob("*/*.py")}  # e.g. examples/
     missing = set()
     for f in (root / "tests").glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
@@ -378,7 +380,7 @@ def test_test_extra_declares_what_the_tests_import():
                 names = [node.module]
             for name in names:
                 top = name.split(".")[0]
-                if top in _sys.stdlib_module_names or top in ("tests", "fshard"):
+                if top in _sys.stdlib_module_names or top in local:
                     continue
                 if not {d.lower() for d in dists.get(top, [top])} & declared:
                     missing.add(f"{top} (imported by tests/{f.name})")
