@@ -439,7 +439,6 @@ def _prepare(path: str) -> str:
             )
     _recover(path)
     head, name = os.path.split(path)
-    os.makedirs(head, exist_ok=True)
     stale = f".{name}.fshard-tmp-"
     for entry in os.listdir(head):
         if entry.startswith(stale):
@@ -526,6 +525,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     try:
         if me == 0:
             try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
                 lock = _lock(path)
                 tmp = _prepare(path)
             except _Busy as e:

@@ -341,8 +341,9 @@ def test_python_values_round_trip_exactly(tmp_path):
         "dct": {1: "one", (2, 3): [_torch.Size([2, 3])]},
         "dtype": _torch.bfloat16,
     }
-    _fs.checkpoint.save(str(tmp_path / "ck"), {"v": values})
-    back = _fs.checkpoint.load(str(tmp_path / "ck"), {"v": values})["v"]
+    path = str(tmp_path / "new" / "dirs" / "ck")  # parents are created
+    _fs.checkpoint.save(path, {"v": values})
+    back = _fs.checkpoint.load(path, {"v": values})["v"]
     nan = back["none_is_a_value"][3]
     assert nan != nan
     back["none_is_a_value"][3] = values["none_is_a_value"][3] = 0.0
