@@ -550,9 +550,8 @@ def save(path: str | os.PathLike, tree: Any) -> None:
                     no_dist=not _is_dist(),
                 )
         except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
-            raise CheckpointError(
-                f"checkpoint save to {path!r} failed: {_dcp_failure(e)}{_disk_hint(tmp)}"
-            ) from None
+            cause = _share(f"{_dcp_failure(e)}{_disk_hint(tmp)}")  # the same text on all ranks
+            raise CheckpointError(f"checkpoint save to {path!r} failed: {cause}") from None
         _hook("written")
         _barrier()  # every rank's data is on disk
         digests, error = {}, None
