@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .consistency import check_collective as _consistent
 from .mesh import AxisGroup
 
 
@@ -73,9 +74,10 @@ def all_gather(
     """Concatenate every chunk's ``t`` along ``dim`` in chunk order (``sizes``: chunk sizes)."""
     if g.size == 1:
         return t
-    record("all_gather", g.axes, nbytes(t))
     x = t.movedim(dim, 0)
     sizes = tuple(sizes) if sizes is not None else (x.shape[0],) * g.size
+    _consistent("all_gather", g, t, dim=dim, chunk_sizes=sizes, other_dims=tuple(x.shape[1:]))
+    record("all_gather", g.axes, nbytes(t))
     m = max(sizes)
     x = _pad_dim0(x, m)
     out = x.new_empty((g.size * m, *x.shape[1:]))
@@ -119,6 +121,7 @@ def all_reduce_start(
     back to back queue on the group's worker, so copying the next bucket overlaps the wire."""
     if g.size == 1:
         return t, None
+    _consistent("all_reduce", g, t, reduce=op, shape=tuple(t.shape))
     record("all_reduce", g.axes, nbytes(t))
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     return out, dist.all_reduce(out, _REDUCE_OPS[op], group=g.pg, async_op=True)
@@ -159,6 +162,7 @@ def reduce_scatter(
     """Sum over the group, keeping chunk ``g.index`` of ``dim`` (all_to_all + local sum)."""
     if g.size == 1:
         return t
+    _consistent("reduce_scatter", g, t, dim=dim, shape=tuple(t.shape), chunk_sizes=sizes)
     record("reduce_scatter", g.axes, nbytes(t))
     x = t.movedim(dim, 0)
     sizes = tuple(sizes) if sizes is not None else _even_sizes(x.shape[0], g.size)
@@ -185,6 +189,16 @@ def all_to_all(
     """
     if g.size == 1:
         return t
+    _consistent(
+        "all_to_all",
+        g,
+        t,
+        split_dim=split_dim,
+        concat_dim=concat_dim,
+        split_sizes=split_sizes,
+        concat_sizes=concat_sizes,
+        shape=tuple(-1 if d == concat_dim else s for d, s in enumerate(t.shape)),
+    )
     record("all_to_all", g.axes, nbytes(t))
     n = g.size
     split_sizes = (
@@ -229,6 +243,7 @@ def ppermute(
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[src], group=g.pg))
             moved = True
     if g.size > 1:
+        _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
     if moved:
         for w in dist.batch_isend_irecv(ops):
@@ -251,6 +266,7 @@ def scatter_from(
     if g.size == 1:
         return full[blocks[0]].clone()
     numel = max(max(_static_numel(b) for b in blocks), 1)
+    _consistent("scatter", g, like, src=src, blocks=_boxes(blocks))
     recv = like.new_empty(numel)
     if g.index == src:
         record("scatter", g.axes, nbytes(full))
@@ -275,6 +291,10 @@ def _static_numel(block: tuple[slice, ...]) -> int:
     return _prod(s.stop - s.start for s in block)
 
 
+def _boxes(blocks: Sequence[tuple[slice, ...]]) -> tuple:
+    return tuple(tuple((s.start, s.stop) for s in b) for b in blocks)
+
+
 def _pad_flat(t: torch.Tensor, numel: int) -> torch.Tensor:
     flat = t.reshape(-1)
     if flat.numel() == numel:
@@ -292,6 +312,7 @@ def gather_to(
         out = t.new_empty(tuple(shape))
         out[blocks[0]] = t
         return out
+    _consistent("gather", g, t, dst=dst, blocks=_boxes(blocks), shape=tuple(shape))
     record("gather", g.axes, nbytes(t))
     numel = max(max(_static_numel(b) for b in blocks), 1)
     send = _pad_flat(t, numel)

@@ -98,6 +98,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from . import consistency
 from .array import ShardedArray, _rebuild_sharded
 from .interop import _distinct_boxes, _quiet, _sharded_tensor
 from .mesh import _restore as _rebuild_mesh
@@ -520,6 +521,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     error = _agree(error)
     if error:
         raise CheckpointError(error)
+    consistency.check_equal({k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}, what="checkpoint save: keys and Python values")  # fmt: skip
     state = {k: _to_saveable(k, leaf, me) for k, leaf in zip(keys, leaves) if k not in values}
     lock, tmp = None, None
     try:
