@@ -260,6 +260,7 @@ def test_workers_die_with_the_driver(sig, start):
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,  # signals meant for the driver's group never reach pytest
     )
     try:
         workers = [int(p) for p in driver.stdout.readline().split()]
@@ -296,7 +297,14 @@ def test_readme_multinode_torchrun_command(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(PYTHONPATH=str(root), GLOO_SOCKET_IFNAME="lo")
     nodes = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # torchrun's agents signal their process groups
+        )
         for _ in range(2)
     ]
     try:
