@@ -10,6 +10,7 @@ missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op 
 
 import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +210,36 @@ def outcomes(world2):
 def test_hf_matches_dense(outcomes, config):
     error = outcomes[config]
     assert error is None, f"{config} failed on a rank:\n{error}"
+
+
+def readme_code() -> str:
+    """The code block of the README's "Train a Hugging Face model" section."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## Train a Hugging Face model", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def readme_rank_fn(code):
+    warnings.filterwarnings("ignore", module="transformers")
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(ns["cfg"])  # the same weights, dense loop
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx, state = ns["tx"], ns["tx"].init(dense)
+
+    def dense_loss(ps, ids):
+        logits = torch.func.functional_call(model, ps, (ids,), {"use_cache": False}).logits
+        return lm_loss(logits, ids)
+
+    for _ in range(3):
+        grads = torch.func.grad(dense_loss)(dense, ns["ids"])
+        updates, state = tx.update(grads, state, dense)
+        dense = fs.optim.apply_updates(dense, updates)
+    for k, v in ns["model"].named_parameters():
+        _close(v.detach(), dense[k], f"README-trained {k}")
+    return True
+
+
+def test_readme_hf_section_trains_like_dense(world2):
+    assert world2.run(readme_rank_fn, readme_code()) == [True, True]
