@@ -71,6 +71,18 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL + RTOL * scale, msg=what)
 
 
+def _check_llama_tp_comm(log, layers):
+    """Megatron's communication, nothing else (no weight is ever gathered): activation-sized
+    all-reduces, forward one after the vocab-parallel embedding and one per row-parallel layer
+    (o, down), backward one per column-parallel input (q, k, v, gate, up: each pcasts its input)
+    and one for the vocab-parallel head's input; plus the vocab-parallel cross entropy's
+    per-row max, sum of exponentials and target logit (3 floats per row)."""
+    act, rows = BATCH * SEQ * 64 * 4, BATCH * (SEQ - 1) * 4
+    assert all(r.op == "all_reduce" for r in log), log
+    assert sum(r.nbytes == act for r in log) == (1 + 2 * layers) + (1 + 5 * layers), log
+    assert sum(r.nbytes for r in log if r.nbytes != act) <= 3 * rows, log
+
+
 def _train(model, kind, mode, ids):
     pending = mode == "tp-pending"  # row-parallel outputs left as pending sums (no Output)
     mode = "tp" if pending else mode
@@ -96,7 +108,10 @@ def _train(model, kind, mode, ids):
     dense = {k: v.detach().clone() for k, v in model.named_parameters()}
     state, dstate = tx.init(params), tx.init(dense)
     for step in range(STEPS):
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, x)
+        with fs.debug.comm_log() as log:
+            grads, loss = torch.func.grad_and_value(loss_fn)(params, x)
+        if kind == "llama" and mode == "tp" and not pending:
+            _check_llama_tp_comm(log, model.config.num_hidden_layers)
         dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense, ids)
         _close(loss, dloss, f"loss, step {step}")
         assert set(grads) == set(dgrads)
