@@ -3,8 +3,8 @@ TP=2 exactly like the dense loop: ``fs.nn.shard_params`` + ``fs.nn.functional_ca
 ``torch.func.grad_and_value``, 3 ``fs.optim.adamw`` steps; loss and every gathered gradient
 against dense torch each step, layouts kept; ``vmap(grad)`` per-example gradients under TP.
 
-All configurations run in one ``world2.run`` call (models built once per rank); each test
-then checks its own configuration's outcome. A configuration that fails because an op rule is
+Each configuration is one ``world2.run`` call (its own test timeout); the models are built once
+per rank process and reset to their initial weights after each configuration. A configuration that fails because an op rule is
 missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op lands.
 """
 
@@ -160,11 +160,14 @@ CONFIGS = [
 ] + [("llama", "eager", "tp-pending"), ("llama", "eager", "vmap-tp-train")]
 
 
+_MODELS: dict = {}  # (kind, attn) -> model, built once per rank process
+
+
 def hf_rank_fn(configs):
     """Every configuration on this rank; ``{config: None | error text}``."""
     warnings.filterwarnings("ignore", module="transformers")
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    models, out = {}, {}
+    models, out = _MODELS, {}
     for kind, attn, job in configs:
         if (kind, attn) not in models:
             models[kind, attn] = build(kind, attn)
@@ -206,12 +209,6 @@ MISSING = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(world2):
-    results = world2.run(hf_rank_fn, CONFIGS)
-    return {cfg: results[0][cfg] or results[1][cfg] for cfg in CONFIGS}
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -222,8 +219,9 @@ def outcomes(world2):
     ],
     ids=["-".join(c) for c in CONFIGS],
 )
-def test_hf_matches_dense(outcomes, config):
-    error = outcomes[config]
+def test_hf_matches_dense(world2, config):
+    results = world2.run(hf_rank_fn, [config])
+    error = results[0][config] or results[1][config]
     assert error is None, f"{config} failed on a rank:\n{error}"
 
 
