@@ -43,7 +43,7 @@ import optree
 import torch
 
 from . import _comm
-from ._function import call, untracked
+from ._function import _dynamo_compiling, call, traced, untracked
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -63,6 +63,18 @@ __all__ = [
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("fshard_mesh", default=None)
 # The active shard_map body's varying-axes tracker (fshard.shard_map._Tracker) or None.
 _TRACKER: contextvars.ContextVar = contextvars.ContextVar("fshard_vma", default=None)
+
+
+def _active_tracker():
+    """``_TRACKER.get()``, which dynamo cannot trace: under ``torch.compile`` its value at trace
+    time is a constant of the graph. A body's tracker is a TorchFunctionMode, and dynamo guards
+    on the mode stack, so a graph traced outside a body is never reused inside one."""
+    return _TRACKER.get()
+
+
+# What torch.compiler.assume_constant_result sets; calling it would import dynamo (seconds)
+# when fshard is imported.
+_active_tracker._dynamo_marked_constant = True
 
 
 def current_mesh(mesh: Mesh | None = None) -> Mesh:
@@ -280,6 +292,14 @@ class _Collective(torch.autograd.Function):
         return apply(op.batched(x.shape[0]), x), 0
 
 
+def _traced_backward(ctx, g):
+    # Compiled code is reverse mode only: the transpose runs bare.
+    return ctx.op.transpose().run(g), None
+
+
+_CollectiveTraced = traced(_Collective, backward=_traced_backward)
+
+
 def apply(op, x: torch.Tensor) -> torch.Tensor:
     """Run collective ``op`` on local tensor ``x`` (differentiable, vmappable).
 
@@ -289,6 +309,16 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
+    if _dynamo_compiling():
+        if isinstance(op, (Pcast, Unvary)) and x.requires_grad:
+            # torch 2.13: the traced graph drops the backward of an identity Function (the
+            # gradient came back unreduced). Refuse rather than return a wrong gradient.
+            raise NotImplementedError(
+                "fs.lax.pcast of a value being differentiated does not compile yet (its "
+                "gradient psum is lost in the traced graph); run this step eagerly, or pcast "
+                "only values that are not differentiated (e.g. the input batch)"
+            )
+        return _CollectiveTraced.apply(x, op)
     plain = untracked(x)
     if plain is not None:
         return op.run(plain)
@@ -332,6 +362,16 @@ class _Pmax(torch.autograd.Function):
         return call(_Pmax, x.movedim(in_dims[0], 0), group, how), 0
 
 
+_PmaxTraced = traced(_Pmax)
+
+
+def preduce(x: torch.Tensor, group: AxisGroup, how: str) -> torch.Tensor:
+    """Elementwise ``how`` (``"max"`` or ``"min"``) over ``group``, differentiable."""
+    if _dynamo_compiling():
+        return _PmaxTraced.apply(x, group, how)
+    return call(_Pmax, x, group, how)
+
+
 # -- public named-axis API --------------------------------------------------------------------
 
 
@@ -367,7 +407,7 @@ def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> li
     ``varies``: whether the result varies over ``g.axes`` (all_gather, psum_scatter, ...) or is
     invariant over them (psum, pmax, ...).
     """
-    tracker = _TRACKER.get()
+    tracker = _active_tracker()
     if tracker is None or (mesh is not None and mesh != tracker.mesh):
         return run(xs)
     return tracker.collective(xs, g.axes, run, varies)
@@ -524,7 +564,7 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
     _tensor(x, f"p{how}")
     g = _group(axis, mesh)
-    return _tracked([x], g, mesh, lambda xs: [call(_Pmax, xs[0], g, how)], varies=False)[0]
+    return _tracked([x], g, mesh, lambda xs: [preduce(xs[0], g, how)], varies=False)[0]
 
 
 def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -786,7 +826,7 @@ def pcast(
     if to != "varying":
         raise ValueError(f"pcast: only to='varying' is supported, got {to!r}")
     g = _group(axis, mesh)
-    tracker = _TRACKER.get()
+    tracker = _active_tracker()
     if tracker is not None and (mesh is None or mesh == tracker.mesh):
         return tracker.pcast(x, g.axes)
     return apply(Pcast(g), x)
