@@ -58,7 +58,9 @@ def sharded_rank_fn(dp, tp, view):
     for batch in _batches():
         params, state, loss = step(params, state, fs.shard(batch, mesh, fs.P("dp")))
         assert {k: v.layout for k, v in params.items()} == layouts
-        assert state[1].mu["blocks.0.mlp.fc1.weight"].layout == layouts["blocks.0.mlp.fc1.weight"]
+        assert (
+            state[1][0].mu["blocks.0.mlp.fc1.weight"].layout == layouts["blocks.0.mlp.fc1.weight"]
+        )
         losses.append(float(loss))
         # copies: the demo's step donates params (gather of a replicated value is its buffer)
         snaps.append({k: fs.gather(v).clone() for k, v in params.items()})

@@ -1,0 +1,241 @@
+"""Leaves of optimizer pytrees: flatten to ShardedArray/tensor leaves, compute on the local
+shards, rebuild with the same layouts; the few reductions that need the *global* value of a
+sharded leaf (norms, means over a dim, "any NaN") and their collectives; hyperparameter checks.
+
+Element-wise math never communicates: a sharded leaf's state has the leaf's layout, so the local
+shards line up. Everything here runs on plain torch ops (no ``torch._foreach_*``, no Python
+``int()`` of tensors), so it composes with ``torch.func.vmap``/``grad`` and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import optree
+import torch
+
+from .. import lax
+from ..api import reshard
+from ..array import ShardedArray
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, ShardedArray)
+
+
+def local(x) -> torch.Tensor:
+    return x.local if isinstance(x, ShardedArray) else x
+
+
+def rebuild(like, t: torch.Tensor):
+    """``t`` (a local shard) with ``like``'s layout, or ``t`` itself for a plain ``like``."""
+    return ShardedArray._raw(t, like.layout) if isinstance(like, ShardedArray) else t
+
+
+def flatten(tree, name: str):
+    """``(leaves, treespec)``; every leaf must be a floating-point ShardedArray or tensor."""
+    leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=False)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, (torch.Tensor, ShardedArray)):
+            raise TypeError(
+                f"{name}: leaf {i} is a {type(leaf).__name__}; fs.optim works on pytrees whose "
+                "leaves are ShardedArrays or torch.Tensors"
+            )
+        dtype = local(leaf).dtype
+        if not dtype.is_floating_point:
+            raise TypeError(
+                f"{name}: leaf {i} has dtype {dtype}; optimizers only work on floating-point "
+                "params and gradients (as torch.optim). Keep integer buffers out of the "
+                "optimized pytree, or cast them (e.g. .float())"
+            )
+    return leaves, spec
+
+
+def check_match(leaves, ref_leaves, spec, ref_spec, name: str, ref_name: str) -> None:
+    if spec != ref_spec:
+        raise ValueError(
+            f"{name} and {ref_name} must have the same tree structure; got {spec} and {ref_spec}"
+        )
+    bad = []
+    for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
+        a_sh, b_sh = isinstance(a, ShardedArray), isinstance(b, ShardedArray)
+        if a_sh != b_sh or (a_sh and a.layout != b.layout):
+            la = a.layout if a_sh else "a plain tensor"
+            lb = b.layout if b_sh else "a plain tensor"
+            bad.append(f"leaf {i}: {la} vs {lb}")
+    if bad:
+        raise ValueError(
+            f"{name} and {ref_name} leaves must have the same layouts; "
+            + "; ".join(bad)
+            + ". Reshard them to the same layout (fs.reshard) first"
+        )
+
+
+def flatten_like(tree, spec, ref_leaves, name: str, ref_name: str = "updates") -> list:
+    leaves, tspec = flatten(tree, name)
+    check_match(leaves, ref_leaves, tspec, spec, name, ref_name)
+    return leaves
+
+
+def tree_map(fn: Callable, tree, *rest, names: Sequence[str] = (), n_out: int = 1):
+    """Apply ``fn`` to the local tensors of ``tree``'s leaves and the matching leaves of
+    ``rest`` (same structure and layouts); rebuild the result(s) with ``tree``'s layouts.
+    With ``n_out > 1``, ``fn`` returns a tuple and a tuple of ``n_out`` trees comes back."""
+    leaves, spec = flatten(tree, "updates")
+    others = [
+        flatten_like(r, spec, leaves, names[k] if k < len(names) else f"tree {k + 1}")
+        for k, r in enumerate(rest)
+    ]
+    outs = [fn(*[local(x) for x in xs]) for xs in zip(leaves, *others)]
+    if n_out == 1:
+        return optree.tree_unflatten(spec, [rebuild(x, o) for x, o in zip(leaves, outs)])
+    return tuple(
+        optree.tree_unflatten(spec, [rebuild(x, o[k]) for x, o in zip(leaves, outs)])
+        for k in range(n_out)
+    )
+
+
+def zeros_like(tree, name: str = "params"):
+    leaves, spec = flatten(tree, name)
+    return optree.tree_unflatten(spec, [rebuild(x, torch.zeros_like(local(x))) for x in leaves])
+
+
+def full_like(tree, value, name: str = "params"):
+    leaves, spec = flatten(tree, name)
+    return optree.tree_unflatten(
+        spec, [rebuild(x, torch.full_like(local(x), value)) for x in leaves]
+    )
+
+
+def needs_params(params, who: str):
+    if params is None:
+        raise ValueError(f"{who}: update() needs params= (the current params)")
+    return params
+
+
+# -- global reductions over sharded leaves ------------------------------------------------------
+
+
+def _unpartial(x):
+    """A partial ShardedArray reduced to its value (other leaves unchanged)."""
+    if isinstance(x, ShardedArray) and x.layout.partial:
+        from ..spec import P
+
+        return reshard(x, P(*x.layout.dim_axes))
+    return x
+
+
+def _axes_key(x) -> tuple:
+    if not isinstance(x, ShardedArray):
+        return (None, ())
+    return (x.mesh, tuple(sorted(x.layout.sharded_axes, key=x.mesh.axis_names.index)))
+
+
+def per_leaf_sums(leaves: list, local_fn: Callable, dtype: torch.dtype | None = None) -> list:
+    """``[sum over the whole global leaf of local_fn(shard)]`` for each leaf, as 0-d tensors
+    equal on every rank: ``local_fn`` maps a local shard to a 0-d partial sum; sharded leaves
+    are summed over the mesh axes that split them with one ``fs.lax.psum`` per distinct
+    (mesh, axes) group (replicated dims are counted once). Partial leaves are reduced first."""
+    leaves = [_unpartial(x) for x in leaves]
+    sums = [local_fn(local(x)) for x in leaves]
+    if dtype is not None:
+        sums = [s.to(dtype) for s in sums]
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        mesh, axes = _axes_key(x)
+        if axes:
+            groups.setdefault((mesh, axes), []).append(i)
+    for (mesh, axes), idx in groups.items():
+        total = lax.psum(torch.stack([sums[i] for i in idx]), axes, mesh=mesh)
+        for j, i in enumerate(idx):
+            sums[i] = total[j]
+    return sums
+
+
+def promoted_dtype(leaves: list) -> torch.dtype:
+    dtypes = [local(x).dtype for x in leaves]
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+
+
+def sq_sums(leaves: list) -> list:
+    """Global squared L2 norm of each leaf, in the promoted dtype of all the leaves."""
+    dtype = promoted_dtype(leaves)
+    return per_leaf_sums(
+        leaves, lambda t: torch.linalg.vector_norm(t, dtype=dtype).square(), dtype=dtype
+    )
+
+
+def dim_mean(x, t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Mean of the local shard ``t`` of leaf ``x`` over global dim ``dim``: local sum, psum over
+    the mesh axes that shard ``dim`` (uneven shards included), divided by the global size."""
+    s = t.sum(dim=dim, keepdim=keepdim)
+    if isinstance(x, ShardedArray) and x.layout.dim_axes[dim]:
+        s = lax.psum(s, x.layout.dim_axes[dim], mesh=x.mesh)
+    size = x.layout.shape[dim] if isinstance(x, ShardedArray) else t.shape[dim]
+    return s / size
+
+
+def drop_dim(x, dim: int, like_local: torch.Tensor):
+    """``like_local`` as a leaf with ``x``'s layout minus dim ``dim`` (replicated over the mesh
+    axes that sharded it: the value was reduced over them)."""
+    if not isinstance(x, ShardedArray):
+        return like_local
+    from ..spec import Layout, P
+
+    lay = x.layout
+    axes = [a for d, a in enumerate(lay.dim_axes) if d != dim]
+    shape = tuple(s for d, s in enumerate(lay.shape) if d != dim)
+    spec = P(*[None if not a else a[0] if len(a) == 1 else a for a in axes])
+    return ShardedArray._raw(like_local, Layout(lay.mesh, spec, shape, like_local.dtype))
+
+
+def global_shape(x) -> tuple:
+    return tuple(x.layout.shape) if isinstance(x, ShardedArray) else tuple(x.shape)
+
+
+# -- hyperparameters --------------------------------------------------------------------------
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def check_scalar(value, name: str, lo: float = -math.inf, hi: float | None = None, open_hi=False):
+    """A float hyperparameter in a range, or a 0-d tensor (not range-checked: it may be traced,
+    e.g. batched under ``torch.func.vmap`` or injected by :func:`inject_hyperparams`)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {value.shape}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a 0-d tensor, got {value!r}")
+    bad = value < lo or (hi is not None and (value >= hi if open_hi else value > hi))
+    if bad:
+        rng = f"[{lo}, {hi})" if open_hi else f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be in {rng}, got {value}")
+    return float(value)
+
+
+def check_schedule(value, name: str = "learning_rate", lo: float = 0.0):
+    """A float, a 0-d tensor or a schedule (callable of the step count)."""
+    if callable(value):
+        return value
+    return check_scalar(value, name, lo=lo)
+
+
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def count0() -> torch.Tensor:
+    """A fresh step counter: a 0-d int64 CPU tensor (a tensor, so it can be traced/batched)."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def as_float(count: torch.Tensor) -> torch.Tensor:
+    """The counter as float64, for bias corrections and schedules computed at full precision."""
+    return count.to(torch.float64)

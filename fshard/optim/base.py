@@ -1,0 +1,241 @@
+"""The optimizer interface: :class:`GradientTransformation` and the small states, as optax.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> tx = fs.optim.identity()
+    >>> updates, state = tx.update({"w": torch.ones(2)}, tx.init({"w": torch.zeros(2)}))
+    >>> updates["w"].tolist(), state
+    ([1.0, 1.0], EmptyState())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _tree
+
+#: A schedule: step count (a 0-d int64 tensor, or a Python int) -> value (tensor or float).
+Schedule = Callable[[Any], Any]
+#: A hyperparameter: a float, a 0-d tensor, or a :data:`Schedule`.
+ScalarOrSchedule = Any
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions ``(init, update)``, as in optax, plus an optional in-place step.
+
+    ``init(params) -> state``; ``update(updates, state, params=None) -> (updates, new_state)``.
+    Neither mutates its inputs.
+
+    ``donated_step(grads, state, params) -> (new_params, new_state) | None`` is set by the
+    transformations whose whole step ``torch.optim`` runs as in-place foreach kernels
+    (:func:`fshard.optim.sgd`, :func:`~fshard.optim.adam`, :func:`~fshard.optim.adamw`, and a
+    :func:`~fshard.optim.chain` that ends in one): :func:`fshard.optim.step` with
+    ``donate=True`` calls it to update ``params`` and ``state`` in place. It returns ``None``
+    when it cannot run exactly here (e.g. a grad's dtype differs from its param's), and the
+    step then falls back to ``update`` plus an in-place ``apply_updates``. Without it
+    (``None``, the default) a transformation only has the pure path.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.sgd(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = tx.update({"w": torch.ones(2)}, tx.init(params), params)
+        >>> updates["w"].tolist()
+        [-0.10000000149011612, -0.10000000149011612]
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+    donated_step: Callable[..., Any] | None = None
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+def init_empty_state(params) -> EmptyState:
+    """``init`` of a stateless transformation."""
+    return EmptyState()
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged (optax ``identity``).
+
+    Returns:
+        A stateless :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.identity().update({"w": torch.ones(1)}, fs.optim.EmptyState())[0]
+        {'w': tensor([1.])}
+    """
+    return GradientTransformation(
+        init_empty_state, lambda updates, state, params=None: (updates, state)
+    )
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replaces every update by zeros (freezes params, e.g. in :func:`multi_transform`).
+
+    Returns:
+        A stateless :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.set_to_zero().update({"w": torch.ones(2)}, fs.optim.EmptyState())[0]
+        {'w': tensor([0., 0.])}
+    """
+
+    def update(updates, state, params=None):
+        return _tree.tree_map(torch.zeros_like, updates), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def stateless(fn: Callable[[Any, Any], Any]) -> GradientTransformation:
+    """A transformation from ``fn(updates, params) -> updates`` with no state (optax
+    ``stateless``).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.stateless(lambda u, p: {k: 2 * v for k, v in u.items()})
+        >>> tx.update({"w": torch.ones(1)}, tx.init(None))[0]
+        {'w': tensor([2.])}
+    """
+
+    def update(updates, state, params=None):
+        return fn(updates, params), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+# -- states (NamedTuples of tensors and pytrees: checkpointable, vmappable) ---------------------
+# Counters are 0-d int64 tensors; moments are pytrees with the params' structure and layouts.
+
+
+class ScaleByScheduleState(NamedTuple):
+    """Step count of a scheduled transformation (:func:`scale_by_schedule`)."""
+
+    count: torch.Tensor
+
+
+class TraceState(NamedTuple):
+    """Momentum buffers of :func:`trace` (optax ``TraceState``)."""
+
+    trace: Any
+
+
+class EmaState(NamedTuple):
+    """Step count and moving average of :func:`ema`."""
+
+    count: torch.Tensor
+    ema: Any
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam state: step count (0-d int64 tensor), first and second moments."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByRmsState(NamedTuple):
+    """Second moment of :func:`scale_by_rms`."""
+
+    nu: Any
+
+
+class ScaleByRmsWithCountState(NamedTuple):
+    """Step count and second moment of :func:`scale_by_rms` with ``bias_correction``."""
+
+    count: torch.Tensor
+    nu: Any
+
+
+class ScaleByRStdDevState(NamedTuple):
+    """First and second moments of :func:`scale_by_stddev` (centered RMSProp)."""
+
+    mu: Any
+    nu: Any
+
+
+class ScaleByRStdDevWithCountState(NamedTuple):
+    """:class:`ScaleByRStdDevState` with a step count (``bias_correction``)."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByRssState(NamedTuple):
+    """Sum of squared gradients of :func:`scale_by_rss` (Adagrad)."""
+
+    sum_of_squares: Any
+
+
+class ScaleByLionState(NamedTuple):
+    """Step count and momentum of :func:`scale_by_lion`."""
+
+    count: torch.Tensor
+    mu: Any
+
+
+class FactoredState(NamedTuple):
+    """Adafactor state: step count, row/column second-moment factors of factored leaves and
+    the full second moment of the others (placeholders of shape ``(1,)`` elsewhere, as optax).
+    A sharded leaf's factors are sharded like the leaf minus the reduced dim."""
+
+    count: torch.Tensor
+    v_row: Any
+    v_col: Any
+    v: Any
+
+
+class ZeroNansState(NamedTuple):
+    """Per leaf: whether the last update had a NaN anywhere (over every shard)."""
+
+    found_nan: Any
+
+
+class MaskedState(NamedTuple):
+    """State of :func:`masked`: the inner transformation's state over the selected leaves."""
+
+    inner_state: Any
+
+
+class MultiTransformState(NamedTuple):
+    """State of :func:`multi_transform`: one inner state per label."""
+
+    inner_states: dict
+
+
+class MultiStepsState(NamedTuple):
+    """State of :class:`MultiSteps`: position in the accumulation window, number of inner
+    steps taken, the inner state and the accumulated gradients."""
+
+    mini_step: torch.Tensor
+    gradient_step: torch.Tensor
+    inner_opt_state: Any
+    acc_grads: Any
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite`."""
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    inner_state: Any
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of :func:`inject_hyperparams`: step count, current hyperparameters (0-d tensors,
+    read and overwritten by the user: logged, changed, checkpointed) and the inner state."""
+
+    count: torch.Tensor
+    hyperparams: dict
+    inner_state: Any
