@@ -28,10 +28,10 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from train_step import BATCH, MLP, _AllReduce, _run_section, _table
 
 import fshard as fs
 from fshard.array import ShardedArray
-from train_step import BATCH, MLP, _AllReduce, _run_section, _table
 
 _BACKEND_ENV = "FSHARD_BENCH_COMPILE_BACKEND"  # main sets it; the rank processes inherit it
 

@@ -58,7 +58,7 @@ def call(fn: type[torch.autograd.Function], *args):
     """``fn.apply(*args)``, for a new-style Function (``setup_context`` defined) given every
     argument positionally."""
     if _dynamo_compiling():
-        return fn.apply(*args)  # pass a Function with a jvp through traced() first
+        return traced_apply(fn, *args)  # pass a Function with a jvp through traced() first
     if not torch._C._are_functorch_transforms_active():
         return _base_apply(fn, *args)
     top = peek_interpreter_stack()
@@ -70,6 +70,37 @@ def call(fn: type[torch.autograd.Function], *args):
         return _base_apply(_AtLevel, fn, top.level(), coerce_cinterpreter(top), *args)
     finally:
         set_single_level_autograd_function_allowed(allowed)
+
+
+def _compiled_levels() -> tuple[str, ...]:
+    """The functorch transforms active while dynamo traces (outermost first)."""
+    return tuple(ci.key().name for ci in get_interpreter_stack() or ())
+
+
+# Evaluated at trace time, its result a constant of the graph (what
+# torch.compiler.assume_constant_result sets; calling that would import dynamo at fshard import).
+# Dynamo guards on the functorch stack, so a graph is never reused under other transforms.
+_compiled_levels._dynamo_marked_constant = True
+
+
+def traced_apply(fn: type[torch.autograd.Function], x: torch.Tensor, *args):
+    """``fn.apply(x, *args)`` under ``torch.compile``, for a :func:`traced` Function.
+
+    Compiled code gets one reverse-mode level (``.backward()``/``autograd.grad``, or one
+    ``torch.func.grad``); any other transform stack raises. ``x`` goes through ``view_as``:
+    dynamo reports an input of ``torch.func.grad`` as not requiring grad, and then inlines the
+    Function's forward and drops its backward (a wrong gradient, no error); an intermediate
+    reports the truth.
+    """
+    levels = _compiled_levels()
+    if levels and levels != ("Grad",):
+        raise NotImplementedError(
+            f"fshard collectives under torch.compile support no transform or one "
+            f"torch.func.grad, got {' > '.join(levels)} (grad of grad, vmap, jvp, jacrev: the "
+            "compiled backward of a collective is not differentiable and has no batching "
+            "rule); run this step eagerly, or compile only the innermost function"
+        )
+    return fn.apply(x.view_as(x), *args)
 
 
 def traced(

@@ -43,7 +43,7 @@ import optree
 import torch
 
 from . import _comm
-from ._function import _dynamo_compiling, call, traced, untracked
+from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -310,15 +310,7 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     fraction of ``Function.apply``'s per-call class building.
     """
     if _dynamo_compiling():
-        if isinstance(op, (Pcast, Unvary)) and x.requires_grad:
-            # torch 2.13: the traced graph drops the backward of an identity Function (the
-            # gradient came back unreduced). Refuse rather than return a wrong gradient.
-            raise NotImplementedError(
-                "fs.lax.pcast of a value being differentiated does not compile yet (its "
-                "gradient psum is lost in the traced graph); run this step eagerly, or pcast "
-                "only values that are not differentiated (e.g. the input batch)"
-            )
-        return _CollectiveTraced.apply(x, op)
+        return traced_apply(_CollectiveTraced, x, op)
     plain = untracked(x)
     if plain is not None:
         return op.run(plain)
@@ -368,7 +360,7 @@ _PmaxTraced = traced(_Pmax)
 def preduce(x: torch.Tensor, group: AxisGroup, how: str) -> torch.Tensor:
     """Elementwise ``how`` (``"max"`` or ``"min"``) over ``group``, differentiable."""
     if _dynamo_compiling():
-        return _PmaxTraced.apply(x, group, how)
+        return traced_apply(_PmaxTraced, x, group, how)
     return call(_Pmax, x, group, how)
 
 

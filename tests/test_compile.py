@@ -22,8 +22,7 @@ def _gen(seed, *shape):
 
 
 def _chain(w, x, mesh):
-    """The fs.lax collectives that compile under grad (not all_gather / psum_scatter: see
-    :func:`test_gather_compile_limit`), on local (4, 8) blocks of a 2-rank axis "x"."""
+    """Collectives of intermediates, on local (4, 8) blocks of a 2-rank axis "x"."""
     a = lax.pcast(w, "x", mesh=mesh) * x
     d = lax.all_to_all(a, "x", split_dim=0, concat_dim=1, mesh=mesh)  # (2, 16)
     e = lax.ppermute(d, "x", [(0, 1), (1, 0)], mesh=mesh)
@@ -58,15 +57,17 @@ def compiled_collectives():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
-    # w is pcast: a differentiated pcast does not compile yet (test_pcast_grad_refused)
-    g = torch.compile(grad(_chain, argnums=1), fullgraph=True, backend=counter)
-    gx = g(w, X[r], mesh)
-    dX = grad(_dense_chain, argnums=1)(w, X)
+    g = torch.compile(grad(_chain, argnums=(0, 1)), fullgraph=True, backend=counter)
+    gw, gx = g(w, X[r], mesh)
+    dw, dX = grad(_dense_chain, argnums=(0, 1))(w, X)
+    torch.testing.assert_close(gw, dw)  # pcast's backward psums the ranks' contributions
     torch.testing.assert_close(gx, dX[r])
     # the collectives ran through the graph: nothing was recorded by the eager path
     with fs.debug.comm_log() as log:
-        gx2 = g(2 * w, X[r], mesh)
-    torch.testing.assert_close(gx2, grad(_dense_chain, argnums=1)(2 * w, X)[r])
+        gw2, gx2 = g(2 * w, X[r], mesh)
+    dw2, dX2 = grad(_dense_chain, argnums=(0, 1))(2 * w, X)
+    torch.testing.assert_close(gw2, dw2)
+    torch.testing.assert_close(gx2, dX2[r])
     return counter.frame_count, len(log)
 
 
@@ -86,7 +87,9 @@ def compiled_sharded_step():
 
     def loss(ps, x, y):
         h = F.gelu(F.linear(lax.pcast(x, "tp", mesh=mesh), ps["w1"].local, ps["b1"].local))
-        return F.mse_loss(lax.psum(F.linear(h, ps["w2"].local), "tp", mesh=mesh) + ps["b2"].local, y)
+        return F.mse_loss(
+            lax.psum(F.linear(h, ps["w2"].local), "tp", mesh=mesh) + ps["b2"].local, y
+        )
 
     def step(ps, x, y):
         g = grad(loss)(ps, x, y)
@@ -109,38 +112,64 @@ def test_sharded_step_compiles_fullgraph(world2):
     assert world2.run(compiled_sharded_step) == [0, 1]
 
 
-def gather_compile_limit():
+#: The collectives test_lax_chain_compiles_fullgraph does not reach, each applied to the
+#: differentiated value itself: dynamo reports an input of torch.func.grad as not requiring
+#: grad, the case that lost pcast's psum (a wrong gradient, no error) before traced_apply.
+LEAF_COLLECTIVES = {
+    "pmean": lambda w, m: lax.pmean(w, "x", mesh=m),
+    "all_gather_invariant": lambda w, m: lax.all_gather(
+        w, "x", tiled=False, to="invariant", mesh=m
+    ),
+    "psum_scatter": lambda w, m: lax.psum_scatter(w, "x", mesh=m),
+}
+
+
+def _leaf_loss(w, mesh):
+    return sum(op(w, mesh).pow(3).sum() for op in LEAF_COLLECTIVES.values())
+
+
+def compiled_leaf_grad(mode):
+    """The gradient of :func:`_leaf_loss` compiled (fullgraph) under torch.func.grad
+    (``mode="func"``) or as a compiled forward + autograd.grad, against eager fshard's (itself
+    checked against dense in test_lax)."""
     mesh = fs.Mesh.create((2,), ("x",))
-    w, x = _gen(0, 4, 8), _gen(1, 4, 8)
-    f = grad(lambda w, x: lax.all_gather(w * x, "x", mesh=mesh).sum(), argnums=(0, 1))
-    try:
-        torch.compile(f, fullgraph=True, backend="aot_eager")(w, x)
-    except Exception as e:  # dynamo's own error, raised on every rank before anything runs
-        return type(e).__name__
-    return "compiled"
+    w = _gen(dist.get_rank(), 4, 6)
+    want = grad(_leaf_loss)(w, mesh)
+    if mode == "func":
+        got = torch.compile(grad(_leaf_loss), fullgraph=True, backend="aot_eager")(w, mesh)
+    else:
+        leaf = w.clone().requires_grad_()
+        out = torch.compile(_leaf_loss, fullgraph=True, backend="aot_eager")(leaf, mesh)
+        (got,) = torch.autograd.grad(out, leaf)
+    torch.testing.assert_close(got, want)
+    return True
 
 
-def test_gather_compile_limit(world2):
-    """Known limit (torch 2.13): all_gather of an intermediate under grad fails in dynamo's
-    autograd.Function speculation ("Expected FakeTensor"); it raises, never runs wrong. When
-    this starts to compile, add all_gather/psum_scatter to _chain."""
-    got = world2.run(gather_compile_limit)
-    assert got[0] == got[1] and got[0] != "compiled", got
+def test_compiled_leaf_grad_func(world2):
+    assert world2.run(compiled_leaf_grad, "func") == [True, True]
 
 
-def pcast_grad_refused():
+def test_compiled_leaf_grad_autograd(world2):
+    assert world2.run(compiled_leaf_grad, "autograd") == [True, True]
+
+
+def grad_of_grad_refused():
     mesh = fs.Mesh.create((2,), ("x",))
-    f = grad(lambda w, x: (lax.pcast(w, "x", mesh=mesh) * x).sum())
+
+    def loss(w):
+        return lax.psum(w, "x", mesh=mesh).pow(3).sum()
+
+    f = grad(lambda w: grad(loss)(w).sum())
     try:
-        torch.compile(f, fullgraph=True, backend="aot_eager")(_gen(0, 4), _gen(1, 4))
+        torch.compile(f, fullgraph=True, backend="aot_eager")(_gen(0, 4))
     except Exception as e:
-        return "pcast of a value being differentiated" in str(e)
+        return "one torch.func.grad, got Grad > Grad" in str(e)
     return False
 
 
-def test_pcast_grad_refused(world2):
-    """Known limit: the traced graph loses a differentiated pcast's psum, so it raises."""
-    assert world2.run(pcast_grad_refused) == [True, True]
+def test_grad_of_grad_refused(world2):
+    """The compiled backward of a collective is not differentiable: nested grad raises."""
+    assert world2.run(grad_of_grad_refused) == [True, True]
 
 
 def make_fx_replay():
