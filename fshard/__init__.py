@@ -5,7 +5,7 @@ A sharded value is an immutable pytree of one plain local tensor plus a static l
 primitives of :mod:`fshard.lax`.
 """
 
-from . import checkpoint, config, debug, interop, launch, lax, nn, ops, optim
+from . import checkpoint, config, consistency, debug, interop, launch, lax, nn, ops, optim
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .mesh import Mesh
@@ -42,6 +42,7 @@ __all__ = [
     "lax",
     "debug",
     "config",
+    "consistency",
     "ops",
     "launch",
     "optim",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .consistency import check_collective as _consistent
 from .mesh import AxisGroup
 
 
@@ -139,9 +140,10 @@ def all_gather(
     """Concatenate every chunk's ``t`` along ``dim`` in chunk order (``sizes``: chunk sizes)."""
     if g.size == 1:
         return t
-    record("all_gather", g.axes, nbytes(t))
     x = t.movedim(dim, 0)
     sizes = tuple(sizes) if sizes is not None else (x.shape[0],) * g.size
+    _consistent("all_gather", g, t, dim=dim, chunk_sizes=sizes, other_dims=tuple(x.shape[1:]))
+    record("all_gather", g.axes, nbytes(t))
     m = max(sizes)
     x = _pad_dim0(x, m)
     out = _gather_wire(x, g)
@@ -200,6 +202,7 @@ def all_reduce_start(
     back to back queue on the group's worker, so copying the next bucket overlaps the wire."""
     if g.size == 1:
         return t, None
+    _consistent("all_reduce", g, t, reduce=op, shape=tuple(t.shape))
     record("all_reduce", g.axes, nbytes(t))
     if tracing():
         return _funcol().all_reduce(t.detach(), op, g.pg), None
@@ -245,6 +248,7 @@ def reduce_scatter(
     """Sum over the group, keeping chunk ``g.index`` of ``dim``."""
     if g.size == 1:
         return t
+    _consistent("reduce_scatter", g, t, dim=dim, shape=tuple(t.shape), chunk_sizes=sizes)
     record("reduce_scatter", g.axes, nbytes(t))
     x = t.movedim(dim, 0)
     sizes = tuple(sizes) if sizes is not None else _even_sizes(x.shape[0], g.size)
@@ -279,6 +283,16 @@ def all_to_all(
     """
     if g.size == 1:
         return t
+    _consistent(
+        "all_to_all",
+        g,
+        t,
+        split_dim=split_dim,
+        concat_dim=concat_dim,
+        split_sizes=split_sizes,
+        concat_sizes=concat_sizes,
+        shape=tuple(-1 if d == concat_dim else s for d, s in enumerate(t.shape)),
+    )
     record("all_to_all", g.axes, nbytes(t))
     n = g.size
     split_sizes = (
@@ -325,6 +339,7 @@ def ppermute(
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[src], group=g.pg))
             moved = True
     if g.size > 1:
+        _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
     if moved:
         for w in dist.batch_isend_irecv(ops):
@@ -372,6 +387,7 @@ def scatter_from(
         return full[blocks[0]].clone()
     _untraceable("scatter (fs.shard of a full tensor from one rank)")
     numel = max(max(_static_numel(b) for b in blocks), 1)
+    _consistent("scatter", g, like, src=src, blocks=_boxes(blocks))
     recv = like.new_empty(numel)
     if g.index == src:
         record("scatter", g.axes, nbytes(full))
@@ -396,6 +412,10 @@ def _static_numel(block: tuple[slice, ...]) -> int:
     return _prod(s.stop - s.start for s in block)
 
 
+def _boxes(blocks: Sequence[tuple[slice, ...]]) -> tuple:
+    return tuple(tuple((s.start, s.stop) for s in b) for b in blocks)
+
+
 def _pad_flat(t: torch.Tensor, numel: int) -> torch.Tensor:
     flat = t.reshape(-1)
     if flat.numel() == numel:
@@ -414,6 +434,7 @@ def gather_to(
         out[blocks[0]] = t
         return out
     _untraceable("gather to one rank")
+    _consistent("gather", g, t, dst=dst, blocks=_boxes(blocks), shape=tuple(shape))
     record("gather", g.axes, nbytes(t))
     numel = max(max(_static_numel(b) for b in blocks), 1)
     send = _pad_flat(t, numel)

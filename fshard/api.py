@@ -18,10 +18,20 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _comm, consistency
 from ._function import call
 from .array import ShardedArray
-from .lax import AllGather, AllToAll, LocalSlice, Pcast, Ppermute, Psum, PsumScatter, apply
+from .lax import (
+    AllGather,
+    AllToAll,
+    LocalSlice,
+    Pcast,
+    Ppermute,
+    Psum,
+    PsumScatter,
+    apply,
+    claim_partial_leaf,
+)
 from .mesh import Mesh
 from .planner import Step, chunk_sizes, plan
 from .spec import Layout, P, _layout
@@ -57,6 +67,25 @@ def _check_spec(spec, name="spec") -> P:
             f"{name} must be a fshard.P (e.g. fs.P('x', None)), got {type(spec).__name__} {spec!r}"
         )
     return spec
+
+
+def check_plain_tensor(t: torch.Tensor, where: str) -> None:
+    """Refuse tensors fshard cannot shard as dense local blocks: DTensors and non-strided
+    (sparse, mkldnn) tensors. Plain tensors (and torch.func wrappers of them) pass."""
+    if type(t) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{where}: got a DTensor; fshard works on plain tensors. Convert it with "
+                "fs.interop.from_dtensor(d) (keeps its sharding), or pass d.full_tensor() / "
+                "d.to_local()"
+            )
+    if t.layout is not torch.strided:
+        raise TypeError(
+            f"{where}: got a {t.layout} tensor; fshard shards dense (torch.strided) tensors "
+            "only. Pass t.to_dense()"
+        )
 
 
 class _ZeroOthers:
@@ -147,11 +176,23 @@ def _program(layout: Layout, spec: P):
     return tuple(_compile_step(s) for s in plan(layout, spec)), layout.with_spec(spec)
 
 
+def claimed_local(x: ShardedArray) -> torch.Tensor:
+    """``x.local`` ready to be consumed: a partial leaf being differentiated goes through
+    :class:`fshard.lax.Claim`, so its gradient holds addends of the dense gradient (DESIGN §4:
+    the cotangent of a partial value is invariant; a partial *parameter's* gradient keeps the
+    parameter's layout, with the full gradient on the first rank of the partial axes and zeros
+    on the others)."""
+    layout = x.layout
+    if not layout.partial:
+        return x.local
+    return claim_partial_leaf(x.local, layout.mesh.group(layout.partial))
+
+
 def _reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
     if x.layout.spec == spec:
         return x
     ops, out = _program(x.layout, spec)
-    local = x.local
+    local = claimed_local(x)
     for op in ops:
         local = op(local) if isinstance(op, (_ZeroOthers, _GatherBlocks)) else apply(op, local)
     return ShardedArray._raw(local, out)
@@ -238,8 +279,11 @@ def shard(
         raise TypeError(f"shard: t must be a torch.Tensor, got {type(t).__name__}")
     if isinstance(t, ShardedArray):
         raise TypeError("shard: t is already a ShardedArray; use fs.reshard to change its layout")
+    check_plain_tensor(t, "shard: t")
     full = _layout(mesh, P(), tuple(t.shape), t.dtype)
     layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
+    if consistency.enabled():
+        _agree(layout, "shard (every rank must pass the same full tensor)", values=t)
     return _reshard_one(ShardedArray._raw(t, full), layout.spec)
 
 
@@ -249,6 +293,8 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
     me = mesh.rank
     if me == src and not isinstance(t, torch.Tensor):
         raise TypeError(f"shard: rank {src} is src and must pass a tensor, got {type(t).__name__}")
+    if isinstance(t, torch.Tensor):
+        check_plain_tensor(t, "shard: t")
     if me == src:
         meta = (tuple(t.shape), t.dtype)
     elif shape is not None and dtype is not None:
@@ -290,6 +336,7 @@ def from_local(
     mesh, spec = _check_mesh(mesh), _check_spec(spec)
     if isinstance(local, ShardedArray) or not isinstance(local, torch.Tensor):
         raise TypeError(f"from_local: local must be a torch.Tensor, got {type(local).__name__}")
+    check_plain_tensor(local, "from_local: local")
     if shape is None:
         if any(spec.dims):
             raise ValueError(
@@ -304,7 +351,15 @@ def from_local(
             f"from_local: rank {mesh.rank} holds a block of shape {tuple(local.shape)} but layout "
             f"{spec} of global shape {layout.shape} gives this rank {want}"
         )
+    _agree(layout, "from_local")
     return ShardedArray._raw(local, layout)
+
+
+def _agree(layout: Layout, what: str, **values) -> None:
+    """Consistency mode: every rank of the mesh must pass the same layout (and ``values``)."""
+    if consistency.enabled():
+        fields = {"spec": layout.spec, "global shape": layout.shape, "dtype": layout.dtype}
+        consistency.check_equal({**fields, **values}, layout.mesh, what=what)
 
 
 def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
@@ -342,8 +397,9 @@ def _creation_layout(shape, mesh, spec, dtype) -> Layout:
     return Layout(mesh, spec, tuple(shape), dtype or torch.get_default_dtype())
 
 
-def _filled(fill, shape, mesh, spec, dtype) -> ShardedArray:
+def _filled(fill, shape, mesh, spec, dtype, value=None) -> ShardedArray:
     layout = _creation_layout(shape, mesh, spec, dtype)
+    _agree(layout, "a creation function (zeros/ones/full/empty)", fill=value)
     local = fill(layout.local_shape(mesh.rank), dtype=layout.dtype, device=mesh.device())
     return ShardedArray._raw(local, layout)
 
@@ -381,13 +437,25 @@ def full(shape, fill_value, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = 
     Example:
         >>> f = fs.full((8, 4), 3.0, mesh, fs.P("x"))  # doctest: +SKIP
     """
-    return _filled(lambda s, **kw: torch.full(s, fill_value, **kw), shape, mesh, spec, dtype)
+    return _filled(
+        lambda s, **kw: torch.full(s, fill_value, **kw), shape, mesh, spec, dtype, fill_value
+    )
 
 
 def _random(draw, shape, mesh, spec, dtype, generator) -> ShardedArray:
     layout = _creation_layout(shape, mesh, spec, dtype)
+    if not (layout.dtype.is_floating_point or layout.dtype.is_complex):
+        raise TypeError(
+            f"{draw.__name__}: dtype must be a floating point or complex dtype (as for "
+            f"torch.{draw.__name__}), got {layout.dtype}; draw floats and convert "
+            f"(fs.{draw.__name__}(...).to(...)), or use torch.randint on full tensors with "
+            "fs.shard"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if consistency.enabled():
+        state = consistency.rng_state(generator, mesh.device())
+        _agree(layout, f"{draw.__name__}: the generator state every rank draws from", rng=state)
     # Draw the whole tensor and keep this rank's block: the values equal the dense call with the
     # same seed on any mesh and spec. Cost: each rank draws and briefly holds the full tensor.
     whole = draw(layout.shape, generator=generator, dtype=layout.dtype, device=mesh.device())

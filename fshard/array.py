@@ -249,6 +249,14 @@ def _flatten(x: ShardedArray):
 
 def _unflatten(layout: Layout, children) -> ShardedArray:
     (local,) = children
+    if isinstance(local, ShardedArray):
+        raise TypeError(
+            "a ShardedArray nested inside a ShardedArray: torch.func.jacrev/jacfwd/hessian of a "
+            "function returning a ShardedArray, taken w.r.t. a ShardedArray, would build one "
+            "block per pair of elements, and no layout describes such a block. Take the "
+            "jacobian of plain tensors instead: of t -> fs.gather(f(fs.shard(t, mesh, spec))) "
+            "w.r.t. the full tensor t, or of the local blocks inside fs.shard_map"
+        )
     if isinstance(local, torch.Tensor):
         extra = local.dim() - layout.ndim
         if extra:

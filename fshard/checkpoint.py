@@ -49,6 +49,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from . import consistency
 from .array import ShardedArray
 from .interop import _distinct_boxes, _quiet, _sharded_tensor
 from .spec import Layout, P
@@ -210,6 +211,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     path = _check_path(path, "save")
     keys, leaves, _ = _flatten(tree, "save")
+    consistency.check_equal({k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}, what="checkpoint save: keys and Python values")  # fmt: skip
     me = _rank()
     state = {k: _to_saveable(k, leaf, me) for k, leaf in zip(keys, leaves)}
     tmp = _aside(path, "tmp")

@@ -34,16 +34,19 @@ a body nothing is tracked and the ops run as written.
 
 from __future__ import annotations
 
-import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import optree
 import torch
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+from torch.autograd import forward_ad as _forward_ad
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from . import _comm
+from . import _comm, axis_env
 from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
+from .axis_env import current_mesh
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -59,36 +62,6 @@ __all__ = [
     "axis_index",
     "axis_size",
 ]
-
-_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("fshard_mesh", default=None)
-# The active shard_map body's varying-axes tracker (fshard.shard_map._Tracker) or None.
-_TRACKER: contextvars.ContextVar = contextvars.ContextVar("fshard_vma", default=None)
-
-
-def _active_tracker():
-    """``_TRACKER.get()``, which dynamo cannot trace: under ``torch.compile`` its value at trace
-    time is a constant of the graph. A body's tracker is a TorchFunctionMode, and dynamo guards
-    on the mode stack, so a graph traced outside a body is never reused inside one."""
-    return _TRACKER.get()
-
-
-# What torch.compiler.assume_constant_result sets; calling it would import dynamo (seconds)
-# when fshard is imported.
-_active_tracker._dynamo_marked_constant = True
-
-
-def current_mesh(mesh: Mesh | None = None) -> Mesh:
-    """``mesh`` if given, else the mesh of the enclosing ``shard_map``."""
-    if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
-        return mesh
-    mesh = _MESH.get()
-    if mesh is None:
-        raise ValueError(
-            "fs.lax collectives need a mesh: call them inside fs.shard_map, or pass mesh=..."
-        )
-    return mesh
 
 
 # -- ops: static, hashable descriptions of one collective ------------------------------------
@@ -265,6 +238,51 @@ class Unvary:
         return self
 
 
+@dataclass(frozen=True, eq=False)
+class Claim:
+    """Where a *leaf* with a partial layout (e.g. a parameter held as addends) is first used.
+
+    Forward: identity. Backward: the cotangent of a partial value is invariant (the same full
+    cotangent on every rank: each addend contributes to the sum with weight one), and that is
+    what flows upstream of a partial *intermediate*. A leaf's gradient, however, is returned
+    with the leaf's partial layout, whose local values are addends; so here the first rank of
+    the partial axes keeps the cotangent and the others get zeros: the gradient then gathers
+    to the dense gradient and an SGD step on the addends moves the sum once.
+    """
+
+    group: AxisGroup
+
+    def run(self, x):
+        return x.view_as(x)
+
+    def transpose(self):
+        return Scale(1.0 if self.group.index == 0 else 0.0)
+
+    def batched(self, batch: int):
+        return self
+
+
+def _is_grad_leaf(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a leaf being differentiated (by autograd or an enclosing torch.func
+    transform level), looking through vmap wrappers."""
+    while True:
+        if t.grad_fn is not None:
+            return False
+        if t.requires_grad:
+            return True
+        if not is_functorch_wrapped_tensor(t):
+            return False
+        t = get_unwrapped(t)
+
+
+def claim_partial_leaf(local: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """``local`` through :class:`Claim` over ``group`` (the partial axes) if it is a leaf being
+    differentiated; otherwise ``local`` itself (an intermediate's cotangent stays invariant)."""
+    if group.size == 1 or not _is_grad_leaf(local):
+        return local
+    return apply(Claim(group), local)
+
+
 class _Collective(torch.autograd.Function):
     """Runs a linear collective op; backward runs its transpose through this same Function."""
 
@@ -309,12 +327,26 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
+    if _forward_ad._current_level >= 0:
+        _refuse_linearize()
     if _dynamo_compiling():
         return traced_apply(_CollectiveTraced, x, op)
     plain = untracked(x)
     if plain is not None:
         return op.run(plain)
     return call(_Collective, x, op)
+
+
+def _refuse_linearize() -> None:
+    """``torch.func.linearize`` traces the jvp with ``make_fx`` and replays the graph later: a
+    collective in that graph would run on one rank's replay only (a hang) or on stale buffers."""
+    if get_proxy_mode() is not None:
+        raise NotImplementedError(
+            "torch.func.linearize cannot trace fshard collectives (it records a graph with "
+            "make_fx and replays it later, outside the collective's process group schedule). "
+            "Use torch.func.jvp(f, primals, tangents) for each tangent (or "
+            "torch.func.vmap over jvp for many), or torch.func.jacfwd"
+        )
 
 
 class _Pmax(torch.autograd.Function):
@@ -399,8 +431,8 @@ def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> li
     ``varies``: whether the result varies over ``g.axes`` (all_gather, psum_scatter, ...) or is
     invariant over them (psum, pmax, ...).
     """
-    tracker = _active_tracker()
-    if tracker is None or (mesh is not None and mesh != tracker.mesh):
+    tracker = axis_env.tracker(mesh)
+    if tracker is None:
         return run(xs)
     return tracker.collective(xs, g.axes, run, varies)
 
@@ -555,6 +587,8 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
 
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
     _tensor(x, f"p{how}")
+    if _forward_ad._current_level >= 0:
+        _refuse_linearize()
     g = _group(axis, mesh)
     return _tracked([x], g, mesh, lambda xs: [preduce(xs[0], g, how)], varies=False)[0]
 
@@ -818,8 +852,8 @@ def pcast(
     if to != "varying":
         raise ValueError(f"pcast: only to='varying' is supported, got {to!r}")
     g = _group(axis, mesh)
-    tracker = _active_tracker()
-    if tracker is not None and (mesh is None or mesh == tracker.mesh):
+    tracker = axis_env.tracker(mesh)
+    if tracker is not None:
         return tracker.pcast(x, g.axes)
     return apply(Pcast(g), x)
 
@@ -832,14 +866,22 @@ def axis_index(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
         mesh: the mesh; default the enclosing shard_map's.
 
     Returns:
-        A Python int. (Unlike JAX it is not a traced varying value: a tensor built from it
-        inside a shard_map body is tracked as invariant; ``check_replication=True`` still
-        catches such an output declared replicated.)
+        Inside a ``shard_map`` body (of this mesh): a 0-dim int64 tensor that *varies* over
+        ``axis``, as in JAX, so values built from it are tracked as varying (a replicated
+        operand multiplied by it is ``pcast`` first, and its gradient is reduced once). It
+        indexes and slices like an int. Outside a body: a Python int.
 
     Example:
         >>> i = fs.lax.axis_index("tp")  # doctest: +SKIP
     """
-    return current_mesh(mesh).axis_index(axis)
+    m = current_mesh(mesh)
+    index = m.axis_index(axis)
+    tracker = axis_env.tracker(mesh)
+    if tracker is None:
+        return index
+    out = torch.tensor(index, dtype=torch.int64, device=m.device())
+    tracker.tag(out, frozenset(m.axes_tuple(axis)))
+    return out
 
 
 def axis_size(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:

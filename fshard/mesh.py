@@ -143,6 +143,12 @@ class Mesh:
             raise ValueError(
                 f"Mesh.create: device_type must be 'cpu' or 'cuda', got {device_type!r}"
             )
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "Mesh.create: device_type='cuda' but CUDA is not available here (torch "
+                f"{torch.__version__}, torch.cuda.is_available() is False); use "
+                "device_type='cpu' (Gloo), or run on a CUDA build with a GPU"
+            )
         return _create(shape, names, device_type, id(dist.group.WORLD))
 
     def __reduce__(self):
@@ -277,6 +283,8 @@ _GROUPS: dict = {}
 _LIVE: dict = {}
 
 
+# Unbounded on purpose: one entry per distinct mesh (shape, names, device type, world) and per
+# (mesh, axes) group, each owning process groups that must live as long as the world.
 @functools.cache
 def _create(shape, names, device_type, _world_key) -> Mesh:
     from torch.distributed.device_mesh import init_device_mesh

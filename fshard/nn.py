@@ -5,11 +5,18 @@
 ``forward`` with those values swapped in. Because the params dict is a pytree of
 ShardedArrays (whose only pytree child is the local tensor), ``torch.func.grad`` /
 ``vmap(grad)`` of a loss built on ``functional_call`` return gradients with the params'
-layouts, and :mod:`fshard.optim` updates them::
+layouts, and :mod:`fshard.optim` updates them; ``load_params`` writes trained values back
+into the module, ``state_dict`` gives a sharded state dict for :mod:`fshard.checkpoint`::
 
-    params = fs.nn.shard_params(model, mesh, fs.nn.megatron_plan(column=["*.fc1"], row=["*.fc2"]))
+    plan = fs.nn.megatron_plan(column=["*.fc1"], row=["*.fc2"])
+    params = fs.nn.shard_params(model, mesh, plan)
     loss_fn = lambda ps, x, y: F.mse_loss(fs.nn.functional_call(model, ps, (x,)), y)
     grads = torch.func.grad(loss_fn)(params, x, y)
+    fs.nn.load_params(model, params)  # model.state_dict() now holds the trained values
+
+A plan maps globs to ``fs.P`` (a parameter's layout) or to :class:`Output` (a module's
+output layout, DTensor's ``output_layouts``: e.g. reduce a row-parallel Linear's pending sum
+right after it, so the residual stream stays replicated).
 
 Inside ``forward``, ``F.linear(x, self.weight)`` etc. receive ShardedArrays and dispatch to
 fshard's op rules through ``__torch_function__``; a forward written on local tensors with
@@ -20,16 +27,52 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
-from .api import shard
+from .api import gather, reshard, shard
 from .array import ShardedArray
 from .mesh import Mesh
 from .spec import P
+from .tree import tree_leaves
 
-__all__ = ["shard_params", "functional_call", "megatron_plan", "match_plan"]
+__all__ = [
+    "Output",
+    "shard_params",
+    "functional_call",
+    "load_params",
+    "state_dict",
+    "megatron_plan",
+    "match_plan",
+]
+
+
+class Output(NamedTuple):
+    """Plan value: reshard the output of every module the key matches to ``spec``.
+
+    The key is a glob (or ``"re:"`` regex) over module names (``named_modules()``), e.g.
+    ``{"*.o_proj": fs.nn.Output(fs.P())}``: ``o_proj``'s pending sum is all-reduced right
+    after it (DTensor ``RowwiseParallel(output_layouts=Replicate())``);
+    ``fs.nn.Output(fs.P(None, "tp"))`` reduce-scatters it over the sequence dim instead.
+    Applied by :func:`functional_call` to a module output that is a ShardedArray; plain
+    tensor outputs (a dense call, a local-view forward) are left alone.
+
+    Example:
+        >>> Output(P())
+        Output(spec=P())
+    """
+
+    spec: P
+
+
+_REPLICATED = P()
+
+# module -> {submodule name: output spec}, recorded by the last shard_params on it
+_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _matcher(pattern: str):
@@ -44,6 +87,47 @@ def _matcher(pattern: str):
     return lambda name: fnmatch.fnmatchcase(name, pattern)
 
 
+def _match(names: Iterable[str], rules: Mapping, what: str) -> dict:
+    """``{name: value}`` of the first rule matching each name (names no rule matches are
+    left out); a rule that matches nothing raises."""
+    compiled = [(pattern, _matcher(pattern), value) for pattern, value in rules.items()]
+    used, out, names = set(), {}, list(names)
+    for name in names:
+        for pattern, match, value in compiled:
+            if match(name):
+                out[name] = value
+                used.add(pattern)
+                break
+    unused = [p for p, _, _ in compiled if p not in used]
+    if unused:
+        raise ValueError(
+            f"plan pattern(s) {unused} match no {what} (or only ones an earlier pattern "
+            f"took); {what} names are e.g. {names[:6]}. Globs use fnmatch against "
+            "the full dotted name; prefix a regex with 're:'"
+        )
+    return out
+
+
+def _split_plan(plan) -> tuple[dict[str, P], dict[str, P]]:
+    if plan is None:
+        return {}, {}
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be a mapping pattern -> fs.P, got {type(plan).__name__}")
+    params, outputs = {}, {}
+    for pattern, value in plan.items():
+        if isinstance(value, Output) and isinstance(value.spec, P):
+            outputs[pattern] = value.spec
+        elif isinstance(value, P):
+            params[pattern] = value
+        else:
+            raise TypeError(
+                f"plan[{pattern!r}] must be a fs.P (a parameter's layout) or a "
+                f"fs.nn.Output(fs.P(...)) (a module's output layout), got "
+                f"{type(value).__name__} {value!r}"
+            )
+    return params, outputs
+
+
 def match_plan(names: Iterable[str], plan: Mapping[str, P]) -> dict[str, P]:
     """Resolve ``plan`` against parameter ``names``: ``{name: spec}`` for every name.
 
@@ -52,7 +136,7 @@ def match_plan(names: Iterable[str], plan: Mapping[str, P]) -> dict[str, P]:
     (``"re:blocks\\.[0-3]\\.mlp\\.fc1\\.weight"``, matched with ``fullmatch``). Patterns are
     tried in the plan's order and the **first match wins**. Unmatched names are replicated
     (``P()``). A pattern that matches no name is an error (a typo would otherwise silently
-    replicate a layer).
+    replicate a layer). :class:`Output` entries (module output layouts) are skipped here.
 
     Args:
         names: parameter names (``module.named_parameters()`` order).
@@ -65,51 +149,45 @@ def match_plan(names: Iterable[str], plan: Mapping[str, P]) -> dict[str, P]:
         >>> match_plan(["fc.weight", "fc.bias"], {"*.weight": P("tp")})
         {'fc.weight': P('tp'), 'fc.bias': P()}
     """
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be a mapping pattern -> fs.P, got {type(plan).__name__}")
-    rules = []
-    for pattern, spec in plan.items():
-        if not isinstance(spec, P):
-            raise TypeError(f"plan[{pattern!r}] must be a fs.P, got {type(spec).__name__} {spec!r}")
-        rules.append((pattern, _matcher(pattern), spec))
-    used = set()
-    out = {}
-    for name in names:
-        out[name] = P()
-        for pattern, match, spec in rules:
-            if match(name):
-                out[name] = spec
-                used.add(pattern)
-                break
-    unused = [p for p, _, _ in rules if p not in used]
-    if unused:
-        raise ValueError(
-            f"plan pattern(s) {unused} match no parameter (or only ones an earlier pattern "
-            f"took); parameter names are e.g. {list(out)[:6]}. Globs use fnmatch against "
-            "the full dotted name; prefix a regex with 're:'"
-        )
-    return out
+    rules, _ = _split_plan(plan)
+    names = list(names)
+    found = _match(names, rules, "parameter")
+    return {name: found.get(name, P()) for name in names}
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta":
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def shard_params(
-    module: torch.nn.Module, mesh: Mesh, plan: Mapping[str, P] | None = None, *, src=None
+    module: torch.nn.Module, mesh: Mesh, plan: Mapping[str, P | Output] | None = None, *, src=None
 ) -> dict[str, ShardedArray]:
     """Shard a module's parameters following ``plan``.
+
+    The values are copies: the module's own tensors are never aliased, so a donated optimizer
+    step (``fs.optim.step(..., donate=True)``) cannot write into the module. Write trained
+    values back with :func:`load_params`. Tied parameters (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
+    gives every alias that value.
 
     Args:
         module: the module. With ``src=None`` every rank must hold the same values (e.g. the
             same seed before construction); each keeps its block, no communication.
         mesh: the mesh.
-        plan: ``{pattern: P}``, see :func:`match_plan` (globs, or ``"re:"`` regexes; first
-            match wins; unmatched params are replicated; a pattern matching nothing raises).
-            Specs index the parameter as torch stores it (``nn.Linear.weight`` is
-            ``(out_features, in_features)``).
+        plan: ``{pattern: P | Output}``: ``P`` entries are parameter layouts, see
+            :func:`match_plan` (globs, or ``"re:"`` regexes; first match wins; unmatched params
+            are replicated; a pattern matching nothing raises). Specs index the parameter as
+            torch stores it (``nn.Linear.weight`` is ``(out_features, in_features)``).
+            :class:`Output` entries are module output layouts over module names; they are
+            recorded for this module and applied by :func:`functional_call`.
         src: a rank: only that rank's values are used; they are scattered (each rank receives
             its block). Other ranks' modules only provide names, shapes and dtypes (they may
             live on the ``meta`` device).
 
     Returns:
-        ``{name: ShardedArray}`` in ``named_parameters()`` order (detached values).
+        ``{name: ShardedArray}`` in ``named_parameters()`` order (detached copies).
 
     Example:
         >>> plan = {"*.fc1.weight": fs.P("tp", None), "*.fc2.weight": fs.P(None, "tp")}  # doctest: +SKIP
@@ -120,54 +198,124 @@ def shard_params(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
     named = dict(module.named_parameters())
-    specs = match_plan(named, plan or {})
+    param_rules, output_rules = _split_plan(plan)
+    specs = match_plan(named, param_rules)
+    outputs = _match((n for n, _ in module.named_modules()), output_rules, "module")
+    for name, p in named.items():
+        if len(specs[name]) > p.dim():
+            raise ValueError(
+                f"plan gives {name} (shape {tuple(p.shape)}) the spec {specs[name]}, which has "
+                "more entries than the parameter has dims"
+            )
     out = {}
     for name, p in named.items():
-        spec = specs[name]
-        if len(spec) > p.dim():
-            raise ValueError(
-                f"plan gives {name} (shape {tuple(p.shape)}) the spec {spec}, which has more "
-                "entries than the parameter has dims"
-            )
+        spec, t = specs[name], p.detach()
         if src is None:
-            out[name] = shard(p.detach(), mesh, spec)
+            x = shard(t, mesh, spec)
         else:
-            t = p.detach() if mesh.rank == src else None
-            out[name] = shard(t, mesh, spec, src=src, shape=tuple(p.shape), dtype=p.dtype)
+            x = shard(
+                t if mesh.rank == src else None, mesh, spec, src=src, shape=t.shape, dtype=t.dtype
+            )
+        if _shares_storage(x.local, t):
+            x = ShardedArray._raw(x.local.clone(), x.layout)
+        out[name] = x
+    _OUTPUTS[module] = outputs
     return out
 
 
-def _resolve(module: torch.nn.Module, name: str):
+def _resolve(module: torch.nn.Module, name: str, fn: str = "functional_call"):
     *path, attr = name.split(".")
     owner = module
     for part in path:
         sub = owner._modules.get(part)
         if sub is None:
-            raise ValueError(
-                f"functional_call: {name!r} is not a parameter or buffer of the module"
-            )
+            raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
         owner = sub
-    if attr in owner._parameters:
-        return owner, attr, "_parameters"
-    if attr in owner._buffers:
-        return owner, attr, "_buffers"
-    raise ValueError(f"functional_call: {name!r} is not a parameter or buffer of the module")
+    for slot in ("_parameters", "_buffers"):
+        tensors = getattr(owner, slot)
+        if tensors.get(attr) is not None:
+            return owner, attr, slot
+    raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
 
 
-def functional_call(module: torch.nn.Module, params: Mapping, args=(), kwargs=None):
+def _aliases(module: torch.nn.Module) -> dict[int, list]:
+    """``id(tensor) -> [(owner, attr, slot), ...]``: every place a parameter/buffer is held."""
+    out: dict[int, list] = {}
+    for owner in module.modules():
+        for slot in ("_parameters", "_buffers"):
+            for attr, t in getattr(owner, slot).items():
+                if t is not None:
+                    out.setdefault(id(t), []).append((owner, attr, slot))
+    return out
+
+
+def _targets(module: torch.nn.Module, params: Mapping, fn: str) -> list:
+    """``[(owner, attr, slot, value)]`` for every alias of every entry of ``params``."""
+    aliases = _aliases(module)
+    claimed: dict[int, tuple[str, object]] = {}
+    targets = []
+    for name, value in params.items():
+        if not isinstance(value, (torch.Tensor, ShardedArray)):
+            raise TypeError(
+                f"params[{name!r}] is a {type(value).__name__}; values must be ShardedArrays "
+                "or tensors"
+            )
+        owner, attr, slot = _resolve(module, name, fn)
+        key = id(getattr(owner, slot)[attr])
+        if key in claimed:
+            other, other_value = claimed[key]
+            if other_value is not value:
+                raise ValueError(
+                    f"{fn}: params[{name!r}] and params[{other!r}] are tied (one parameter) "
+                    "but were given different values; pass only one of them"
+                )
+            continue
+        claimed[key] = (name, value)
+        targets.extend((o, a, s, value) for o, a, s in aliases[key])
+    return targets
+
+
+def _output_hook(name: str, spec: P):
+    def hook(mod, inputs, out):
+        if isinstance(out, ShardedArray):
+            return reshard(out, spec)
+        if any(isinstance(leaf, ShardedArray) for leaf in tree_leaves(out)):
+            raise TypeError(
+                f"functional_call: the plan gives module {name!r} the output layout {spec}, "
+                f"but it returns a {type(out).__name__}, not a single ShardedArray; drop its "
+                "fs.nn.Output entry (or reshard inside the model)"
+            )
+        return None
+
+    return hook
+
+
+def functional_call(
+    module: torch.nn.Module,
+    params: Mapping,
+    args=(),
+    kwargs=None,
+    *,
+    outputs: Mapping[str, P] | None = None,
+):
     """Run ``module(*args, **kwargs)`` with the parameters (and buffers) in ``params``.
 
     ``torch.func.functional_call`` refuses non-Tensor values, so this swaps the values into
     the module itself: each named entry is popped from its owner's ``_parameters`` (or
     ``_buffers``) and set in the owner's ``__dict__``; everything is restored afterwards, also
-    when ``forward`` raises. Names missing from ``params`` keep the module's own tensors. Not
-    thread-safe for concurrent calls on one module.
+    when ``forward`` raises. Like ``torch.func.functional_call`` (``tie_weights=True``), every
+    alias of a parameter gets the value (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``: passing the latter swaps both). Names missing from ``params``
+    keep the module's own tensors. Not thread-safe for concurrent calls on one module.
 
     Args:
         module: the module.
         params: ``{name: ShardedArray | Tensor}`` (names as in ``named_parameters()``).
         args: a tuple of positional arguments (a single non-tuple value is wrapped).
         kwargs: keyword arguments.
+        outputs: ``{module glob: P}``, output layouts applied to ShardedArray outputs of the
+            matched submodules (see :class:`Output`). ``None``: the :class:`Output` entries of
+            the plan the last :func:`shard_params` on this module used; ``{}``: none.
 
     Returns:
         Whatever ``module.forward`` returns.
@@ -182,27 +330,157 @@ def functional_call(module: torch.nn.Module, params: Mapping, args=(), kwargs=No
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
+    if outputs is None:
+        outputs = _OUTPUTS.get(module, {})
+    else:
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"outputs must be a mapping glob -> fs.P, got {outputs!r}")
+        _, outputs = _split_plan({k: Output(v) for k, v in outputs.items()})
+        outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
-    targets = []
-    for name, value in params.items():
-        if not isinstance(value, (torch.Tensor, ShardedArray)):
-            raise TypeError(
-                f"params[{name!r}] is a {type(value).__name__}; values must be ShardedArrays "
-                "or tensors"
-            )
-        targets.append((*_resolve(module, name), value))
-    saved = []
+    targets = _targets(module, params, "functional_call")
+    saved, hooks = [], []
     try:
         for owner, attr, slot, value in targets:
             original = getattr(owner, slot).pop(attr)
             saved.append((owner, attr, slot, original))
             owner.__dict__[attr] = value
+        for name, spec in outputs.items():
+            hooks.append(module.get_submodule(name).register_forward_hook(_output_hook(name, spec)))
         return module(*args, **(kwargs or {}))
     finally:
+        for h in hooks:
+            h.remove()
         for owner, attr, slot, original in reversed(saved):
             owner.__dict__.pop(attr, None)
             getattr(owner, slot)[attr] = original
+
+
+def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:
+    """Write ``params`` (e.g. trained, sharded) back into the module's own tensors, in place.
+
+    Every alias of a parameter is updated (they are one tensor). Sharded values are gathered,
+    so every rank of their mesh must call this with the same ``params``; all names and shapes
+    are checked before any communication.
+
+    Args:
+        module: the module :func:`shard_params` read.
+        params: ``{name: ShardedArray | Tensor}`` (names as in ``named_parameters()``;
+            buffers too).
+        dst: ``None``: every rank's module is written. A rank: values are gathered to that rank
+            only and only its module is written (the others may live on ``meta``).
+
+    Returns:
+        None; afterwards ``module.state_dict()`` holds the values.
+
+    Example:
+        >>> params, opt_state = fs.optim.step(tx, grads, opt_state, params)  # doctest: +SKIP
+        >>> fs.nn.load_params(model, params)  # doctest: +SKIP
+        >>> torch.save(model.state_dict(), "model.pt")  # doctest: +SKIP
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)):
+        raise TypeError(f"load_params: dst must be a rank (int) or None, got {dst!r}")
+    targets = {}
+    for owner, attr, slot, value in _targets(module, params, "load_params"):
+        t = getattr(owner, slot)[attr]
+        if tuple(value.shape) != tuple(t.shape):
+            raise ValueError(
+                f"load_params: a value of shape {tuple(value.shape)} does not fit the module's "
+                f"{type(owner).__name__}.{attr} of shape {tuple(t.shape)}"
+            )
+        targets[id(t)] = (t, value)
+    for t, value in targets.values():
+        full = value
+        if isinstance(value, ShardedArray):
+            full = gather(value, dst)
+            if full is None:
+                continue
+        elif dst is not None:
+            raise TypeError("load_params: dst needs ShardedArray values (a tensor is local)")
+        with torch.no_grad():
+            t.copy_(full.detach())
+
+
+def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
+    """``module.state_dict()`` with the values of ``params`` in place of the module's own.
+
+    A sharded state dict for :func:`fshard.checkpoint.save` (no communication): the same keys
+    as ``module.state_dict()`` (tied aliases and persistent buffers included), each holding the
+    ShardedArray from ``params`` where there is one, else the module's tensor (detached).
+
+    Args:
+        module: the module.
+        params: ``{name: ShardedArray | Tensor}`` (e.g. from :func:`shard_params`).
+
+    Returns:
+        ``{state_dict key: ShardedArray | Tensor}``.
+
+    Example:
+        >>> fs.checkpoint.save("ckpt", fs.nn.state_dict(model, params))  # doctest: +SKIP
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    by_tensor = {id(getattr(o, s)[a]): v for o, a, s, v in _targets(module, params, "state_dict")}
+    out = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        out[key] = by_tensor.get(id(t), t.detach() if isinstance(t, torch.Tensor) else t)
+    return out
+
+
+def _linear_kind(mod: torch.nn.Module, name: str) -> str:
+    """``"linear"`` (weight (out, in)), ``"conv1d"`` (HF GPT-2 Conv1D, weight (in, out))."""
+    if isinstance(mod, torch.nn.Linear):
+        return "linear"
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx"):
+        return "conv1d"
+    raise TypeError(
+        f"megatron_plan: module {name!r} is a {type(mod).__name__}; column/row splits know "
+        "nn.Linear and transformers' Conv1D; write its fs.P entries by hand"
+    )
+
+
+def _kind_of(module, glob: str, arg: str) -> tuple[str, list]:
+    mods = [(n, m) for n, m in module.named_modules() if _matcher(glob)(n)]
+    if not mods:
+        raise ValueError(f"megatron_plan: {arg} glob {glob!r} matches no module of the model")
+    kinds = {_linear_kind(m, n) for n, m in mods}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"megatron_plan: {arg} glob {glob!r} matches both nn.Linear and Conv1D modules "
+            "(their weights are stored transposed to each other); split it into two globs"
+        )
+    return kinds.pop(), mods
+
+
+def _check_fused(name: str, mod, kind: str, axis: str) -> None:
+    out_f, in_f = (mod.out_features, mod.in_features) if kind == "linear" else (mod.nf, mod.nx)
+    if out_f != 3 * in_f:
+        return
+    msg = (
+        f"megatron_plan: column split of {name!r} over {axis!r}: its out-features "
+        f"({out_f} = 3 x {in_f}) look like a fused q|k|v projection"
+    )
+    if kind == "conv1d":  # HF GPT-2 family: [q | k | v] concatenated, split(n_embd) after
+        raise ValueError(
+            f"{msg} stored [q | k | v] (transformers' Conv1D, GPT-2's c_attn); a contiguous "
+            "split is not head-aligned (rank 0 would get all of q and part of k, so the "
+            "attention would reshuffle heads across ranks every step). Leave it out of "
+            "column= (replicated; the row-parallel c_proj after the attention then slices its "
+            "input for free), or permute its out-features head-major and split by hand"
+        )
+    warnings.warn(
+        f"{msg}: a contiguous split is head-aligned only if the out-features are head-major "
+        "([h0: q k v | h1: q k v | ...]); if they are [q | k | v] concatenated, leave it out "
+        "of column= (values stay correct, but heads move across ranks every step)",
+        stacklevel=3,
+    )
 
 
 def megatron_plan(
@@ -211,40 +489,68 @@ def megatron_plan(
     vocab: Iterable[str] = (),
     axis: str = "tp",
     bias: bool = True,
-) -> dict[str, P]:
-    """A Megatron tensor-parallel plan for ``nn.Linear`` / ``nn.Embedding`` modules.
+    *,
+    row_output: P | None = _REPLICATED,
+    model: torch.nn.Module | None = None,
+) -> dict[str, P | Output]:
+    """A Megatron tensor-parallel plan for ``nn.Linear`` / ``Conv1D`` / ``nn.Embedding``.
 
     Args:
-        column: module-name globs of column-parallel Linears (qkv, fc1): the weight
-            ``(out, in)`` is split on out-features ``P(axis, None)``, the bias ``P(axis)``;
-            their outputs are sharded on the last dim.
-        row: globs of row-parallel Linears (attention out-proj, fc2): the weight is split on
-            in-features ``P(None, axis)``; the bias stays replicated (added once after the
-            reduction).
+        column: module-name globs of column-parallel layers (q/k/v, fc1): the weight is split
+            on out-features (``nn.Linear`` ``(out, in)``: ``P(axis, None)``; transformers'
+            ``Conv1D`` ``(in, out)``: ``P(None, axis)``), the bias ``P(axis)``; their outputs
+            are sharded on the last dim.
+        row: globs of row-parallel layers (attention out-proj, fc2): the weight is split on
+            in-features; the bias stays replicated (added once after the reduction).
         vocab: globs of vocab-parallel Embeddings: the weight ``(vocab, dim)`` is ``P(axis)``.
         axis: the tensor-parallel mesh axis.
-        bias: whether the column-parallel Linears have a bias (its pattern must match).
+        bias: whether the column-parallel layers have a bias (its pattern must match).
+            Ignored when ``model`` is given (read from the modules).
+        row_output: the layout each row-parallel layer's (and vocab-parallel Embedding's)
+            output, a pending sum, is resharded to right after it (an :class:`Output` entry): ``P()`` (default, DTensor's ``RowwiseParallel``)
+            all-reduces the pending sum once, so the residual stream and every norm after it
+            stay replicated; ``P(None, axis)`` reduce-scatters over the sequence dim;
+            ``None`` leaves the sum pending for the op rules.
+        model: the model. When given, each glob must match modules of the model, the weight
+            dim is chosen by module type (``Conv1D`` stores its weight transposed), biases are
+            detected, and a column split of a fused q|k|v projection is refused
+            (``Conv1D``, stored ``[q | k | v]``: never head-aligned) or warned about
+            (``nn.Linear`` with out = 3 x in).
 
     Returns:
-        A plan for :func:`shard_params`; everything else (LayerNorm, position embeddings) is
+        A plan for :func:`shard_params`; everything else (norms, position embeddings) is
         replicated.
 
     Example:
         >>> megatron_plan(column=["*.fc1"], row=["*.fc2"])
-        {'*.fc1.weight': P('tp', None), '*.fc1.bias': P('tp'), '*.fc2.weight': P(None, 'tp')}
+        {'*.fc1.weight': P('tp', None), '*.fc1.bias': P('tp'), '*.fc2.weight': P(None, 'tp'), '*.fc2': Output(spec=P())}
     """
     if not isinstance(axis, str) or not axis:
         raise TypeError(f"axis must be a mesh axis name, got {axis!r}")
     for arg, value in (("column", column), ("row", row), ("vocab", vocab)):
         if isinstance(value, str):
             raise TypeError(f"{arg} must be a list of globs, not a string ({value!r}); wrap it")
-    plan: dict[str, P] = {}
+    if row_output is not None and not isinstance(row_output, P):
+        raise TypeError(f"row_output must be a fs.P or None, got {row_output!r}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    plan: dict[str, P | Output] = {}
     for m in column:
-        plan[f"{m}.weight"] = P(axis, None)
-        if bias:
+        kind, has_bias = "linear", bias
+        if model is not None:
+            kind, mods = _kind_of(model, m, "column")
+            has_bias = any(getattr(mod, "bias", None) is not None for _, mod in mods)
+            for name, mod in mods:
+                _check_fused(name, mod, kind, axis)
+        plan[f"{m}.weight"] = P(axis, None) if kind == "linear" else P(None, axis)
+        if has_bias:
             plan[f"{m}.bias"] = P(axis)
     for m in row:
-        plan[f"{m}.weight"] = P(None, axis)
+        kind = _kind_of(model, m, "row")[0] if model is not None else "linear"
+        plan[f"{m}.weight"] = P(None, axis) if kind == "linear" else P(axis, None)
     for m in vocab:
         plan[f"{m}.weight"] = P(axis, None)
+    if row_output is not None:  # a row-parallel layer's and a vocab-parallel lookup's output
+        for m in (*row, *vocab):  # is a pending sum
+            plan[m] = Output(row_output)
     return plan

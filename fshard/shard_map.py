@@ -18,22 +18,21 @@ tensor object, stamped with the active body so stale marks are ignored):
   replicated parameter's gradient is reduced exactly once (data parallel) and never when it only
   feeds invariant computation (``lambda w: w * 2`` with ``out_specs=P()``);
 - collectives set their result's axes (``psum`` removes, ``all_gather`` adds, ...);
-- tensors created in the body or closed over are invariant (constants, as in JAX).
+- tensors created in the body or closed over are invariant (constants, as in JAX);
+  ``fs.lax.axis_index`` is a tensor varying over its axis.
   ``torch.func`` transforms applied *inside* the body: their wrappers of tracked tensors inherit
-  the tracked axes, and a ``vmap`` result that comes back without moving a dim is tracked too;
-  other results of inner transforms (notably gradients from an inner ``grad``) are untracked,
-  i.e. treated as invariant. That is right for the gradient of a replicated input (it is
-  already reduced, see the pitfall below) but not for a varying inner result that you then mix
-  with replicated values and differentiate again: put ``vmap``/``grad`` *around* the
-  ``shard_map`` (fully supported) in that case.
+  the tracked axes; a gradient from an inner ``grad``/``vjp`` (``torch.autograd.grad`` in the
+  body) varies over the axes of its primal (JAX: a cotangent has its primal's type); a ``vmap``
+  result varies as the physical tensor it views (``out_dims`` moves a dim by a view).
 
 At the output boundary, an output declared varying over an axis (sharded or partial in its
 out_spec) but tracked invariant is ``pcast`` (its blocks are copies, so its gradient sums
-them); an output declared replicated over an axis but tracked varying (e.g. the default
-``all_gather(to="varying")`` returned as ``P()``) gets a cast whose forward is the identity and
-whose backward scales the cotangent by ``1/n``: the cotangent of an invariant output arrives
-identical on every rank and the varying computation behind it would otherwise add the ``n``
-copies up.
+them). An output declared replicated over an axis but tracked varying is an error by default
+(``check_vma=True``, JAX's static check: a ``ValueError`` naming the fix, no communication);
+with ``check_vma=False`` it gets a cast whose forward is the identity and whose backward
+scales the cotangent by ``1/n`` (e.g. the default ``all_gather(to="varying")`` returned as
+``P()``: the cotangent of an invariant output arrives identical on every rank and the varying
+computation behind it would otherwise add the ``n`` copies up).
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, lax
-from .api import shard
+from . import _comm, axis_env, consistency
+from .api import claimed_local, shard
 from .array import ShardedArray
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
@@ -90,6 +89,12 @@ class _Tracker(TorchFunctionMode):
             mark = getattr(t, _ATTR, None)
             if mark is not None and mark[0] is self:
                 return mark[1]
+        # A view made where the mode cannot see it (vmap moving its result's batch dim to
+        # out_dims) varies as what it views; views of closed-over constants stay invariant.
+        base = t._base
+        mark = getattr(base, _ATTR, None) if base is not None else None
+        if mark is not None and mark[0] is self:
+            return mark[1]
         return _EMPTY
 
     def tag(self, t, axes: frozenset) -> None:
@@ -131,6 +136,8 @@ class _Tracker(TorchFunctionMode):
     # -- the mode -------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.autograd.grad and not self.paused:
+            return self._grad(func, args, kwargs)
         if self.paused or func in _PASSTHROUGH:
             return func(*args, **kwargs)
         found = []  # vma of every tensor operand
@@ -149,6 +156,17 @@ class _Tracker(TorchFunctionMode):
         if union:
             self.tag(args[0] if _in_place(func, kwargs) else out, union)
         return out
+
+    def _grad(self, func, args, kwargs):
+        """``torch.autograd.grad`` in the body (what an inner ``torch.func.grad``/``vjp`` calls):
+        a cotangent varies over the axes its primal varies over (JAX: same vma type)."""
+        inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
+        grads = func(*args, **kwargs)
+        primals = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        for g, p in zip(grads, primals):
+            if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor):
+                self.tag(g, self.vma(p))
+        return grads
 
     def _align(self, func, args, kwargs, union):
         """pcast every floating operand that is invariant over an axis in ``union``."""
@@ -248,7 +266,7 @@ def _local_input(x, spec: P | None, mesh: Mesh, where: str):
                 f"shard_map: {where} has layout {x.layout.spec} but in_specs gives {spec}; "
                 f"shard_map never reshards implicitly: call fs.reshard(x, {spec}) first"
             )
-        return x.local
+        return claimed_local(x)
     if isinstance(x, torch.Tensor):
         return shard(x, mesh, spec).local
     return x
@@ -286,7 +304,7 @@ def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
 # -- the output boundary --------------------------------------------------------------------
 
 
-def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: bool):
+def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: bool, vma: bool):
     if isinstance(out_specs, list):
         out_specs = tuple(out_specs)
     specs, subtrees, treedef = _spec_leaves(out_specs, out, "out_specs")
@@ -318,6 +336,9 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
             _check_replicated(w, local, spec, mesh)
     shapes = _global_shapes(flat, mesh, out_shapes, out, treedef)
     results = []
+    if vma:
+        for w, local, spec in flat:
+            _check_invariant(w, spec, mesh, tracker.vma(local))
     for (_w, local, spec), shape in zip(flat, shapes):
         local = _cast_out(local, spec, mesh, tracker.vma(local))
         layout = Layout(mesh, spec, shape, local.dtype)
@@ -327,6 +348,23 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
         new.append(optree.tree_unflatten(sub_def, results[i : i + n]))
         i += n
     return treedef.unflatten(new)
+
+
+def _check_invariant(where: str, spec: P, mesh: Mesh, vma: frozenset) -> None:
+    """JAX's static out_specs check (``check_vma``): an output declared replicated over an axis
+    must be invariant over it. Uses the tracked varying axes only: no communication."""
+    bad = [a for a in mesh.axis_names if a in vma and a not in spec.axes]
+    if bad:
+        axes = bad[0] if len(bad) == 1 else tuple(bad)
+        raise ValueError(
+            f"shard_map: {where} is declared replicated over mesh axis {axes!r} by its out_spec "
+            f"{spec}, but it varies over {axes!r} (it was computed from values sharded or "
+            f"partial over {axes!r} and not reduced). Reduce it in the body (fs.lax.psum / "
+            f"pmean / pmax, or fs.lax.all_gather(..., to='invariant')), or name the axis in its "
+            f"out_spec (P({axes!r}) to concatenate the blocks, P(partial={axes!r}) for "
+            "addends). If the blocks are equal by construction, pass check_vma=False to trust "
+            "the out_spec (check_replication=True then verifies the values)."
+        )
 
 
 def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch.Tensor:
@@ -422,6 +460,7 @@ def _exchanged_shapes(flat: list, mesh: Mesh) -> list:
     else:
         send = torch.tensor(mine, dtype=torch.int64, device=mesh.device())
         recv = send.new_empty(g.size * len(mine))
+        consistency.check_collective("size_exchange", g, send, count=len(mine))
         _comm.record("size_exchange", g.axes, send.numel() * send.element_size())
         dist.all_gather_single(recv, send, group=g.pg)
         rows = recv.view(g.size, len(mine)).tolist()
@@ -471,6 +510,24 @@ def _dim_size(where: str, d: int, axes: tuple, sizes: dict, mesh: Mesh) -> int:
     return n
 
 
+def _signature(args: tuple, in_specs, out_specs) -> dict:
+    """What every rank must agree on when calling a shard_map (consistency mode)."""
+
+    def describe(v):
+        if isinstance(v, ShardedArray):
+            return ("ShardedArray", v.layout.spec, v.layout.shape, v.layout.dtype)
+        if isinstance(v, torch.Tensor):
+            return ("Tensor", tuple(v.shape), v.dtype)
+        return type(v).__name__
+
+    leaves = optree.tree_leaves(args, is_leaf=_is_sharded, none_is_leaf=True)
+    return {
+        "in_specs": repr(in_specs),
+        "out_specs": repr(out_specs),
+        "inputs": tuple(describe(v) for v in leaves),
+    }
+
+
 # -- the public function --------------------------------------------------------------------
 
 
@@ -481,6 +538,7 @@ def shard_map(
     out_specs,
     check_replication: bool = False,
     out_shapes=None,
+    check_vma: bool = True,
 ) -> Callable:
     """Map ``f`` over local blocks: ``f`` sees this rank's local tensors and uses ``fs.lax``.
 
@@ -504,6 +562,11 @@ def shard_map(
             all_gather of the local shapes per call (all outputs in one message), because
             uneven blocks make the global size undecidable from one rank's block; outputs with
             no split dim need no exchange.
+        check_vma: JAX's check: an output whose out_spec leaves an axis replicated must be
+            invariant over it (reduced, or never mixed with values sharded over it), else
+            ``ValueError`` naming the output, the axis and the fix. Free: it reads the tracked
+            varying axes. ``False`` trusts the out_spec (the output is taken as equal over the
+            axis; its cotangent is counted once).
 
     Returns:
         A function of the same positional arguments returning :class:`ShardedArray` outputs
@@ -532,6 +595,8 @@ def shard_map(
         raise ValueError(f"shard_map: mesh {mesh!r} is abstract; use Mesh.create")
     if not isinstance(check_replication, bool):
         raise TypeError(f"shard_map: check_replication must be a bool, got {check_replication!r}")
+    if not isinstance(check_vma, bool):
+        raise TypeError(f"shard_map: check_vma must be a bool, got {check_vma!r}")
 
     @functools.wraps(f)
     def mapped(*args, **kwargs):
@@ -540,20 +605,16 @@ def shard_map(
                 f"shard_map: pass inputs positionally (in_specs describes the positional "
                 f"arguments); got keyword arguments {sorted(kwargs)}"
             )
-        if lax._TRACKER.get() is not None:
+        if axis_env.in_body():
             raise NotImplementedError("shard_map: nesting shard_map bodies is not supported")
+        if consistency.enabled():
+            consistency.check_equal(_signature(args, in_specs, out_specs), mesh, what="shard_map")
         local_args, marks = _inputs(args, in_specs, mesh)
         tracker = _Tracker(mesh)
         for local, axes in marks:
             tracker.tag(local, axes)
-        mesh_token = lax._MESH.set(mesh)
-        tracker_token = lax._TRACKER.set(tracker)
-        try:
-            with tracker:
-                out = f(*local_args)
-        finally:
-            lax._TRACKER.reset(tracker_token)
-            lax._MESH.reset(mesh_token)
-        return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication)
+        with axis_env.enter(mesh, tracker), tracker:
+            out = f(*local_args)
+        return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication, check_vma)
 
     return mapped

@@ -1,11 +1,16 @@
 """Shared fixtures: one persistent launch World per size for the whole session."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from fshard.launch import World
+# Consistency mode (fshard.consistency) on for the whole suite: ranks that disagree raise
+# instead of returning wrong values. Set before fshard is imported; spawned workers inherit it.
+os.environ.setdefault("FSHARD_CHECK_CONSISTENCY", "1")
+
+from fshard.launch import World  # noqa: E402
 
 # Spawned workers inherit the parent's sys.path and import test functions by module name
 # (tests.test_launch.fn), so the repo root must be on it even if pytest's rootdir insertion

@@ -69,10 +69,10 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-9, msg=lambda m: f"{what}: {m}")
 
 
-def _check_like(g, s, want, what, *, cotangent=True):
+def _check_like(g, s, want, what):
     """``g`` has spec ``s`` and is ``want`` laid out that way: this rank's local is its block of
-    ``want``. A partial value is gathered (its locals are addends); a partial *cotangent*
-    (gradient, Jacobian) is invariant, so its local is the block of the whole ``want``."""
+    ``want``. A partial value, and a partial parameter's gradient or Jacobian (README: partial
+    values), holds addends: it is gathered."""
     if s is None:  # w.r.t. a plain tensor: a plain (replicated, full) result
         assert not isinstance(g, fs.ShardedArray), (what, g)
         _close(g, want, what)
@@ -80,7 +80,7 @@ def _check_like(g, s, want, what, *, cotangent=True):
     assert isinstance(g, fs.ShardedArray), (what, type(g))
     assert g.spec == s, (what, g.spec, s)
     assert tuple(g.shape) == tuple(want.shape), (what, g.shape, want.shape)
-    if s.partial and not cotangent:
+    if s.partial:
         _close(fs.gather(g), want, what)
     else:
         _close(g.local, want[g.layout.shard_metadata(g.mesh.rank).slices()], what)
@@ -130,7 +130,7 @@ class Checker:
         xs = [_shard(t, mesh, s) for t, s in zip(tensors, specs)]
         out = f(*xs)
         assert isinstance(out, fs.ShardedArray), (label, type(out))
-        _check_like(out, out.spec, want["value"], f"{label} value", cotangent=False)
+        _check_like(out, out.spec, want["value"], f"{label} value")
 
         def loss(*args):  # a scalar that is the same on every rank
             return (torch.sin(fs.gather(f(*args))) * cot).sum()
@@ -142,13 +142,13 @@ class Checker:
             tuple(_shard(t, mesh, specs[i]) for i, t in zip(diff, tans)),
         )
         assert val.layout == out.layout, (label, "jvp value", val.layout, out.layout)
-        _check_like(val, out.spec, want["value"], f"{label} jvp value", cotangent=False)
-        _check_like(tan, out.spec, want["jvp"], f"{label} jvp tangent", cotangent=False)
+        _check_like(val, out.spec, want["value"], f"{label} jvp value")
+        _check_like(tan, out.spec, want["jvp"], f"{label} jvp tangent")
 
         # -- vmap over stacked sharded inputs -------------------------------------------------
         Xs_s = [X if s is None else fs.shard(X, mesh, _lead(1, s)) for X, s in zip(Xs, specs)]
         got = vmap(f)(*Xs_s)
-        _check_like(got, _lead(1, out.spec), want["vmap"], f"{label} vmap", cotangent=False)
+        _check_like(got, _lead(1, out.spec), want["vmap"], f"{label} vmap")
 
         # -- vmap(grad): per-example grads of stacked sharded inputs --------------------------
         per = vmap(grad(loss, argnums=argnums))(*Xs_s)
@@ -166,7 +166,7 @@ class Checker:
             one = f(*_put(xs, [data], [tensors[data]]))  # per-example layout, plain data
             got = vmap(f, in_dims=in_dims)(*args)
             what = f"{label} vmap in_dims={in_dims}"
-            _check_like(got, _lead(1, one.spec), want["vmap_params"], what, cotangent=False)
+            _check_like(got, _lead(1, one.spec), want["vmap_params"], what)
             if params:
                 per = vmap(grad(loss, argnums=params), in_dims=in_dims)(*args)
                 for i, g, w in zip(params, per, want["vmap_grad_params"]):
@@ -434,7 +434,7 @@ def shape_cases():
     y = fs.shard(t, mesh, S0)
     got = vmap(lambda u: F.softmax(u.sum(0) * 2, -1), in_dims=1)(y)
     want = vmap(lambda u: F.softmax(u.sum(0) * 2, -1), in_dims=1)(t)
-    _check_like(got, R, want, "vmap in_dims=1 over a split input", cotangent=False)
+    _check_like(got, R, want, "vmap in_dims=1 over a split input")
     with pytest.raises(ValueError, match="vmap can only map over an unsharded dim"):
         vmap(torch.sin)(fs.shard(a[:, :5], mesh, S0))
     # ...also when dropping another, unsplit dim would fit the local shape: (4, 2) split over

@@ -62,7 +62,7 @@ def replicated_param_grads():
     inv = fs.shard_map(lambda w_: w_ * 2, mesh, P(), P())
     _close(grad(lambda w_: fs.gather(inv(w_)).sum())(w).local, torch.full_like(W, 2.0), "w*2")
     # all_gather(to="varying") returned as P(): the boundary cast scales the cotangent by 1/n.
-    ag = fs.shard_map(lambda x_: lax.all_gather(x_, "x"), mesh, P("x"), P())
+    ag = fs.shard_map(lambda x_: lax.all_gather(x_, "x"), mesh, P("x"), P(), check_vma=False)
     gx = grad(lambda x_: (fs.gather(ag(x_)) ** 3).sum())(x)
     assert gx.spec == P("x")
     _close(fs.gather(gx), 3 * X**2, "all_gather(varying) as P()")
@@ -315,3 +315,116 @@ def tracking_details():
 
 def test_tracking_details(world2):
     assert world2.run(tracking_details) == [True, True]
+
+
+# -- issue 14.2: out_specs checked from the tracked varying axes; axis_index varies; inner ----
+# -- transforms keep their varying axes; linearize refused -------------------------------------
+
+
+def out_specs_checked():
+    mesh = fs.Mesh.create((2,), ("x",))
+    X = _gen(0, 4, 3)
+    x = fs.shard(X, mesh, P("x"))
+    with fs.debug.comm_log() as log:
+        msg = _raises(
+            lambda: fs.shard_map(lambda b: b * 2, mesh, P("x"), P())(x),
+            ValueError,
+            r"output is declared replicated over mesh axis 'x'.*varies over 'x'.*fs\.lax\.psum"
+            r".*P\('x'\)",
+        )
+    assert log == [], "the check reads tracked axes only: no communication"
+    # JAX: all_gather's default result is varying, so out_specs=P() is rejected ...
+    _raises(
+        lambda: fs.shard_map(lambda b: lax.all_gather(b, "x"), mesh, P("x"), P())(x),
+        ValueError,
+        "to='invariant'",
+    )
+    # ... while the invariant gather, a psum and a varying out_spec pass.
+    inv = fs.shard_map(lambda b: lax.all_gather(b, "x", to="invariant"), mesh, P("x"), P())
+    _close(fs.gather(inv(x)), X, "all_gather(to='invariant') as P()")
+    ps = fs.shard_map(lambda b: lax.psum(b, "x"), mesh, P("x"), P())
+    _close(fs.gather(ps(x)), X[:2] + X[2:], "psum as P()")
+    _close(fs.gather(fs.shard_map(lambda b: b * 2, mesh, P("x"), P("x"))(x)), 2 * X, "P(x)")
+    # A nested output names its path.
+    _raises(
+        lambda: fs.shard_map(lambda b: {"y": b}, mesh, P("x"), {"y": P()})(x),
+        ValueError,
+        r"output\['y'\]",
+    )
+    return msg
+
+
+def test_out_specs_checked_from_varying_axes(world2):
+    m0, m1 = world2.run(out_specs_checked)
+    assert m0 == m1
+
+
+def axis_index_varies():
+    """JAX: psum(w * (1 + axis_index('x'))) over 2 ranks is 3w, with gradient 3 on every rank."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    W = _gen(1, 3)
+    w = fs.shard(W, mesh, P())
+    f = fs.shard_map(lambda w_: lax.psum(w_ * (1 + lax.axis_index("x")), "x"), mesh, P(), P())
+    _close(fs.gather(f(w)), 3 * W, "value")
+    g = grad(lambda w_: fs.gather(f(w_)).sum())(w)
+    _close(g.local, torch.full_like(W, 3.0), "grad (JAX gives 3 on both ranks)")
+    # It still indexes like an int.
+    rows = fs.shard_map(lambda w_: w_[lax.axis_index("x")].reshape(1), mesh, P(), P("x"))
+    _close(fs.gather(rows(w)), W[:2], "indexing with axis_index")
+    assert isinstance(lax.axis_index("x", mesh=mesh), int)  # outside a body: an int
+    return True
+
+
+def test_axis_index_is_varying(world2):
+    assert world2.run(axis_index_varies) == [True, True]
+
+
+def inner_transforms_keep_varying_axes():
+    """grad / vmap(out_dims=1) inside the body give varying values: the outer gradient matches
+    the dense one (treating them as replicated double-counted the cotangents)."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    X, W = _gen(0, 4, 3), _gen(1, 3)
+    x, w = fs.shard(X, mesh, P("x")), fs.shard(W, mesh, P())
+
+    def with_grad(x_, w_):
+        gx = grad(lambda v: ((v * w_) ** 2).sum())(x_)  # 2 x w^2: varies over x
+        return lax.psum((gx * w_).sum(), "x")
+
+    def with_vmap(x_, w_):
+        y = vmap(lambda row: row * w_, out_dims=1)(x_)  # (3, rows): varies over x
+        return lax.psum((y**2).sum(), "x")
+
+    dense = {
+        with_grad: lambda w_: (2 * X * w_**3).sum(),
+        with_vmap: lambda w_: ((X * w_) ** 2).sum(),
+    }
+    for body, ref in dense.items():
+        f = fs.shard_map(body, mesh, (P("x"), P()), P())
+        _close(fs.gather(f(x, w)), ref(W), f"{body.__name__} value")
+        _close(grad(lambda w_, f=f: fs.gather(f(x, w_)))(w).local, grad(ref)(W), body.__name__)
+    return True
+
+
+def test_inner_grad_and_vmap_keep_varying_axes(world2):
+    assert world2.run(inner_transforms_keep_varying_axes) == [True, True]
+
+
+def linearize_refused():
+    mesh = fs.Mesh.create((2,), ("x",))
+    X = _gen(0, 4, 3)
+    f = fs.shard_map(lambda b: lax.psum((b**2).sum(0), "x"), mesh, P("x"), P())
+
+    def fn(t):
+        return fs.gather(f(fs.shard(t, mesh, P("x"))))
+
+    msg = _raises(lambda: torch.func.linearize(fn, X), NotImplementedError, "torch.func.jvp")
+    # The suggested replacement works: jvp against the dense jvp.
+    T = _gen(2, 4, 3)
+    _, tangent = jvp(fn, (X,), (T,))
+    _close(tangent, jvp(lambda t: (t**2).sum(0), (X,), (T,))[1], "jvp instead of linearize")
+    return msg
+
+
+def test_linearize_through_a_collective_raises(world2):
+    m0, m1 = world2.run(linearize_refused)
+    assert m0 == m1 and "linearize" in m0

@@ -35,11 +35,6 @@ def _loss(t):
     return (torch.sin(t) * t).sum()
 
 
-def _replicated_part(g):
-    """A partial-layout gradient read as the replicated value its locals hold."""
-    return fs.gather(fs.from_local(g.local, g.mesh, P(*g.layout.dim_axes), shape=g.shape))
-
-
 def reshard_contract(shape, names, cases):
     """grad / jvp / vmap(grad) / jacrev through reshard+gather, layouts preserved."""
     mesh = fs.Mesh.create(shape, names)
@@ -53,14 +48,10 @@ def reshard_contract(shape, names, cases):
         g = grad(lambda x_: _loss(full(x_)))(x)
         assert g.layout == x.layout, (src, dst, g.layout)
         jr = jacrev(lambda x_: full(x_).sum(1))(x)
-        if src.partial:
-            # Each addend's cotangent is the whole dense gradient (a partial value's cotangent
-            # is replicated), so the gradient's locals are the dense gradient on every rank.
-            _close(_replicated_part(g), grad(_loss)(T), f"grad {src}->{dst}")
-            _close(_replicated_part(jr), jacrev(lambda a: a.sum(1))(T), f"jacrev {src}->{dst}")
-        else:
-            _close(fs.gather(g), grad(_loss)(T), f"grad {src}->{dst}")
-            _close(fs.gather(jr), jacrev(lambda a: a.sum(1))(T), f"jacrev {src}->{dst}")
+        # A partial source's gradient holds addends of the dense gradient (README: partial
+        # values), so it gathers like any other layout.
+        _close(fs.gather(g), grad(_loss)(T), f"grad {src}->{dst}")
+        _close(fs.gather(jr), jacrev(lambda a: a.sum(1))(T), f"jacrev {src}->{dst}")
         t = fs.shard(_gen(1, 6, 4), mesh, src)
         _close(jvp(full, (x,), (t,))[1], _gen(1, 6, 4), f"jvp {src}->{dst}")
     # vmap(grad) over a stack (the stacked dim unsharded)

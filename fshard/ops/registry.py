@@ -29,7 +29,7 @@ import optree
 import torch
 
 from .. import config
-from ..api import _reshard_one
+from ..api import _reshard_one, check_plain_tensor, claimed_local
 from ..array import ShardedArray
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
@@ -83,6 +83,18 @@ _CACHE: dict = {}
 #: ``(op, layout._id, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then values: no tuple
 #: per item; the length fixes where the names end).
 _UNARY: dict = {}
+#: Bound of _CACHE and _UNARY (keys hold shapes and static arguments, so a program with
+#: ever-changing shapes would grow them without end): a full cache is emptied and refilled.
+CACHE_MAX = 8192
+
+
+def _remember(cache: dict, key, value):
+    if len(cache) >= CACHE_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 _KW = object()  # separates positional from keyword arguments in a _UNARY key
 
 
@@ -219,17 +231,17 @@ def dispatch(func, args, kwargs):
         elif t in _STATIC:
             append(a)
         elif isinstance(a, torch.Tensor):
-            append((torch.Tensor, a.shape, a.dtype))
+            append((type(a), a.shape, a.dtype, a.layout))
         else:
             return _dispatch_tree(func, args, kwargs)
     key = tuple(key)
     compiled = _CACHE.get(key)
     if compiled is None:
-        compiled = _CACHE[key] = _compile(func, leaves, tree)
+        compiled = _remember(_CACHE, key, _compile(func, leaves, tree))
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
             if unary is not None:
-                _UNARY[ukey] = unary
+                _remember(_UNARY, ukey, unary)
     return compiled.run(leaves, tree)
 
 
@@ -260,7 +272,7 @@ def _dispatch_tree(func, args, kwargs):
     if compiled is None:
         compiled = _compile(func, leaves, tree)
         if key is not None:
-            _CACHE[key] = compiled
+            _remember(_CACHE, key, compiled)
     return compiled.run(leaves, tree)
 
 
@@ -320,6 +332,15 @@ def _compile(func, leaves, tree) -> _Compiled:
                 f"{name}: inputs live on different meshes ({mesh!r} and {a.layout.mesh!r}); "
                 "move them to one mesh first"
             )
+    for i, a in enumerate(leaves):
+        if type(a) is ShardedArray:
+            if a.layout.is_explicit:
+                raise TypeError(
+                    f"{name}: input {i} has an explicit layout (Layout.explicit); per-op rules "
+                    "need a fs.P layout. Reshard it first: fs.reshard(x, fs.P(...))"
+                )
+        elif isinstance(a, torch.Tensor):
+            check_plain_tensor(a, f"{name}: input {i}")
     fname = getattr(func, "__name__", "")
     if fname.endswith("_") and not fname.endswith("__"):
         raise TypeError(
@@ -421,7 +442,10 @@ class _Compiled:
         self.comm = tuple(comm)
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
-        self.trivial = all(x.spec is None and x.pcast is None and not x.plain for x in inputs)
+        self.trivial = all(
+            x.spec is None and x.pcast is None and not x.plain and not x.layout.partial
+            for x in inputs
+        )
         self.tensors_only = plan.tensors_only
         flat = tree is None or type(tree) is tuple
         self.run = (flat and _fast_runner(self, tree)) or self.run_general
@@ -440,7 +464,7 @@ class _Compiled:
                     a = ShardedArray._raw(a, inp.layout)
                 if inp.spec is not None:
                     a = _reshard_one(a, inp.spec)
-                loc = a.local
+                loc = claimed_local(a)  # a partial leaf's gradient holds addends (DESIGN §4)
                 if inp.pcast is not None and loc.requires_grad:
                     loc = apply(Pcast(inp.pcast), loc)
                 locs[inp.index] = loc

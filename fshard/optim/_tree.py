@@ -17,6 +17,7 @@ import optree
 import torch
 
 from .. import lax
+from .._function import untracked
 from ..api import reshard
 from ..array import ShardedArray
 
@@ -229,6 +230,21 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def fresh_ok(*trees) -> bool:
+    """Whether a transformation may write into the temporaries it created itself (fewer new
+    tensors): true unless autograd or a ``torch.func`` transform sees one of the tensors in
+    ``trees`` (in-place on a saved temporary would break the backward). Under
+    ``torch.compile`` in-place ops are functionalized, so it is true there too."""
+    if torch.compiler.is_compiling():
+        return True
+    for tree in trees:
+        for x in optree.tree_leaves(tree, is_leaf=is_leaf):
+            t = local(x) if isinstance(x, (torch.Tensor, ShardedArray)) else None
+            if t is not None and untracked(t) is not t:
+                return False
+    return True
 
 
 def count0() -> torch.Tensor:

@@ -283,28 +283,50 @@ def _adam_checks(b1, b2, eps, eps_root):
     )
 
 
-def _adam_direction(b1, b2, eps, eps_root, nesterov, count):
+def _adam_direction(b1, b2, eps, eps_root, nesterov, count, fresh: bool):
     """Per-leaf ``(g, mu, nu) -> (m_hat / (sqrt(nu_hat + eps_root) + eps), mu, nu)`` for step
     ``count`` (already incremented). Bias corrections are folded into two 0-d scalars, so a
-    leaf costs six passes over memory (lerp, g*g, lerp, sqrt, addcmul, div)."""
+    leaf costs six passes over memory (lerp, g*g, lerp, sqrt, addcmul, div). With ``fresh``
+    (see :func:`_tree.fresh_ok`) the last steps reuse the temporaries made here (three new
+    tensors per leaf instead of six); inputs are never written either way."""
     t = _tree.as_float(count)
     bc1, bc2 = 1 - b1**t, 1 - b2**t
     if nesterov:  # b1 * m / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t), as optax
         k, s_m, s_g = 1.0, b1 / (1 - b1 ** (t + 1)), (1 - b1) / bc1
     else:  # m / bc1 / (sqrt(v / bc2) + eps) = m / (bc1 * sqrt(v / bc2) + bc1 * eps)
         k, s_m, s_g = bc1, None, None
-    k_eps = _t(k * eps) if not _is_zero(eps) else _t(0.0)
     root_scale = k / torch.sqrt(bc2) if _is_zero(eps_root) else k
+    scalars = {"k_eps": k * eps, "root": root_scale, "s_m": s_m, "s_g": s_g, "inv_bc2": 1 / bc2}
+    by_dtype: dict = {}
+
+    def sc(dtype):  # the 0-d scalars in the leaves' dtype (mixed-dtype kernels are slower)
+        if dtype not in by_dtype:
+            by_dtype[dtype] = {
+                n: (_t(v).to(dtype) if v is not None else None) for n, v in scalars.items()
+            }
+        return by_dtype[dtype]
 
     def leaf(g, mu, nu):
+        c = sc(g.dtype)
         mu = torch.lerp(mu, g, 1 - b1)
-        nu = torch.lerp(nu, g * g, 1 - b2)
-        num = torch.addcmul(mu * s_m, g, s_g) if nesterov else mu
+        if fresh:
+            # torch.optim's order (lerp_ towards nu with weight b2 ~ 1 would lose digits)
+            if isinstance(b2, torch.Tensor):
+                nu = torch.lerp(nu, g * g, 1 - b2)
+            else:
+                nu = torch.mul(nu, b2).addcmul_(g, g, value=1 - b2)
+            num = (mu * c["s_m"]).addcmul_(g, c["s_g"]) if nesterov else mu
+        else:
+            nu = torch.lerp(nu, g * g, 1 - b2)
+            num = torch.addcmul(mu * c["s_m"], g, c["s_g"]) if nesterov else mu
         if _is_zero(eps_root):
             root = torch.sqrt(nu)
         else:
-            root = torch.sqrt(torch.addcmul(_t(eps_root), nu, 1 / bc2))
-        return num / torch.addcmul(k_eps, root, _t(root_scale)), mu, nu
+            root = torch.sqrt(torch.addcmul(_t(eps_root).to(g.dtype), nu, c["inv_bc2"]))
+        if fresh:
+            torch.addcmul(c["k_eps"], root, c["root"], out=root)
+            return torch.div(num, root, out=root), mu, nu
+        return num / torch.addcmul(c["k_eps"], root, c["root"]), mu, nu
 
     return leaf
 
@@ -329,8 +351,9 @@ def scale_by_adam(
     Example:
         >>> import torch, fshard as fs
         >>> tx = fs.optim.scale_by_adam()
-        >>> tx.update({"w": torch.tensor([3.0])}, tx.init({"w": torch.zeros(1)}))[0]
-        {'w': tensor([1.])}
+        >>> u, state = tx.update({"w": torch.tensor([3.0])}, tx.init({"w": torch.zeros(1)}))
+        >>> round(u["w"].item(), 6)
+        1.0
     """
     b1, b2, eps, eps_root = _adam_checks(b1, b2, eps, eps_root)
     check_bool(nesterov, "nesterov")
@@ -340,7 +363,8 @@ def scale_by_adam(
 
     def update(updates, state, params=None):
         count = state.count + 1
-        leaf = _adam_direction(b1, b2, eps, eps_root, nesterov, count)
+        fresh = _tree.fresh_ok(updates, state.mu, state.nu, b1, b2, eps, eps_root)
+        leaf = _adam_direction(b1, b2, eps, eps_root, nesterov, count, fresh)
         u, mu, nu = _tree.tree_map(
             leaf, updates, state.mu, state.nu, names=["state.mu", "state.nu"], n_out=3
         )
@@ -378,7 +402,7 @@ def scale_by_radam(
             torch.clamp((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro), min=0.0)
         )
         use_adam = ro >= threshold
-        adam = _adam_direction(b1, b2, eps, eps_root, nesterov, count)
+        adam = _adam_direction(b1, b2, eps, eps_root, nesterov, count, False)
         bc1 = 1 - b1**t
         if nesterov:
             s_m, s_g = b1 / (1 - b1 ** (t + 1)), (1 - b1) / bc1

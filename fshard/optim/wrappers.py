@@ -163,8 +163,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int):
         raise TypeError(f"max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
 
     def init(params):
-        zero = _tree.count0()
-        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool), zero, inner.init(params))
+        return ApplyIfFiniteState(
+            _tree.count0(), torch.ones((), dtype=torch.bool), _tree.count0(), inner.init(params)
+        )
 
     def update(updates, state, params=None):
         leaves, _ = _tree.flatten(updates, "updates")
