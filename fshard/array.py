@@ -69,7 +69,7 @@ class ShardedArray:
         )
 
     def __reduce__(self):
-        return (ShardedArray._raw, (self.local, self.layout))
+        return (_rebuild_sharded, (self.local, self.layout))
 
     # -- static metadata ----------------------------------------------------------------
     @property
@@ -323,3 +323,8 @@ torch_pytree.register_pytree_node(
 def is_sharded(x) -> bool:
     """True for a :class:`ShardedArray` (use as ``is_leaf=`` in tree utilities)."""
     return isinstance(x, ShardedArray)
+
+
+def _rebuild_sharded(local: torch.Tensor, layout: Layout) -> ShardedArray:
+    """Unpickle (module level, so ``torch.load(weights_only=True)`` can allow-list it)."""
+    return ShardedArray._raw(local, layout)

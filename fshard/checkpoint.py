@@ -21,27 +21,76 @@ How values are stored (decisions):
   and saved as their sum; loading into a partial ``like`` puts the value on the first rank of
   each partial axis and zeros elsewhere, as :func:`fshard.shard` does.
 - **Plain tensors** are saved once, from rank 0's copy (DCP deduplicates equal writes; every
-  rank must hold the same value). **Other leaves** (ints, floats, strings...) are pickled by
-  DCP and read back on every rank. ``None`` is an empty subtree (nothing is saved).
-- **Atomic:** data goes to ``.<name>.fshard-tmp`` beside ``path``. When every rank has finished
-  (a barrier), rank 0 moves an existing ``path`` aside to ``.<name>.fshard-old``, renames the
-  temporary directory to ``path`` and deletes the old one. A save interrupted at any point
-  leaves the previous checkpoint intact (if a crash falls between the two renames, the next
-  ``save`` or ``load`` moves ``.<name>.fshard-old`` back first).
-- **Errors, not hangs:** before reading any data, every rank reads the checkpoint metadata and
-  checks every key of ``like`` (present, shape, dtype, tensor vs Python value) and the data
-  files (present, long enough). The ranks then exchange their findings (one small
-  ``all_gather_object``), so all ranks raise the same :class:`CheckpointError`.
+  rank must hold the same value). ``None`` is an empty subtree (nothing is saved).
+- **Python values** (every other leaf) are written by rank 0 as JSON into ``fshard.json``, never
+  pickled. Allowed leaves: ``bool``, ``int``, ``float`` (nan and inf too), ``str``,
+  ``torch.Size``, ``torch.dtype`` (exact types; lists, tuples and dicts are pytree nodes, so
+  their leaves are stored one by one, and ``None`` is an empty subtree). Anything else is
+  refused at save time with the key named (e.g. a numpy float: convert it with ``float()``).
 
-Cost: ``save`` writes each distinct block once (one file per rank); ``load`` reads on each rank
-only the byte ranges overlapping its block (a replicated value is read by every rank).
+Safety: ``load`` never executes code from the checkpoint directory.
+
+- ``fshard.json`` is JSON; a value decodes only to the allowed types above.
+- DCP's ``.metadata`` is a pickle, and DCP's own reader (``FileSystemReader.read_metadata``)
+  calls ``pickle.load`` on it. ``load`` reads it instead with a restricted unpickler that
+  resolves only DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts and paths (any
+  other global, e.g. ``os.system`` in a ``__reduce__``, raises :class:`CheckpointError`), and
+  hands the validated object to DCP through a ``FileSystemReader`` whose ``read_metadata``
+  returns it. (The alternative, a JSON copy of the metadata written at save time, would have
+  to rebuild DCP's private metadata classes field by field for ``dcp.load``; the allow-list
+  keeps DCP's own format and fails closed if a torch release adds a class.)
+- Tensor chunks in the data files are read by DCP with ``torch.load(weights_only=True)``.
+- ``torch.save(x)`` of a :class:`ShardedArray`, :class:`Layout`, :class:`Mesh` or :class:`P`
+  loads back with ``torch.load(weights_only=True)``: their rebuild functions are registered
+  with ``torch.serialization.add_safe_globals`` when fshard is imported.
+
+Integrity and atomicity:
+
+- **Checksums:** ``fshard.json`` records the size and SHA-256 of ``.metadata`` and of every data
+  file (hashed at save time, each file by one rank). ``load`` verifies ``.metadata`` on every
+  rank and each data file it is about to read on one rank, before DCP reads any data; a
+  mismatch names the file.
+- **Atomic:** data goes to a fresh ``.<name>.fshard-tmp-<id>`` beside ``path``. When every rank
+  has finished (a barrier) and the checksums are written, rank 0 moves an existing ``path``
+  aside to ``.<name>.fshard-old``, renames the temporary directory to ``path`` and deletes the
+  old one. A save interrupted at any point leaves the previous checkpoint intact (if a crash
+  falls between the two renames, the next ``save`` or ``load`` moves ``.<name>.fshard-old``
+  back first).
+- **One save at a time:** rank 0 holds an exclusive ``flock`` on ``.<name>.fshard-lock`` for
+  the whole save (the kernel drops it if the process dies). A second save to the same path
+  while one is running fails at once with :class:`CheckpointError`; the running one wins.
+  Leftover temporary directories of crashed saves are removed under the lock. On a file
+  system without ``flock`` saves proceed unlocked: each still writes its own directory and
+  the rename is atomic, so the result is one complete checkpoint (the last to commit), never
+  a mix.
+- ``save`` refuses a ``path`` that exists and is not a checkpoint directory (a plain file, or a
+  non-empty directory without ``fshard.json`` or ``.metadata``) before touching anything.
+
+Errors, not hangs: every failure is agreed on by all ranks (one small ``all_gather_object``)
+and raised on every rank as :class:`CheckpointError` naming the rank and the cause, including
+DCP's ``CheckpointException`` (a ``BaseException``: e.g. a full disk on one rank). Before
+reading any data, every rank checks each key of ``like`` (present, shape, dtype, tensor vs
+Python value) and the data files (listed, present, the recorded size, the checksum).
+
+Cost: ``save`` writes each distinct block once (one file per rank) and hashes what it wrote
+(from the page cache); ``load`` hashes every data file holding a requested key once (spread
+over the ranks), then reads on each rank only the byte ranges overlapping its block (a
+replicated value is read by every rank).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import math
 import os
+import pickle
 import shutil
+import socket
+import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +99,10 @@ import torch
 import torch.distributed as dist
 
 from . import consistency
-from .array import ShardedArray
+from .array import ShardedArray, _rebuild_sharded
 from .interop import _distinct_boxes, _quiet, _sharded_tensor
-from .spec import Layout, P
+from .mesh import _restore as _rebuild_mesh
+from .spec import ExplicitLayout, Layout, P, PartitionSpec, _make_spec
 
 __all__ = ["save", "load", "CheckpointError"]
 
@@ -60,10 +110,20 @@ __all__ = ["save", "load", "CheckpointError"]
 _test_hook: Callable[[str], None] | None = None
 
 _ROOT_KEY = "<root>"
+_MANIFEST = "fshard.json"
+_FORMAT = "fshard.checkpoint"
+_VERSION = 1
+_HASH_BLOCK = 1 << 22
+
+# torch.save / torch.load(weights_only=True) of fshard's values (see "Safety" above).
+torch.serialization.add_safe_globals(
+    [_rebuild_sharded, Layout, ExplicitLayout, PartitionSpec, _make_spec, _rebuild_mesh]
+)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, truncated, or does not match ``like`` (raised on every rank)."""
+    """A checkpoint is missing, corrupted, unsafe, or does not match ``like``, or a save failed
+    (raised on every rank, with the same message)."""
 
 
 def _hook(stage: str) -> None:
@@ -77,6 +137,18 @@ def _is_dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _is_dist() else 1
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process even when told so (``no_dist=True``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _barrier() -> None:
@@ -152,6 +224,237 @@ def _to_saveable(key: str, leaf: Any, me: int) -> Any:
     return leaf
 
 
+# -- Python values: JSON with an allow-list -----------------------------------------------------
+
+_ALLOWED = "bool, int, float, str, torch.Size, torch.dtype (lists, tuples, dicts: of those)"
+
+
+def _encode(value: Any) -> Any:
+    """A Python leaf as JSON: scalars as themselves, the rest as a one-key tag."""
+    kind = type(value)
+    if kind in (bool, int, str):
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if kind is torch.Size:
+        return {"size": list(value)}
+    if kind is torch.dtype:
+        return {"dtype": str(value).removeprefix("torch.")}
+    raise TypeError(f"a {kind.__module__}.{kind.__qualname__} ({value!r:.80})")
+
+
+def _decode(obj: Any) -> Any:
+    """Inverse of :func:`_encode`; only ever builds the allowed types."""
+    if type(obj) in (bool, int, float, str):
+        return obj
+    if type(obj) is dict and len(obj) == 1:
+        ((tag, body),) = obj.items()
+        if tag == "size" and type(body) is list and all(type(n) is int for n in body):
+            return torch.Size(body)
+        if tag == "dtype" and isinstance(getattr(torch, str(body), None), torch.dtype):
+            return getattr(torch, body)
+        if tag == "float" and body in ("nan", "inf", "-inf"):
+            return float(body)
+    raise ValueError(f"not an allowed value: {str(obj)[:80]}")
+
+
+# -- DCP's .metadata without pickle.load -------------------------------------------------------
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {
+    *(
+        (_DCP_MD, n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals a DCP ``.metadata`` pickle needs (see "Safety" above)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"refusing to load the global {module}.{name}: not one of DCP's metadata types"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id in DCP metadata")
+
+
+def _read_metadata(data: bytes):
+    import io
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(md, Metadata):
+        raise pickle.UnpicklingError(f"the pickle holds a {type(md).__name__}, not a Metadata")
+    return md
+
+
+def _reader(path: str, md):
+    """DCP's FileSystemReader, reading ``md`` (already validated) instead of unpickling."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _Reader(path)
+
+
+# -- files: checksums, the lock, the commit ----------------------------------------------------
+
+
+def _digest(full: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    with open(full, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return os.path.getsize(full), h.hexdigest()
+
+
+def _share(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not _is_dist():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value: Any) -> list[Any]:
+    if not _is_dist():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _agree(error: str | None) -> str | None:
+    """The first non-None error over all ranks (the same string on every rank), or None."""
+    for r, e in enumerate(_gather(error)):
+        if e is not None:
+            return e if e.startswith("checkpoint") else f"rank {r}: {e}"
+    return None
+
+
+def _dcp_failure(e: BaseException) -> str:
+    """What failed, per rank, in DCP's CheckpointException (or any exception)."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(
+        f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(failures.items())
+    )
+
+
+def _disk_hint(directory: str) -> str:
+    """Name a full disk (torch.save's writer reports ENOSPC as "unexpected pos")."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if free < max(1 << 20, total // 1000):
+        return (
+            f" (the file system holding {directory!r} has {free} of {total} bytes free: the "
+            "disk is likely full)"
+        )
+    return ""
+
+
+class _Busy(Exception):
+    pass
+
+
+def _lock(path: str) -> int | None:
+    """Rank 0: an exclusive flock on ``.<name>.fshard-lock`` (its fd; None where the file
+    system has no flock). Raises _Busy naming the holder when another save holds it."""
+    lock = _aside(path, "lock")
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise _Busy(f"{holder} holds {lock!r}") from None
+        except OSError:
+            os.close(fd)
+            return None
+        try:  # the holder may have unlinked it between our open and our flock: retry
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"save pid {os.getpid()} on host {socket.gethostname()}".encode())
+            return fd
+        os.close(fd)
+
+
+def _unlock(path: str, fd: int | None) -> None:
+    if fd is not None:
+        os.unlink(_aside(path, "lock"))
+        os.close(fd)
+
+
+def _prepare(path: str) -> str:
+    """Rank 0, under the lock: refuse a non-checkpoint ``path``, restore an interrupted
+    commit, drop crashed saves' temporary directories; returns a fresh temporary directory."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(
+            f"checkpoint save: {path!r} exists and is not a directory; refusing to replace it "
+            "(remove it or choose another path)"
+        )
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        if names and not {_MANIFEST, ".metadata"} & set(names):
+            raise CheckpointError(
+                f"checkpoint save: {path!r} is a non-empty directory that is not a checkpoint "
+                f"(no {_MANIFEST} or .metadata; it holds e.g. {sorted(names)[:5]}); refusing "
+                "to replace it (remove it or choose another path)"
+            )
+    _recover(path)
+    head, name = os.path.split(path)
+    stale = f".{name}.fshard-tmp-"
+    for entry in os.listdir(head):
+        if entry.startswith(stale):
+            shutil.rmtree(os.path.join(head, entry))
+    return _aside(path, f"tmp-{uuid.uuid4().hex[:12]}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _commit(tmp: str, path: str) -> None:
     old = _aside(path, "old")
     if os.path.exists(old):
@@ -159,6 +462,7 @@ def _commit(tmp: str, path: str) -> None:
     if os.path.exists(path):
         os.rename(path, old)
     os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
     if os.path.exists(old):
         shutil.rmtree(old)
 
@@ -170,16 +474,7 @@ def _recover(path: str) -> None:
         os.rename(old, path)
 
 
-def _agree(error: str | None) -> str | None:
-    """The first non-None error over all ranks (the same string on every rank), or None."""
-    if not _is_dist():
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    for r, e in enumerate(errors):
-        if e is not None:
-            return e if e.startswith("checkpoint") else f"rank {r}: {e}"
-    return None
+# -- save --------------------------------------------------------------------------------------
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
@@ -191,8 +486,8 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         path: the checkpoint directory (created; an existing checkpoint there is replaced
             atomically once the new one is complete).
         tree: any pytree (dicts, lists, tuples, namedtuples...) whose leaves are
-            :class:`ShardedArray`, ``torch.Tensor`` (the same on every rank) or picklable
-            Python values.
+            :class:`ShardedArray`, ``torch.Tensor`` (the same on every rank) or Python values
+            of the allowed types (see the module docstring; rank 0's are written).
 
     Returns:
         None.
@@ -200,55 +495,94 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     Raises:
         TypeError: ``path`` is not a str/PathLike, or a leaf is a :class:`Layout`.
         ValueError: two leaves map to the same key.
-        CheckpointError: writing failed on some rank (raised on every rank).
+        CheckpointError: on every rank: a Python value of a type that is not allowed,
+            ``path`` is a file or a directory that is not a checkpoint, another save to
+            ``path`` is running, or writing failed on some rank (e.g. the disk is full).
 
     Example:
         >>> fs.checkpoint.save("ckpt/step100", {"params": params, "opt": state, "step": 100})  # doctest: +SKIP
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     path = _check_path(path, "save")
     keys, leaves, _ = _flatten(tree, "save")
+    me, world = _rank(), _world()
+    values, error = {}, None
+    for key, leaf in zip(keys, leaves):
+        if not isinstance(leaf, (ShardedArray, Layout, torch.Tensor)):
+            try:
+                values[key] = _encode(leaf)
+            except TypeError as e:
+                error = f"checkpoint save: the value at key {key!r} is {e}; allowed: {_ALLOWED}"
+                break
+    error = _agree(error)
+    if error:
+        raise CheckpointError(error)
     consistency.check_equal({k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}, what="checkpoint save: keys and Python values")  # fmt: skip
-    me = _rank()
-    state = {k: _to_saveable(k, leaf, me) for k, leaf in zip(keys, leaves)}
-    tmp = _aside(path, "tmp")
-    error = None
-    if me == 0:
-        try:
-            _recover(path)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)  # a previous save that was interrupted
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError as e:
-            error = f"checkpoint save: cannot prepare {tmp!r}: {e}"
-    error = _agree(error)
-    if error:
-        raise CheckpointError(error)
-    _hook("start")
+    state = {k: _to_saveable(k, leaf, me) for k, leaf in zip(keys, leaves) if k not in values}
+    lock, tmp = None, None
     try:
-        with _quiet():
-            dcp.save(
-                state,
-                storage_writer=FileSystemWriter(tmp),
-                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                no_dist=not _is_dist(),
-            )
-    except Exception as e:  # DCP reports a failure on any rank to every rank
-        raise CheckpointError(f"checkpoint save to {path!r} failed: {e}") from e
-    _hook("written")
-    _barrier()  # every rank's data is on disk before the rename
-    error = None
-    if me == 0:
+        if me == 0:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                lock = _lock(path)
+                tmp = _prepare(path)
+            except _Busy as e:
+                error = (
+                    f"checkpoint save: another save to {path!r} is in progress ({e}); this one "
+                    "was refused and changed nothing"
+                )
+            except CheckpointError as e:
+                error = str(e)
+            except OSError as e:
+                error = f"checkpoint save: cannot prepare the save to {path!r}: {e}"
+        error, tmp = _share((_agree(error), tmp))
+        if error:
+            raise CheckpointError(error)
+        _hook("start")
         try:
-            _commit(tmp, path)
+            with _quiet(), _single_process_quiet():
+                dcp.save(
+                    state,
+                    storage_writer=FileSystemWriter(tmp),
+                    planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                    no_dist=not _is_dist(),
+                )
+        except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
+            cause = _share(f"{_dcp_failure(e)}{_disk_hint(tmp)}")  # the same text on all ranks
+            raise CheckpointError(f"checkpoint save to {path!r} failed: {cause}") from None
+        _hook("written")
+        _barrier()  # every rank's data is on disk
+        digests, error = {}, None
+        try:
+            for name in sorted(os.listdir(tmp))[me::world]:
+                digests[name] = _digest(os.path.join(tmp, name))
         except OSError as e:
-            error = f"checkpoint save: renaming {tmp!r} to {path!r} failed: {e}"
-    error = _agree(error)
-    if error:
-        raise CheckpointError(error)
+            error = f"checkpoint save: hashing the files in {tmp!r} failed: {e}"
+        gathered = _gather((error, digests))
+        error = _agree(error)
+        if me == 0 and error is None:
+            files = {n: {"bytes": b, "sha256": h} for _, d in gathered for n, (b, h) in d.items()}
+            manifest = {"format": _FORMAT, "version": _VERSION, "values": values, "files": files}
+            try:
+                with open(os.path.join(tmp, _MANIFEST), "w") as f:
+                    json.dump(manifest, f, allow_nan=False, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _commit(tmp, path)
+            except OSError as e:
+                error = f"checkpoint save: committing {tmp!r} to {path!r} failed: {e}"
+        error = _agree(error)
+        if error:
+            raise CheckpointError(error)
+    finally:
+        if me == 0:
+            if tmp is not None and os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+            _unlock(path, lock)
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -263,9 +597,51 @@ def _expected(leaf: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
     return None
 
 
-def _validate(path: str, keys: list[str], leaves: list[Any]) -> str | None:
-    """Check the checkpoint against ``like`` from its metadata alone; an error text or None."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _read_manifest(path: str) -> dict:
+    full = os.path.join(path, _MANIFEST)
+    if not os.path.isfile(full):
+        raise CheckpointError(
+            f"checkpoint {path!r} has no {_MANIFEST}: it was not written by fshard.checkpoint."
+            "save (or by an older fshard), so its checksums and Python values cannot be checked"
+        )
+    try:
+        with open(full, "rb") as f:
+            manifest = json.loads(f.read())
+        if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
+            raise ValueError(f"format {manifest.get('format')!r} {manifest.get('version')!r}")
+        if not isinstance(manifest["values"], dict) or not isinstance(manifest["files"], dict):
+            raise ValueError("values and files must be objects")
+    except (ValueError, KeyError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {_MANIFEST} is corrupted or of another version "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    return manifest
+
+
+def _check_file(path: str, name: str, files: dict, verify: bool) -> str | None:
+    """A problem with data file ``name`` (absent, unlisted, wrong size, bad checksum) or None."""
+    full = os.path.join(path, name)
+    if not os.path.isfile(full):
+        return f"data file {name!r} is missing"
+    entry = files.get(name)
+    if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+        return f"data file {name!r} has no checksum in {_MANIFEST}"
+    size = os.path.getsize(full)
+    if size != entry.get("bytes"):
+        cut = "truncated" if size < entry["bytes"] else "modified"
+        return f"data file {name!r} is {cut} (it has {size} bytes, {entry['bytes']} at save)"
+    if verify and _digest(full)[1] != entry.get("sha256"):
+        return (
+            f"data file {name!r} fails its checksum (SHA-256 differs from the one recorded at "
+            "save): it is corrupted"
+        )
+    return None
+
+
+def _validate(path: str, keys: list[str], leaves: list[Any], me: int, world: int):
+    """Check the checkpoint against ``like`` before reading data; (error text or None,
+    DCP metadata, decoded Python values)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     if not os.path.isdir(path):
@@ -275,32 +651,59 @@ def _validate(path: str, keys: list[str], leaves: list[Any]) -> str | None:
             if os.path.isdir(old)
             else ""
         )
-        return f"checkpoint {path!r} does not exist or is not a directory{hint}"
+        return f"checkpoint {path!r} does not exist or is not a directory{hint}", None, None
+    manifest = _read_manifest(path)
+    files = manifest["files"]
     try:
-        md = FileSystemReader(path).read_metadata()
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return f"checkpoint {path!r}: cannot read its metadata file ({e})", None, None
+    entry = files.get(".metadata")
+    if not isinstance(entry, dict) or hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        return (
+            f"checkpoint {path!r}: its metadata file '.metadata' fails its checksum (SHA-256 "
+            f"differs from the one recorded in {_MANIFEST}): it is corrupted",
+            None,
+            None,
+        )
+    try:
+        md = _read_metadata(data)
     except Exception as e:
         return (
-            f"checkpoint {path!r}: cannot read its metadata file ({type(e).__name__}: {e}); the "
-            "checkpoint is missing, incomplete or corrupted"
+            f"checkpoint {path!r}: cannot read its metadata file ({type(e).__name__}: {e}); "
+            "the checkpoint is corrupted or unsafe",
+            None,
+            None,
         )
-    found = md.state_dict_metadata
-    problems = []
+    found, saved_values = md.state_dict_metadata, manifest["values"]
+    problems, values = [], {}
     for key, leaf in zip(keys, leaves):
         want = _expected(leaf)
-        if key not in found:
-            have = sorted(found)
+        if key not in found and key not in saved_values:
+            have = sorted([*found, *saved_values])
             more = f", ... ({len(have)} keys)" if len(have) > 12 else ""
             problems.append(f"key {key!r} is missing (the checkpoint has keys {have[:12]}{more})")
             continue
-        entry = found[key]
         if want is None:
-            if not isinstance(entry, BytesStorageMetadata):
-                problems.append(
-                    f"key {key!r}: expected a Python value ({type(leaf).__name__}), found a "
-                    f"tensor of shape {tuple(entry.size)} dtype {entry.properties.dtype}"
+            if key not in saved_values:
+                entry = found[key]
+                what = (
+                    "a pickled Python value (not written by fshard)"
+                    if isinstance(entry, BytesStorageMetadata)
+                    else f"a tensor of shape {tuple(entry.size)} dtype {entry.properties.dtype}"
                 )
+                problems.append(
+                    f"key {key!r}: expected a Python value ({type(leaf).__name__}), found {what}"
+                )
+                continue
+            try:
+                values[key] = _decode(saved_values[key])
+            except (ValueError, TypeError) as e:
+                problems.append(f"key {key!r}: the saved Python value is refused ({e})")
             continue
-        if isinstance(entry, BytesStorageMetadata):
+        entry = found.get(key)
+        if entry is None or isinstance(entry, BytesStorageMetadata):
             problems.append(
                 f"key {key!r}: expected a tensor of shape {want[0]} dtype {want[1]}, found a "
                 "Python value"
@@ -313,28 +716,27 @@ def _validate(path: str, keys: list[str], leaves: list[Any]) -> str | None:
                 f"dtype {got[1]}"
             )
     wanted = set(keys)
-    sizes: dict[str, int | None] = {}
+    needed: dict[str, str] = {}  # data file -> a key it holds
     for index, info in md.storage_data.items():
-        if index.fqn not in wanted:
-            continue
-        rel = info.relative_path
-        if rel not in sizes:
-            full = os.path.join(path, rel)
-            sizes[rel] = os.path.getsize(full) if os.path.isfile(full) else None
-        size = sizes[rel]
-        if size is None:
-            problems.append(f"key {index.fqn!r}: data file {rel!r} is missing")
-        elif size < info.offset + info.length:
-            problems.append(
-                f"key {index.fqn!r}: data file {rel!r} is truncated (the chunk at offsets "
-                f"{tuple(index.offset or ())} needs bytes [{info.offset}, "
-                f"{info.offset + info.length}) but the file has {size} bytes)"
-            )
+        if index.fqn in wanted:
+            needed.setdefault(info.relative_path, index.fqn)
+            full = os.path.join(path, info.relative_path)
+            if os.path.isfile(full) and os.path.getsize(full) < info.offset + info.length:
+                problems.append(
+                    f"key {index.fqn!r}: data file {info.relative_path!r} is truncated (the "
+                    f"chunk at offsets {tuple(index.offset or ())} needs bytes [{info.offset}, "
+                    f"{info.offset + info.length}) but the file has {os.path.getsize(full)} "
+                    "bytes)"
+                )
+    for i, name in enumerate(sorted(needed)):
+        problem = _check_file(path, name, files, verify=i % world == me)
+        if problem is not None:
+            problems.append(f"key {needed[name]!r}: {problem}")
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        return f"checkpoint {path!r} does not match `like`:\n  {shown}{more}"
-    return None
+        return f"checkpoint {path!r} does not match `like`:\n  {shown}{more}", None, None
+    return None, md, values
 
 
 def _load_target(leaf: Any, me: int):
@@ -369,7 +771,7 @@ def _load_target(leaf: Any, me: int):
     if isinstance(leaf, torch.Tensor):
         t = torch.empty_like(leaf)
         return t, lambda _obj, t=t: t
-    return leaf, lambda obj: obj
+    raise AssertionError("Python values come from fshard.json")
 
 
 def load(path: str | os.PathLike, like: Any) -> Any:
@@ -392,15 +794,17 @@ def load(path: str | os.PathLike, like: Any) -> Any:
 
     Raises:
         CheckpointError: on every rank, before any data is read, when the checkpoint is
-            missing, its metadata is unreadable, a key is missing, a shape or dtype differs,
-            a tensor is saved where ``like`` has a Python value (or the reverse), or a data file
-            is missing or truncated.
+            missing, not written by :func:`save`, its metadata is unreadable or refers to a
+            type outside DCP's metadata classes, a key is missing, a shape or dtype differs,
+            a tensor is saved where ``like`` has a Python value (or the reverse), a saved
+            Python value is not of an allowed type, or a data file is missing, truncated or
+            fails its checksum; and when DCP fails to read the data on some rank.
 
     Example:
         >>> state = fs.checkpoint.load("ckpt/step100", {"params": params, "opt": state, "step": 0})  # doctest: +SKIP
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = _check_path(path, "load")
     keys, leaves, treedef = _flatten(like, "load")
@@ -408,14 +812,24 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     error = None
     if me == 0:
         try:
-            _recover(path)
-        except OSError as e:
-            error = f"checkpoint load: cannot restore {_aside(path, 'old')!r}: {e}"
+            lock = _lock(path)  # a save that is renaming right now restores it itself
+        except (_Busy, OSError):
+            pass
+        else:
+            try:
+                _recover(path)
+            except OSError as e:
+                error = f"checkpoint load: cannot restore {_aside(path, 'old')!r}: {e}"
+            finally:
+                _unlock(path, lock)
     error = _agree(error)
+    md = values = None
     if error is None:
         _barrier()
         try:
-            error = _validate(path, keys, leaves)
+            error, md, values = _validate(path, keys, leaves, me, _world())
+        except CheckpointError as e:
+            error = str(e)
         except Exception as e:  # never let one rank leave early: report it to all
             error = f"checkpoint {path!r}: validation failed ({type(e).__name__}: {e})"
         error = _agree(error)
@@ -423,15 +837,20 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         raise CheckpointError(error)
     state, finishers = {}, []
     for key, leaf in zip(keys, leaves):
+        if key in values:
+            finishers.append((key, lambda _obj, v=values[key]: v))
+            continue
         obj, finish = _load_target(leaf, me)
         if obj is not None:
             state[key] = obj
         finishers.append((key, finish))
     if state:
         try:
-            with _quiet():
-                dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not _is_dist())
-        except Exception as e:  # DCP reports a failure on any rank to every rank
-            raise CheckpointError(f"checkpoint {path!r}: reading the data failed: {e}") from e
+            with _quiet(), _single_process_quiet():
+                dcp.load(state, storage_reader=_reader(path, md), no_dist=not _is_dist())
+        except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
+            raise CheckpointError(
+                f"checkpoint {path!r}: reading the data failed: {_dcp_failure(e)}"
+            ) from None
     out = [finish(state.get(key)) for key, finish in finishers]
     return optree.tree_unflatten(treedef, out)

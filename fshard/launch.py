@@ -23,10 +23,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
+import sys
+import threading
 import time
 import traceback
 import weakref
@@ -41,8 +45,9 @@ import torch.distributed as dist
 __all__ = ["RankError", "World", "is_worker", "run"]
 
 _WORKER_ENV = "FSHARD_LAUNCH_WORKER"
-_GRACE_S = 5.0  # after one rank fails, how long the others get to finish
-_PARENT_POLL_S = 1.0  # how often an idle worker checks that its parent is still alive
+_GRACE_S = 5.0  # after one rank raises, how long the others get to finish
+_PROBE_S = 5.0  # after a failed run, how long the health-check barrier may take
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def is_worker() -> bool:
@@ -57,8 +62,12 @@ def is_worker() -> bool:
 class RankError(RuntimeError):
     """A rank raised an exception, or its process died, inside :meth:`World.run`.
 
+    When a rank died, it is the one reported (with its exit code), not the ranks that then
+    failed in a collective with it; otherwise the lowest rank that raised an error of its own
+    (not a collective failure) is reported. The message lists the other ranks' errors.
+
     Attributes:
-      rank: The lowest failing rank.
+      rank: The failing rank (see above).
       exc_type: Class name of the remote exception (``"WorkerDied"`` if the process died).
       remote_traceback: The remote traceback as text (empty if the process died).
       exception: The original exception object if it could be unpickled, else ``None``.
@@ -87,10 +96,15 @@ class World:
     """A persistent pool of ``world_size`` worker processes forming one Gloo process group.
 
     Workers are spawned lazily on the first :meth:`run`, and again on the next :meth:`run`
-    after a failure that had to kill them (a hang, a dead worker, a rank stuck in a
-    collective). Each worker runs with ``torch.set_num_threads(1)`` and has ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
-    ``FSHARD_LAUNCH_WORKER=1`` in its environment.
+    after a failure that left the process group unusable (a hang, a dead worker, a rank stuck
+    in a collective, a collective that raised, e.g. Gloo's timeout). Each worker runs with
+    ``torch.set_num_threads(1)`` and has ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT`` and ``FSHARD_LAUNCH_WORKER=1`` in its environment.
+
+    Isolation: the rendezvous store and Gloo listen on the loopback interface only. Workers
+    exit when the driver process dies, however it dies (a watchdog thread in each worker sees
+    the pipe from the driver close; on Linux the kernel also sends SIGKILL via
+    ``PR_SET_PDEATHSIG`` when the World was started from the main thread).
 
     Args:
       world_size: Number of ranks (an int >= 1).
@@ -115,8 +129,11 @@ class World:
         # Mutated in place (never rebound) so the finalizer always sees the live workers.
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._lifelines: list[Connection] = []
         # Runs on close(), on garbage collection and at interpreter exit: no orphans.
-        self._finalizer = weakref.finalize(self, _terminate, self._procs, self._conns)
+        self._finalizer = weakref.finalize(
+            self, _terminate, self._procs, self._conns, self._lifelines
+        )
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list:
         """Runs ``fn(*args)`` on every rank and returns the results in rank order.
@@ -163,7 +180,7 @@ class World:
                     conn.send_bytes(payload)
             outcomes, pending = self._collect(timeout)
         except BaseException:  # e.g. KeyboardInterrupt: the workers' state is unknown
-            _terminate(self._procs, self._conns)
+            self._kill()
             raise
         return self._results(outcomes, pending, timeout)
 
@@ -179,17 +196,46 @@ class World:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _healthy(self, failed: list[int]) -> bool:
+        """After ranks raised: whether the process group still works (one bounded barrier)."""
+        if not failed or not self._procs:
+            return True
+        payload = pickle.dumps((_probe, ()))
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(payload)
+        outcomes, pending = self._collect(_PROBE_S + 1.0)
+        return not pending and all(o[0] == "ok" for o in outcomes.values())
+
+    def _kill(self) -> None:
+        _terminate(self._procs, self._conns, self._lifelines)
+
     def _start(self) -> None:
-        _terminate(self._procs, self._conns)
+        self._kill()
         if self._store is None:
-            # Port 0: the OS picks a free port, so there is no racy free-port search.
+            # TCPStore(host, ...) as master listens on every interface; handing it a socket
+            # bound to loopback keeps the store local. Port 0: the OS picks a free port.
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(128)
+            port = listener.getsockname()[1]
             self._store = dist.TCPStore(
-                "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False
+                "127.0.0.1",
+                port,
+                self.world_size,
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),  # the store owns (and closes) it
             )
         self._generation += 1
         ctx = mp.get_context("spawn")
+        # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only safe to
+        # ask for from the main thread (the watchdog pipe covers every case anyway).
+        pdeathsig = threading.current_thread() is threading.main_thread()
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
+            # Never written to: the worker sees EOF on it exactly when this process is gone.
+            lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
                 args=(
@@ -199,19 +245,27 @@ class World:
                     self._generation,
                     self.pg_timeout,
                     child_conn,
+                    lifeline_r,
+                    os.getpid() if pdeathsig else None,
                 ),
                 name=f"fshard-rank{rank}",
             )
             proc.start()
             child_conn.close()  # else the parent would never see EOF when the child dies
+            lifeline_r.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
+            self._lifelines.append(lifeline_w)
         # Each worker replies once its process group is up; a failure there raises here
         # (run() then kills the workers).
         self._results(*self._collect(self.timeout), self.timeout)
 
     def _collect(self, timeout: float) -> tuple[dict[int, tuple], set[int]]:
-        """Waits for one reply per rank; returns {rank: reply} and the ranks that gave none."""
+        """Waits for one reply per rank; returns {rank: reply} and the ranks that gave none.
+
+        Stops ``_GRACE_S`` after the first error reply, and at once when a rank dies (the
+        group is lost: the others can only fail or hang).
+        """
         outcomes: dict[int, tuple] = {}
         pending = set(range(self.world_size))
         deadline = time.monotonic() + timeout
@@ -231,6 +285,8 @@ class World:
                     outcomes[rank] = reply
                     if reply[0] != "ok" and failed_at is None:
                         failed_at = time.monotonic()
+            if any(o[0] == "died" for o in outcomes.values()):
+                break
         return outcomes, pending
 
     def _poll(self, rank: int) -> tuple | None:
@@ -248,17 +304,21 @@ class World:
         return ("died", proc.exitcode)
 
     def _results(self, outcomes: dict[int, tuple], pending: set[int], timeout: float) -> list:
-        failed = sorted(r for r, o in outcomes.items() if o[0] != "ok")
-        if pending or any(outcomes[r][0] == "died" for r in failed):
-            # A rank is stuck (likely in a collective) or the group lost a member: the
-            # process group is unusable, so restart the world on the next run.
-            _terminate(self._procs, self._conns)
+        failed = [r for r, o in outcomes.items() if o[0] != "ok"]
+        if pending or any(outcomes[r][0] == "died" for r in failed) or not self._healthy(failed):
+            # A rank is stuck (likely in a collective), the group lost a member, or a failed
+            # collective left it out of step (e.g. Gloo's timeout closes the pair): the process
+            # group is unusable, so restart the world on the next run.
+            self._kill()
         if failed:
-            note = ""
+            # Blame the cause, not its echoes: a dead rank, then a rank's own error, then a
+            # collective that failed because of them.
+            failed.sort(key=lambda r: (outcomes[r][0] != "died", bool(outcomes[r][-1]), r))
+            note = "".join(f"\n\n(rank {r} then {_summary(outcomes[r])})" for r in failed[1:])
             if pending:
-                note = (
-                    f"\n\n(ranks {sorted(pending)} had not finished {_GRACE_S:g} s after the "
-                    "failure and were killed; the world restarts on the next run)"
+                note += (
+                    f"\n\n(ranks {sorted(pending)} had not finished after the failure and "
+                    "were killed; the world restarts on the next run)"
                 )
             raise _rank_error(failed[0], outcomes[failed[0]], note)
         if pending:
@@ -330,20 +390,32 @@ def _check_world_size(world_size: object) -> None:
         )
 
 
+def _died_how(code: int | None) -> str:
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        how += f" (killed by {signal.Signals(-code).name})"
+    return how
+
+
+def _summary(reply: tuple) -> str:
+    """One line for a rank's failure that is not the one reported."""
+    if reply[0] == "died":
+        return f"died with {_died_how(reply[1])}"
+    text = reply[2].splitlines()[0] if reply[2] else ""
+    return f"raised {reply[1]}: {text[:300]}"
+
+
 def _rank_error(rank: int, reply: tuple, note: str = "") -> RankError:
     if reply[0] == "died":
         code = reply[1]
-        how = f"exit code {code}"
-        if code is not None and code < 0:
-            how += f" (killed by {signal.Signals(-code).name})"
         return RankError(
-            f"rank {rank} died with {how} before replying (os._exit, a segfault, the OOM "
+            f"rank {rank} died with {_died_how(code)} before replying (os._exit, a segfault, the OOM "
             f"killer, or an error while the worker process started: see its stderr){note}",
             rank=rank,
             exc_type="WorkerDied",
             exit_code=code,
         )
-    _, exc_type, text, tb, exc_bytes = reply
+    _, exc_type, text, tb, exc_bytes, _ = reply
     try:
         exception = pickle.loads(exc_bytes) if exc_bytes is not None else None
     except Exception:
@@ -358,14 +430,32 @@ def _rank_error(rank: int, reply: tuple, note: str = "") -> RankError:
 
 
 def _error_reply(exc: BaseException) -> tuple:
+    """``("error", type name, text, traceback, pickled exc or None, collective failed)``."""
     try:
         exc_bytes = pickle.dumps(exc)
     except Exception:
         exc_bytes = None
-    return ("error", type(exc).__name__, str(exc), traceback.format_exc(), exc_bytes)
+    text = traceback.format_exc()
+    return ("error", type(exc).__name__, str(exc), text, exc_bytes, _collective_failed(exc))
 
 
-def _terminate(procs: list, conns: list[Connection]) -> None:
+def _probe() -> None:
+    dist.barrier(async_op=True).wait(timeout=timedelta(seconds=_PROBE_S))
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a torch.distributed collective (Gloo raises plain
+    RuntimeErrors: a timeout, a closed pair), i.e. is likely an echo of another rank's failure.
+    Only orders the blame: whether the group survived is checked by :func:`_probe`."""
+    if isinstance(exc, dist.DistError):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(
+        f.filename.endswith(os.path.join("distributed", "distributed_c10d.py")) for f in frames
+    )
+
+
+def _terminate(procs: list, *conns: list[Connection]) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -375,15 +465,42 @@ def _terminate(procs: list, conns: list[Connection]) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-    for c in conns:
-        c.close()
+    for group in conns:
+        for c in group:
+            c.close()
+        group.clear()
     procs.clear()
-    conns.clear()
+
+
+def _die_with_parent(lifeline: Connection, parent_pid: int | None) -> None:
+    """Exit this worker as soon as the driver process is gone, even while ``fn`` runs."""
+    if parent_pid is not None and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the driver died before prctl took effect
+            os._exit(1)
+
+    def watch() -> None:
+        try:
+            lifeline.recv_bytes()  # the driver never writes: this returns only by EOF
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fshard-lifeline", daemon=True).start()
 
 
 def _worker(
-    rank: int, world_size: int, port: int, generation: int, pg_timeout: float, conn: Connection
+    rank: int,
+    world_size: int,
+    port: int,
+    generation: int,
+    pg_timeout: float,
+    conn: Connection,
+    lifeline: Connection,
+    parent_pid: int | None,
 ) -> None:
+    _die_with_parent(lifeline, parent_pid)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -395,7 +512,6 @@ def _worker(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no hostname resolution needed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    parent = os.getppid()
 
     def reply(message: tuple) -> bool:
         try:
@@ -425,10 +541,6 @@ def _worker(
     if not reply(("ok", None)):
         return
     while True:
-        if not conn.poll(_PARENT_POLL_S):
-            if os.getppid() != parent:
-                return  # the parent died without closing us
-            continue
         try:
             payload = conn.recv_bytes()
         except (EOFError, OSError):

@@ -40,6 +40,13 @@ class Step:
     ``nbytes`` is the input bytes of the rank the plan was made for (0 for local steps);
     ``collective`` says whether the step communicates (local steps and size-1 axes do not).
     ``split_dim``/``concat_dim``: the tensor dims the step works on (``dim`` for one-dim ops).
+
+    Example:
+        >>> from fshard import Layout, Mesh, P
+        >>> m = Mesh.abstract((2,), ("x",))
+        >>> step = plan(Layout(m, P(partial="x"), (8, 8)), P("x"))[0]
+        >>> step.op, step.axes, step.nbytes, step.collective
+        ('reduce_scatter', ('x',), 256, True)
     """
 
     op: str
@@ -66,7 +73,13 @@ class Step:
 
 
 def chunk_sizes(n: int, mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
-    """Sizes of the chunks of a dim of size ``n`` split over ``axes``, in chunk order."""
+    """Sizes of the chunks of a dim of size ``n`` split over ``axes``, in chunk order.
+
+    Example:
+        >>> from fshard import Mesh
+        >>> chunk_sizes(10, Mesh.abstract((4,), ("x",)), ("x",))
+        (3, 3, 3, 1)
+    """
     k = mesh.size(axes) if axes else 1
     return tuple(b - a for a, b in (chunk_bounds(n, k, j) for j in range(k)))
 
@@ -95,9 +108,14 @@ def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
         differing only on size-1 mesh axes, which split nothing and sum nothing).
 
     Example:
+        >>> from fshard import Layout, Mesh, P
         >>> m = Mesh.abstract((2,), ("x",))
         >>> [s.op for s in plan(Layout(m, P("x"), (8, 8)), P(None, "x"))]
         ['all_to_all']
+        >>> plan(Layout(m, P("x"), (8, 8)), P())
+        [Step(all_gather over ('x',) dim=0: P('x') -> P(), 128 B)]
+        >>> plan(Layout(m, P("x"), (8, 8)), P("x"))
+        []
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"plan: layout must be a fshard.Layout, got {type(layout).__name__}")

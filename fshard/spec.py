@@ -52,7 +52,9 @@ class PartitionSpec:
 
     Example:
         >>> P("dp", None).dims
-        (('dp',), ())
+        (('dp',),)
+        >>> P("dp") == P("dp", None)
+        True
         >>> P(partial="tp").partial
         ('tp',)
     """
@@ -111,11 +113,21 @@ class PartitionSpec:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every mesh axis the spec names (dims first, then partial)."""
+        """Every mesh axis the spec names (dims first, then partial).
+
+        Example:
+            >>> P(("x", "y"), partial="z").axes
+            ('x', 'y', 'z')
+        """
         return tuple(a for d in self.dims for a in d) + self.partial
 
     def padded(self, ndim: int) -> tuple[tuple[str, ...], ...]:
-        """The per-dim axis tuples, padded with ``()`` to ``ndim`` entries."""
+        """The per-dim axis tuples, padded with ``()`` to ``ndim`` entries.
+
+        Example:
+            >>> P("x").padded(3)
+            (('x',), (), ())
+        """
         return self.dims + ((),) * (ndim - len(self.dims))
 
 
@@ -166,7 +178,12 @@ class ShardMetadata:
         return math.prod(self.shard_sizes)
 
     def slices(self) -> tuple[slice, ...]:
-        """Index into the global tensor that selects this block."""
+        """Index into the global tensor that selects this block.
+
+        Example:
+            >>> ShardMetadata((3, 0), (2, 6), "rank:1/cpu").slices()
+            (slice(3, 5, None), slice(0, 6, None))
+        """
         return tuple(slice(o, o + s) for o, s in zip(self.shard_offsets, self.shard_sizes))
 
     def to_torch(self):
@@ -220,6 +237,9 @@ class Layout:
         >>> lay = Layout(Mesh.abstract((4,), ("x",)), P("x"), (10, 6))
         >>> [m.shard_sizes for m in lay.shards_metadata()]
         [(3, 6), (3, 6), (3, 6), (1, 6)]
+        >>> lay2 = Layout(Mesh.abstract((2, 2), ("dp", "tp")), P("tp"), (10, 6))
+        >>> lay2.local_shape(1), lay2.nbytes, lay2.varying_axes
+        ((5, 6), 240, frozenset({'tp'}))
     """
 
     __slots__ = ("mesh", "spec", "shape", "dtype", "dim_axes", "_hash", "_id", "__weakref__")

@@ -1,5 +1,13 @@
+import ast
 import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
 import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +72,26 @@ def nested_launch():
 
 def pids():
     return os.getpid()
+
+
+def collective_times_out():
+    """Rank 0's all_reduce times out (rank 1 joins too late); the group is out of step after."""
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True).wait(timeout=timedelta(seconds=1))
+    else:
+        time.sleep(2)
+    return dist.get_rank()
+
+
+def die_while_peer_waits(peer_in_collective):
+    """Rank 1 exits with code 17 while rank 0 is in a collective with it (or sleeping)."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os._exit(17)
+    if peer_in_collective:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(60)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -131,6 +159,165 @@ def test_worker_process_dies(world2):
         world2.run(exit_on_rank1)
     assert info.value.rank == 1 and info.value.exit_code == 3
     assert world2.run(rank_info, 0)[1][:3] == (1, 2, 1.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peer_in_collective", [True, False])
+def test_dead_rank_is_blamed_not_its_peer(world2, peer_in_collective):
+    """The dead rank is reported, not rank 0 whose collective then failed; no grace wait."""
+    world2.run(pids)  # started
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        world2.run(die_while_peer_waits, peer_in_collective)
+    elapsed = time.monotonic() - start - 0.5  # rank 1 dies 0.5 s in
+    err = info.value
+    assert (err.rank, err.exit_code, err.exc_type) == (1, 17, "WorkerDied"), str(err)
+    assert str(err).startswith("rank 1 died with exit code 17")
+    assert elapsed < 5.0, elapsed  # docs/reliability.md: rank death reported within 5 s
+    assert world2.run(rank_info, 0)[1][:3] == (1, 2, 1.0)
+
+
+@pytest.mark.timeout(60)
+def test_world_recovers_after_a_collective_timed_out(world2):
+    before = world2.run(pids)
+    with pytest.raises(RankError, match="rank 0 raised RuntimeError: Operation timed out") as info:
+        world2.run(collective_times_out)
+    assert info.value.rank == 0
+    # the group is out of step after a timeout: the workers were replaced, and work
+    after = world2.run(pids)
+    assert set(after).isdisjoint(before)
+    assert [o[:3] for o in world2.run(rank_info, 0)] == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+# -- isolation: loopback only, no orphans ------------------------------------------------------
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket of these processes, from /proc."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            addr_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(addr_hex)
+            # /proc prints the address as 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+            found.append((socket.inet_ntop(family, raw), int(port_hex, 16)))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_store_and_gloo_listen_on_loopback_only(world2):
+    workers = world2.run(pids)
+    sockets = _listening([os.getpid(), *workers])
+    assert ("127.0.0.1", world2._store.port) in sockets  # the store is there ...
+    exposed = [(a, p) for a, p in sockets if a not in ("127.0.0.1", "::1")]
+    assert not exposed, f"listening on a non-loopback address: {exposed}"  # ... and only there
+
+
+_DRIVER = """
+import os, sys, threading, time
+from fshard.launch import World
+world = World(2)
+if sys.argv[1] == "thread":  # workers started from a thread that then exits
+    t = threading.Thread(target=world.run, args=(os.getpid,))
+    t.start(); t.join()
+print(*world.run(os.getpid), flush=True)
+world.run(time.sleep, 600)  # the workers are busy when the driver dies
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie left for init
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, start", [(signal.SIGKILL, "main"), (signal.SIGTERM, "thread")])
+def test_workers_die_with_the_driver(sig, start):
+    """SIGKILL: PR_SET_PDEATHSIG; a World started from a thread: the lifeline watchdog."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, start],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,  # signals meant for the driver's group never reach pytest
+    )
+    try:
+        workers = [int(p) for p in driver.stdout.readline().split()]
+        assert len(workers) == 2 and not any(_gone(p) for p in workers)
+        os.kill(driver.pid, sig)
+        driver.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(p) for p in workers), f"orphaned workers {workers} outlived the driver"
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+# -- the README's multi-node command, on two loopback "nodes" ---------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_readme_multinode_torchrun_command(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    line = next(
+        ln for ln in (root / "README.md").read_text().splitlines() if ln.startswith("torchrun ")
+    )
+    argv = shlex.split(line)
+    script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [a.replace("HOST:29500", f"127.0.0.1:{port}") for a in argv[1:script]]
+    assert args[args.index("--nnodes") + 1] == "2"
+    args[args.index("--nproc-per-node") + 1] = "1"  # one process per "node"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(root / "tests/_two_nodes.py")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(root), GLOO_SOCKET_IFNAME="lo")
+    nodes = [
+        subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # torchrun's agents signal their process groups
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [node.communicate(timeout=110)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    full = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    want = [(0, [full[0]], full), (1, [full[1]], full)]  # each rank's block, then the gather
+    for node, out in zip(nodes, outs):
+        assert node.returncode == 0, out[-3000:]
+        result = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        assert ast.literal_eval(result[len("RESULT ") :]) == want
 
 
 def test_one_shot_run():

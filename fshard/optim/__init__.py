@@ -44,163 +44,23 @@ Example:
     True
 """
 
-from .alias import (
-    adafactor,
-    adagrad,
-    adam,
-    adamw,
-    lamb,
-    lars,
-    lion,
-    momentum,
-    nadam,
-    nadamw,
-    radam,
-    rmsprop,
-    sgd,
-)
-from .base import (
-    ApplyIfFiniteState,
-    EmaState,
-    EmptyState,
-    FactoredState,
-    GradientTransformation,
-    InjectHyperparamsState,
-    MaskedState,
-    MultiStepsState,
-    MultiTransformState,
-    ScaleByAdamState,
-    ScaleByLionState,
-    ScaleByRmsState,
-    ScaleByRmsWithCountState,
-    ScaleByRssState,
-    ScaleByRStdDevState,
-    ScaleByRStdDevWithCountState,
-    ScaleByScheduleState,
-    TraceState,
-    ZeroNansState,
-    identity,
-    set_to_zero,
-    stateless,
-)
-from .clipping import clip, clip_by_block_rms, clip_by_global_norm, global_norm
-from .combine import chain, masked, multi_transform, partition
-from .schedule import (
-    constant_schedule,
-    cosine_decay_schedule,
-    exponential_decay,
-    join_schedules,
-    linear_schedule,
-    piecewise_constant,
-    piecewise_constant_schedule,
-    polynomial_schedule,
-    warmup_cosine_decay_schedule,
-    warmup_exponential_decay_schedule,
-)
-from .transform import (
-    add_decayed_weights,
-    ema,
-    scale,
-    scale_by_adam,
-    scale_by_factored_rms,
-    scale_by_learning_rate,
-    scale_by_lion,
-    scale_by_param_block_rms,
-    scale_by_radam,
-    scale_by_rms,
-    scale_by_rss,
-    scale_by_schedule,
-    scale_by_sign,
-    scale_by_stddev,
-    scale_by_trust_ratio,
-    trace,
-    zero_nans,
-)
-from .update import apply_updates, step
-from .wrappers import MultiSteps, apply_if_finite, inject_hyperparams
+from . import alias, base, clipping, combine, schedule, transform, update, wrappers
+from .alias import *  # noqa: F403
+from .base import *  # noqa: F403
+from .clipping import *  # noqa: F403
+from .combine import *  # noqa: F403
+from .schedule import *  # noqa: F403
+from .transform import *  # noqa: F403
+from .update import *  # noqa: F403
+from .wrappers import *  # noqa: F403
 
 __all__ = [
-    # base
-    "GradientTransformation",
-    "EmptyState",
-    "ScaleByScheduleState",
-    "TraceState",
-    "EmaState",
-    "ScaleByAdamState",
-    "ScaleByRmsState",
-    "ScaleByRmsWithCountState",
-    "ScaleByRStdDevState",
-    "ScaleByRStdDevWithCountState",
-    "ScaleByRssState",
-    "ScaleByLionState",
-    "FactoredState",
-    "ZeroNansState",
-    "MaskedState",
-    "MultiTransformState",
-    "MultiStepsState",
-    "ApplyIfFiniteState",
-    "InjectHyperparamsState",
-    "identity",
-    "set_to_zero",
-    "stateless",
-    # transform
-    "scale",
-    "scale_by_schedule",
-    "scale_by_learning_rate",
-    "add_decayed_weights",
-    "trace",
-    "ema",
-    "scale_by_adam",
-    "scale_by_radam",
-    "scale_by_rms",
-    "scale_by_stddev",
-    "scale_by_rss",
-    "scale_by_lion",
-    "scale_by_sign",
-    "scale_by_trust_ratio",
-    "scale_by_param_block_rms",
-    "scale_by_factored_rms",
-    "zero_nans",
-    # alias
-    "sgd",
-    "momentum",
-    "adam",
-    "adamw",
-    "nadam",
-    "nadamw",
-    "radam",
-    "lion",
-    "adafactor",
-    "lamb",
-    "lars",
-    "rmsprop",
-    "adagrad",
-    # combine
-    "chain",
-    "masked",
-    "multi_transform",
-    "partition",
-    # clipping
-    "global_norm",
-    "clip_by_global_norm",
-    "clip_by_block_rms",
-    "clip",
-    # schedule
-    "constant_schedule",
-    "polynomial_schedule",
-    "linear_schedule",
-    "cosine_decay_schedule",
-    "warmup_cosine_decay_schedule",
-    "exponential_decay",
-    "warmup_exponential_decay_schedule",
-    "piecewise_constant_schedule",
-    "piecewise_constant",
-    "join_schedules",
-    # wrappers
-    "MultiSteps",
-    "apply_if_finite",
-    "inject_hyperparams",
-    # update
-    "apply_updates",
-    "step",
+    *base.__all__,
+    *transform.__all__,
+    *alias.__all__,
+    *combine.__all__,
+    *clipping.__all__,
+    *schedule.__all__,
+    *wrappers.__all__,
+    *update.__all__,
 ]

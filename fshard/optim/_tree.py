@@ -20,6 +20,7 @@ from .. import lax
 from .._function import untracked
 from ..api import reshard
 from ..array import ShardedArray
+from ..spec import Layout, P
 
 
 def is_leaf(x) -> bool:
@@ -122,8 +123,6 @@ def needs_params(params, who: str):
 def _unpartial(x):
     """A partial ShardedArray reduced to its value (other leaves unchanged)."""
     if isinstance(x, ShardedArray) and x.layout.partial:
-        from ..spec import P
-
         return reshard(x, P(*x.layout.dim_axes))
     return x
 
@@ -183,8 +182,6 @@ def drop_dim(x, dim: int, like_local: torch.Tensor):
     axes that sharded it: the value was reduced over them)."""
     if not isinstance(x, ShardedArray):
         return like_local
-    from ..spec import Layout, P
-
     lay = x.layout
     axes = [a for d, a in enumerate(lay.dim_axes) if d != dim]
     shape = tuple(s for d, s in enumerate(lay.shape) if d != dim)

@@ -17,6 +17,34 @@ import torch
 
 from . import _tree
 
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "EmaState",
+    "ScaleByAdamState",
+    "ScaleByRmsState",
+    "ScaleByRmsWithCountState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
+    "ScaleByRssState",
+    "ScaleByLionState",
+    "FactoredState",
+    "ZeroNansState",
+    "MaskedState",
+    "MultiTransformState",
+    "MultiStepsState",
+    "ApplyIfFiniteState",
+    "InjectHyperparamsState",
+    "identity",
+    "set_to_zero",
+    "stateless",
+    "init_empty_state",
+    "Schedule",
+    "ScalarOrSchedule",
+]
+
 #: A schedule: step count (a 0-d int64 tensor, or a Python int) -> value (tensor or float).
 Schedule = Callable[[Any], Any]
 #: A hyperparameter: a float, a 0-d tensor, or a :data:`Schedule`.

@@ -32,6 +32,7 @@ __all__ = [
     "exponential_decay",
     "warmup_exponential_decay_schedule",
     "piecewise_constant_schedule",
+    "piecewise_constant",
     "join_schedules",
 ]
 

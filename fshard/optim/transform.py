@@ -47,6 +47,7 @@ from .base import (
     identity,
     init_empty_state,
 )
+from .combine import masked
 
 __all__ = [
     "scale",
@@ -187,8 +188,6 @@ def add_decayed_weights(weight_decay=0.0, mask=None) -> GradientTransformation:
     """
     weight_decay = check_schedule(weight_decay, "weight_decay")
     if mask is not None:
-        from .combine import masked
-
         return masked(add_decayed_weights(weight_decay), mask)
     scheduled = callable(weight_decay)
 
@@ -420,6 +419,30 @@ def scale_by_radam(
     return GradientTransformation(init, update)
 
 
+def _rms_checks(decay, eps, initial_scale, eps_in_sqrt, bias_correction):
+    check_bool(eps_in_sqrt, "eps_in_sqrt")
+    check_bool(bias_correction, "bias_correction")
+    return (
+        check_scalar(decay, "decay", 0.0, 1.0),
+        check_scalar(eps, "eps", 0.0),
+        check_scalar(initial_scale, "initial_scale", 0.0),
+    )
+
+
+def _rms_debias(state, decay, bias_correction):
+    """``(new count, 1 / (1 - decay**count))``, or ``(None, None)`` without bias correction."""
+    if not bias_correction:
+        return None, None
+    count = state.count + 1
+    return count, 1 / (1 - decay ** _tree.as_float(count))
+
+
+def _rms_scale(g, second_moment, eps, eps_in_sqrt: bool):
+    if eps_in_sqrt:
+        return g * torch.rsqrt(second_moment + eps)
+    return g / (torch.sqrt(second_moment) + eps)
+
+
 def scale_by_rms(
     decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = True, bias_correction=False
 ) -> GradientTransformation:
@@ -433,11 +456,7 @@ def scale_by_rms(
         >>> tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))[0]
         {'w': tensor([2.])}
     """
-    decay = check_scalar(decay, "decay", 0.0, 1.0)
-    eps = check_scalar(eps, "eps", 0.0)
-    initial_scale = check_scalar(initial_scale, "initial_scale", 0.0)
-    check_bool(eps_in_sqrt, "eps_in_sqrt")
-    check_bool(bias_correction, "bias_correction")
+    decay, eps, initial_scale = _rms_checks(decay, eps, initial_scale, eps_in_sqrt, bias_correction)
 
     def init(params):
         nu = _tree.full_like(params, initial_scale)
@@ -446,17 +465,11 @@ def scale_by_rms(
         )
 
     def update(updates, state, params=None):
-        c = None
-        if bias_correction:
-            count = state.count + 1
-            c = 1 / (1 - decay ** _tree.as_float(count))
+        count, c = _rms_debias(state, decay, bias_correction)
 
         def leaf(g, nu):
             nu = torch.lerp(nu, g * g, 1 - decay)
-            nu_hat = nu if c is None else nu * c
-            if eps_in_sqrt:
-                return g * torch.rsqrt(nu_hat + eps), nu
-            return g / (torch.sqrt(nu_hat) + eps), nu
+            return _rms_scale(g, nu if c is None else nu * c, eps, eps_in_sqrt), nu
 
         u, nu = _tree.tree_map(leaf, updates, state.nu, names=["state.nu"], n_out=2)
         return u, (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
@@ -475,11 +488,7 @@ def scale_by_stddev(
         >>> tx.update({"w": torch.tensor([1.0])}, tx.init({"w": torch.zeros(1)}))[0]
         {'w': tensor([1.1547])}
     """
-    decay = check_scalar(decay, "decay", 0.0, 1.0)
-    eps = check_scalar(eps, "eps", 0.0)
-    initial_scale = check_scalar(initial_scale, "initial_scale", 0.0)
-    check_bool(eps_in_sqrt, "eps_in_sqrt")
-    check_bool(bias_correction, "bias_correction")
+    decay, eps, initial_scale = _rms_checks(decay, eps, initial_scale, eps_in_sqrt, bias_correction)
 
     def init(params):
         mu, nu = _tree.zeros_like(params), _tree.full_like(params, initial_scale)
@@ -488,19 +497,13 @@ def scale_by_stddev(
         return ScaleByRStdDevState(mu, nu)
 
     def update(updates, state, params=None):
-        c = None
-        if bias_correction:
-            count = state.count + 1
-            c = 1 / (1 - decay ** _tree.as_float(count))
+        count, c = _rms_debias(state, decay, bias_correction)
 
         def leaf(g, mu, nu):
             mu = torch.lerp(mu, g, 1 - decay)
             nu = torch.lerp(nu, g * g, 1 - decay)
             mu_hat, nu_hat = (mu, nu) if c is None else (mu * c, nu * c)
-            var = nu_hat - mu_hat * mu_hat
-            if eps_in_sqrt:
-                return g * torch.rsqrt(var + eps), mu, nu
-            return g / (torch.sqrt(var) + eps), mu, nu
+            return _rms_scale(g, nu_hat - mu_hat * mu_hat, eps, eps_in_sqrt), mu, nu
 
         u, mu, nu = _tree.tree_map(
             leaf, updates, state.mu, state.nu, names=["state.mu", "state.nu"], n_out=3
@@ -593,6 +596,19 @@ def _safe(norm: torch.Tensor, min_value) -> torch.Tensor:
     return torch.where(norm <= min_value, _t(min_value).to(norm.dtype), norm)
 
 
+def _scale_leaves(updates, params, who: str, factors):
+    """Each update leaf times a 0-d factor computed from whole leaves:
+    ``factors(update leaves, param leaves)`` yields one per leaf."""
+    _tree.needs_params(params, who)
+    uleaves, spec = _tree.flatten(updates, "updates")
+    pleaves = _tree.flatten_like(params, spec, uleaves, "params")
+    out = []
+    for u, f in zip(uleaves, factors(uleaves, pleaves)):
+        loc = _tree.local(u)
+        out.append(_tree.rebuild(u, loc * f.to(loc.dtype)))
+    return optree.tree_unflatten(spec, out)
+
+
 def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0) -> GradientTransformation:
     """LARS/LAMB's per-leaf trust ratio: each update times
     ``trust_coefficient * ||param|| / (||update|| + eps)`` (1 where either norm is 0), as
@@ -611,20 +627,16 @@ def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0) -> Gradie
     eps = check_scalar(eps, "eps", 0.0)
 
     def update(updates, state, params=None):
-        _tree.needs_params(params, "scale_by_trust_ratio")
-        uleaves, spec = _tree.flatten(updates, "updates")
-        pleaves = _tree.flatten_like(params, spec, uleaves, "params")
-        n = len(uleaves)
-        sq = _tree.sq_sums(pleaves + uleaves)
-        out = []
-        for i, u in enumerate(uleaves):
-            pn = _safe(torch.sqrt(sq[i]), min_norm)
-            un = _safe(torch.sqrt(sq[n + i]), min_norm)
-            ratio = trust_coefficient * pn / (un + eps)
-            ratio = torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
-            loc = _tree.local(u)
-            out.append(_tree.rebuild(u, loc * ratio.to(loc.dtype)))
-        return optree.tree_unflatten(spec, out), state
+        def factors(uleaves, pleaves):
+            n = len(uleaves)
+            sq = _tree.sq_sums(pleaves + uleaves)
+            for i in range(n):
+                pn = _safe(torch.sqrt(sq[i]), min_norm)
+                un = _safe(torch.sqrt(sq[n + i]), min_norm)
+                ratio = trust_coefficient * pn / (un + eps)
+                yield torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
+
+        return _scale_leaves(updates, params, "scale_by_trust_ratio", factors), state
 
     return GradientTransformation(init_empty_state, update)
 
@@ -648,14 +660,10 @@ def scale_by_param_block_rms(min_scale=1e-3) -> GradientTransformation:
     min_scale = check_scalar(min_scale, "min_scale", 0.0)
 
     def update(updates, state, params=None):
-        _tree.needs_params(params, "scale_by_param_block_rms")
-        uleaves, spec = _tree.flatten(updates, "updates")
-        pleaves = _tree.flatten_like(params, spec, uleaves, "params")
-        out = []
-        for u, rms in zip(uleaves, _block_rms(pleaves)):
-            loc = _tree.local(u)
-            out.append(_tree.rebuild(u, loc * _safe(rms, min_scale).to(loc.dtype)))
-        return optree.tree_unflatten(spec, out), state
+        def factors(uleaves, pleaves):
+            return [_safe(rms, min_scale) for rms in _block_rms(pleaves)]
+
+        return _scale_leaves(updates, params, "scale_by_param_block_rms", factors), state
 
     return GradientTransformation(init_empty_state, update)
 
