@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                    # 2 local Gloo ranks, dp=1 x tp=2, 200 steps
     python examples/train_gpt.py --dp 2 --tp 1      # pure data parallel
+    python examples/train_gpt.py --fsdp 2           # FSDP over dp=2 x Megatron TP over tp=2
     torchrun --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2   # NCCL on GPUs
 
 What it shows:
@@ -27,6 +28,12 @@ Two ways to write the sharded forward (``--view``):
   replicated param meets the ``dp``-sharded batch through ``pcast``, whose backward sums its
   gradient over ``dp`` (one all_reduce per param, not bucketed), so the step needs no explicit
   gradient reduction. Slower, and nothing to write by hand.
+
+``--fsdp N`` (local view, dp=N): FSDP (ZeRO-3) by layouts. ``fs.nn.fsdp_plan`` adds ``'dp'`` to
+dim 0 of every param of the Megatron plan (params and AdamW moments sharded over dp x tp), and
+:func:`fsdp_loss` gathers each block's weights over dp just before use (``fs.nn.fsdp_gather``:
+to a varying value, so the gradient is a reduce_scatter; the next block prefetched, re-gathered
+in the backward instead of kept), differentiated with ``fs.value_and_grad``.
 
 ``GPT.forward`` on plain tensors is the dense reference: the test checks that both views train
 exactly like it.
@@ -155,7 +162,9 @@ def dense_loss(params: dict, model: GPT, tokens: torch.Tensor) -> torch.Tensor:
 # -- the sharded model, local view ----------------------------------------------------------
 
 
-def tp_loss(params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh) -> torch.Tensor:
+def tp_loss(
+    params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh, get=None
+) -> torch.Tensor:
     """Mean next-byte cross entropy over this rank's sequences, Megatron TP over ``'tp'``.
 
     ``params`` maps names to ShardedArrays (from :func:`gpt_plan`); this function reads their
@@ -163,8 +172,18 @@ def tp_loss(params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh) -
     ``fs.lax.pcast`` (no forward comm; the backward all-reduces their gradient once) and leave
     each row-parallel layer through ``fs.lax.psum``; the vocab-sharded logits are all-gathered.
     The result is the same on every ``tp`` rank and differs over ``dp``.
+
+    ``get(unit) -> {name: local block}`` supplies each FSDP unit's weights just before use
+    (:func:`fsdp_loss`); by default every param's local shard.
     """
-    p = {k: v.local for k, v in params.items()}
+    if get is None:
+        whole = {k: v.local for k, v in params.items()}
+
+        def get(unit):
+            return whole
+
+    root = get("")
+    p = dict(root)
     tp = mesh.size("tp")
     heads, hd = cfg.n_heads // tp, cfg.d_model // cfg.n_heads
     x_tok, y = tokens[:, :-1], tokens[:, 1:]
@@ -186,6 +205,7 @@ def tp_loss(params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh) -
     x = F.embedding(x_tok, p["tok.weight"]) + p["pos.weight"][:t]
     for i in range(cfg.n_layers):
         pre = f"blocks.{i}."
+        p = {**root, **get(pre[:-1])}  # the previous block's weights can be freed
         qkv = column(ln(x, pre + "ln1"), pre + "attn.qkv").view(b, t, heads, 3, hd)
         x = x + row(_attend(qkv).reshape(b, t, heads * hd), pre + "attn.proj")
         h = F.gelu(column(ln(x, pre + "ln2"), pre + "mlp.fc1"))
@@ -193,6 +213,19 @@ def tp_loss(params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh) -
     logits = column(ln(x, "ln_f"), "head", bias=False)
     logits = fs.lax.all_gather(logits, "tp", dim=-1, to="invariant", mesh=mesh)
     return F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
+
+
+def fsdp_loss(
+    params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh, units: dict
+) -> torch.Tensor:
+    """:func:`tp_loss` with params sharded over ``dp`` too (``fs.nn.fsdp_plan``): each block's
+    weights are all-gathered over ``dp`` just before use (to a varying value, so their gradient
+    is a reduce_scatter), the next block's gather prefetched, and re-gathered in the backward
+    instead of kept. Averaged over ``dp``: the gradients come out already reduced. ``units``:
+    ``fs.nn.fsdp_units(model)`` (the root, then each block)."""
+    with fs.nn.fsdp_gather(params, units, mesh=mesh) as get:
+        loss = tp_loss(params, tokens, cfg, mesh, get=get)
+    return fs.lax.pmean(loss, "dp", mesh=mesh)
 
 
 def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray) -> torch.Tensor:
@@ -238,14 +271,29 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
     )
 
 
-def make_train_step(model_cfg: GPTConfig, mesh: fs.Mesh, tx, *, model: GPT | None = None):
+def make_train_step(
+    model_cfg: GPTConfig,
+    mesh: fs.Mesh,
+    tx,
+    *,
+    model: GPT | None = None,
+    fsdp_units: dict | None = None,
+):
     """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
     With ``model`` the step differentiates :func:`global_loss` (the module's own forward);
-    without, the local-view :func:`tp_loss`.
+    with ``fsdp_units`` (params sharded by ``fs.nn.fsdp_plan``) :func:`fsdp_loss` through
+    ``fs.value_and_grad``; otherwise the local-view :func:`tp_loss`.
     """
     dp = mesh.size("dp")
-    if model is not None:
+    if fsdp_units is not None:
+        fsdp_grad = fs.value_and_grad(fsdp_loss)
+
+        def loss_and_grads(params, batch):  # grads arrive reduce-scattered over dp
+            loss, grads = fsdp_grad(params, batch.local, model_cfg, mesh, fsdp_units)
+            return grads, loss
+
+    elif model is not None:
         global_grad = torch.func.grad_and_value(global_loss)
 
         def loss_and_grads(params, batch):  # dp reduction: in the backward of the op rules' pcast
@@ -279,10 +327,19 @@ def train(args: dict) -> dict:
     mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
-    params = fs.nn.shard_params(model, mesh, gpt_plan("tp"))
+    plan = gpt_plan("tp")
+    if args.get("fsdp"):
+        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
+    params = fs.nn.shard_params(model, mesh, plan)
     tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
-    opt_state = tx.init(params)
-    step = make_train_step(cfg, mesh, tx, model=model if args["view"] == "global" else None)
+    opt_state = tx.init(params)  # same layouts as the params: sharded over dp with --fsdp
+    step = make_train_step(
+        cfg,
+        mesh,
+        tx,
+        model=model if args["view"] == "global" else None,
+        fsdp_units=fs.nn.fsdp_units(model) if args.get("fsdp") else None,
+    )
     data = load_corpus(Path(args["data"]))
     gen = torch.Generator().manual_seed(args["seed"] + 1)
     rank0 = dist.get_rank() == 0
@@ -338,6 +395,13 @@ def _progress(total: int):
 def parse_args(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument(
+        "--fsdp",
+        type=int,
+        default=0,
+        help="FSDP over this many data-parallel ranks (sets --dp): params and optimizer state "
+        "sharded over dp, each block gathered just before use",
+    )
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
@@ -359,6 +423,12 @@ def parse_args(argv=None) -> dict:
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     a = ap.parse_args(argv)
+    if a.fsdp:
+        if a.dp not in (1, a.fsdp):
+            raise SystemExit(f"--fsdp {a.fsdp} sets the dp size; drop --dp {a.dp}")
+        if a.view != "local":
+            raise SystemExit("--fsdp runs the local view (explicit collectives); drop --view")
+        a.dp = a.fsdp
     for name in ("dp", "tp", "steps", "batch", "layers", "heads", "ctx"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name} must be >= 1")
@@ -372,7 +442,7 @@ def parse_args(argv=None) -> dict:
     return {
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
-        "model": model, "plot": a.plot, "progress": True, "view": a.view,
+        "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
     }  # fmt: skip
 
 
@@ -409,7 +479,8 @@ def main(argv=None) -> dict:
     losses = out["losses"]
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     print(
-        f"dp={args['dp']} tp={args['tp']} view={args['view']} steps={args['steps']}: "
+        f"dp={args['dp']} tp={args['tp']} view={args['view']} fsdp={args.get('fsdp', False)} "
+        f"steps={args['steps']}: "
         f"loss {first:.3f} (first 10) -> {last:.3f} (last 10), "
         f"{out['tokens_per_s']:,.0f} tokens/s"
     )

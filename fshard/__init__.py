@@ -8,6 +8,7 @@ primitives of :mod:`fshard.lax`.
 from . import checkpoint, config, consistency, debug, interop, launch, lax, nn, ops, optim
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
+from .autodiff import grad, value_and_grad
 from .mesh import Mesh
 from .planner import Step, plan
 from .shard_map import shard_map
@@ -28,6 +29,8 @@ __all__ = [
     "gather",
     "reshard",
     "shard_map",
+    "value_and_grad",
+    "grad",
     "zeros",
     "ones",
     "full",

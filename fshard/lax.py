@@ -34,6 +34,7 @@ a body nothing is tracked and the ops run as written.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -334,7 +335,19 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     plain = untracked(x)
     if plain is not None:
         return op.run(plain)
+    if type(op) is Pcast:
+        hook = PCAST_HOOK.get()
+        if hook is not None:
+            out = hook(x, op.group)
+            if out is not None:
+                return out
     return call(_Collective, x, op)
+
+
+#: Set by :func:`fshard.value_and_grad` on its top-level path: ``(x, group) -> tensor | None``.
+#: It takes over ``pcast`` of a leaf it differentiates (a new leaf whose gradient it reduces in
+#: overlapped buckets) and returns ``None`` for anything else. See :mod:`fshard.autodiff`.
+PCAST_HOOK: contextvars.ContextVar = contextvars.ContextVar("fshard_pcast_hook", default=None)
 
 
 def _refuse_linearize() -> None:

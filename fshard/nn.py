@@ -554,3 +554,6 @@ def megatron_plan(
         for m in (*row, *vocab):  # is a pending sum
             plan[m] = Output(row_output)
     return plan
+
+
+from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: E402, F401

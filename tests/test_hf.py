@@ -3,13 +3,14 @@ TP=2 exactly like the dense loop: ``fs.nn.shard_params`` + ``fs.nn.functional_ca
 ``torch.func.grad_and_value``, 3 ``fs.optim.adamw`` steps; loss and every gathered gradient
 against dense torch each step, layouts kept; ``vmap(grad)`` per-example gradients under TP.
 
-All configurations run in one ``world2.run`` call (models built once per rank); each test
-then checks its own configuration's outcome. A configuration that fails because an op rule is
+Each configuration is one ``world2.run`` call (its own test timeout); the models are built once
+per rank process and reset to their initial weights after each configuration. A configuration that fails because an op rule is
 missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op lands.
 """
 
 import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,18 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL + RTOL * scale, msg=what)
 
 
+def _check_llama_tp_comm(log, layers):
+    """Megatron's communication, nothing else (no weight is ever gathered): activation-sized
+    all-reduces, forward one after the vocab-parallel embedding and one per row-parallel layer
+    (o, down), backward one per column-parallel input (q, k, v, gate, up: each pcasts its input)
+    and one for the vocab-parallel head's input; plus the vocab-parallel cross entropy's
+    per-row max, sum of exponentials and target logit (3 floats per row)."""
+    act, rows = BATCH * SEQ * 64 * 4, BATCH * (SEQ - 1) * 4
+    assert all(r.op == "all_reduce" for r in log), log
+    assert sum(r.nbytes == act for r in log) == (1 + 2 * layers) + (1 + 5 * layers), log
+    assert sum(r.nbytes for r in log if r.nbytes != act) <= 3 * rows, log
+
+
 def _train(model, kind, mode, ids):
     pending = mode == "tp-pending"  # row-parallel outputs left as pending sums (no Output)
     mode = "tp" if pending else mode
@@ -95,7 +108,10 @@ def _train(model, kind, mode, ids):
     dense = {k: v.detach().clone() for k, v in model.named_parameters()}
     state, dstate = tx.init(params), tx.init(dense)
     for step in range(STEPS):
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, x)
+        with fs.debug.comm_log() as log:
+            grads, loss = torch.func.grad_and_value(loss_fn)(params, x)
+        if kind == "llama" and mode == "tp" and not pending:
+            _check_llama_tp_comm(log, model.config.num_hidden_layers)
         dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense, ids)
         _close(loss, dloss, f"loss, step {step}")
         assert set(grads) == set(dgrads)
@@ -144,11 +160,14 @@ CONFIGS = [
 ] + [("llama", "eager", "tp-pending"), ("llama", "eager", "vmap-tp-train")]
 
 
+_MODELS: dict = {}  # (kind, attn) -> model, built once per rank process
+
+
 def hf_rank_fn(configs):
     """Every configuration on this rank; ``{config: None | error text}``."""
     warnings.filterwarnings("ignore", module="transformers")
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    models, out = {}, {}
+    models, out = _MODELS, {}
     for kind, attn, job in configs:
         if (kind, attn) not in models:
             models[kind, attn] = build(kind, attn)
@@ -190,12 +209,6 @@ MISSING = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(world2):
-    results = world2.run(hf_rank_fn, CONFIGS)
-    return {cfg: results[0][cfg] or results[1][cfg] for cfg in CONFIGS}
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -206,6 +219,40 @@ def outcomes(world2):
     ],
     ids=["-".join(c) for c in CONFIGS],
 )
-def test_hf_matches_dense(outcomes, config):
-    error = outcomes[config]
+def test_hf_matches_dense(world2, config):
+    results = world2.run(hf_rank_fn, [config])
+    error = results[0][config] or results[1][config]
     assert error is None, f"{config} failed on a rank:\n{error}"
+
+
+def readme_code() -> str:
+    """The code block of the README's "Train a Hugging Face model" section."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## Train a Hugging Face model", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def readme_rank_fn(code):
+    warnings.filterwarnings("ignore", module="transformers")
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(ns["cfg"])  # the same weights, dense loop
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx, state = ns["tx"], ns["tx"].init(dense)
+
+    def dense_loss(ps, ids):
+        logits = torch.func.functional_call(model, ps, (ids,), {"use_cache": False}).logits
+        return lm_loss(logits, ids)
+
+    for _ in range(3):
+        grads = torch.func.grad(dense_loss)(dense, ns["ids"])
+        updates, state = tx.update(grads, state, dense)
+        dense = fs.optim.apply_updates(dense, updates)
+    for k, v in ns["model"].named_parameters():
+        _close(v.detach(), dense[k], f"README-trained {k}")
+    return True
+
+
+def test_readme_hf_section_trains_like_dense(world2):
+    assert world2.run(readme_rank_fn, readme_code()) == [True, True]

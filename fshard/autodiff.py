@@ -1,0 +1,324 @@
+"""``value_and_grad`` / ``grad`` shaped like JAX's, with DDP-style overlapped gradient reduction.
+
+At top level (no ``torch.func`` transform active, no input taking part in an outer autograd
+graph) the function runs on detached leaves with ``requires_grad`` and differentiates with
+``torch.autograd.grad``: no per-level wrapping, no functorch Function machinery, the speed of a
+hand-written ``.backward()``. Under any ``torch.func`` transform (``grad``, ``vmap``, ``jvp``,
+...) it is ``torch.func.grad_and_value``, so grad of grad, ``vmap`` of it and forward mode
+compose exactly.
+
+Where the data-parallel reduction happens. A replicated value's gradient is summed over an
+axis exactly once, at the ``pcast`` where it met varying data (DESIGN §4); under
+``torch.func`` that is one all_reduce per ``pcast`` in its backward, run late (the Function's
+node was created early in the forward, and the engine runs low sequence numbers last) and
+unbucketed. On the top-level path a ``pcast`` of a differentiated leaf instead returns a *new
+leaf* ``v`` (same values, no history). ``v``'s gradient is the varying cotangent at that pcast,
+and nothing else: uses of the param outside the pcast (weight decay in the loss, an invariant
+branch) reach the param itself, never ``v``, so they are not summed over ranks. A hook on ``v``
+(the engine runs a leaf's hooks as soon as its last use is back-propagated, like DDP's
+AccumulateGrad hooks) copies the cotangent into a bucket; a full bucket is all-reduced
+asynchronously while the rest of the backward runs. Buckets hold up to
+``fs.lax.PSUM_BUCKET_BYTES`` of one group and dtype, in reverse forward order, and are launched
+in bucket order (the same on every rank). After the backward the param's gradient is its own
+(outside) gradient plus the reduced bucket slices::
+
+    op on the top-level path     forward                  backward
+    pcast(w, axis), w a leaf     new leaf v (no comm)     hook: copy into bucket; full bucket
+                                                          -> async all_reduce; grad w += slice
+    any other pcast / collective as in fshard.lax         as in fshard.lax
+
+A pcast of anything other than a differentiated leaf itself (a cast or slice of a param)
+keeps ``fshard.lax``'s Function, whose backward all-reduces at once: correct, not bucketed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _comm, lax
+from .mesh import AxisGroup
+
+__all__ = ["value_and_grad", "grad"]
+
+
+def _check_argnums(argnums, nargs: int | None) -> tuple[int, ...]:
+    """``argnums`` as a tuple of non-negative indices (range-checked against ``nargs``)."""
+    single = isinstance(argnums, int) and not isinstance(argnums, bool)
+    nums = (argnums,) if single else argnums
+    if (
+        not isinstance(nums, tuple)
+        or not nums
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in nums)
+    ):
+        raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
+    if nargs is None:
+        return nums
+    for i in nums:
+        if not -nargs <= i < nargs:
+            raise ValueError(
+                f"argnums={argnums!r}: index {i} is out of range for {nargs} positional arguments"
+            )
+    return tuple(i % nargs for i in nums)
+
+
+def _scalar_loss(out, has_aux: bool):
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "value_and_grad(has_aux=True): f must return a pair (loss, aux), got "
+                f"{type(out).__name__}"
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)
+        raise TypeError(
+            f"value_and_grad: f must return a scalar torch.Tensor loss, got {what}; "
+            "for a replicated ShardedArray loss return fs.gather(loss) (no communication)"
+        )
+    return loss, aux
+
+
+#: Bucket buffers kept between calls, per (numel, dtype, device), as DDP keeps its buckets: on
+#: CPU a fresh 16 MiB buffer is fresh pages every step (page faults cost more than the copy).
+#: A buffer is reused only once nothing else references its storage (the gradients returned
+#: from it, which are views, are gone), so results are never overwritten.
+_POOL: dict[tuple, list[torch.Tensor]] = {}
+_POOL_DEPTH = 2
+
+
+def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    free = _POOL.setdefault((numel, like.dtype, like.device), [])
+    for buf in free:
+        # 2: the pool's tensor and the temporary storage object of this call
+        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
+            return buf.view(numel)  # a new tensor: it holds the storage while in use
+    buf = like.new_empty(numel)
+    if len(free) < _POOL_DEPTH:
+        free.append(buf)
+    return buf.view(numel)
+
+
+class _Bucket:
+    __slots__ = ("group", "entries", "sizes", "flat", "pending", "work")
+
+    def __init__(self, group: AxisGroup, entries: list[int], sizes: list[int]):
+        self.group, self.entries, self.sizes = group, entries, sizes
+        self.flat, self.pending, self.work = None, len(entries), None
+
+
+class _Reducer:
+    """The top-level pcast hook (see the module docstring) for one value_and_grad call."""
+
+    def __init__(self, leaves: list[torch.Tensor]):
+        self.leaves = leaves
+        self.index = {id(t): i for i, t in enumerate(leaves)}
+        self.entries: list[tuple[int, AxisGroup, torch.Tensor]] = []  # (leaf, group, v)
+        self.buckets: list[_Bucket] | None = None
+        self.slot: dict[int, tuple[_Bucket, int]] = {}  # entry -> (its bucket, offset)
+        self.next = 0  # the first bucket not launched yet
+        self.arrived: set[int] = set()
+
+    def pcast(self, x: torch.Tensor, group: AxisGroup) -> torch.Tensor | None:
+        i = self.index.get(id(x))
+        if (
+            i is None
+            or self.leaves[i] is not x
+            or self.buckets is not None
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        v = x.detach().requires_grad_()
+        k = len(self.entries)
+        self.entries.append((i, group, v))
+        v.register_hook(functools.partial(self._ready, k))
+        return v
+
+    def _plan(self) -> None:
+        """Cut the entries, last registered first, into buckets per (group, dtype, device)."""
+        self.buckets, open_ = [], {}
+        cap = lax.PSUM_BUCKET_BYTES
+        for k in reversed(range(len(self.entries))):
+            _, g, v = self.entries[k]
+            key = (g.axes, id(g.pg), v.dtype, v.device)
+            b = open_.get(key)
+            size = v.numel()
+            if b is None or (sum(b.sizes) + size) * v.element_size() > cap:
+                b = open_[key] = _Bucket(g, [], [])
+                self.buckets.append(b)
+            self.slot[k] = (b, sum(b.sizes))
+            b.entries.append(k)
+            b.sizes.append(size)
+            b.pending += 1
+
+    def _ready(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        if self.buckets is None:
+            self._plan()
+        b, off = self.slot[k]
+        if b.flat is None:
+            b.flat = _buffer(sum(b.sizes), g)
+        b.flat[off : off + g.numel()].view_as(g).copy_(g)
+        self.arrived.add(k)
+        b.pending -= 1
+        self._launch_ready()
+        # The engine keeps what a hook returns until the backward ends: hand it a zero-size
+        # stand-in (the cotangent now lives in the bucket).
+        return g.new_zeros(()).expand_as(g)
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self.next < len(self.buckets):
+            b = self.buckets[self.next]
+            if b.pending:
+                if not flush:
+                    return
+                if b.flat is None:
+                    b.flat = _buffer(sum(b.sizes), self.entries[b.entries[0]][2]).zero_()
+                else:  # cotangents that never arrived (the pcast did not reach the loss)
+                    for k, size in zip(b.entries, b.sizes):
+                        if k not in self.arrived:
+                            off = self.slot[k][1]
+                            b.flat[off : off + size].zero_()
+                b.pending = 0
+            _, b.work = _comm.all_reduce_start(b.flat, b.group, inplace=True)
+            self.next += 1
+
+    def finish(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Add every leaf's reduced pcast cotangents to its own gradient ``grads[i]``."""
+        if not self.entries:
+            return grads
+        if self.buckets is None:  # no pcast output reached the loss
+            self._plan()
+        self._launch_ready(flush=True)
+        out = list(grads)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            for k, size in zip(b.entries, b.sizes):
+                i, _, v = self.entries[k]
+                _, off = self.slot[k]
+                piece = b.flat[off : off + size].view_as(v)
+                out[i] = piece if out[i] is None else out[i] + piece
+        return out
+
+
+def _requires_grad(tree) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(tree))
+
+
+def _detach(tree):
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _top_level(f, nums, has_aux, args, kwargs):
+    flat, specs = [], []
+    new_args = list(args)
+    for i in nums:
+        leaves, spec = pytree.tree_flatten(args[i])
+        for j, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+                raise TypeError(
+                    f"value_and_grad: argument {i} leaf {j} is "
+                    f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}; "
+                    "differentiated arguments must be pytrees of floating-point tensors or "
+                    "ShardedArrays (pass the others as arguments not in argnums)"
+                )
+        leaves = [t.detach().requires_grad_() for t in leaves]
+        new_args[i] = pytree.tree_unflatten(leaves, spec)
+        flat.append(leaves)
+        specs.append(spec)
+    every = [t for leaves in flat for t in leaves]
+    reducer = _Reducer(every)
+    token = lax.PCAST_HOOK.set(reducer.pcast)
+    try:
+        with torch.enable_grad():
+            loss, aux = _scalar_loss(f(*new_args, **kwargs), has_aux)
+            inputs = every + [v for _, _, v in reducer.entries]
+            got = (
+                torch.autograd.grad(loss, inputs, allow_unused=True)
+                if loss.requires_grad
+                else [None] * len(inputs)
+            )
+    finally:
+        lax.PCAST_HOOK.reset(token)
+    got = reducer.finish(list(got[: len(every)]))
+    got = [torch.zeros_like(t) if g is None else g for t, g in zip(every, got)]
+    out, k = [], 0
+    for leaves, spec in zip(flat, specs):
+        out.append(pytree.tree_unflatten(got[k : k + len(leaves)], spec))
+        k += len(leaves)
+    return loss.detach(), _detach(aux), out
+
+
+def value_and_grad(
+    f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable:
+    """``jax.value_and_grad``: a function returning ``(value, grads)`` of ``f``.
+
+    At top level it runs ``f`` once on detached leaves and calls ``torch.autograd.grad``, with
+    the data-parallel gradient reduction bucketed and overlapped with the backward (see the
+    module docstring); under a ``torch.func`` transform, or when an argument takes part in an
+    outer autograd graph, it is ``torch.func.grad_and_value`` (same results, composable).
+    Gradients follow fshard's contract: the params' layouts, the dense gradient's values.
+
+    Args:
+        f: a function whose output is a scalar tensor loss (``(loss, aux)`` with
+            ``has_aux``); a replicated ShardedArray loss goes through ``fs.gather`` first.
+        argnums: the positional argument (int) or arguments (tuple) to differentiate: pytrees
+            of floating-point tensors and ShardedArrays.
+        has_aux: ``f`` returns ``(loss, aux)``; aux is returned detached.
+
+    Returns:
+        A function with ``f``'s signature returning ``(loss, grads)``, or ``((loss, aux),
+        grads)`` with ``has_aux``; ``grads`` has argument ``argnums``' structure (a tuple of
+        them for a tuple ``argnums``).
+
+    Example:
+        >>> loss, grads = fs.value_and_grad(loss_fn)(params, batch)  # doctest: +SKIP
+    """
+    if not callable(f):
+        raise TypeError(f"value_and_grad: f must be callable, got {type(f).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"value_and_grad: has_aux must be a bool, got {has_aux!r}")
+    _check_argnums(argnums, None)
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        nums = _check_argnums(argnums, len(args))
+        if torch._C._are_functorch_transforms_active() or _requires_grad((args, kwargs)):
+            g, v = torch.func.grad_and_value(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+            return v, g
+        loss, aux, grads = _top_level(f, nums, has_aux, args, kwargs)
+        grads = grads[0] if isinstance(argnums, int) else tuple(grads)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return run
+
+
+def grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+    """``jax.grad``: :func:`value_and_grad` without the value.
+
+    Args:
+        f: as in :func:`value_and_grad`.
+        argnums: as in :func:`value_and_grad`.
+        has_aux: ``f`` returns ``(loss, aux)``; the result is then ``(grads, aux)``.
+
+    Returns:
+        A function returning ``grads`` (``(grads, aux)`` with ``has_aux``).
+
+    Example:
+        >>> grads = fs.grad(loss_fn)(params, batch)  # doctest: +SKIP
+    """
+    vg = value_and_grad(f, argnums, has_aux)
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        value, g = vg(*args, **kwargs)
+        return (g, value[1]) if has_aux else g
+
+    return run

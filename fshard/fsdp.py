@@ -1,0 +1,376 @@
+"""FSDP (ZeRO-3) by layouts: params and optimizer state sharded over a data-parallel axis.
+
+The JAX way: a param (and so its gradient and optimizer moments) has a layout that also splits
+it over ``'dp'`` (:func:`fsdp_plan` adds ``'dp'`` to dim 0 of any base plan, e.g. a Megatron
+TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-gathered over
+``'dp'`` just before use to a *varying* value, so the gradient is the transpose, a
+``psum_scatter`` (reduce_scatter): never an all_reduce then a slice::
+
+    per param of a unit          forward                         backward
+    sharded over dp (dim 0)      all_gather(to="varying")        psum_scatter (reduce_scatter)
+    left whole (dim 0 too small) pcast over dp (no comm)         psum (all_reduce, bucketed
+                                                                 under fs.value_and_grad)
+
+:func:`fsdp_gather` gathers one *unit* (e.g. a transformer block: :func:`fsdp_units`) at a
+time. Outside ``torch.func`` transforms (plain ``.backward()`` or :func:`fshard.value_and_grad`,
+which differentiates at top level) it also does what FSDP2 does for memory and speed:
+
+* the next unit's gather is launched asynchronously when a unit is gathered (prefetch);
+* a gathered weight saved for the backward (``F.linear`` saves it) is not kept: a
+  ``saved_tensors_hooks`` pack stores a token while its unit is in use, and the backward
+  re-gathers the unit when it first needs it (prefetching the unit before it), keeping at most
+  two units gathered at once.
+
+Under a ``torch.func`` transform each param is ``fs.lax.all_gather(..., to="varying")`` (same
+values, same collectives, no prefetch or freeing: torch.func does not support saved-tensor
+hooks).
+
+Example (pure FSDP on a module; the loss is averaged over dp)::
+
+    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+    def loss(ps, x, y):
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)
+        return fs.lax.pmean(F.mse_loss(out, y), "dp", mesh=mesh)
+    value, grads = fs.value_and_grad(loss)(params, x_local, y_local)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _comm, lax
+from . import nn as _nn  # fshard.nn re-exports this module's API at its end
+from .array import ShardedArray
+from .lax import PsumScatter, apply
+from .mesh import AxisGroup, Mesh
+from .spec import P
+
+__all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
+
+
+def fsdp_plan(
+    module: torch.nn.Module, mesh: Mesh, axis: str = "dp", base: Mapping[str, P] | None = None
+) -> dict[str, P]:
+    """A :func:`fshard.nn.shard_params` plan that shards every param over ``axis`` too.
+
+    Dim 0 of each param's base spec gets ``axis`` as its least significant axis (``None`` ->
+    ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``), so all-gathering this rank's block over ``axis``
+    along dim 0 gives exactly its block under the base plan. A param whose dim 0 does not split
+    evenly over those axes (or a 0-d one) keeps its base spec: it stays whole over ``axis``
+    and its gradient is all-reduced like DDP's.
+
+    Args:
+        module: the module.
+        mesh: the mesh (sizes decide which params split evenly).
+        axis: the data-parallel mesh axis.
+        base: another plan to compose with, e.g. ``fs.nn.megatron_plan(...)`` on ``'tp'``.
+
+    Returns:
+        ``{param name: P}`` (exact names) for :func:`fshard.nn.shard_params`.
+
+    Example:
+        >>> plan = fs.nn.fsdp_plan(model, mesh, base=fs.nn.megatron_plan(column=["fc1"]))  # doctest: +SKIP
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"fsdp_plan: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"fsdp_plan: axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}"
+        )
+    named = dict(module.named_parameters())
+    specs = _nn.match_plan(named, base or {})
+    out = {}
+    for name, p in named.items():
+        spec = specs[name]
+        if axis in spec.axes:
+            raise ValueError(
+                f"fsdp_plan: the base plan already uses {axis!r} for {name} ({spec}); FSDP adds "
+                f"{axis!r} itself, so leave it out of the base plan"
+            )
+        if p.dim() == 0:
+            out[name] = spec
+            continue
+        dims = spec.padded(p.dim())
+        first = (*dims[0], axis)
+        if p.shape[0] % math.prod(mesh.size(a) for a in first):
+            out[name] = spec
+            continue
+        out[name] = P(first if len(first) > 1 else axis, *dims[1:], partial=spec.partial)
+    return out
+
+
+def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Default FSDP units: each element of every ``nn.ModuleList`` (e.g. ``"blocks.3"``), and
+    the root unit ``""`` holding every other param (embeddings, final norm, head).
+
+    Args:
+        module: the module.
+
+    Returns:
+        ``{unit name: [param names]}``, the root first, then module order.
+
+    Example:
+        >>> list(fsdp_units(gpt))  # doctest: +SKIP
+        ['', 'blocks.0', 'blocks.1']
+    """
+    prefixes = [
+        f"{name}.{child}" if name else child
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.ModuleList)
+        for child, _ in m.named_children()
+    ]
+    units: dict[str, list[str]] = {"": []}
+    units.update({p: [] for p in prefixes})
+    for pname, _ in module.named_parameters():
+        owner = max((u for u in prefixes if pname.startswith(u + ".")), key=len, default="")
+        units[owner].append(pname)
+    return units
+
+
+class _Gathered(torch.autograd.Function):
+    """The full (varying) block gathered outside autograd; backward: psum_scatter over dp."""
+
+    @staticmethod
+    def forward(shard, box, group):
+        return box.pop()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return apply(PsumScatter(ctx.group, 0, None), g), None, None
+
+
+def _gather_start(x: torch.Tensor, g: AxisGroup):
+    """All-gather ``x`` over ``g`` along dim 0, launched asynchronously: ``(out, work)``."""
+    x = x.detach().contiguous()
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    _comm.record("all_gather", g.axes, _comm.nbytes(x))
+    return out, dist.all_gather_single(out, x, group=g.pg, async_op=True)
+
+
+class _Session:
+    """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
+
+    def __init__(self, params, units, axis, mesh, prefetch):
+        self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
+        self.order = list(units)
+        self.prefetch = prefetch
+        self.group = mesh.group(axis)
+        self.eager = not torch._C._are_functorch_transforms_active() and self.group.identity_order
+        self.launched: dict[str, dict] = {}  # unit -> {name: (out, work)} gathers in flight
+        self.active: dict[int, tuple[str, str, torch.Tensor]] = {}  # storage -> (unit, name, full)
+        self.seen: list[str] = []  # units in forward order
+        self.cache: dict[str, dict] = {}  # backward: unit -> {name: full}
+
+    def sharded(self, name: str) -> bool:
+        return self.axis in self.params[name].spec.dims[0] if self.params[name].spec.dims else False
+
+    def _launch(self, unit: str) -> None:
+        if unit not in self.launched:
+            self.launched[unit] = {
+                n: _gather_start(self.params[n].local, self.group)
+                for n in self.units[unit]
+                if self.sharded(n)
+            }
+
+    def _wait(self, unit: str) -> dict:
+        self._launch(unit)
+        fulls = {}
+        for n, (out, work) in self.launched.pop(unit).items():
+            work.wait()
+            fulls[n] = out
+        return fulls
+
+    def gather(self, unit: str) -> dict[str, torch.Tensor]:
+        if unit not in self.units:
+            raise ValueError(f"fsdp_gather: unknown unit {unit!r}; the units are {self.order}")
+        if not self.eager:
+            return {n: self._traced(n) for n in self.units[unit]}
+        fulls = self._wait(unit)
+        if self.prefetch:
+            i = self.order.index(unit)
+            if i + 1 < len(self.order):
+                self._launch(self.order[i + 1])
+        self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
+        self.seen.append(unit)
+        out = {}
+        for n in self.units[unit]:
+            x = self.params[n].local
+            if n in fulls:
+                full = fulls[n]
+                y = _Gathered.apply(x, [full], self.group) if x.requires_grad else full
+                self.active[full.untyped_storage().data_ptr()] = (unit, n, full)
+            else:
+                y = lax.pcast(x, self.axis, mesh=self.mesh)
+            out[n] = y
+        return out
+
+    def _traced(self, n: str) -> torch.Tensor:
+        x = self.params[n].local
+        if self.sharded(n):
+            return lax.all_gather(x, self.axis, dim=0, to="varying", mesh=self.mesh)
+        return lax.pcast(x, self.axis, mesh=self.mesh)
+
+    # -- saved-tensor hooks: a gathered weight is re-gathered in the backward, not kept --------
+
+    def pack(self, t: torch.Tensor):
+        if not self.active:
+            return t
+        hit = self.active.get(t.untyped_storage().data_ptr())
+        if hit is None or hit[2].dtype != t.dtype:
+            return t
+        return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        unit, name, size, stride, offset = packed
+        full = self._regather(unit)[name]
+        return full.as_strided(size, stride, offset)
+
+    def _regather(self, unit: str) -> dict:
+        if unit not in self.cache:
+            self.cache = {unit: self._wait(unit)}  # the unit used before is freed
+            # backward order: the root (its head runs first), then the units in reverse
+            order = [""] + [u for u in dict.fromkeys(reversed(self.seen)) if u != ""]
+            if self.prefetch and unit in order and order.index(unit) + 1 < len(order):
+                self._launch(order[order.index(unit) + 1])
+        return self.cache[unit]
+
+
+@contextlib.contextmanager
+def fsdp_gather(
+    params: Mapping[str, ShardedArray],
+    units: Mapping[str, Sequence[str]],
+    *,
+    mesh: Mesh,
+    axis: str = "dp",
+    prefetch: bool = True,
+) -> Iterator[Callable[[str], dict[str, torch.Tensor]]]:
+    """Gather FSDP units just before use; yields ``get(unit) -> {param name: local tensor}``.
+
+    ``get`` returns each of the unit's params as this rank's block under the *base* plan
+    (dp gathered away), varying over ``axis``. The block must span the forward of the loss
+    (the saved-tensor hooks are installed for it); the backward may run after it.
+
+    Args:
+        params: ``{name: ShardedArray}`` sharded with :func:`fsdp_plan`.
+        units: ``{unit name: [param names]}`` in forward order (:func:`fsdp_units`).
+        mesh: the mesh.
+        axis: the data-parallel mesh axis.
+        prefetch: launch the next unit's gather (and in the backward the previous one's)
+            asynchronously.
+
+    Yields:
+        ``get(unit)``.
+
+    Example:
+        >>> with fs.nn.fsdp_gather(params, units, mesh=mesh) as get:  # doctest: +SKIP
+        ...     p = get("blocks.0")
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"fsdp_gather: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
+    missing = sorted({n for names in units.values() for n in names} - set(params))
+    if missing:
+        raise ValueError(f"fsdp_gather: units name params not in params: {missing[:5]}")
+    for n, v in params.items():
+        if not isinstance(v, ShardedArray):
+            raise TypeError(f"fsdp_gather: params[{n!r}] is {type(v).__name__}, not a ShardedArray")
+    session = _Session(params, units, axis, mesh, prefetch)
+    if not session.eager:
+        yield session.gather
+        return
+    with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+        yield session.gather
+    for unit in list(session.launched):  # prefetched but never used: finish the collective
+        session._wait(unit)
+    session.active = {}
+
+
+def _swap(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> list:
+    saved = []
+    for name, value in values.items():
+        owner, attr, slot = _nn._resolve(module, name)
+        saved.append((owner, attr, slot, getattr(owner, slot).pop(attr)))
+        owner.__dict__[attr] = value
+    return saved
+
+
+def _restore(saved: list) -> None:
+    for owner, attr, slot, original in reversed(saved):
+        owner.__dict__.pop(attr, None)
+        getattr(owner, slot)[attr] = original
+
+
+def fsdp_call(
+    module: torch.nn.Module,
+    params: Mapping[str, ShardedArray],
+    args=(),
+    kwargs=None,
+    *,
+    mesh: Mesh,
+    axis: str = "dp",
+    units: Mapping[str, Sequence[str]] | None = None,
+    prefetch: bool = True,
+):
+    """Run ``module(*args)`` on local tensors with each FSDP unit gathered just before its
+    forward (a forward pre-hook), the next one prefetched, and released after.
+
+    The module's forward runs on plain local tensors (no op rules), so this is pure data /
+    fully-sharded parallelism; for FSDP x TP write the local-view loss with
+    :func:`fsdp_gather` and explicit ``fs.lax`` collectives (``examples/train_gpt.py --fsdp``).
+
+    Args:
+        module: the module.
+        params: ``{name: ShardedArray}`` sharded with :func:`fsdp_plan`.
+        args: positional arguments (local tensors).
+        kwargs: keyword arguments.
+        mesh: the mesh.
+        axis: the data-parallel mesh axis.
+        units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
+        prefetch: as in :func:`fsdp_gather`.
+
+    Returns:
+        What ``module.forward`` returns (local, varying over ``axis``).
+
+    Example:
+        >>> out = fs.nn.fsdp_call(model, params, (x_local,), mesh=mesh)  # doctest: +SKIP
+    """
+    units = fsdp_units(module) if units is None else units
+    if not isinstance(args, tuple):
+        args = (args,)
+    handles, swapped = [], []
+    with fsdp_gather(params, units, mesh=mesh, axis=axis, prefetch=prefetch) as get:
+        try:
+            for unit in units:
+                if unit == "":
+                    continue
+                sub = module.get_submodule(unit)
+
+                def pre(m, a, unit=unit):
+                    swapped.append(_swap(module, get(unit)))
+
+                def post(m, a, o):
+                    _restore(swapped.pop())
+
+                handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+            root = _swap(module, get(""))
+            try:
+                return module(*args, **(kwargs or {}))
+            finally:
+                _restore(root)
+        finally:
+            for h in handles:
+                h.remove()
+            while swapped:
+                _restore(swapped.pop())
