@@ -34,6 +34,7 @@ faults per step of the rank with the most (fresh memory: ~4 KiB each).
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import resource
 import statistics
@@ -95,8 +96,17 @@ _BUILT: dict = {}  # section -> (its configs, baseline name), built once per wor
 def _built(section: str) -> tuple[dict, str]:
     if section not in _BUILT:
         torch.set_num_threads(1)
-        _BUILT[section] = SECTIONS[section]()
+        _BUILT[section] = _section_builder(section)()
     return _BUILT[section]
+
+
+def _section_builder(section: str):
+    """``SECTIONS[section]``, or ``module:function`` (another benchmark's configurations,
+    timed with this file's per-process machinery; workers import that module by name)."""
+    if ":" in section:
+        module, fn = section.split(":")
+        return getattr(importlib.import_module(module), fn)
+    return SECTIONS[section]
 
 
 def _config_names(section: str) -> tuple[list[str], str]:

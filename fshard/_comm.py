@@ -7,9 +7,11 @@ ranks, so a reversed axis tuple is reordered here. Uneven chunks are padded to t
 for the wire and trimmed after (Gloo wants equal sizes), which costs at most one chunk of
 padding per peer.
 
-Lowering choices on Gloo (measured in ../shared/reference/perf-anchors.md): reduce_scatter is an
-``all_to_all_single`` plus a local sum (Gloo's own reduce_scatter all-reduces the whole buffer:
-2x slower); all_gather is ``all_gather_single``.
+How each collective goes on the wire depends on the backend: :data:`LOWERINGS` is the table
+(the measurements behind the Gloo choices are in docs/INTERNALS.md, "Lowering"). While a graph is
+being traced (``torch.compile``, ``make_fx``, export) every collective is issued through
+``torch.distributed._functional_collectives`` instead, whose ops return tensors and record their
+waits in the graph, so a traced step replays exactly; ``comm_log`` records eager calls only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("fshard_comm_
 
 
 def record(op: str, axes: tuple[str, ...], nbytes: int) -> None:
+    if torch.compiler.is_compiling():
+        return  # a trace runs once; what it records would not be what the graph sends
     log = _LOG.get()
     if log is not None:
         log.append(CommRecord(op, axes, int(nbytes)))
@@ -64,8 +68,70 @@ def _pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-#: Blocks at least this large are all-gathered as one broadcast per rank (see all_gather).
+#: Blocks at least this large are all-gathered as one broadcast per rank on Gloo.
 BROADCAST_GATHER_BYTES = int(os.environ.get("FSHARD_BROADCAST_GATHER_BYTES", 1 << 20))
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """How one backend runs the collectives that have more than one lowering.
+
+    Attributes:
+        gather_broadcast_bytes: all_gather blocks of at least this many bytes go as one
+            broadcast per rank; ``None``: always the backend's own all_gather.
+        reduce_scatter_via_all_to_all: reduce_scatter as an all_to_all plus a local sum,
+            instead of the backend's own reduce_scatter.
+    """
+
+    gather_broadcast_bytes: int | None = None
+    reduce_scatter_via_all_to_all: bool = False
+
+
+NATIVE = Lowering()
+
+#: Lowering per ``dist.get_backend(group)``; a backend not listed gets :data:`NATIVE`. Gloo's
+#: all_gather and reduce_scatter are slower than the collectives replacing them here (numbers
+#: in docs/INTERNALS.md, "Lowering"); NCCL's own are the fast ones.
+LOWERINGS: dict[str, Lowering] = {
+    "gloo": Lowering(
+        gather_broadcast_bytes=BROADCAST_GATHER_BYTES, reduce_scatter_via_all_to_all=True
+    ),
+    "nccl": NATIVE,
+}
+
+_LOWERING_OF_PG: dict = {}  # process group -> its Lowering, resolved once
+
+
+def lowering(g: AxisGroup) -> Lowering:
+    """The :data:`LOWERINGS` entry for ``g``'s backend."""
+    low = _LOWERING_OF_PG.get(g.pg)
+    if low is None:
+        low = _LOWERING_OF_PG[g.pg] = LOWERINGS.get(str(dist.get_backend(g.pg)), NATIVE)
+    return low
+
+
+def tracing() -> bool:
+    """Whether a graph is being traced (dynamo, make_fx, export): collectives then go through
+    functional collectives, which the graph records with their waits. (The test of
+    ``torch.distributed._functional_collectives._are_we_tracing``, without importing that
+    module, which imports dynamo: seconds at fshard import.)"""
+    if torch.compiler.is_compiling():
+        return True
+    c = torch._C
+    return (
+        c._get_dispatch_mode(c._TorchDispatchModeKey.FAKE) is not None
+        or c._get_dispatch_mode(c._TorchDispatchModeKey.PROXY) is not None
+        or c._dispatch_tls_is_dispatch_key_included(c.DispatchKey.PythonDispatcher)
+    )
+
+
+def _funcol():
+    """The functional collectives (imported on first trace). Callers pass detached tensors:
+    these are raw collectives, as in eager (fshard's Functions define their gradients), and
+    the ops' own autograd kernels fail under ``torch.func.grad`` in dynamo."""
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
 
 
 def all_gather(
@@ -80,22 +146,37 @@ def all_gather(
     record("all_gather", g.axes, nbytes(t))
     m = max(sizes)
     x = _pad_dim0(x, m)
-    out = x.new_empty((g.size * m, *x.shape[1:]))
-    if nbytes(x) >= BROADCAST_GATHER_BYTES:
-        # Gloo's all_gather is its slowest collective; n broadcasts move the same bytes faster
-        # for large blocks (perf-anchors: 0.40x at 16 MiB, 0.42x at 64 MiB on 2 ranks).
-        blocks = out.view(g.size, m, *x.shape[1:])
-        blocks[g.group_rank[g.index]].copy_(x)
-        for k in range(g.size):
-            src = g.ranks[g.group_rank.index(k)]
-            dist.broadcast(blocks[k], src=src, group=g.pg)
-    else:
-        dist.all_gather_single(out, x, group=g.pg)
+    out = _gather_wire(x, g)
     if g.identity_order and all(s == m for s in sizes):
         return out.movedim(0, dim)  # already in chunk order, no padding: no copy
     blocks = out.view(g.size, m, *x.shape[1:])
     parts = [blocks[g.group_rank[j], : sizes[j]] for j in range(g.size)]
     return torch.cat(parts, 0).movedim(0, dim)
+
+
+def _gather_wire(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Every rank's ``x`` (equal shapes) stacked along dim 0 in group-rank order."""
+    big = lowering(g).gather_broadcast_bytes
+    big = big is not None and nbytes(x) >= big
+    if tracing():
+        if not big:
+            return _funcol().all_gather_single(x.detach(), 0, g.pg)
+        # the functional broadcast takes the source's rank inside the group
+        return torch.cat([_funcol().broadcast(x.detach(), k, g.pg) for k in range(g.size)])
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    if big:
+        blocks = out.view(g.size, *x.shape)
+        blocks[g.group_rank[g.index]].copy_(x)
+        for k, src in enumerate(_group_rank_order(g)):
+            dist.broadcast(blocks[k], src=src, group=g.pg)
+    else:
+        dist.all_gather_single(out, x, group=g.pg)
+    return out
+
+
+def _group_rank_order(g: AxisGroup) -> list[int]:
+    """The global ranks in group-rank order."""
+    return [g.ranks[g.group_rank.index(k)] for k in range(g.size)]
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -123,6 +204,8 @@ def all_reduce_start(
         return t, None
     _consistent("all_reduce", g, t, reduce=op, shape=tuple(t.shape))
     record("all_reduce", g.axes, nbytes(t))
+    if tracing():
+        return _funcol().all_reduce(t.detach(), op, g.pg), None
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     return out, dist.all_reduce(out, _REDUCE_OPS[op], group=g.pg, async_op=True)
 
@@ -136,8 +219,11 @@ def _exchange(pieces: list[torch.Tensor], g: AxisGroup) -> torch.Tensor:
 
 def _exchange_stacked(send: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``send`` is ``[n, ...]`` in group-rank order; returns ``[n, ...]`` in chunk order."""
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=g.pg)
+    if tracing():
+        recv = _funcol().all_to_all_single(send.detach(), None, None, g.pg)
+    else:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=g.pg)
     return recv if g.identity_order else recv[list(g.group_rank)]
 
 
@@ -159,7 +245,7 @@ def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 def reduce_scatter(
     t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
 ) -> torch.Tensor:
-    """Sum over the group, keeping chunk ``g.index`` of ``dim`` (all_to_all + local sum)."""
+    """Sum over the group, keeping chunk ``g.index`` of ``dim``."""
     if g.size == 1:
         return t
     _consistent("reduce_scatter", g, t, dim=dim, shape=tuple(t.shape), chunk_sizes=sizes)
@@ -168,10 +254,18 @@ def reduce_scatter(
     sizes = tuple(sizes) if sizes is not None else _even_sizes(x.shape[0], g.size)
     m = max(sizes)
     if g.identity_order and all(s == m for s in sizes):
-        got = _exchange_stacked(x.contiguous().view(g.size, m, *x.shape[1:]), g)  # no copy
+        send = x.contiguous().view(g.size, m, *x.shape[1:])  # no copy
     else:
-        got = _exchange([_pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)], g)
-    return got.sum(0)[: sizes[g.index]].movedim(0, dim)
+        pieces = [_pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)]
+        send = torch.stack([pieces[j] for j in _chunk_of_group_rank(g)])
+    if lowering(g).reduce_scatter_via_all_to_all:
+        mine = _exchange_stacked(send, g).sum(0)
+    elif tracing():
+        mine = _funcol().reduce_scatter_single(send.flatten(0, 1).detach(), "sum", 0, g.pg)
+    else:
+        mine = send.new_empty(send.shape[1:])
+        dist.reduce_scatter_tensor(mine, send.flatten(0, 1), group=g.pg)
+    return mine[: sizes[g.index]].movedim(0, dim)
 
 
 def all_to_all(
@@ -229,6 +323,8 @@ def ppermute(
 ) -> torch.Tensor:
     """Send to and receive from chunk indices per ``perm`` (pairs ``(src, dst)``); others get 0."""
     out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
+    if tracing():
+        return _ppermute_traced(t, g, perm, out_shape)
     out = t.new_zeros(out_shape)
     me = g.index
     ops = []
@@ -251,6 +347,30 @@ def ppermute(
     return out
 
 
+def _ppermute_traced(t, g: AxisGroup, perm, out_shape: tuple) -> torch.Tensor:
+    """:func:`ppermute` as one functional all_to_all with empty splits for the ranks this one
+    does not exchange with (functional collectives have no traceable send/recv here)."""
+    me, n_in, n_out = g.index, t.numel(), _prod(out_shape)
+    send, recv = [0] * g.size, [0] * g.size
+    for src, dst in perm:
+        if src == me:
+            send[g.group_rank[dst]] = n_in
+        if dst == me:
+            recv[g.group_rank[src]] = n_out
+    got = _funcol().all_to_all_single(t.reshape(-1).detach(), recv, send, g.pg)
+    if not any(recv):
+        return t.new_zeros(out_shape)
+    return got.view(out_shape)
+
+
+def _untraceable(name: str) -> None:
+    if tracing():
+        raise NotImplementedError(
+            f"{name} cannot run inside torch.compile / make_fx / export (it has no functional "
+            "collective); move it out of the compiled function"
+        )
+
+
 def scatter_from(
     full: torch.Tensor | None,
     g: AxisGroup,
@@ -265,6 +385,7 @@ def scatter_from(
     """
     if g.size == 1:
         return full[blocks[0]].clone()
+    _untraceable("scatter (fs.shard of a full tensor from one rank)")
     numel = max(max(_static_numel(b) for b in blocks), 1)
     _consistent("scatter", g, like, src=src, blocks=_boxes(blocks))
     recv = like.new_empty(numel)
@@ -312,6 +433,7 @@ def gather_to(
         out = t.new_empty(tuple(shape))
         out[blocks[0]] = t
         return out
+    _untraceable("gather to one rank")
     _consistent("gather", g, t, dst=dst, blocks=_boxes(blocks), shape=tuple(shape))
     record("gather", g.axes, nbytes(t))
     numel = max(max(_static_numel(b) for b in blocks), 1)

@@ -20,6 +20,10 @@ This uses functorch's private Python API (``_unwrap_for_grad``/``_wrap_for_grad`
 interpreter stack, ``_SingleLevelFunction``), the same calls torch's own generated class makes;
 ``tests/test_lax.py::test_level_functions`` checks grad, grad of grad, jvp and vmap(grad) against
 dense results and that torch's per-call generator is never reached.
+
+Under ``torch.compile`` both step aside: dynamo traces ``Function.apply`` (forward, backward
+and the transforms around it) on its own, and cannot trace the private calls; a Function
+with a ``jvp`` is applied as its :func:`traced` twin there.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 
 _LEVEL_KEYS = (TransformType.Grad, TransformType.Jvp)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False in eager, for the cost of a call
 _APPLY = torch._C._FunctionBase.__dict__["apply"]  # the C++ apply, unbound
 
 
@@ -52,6 +57,8 @@ def _base_apply(fn, *args):
 def call(fn: type[torch.autograd.Function], *args):
     """``fn.apply(*args)``, for a new-style Function (``setup_context`` defined) given every
     argument positionally."""
+    if _dynamo_compiling():
+        return traced_apply(fn, *args)  # pass a Function with a jvp through traced() first
     if not torch._C._are_functorch_transforms_active():
         return _base_apply(fn, *args)
     top = peek_interpreter_stack()
@@ -65,6 +72,54 @@ def call(fn: type[torch.autograd.Function], *args):
         set_single_level_autograd_function_allowed(allowed)
 
 
+def _compiled_levels() -> tuple[str, ...]:
+    """The functorch transforms active while dynamo traces (outermost first)."""
+    return tuple(ci.key().name for ci in get_interpreter_stack() or ())
+
+
+# Evaluated at trace time, its result a constant of the graph (what
+# torch.compiler.assume_constant_result sets; calling that would import dynamo at fshard import).
+# Dynamo guards on the functorch stack, so a graph is never reused under other transforms.
+_compiled_levels._dynamo_marked_constant = True
+
+
+def traced_apply(fn: type[torch.autograd.Function], x: torch.Tensor, *args):
+    """``fn.apply(x, *args)`` under ``torch.compile``, for a :func:`traced` Function.
+
+    Compiled code gets one reverse-mode level (``.backward()``/``autograd.grad``, or one
+    ``torch.func.grad``); any other transform stack raises. ``x`` goes through ``view_as``:
+    dynamo reports an input of ``torch.func.grad`` as not requiring grad, and then inlines the
+    Function's forward and drops its backward (a wrong gradient, no error); an intermediate
+    reports the truth.
+    """
+    levels = _compiled_levels()
+    if levels and levels != ("Grad",):
+        raise NotImplementedError(
+            f"fshard collectives under torch.compile support no transform or one "
+            f"torch.func.grad, got {' > '.join(levels)} (grad of grad, vmap, jvp, jacrev: the "
+            "compiled backward of a collective is not differentiable and has no batching "
+            "rule); run this step eagerly, or compile only the innermost function"
+        )
+    return fn.apply(x.view_as(x), *args)
+
+
+def traced(
+    fn: type[torch.autograd.Function], forward=None, backward=None
+) -> type[torch.autograd.Function]:
+    """The twin of ``fn`` to apply under ``torch.compile``: the same Function (``forward`` and
+    ``backward`` replacing its own if given) without its ``jvp`` and ``vmap`` (dynamo refuses
+    a Function with a custom ``jvp``), so compiled code gets reverse mode only."""
+    return type(
+        fn.__name__ + "Traced",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward or fn.forward),
+            "setup_context": staticmethod(fn.setup_context),
+            "backward": staticmethod(backward or fn.backward),
+        },
+    )
+
+
 def untracked(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor under ``t`` if no transform can see ``t``, else ``None``.
 
@@ -72,7 +127,7 @@ def untracked(t: torch.Tensor) -> torch.Tensor | None:
     its only wrappers are ``torch.func.grad`` levels (``grad`` wraps every tensor argument, also
     the ones it does not differentiate, such as the input batch).
     """
-    if forward_ad._current_level >= 0:
+    if forward_ad._current_level >= 0 or _dynamo_compiling():
         return None
     if is_functorch_wrapped_tensor(t):
         if any(ci.key() != TransformType.Grad for ci in get_interpreter_stack()):

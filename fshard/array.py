@@ -49,6 +49,8 @@ class ShardedArray:
     @staticmethod
     def _raw(local, layout: Layout) -> ShardedArray:
         """Construct without checks (hot path and pytree unflatten)."""
+        if _dynamo_compiling():  # dynamo cannot trace the slot setters; it traces __init__
+            return ShardedArray(local, layout)
         obj = _new(ShardedArray)
         _set_local(obj, local)
         _set_layout(obj, layout)
@@ -194,6 +196,7 @@ def _dispatch():
 _DISPATCH = None
 _NO_KWARGS: dict = {}  # never mutated: dispatch only reads kwargs
 _new = object.__new__
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _set_local = ShardedArray.__dict__["local"].__set__  # slot setters: the frozen class's
 _set_layout = ShardedArray.__dict__["layout"].__set__  # __setattr__ refuses assignment
 

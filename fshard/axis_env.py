@@ -45,10 +45,22 @@ def current_mesh(mesh: Mesh | None = None) -> Mesh:
     return mesh
 
 
+def _body_tracker():
+    """``_TRACKER.get()``, which dynamo cannot trace: under ``torch.compile`` its value at trace
+    time is a constant of the graph. A body's tracker is a TorchFunctionMode, and dynamo guards
+    on the mode stack, so a graph traced outside a body is never reused inside one."""
+    return _TRACKER.get()
+
+
+# What torch.compiler.assume_constant_result sets; calling it would import dynamo (seconds)
+# when fshard is imported.
+_body_tracker._dynamo_marked_constant = True
+
+
 def tracker(mesh: Mesh | None = None):
     """The enclosing body's varying-axes tracker, or ``None`` outside a body or when ``mesh``
     names another mesh than the body's (then nothing is tracked)."""
-    t = _TRACKER.get()
+    t = _body_tracker()
     if t is None or (mesh is not None and mesh != t.mesh):
         return None
     return t

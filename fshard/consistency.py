@@ -59,8 +59,8 @@ def enabled() -> bool:
     """Whether consistency mode is on in this context (see :mod:`fshard.config`). Graph
     tracing (``torch.compile``, ``make_fx``) runs no checks: they would be traced, not run."""
     return (
-        config.consistency_checked()
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()  # first: dynamo cannot trace the ContextVar read
+        and config.consistency_checked()
         and get_proxy_mode() is None
     )
 

@@ -46,7 +46,7 @@ from torch.autograd import forward_ad as _forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import _comm, axis_env
-from ._function import call, untracked
+from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
 from .axis_env import current_mesh
 from .mesh import AxisGroup, Mesh
 
@@ -311,6 +311,14 @@ class _Collective(torch.autograd.Function):
         return apply(op.batched(x.shape[0]), x), 0
 
 
+def _traced_backward(ctx, g):
+    # Compiled code is reverse mode only: the transpose runs bare.
+    return ctx.op.transpose().run(g), None
+
+
+_CollectiveTraced = traced(_Collective, backward=_traced_backward)
+
+
 def apply(op, x: torch.Tensor) -> torch.Tensor:
     """Run collective ``op`` on local tensor ``x`` (differentiable, vmappable).
 
@@ -322,6 +330,8 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
     """
     if _forward_ad._current_level >= 0:
         _refuse_linearize()
+    if _dynamo_compiling():
+        return traced_apply(_CollectiveTraced, x, op)
     plain = untracked(x)
     if plain is not None:
         return op.run(plain)
@@ -387,6 +397,16 @@ class _Pmax(torch.autograd.Function):
         if in_dims[0] is None:
             return call(_Pmax, x, group, how), None
         return call(_Pmax, x.movedim(in_dims[0], 0), group, how), 0
+
+
+_PmaxTraced = traced(_Pmax)
+
+
+def preduce(x: torch.Tensor, group: AxisGroup, how: str) -> torch.Tensor:
+    """Elementwise ``how`` (``"max"`` or ``"min"``) over ``group``, differentiable."""
+    if _dynamo_compiling():
+        return traced_apply(_PmaxTraced, x, group, how)
+    return call(_Pmax, x, group, how)
 
 
 # -- public named-axis API --------------------------------------------------------------------
@@ -583,7 +603,7 @@ def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
     if _forward_ad._current_level >= 0:
         _refuse_linearize()
     g = _group(axis, mesh)
-    return _tracked([x], g, mesh, lambda xs: [call(_Pmax, xs[0], g, how)], varies=False)[0]
+    return _tracked([x], g, mesh, lambda xs: [preduce(xs[0], g, how)], varies=False)[0]
 
 
 def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:
