@@ -62,10 +62,14 @@ class ShardedArray:
         local tensor: autocast or a cast inside a tree map may change the dtype a rule or the
         flattened value predicted). One identity check on the hot path; the retyped layout is a
         cache lookup."""
+        dtype = local.dtype
+        if dtype is not layout.dtype:
+            layout = layout.with_dtype(dtype)
+        if _dynamo_compiling():  # dynamo cannot trace the slot setters; it traces __init__
+            return ShardedArray(local, layout)
         obj = _new(ShardedArray)
         _set_local(obj, local)
-        dtype = local.dtype
-        _set_layout(obj, layout if dtype is layout.dtype else layout.with_dtype(dtype))
+        _set_layout(obj, layout)
         return obj
 
     def __setattr__(self, name, value):
