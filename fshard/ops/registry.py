@@ -230,8 +230,9 @@ _STATIC = frozenset(
 def dispatch(func, args, kwargs):
     """Run torch function/method ``func`` on ShardedArray arguments through its rule.
 
-    Hot path: a flat argument list is keyed without building a pytree; the compiled OpSharding is looked up
-    in a dict and run. Keyword arguments are keyed (and numbered) in sorted-name order.
+    Hot path: a flat argument list is keyed without building a pytree; the compiled
+    OpSharding is looked up in a dict and run. Keyword arguments are keyed (and numbered) in
+    sorted-name order.
     """
     ukey = None
     x = args[0] if args else None
