@@ -100,6 +100,7 @@ import torch.distributed as dist
 
 from . import consistency
 from .array import ShardedArray, _rebuild_sharded
+from .executor import reshard_one
 from .interop import _distinct_boxes, _quiet, _sharded_tensor
 from .mesh import _restore as _rebuild_mesh
 from .spec import ExplicitLayout, Layout, P, PartitionSpec, _make_spec
@@ -211,9 +212,7 @@ def _to_saveable(key: str, leaf: Any, me: int) -> Any:
         if layout.mesh.is_abstract:
             raise ValueError(f"save: the ShardedArray at key {key!r} has an abstract mesh")
         if layout.partial:
-            from .api import _reshard_one
-
-            leaf = _reshard_one(leaf, P(*layout.dim_axes))
+            leaf = reshard_one(leaf, P(*layout.dim_axes))
             layout = leaf.layout
         local = leaf.local.detach().contiguous()
         if math.prod(layout.shape) == 0 or _fully_replicated(layout):
@@ -757,9 +756,7 @@ def _load_target(leaf: Any, me: int):
         def finish(_obj, local=local, layout=layout, final=final):
             out = ShardedArray._raw(local, layout)
             if final is not layout:
-                from .api import _reshard_one
-
-                out = _reshard_one(out, final.spec)
+                out = reshard_one(out, final.spec)
             return out
 
         if math.prod(layout.shape) == 0:

@@ -46,8 +46,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from . import _comm, axis_env, consistency
-from .api import claimed_local, shard
+from .api import shard
 from .array import ShardedArray
+from .executor import claimed_local
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
 from .spec import Layout, P, chunk_bounds
