@@ -490,3 +490,13 @@ def test_errors_list_every_bad_leaf():
     msg = str(info.value)
     assert "(13 leaves)" in msg and "params['p09']" in msg and "params['p10']" not in msg
     assert msg.endswith("... and 3 more"), msg
+    # masks and labels: every bad leaf of the mask / label tree
+    p3 = {"a": torch.zeros(1), "b": torch.zeros(1), "c": torch.zeros(1)}
+    with pytest.raises(TypeError) as info:
+        optim.masked(optim.sgd(1.0), {"a": 1, "b": True, "c": "x"}).init(p3)
+    msg = str(info.value)
+    assert "mask['a']: got int 1" in msg and "mask['c']: got str 'x'" in msg, msg
+    with pytest.raises(ValueError) as info:
+        optim.multi_transform({"t": optim.sgd(1.0)}, {"a": "t", "b": "u", "c": "v"}).init(p3)
+    msg = str(info.value)
+    assert "param_labels['b']: label 'u'" in msg and "param_labels['c']: label 'v'" in msg, msg
