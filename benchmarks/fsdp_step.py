@@ -216,7 +216,7 @@ def main(argv=None):
         caption="target: fshard step time <= FSDP2's, peak memory per rank <= FSDP2's",
         extra={"peak RSS MiB": rss, "growth MiB": growth, "collective MiB/step/rank": comm},
     )
-    console(140).print(t)
+    console(170).print(t)
 
 
 if __name__ == "__main__":
