@@ -139,21 +139,17 @@ def fsdp2_config(dim, layers):
     for b in model.blocks:
         fully_shard(b, mesh=dmesh)
     fully_shard(model, mesh=dmesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    x, y = _data(dim)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-
-    return step
+    return _torch_step(model, dim)
 
 
 def ddp_config(dim, layers):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_model(dim, layers))
+    return _torch_step(DDP(_model(dim, layers)), dim)
+
+
+def _torch_step(model, dim):
+    """A torch training step of ``model``: ``.backward()``, ``torch.optim.AdamW(foreach)``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = _data(dim)
 
