@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm, consistency
+from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray
 from .executor import check_plain_tensor, reshard_one
 from .mesh import Mesh
@@ -73,32 +74,31 @@ def reshard(x, spec):
     """
     if isinstance(x, ShardedArray):
         return reshard_one(x, _check_spec(spec))
+    leaves, treedef = optree.tree_flatten(x, is_leaf=_is_leaf, none_is_leaf=False)
     if isinstance(spec, P):
-        return optree.tree_map(
-            lambda v: reshard_one(_expect_sharded(v), spec),
-            x,
-            is_leaf=_is_leaf,
-            none_is_leaf=False,
-        )
-    specs = optree.tree_broadcast_prefix(
-        spec, x, is_leaf=lambda s: isinstance(s, (P, ShardedArray)) or s is None
-    )
-    return optree.tree_map(
-        lambda v, s: reshard_one(_expect_sharded(v), _check_spec(s)),
-        x,
-        specs,
-        is_leaf=_is_leaf,
-    )
+        specs = [spec] * len(leaves)
+    else:
+        is_spec = lambda s: isinstance(s, (P, ShardedArray)) or s is None  # noqa: E731
+        specs = treedef.flatten_up_to(optree.tree_broadcast_prefix(spec, x, is_leaf=is_spec))
+    errors = LeafErrors("reshard: leaves that cannot take their spec", "x")
+    for key, v, s in zip(paths(treedef), leaves, specs):  # all checked before any collective
+        if not isinstance(v, ShardedArray):
+            errors.add(
+                key, f"got {type(v).__name__}; expected a ShardedArray (fs.shard it)", TypeError
+            )
+        elif not isinstance(s, P):
+            errors.add(key, f"spec {s!r}; expected a fshard.P (e.g. fs.P('x', None))", TypeError)
+        else:
+            try:
+                v.layout.with_spec(s)
+            except (TypeError, ValueError) as e:
+                errors.add(key, f"spec {s} does not fit layout {v.layout}: {e}")
+    errors.raise_if_any()
+    return treedef.unflatten([reshard_one(v, s) for v, s in zip(leaves, specs)])
 
 
 def _is_leaf(v) -> bool:
     return isinstance(v, ShardedArray)
-
-
-def _expect_sharded(v) -> ShardedArray:
-    if not isinstance(v, ShardedArray):
-        raise TypeError(f"reshard: expected ShardedArray leaves, got {type(v).__name__}")
-    return v
 
 
 def shard(

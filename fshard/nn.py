@@ -31,12 +31,13 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from ._leaf_errors import LeafErrors
 from .api import gather, reshard, shard
 from .array import ShardedArray
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: F401 (fs.nn API)
 from .mesh import Mesh
 from .nn_plan import Output, _match, _matcher, _resolve, _split_plan, match_plan
-from .spec import P
+from .spec import Layout, P
 from .tree import tree_leaves
 
 __all__ = [
@@ -102,12 +103,13 @@ def shard_params(
     param_rules, output_rules = _split_plan(plan)
     specs = match_plan(named, param_rules)
     outputs = _match((n for n, _ in module.named_modules()), output_rules, "module")
-    for name, p in named.items():
-        if len(specs[name]) > p.dim():
-            raise ValueError(
-                f"plan gives {name} (shape {tuple(p.shape)}) the spec {specs[name]}, which has "
-                "more entries than the parameter has dims"
-            )
+    errors = LeafErrors("shard_params: parameters the plan's specs do not fit", "params")
+    for name, p in named.items():  # every layout checked before any parameter is sharded
+        try:
+            Layout(mesh, specs[name], tuple(p.shape), p.dtype)
+        except (TypeError, ValueError) as e:
+            errors.add(f"[{name!r}]", f"shape {tuple(p.shape)}, spec {specs[name]}: {e}")
+    errors.raise_if_any(fix="fix the plan's pattern or spec for these parameters")
     out = {}
     for name, p in named.items():
         spec, t = specs[name], p.detach()
@@ -136,28 +138,38 @@ def _aliases(module: torch.nn.Module) -> dict[int, list]:
 
 
 def _targets(module: torch.nn.Module, params: Mapping, fn: str) -> list:
-    """``[(owner, attr, slot, value)]`` for every alias of every entry of ``params``."""
+    """``[(name, owner, attr, slot, value)]`` for every alias of every entry ``name`` of
+    ``params``; the error lists every entry that does not fit."""
     aliases = _aliases(module)
     claimed: dict[int, tuple[str, object]] = {}
     targets = []
+    errors = LeafErrors(f"{fn}: params entries that do not fit the module", "params")
     for name, value in params.items():
         if not isinstance(value, (torch.Tensor, ShardedArray)):
-            raise TypeError(
-                f"params[{name!r}] is a {type(value).__name__}; values must be ShardedArrays "
-                "or tensors"
+            errors.add(
+                f"[{name!r}]",
+                f"got {type(value).__name__}; values must be ShardedArrays or tensors",
+                TypeError,
             )
-        owner, attr, slot = _resolve(module, name, fn)
+            continue
+        try:
+            owner, attr, slot = _resolve(module, name, fn)
+        except ValueError:
+            errors.add(f"[{name!r}]", "not a parameter or buffer of the module")
+            continue
         key = id(getattr(owner, slot)[attr])
         if key in claimed:
             other, other_value = claimed[key]
             if other_value is not value:
-                raise ValueError(
-                    f"{fn}: params[{name!r}] and params[{other!r}] are tied (one parameter) "
-                    "but were given different values; pass only one of them"
+                errors.add(
+                    f"[{name!r}]",
+                    f"tied to params[{other!r}] (one parameter) but given a different value; "
+                    "pass only one of them",
                 )
             continue
         claimed[key] = (name, value)
-        targets.extend((o, a, s, value) for o, a, s in aliases[key])
+        targets.extend((name, o, a, s, value) for o, a, s in aliases[key])
+    errors.raise_if_any()
     return targets
 
 
@@ -228,7 +240,7 @@ def functional_call(
     targets = _targets(module, params, "functional_call")
     saved, hooks = [], []
     try:
-        for owner, attr, slot, value in targets:
+        for _, owner, attr, slot, value in targets:
             original = getattr(owner, slot).pop(attr)
             saved.append((owner, attr, slot, original))
             owner.__dict__[attr] = value
@@ -272,14 +284,17 @@ def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = N
     if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)):
         raise TypeError(f"load_params: dst must be a rank (int) or None, got {dst!r}")
     targets = {}
-    for owner, attr, slot, value in _targets(module, params, "load_params"):
+    errors = LeafErrors("load_params: values whose shape does not fit the module", "params")
+    for name, owner, attr, slot, value in _targets(module, params, "load_params"):
         t = getattr(owner, slot)[attr]
         if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(
-                f"load_params: a value of shape {tuple(value.shape)} does not fit the module's "
-                f"{type(owner).__name__}.{attr} of shape {tuple(t.shape)}"
+            errors.add(
+                f"[{name!r}]",
+                f"shape {tuple(value.shape)}; the module's {type(owner).__name__}.{attr} has "
+                f"shape {tuple(t.shape)}",
             )
         targets[id(t)] = (t, value)
+    errors.raise_if_any()
     for t, value in targets.values():
         full = value
         if isinstance(value, ShardedArray):
@@ -313,7 +328,9 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
-    by_tensor = {id(getattr(o, s)[a]): v for o, a, s, v in _targets(module, params, "state_dict")}
+    by_tensor = {
+        id(getattr(o, s)[a]): v for _, o, a, s, v in _targets(module, params, "state_dict")
+    }
     out = {}
     for key, t in module.state_dict(keep_vars=True).items():
         out[key] = by_tensor.get(id(t), t.detach() if isinstance(t, torch.Tensor) else t)
