@@ -16,7 +16,7 @@ Tensor-parallel MLP 1024 -> 4096 -> 1024, batch 64, fwd + bwd + SGD (the TP setu
 
 Targets (issue 15.1): compiled fshard within 1.05x of the compiled anchor and at least 1.4x
 faster than the same fshard step run eagerly. Every configuration runs in its own pair of
-rank processes (``train_step``'s machinery); compilation happens during the warm-up.
+rank processes (``benchmarks/_runner.py``); compilation happens during the warm-up.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_step import BATCH, MLP, _AllReduce, _run_section, _table
+from _runner import console, run_section, table
+from train_step import BATCH, MLP, _AllReduce
 
 import fshard as fs
 from fshard.array import ShardedArray
@@ -163,12 +164,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     a = ap.parse_args(argv)
-    from rich.console import Console
-
     os.environ[_BACKEND_ENV] = a.backend
-    times, base = _run_section("compile_step:compile_configs", a.reps, a.steps)
-    Console(width=max(Console().width, 120)).print(
-        _table(
+    times, base = run_section("compile_step:compile_configs", a.reps, a.steps)
+    console().print(
+        table(
             f"TP MLP 1024->4096->1024, batch 64, pure step, 2 ranks x 1 thread, {a.backend}",
             times,
             base,

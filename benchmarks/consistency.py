@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,18 +26,11 @@ import torch.nn.functional as F
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE.parent), str(_HERE)]  # this checkout's fshard; train_step's model
+from _runner import timed  # noqa: E402
 from train_step import BATCH, MLP, D  # noqa: E402  (the same model as the step benchmark)
 
 import fshard as fs  # noqa: E402
 from fshard.launch import World  # noqa: E402
-
-
-def _mean_ms(fn, iters: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def _collective_configs(mesh):
@@ -138,7 +130,7 @@ def bench(reps: int, coll_iters: int, step_iters: int) -> dict:
             iters = step_iters if section == "TP MLP step" else coll_iters
             for name, (fn, check) in cfgs.items():
                 with fs.config.consistency(check):
-                    out[section][name].append(_mean_ms(fn, iters))
+                    out[section][name].append(timed(fn, iters)[0] * 1e3)
     return {"times": out, "collectives": counts}
 
 

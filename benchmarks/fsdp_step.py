@@ -19,25 +19,22 @@ after building the model's inputs (imports and the process's baseline excluded).
 bytes per step and rank are counted by wrapping the ``torch.distributed`` collectives every
 configuration calls (input bytes, as ``fs.debug.comm_log``); DDP's C++ reducer bypasses them, so
 its row gives the bytes of its gradient all_reduce (every fp32 gradient once). Reps are interleaved across the
-configurations in a shuffled order; a rep's time is the slowest rank's mean step time.
+configurations in a shuffled order; a rep's time is the slowest rank's mean step time
+(``benchmarks/_runner.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import random
-import resource
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _runner import Pool, console, step, table
 from torch import nn
 
 import fshard as fs
-from fshard.launch import World
 
 BATCH = 32  # per rank
 _COUNTED = (
@@ -142,21 +139,17 @@ def fsdp2_config(dim, layers):
     for b in model.blocks:
         fully_shard(b, mesh=dmesh)
     fully_shard(model, mesh=dmesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    x, y = _data(dim)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-
-    return step
+    return _torch_step(model, dim)
 
 
 def ddp_config(dim, layers):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_model(dim, layers))
+    return _torch_step(DDP(_model(dim, layers)), dim)
+
+
+def _torch_step(model, dim):
+    """A torch training step of ``model``: ``.backward()``, ``torch.optim.AdamW(foreach)``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = _data(dim)
 
@@ -173,38 +166,19 @@ CONFIGS = {
     "torch FSDP2 fully_shard": fsdp2_config,
     "DDP (not sharded)": ddp_config,
 }
-_STEP: dict = {}
 
 
-def _build(name, dim, layers, warmup):
-    torch.set_num_threads(1)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    _STEP["fn"] = CONFIGS[name](dim, layers)
-    for _ in range(warmup):
-        _STEP["fn"]()
+def build(name, dim, layers):
+    """The step of configuration ``name`` (``_runner.Pool(per_config=True)`` builds one a process)."""
+    return CONFIGS[name](dim, layers)
+
+
+def count_bytes():
+    """Collective bytes of one steady-state step, by op."""
     counts: dict = {}
-    with _count_bytes(counts):  # one steady-state step
-        _STEP["fn"]()
-    _STEP["rss0"] = rss0
+    with _count_bytes(counts):
+        step()()
     return counts
-
-
-def _time(steps):
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _STEP["fn"]()
-    out = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out[0])
-
-
-def _peak():
-    """(peak RSS MiB, growth over the RSS before building the config, MiB): max over ranks."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = torch.tensor([peak / 1024, (peak - _STEP["rss0"]) / 1024], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out.tolist()
 
 
 def main(argv=None):
@@ -214,51 +188,31 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--dim", type=int, default=512)
     a = ap.parse_args(argv)
-    worlds = {k: World(2, timeout=3600) for k in CONFIGS}
-    try:
-        counts = {k: w.run(_build, k, a.dim, a.layers, 2)[0] for k, w in worlds.items()}
-        times = {k: [] for k in CONFIGS}
-        order = list(CONFIGS)
-        for rep in range(a.reps):
-            random.Random(rep).shuffle(order)
-            for k in order:
-                times[k].append(worlds[k].run(_time, a.steps)[0])
-        peaks = {k: w.run(_peak)[0] for k, w in worlds.items()}
-    finally:
-        for w in worlds.values():
-            w.close()
-
-    from rich.console import Console
-    from rich.table import Table
-
     base = "torch FSDP2 fully_shard"
+    names = list(CONFIGS)
+    with Pool(
+        "fsdp_step:build", (a.dim, a.layers), warmup=2, names=names, base=base, per_config=True
+    ) as pool:
+        counts = {k: pool.call(k, "count_bytes")[0] for k in names}
+        times = pool.time(a.reps, a.steps)
+        peaks = pool.peak_rss()
+
     nparams = sum(p.numel() for p in _model(a.dim, a.layers).parameters())
-    t = Table(
-        title=f"FSDP step: {a.layers} blocks {a.dim}->{4 * a.dim}->{a.dim} ({nparams / 1e6:.1f}M "
-        f"params), batch {BATCH}/rank, AdamW, 2 ranks x 1 thread"
-    )
-    for col in ("config", "median ms/step", "min", "max", "ratio to FSDP2 (per-rep median)"):
-        t.add_column(col, justify="left" if col == "config" else "right")
-    t.add_column("peak RSS MiB", justify="right")
-    t.add_column("growth MiB", justify="right")
-    t.add_column("collective MiB/step/rank", justify="left")
-    for k, reps in times.items():
-        ratios = [s / b for s, b in zip(reps, times[base])]
-        comm = ", ".join(f"{op} {b / 2**20:.1f}" for op, b in sorted(counts[k].items()) if b)
+    comm, rss, growth = {}, {}, {}
+    for k in names:
+        comm[k] = ", ".join(f"{op} {b / 2**20:.1f}" for op, b in sorted(counts[k].items()) if b)
         if k.startswith("DDP"):  # its C++ reducer calls the process group directly
-            comm = f"all_reduce {nparams * 4 / 2**20:.1f} (C++ reducer: every fp32 grad)"
-        t.add_row(
-            k,
-            f"{statistics.median(reps) * 1e3:.1f}",
-            f"{min(reps) * 1e3:.1f}",
-            f"{max(reps) * 1e3:.1f}",
-            f"{statistics.median(ratios):.3f}x",
-            f"{peaks[k][0]:.0f}",
-            f"{peaks[k][1]:.0f}",
-            comm,
-        )
-    t.caption = "target: fshard step time <= FSDP2's, peak memory per rank <= FSDP2's"
-    Console(width=max(Console().width, 140)).print(t)
+            comm[k] = f"all_reduce {nparams * 4 / 2**20:.1f} (C++ reducer: every fp32 grad)"
+        rss[k], growth[k] = (f"{v:.0f}" for v in peaks[k])
+    t = table(
+        f"FSDP step: {a.layers} blocks {a.dim}->{4 * a.dim}->{a.dim} ({nparams / 1e6:.1f}M "
+        f"params), batch {BATCH}/rank, AdamW, 2 ranks x 1 thread",
+        times,
+        base,
+        caption="target: fshard step time <= FSDP2's, peak memory per rank <= FSDP2's",
+        extra={"peak RSS MiB": rss, "growth MiB": growth, "collective MiB/step/rank": comm},
+    )
+    console(170).print(t)
 
 
 if __name__ == "__main__":

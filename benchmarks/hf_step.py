@@ -12,9 +12,10 @@ attention, random weights built from the config), batch 8 x 64, next-token cross
   outputs reduced right after o/down: ``fs.nn.Output(P())``), ``fs.nn.functional_call`` inside
   ``torch.func.grad_and_value``.
 
-Each rep times ``--steps`` steps after a barrier (the slowest rank's mean); the table shows
-the median over reps, the ratio to DTensor, and the collectives one step issues: fshard's from
-``fs.debug.comm_log()`` (count and this rank's input bytes), DTensor's from torch's
+Each configuration runs in its own pair of rank processes, reps interleaved
+(``benchmarks/_runner.py``): a rep times ``--steps`` steps after a barrier (the slowest rank's
+mean); the table shows the median over reps, the per-rep ratio to DTensor, and the
+collectives one step issues: fshard's from ``fs.debug.comm_log()`` (count and this rank's input bytes), DTensor's from torch's
 ``CommDebugMode`` (count only: it does not report bytes). Eager attention everywhere: fshard
 has no rule for the ``enable_gqa`` HF's sdpa path passes. The three losses are checked equal.
 """
@@ -22,16 +23,13 @@ has no rule for the ``enable_gqa`` HF's sdpa path passes. The three losses are c
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from _runner import Pool, console, table
 
 import fshard as fs
-from fshard.launch import World
 
 VOCAB = 256
 COLUMN = ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"]
@@ -56,8 +54,13 @@ def lm_loss(logits, ids):
     return fs.gather(loss) if isinstance(loss, fs.ShardedArray) else loss
 
 
+BASE = "DTensor parallelize_module"
+_COMM: dict = {}  # config -> (collectives per step, bytes per step or None), on this rank
+
+
 def configs(batch: int, seq: int):
-    """``{name: (step, collectives)}`` on this rank; ``collectives`` is ``(count, bytes)``."""
+    """``({name: step}, baseline)`` on this rank (a ``_runner`` section); each configuration's
+    collectives per step (count, bytes) go to ``_COMM``."""
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -100,7 +103,7 @@ def configs(batch: int, seq: int):
 
     with CommDebugMode() as cm:
         dtensor_step()
-    out["DTensor parallelize_module"] = (dtensor_step, (cm.get_total_counts(), None))
+    out[BASE] = (dtensor_step, (cm.get_total_counts(), None))
 
     model = build()
     mesh = fs.Mesh.create((2,), ("tp",))
@@ -123,64 +126,37 @@ def configs(batch: int, seq: int):
     )
     losses = [float(fn()) for fn, _ in out.values()]
     assert max(losses) - min(losses) < 1e-5 * abs(losses[0]), losses
-    return out
+    _COMM.update({k: comm for k, (_, comm) in out.items()})
+    return {k: fn for k, (fn, _) in out.items()}, BASE
 
 
-_BUILT: dict = {}
-
-
-def _names(batch, seq):
-    _BUILT["c"] = configs(batch, seq)
-    return [(k, comm) for k, (_, comm) in _BUILT["c"].items()]
-
-
-def _time(name: str, steps: int) -> float:
-    fn = _BUILT["c"][name][0]
-    fn()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    dt = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
+def collectives(name):
+    return _COMM[name]
 
 
 def main():
-    from rich.console import Console
-    from rich.table import Table
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     a = ap.parse_args()
-    with World(2, timeout=1800) as world:
-        names = world.run(_names, a.batch, a.seq)[0]
-        times = {k: [] for k, _ in names}
-        for rep in range(a.reps):
-            order = [k for k, _ in names]
-            order = order[rep % len(order) :] + order[: rep % len(order)]
-            for k in order:
-                times[k].append(world.run(_time, k, a.steps)[0])
-    base = statistics.median(times["DTensor parallelize_module"])
-    t = Table(
-        title=f"HF Llama tiny fwd+bwd, batch {a.batch}x{a.seq}, 2 Gloo ranks, 1 thread each "
-        f"(median of {a.reps} reps x {a.steps} steps)"
+    with Pool("hf_step:configs", (a.batch, a.seq), warmup=1) as pool:
+        comm = {k: pool.call(k, "collectives", k)[0] for k in pool.names}
+        times = pool.time(a.reps, a.steps)
+    t = table(
+        f"HF Llama tiny fwd+bwd, batch {a.batch}x{a.seq}, 2 Gloo ranks, 1 thread each "
+        f"(median of {a.reps} reps x {a.steps} steps)",
+        times,
+        BASE,
+        extra={
+            "collectives/step": {k: str(c) for k, (c, _) in comm.items()},
+            "bytes/step": {
+                k: "n/a" if b is None else f"{b / 1e6:.3f} MB" for k, (_, b) in comm.items()
+            },
+        },
     )
-    for col in ("configuration", "ms/step", "vs DTensor", "collectives/step", "bytes/step"):
-        t.add_column(col, justify="left" if col == "configuration" else "right")
-    for k, (count, nbytes) in names:
-        ms = statistics.median(times[k]) * 1e3
-        t.add_row(
-            k,
-            f"{ms:.2f}",
-            f"{ms / base / 1e3:.3f}x",
-            str(count),
-            "n/a" if nbytes is None else f"{nbytes / 1e6:.3f} MB",
-        )
-    Console(width=120).print(t)
+    console(140).print(t)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from _runner import timed
 
 import fshard as fs
-
-
-def _timed(fn, calls: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = torch.tensor([(time.perf_counter() - t0) / calls])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return dt.item()
 
 
 def _cases(n: int, mib: int):
@@ -127,9 +117,9 @@ def bench(mib: int, reps: int):
     for _ in range(reps):
         for name, f, raw, _, dt in cases:
             calls = 3 if "->" in name else 1
-            results[name]["fshard"].append(_timed(f, calls))
-            results[name]["raw"].append(_timed(raw, calls))
-            results[name]["dtensor"].append(_timed(dt, calls))
+            results[name]["fshard"].append(timed(f, calls)[0])
+            results[name]["raw"].append(timed(raw, calls)[0])
+            results[name]["dtensor"].append(timed(dt, calls)[0])
     with fs.debug.comm_log() as log:
         ops = {}
         for name, f, *_ in cases:

@@ -9,7 +9,8 @@
    (ColwiseParallel/RowwiseParallel) vs hand-written local tensors + ``dist.all_reduce``, and
    that hand-written model stepped with ``torch.func.grad`` + a foreach update (the functional
    floor, no fshard), and the local view through ``fs.value_and_grad`` (top level:
-   ``torch.autograd.backward`` on detached leaves). Anchors (reference/perf-anchors.md §7): DTensor 27.3 ms, hand-written 23.0 ms.
+   ``torch.autograd.backward`` on detached leaves). Anchors (docs/peers.md): DTensor 27.3 ms,
+   hand-written 23.0 ms.
 2. Data parallel, the same MLP, global batch 64: fshard (local grads, then one
    ``fs.lax.psum(grads, donate=True)`` of the gradient pytree: large grads reduced in place,
    small ones bucketed, all launched together), and ``fs.value_and_grad`` with each param
@@ -18,35 +19,23 @@
 3. AdamW step over 100 sharded params: fs.optim.adamw (pure, and ``fs.optim.step`` with
    donation) vs torch.optim.AdamW(foreach) on DTensors vs on plain local tensors.
 
-Every configuration runs in its own pair of rank processes (one :class:`fshard.launch.World`
-each), so no configuration's memory sits in the heap of another. Sharing processes made the
-comparison a measure of glibc rather than of the libraries: a 33 MB gradient set freed at the
-top of the heap is trimmed back to the OS (trim threshold 32 MiB), and whichever configuration
-allocates next while another still holds its gradients page-faults 33 MB on every step (~8,000
-faults, 10-15 ms here; which rank pays depends on the process's allocation history).
-
-Each rep runs ``--steps`` steps of every configuration after a barrier, in an order shuffled per
-rep, so none always runs after the same neighbour; a rep's time is the slowest rank's mean step
-time. Tables show the median over reps, the per-rep ratio to the baseline, and the minor page
-faults per step of the rank with the most (fresh memory: ~4 KiB each).
+Every configuration runs in its own pair of rank processes, reps interleaved in a shuffled
+order; a rep's time is the slowest rank's mean step time (``benchmarks/_runner.py`` says why).
+Tables show the median over reps, the per-rep ratio to the baseline, and the minor page faults
+per step of the rank with the most.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import random
-import resource
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _runner import console, run_section, table
 from torch import nn
 
 import fshard as fs
-from fshard.launch import World
 
 D, H, BATCH = 1024, 4096, 64
 
@@ -75,73 +64,6 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
-
-
-def _timed(fn, steps: int) -> tuple[float, float]:
-    """(mean step seconds, minor page faults per step), each the slowest rank's."""
-    dist.barrier()
-    f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-    for _ in range(steps):
-        fn()
-    dt = time.perf_counter() - t0
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-    out = torch.tensor([dt / steps, faults / steps], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out[0]), float(out[1])
-
-
-_BUILT: dict = {}  # section -> (its configs, baseline name), built once per worker process
-
-
-def _built(section: str) -> tuple[dict, str]:
-    if section not in _BUILT:
-        torch.set_num_threads(1)
-        _BUILT[section] = _section_builder(section)()
-    return _BUILT[section]
-
-
-def _section_builder(section: str):
-    """``SECTIONS[section]``, or ``module:function`` (another benchmark's configurations,
-    timed with this file's per-process machinery; workers import that module by name)."""
-    if ":" in section:
-        module, fn = section.split(":")
-        return getattr(importlib.import_module(module), fn)
-    return SECTIONS[section]
-
-
-def _config_names(section: str) -> tuple[list[str], str]:
-    configs, base = _built(section)
-    return list(configs), base
-
-
-def _time_config(section: str, name: str, steps: int, warmup: int) -> tuple[float, float]:
-    """One rep of one configuration, run on every rank of its World."""
-    fn = _built(section)[0][name]
-    for _ in range(warmup):
-        fn()
-    return _timed(fn, steps)
-
-
-def _run_section(section: str, reps: int, steps: int, warmup: int = 3) -> tuple[dict, str]:
-    """Times every configuration of ``section`` in its own World, reps interleaved:
-    ``({config: [(seconds, faults) per rep]}, baseline config)``."""
-    worlds = [World(2, timeout=3600)]
-    try:
-        names, base = worlds[0].run(_config_names, section)[0]
-        worlds += [World(2, timeout=3600) for _ in names[1:]]
-        by_name = dict(zip(names, worlds))
-        for k, w in by_name.items():  # build and warm up every configuration first
-            w.run(_time_config, section, k, 1, warmup)
-        times = {k: [] for k in names}
-        order = list(names)
-        for rep in range(reps):
-            random.Random(rep).shuffle(order)
-            for k in order:
-                times[k].append(by_name[k].run(_time_config, section, k, steps, 0)[0])
-    finally:
-        for w in worlds:
-            w.close()
-    return times, base
 
 
 # -- 1. tensor parallel ---------------------------------------------------------------------
@@ -395,35 +317,11 @@ def optim_configs(n=100, shape=(256, 256)):
     }, "torch.optim.AdamW, plain local tensors"
 
 
-SECTIONS = {"tp": tp_configs, "dp": dp_configs, "optim": optim_configs}
-
-
-def _table(title, runs, base, anchors, target=None):
-    from rich.table import Table
-
-    t = Table(title=title)
-    t.add_column("config")
-    t.add_column("median ms/step", justify="right")
-    t.add_column("min", justify="right")
-    t.add_column("max", justify="right")
-    t.add_column(f"ratio to {base} (per-rep median)", justify="right")
-    t.add_column("page faults/step", justify="right")
-    t.add_column("anchor", justify="right")
-    for k, reps in runs.items():
-        v = [sec for sec, _ in reps]
-        ratios = [sec / b for sec, (b, _) in zip(v, runs[base])]
-        t.add_row(
-            k,
-            f"{statistics.median(v) * 1e3:.2f}",
-            f"{min(v) * 1e3:.2f}",
-            f"{max(v) * 1e3:.2f}",
-            f"{statistics.median(ratios):.3f}x",
-            f"{statistics.median(f for _, f in reps):.0f}",
-            anchors.get(k, ""),
-        )
-    if target:
-        t.caption = target
-    return t
+SECTIONS = {
+    "tp": "train_step:tp_configs",
+    "dp": "train_step:dp_configs",
+    "optim": "train_step:optim_configs",
+}
 
 
 def main(argv=None):
@@ -437,13 +335,11 @@ def main(argv=None):
     only = tuple(a.only.split(","))
     if not set(only) <= set(SECTIONS):
         ap.error(f"--only takes sections from {sorted(SECTIONS)}, got {a.only!r}")
-    from rich.console import Console
-
     res = {
-        name: _run_section(name, a.reps, a.steps if name != "dp" else max(2, a.steps // 2))
+        name: run_section(SECTIONS[name], a.reps, a.steps if name != "dp" else max(2, a.steps // 2))
         for name in only
     }
-    console = Console(width=max(Console().width, 120))
+    out = console()
     anchors = {
         "hand-written (local + all_reduce)": "23.0 ms",
         "DTensor parallelize_module": "27.3 ms",
@@ -460,7 +356,7 @@ def main(argv=None):
         "optim": "AdamW step, 100 params 256x256 sharded P('x') on 2 ranks",
     }
     for name, (times, base) in res.items():
-        console.print(_table(titles[name], times, base, anchors, targets[name]))
+        out.print(table(titles[name], times, base, anchors, targets[name]))
 
 
 if __name__ == "__main__":

@@ -99,15 +99,14 @@ LOWERINGS: dict[str, Lowering] = {
     "nccl": NATIVE,
 }
 
-_LOWERING_OF_PG: dict = {}  # process group -> its Lowering, resolved once
+_LOWERING_OF_PG: dict = {}  # process group -> a Lowering overriding its backend's (tests)
 
 
 def lowering(g: AxisGroup) -> Lowering:
-    """The :data:`LOWERINGS` entry for ``g``'s backend."""
+    """The :data:`LOWERINGS` entry for ``g``'s backend. Reads only: a trace that wrote a cache
+    here (inside a Function's forward under torch.func.grad) fails in dynamo."""
     low = _LOWERING_OF_PG.get(g.pg)
-    if low is None:
-        low = _LOWERING_OF_PG[g.pg] = LOWERINGS.get(str(dist.get_backend(g.pg)), NATIVE)
-    return low
+    return low if low is not None else LOWERINGS.get(str(g.backend), NATIVE)
 
 
 def tracing() -> bool:

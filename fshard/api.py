@@ -11,7 +11,6 @@ all-gathers the cotangent.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import optree
@@ -19,21 +18,11 @@ import torch
 import torch.distributed as dist
 
 from . import _comm, consistency
-from ._function import call
+from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray
-from .lax import (
-    AllGather,
-    AllToAll,
-    LocalSlice,
-    Pcast,
-    Ppermute,
-    Psum,
-    PsumScatter,
-    apply,
-    claim_partial_leaf,
-)
+from .executor import check_plain_tensor, reshard_one
 from .mesh import Mesh
-from .planner import Step, chunk_sizes, plan
+from .planner import plan
 from .spec import Layout, P, _layout
 
 __all__ = [
@@ -69,135 +58,6 @@ def _check_spec(spec, name="spec") -> P:
     return spec
 
 
-def check_plain_tensor(t: torch.Tensor, where: str) -> None:
-    """Refuse tensors fshard cannot shard as dense local blocks: DTensors and non-strided
-    (sparse, mkldnn) tensors. Plain tensors (and torch.func wrappers of them) pass."""
-    if type(t) is not torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            raise TypeError(
-                f"{where}: got a DTensor; fshard works on plain tensors. Convert it with "
-                "fs.interop.from_dtensor(d) (keeps its sharding), or pass d.full_tensor() / "
-                "d.to_local()"
-            )
-    if t.layout is not torch.strided:
-        raise TypeError(
-            f"{where}: got a {t.layout} tensor; fshard shards dense (torch.strided) tensors "
-            "only. Pass t.to_dense()"
-        )
-
-
-class _ZeroOthers:
-    """R -> P on ``group``: pcast, then keep the value on the first rank only (backward: psum)."""
-
-    def __init__(self, group):
-        self.pcast, self.keep = Pcast(group), 1.0 if group.index == 0 else 0.0
-
-    def __call__(self, x):
-        return apply(self.pcast, x) * self.keep
-
-
-def _compile_step(step: Step):
-    """The op that runs one planned step on a local tensor (differentiable)."""
-    src, dst, mesh = step.src, step.dst, step.src.mesh
-    if step.op == "gather_blocks":
-        return _GatherBlocks(src)
-    g = mesh.group(step.axes)
-    if step.op == "zero":
-        return _ZeroOthers(g)
-    if step.op == "ppermute":
-        me = mesh.rank
-        return Ppermute(g, step.perm, src.local_shape(me), dst.local_shape(me))
-    if step.op == "all_reduce":
-        return Psum(g)
-    if step.op == "all_to_all":
-        j, i = step.dim, step.concat_dim
-        split = chunk_sizes(src.shape[j], mesh, step.axes)
-        concat = chunk_sizes(src.shape[i], mesh, step.axes)
-        return AllToAll(g, j, i, split, concat)
-    sizes = chunk_sizes(src.shape[step.dim], mesh, step.axes)
-    if step.op == "all_gather":
-        return AllGather(g, step.dim, sizes, invariant=True)
-    if step.op == "reduce_scatter":
-        return PsumScatter(g, step.dim, sizes)
-    if step.op == "slice":
-        return LocalSlice(g, step.dim, sizes)
-    raise AssertionError(step.op)
-
-
-class _GatherBlocksFn(torch.autograd.Function):
-    """Explicit layout -> full tensor on every rank: all_gather of padded flat blocks over the
-    whole mesh, assembled by offsets. Cost per rank: receives (N-1) x the largest block
-    (replicas included). Backward keeps this rank's box of the (invariant) cotangent, with no
-    communication, as for ``gather``. Not vmappable."""
-
-    @staticmethod
-    def forward(local, layout):
-        mesh = layout.mesh
-        g = mesh.group(mesh.axis_names)
-        metas = [layout.shard_metadata(r) for r in g.ranks]
-        sizes = [m.numel for m in metas]
-        flat = local.detach().contiguous().reshape(-1)
-        if max(sizes) == 0:
-            flat, sizes = flat.new_zeros(1), [1] * len(sizes)
-        flat = _comm.all_gather(flat, g, 0, sizes)
-        out = local.new_empty(layout.shape)
-        start = 0
-        for m, n in zip(metas, sizes):
-            if m.numel:
-                out[m.slices()] = flat[start : start + m.numel].view(m.shard_sizes)
-            start += n
-        return out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.layout = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        layout = ctx.layout
-        return grad[layout.shard_metadata(layout.mesh.rank).slices()].clone(), None
-
-
-class _GatherBlocks:
-    """The ``gather_blocks`` step (source: a ``Layout.explicit``)."""
-
-    def __init__(self, layout):
-        self.layout = layout
-
-    def __call__(self, x):
-        return call(_GatherBlocksFn, x, self.layout)
-
-
-@functools.lru_cache(maxsize=4096)
-def _program(layout: Layout, spec: P):
-    """Planned once per (layout, target): the ops to run and the output layout."""
-    return tuple(_compile_step(s) for s in plan(layout, spec)), layout.with_spec(spec)
-
-
-def claimed_local(x: ShardedArray) -> torch.Tensor:
-    """``x.local`` ready to be consumed: a partial leaf being differentiated goes through
-    :class:`fshard.lax.Claim`, so its gradient holds addends of the dense gradient (DESIGN §4:
-    the cotangent of a partial value is invariant; a partial *parameter's* gradient keeps the
-    parameter's layout, with the full gradient on the first rank of the partial axes and zeros
-    on the others)."""
-    layout = x.layout
-    if not layout.partial:
-        return x.local
-    return claim_partial_leaf(x.local, layout.mesh.group(layout.partial))
-
-
-def _reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
-    if x.layout.spec == spec:
-        return x
-    ops, out = _program(x.layout, spec)
-    local = claimed_local(x)
-    for op in ops:
-        local = op(local) if isinstance(op, (_ZeroOthers, _GatherBlocks)) else apply(op, local)
-    return ShardedArray._raw(local, out)
-
-
 def reshard(x, spec):
     """Move ``x`` to layout ``spec`` with the fewest bytes (see :func:`fshard.plan`).
 
@@ -213,33 +73,32 @@ def reshard(x, spec):
         >>> y = fs.reshard(x, fs.P(None, "x"))  # S(0) -> S(1): one all_to_all  # doctest: +SKIP
     """
     if isinstance(x, ShardedArray):
-        return _reshard_one(x, _check_spec(spec))
+        return reshard_one(x, _check_spec(spec))
+    leaves, treedef = optree.tree_flatten(x, is_leaf=_is_leaf, none_is_leaf=False)
     if isinstance(spec, P):
-        return optree.tree_map(
-            lambda v: _reshard_one(_expect_sharded(v), spec),
-            x,
-            is_leaf=_is_leaf,
-            none_is_leaf=False,
-        )
-    specs = optree.tree_broadcast_prefix(
-        spec, x, is_leaf=lambda s: isinstance(s, (P, ShardedArray)) or s is None
-    )
-    return optree.tree_map(
-        lambda v, s: _reshard_one(_expect_sharded(v), _check_spec(s)),
-        x,
-        specs,
-        is_leaf=_is_leaf,
-    )
+        specs = [spec] * len(leaves)
+    else:
+        is_spec = lambda s: isinstance(s, (P, ShardedArray)) or s is None  # noqa: E731
+        specs = treedef.flatten_up_to(optree.tree_broadcast_prefix(spec, x, is_leaf=is_spec))
+    errors = LeafErrors("reshard: leaves that cannot take their spec", "x")
+    for key, v, s in zip(paths(treedef), leaves, specs):  # all checked before any collective
+        if not isinstance(v, ShardedArray):
+            errors.add(
+                key, f"got {type(v).__name__}; expected a ShardedArray (fs.shard it)", TypeError
+            )
+        elif not isinstance(s, P):
+            errors.add(key, f"spec {s!r}; expected a fshard.P (e.g. fs.P('x', None))", TypeError)
+        else:
+            try:
+                v.layout.with_spec(s)
+            except (TypeError, ValueError) as e:
+                errors.add(key, f"spec {s} does not fit layout {v.layout}: {e}")
+    errors.raise_if_any()
+    return treedef.unflatten([reshard_one(v, s) for v, s in zip(leaves, specs)])
 
 
 def _is_leaf(v) -> bool:
     return isinstance(v, ShardedArray)
-
-
-def _expect_sharded(v) -> ShardedArray:
-    if not isinstance(v, ShardedArray):
-        raise TypeError(f"reshard: expected ShardedArray leaves, got {type(v).__name__}")
-    return v
 
 
 def shard(
@@ -284,7 +143,7 @@ def shard(
     layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
     if consistency.enabled():
         _agree(layout, "shard (every rank must pass the same full tensor)", values=t)
-    return _reshard_one(ShardedArray._raw(t, full), layout.spec)
+    return reshard_one(ShardedArray._raw(t, full), layout.spec)
 
 
 def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
@@ -311,7 +170,7 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
     like = t if me == src else torch.empty(0, dtype=meta[1], device=mesh.device())
     local = _comm.scatter_from(t, g, g.ranks.index(src), blocks, like)
     out = ShardedArray._raw(local, layout)
-    return _reshard_one(out, spec) if spec.partial else out
+    return reshard_one(out, spec) if spec.partial else out
 
 
 def from_local(
@@ -374,12 +233,12 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     if not isinstance(x, ShardedArray):
         raise TypeError(f"gather: x must be a ShardedArray, got {type(x).__name__}")
     if dst is None:
-        return _reshard_one(x, P()).local
+        return reshard_one(x, P()).local
     mesh = x.mesh
     if isinstance(dst, bool) or not isinstance(dst, int) or dst not in mesh.ranks:
         raise ValueError(f"gather: dst must be a rank of the mesh {mesh.ranks}, got {dst!r}")
     if x.layout.partial:
-        x = _reshard_one(x, P(*x.layout.dim_axes))
+        x = reshard_one(x, P(*x.layout.dim_axes))
     g = mesh.group(mesh.axis_names)
     blocks = [x.layout.shard_metadata(r).slices() for r in g.ranks]
     return _comm.gather_to(x.local, g, g.ranks.index(dst), blocks, x.layout.shape)

@@ -158,7 +158,7 @@ class ShardedArray:
     # -- torch function protocol: everything goes to the op rules -----------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return (_DISPATCH or _dispatch())(func, args, kwargs or _NO_KWARGS)
+        return _DISPATCH(func, args, kwargs or _NO_KWARGS)
 
     def __getattr__(self, name: str):
         # Tensor methods (x.sum(0), x.reshape(...)) do not reach __torch_function__ on a
@@ -171,9 +171,8 @@ class ShardedArray:
                 f"ShardedArray is immutable: in-place Tensor.{name} is not supported; use the "
                 f"functional form {name[:-1]!r} (e.g. y = x.{name[:-1]}(...))"
             )
-        dispatch = _dispatch()
         if not callable(method):  # a property such as x.T or x.mT
-            return dispatch(method.__get__, (self,), {})
+            return _DISPATCH(method.__get__, (self,), {})
         # Install a forwarding method on the class, so later calls skip __getattr__.
         setattr(ShardedArray, name, _forward_method(method))
         return getattr(self, name)
@@ -181,23 +180,25 @@ class ShardedArray:
 
 def _forward_method(tensor_method):
     def method(self, *args, **kwargs):
-        return (_DISPATCH or _dispatch())(tensor_method, (self, *args), kwargs)
+        return _DISPATCH(tensor_method, (self, *args), kwargs)
 
     method.__name__ = getattr(tensor_method, "__name__", "method")
     return method
 
 
-def _dispatch():
-    """``fshard.ops.registry.dispatch`` (imported on first use: ops imports this module)."""
+def _no_dispatcher(func, args, kwargs):
+    raise RuntimeError("fshard.ops is not imported: import fshard (it installs the op rules)")
+
+
+def install_dispatch(dispatch) -> None:
+    """Route every torch function, Tensor method and operator on a ShardedArray to
+    ``dispatch(func, args, kwargs)``. :mod:`fshard.ops.registry` installs its dispatcher when it
+    is imported (it depends on this module, so this module cannot import it)."""
     global _DISPATCH
-    if _DISPATCH is None:
-        from .ops.registry import dispatch
-
-        _DISPATCH = dispatch
-    return _DISPATCH
+    _DISPATCH = dispatch
 
 
-_DISPATCH = None
+_DISPATCH = _no_dispatcher
 _NO_KWARGS: dict = {}  # never mutated: dispatch only reads kwargs
 _new = object.__new__
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -209,7 +210,7 @@ def _forward_operator(name: str):
     tensor_op = getattr(torch.Tensor, name)
 
     def op(self, *args):
-        return (_DISPATCH or _dispatch())(tensor_op, (self, *args), _NO_KWARGS)
+        return _DISPATCH(tensor_op, (self, *args), _NO_KWARGS)
 
     op.__name__ = name
     return op

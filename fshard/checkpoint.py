@@ -99,7 +99,9 @@ import torch
 import torch.distributed as dist
 
 from . import consistency
+from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray, _rebuild_sharded
+from .executor import reshard_one
 from .interop import _distinct_boxes, _quiet, _sharded_tensor
 from .mesh import _restore as _rebuild_mesh
 from .spec import ExplicitLayout, Layout, P, PartitionSpec, _make_spec
@@ -211,9 +213,7 @@ def _to_saveable(key: str, leaf: Any, me: int) -> Any:
         if layout.mesh.is_abstract:
             raise ValueError(f"save: the ShardedArray at key {key!r} has an abstract mesh")
         if layout.partial:
-            from .api import _reshard_one
-
-            leaf = _reshard_one(leaf, P(*layout.dim_axes))
+            leaf = reshard_one(leaf, P(*layout.dim_axes))
             layout = leaf.layout
         local = leaf.local.detach().contiguous()
         if math.prod(layout.shape) == 0 or _fully_replicated(layout):
@@ -639,9 +639,11 @@ def _check_file(path: str, name: str, files: dict, verify: bool) -> str | None:
     return None
 
 
-def _validate(path: str, keys: list[str], leaves: list[Any], me: int, world: int):
-    """Check the checkpoint against ``like`` before reading data; (error text or None,
-    DCP metadata, decoded Python values)."""
+def _validate(
+    path: str, keys: list[str], leaves: list[Any], wheres: list[str], me: int, world: int
+):
+    """Check the checkpoint against ``like`` (leaves at key paths ``wheres``) before reading
+    data; (error text listing every mismatching leaf, or None; DCP metadata; decoded values)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     if not os.path.isdir(path):
@@ -677,13 +679,18 @@ def _validate(path: str, keys: list[str], leaves: list[Any], me: int, world: int
             None,
         )
     found, saved_values = md.state_dict_metadata, manifest["values"]
-    problems, values = [], {}
+    errors, values = LeafErrors(f"checkpoint {path!r} does not match `like`", "like"), {}
+    where = dict(zip(keys, wheres))
+
+    def problem(key: str, text: str) -> None:
+        errors.add(where[key], f"key {key!r}{text}")
+
     for key, leaf in zip(keys, leaves):
         want = _expected(leaf)
         if key not in found and key not in saved_values:
             have = sorted([*found, *saved_values])
             more = f", ... ({len(have)} keys)" if len(have) > 12 else ""
-            problems.append(f"key {key!r} is missing (the checkpoint has keys {have[:12]}{more})")
+            problem(key, f" is missing (the checkpoint has keys {have[:12]}{more})")
             continue
         if want is None:
             if key not in saved_values:
@@ -693,27 +700,24 @@ def _validate(path: str, keys: list[str], leaves: list[Any], me: int, world: int
                     if isinstance(entry, BytesStorageMetadata)
                     else f"a tensor of shape {tuple(entry.size)} dtype {entry.properties.dtype}"
                 )
-                problems.append(
-                    f"key {key!r}: expected a Python value ({type(leaf).__name__}), found {what}"
-                )
+                problem(key, f": expected a Python value ({type(leaf).__name__}), found {what}")
                 continue
             try:
                 values[key] = _decode(saved_values[key])
             except (ValueError, TypeError) as e:
-                problems.append(f"key {key!r}: the saved Python value is refused ({e})")
+                problem(key, f": the saved Python value is refused ({e})")
             continue
         entry = found.get(key)
         if entry is None or isinstance(entry, BytesStorageMetadata):
-            problems.append(
-                f"key {key!r}: expected a tensor of shape {want[0]} dtype {want[1]}, found a "
-                "Python value"
+            problem(
+                key, f": expected a tensor of shape {want[0]} dtype {want[1]}, found a Python value"
             )
             continue
         got = (tuple(entry.size), entry.properties.dtype)
         if got != want:
-            problems.append(
-                f"key {key!r}: expected shape {want[0]} dtype {want[1]}, found shape {got[0]} "
-                f"dtype {got[1]}"
+            problem(
+                key,
+                f": expected shape {want[0]} dtype {want[1]}, found shape {got[0]} dtype {got[1]}",
             )
     wanted = set(keys)
     needed: dict[str, str] = {}  # data file -> a key it holds
@@ -722,20 +726,19 @@ def _validate(path: str, keys: list[str], leaves: list[Any], me: int, world: int
             needed.setdefault(info.relative_path, index.fqn)
             full = os.path.join(path, info.relative_path)
             if os.path.isfile(full) and os.path.getsize(full) < info.offset + info.length:
-                problems.append(
-                    f"key {index.fqn!r}: data file {info.relative_path!r} is truncated (the "
+                problem(
+                    index.fqn,
+                    f": data file {info.relative_path!r} is truncated (the "
                     f"chunk at offsets {tuple(index.offset or ())} needs bytes [{info.offset}, "
                     f"{info.offset + info.length}) but the file has {os.path.getsize(full)} "
-                    "bytes)"
+                    "bytes)",
                 )
     for i, name in enumerate(sorted(needed)):
-        problem = _check_file(path, name, files, verify=i % world == me)
-        if problem is not None:
-            problems.append(f"key {needed[name]!r}: {problem}")
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        return f"checkpoint {path!r} does not match `like`:\n  {shown}{more}", None, None
+        bad = _check_file(path, name, files, verify=i % world == me)
+        if bad is not None:
+            problem(needed[name], f": {bad}")
+    if errors:
+        return errors.message(), None, None
     return None, md, values
 
 
@@ -757,9 +760,7 @@ def _load_target(leaf: Any, me: int):
         def finish(_obj, local=local, layout=layout, final=final):
             out = ShardedArray._raw(local, layout)
             if final is not layout:
-                from .api import _reshard_one
-
-                out = _reshard_one(out, final.spec)
+                out = reshard_one(out, final.spec)
             return out
 
         if math.prod(layout.shape) == 0:
@@ -827,7 +828,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     if error is None:
         _barrier()
         try:
-            error, md, values = _validate(path, keys, leaves, me, _world())
+            error, md, values = _validate(path, keys, leaves, paths(treedef), me, _world())
         except CheckpointError as e:
             error = str(e)
         except Exception as e:  # never let one rank leave early: report it to all

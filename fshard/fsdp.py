@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from . import _comm, lax
-from . import nn as _nn  # fshard.nn re-exports this module's API at its end
 from .array import ShardedArray
 from .lax import PsumScatter, apply
 from .mesh import AxisGroup, Mesh
+from .nn_plan import _resolve, match_plan
 from .spec import P
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -85,7 +85,7 @@ def fsdp_plan(
             f"fsdp_plan: axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}"
         )
     named = dict(module.named_parameters())
-    specs = _nn.match_plan(named, base or {})
+    specs = match_plan(named, base or {})
     out = {}
     for name, p in named.items():
         spec = specs[name]
@@ -300,7 +300,7 @@ def fsdp_gather(
 def _swap(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> list:
     saved = []
     for name, value in values.items():
-        owner, attr, slot = _nn._resolve(module, name)
+        owner, attr, slot = _resolve(module, name)
         saved.append((owner, attr, slot, getattr(owner, slot).pop(attr)))
         owner.__dict__[attr] = value
     return saved

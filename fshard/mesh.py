@@ -14,7 +14,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,14 @@ class AxisGroup:
     index: int
     ranks: tuple[int, ...]
     group_rank: tuple[int, ...]
+    # Derived fields, not properties: torch.compile reads a group as a guarded constant (dynamo's
+    # frozen-dataclass variable serves fields only), and nothing about it is resolved in a trace.
+    identity_order: bool = field(init=False)
+    backend: str | None = field(init=False)  # dist.get_backend(pg); None without a pg
 
-    @property
-    def identity_order(self) -> bool:
-        return self.group_rank == tuple(range(self.size))
+    def __post_init__(self):
+        object.__setattr__(self, "identity_order", self.group_rank == tuple(range(self.size)))
+        object.__setattr__(self, "backend", None if self.pg is None else dist.get_backend(self.pg))
 
 
 def _check_mesh_args(shape, names) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -78,7 +82,16 @@ class Mesh:
         ((1, 1), 2, 4)
     """
 
-    __slots__ = ("shape", "axis_names", "ranks", "device_type", "device_mesh", "_coords", "_hash")
+    __slots__ = (
+        "shape",
+        "axis_names",
+        "ranks",
+        "device_type",
+        "device_mesh",
+        "_coords",
+        "_hash",
+        "_groups",
+    )
 
     def __init__(self, shape, axis_names, ranks=None, device_type: str = "cpu", device_mesh=None):
         shape, axis_names = _check_mesh_args(shape, axis_names)
@@ -97,6 +110,7 @@ class Mesh:
             coords[r] = _unravel(pos, shape)
         set_(self, "_coords", coords)
         set_(self, "_hash", hash((shape, axis_names, ranks)))
+        set_(self, "_groups", {})  # axes tuple -> AxisGroup, filled once by Mesh.create
 
     def __setattr__(self, name, value):
         raise AttributeError("Mesh is immutable")
@@ -254,8 +268,15 @@ class Mesh:
         return idx
 
     def group(self, axes: str | Sequence[str]) -> AxisGroup:
-        """This rank's process group over ``axes`` (cached)."""
-        return _axis_group(self, self.axes_tuple(axes))
+        """This rank's process group over ``axes``.
+
+        Every ordered tuple of distinct axes has its group built once, by ``Mesh.create``: a
+        plain dict read, which ``torch.compile`` turns into a guarded constant (no traced call).
+        """
+        axes = self.axes_tuple(axes)
+        if self.device_mesh is None:
+            raise ValueError(f"{self!r} is abstract: it has no process groups. Use Mesh.create")
+        return self._groups[axes]
 
 
 def _unravel(pos: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -310,6 +331,9 @@ def _create(shape, names, device_type, _world_key) -> Mesh:
                 pg = dist.new_group(list(members))
                 if me in members:
                     _GROUPS[(mesh, subset)] = pg
+    for k in range(len(names) + 1):
+        for axes in itertools.permutations(names, k):
+            mesh._groups[axes] = _axis_group(mesh, axes)
     return mesh
 
 
@@ -318,10 +342,7 @@ def _restore(shape, names, ranks, device_type) -> Mesh:
     return _LIVE.get((shape, names, ranks)) or Mesh(shape, names, ranks, device_type)
 
 
-@functools.cache
 def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
-    if mesh.device_mesh is None:
-        raise ValueError(f"{mesh!r} is abstract: it has no process groups. Use Mesh.create")
     me = dist.get_rank()
     ranks = _member_ranks(mesh, axes, me)
     if len(axes) == 1:

@@ -25,19 +25,19 @@ fshard's op rules through ``__torch_function__``; a forward written on local ten
 
 from __future__ import annotations
 
-import fnmatch
-import re
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
 
 import torch
 
+from ._leaf_errors import LeafErrors
 from .api import gather, reshard, shard
 from .array import ShardedArray
+from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: F401 (fs.nn API)
 from .mesh import Mesh
-from .spec import P
+from .nn_plan import Output, _match, _matcher, _resolve, _split_plan, match_plan
+from .spec import Layout, P
 from .tree import tree_leaves
 
 __all__ = [
@@ -51,108 +51,10 @@ __all__ = [
 ]
 
 
-class Output(NamedTuple):
-    """Plan value: reshard the output of every module the key matches to ``spec``.
-
-    The key is a glob (or ``"re:"`` regex) over module names (``named_modules()``), e.g.
-    ``{"*.o_proj": fs.nn.Output(fs.P())}``: ``o_proj``'s pending sum is all-reduced right
-    after it (DTensor ``RowwiseParallel(output_layouts=Replicate())``);
-    ``fs.nn.Output(fs.P(None, "tp"))`` reduce-scatters it over the sequence dim instead.
-    Applied by :func:`functional_call` to a module output that is a ShardedArray; plain
-    tensor outputs (a dense call, a local-view forward) are left alone.
-
-    Example:
-        >>> Output(P())
-        Output(spec=P())
-    """
-
-    spec: P
-
-
 _REPLICATED = P()
 
 # module -> {submodule name: output spec}, recorded by the last shard_params on it
 _OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _matcher(pattern: str):
-    if not isinstance(pattern, str) or not pattern:
-        raise TypeError(f"plan keys must be non-empty strings, got {pattern!r}")
-    if pattern.startswith("re:"):
-        try:
-            rx = re.compile(pattern[3:])
-        except re.error as e:
-            raise ValueError(f"plan pattern {pattern!r} is not a valid regex: {e}") from e
-        return lambda name: rx.fullmatch(name) is not None
-    return lambda name: fnmatch.fnmatchcase(name, pattern)
-
-
-def _match(names: Iterable[str], rules: Mapping, what: str) -> dict:
-    """``{name: value}`` of the first rule matching each name (names no rule matches are
-    left out); a rule that matches nothing raises."""
-    compiled = [(pattern, _matcher(pattern), value) for pattern, value in rules.items()]
-    used, out, names = set(), {}, list(names)
-    for name in names:
-        for pattern, match, value in compiled:
-            if match(name):
-                out[name] = value
-                used.add(pattern)
-                break
-    unused = [p for p, _, _ in compiled if p not in used]
-    if unused:
-        raise ValueError(
-            f"plan pattern(s) {unused} match no {what} (or only ones an earlier pattern "
-            f"took); {what} names are e.g. {names[:6]}. Globs use fnmatch against "
-            "the full dotted name; prefix a regex with 're:'"
-        )
-    return out
-
-
-def _split_plan(plan) -> tuple[dict[str, P], dict[str, P]]:
-    if plan is None:
-        return {}, {}
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be a mapping pattern -> fs.P, got {type(plan).__name__}")
-    params, outputs = {}, {}
-    for pattern, value in plan.items():
-        if isinstance(value, Output) and isinstance(value.spec, P):
-            outputs[pattern] = value.spec
-        elif isinstance(value, P):
-            params[pattern] = value
-        else:
-            raise TypeError(
-                f"plan[{pattern!r}] must be a fs.P (a parameter's layout) or a "
-                f"fs.nn.Output(fs.P(...)) (a module's output layout), got "
-                f"{type(value).__name__} {value!r}"
-            )
-    return params, outputs
-
-
-def match_plan(names: Iterable[str], plan: Mapping[str, P]) -> dict[str, P]:
-    """Resolve ``plan`` against parameter ``names``: ``{name: spec}`` for every name.
-
-    Patterns are fnmatch globs matched against the full dotted name (``"*.fc1.weight"``,
-    ``"blocks.*.attn.qkv.*"``; ``*`` also matches dots), or regexes prefixed with ``"re:"``
-    (``"re:blocks\\.[0-3]\\.mlp\\.fc1\\.weight"``, matched with ``fullmatch``). Patterns are
-    tried in the plan's order and the **first match wins**. Unmatched names are replicated
-    (``P()``). A pattern that matches no name is an error (a typo would otherwise silently
-    replicate a layer). :class:`Output` entries (module output layouts) are skipped here.
-
-    Args:
-        names: parameter names (``module.named_parameters()`` order).
-        plan: ``{pattern: P}``.
-
-    Returns:
-        ``{name: spec}`` in ``names`` order.
-
-    Example:
-        >>> match_plan(["fc.weight", "fc.bias"], {"*.weight": P("tp")})
-        {'fc.weight': P('tp'), 'fc.bias': P()}
-    """
-    rules, _ = _split_plan(plan)
-    names = list(names)
-    found = _match(names, rules, "parameter")
-    return {name: found.get(name, P()) for name in names}
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -201,12 +103,13 @@ def shard_params(
     param_rules, output_rules = _split_plan(plan)
     specs = match_plan(named, param_rules)
     outputs = _match((n for n, _ in module.named_modules()), output_rules, "module")
-    for name, p in named.items():
-        if len(specs[name]) > p.dim():
-            raise ValueError(
-                f"plan gives {name} (shape {tuple(p.shape)}) the spec {specs[name]}, which has "
-                "more entries than the parameter has dims"
-            )
+    errors = LeafErrors("shard_params: parameters the plan's specs do not fit", "params")
+    for name, p in named.items():  # every layout checked before any parameter is sharded
+        try:
+            Layout(mesh, specs[name], tuple(p.shape), p.dtype)
+        except (TypeError, ValueError) as e:
+            errors.add(f"[{name!r}]", f"shape {tuple(p.shape)}, spec {specs[name]}: {e}")
+    errors.raise_if_any(fix="fix the plan's pattern or spec for these parameters")
     out = {}
     for name, p in named.items():
         spec, t = specs[name], p.detach()
@@ -223,21 +126,6 @@ def shard_params(
     return out
 
 
-def _resolve(module: torch.nn.Module, name: str, fn: str = "functional_call"):
-    *path, attr = name.split(".")
-    owner = module
-    for part in path:
-        sub = owner._modules.get(part)
-        if sub is None:
-            raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
-        owner = sub
-    for slot in ("_parameters", "_buffers"):
-        tensors = getattr(owner, slot)
-        if tensors.get(attr) is not None:
-            return owner, attr, slot
-    raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
-
-
 def _aliases(module: torch.nn.Module) -> dict[int, list]:
     """``id(tensor) -> [(owner, attr, slot), ...]``: every place a parameter/buffer is held."""
     out: dict[int, list] = {}
@@ -250,28 +138,38 @@ def _aliases(module: torch.nn.Module) -> dict[int, list]:
 
 
 def _targets(module: torch.nn.Module, params: Mapping, fn: str) -> list:
-    """``[(owner, attr, slot, value)]`` for every alias of every entry of ``params``."""
+    """``[(name, owner, attr, slot, value)]`` for every alias of every entry ``name`` of
+    ``params``; the error lists every entry that does not fit."""
     aliases = _aliases(module)
     claimed: dict[int, tuple[str, object]] = {}
     targets = []
+    errors = LeafErrors(f"{fn}: params entries that do not fit the module", "params")
     for name, value in params.items():
         if not isinstance(value, (torch.Tensor, ShardedArray)):
-            raise TypeError(
-                f"params[{name!r}] is a {type(value).__name__}; values must be ShardedArrays "
-                "or tensors"
+            errors.add(
+                f"[{name!r}]",
+                f"got {type(value).__name__}; values must be ShardedArrays or tensors",
+                TypeError,
             )
-        owner, attr, slot = _resolve(module, name, fn)
+            continue
+        try:
+            owner, attr, slot = _resolve(module, name, fn)
+        except ValueError:
+            errors.add(f"[{name!r}]", "not a parameter or buffer of the module")
+            continue
         key = id(getattr(owner, slot)[attr])
         if key in claimed:
             other, other_value = claimed[key]
             if other_value is not value:
-                raise ValueError(
-                    f"{fn}: params[{name!r}] and params[{other!r}] are tied (one parameter) "
-                    "but were given different values; pass only one of them"
+                errors.add(
+                    f"[{name!r}]",
+                    f"tied to params[{other!r}] (one parameter) but given a different value; "
+                    "pass only one of them",
                 )
             continue
         claimed[key] = (name, value)
-        targets.extend((o, a, s, value) for o, a, s in aliases[key])
+        targets.extend((name, o, a, s, value) for o, a, s in aliases[key])
+    errors.raise_if_any()
     return targets
 
 
@@ -342,7 +240,7 @@ def functional_call(
     targets = _targets(module, params, "functional_call")
     saved, hooks = [], []
     try:
-        for owner, attr, slot, value in targets:
+        for _, owner, attr, slot, value in targets:
             original = getattr(owner, slot).pop(attr)
             saved.append((owner, attr, slot, original))
             owner.__dict__[attr] = value
@@ -386,14 +284,17 @@ def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = N
     if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)):
         raise TypeError(f"load_params: dst must be a rank (int) or None, got {dst!r}")
     targets = {}
-    for owner, attr, slot, value in _targets(module, params, "load_params"):
+    errors = LeafErrors("load_params: values whose shape does not fit the module", "params")
+    for name, owner, attr, slot, value in _targets(module, params, "load_params"):
         t = getattr(owner, slot)[attr]
         if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(
-                f"load_params: a value of shape {tuple(value.shape)} does not fit the module's "
-                f"{type(owner).__name__}.{attr} of shape {tuple(t.shape)}"
+            errors.add(
+                f"[{name!r}]",
+                f"shape {tuple(value.shape)}; the module's {type(owner).__name__}.{attr} has "
+                f"shape {tuple(t.shape)}",
             )
         targets[id(t)] = (t, value)
+    errors.raise_if_any()
     for t, value in targets.values():
         full = value
         if isinstance(value, ShardedArray):
@@ -427,7 +328,9 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
-    by_tensor = {id(getattr(o, s)[a]): v for o, a, s, v in _targets(module, params, "state_dict")}
+    by_tensor = {
+        id(getattr(o, s)[a]): v for _, o, a, s, v in _targets(module, params, "state_dict")
+    }
     out = {}
     for key, t in module.state_dict(keep_vars=True).items():
         out[key] = by_tensor.get(id(t), t.detach() if isinstance(t, torch.Tensor) else t)
@@ -554,6 +457,3 @@ def megatron_plan(
         for m in (*row, *vocab):  # is a pending sum
             plan[m] = Output(row_output)
     return plan
-
-
-from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: E402, F401

@@ -46,8 +46,10 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from . import _comm, axis_env, consistency
-from .api import claimed_local, shard
+from ._leaf_errors import LeafErrors, paths
+from .api import shard
 from .array import ShardedArray
+from .executor import claimed_local
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
 from .spec import Layout, P, chunk_bounds
@@ -214,14 +216,12 @@ def _is_spec(s) -> bool:
 
 def _spec_leaves(specs, tree, what: str) -> tuple[list, list, object]:
     """Match the prefix ``specs`` against ``tree``: (spec per subtree, subtrees, treedef)."""
-    treedef = optree.tree_structure(specs, is_leaf=_is_spec, none_is_leaf=True)
-    spec_list = optree.tree_leaves(specs, is_leaf=_is_spec, none_is_leaf=True)
-    for s in spec_list:
+    spec_list, treedef = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True)
+    errors = LeafErrors(f"shard_map: {what} must hold fshard.P entries (or None)", what)
+    for key, s in zip(paths(treedef), spec_list):
         if not _is_spec(s):
-            raise TypeError(
-                f"shard_map: {what} must hold fshard.P entries (or None), got "
-                f"{type(s).__name__} {s!r}"
-            )
+            errors.add(key, f"got {type(s).__name__} {s!r}", TypeError)
+    errors.raise_if_any()
     try:
         subtrees = treedef.flatten_up_to(tree)
     except ValueError as e:
@@ -237,35 +237,45 @@ def _is_sharded(v) -> bool:
     return isinstance(v, ShardedArray)
 
 
-def _path(prefix: str, sub: tuple) -> str:
-    return prefix + "".join(f"[{k!r}]" for k in sub)
+def _subtrees(specs: list, subtrees: list, treedef, prefix: str):
+    """Per spec: ``(spec, its path, [(path, leaf)] of its subtree, the subtree's treedef)``;
+    paths are JAX key paths after ``prefix`` (``args[0]['w']``)."""
+    for spec, sub, key in zip(specs, subtrees, paths(treedef)):
+        leaves, sub_def = optree.tree_flatten(sub, is_leaf=_is_sharded)
+        where = prefix + key
+        yield spec, where, [(where + k, v) for k, v in zip(paths(sub_def), leaves)], sub_def
 
 
-def _check_spec_axes(spec: P, mesh: Mesh, where: str) -> None:
+def _spec_axes_problem(spec: P, mesh: Mesh) -> str | None:
     unknown = [a for a in spec.axes if a not in mesh.axis_names]
     if unknown:
-        raise ValueError(
-            f"shard_map: {where} has spec {spec} naming axis {unknown[0]!r}, which is not an "
-            f"axis of the mesh; the mesh axes are {mesh.axis_names}"
+        return (
+            f"spec {spec} names axis {unknown[0]!r}, which is not an axis of the mesh; the mesh "
+            f"axes are {mesh.axis_names}"
         )
+    return None
 
 
 # -- the input boundary ---------------------------------------------------------------------
 
 
-def _local_input(x, spec: P | None, mesh: Mesh, where: str):
+def _input_problem(x, spec: P | None, mesh: Mesh) -> str | None:
+    if spec is None or not isinstance(x, ShardedArray):
+        return None
+    if x.mesh != mesh:
+        return f"lives on {x.mesh!r}, not on the shard_map mesh {mesh!r}"
+    if x.layout.spec != spec:
+        return (
+            f"has layout {x.layout.spec} but in_specs gives {spec}; shard_map never reshards "
+            f"implicitly: call fs.reshard(x, {spec}) first"
+        )
+    return None
+
+
+def _local_input(x, spec: P | None, mesh: Mesh):
     if spec is None:
         return x
     if isinstance(x, ShardedArray):
-        if x.mesh != mesh:
-            raise ValueError(
-                f"shard_map: {where} lives on {x.mesh!r}, not on the shard_map mesh {mesh!r}"
-            )
-        if x.layout.spec != spec:
-            raise ValueError(
-                f"shard_map: {where} has layout {x.layout.spec} but in_specs gives {spec}; "
-                f"shard_map never reshards implicitly: call fs.reshard(x, {spec}) first"
-            )
         return claimed_local(x)
     if isinstance(x, torch.Tensor):
         return shard(x, mesh, spec).local
@@ -279,18 +289,23 @@ def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
     if _is_spec(in_specs):
         in_specs = (in_specs,) * len(args)
     specs, subtrees, treedef = _spec_leaves(in_specs, args, "in_specs")
-    paths = optree.tree_paths(in_specs, is_leaf=_is_spec, none_is_leaf=True)
+    inputs = list(_subtrees(specs, subtrees, treedef, "args"))
+    errors = LeafErrors("shard_map: inputs that do not fit their in_specs")
+    for spec, where, leaves, _ in inputs:  # every input checked before any communication
+        if spec is not None and (problem := _spec_axes_problem(spec, mesh)):
+            errors.add(where, problem)
+            continue
+        for w, leaf in leaves:
+            if problem := _input_problem(leaf, spec, mesh):
+                errors.add(w, problem)
+    errors.raise_if_any()
     marks: list = []
     seen: dict = {}
     new = []
-    for spec, sub, path in zip(specs, subtrees, paths):
-        where = _path("args", path)
-        if spec is not None:
-            _check_spec_axes(spec, mesh, f"input {where}")
-        sub_paths, sub_leaves, sub_def = optree.tree_flatten_with_path(sub, is_leaf=_is_sharded)
+    for spec, _, leaves, sub_def in inputs:
         locals_ = []
-        for p, leaf in zip(sub_paths, sub_leaves):
-            local = _local_input(leaf, spec, mesh, f"input {_path(where, p)}")
+        for _, leaf in leaves:
+            local = _local_input(leaf, spec, mesh)
             if spec is not None and isinstance(local, torch.Tensor):
                 axes = frozenset(spec.axes)
                 if seen.setdefault(id(local), axes) != axes:  # one object, two specs
@@ -308,37 +323,38 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
     if isinstance(out_specs, list):
         out_specs = tuple(out_specs)
     specs, subtrees, treedef = _spec_leaves(out_specs, out, "out_specs")
-    paths = optree.tree_paths(out_specs, is_leaf=_is_spec, none_is_leaf=True)
     flat = []  # (where, local tensor, spec)
     subdefs = []
-    for spec, sub, path in zip(specs, subtrees, paths):
-        where = _path("output", path)
+    errors = LeafErrors("shard_map: outputs that do not fit their out_specs")
+    for spec, where, leaves, sub_def in _subtrees(specs, subtrees, treedef, "output"):
+        subdefs.append((sub_def, len(leaves)))
         if spec is None:
-            raise TypeError(f"shard_map: out_specs entry for {where} is None; give a fshard.P")
-        _check_spec_axes(spec, mesh, where)
-        sub_paths, sub_leaves, sub_def = optree.tree_flatten_with_path(sub, is_leaf=_is_sharded)
-        subdefs.append((sub_def, len(sub_leaves)))
-        for p, leaf in zip(sub_paths, sub_leaves):
-            w = _path(where, p)
+            errors.add(where, "its out_specs entry is None; give a fshard.P", TypeError)
+            continue
+        if problem := _spec_axes_problem(spec, mesh):
+            errors.add(where, problem)
+            continue
+        for w, leaf in leaves:
             if not isinstance(leaf, torch.Tensor) or isinstance(leaf, ShardedArray):
-                raise TypeError(
-                    f"shard_map: the body returned {type(leaf).__name__} at {w}; it must return "
-                    "local torch.Tensors (the body works on local blocks)"
+                errors.add(
+                    w,
+                    f"the body returned {type(leaf).__name__}; it must return local "
+                    "torch.Tensors (the body works on local blocks)",
+                    TypeError,
                 )
-            if leaf.dim() < len(spec):
-                raise ValueError(
-                    f"shard_map: {w} has {leaf.dim()} dims but its out_spec {spec} has "
-                    f"{len(spec)} entries"
+            elif leaf.dim() < len(spec):
+                errors.add(
+                    w, f"has {leaf.dim()} dims but its out_spec {spec} has {len(spec)} entries"
                 )
+            elif vma and (problem := _variance_problem(spec, mesh, tracker.vma(leaf))):
+                errors.add(w, problem)
             flat.append((w, leaf, spec))
+    errors.raise_if_any()
     if check:
         for w, local, spec in flat:
             _check_replicated(w, local, spec, mesh)
     shapes = _global_shapes(flat, mesh, out_shapes, out, treedef)
     results = []
-    if vma:
-        for w, local, spec in flat:
-            _check_invariant(w, spec, mesh, tracker.vma(local))
     for (_w, local, spec), shape in zip(flat, shapes):
         local = _cast_out(local, spec, mesh, tracker.vma(local))
         layout = Layout(mesh, spec, shape, local.dtype)
@@ -350,14 +366,14 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
     return treedef.unflatten(new)
 
 
-def _check_invariant(where: str, spec: P, mesh: Mesh, vma: frozenset) -> None:
+def _variance_problem(spec: P, mesh: Mesh, vma: frozenset) -> str | None:
     """JAX's static out_specs check (``check_vma``): an output declared replicated over an axis
     must be invariant over it. Uses the tracked varying axes only: no communication."""
     bad = [a for a in mesh.axis_names if a in vma and a not in spec.axes]
     if bad:
         axes = bad[0] if len(bad) == 1 else tuple(bad)
-        raise ValueError(
-            f"shard_map: {where} is declared replicated over mesh axis {axes!r} by its out_spec "
+        return (
+            f"declared replicated over mesh axis {axes!r} by its out_spec "
             f"{spec}, but it varies over {axes!r} (it was computed from values sharded or "
             f"partial over {axes!r} and not reduced). Reduce it in the body (fs.lax.psum / "
             f"pmean / pmax, or fs.lax.all_gather(..., to='invariant')), or name the axis in its "
@@ -432,17 +448,17 @@ def _given_shapes(flat: list, mesh: Mesh, out_shapes, out) -> list:
                 f"tensor, in the output's structure; the body returned {len(flat)} tensors, "
                 f"out_shapes has {len(given)} entries: {out_shapes!r}"
             )
-    shapes = []
-    for (w, local, spec), shape in zip(flat, given):
-        shape = tuple(shape)
-        layout = Layout(mesh, spec, shape, local.dtype)
-        want = layout.local_shape(mesh.rank)
+    shapes = [tuple(shape) for shape in given]
+    errors = LeafErrors("shard_map: outputs that do not fit out_shapes")
+    for (w, local, spec), shape in zip(flat, shapes):
+        want = Layout(mesh, spec, shape, local.dtype).local_shape(mesh.rank)
         if tuple(local.shape) != want:
-            raise ValueError(
-                f"shard_map: {w} has local shape {tuple(local.shape)} but out_shapes gives "
-                f"global shape {shape} with spec {spec}, whose block on rank {mesh.rank} is {want}"
+            errors.add(
+                w,
+                f"has local shape {tuple(local.shape)} but out_shapes gives global shape "
+                f"{shape} with spec {spec}, whose block on rank {mesh.rank} is {want}",
             )
-        shapes.append(shape)
+    errors.raise_if_any()
     return shapes
 
 

@@ -218,6 +218,9 @@ def load_error(path, like_kind):
         like["opt"] = {"mu": torch.zeros(3)}
     elif like_kind == "kind":
         like["step"] = torch.zeros(())
+    elif like_kind == "many":
+        like = {"x": fs.Layout(mesh, fs.P("x"), (5, 4)), "step": torch.zeros(())}
+        like["opt"] = {"mu": torch.zeros(3)}
     try:
         fs.checkpoint.load(path, like)
     except fs.checkpoint.CheckpointError as e:
@@ -252,6 +255,20 @@ def test_bad_checkpoint_same_clear_error_on_all_ranks(world2, tmp_path, kind, ne
     errors = world2.run(load_error, path, kind)
     assert errors[0] is not None and needle in errors[0], errors[0]
     assert errors[0] == errors[1]
+
+
+def test_load_error_names_every_leaf(world2, tmp_path):
+    """Three leaves of ``like`` do not match the checkpoint: all three are listed by path."""
+    path = str(tmp_path / "ck")
+    world2.run(save_value, path, 4)
+    msg = world2.run(load_error, path, "many")[0]
+    for line in (
+        "like['x']: key 'x': expected shape (5, 4)",
+        "like['step']: key 'step': expected a tensor",
+        "like['opt']['mu']: key 'opt/mu' is missing",
+    ):
+        assert line in msg, (line, msg)
+    assert "(3 leaves)" in msg, msg
 
 
 def test_argument_errors(tmp_path):

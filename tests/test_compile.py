@@ -68,12 +68,15 @@ def compiled_collectives():
     dw2, dX2 = grad(_dense_chain, argnums=(0, 1))(2 * w, X)
     torch.testing.assert_close(gw2, dw2)
     torch.testing.assert_close(gx2, dX2[r])
-    return counter.frame_count, len(log)
+    warned = [m for m in torch._dynamo.utils.warn_once_cache if "lru_cache" in m]
+    return counter.frame_count, len(log), warned
 
 
 def test_lax_chain_compiles_fullgraph(world2):
-    """grad of fs.lax collectives compiles as one graph and matches the dense grad."""
-    assert world2.run(compiled_collectives) == [(1, 0), (1, 0)]
+    """grad of fs.lax collectives compiles as one graph (no recompile on new values) and
+    matches the dense grad; process groups are read as constants, not traced through a
+    ``functools.cache`` (dynamo warned once per call site)."""
+    assert world2.run(compiled_collectives) == [(1, 0, []), (1, 0, [])]
 
 
 def compiled_sharded_step():
@@ -134,14 +137,15 @@ def compiled_leaf_grad(mode):
     checked against dense in test_lax)."""
     mesh = fs.Mesh.create((2,), ("x",))
     w = _gen(dist.get_rank(), 4, 6)
-    want = grad(_leaf_loss)(w, mesh)
+    # compiled before any eager call: a trace must not be the first to resolve anything (a
+    # cache filled inside a Function's forward under grad failed in dynamo)
     if mode == "func":
         got = torch.compile(grad(_leaf_loss), fullgraph=True, backend="aot_eager")(w, mesh)
     else:
         leaf = w.clone().requires_grad_()
         out = torch.compile(_leaf_loss, fullgraph=True, backend="aot_eager")(leaf, mesh)
         (got,) = torch.autograd.grad(out, leaf)
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, grad(_leaf_loss)(w, mesh))
     return True
 
 
@@ -228,7 +232,7 @@ def lowerings_agree():
             torch.testing.assert_close(ag_big, torch.cat(big, 0))
             out[name] = [(c.op, c.nbytes) for c in log]
     finally:
-        _comm._LOWERING_OF_PG[g.pg] = chosen
+        _comm._LOWERING_OF_PG.pop(g.pg, None)
     assert out["gloo"] == out["native"]
     return chosen == _comm.LOWERINGS["gloo"], out["gloo"]
 

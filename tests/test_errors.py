@@ -71,6 +71,18 @@ def bad_input_on_ranks():
         (lambda: fs.reshard(x, "x"), TypeError, ["fshard.P"]),
         (lambda: fs.reshard(x, fs.P("y")), ValueError, ["'y'", "not an axis"]),
         (lambda: fs.reshard(x, fs.P(None, None, "x")), ValueError, ["3 entries", "2 dims"]),
+        (  # every leaf whose spec does not fit is named by its key path, before any collective
+            lambda: fs.reshard(
+                {"a": x, "b": [x, x]}, {"a": fs.P("y"), "b": [fs.P(), fs.P(None, None, "x")]}
+            ),
+            ValueError,
+            ["(2 leaves)", "x['a']: spec P('y')", "not an axis", "x['b'][1]: spec P(None, None"],
+        ),
+        (
+            lambda: fs.reshard({"a": x, "b": 3, "c": torch.ones(1)}, fs.P()),
+            TypeError,
+            ["(2 leaves)", "x['b']: got int", "x['c']: got Tensor", "fs.shard"],
+        ),
         (lambda: setattr(x, "local", torch.ones(1)), TypeError, ["immutable", "fs.reshard"]),
         (lambda: x.add_(1), TypeError, ["in-place", "'add'"]),
         (lambda: x.__setitem__(0, 1.0), TypeError, ["item assignment"]),
@@ -109,4 +121,4 @@ def bad_input_on_ranks():
 
 
 def test_bad_input_on_ranks(world2):
-    assert world2.run(bad_input_on_ranks) == [23, 23]
+    assert world2.run(bad_input_on_ranks) == [25, 25]

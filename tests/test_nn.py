@@ -109,6 +109,37 @@ def test_functional_call_swaps_and_restores_dense():
         fs.nn.functional_call(net, {"fc1.weight": 3.0}, (x,))
 
 
+def test_errors_list_every_bad_entry():
+    """shard_params, functional_call and load_params name every entry that does not fit,
+    before anything is sharded or swapped (an abstract mesh: nothing communicates)."""
+    net, mesh = Net(), fs.Mesh.abstract((2,), ("tp",))
+    plan = {"fc1.weight": fs.P(None, None, "tp"), "fc1.bias": fs.P("tp"), "fc2.*": fs.P("q")}
+    with pytest.raises(ValueError) as info:
+        fs.nn.shard_params(net, mesh, plan)
+    msg = str(info.value)
+    assert "(3 leaves)" in msg and "params['fc1.bias']" not in msg, msg
+    assert "params['fc1.weight']: shape (6, 4), spec P(None, None, 'tp')" in msg, msg
+    assert "params['fc2.weight']: shape (3, 6), spec P('q')" in msg and "'q'" in msg, msg
+    assert "params['fc2.bias']" in msg and "fix the plan" in msg, msg
+    x = torch.randn(2, 4)
+    bad = {"fc1.weight": 3.0, "fc1.bias": torch.zeros(6), "fc9.weight": torch.ones(1)}
+    with pytest.raises(ValueError) as info:
+        fs.nn.functional_call(net, bad, (x,))
+    msg = str(info.value)
+    assert "params['fc1.weight']: got float" in msg and "params['fc1.bias']" not in msg, msg
+    assert "params['fc9.weight']: not a parameter or buffer" in msg, msg
+    assert dict(net.named_parameters())["fc1.weight"] is net.fc1.weight  # nothing swapped
+    before = net.fc2.bias.detach().clone()
+    with pytest.raises(ValueError) as info:
+        fs.nn.load_params(
+            net, {"fc1.bias": torch.zeros(5), "fc2.bias": torch.ones(3), "scale": torch.ones(2)}
+        )
+    msg = str(info.value)
+    assert "params['fc1.bias']: shape (5,); the module's GatherLinear.bias has shape (6,)" in msg
+    assert "params['scale']: shape (2,)" in msg and "params['fc2.bias']" not in msg, msg
+    assert torch.equal(net.fc2.bias.detach(), before)  # nothing written: checked up front
+
+
 def shard_and_grad_rank_fn():
     mesh = fs.Mesh.create((2,), ("tp",))
     torch.manual_seed(0)

@@ -448,3 +448,55 @@ def test_sharded_optimizers_two_ranks(world2):
     out = world2.run(sharded_rank_fn)
     assert out[0][0] == {"adamw": True, "sgdm": True}
     assert out[0][1] == out[1][1]  # the norm is the same on every rank
+
+
+def test_errors_list_every_bad_leaf():
+    """Each tree check names every failing leaf by its key path, not only the first."""
+    tx = optim.adam(1e-3)
+    with pytest.raises(TypeError) as info:
+        tx.init({"a": torch.zeros(2), "b": [torch.zeros(2, dtype=torch.int64), 3]})
+    msg = str(info.value)
+    assert "(2 leaves)" in msg and "params['a']" not in msg, msg
+    assert "params['b'][0]: got dtype torch.int64" in msg and ".float()" in msg, msg
+    assert "params['b'][1]: got int" in msg, msg
+    params = {"a": torch.zeros(2), "b": [torch.zeros(2)], "c": torch.zeros(1)}
+    updates = {"a": torch.zeros(2), "b": [torch.zeros(2), torch.zeros(1)], "d": torch.zeros(1)}
+    with pytest.raises(ValueError) as info:
+        optim.apply_updates(params, updates)
+    msg = str(info.value)
+    for line in (
+        "updates['c']: missing",
+        "updates['b'][1]: not a leaf of params",
+        "updates['d']: not a leaf of params",
+    ):
+        assert line in msg, (line, msg)
+    # layouts: two of three leaves differ; both named with the layouts and the fix
+    mesh = fs.Mesh.abstract((2,), ("x",))
+
+    def sharded(spec):
+        layout = fs.Layout(mesh, spec, (4,))
+        return fs.ShardedArray._raw(torch.zeros(layout.local_shape(0)), layout)
+
+    ps = {"u": sharded(fs.P("x")), "v": sharded(fs.P()), "w": sharded(fs.P("x"))}
+    us = {"u": sharded(fs.P()), "v": sharded(fs.P()), "w": torch.zeros(2)}
+    with pytest.raises(ValueError) as info:
+        optim.apply_updates(ps, us)
+    msg = str(info.value)
+    assert "updates['u']: layout" in msg and "updates['w']: a plain tensor" in msg, msg
+    assert "updates['v']" not in msg and "fs.reshard" in msg, msg
+    # at most 10 listed, then a count
+    with pytest.raises(TypeError) as info:
+        tx.init({f"p{i:02d}": i for i in range(13)})
+    msg = str(info.value)
+    assert "(13 leaves)" in msg and "params['p09']" in msg and "params['p10']" not in msg
+    assert msg.endswith("... and 3 more"), msg
+    # masks and labels: every bad leaf of the mask / label tree
+    p3 = {"a": torch.zeros(1), "b": torch.zeros(1), "c": torch.zeros(1)}
+    with pytest.raises(TypeError) as info:
+        optim.masked(optim.sgd(1.0), {"a": 1, "b": True, "c": "x"}).init(p3)
+    msg = str(info.value)
+    assert "mask['a']: got int 1" in msg and "mask['c']: got str 'x'" in msg, msg
+    with pytest.raises(ValueError) as info:
+        optim.multi_transform({"t": optim.sgd(1.0)}, {"a": "t", "b": "u", "c": "v"}).init(p3)
+    msg = str(info.value)
+    assert "param_labels['b']: label 'u'" in msg and "param_labels['c']: label 'v'" in msg, msg

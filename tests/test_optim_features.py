@@ -1,17 +1,13 @@
 """fs.optim under torch.func.vmap (a batch of optimizers) and torch.compile(fullgraph=True),
-hyperparameters in the state, gradient accumulation and skipping, dtype rules, and the
-package's doctests. Oracles: the same optimizer looped / eager / on dense tensors, and the
-formulas written out."""
+hyperparameters in the state, gradient accumulation and skipping, and dtype rules (the
+package's doctests run in every ``pytest``: pyproject's testpaths). Oracles: the same
+optimizer looped / eager / on dense tensors, and the formulas written out."""
 
-import doctest
-import importlib
 import math
-import pkgutil
 
 import pytest
 import torch
 
-import fshard.optim
 from fshard import optim
 
 
@@ -253,15 +249,3 @@ def test_nesterov_and_eps_root_formulas():
     m_hat = b1 * m / (1 - b1**3) + (1 - b1) * g2 / (1 - b1**2)
     want = m_hat / (torch.sqrt(v / (1 - b2**2) + eps_root) + eps)
     torch.testing.assert_close(u, want, rtol=1e-12, atol=0)
-
-
-def test_doctests_of_fshard_optim():
-    """Every example in fshard/optim runs (none skipped)."""
-    failed = attempted = 0
-    for mod in pkgutil.iter_modules(fshard.optim.__path__, "fshard.optim."):
-        res = doctest.testmod(importlib.import_module(mod.name), optionflags=doctest.ELLIPSIS)
-        failed += res.failed
-        attempted += res.attempted
-    res = doctest.testmod(fshard.optim)
-    assert failed + res.failed == 0
-    assert attempted + res.attempted > 100

@@ -10,64 +10,26 @@ import torch
 
 import fshard as fs
 from fshard import optim
+from tests import optax_cases
+from tests.optax_cases import NAN_CASES, SHAPES, Lib
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "optax_reference.npz")
-SHAPES = {"w": (5, 3), "v": (4, 7), "u": (5, 8), "b": (6,)}  # as tools/record_optax.py
 SPECS = {"w": fs.P("x"), "v": fs.P(None, "x"), "u": fs.P("x"), "b": fs.P()}  # 3+2, 4+3, 3+2
-MASK = {"w": True, "v": False, "u": True, "b": False}
 #: float64 agreement, except: adafactor's decay ``1 - t**-0.8`` is float32 in both libraries
 #: (the two float32 pows may differ by an ulp); optax evaluates a schedule on its int32 step
 #: counter, which JAX promotes to float32 (fshard: float64), so scheduled runs agree to ~1e-7.
 RTOL = {"adafactor": 1e-6, "adafactor_momentum": 1e-6, "adamw_schedule": 2e-6, "inject_adamw": 2e-6}
 ATOL = {"adafactor": 1e-9, "adafactor_momentum": 1e-9}
-
-
-def _sched():
-    return optim.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20, end_value=1e-3)
-
-
-CASES = {
-    "sgd": lambda: optim.sgd(0.1),
-    "sgd_momentum": lambda: optim.sgd(0.1, momentum=0.9),
-    "sgd_nesterov": lambda: optim.sgd(0.05, momentum=0.8, nesterov=True),
-    "adam": lambda: optim.adam(1e-2),
-    "adam_eps_root": lambda: optim.adam(1e-2, b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-4),
-    "adam_nesterov": lambda: optim.adam(1e-2, nesterov=True),
-    "nadamw": lambda: optim.nadamw(1e-2, weight_decay=0.1),
-    "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
-    "adamw_mask": lambda: optim.adamw(1e-2, weight_decay=0.1, mask=MASK),
-    "adamw_schedule": lambda: optim.adamw(_sched(), weight_decay=0.05),
-    "radam": lambda: optim.radam(1e-2),
-    "lion": lambda: optim.lion(1e-3, weight_decay=0.01),
-    "lamb": lambda: optim.lamb(1e-2, weight_decay=0.01),
-    "lars": lambda: optim.lars(0.1, weight_decay=1e-3),
-    "rmsprop": lambda: optim.rmsprop(1e-2),
-    "rmsprop_nesterov": lambda: optim.rmsprop(
-        1e-2, momentum=0.9, nesterov=True, eps_in_sqrt=False, bias_correction=True
-    ),
-    "rmsprop_centered": lambda: optim.rmsprop(1e-2, centered=True, momentum=0.5),
-    "adagrad": lambda: optim.adagrad(0.1),
-    "adafactor": lambda: optim.adafactor(1e-2, min_dim_size_to_factor=2),
-    "adafactor_momentum": lambda: optim.adafactor(
-        1e-2,
-        min_dim_size_to_factor=2,
-        momentum=0.9,
-        weight_decay_rate=1e-3,
-        clipping_threshold=None,
-        multiply_by_parameter_scale=False,
-    ),
-    # optax clips by max_norm / norm: fshard's torch-style eps set to 0
-    "clip_sgd": lambda: optim.chain(optim.clip_by_global_norm(1.0, eps=0.0), optim.sgd(0.1)),
-    "clip_block_rms": lambda: optim.chain(optim.clip_by_block_rms(0.5), optim.sgd(0.1)),
-    "multisteps_adam": lambda: optim.MultiSteps(optim.adam(1e-2), 3).gradient_transformation(),
-    "inject_adamw": lambda: optim.inject_hyperparams(optim.adamw)(
-        learning_rate=_sched(), weight_decay=0.1
-    ),
-    "ema_sgd": lambda: optim.chain(optim.ema(0.9), optim.sgd(0.1)),
-    "apply_if_finite": lambda: optim.apply_if_finite(optim.adam(1e-2), 1),
-    "zero_nans_sgd": lambda: optim.chain(optim.zero_nans(), optim.sgd(0.1)),
-}
-NAN_CASES = {"apply_if_finite", "zero_nans_sgd"}
+#: fshard's side of the shared table: clip_by_global_norm's torch-style eps set to 0 (optax
+#: clips by max_norm / norm); MultiSteps as optax's GradientTransformation
+FSHARD = Lib(
+    optim,
+    clip={"eps": 0.0},
+    adafactor={},
+    multi_steps=lambda tx, k: optim.MultiSteps(tx, k).gradient_transformation(),
+)
+CASES = {name: functools.partial(make, FSHARD) for name, make in optax_cases.CASES.items()}
+SCHEDULES = {name: functools.partial(make, FSHARD) for name, make in optax_cases.SCHEDULES.items()}
 #: run sharded: the ones that reduce over whole leaves, the wrappers, masks, and the donated
 #: kernels (the other element-wise ones compute exactly the same per shard)
 SHARDED = [
@@ -85,22 +47,6 @@ SHARDED = [
     "adamw_schedule",
     "sgd_nesterov",
 ]
-SCHEDULES = {
-    "exponential_decay": lambda: optim.exponential_decay(
-        1.0, 3, 0.5, transition_begin=2, staircase=True, end_value=0.1
-    ),
-    "exponential_decay_smooth": lambda: optim.exponential_decay(2.0, 4, 0.7),
-    "piecewise_constant": lambda: optim.piecewise_constant_schedule(1.0, {5: 0.5, 10: 0.1}),
-    "polynomial": lambda: optim.polynomial_schedule(1.0, 0.1, 2.0, 20, transition_begin=3),
-    "cosine_decay": lambda: optim.cosine_decay_schedule(1.0, 20, alpha=0.1, exponent=2.0),
-    "warmup_cosine": lambda: optim.warmup_cosine_decay_schedule(0.0, 1.0, 5, 25, 0.1),
-    "warmup_exponential": lambda: optim.warmup_exponential_decay_schedule(
-        0.0, 1.0, 4, 5, 0.5, staircase=True
-    ),
-    "join": lambda: optim.join_schedules(
-        [optim.constant_schedule(0.5), optim.linear_schedule(1.0, 0.0, 10)], [7]
-    ),
-}
 
 
 @functools.cache

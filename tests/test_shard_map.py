@@ -267,6 +267,16 @@ def boundary_errors():
         lambda: fs.shard_map(lambda a, b: a, mesh, (P(), P(), P()), P())(x, x), ValueError, "prefix"
     )
     _raises(lambda: fs.shard_map(lambda b: 3, mesh, P("x"), P())(x), TypeError, "returned int")
+    # every input and every output that does not fit is named, by its key path, at once
+    f3 = fs.shard_map(lambda a, b, c: a, mesh, (P("x"), P("y"), P(None, "x")), P("x"))
+    msg = _raises(lambda: f3(x, x, x), ValueError, r"in_specs \(2 leaves\)")
+    assert "args[1]: spec P('y') names axis 'y'" in msg and "args[0]" not in msg, msg
+    assert "args[2]: has layout P('x') but in_specs gives P(None, 'x')" in msg, msg
+    outs = {"a": P("x"), "b": P("x"), "c": P(None, None, "x")}
+    g = fs.shard_map(lambda b: {"a": b, "b": 3, "c": b}, mesh, P("x"), outs)
+    msg = _raises(lambda: g(x), ValueError, r"out_specs \(2 leaves\)")
+    assert "output['b']: the body returned int" in msg and "output['a']" not in msg, msg
+    assert "output['c']: has 2 dims but its out_spec P(None, None, 'x') has 3" in msg, msg
     _raises(lambda: fs.shard_map(lambda b: b, mesh, P("x"), P("x"))(b=x), TypeError, "positionally")
     _raises(lambda: fs.shard_map(lambda b: b, "mesh", P(), P()), TypeError, "mesh must be")
     _raises(lambda: fs.shard_map(3, mesh, P(), P()), TypeError, "callable")
@@ -329,7 +339,7 @@ def out_specs_checked():
         msg = _raises(
             lambda: fs.shard_map(lambda b: b * 2, mesh, P("x"), P())(x),
             ValueError,
-            r"output is declared replicated over mesh axis 'x'.*varies over 'x'.*fs\.lax\.psum"
+            r"output: declared replicated over mesh axis 'x'.*varies over 'x'.*fs\.lax\.psum"
             r".*P\('x'\)",
         )
     assert log == [], "the check reads tracked axes only: no communication"

@@ -86,7 +86,7 @@ def test_layout_matches_brute_force(case):
 
 
 def test_jax_reference_cases():
-    """Cases recorded from JAX/GSPMD in ../shared/reference (flat ceil-div over the product)."""
+    """Cases recorded from JAX/GSPMD (docs/peers.md): flat ceil-div over the product."""
     m = fs.Mesh.abstract((2, 4), ("x", "y"))
     lay = fs.Layout(m, fs.P(("x", "y")), (10,))
     assert [s.shard_sizes[0] for s in lay.shards_metadata()] == [2, 2, 2, 2, 2, 0, 0, 0]

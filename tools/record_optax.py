@@ -8,8 +8,8 @@ Run with a separate environment that has JAX (CPU) and optax, never the test env
 
 It writes ``tests/data/optax_reference.npz``: the initial params and 20 gradient steps (float64,
 JAX x64), each case's params after every step (the params flattened and concatenated in
-``NAMES`` order, one row per step) and schedule values for steps 0..29. The cases' fshard
-counterparts are in ``tests/test_optim_optax.py`` under the same names.
+``NAMES`` order, one row per step) and schedule values for steps 0..29. The cases are the table
+in ``tests/optax_cases.py``, which ``tests/test_optim_optax.py`` builds with fshard.optim.
 """
 
 from __future__ import annotations
@@ -28,11 +28,18 @@ import optax  # noqa: E402
 if optax.__version__ != "0.2.8":
     sys.exit(f"record_optax.py is pinned to optax 0.2.8, found {optax.__version__}")
 
-STEPS = 20
-#: name -> shape. On 2 ranks the tests shard w and u over rows (3 + 2), v over columns (4 + 3).
-SHAPES = {"w": (5, 3), "v": (4, 7), "u": (5, 8), "b": (6,)}
-NAMES = list(SHAPES)
-NAN_STEPS = (4, 9, 10)  # steps whose gradients get a NaN (and step 10 an inf) in "grads_nan"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from optax_cases import CASES, NAMES, NAN_CASES, NAN_STEPS, SCHEDULES, SHAPES, STEPS, Lib  # noqa: E402
+
+#: optax's side of the shared table (tests/optax_cases.py)
+OPTAX = Lib(
+    optax,
+    clip={},
+    adafactor={"dtype_momentum": jnp.float64},
+    multi_steps=lambda tx, k: optax.MultiSteps(
+        tx, every_k_schedule=k, accumulator_dtype=jnp.float64
+    ),
+)
 
 
 def _inputs():
@@ -44,77 +51,6 @@ def _inputs():
         nan_grads[i]["w"][1, 2] = np.nan
     nan_grads[10]["v"][0, 0] = np.inf
     return params, grads, nan_grads
-
-
-def _schedule():
-    return optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS, end_value=1e-3)
-
-
-MASK = {"w": True, "v": False, "u": True, "b": False}
-
-CASES = {
-    "sgd": lambda: optax.sgd(0.1),
-    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "sgd_nesterov": lambda: optax.sgd(0.05, momentum=0.8, nesterov=True),
-    "adam": lambda: optax.adam(1e-2),
-    "adam_eps_root": lambda: optax.adam(1e-2, b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-4),
-    "adam_nesterov": lambda: optax.adam(1e-2, nesterov=True),
-    "nadamw": lambda: optax.nadamw(1e-2, weight_decay=0.1),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "adamw_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=MASK),
-    "adamw_schedule": lambda: optax.adamw(_schedule(), weight_decay=0.05),
-    "radam": lambda: optax.radam(1e-2),
-    "lion": lambda: optax.lion(1e-3, weight_decay=0.01),
-    "lamb": lambda: optax.lamb(1e-2, weight_decay=0.01),
-    "lars": lambda: optax.lars(0.1, weight_decay=1e-3),
-    "rmsprop": lambda: optax.rmsprop(1e-2),
-    "rmsprop_nesterov": lambda: optax.rmsprop(
-        1e-2, momentum=0.9, nesterov=True, eps_in_sqrt=False, bias_correction=True
-    ),
-    "rmsprop_centered": lambda: optax.rmsprop(1e-2, centered=True, momentum=0.5),
-    "adagrad": lambda: optax.adagrad(0.1),
-    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
-    "adafactor_momentum": lambda: optax.adafactor(
-        1e-2,
-        min_dim_size_to_factor=2,
-        momentum=0.9,
-        dtype_momentum=jnp.float64,
-        weight_decay_rate=1e-3,
-        clipping_threshold=None,
-        multiply_by_parameter_scale=False,
-    ),
-    "clip_sgd": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
-    "clip_block_rms": lambda: optax.chain(optax.clip_by_block_rms(0.5), optax.sgd(0.1)),
-    "multisteps_adam": lambda: optax.MultiSteps(
-        optax.adam(1e-2), every_k_schedule=3, accumulator_dtype=jnp.float64
-    ),
-    "inject_adamw": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=_schedule(), weight_decay=0.1
-    ),
-    "ema_sgd": lambda: optax.chain(optax.ema(0.9), optax.sgd(0.1)),
-}
-#: cases fed the gradients with NaNs/infs
-NAN_CASES = {
-    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=1),
-    "zero_nans_sgd": lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)),
-}
-
-SCHEDULES = {
-    "exponential_decay": lambda: optax.exponential_decay(
-        1.0, 3, 0.5, transition_begin=2, staircase=True, end_value=0.1
-    ),
-    "exponential_decay_smooth": lambda: optax.exponential_decay(2.0, 4, 0.7),
-    "piecewise_constant": lambda: optax.piecewise_constant_schedule(1.0, {5: 0.5, 10: 0.1}),
-    "polynomial": lambda: optax.polynomial_schedule(1.0, 0.1, 2.0, 20, transition_begin=3),
-    "cosine_decay": lambda: optax.cosine_decay_schedule(1.0, 20, alpha=0.1, exponent=2.0),
-    "warmup_cosine": lambda: optax.warmup_cosine_decay_schedule(0.0, 1.0, 5, 25, 0.1),
-    "warmup_exponential": lambda: optax.warmup_exponential_decay_schedule(
-        0.0, 1.0, 4, 5, 0.5, staircase=True
-    ),
-    "join": lambda: optax.join_schedules(
-        [optax.constant_schedule(0.5), optax.linear_schedule(1.0, 0.0, 10)], [7]
-    ),
-}
 
 
 def _flat(params) -> np.ndarray:
@@ -140,11 +76,11 @@ def main() -> None:
         "grads_nan": np.stack([_flat(g) for g in nan_grads]),
     }
     for name, make in CASES.items():
-        out[f"traj/{name}"] = _trajectory(make(), params, grads)
-    for name, make in NAN_CASES.items():
-        out[f"traj/{name}"] = _trajectory(make(), params, nan_grads)
+        out[f"traj/{name}"] = _trajectory(
+            make(OPTAX), params, nan_grads if name in NAN_CASES else grads
+        )
     for name, make in SCHEDULES.items():
-        s = make()
+        s = make(OPTAX)
         out[f"schedule/{name}"] = np.array([float(s(jnp.asarray(i))) for i in range(30)])
     path = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "optax_reference.npz")
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -9,7 +9,7 @@ function to run on local tensors.
 
 Plans are cached by ``(op, input layouts, static args)``, so after the first call an op costs a
 dict lookup plus the local torch call. When the plan's input specs differ from the inputs'
-layouts, the inputs are resharded with :func:`fshard.api._reshard_one` (differentiable, logged);
+layouts, the inputs are resharded with :func:`fshard.executor.reshard_one` (differentiable, logged);
 then every input that is invariant over a mesh axis on which another input varies (sharded or
 partial) goes through ``pcast`` (forward identity, backward psum), so a replicated parameter's
 gradient is reduced exactly once. In strict mode (:func:`fshard.config.strict`) a reshard that
@@ -29,8 +29,8 @@ import optree
 import torch
 
 from .. import config
-from ..api import _reshard_one, check_plain_tensor, claimed_local
-from ..array import ShardedArray, expose_operators
+from ..array import ShardedArray, expose_operators, install_dispatch
+from ..executor import check_plain_tensor, claimed_local, reshard_one
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
 from ..spec import Layout, P, _layout
@@ -270,6 +270,9 @@ def dispatch(func, args, kwargs):
     return compiled.run(leaves, tree)
 
 
+install_dispatch(dispatch)
+
+
 def _unary_runner(c: _Compiled, args, kwargs):
     """``run(args, kwargs)`` for a trivial plan of one ShardedArray followed by static
     arguments only (they are part of the unary cache key, so they are passed through as given)."""
@@ -496,7 +499,7 @@ class _Compiled:
                 if inp.plain:
                     a = ShardedArray._raw(a, inp.layout)
                 if inp.spec is not None:
-                    a = _reshard_one(a, inp.spec)
+                    a = reshard_one(a, inp.spec)
                 loc = claimed_local(a)  # a partial leaf's gradient holds addends (DESIGN §4)
                 if inp.pcast is not None and loc.requires_grad:
                     loc = apply(Pcast(inp.pcast), loc)

@@ -18,6 +18,7 @@ import torch
 
 from .. import lax
 from .._function import untracked
+from .._leaf_errors import LeafErrors, paths
 from ..api import reshard
 from ..array import ShardedArray
 from ..spec import Layout, P
@@ -36,43 +37,69 @@ def rebuild(like, t: torch.Tensor):
     return ShardedArray._raw(t, like.layout) if isinstance(like, ShardedArray) else t
 
 
+def _leaf_problem(leaf) -> tuple[str, type[Exception]] | None:
+    if not isinstance(leaf, (torch.Tensor, ShardedArray)):
+        return f"got {type(leaf).__name__}", TypeError
+    dtype = local(leaf).dtype
+    if not dtype.is_floating_point:
+        return (
+            f"got dtype {dtype}; optimizers only work on floating-point params and gradients "
+            "(as torch.optim): keep integer buffers out of the optimized pytree, or cast them "
+            "(e.g. .float())",
+            TypeError,
+        )
+    return None
+
+
 def flatten(tree, name: str):
-    """``(leaves, treespec)``; every leaf must be a floating-point ShardedArray or tensor."""
+    """``(leaves, treespec)``; every leaf must be a floating-point ShardedArray or tensor (the
+    error lists every leaf that is not, by its key path in ``name``)."""
     leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=False)
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, (torch.Tensor, ShardedArray)):
-            raise TypeError(
-                f"{name}: leaf {i} is a {type(leaf).__name__}; fs.optim works on pytrees whose "
-                "leaves are ShardedArrays or torch.Tensors"
-            )
-        dtype = local(leaf).dtype
-        if not dtype.is_floating_point:
-            raise TypeError(
-                f"{name}: leaf {i} has dtype {dtype}; optimizers only work on floating-point "
-                "params and gradients (as torch.optim). Keep integer buffers out of the "
-                "optimized pytree, or cast them (e.g. .float())"
-            )
+    problems = [_leaf_problem(x) for x in leaves]
+    if any(problems):  # key paths only on the error path: flatten runs every step
+        errors = LeafErrors(
+            "fs.optim: every leaf must be a floating-point ShardedArray or torch.Tensor", name
+        )
+        for key, problem in zip(paths(spec), problems):
+            if problem:
+                errors.add(key, *problem)
+        errors.raise_if_any()
     return leaves, spec
 
 
 def check_match(leaves, ref_leaves, spec, ref_spec, name: str, ref_name: str) -> None:
+    """``leaves`` and ``ref_leaves`` have the same structure and layouts; the error lists every
+    differing key path."""
     if spec != ref_spec:
-        raise ValueError(
-            f"{name} and {ref_name} must have the same tree structure; got {spec} and {ref_spec}"
-        )
-    bad = []
-    for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
-        a_sh, b_sh = isinstance(a, ShardedArray), isinstance(b, ShardedArray)
-        if a_sh != b_sh or (a_sh and a.layout != b.layout):
-            la = a.layout if a_sh else "a plain tensor"
-            lb = b.layout if b_sh else "a plain tensor"
-            bad.append(f"leaf {i}: {la} vs {lb}")
+        have, want = paths(spec), paths(ref_spec)
+        errors = LeafErrors(f"fs.optim: {name} and {ref_name} must have the same tree structure")
+        for key in [k for k in want if k not in set(have)]:
+            errors.add(name + key, f"missing (it is a leaf of {ref_name})")
+        for key in [k for k in have if k not in set(want)]:
+            errors.add(name + key, f"not a leaf of {ref_name}")
+        if not errors:  # same key paths, different node types (e.g. tuple vs list)
+            raise ValueError(
+                f"{name} and {ref_name} must have the same tree structure; got {spec} and "
+                f"{ref_spec}"
+            )
+        errors.raise_if_any(fix=f"give {name} the structure of {ref_name}: {ref_spec}")
+    bad = [i for i, (a, b) in enumerate(zip(leaves, ref_leaves)) if not _same_layout(a, b)]
     if bad:
-        raise ValueError(
-            f"{name} and {ref_name} leaves must have the same layouts; "
-            + "; ".join(bad)
-            + ". Reshard them to the same layout (fs.reshard) first"
-        )
+        errors = LeafErrors(f"fs.optim: {name} and {ref_name} leaves must have the same layouts")
+        keys = paths(spec)
+        for i in bad:
+            a, b = leaves[i], ref_leaves[i]
+            errors.add(name + keys[i], f"{_describe(a)}, but {ref_name} has {_describe(b)}")
+        errors.raise_if_any(fix="reshard them to the same layout (fs.reshard) first")
+
+
+def _same_layout(a, b) -> bool:
+    a_sh, b_sh = isinstance(a, ShardedArray), isinstance(b, ShardedArray)
+    return a_sh == b_sh and (not a_sh or a.layout == b.layout)
+
+
+def _describe(x) -> str:
+    return f"layout {x.layout}" if isinstance(x, ShardedArray) else "a plain tensor"
 
 
 def flatten_like(tree, spec, ref_leaves, name: str, ref_name: str = "updates") -> list:

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from .._leaf_errors import LeafErrors, paths
 from . import _tree
 from .base import GradientTransformation, MaskedState, MultiTransformState
 
@@ -90,9 +91,11 @@ def _mask_flags(mask, tree, spec, n: int, name: str) -> list[bool]:
             f"{name} must be a bool, a pytree of bools with the params' structure, or a callable "
             f"params -> such a pytree ({e})"
         ) from e
-    bad = [i for i, f in enumerate(flags) if not isinstance(f, bool)]
-    if bad:
-        raise TypeError(f"{name} leaves must be bools; leaves {bad} are {[flags[i] for i in bad]}")
+    errors = LeafErrors(f"{name} leaves must be bools", name)
+    for key, f in zip(paths(spec), flags):
+        if not isinstance(f, bool):
+            errors.add(key, f"got {type(f).__name__} {f!r}", TypeError)
+    errors.raise_if_any()
     return list(flags)
 
 
@@ -182,11 +185,11 @@ def multi_transform(transforms: dict, param_labels) -> GradientTransformation:
             raise ValueError(
                 f"multi_transform: param_labels must match the params' structure ({e})"
             ) from e
-        unknown = sorted({str(lab) for lab in flat if lab not in transforms})
-        if unknown:
-            raise ValueError(
-                f"multi_transform: labels {unknown} have no transform; known: {sorted(transforms)}"
-            )
+        errors = LeafErrors("multi_transform: param_labels with no transform", "param_labels")
+        for key, lab in zip(paths(spec), flat):
+            if lab not in transforms:
+                errors.add(key, f"label {lab!r}; transforms has {sorted(transforms)}")
+        errors.raise_if_any(fix="add a transform for each label, or relabel these leaves")
         return flat
 
     def init(params):

@@ -204,10 +204,16 @@ def warmup_cosine_decay_schedule(
     def decay(count):
         return peak_value * ((1.0 - alpha) * cos_part(count) + alpha)
 
+    return _after_linear_warmup(init_value, peak_value, warmup_steps, decay)
+
+
+def _after_linear_warmup(init_value, peak_value, warmup_steps: int, then: Schedule) -> Schedule:
+    """A linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps`` (none when
+    0), then ``then``, counted from the end of the warmup."""
     if warmup_steps == 0:
-        return decay
+        return then
     warm = linear_schedule(init_value, peak_value, warmup_steps)
-    return join_schedules([warm, decay], [warmup_steps])
+    return join_schedules([warm, then], [warmup_steps])
 
 
 def _is_zero(x) -> bool:
@@ -282,11 +288,11 @@ def warmup_exponential_decay_schedule(
         >>> s(2), s(4), s(14)
         (0.5, 1.0, 0.5)
     """
-    warm = linear_schedule(init_value, peak_value, max(warmup_steps, 1))
+    _check_steps(warmup_steps, "warmup_steps")
     decay = exponential_decay(
         peak_value, transition_steps, decay_rate, transition_begin, staircase, end_value
     )
-    return join_schedules([warm, decay], [_check_steps(warmup_steps, "warmup_steps")])
+    return _after_linear_warmup(init_value, peak_value, warmup_steps, decay)
 
 
 def piecewise_constant_schedule(init_value, boundaries_and_scales: dict | None = None):

@@ -1,0 +1,101 @@
+"""The optax differential cases, one table for both sides.
+
+``tools/record_optax.py`` builds every case with optax 0.2.8 and records its trajectory in
+``tests/data/optax_reference.npz``; ``tests/test_optim_optax.py`` builds the same case with
+``fshard.optim`` and compares. A case is ``lib -> GradientTransformation`` (a schedule:
+``lib -> schedule``), where :class:`Lib` gives the library module and the few calls whose
+spelling differs between the two. This module imports neither torch nor JAX: the recorder runs
+it in its own environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NamedTuple
+
+STEPS = 20
+#: name -> shape. On 2 ranks the tests shard w and u over rows (3 + 2), v over columns (4 + 3).
+SHAPES = {"w": (5, 3), "v": (4, 7), "u": (5, 8), "b": (6,)}
+NAMES = list(SHAPES)
+NAN_STEPS = (4, 9, 10)  # steps whose gradients get a NaN (and step 10 an inf) in "grads_nan"
+MASK = {"w": True, "v": False, "u": True, "b": False}
+
+
+class Lib(NamedTuple):
+    """One library's side of the table."""
+
+    #: ``optax`` or ``fshard.optim``
+    o: ModuleType
+    #: keywords of ``clip_by_global_norm`` giving optax's ``max_norm / norm`` (fshard: ``eps=0``)
+    clip: dict
+    #: extra keywords of ``adafactor`` with momentum (optax: a float64 momentum)
+    adafactor: dict
+    #: ``(inner, k) -> GradientTransformation`` accumulating ``k`` steps (``MultiSteps``)
+    multi_steps: Callable[[Any, int], Any]
+
+
+def _schedule(L: Lib):
+    return L.o.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS, end_value=1e-3)
+
+
+CASES: dict[str, Callable[[Lib], Any]] = {
+    "sgd": lambda L: L.o.sgd(0.1),
+    "sgd_momentum": lambda L: L.o.sgd(0.1, momentum=0.9),
+    "sgd_nesterov": lambda L: L.o.sgd(0.05, momentum=0.8, nesterov=True),
+    "adam": lambda L: L.o.adam(1e-2),
+    "adam_eps_root": lambda L: L.o.adam(1e-2, b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-4),
+    "adam_nesterov": lambda L: L.o.adam(1e-2, nesterov=True),
+    "nadamw": lambda L: L.o.nadamw(1e-2, weight_decay=0.1),
+    "adamw": lambda L: L.o.adamw(1e-2, weight_decay=0.1),
+    "adamw_mask": lambda L: L.o.adamw(1e-2, weight_decay=0.1, mask=MASK),
+    "adamw_schedule": lambda L: L.o.adamw(_schedule(L), weight_decay=0.05),
+    "radam": lambda L: L.o.radam(1e-2),
+    "lion": lambda L: L.o.lion(1e-3, weight_decay=0.01),
+    "lamb": lambda L: L.o.lamb(1e-2, weight_decay=0.01),
+    "lars": lambda L: L.o.lars(0.1, weight_decay=1e-3),
+    "rmsprop": lambda L: L.o.rmsprop(1e-2),
+    "rmsprop_nesterov": lambda L: L.o.rmsprop(
+        1e-2, momentum=0.9, nesterov=True, eps_in_sqrt=False, bias_correction=True
+    ),
+    "rmsprop_centered": lambda L: L.o.rmsprop(1e-2, centered=True, momentum=0.5),
+    "adagrad": lambda L: L.o.adagrad(0.1),
+    "adafactor": lambda L: L.o.adafactor(1e-2, min_dim_size_to_factor=2),
+    "adafactor_momentum": lambda L: L.o.adafactor(
+        1e-2,
+        min_dim_size_to_factor=2,
+        momentum=0.9,
+        weight_decay_rate=1e-3,
+        clipping_threshold=None,
+        multiply_by_parameter_scale=False,
+        **L.adafactor,
+    ),
+    "clip_sgd": lambda L: L.o.chain(L.o.clip_by_global_norm(1.0, **L.clip), L.o.sgd(0.1)),
+    "clip_block_rms": lambda L: L.o.chain(L.o.clip_by_block_rms(0.5), L.o.sgd(0.1)),
+    "multisteps_adam": lambda L: L.multi_steps(L.o.adam(1e-2), 3),
+    "inject_adamw": lambda L: L.o.inject_hyperparams(L.o.adamw)(
+        learning_rate=_schedule(L), weight_decay=0.1
+    ),
+    "ema_sgd": lambda L: L.o.chain(L.o.ema(0.9), L.o.sgd(0.1)),
+    "apply_if_finite": lambda L: L.o.apply_if_finite(L.o.adam(1e-2), max_consecutive_errors=1),
+    "zero_nans_sgd": lambda L: L.o.chain(L.o.zero_nans(), L.o.sgd(0.1)),
+}
+#: cases fed the gradients with NaNs/infs ("grads_nan")
+NAN_CASES = {"apply_if_finite", "zero_nans_sgd"}
+
+SCHEDULES: dict[str, Callable[[Lib], Any]] = {
+    "exponential_decay": lambda L: L.o.exponential_decay(
+        1.0, 3, 0.5, transition_begin=2, staircase=True, end_value=0.1
+    ),
+    "exponential_decay_smooth": lambda L: L.o.exponential_decay(2.0, 4, 0.7),
+    "piecewise_constant": lambda L: L.o.piecewise_constant_schedule(1.0, {5: 0.5, 10: 0.1}),
+    "polynomial": lambda L: L.o.polynomial_schedule(1.0, 0.1, 2.0, 20, transition_begin=3),
+    "cosine_decay": lambda L: L.o.cosine_decay_schedule(1.0, 20, alpha=0.1, exponent=2.0),
+    "warmup_cosine": lambda L: L.o.warmup_cosine_decay_schedule(0.0, 1.0, 5, 25, 0.1),
+    "warmup_exponential": lambda L: L.o.warmup_exponential_decay_schedule(
+        0.0, 1.0, 4, 5, 0.5, staircase=True
+    ),
+    "join": lambda L: L.o.join_schedules(
+        [L.o.constant_schedule(0.5), L.o.linear_schedule(1.0, 0.0, 10)], [7]
+    ),
+}
