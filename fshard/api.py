@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import _comm, consistency
 from ._leaf_errors import LeafErrors, paths
-from .array import ShardedArray
+from .array import ShardedArray, is_sharded
 from .executor import check_plain_tensor, reshard_one
 from .mesh import Mesh
 from .planner import plan
@@ -74,7 +74,7 @@ def reshard(x, spec):
     """
     if isinstance(x, ShardedArray):
         return reshard_one(x, _check_spec(spec))
-    leaves, treedef = optree.tree_flatten(x, is_leaf=_is_leaf, none_is_leaf=False)
+    leaves, treedef = optree.tree_flatten(x, is_leaf=is_sharded, none_is_leaf=False)
     if isinstance(spec, P):
         specs = [spec] * len(leaves)
     else:
@@ -95,10 +95,6 @@ def reshard(x, spec):
                 errors.add(key, f"spec {s} does not fit layout {v.layout}: {e}")
     errors.raise_if_any()
     return treedef.unflatten([reshard_one(v, s) for v, s in zip(leaves, specs)])
-
-
-def _is_leaf(v) -> bool:
-    return isinstance(v, ShardedArray)
 
 
 def shard(

@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from . import _comm, axis_env, consistency
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
-from .array import ShardedArray
+from .array import ShardedArray, is_sharded
 from .executor import claimed_local
 from .lax import Pcast, Unvary, apply
 from .mesh import Mesh
@@ -227,21 +227,17 @@ def _spec_leaves(specs, tree, what: str) -> tuple[list, list, object]:
     except ValueError as e:
         raise ValueError(
             f"shard_map: {what} {specs!r} is not a prefix of the structure it describes "
-            f"({optree.tree_structure(tree, is_leaf=_is_sharded)}); give one P per input / "
+            f"({optree.tree_structure(tree, is_leaf=is_sharded)}); give one P per input / "
             f"output, or one P for a whole subtree ({e})"
         ) from None
     return spec_list, subtrees, treedef
-
-
-def _is_sharded(v) -> bool:
-    return isinstance(v, ShardedArray)
 
 
 def _subtrees(specs: list, subtrees: list, treedef, prefix: str):
     """Per spec: ``(spec, its path, [(path, leaf)] of its subtree, the subtree's treedef)``;
     paths are JAX key paths after ``prefix`` (``args[0]['w']``)."""
     for spec, sub, key in zip(specs, subtrees, paths(treedef)):
-        leaves, sub_def = optree.tree_flatten(sub, is_leaf=_is_sharded)
+        leaves, sub_def = optree.tree_flatten(sub, is_leaf=is_sharded)
         where = prefix + key
         yield spec, where, [(where + k, v) for k, v in zip(paths(sub_def), leaves)], sub_def
 
@@ -536,7 +532,7 @@ def _signature(args: tuple, in_specs, out_specs) -> dict:
             return ("Tensor", tuple(v.shape), v.dtype)
         return type(v).__name__
 
-    leaves = optree.tree_leaves(args, is_leaf=_is_sharded, none_is_leaf=True)
+    leaves = optree.tree_leaves(args, is_leaf=is_sharded, none_is_leaf=True)
     return {
         "in_specs": repr(in_specs),
         "out_specs": repr(out_specs),

@@ -11,11 +11,7 @@ from .._function import call
 from ..lax import Pcast, Psum, _Pmax, apply
 from ..planner import plan as plan_steps
 from ..spec import Layout, P, _layout, chunk_bounds
-from .registry import SCALAR
-
-
-def is_layout(x) -> bool:
-    return isinstance(x, Layout)
+from .registry import SCALAR, is_layout
 
 
 def meta_call(op, args, kwargs):

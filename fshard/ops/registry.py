@@ -347,11 +347,12 @@ def tensor_inputs(args, kwargs) -> list[Layout]:
         >>> tensor_inputs((lay_x, 2, [lay_y]), {})  # doctest: +SKIP
         [lay_x, lay_y]
     """
-    leaves = optree.tree_leaves((args, kwargs), is_leaf=_is_layout, none_is_leaf=True)
+    leaves = optree.tree_leaves((args, kwargs), is_leaf=is_layout, none_is_leaf=True)
     return [a for a in leaves if isinstance(a, Layout)]
 
 
-def _is_layout(x) -> bool:
+def is_layout(x) -> bool:
+    """True for a :class:`Layout` (``is_leaf=`` of the static views rules see)."""
     return isinstance(x, Layout)
 
 
