@@ -9,7 +9,7 @@
    (ColwiseParallel/RowwiseParallel) vs hand-written local tensors + ``dist.all_reduce``, and
    that hand-written model stepped with ``torch.func.grad`` + a foreach update (the functional
    floor, no fshard), and the local view through ``fs.value_and_grad`` (top level:
-   ``torch.autograd.grad`` on detached leaves). Anchors (docs/peers.md): DTensor 27.3 ms,
+   ``torch.autograd.backward`` on detached leaves). Anchors (docs/peers.md): DTensor 27.3 ms,
    hand-written 23.0 ms.
 2. Data parallel, the same MLP, global batch 64: fshard (local grads, then one
    ``fs.lax.psum(grads, donate=True)`` of the gradient pytree: large grads reduced in place,
@@ -107,7 +107,7 @@ def tp_configs(lr=1e-3):
     vst["s"] = tx.init(vst["p"])
     vg = fs.value_and_grad(local_loss)
 
-    def fshard_vg_step():  # top level: torch.autograd.grad on detached leaves
+    def fshard_vg_step():  # top level: torch.autograd.backward on detached leaves
         _, g = vg(vst["p"], x, y)
         vst["p"], vst["s"] = fs.optim.step(tx, g, vst["s"], vst["p"], donate=True)
 

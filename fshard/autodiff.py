@@ -2,7 +2,8 @@
 
 At top level (no ``torch.func`` transform active, no input taking part in an outer autograd
 graph) the function runs on detached leaves with ``requires_grad`` and differentiates with
-``torch.autograd.grad``: no per-level wrapping, no functorch Function machinery, the speed of a
+``torch.autograd.backward(loss, inputs=leaves)`` (gradients taken from the fresh leaves'
+``.grad``, which the caller never sees): no per-level wrapping, no functorch Function machinery, the speed of a
 hand-written ``.backward()``. Under any ``torch.func`` transform (``grad``, ``vmap``, ``jvp``,
 ...) it is ``torch.func.grad_and_value``, so grad of grad, ``vmap`` of it and forward mode
 compose exactly.
@@ -14,18 +15,26 @@ node was created early in the forward, and the engine runs low sequence numbers 
 unbucketed. On the top-level path a ``pcast`` of a differentiated leaf instead returns a *new
 leaf* ``v`` (same values, no history). ``v``'s gradient is the varying cotangent at that pcast,
 and nothing else: uses of the param outside the pcast (weight decay in the loss, an invariant
-branch) reach the param itself, never ``v``, so they are not summed over ranks. A hook on ``v``
-(the engine runs a leaf's hooks as soon as its last use is back-propagated, like DDP's
-AccumulateGrad hooks) copies the cotangent into a bucket; a full bucket is all-reduced
-asynchronously while the rest of the backward runs. Buckets hold up to
-``fs.lax.PSUM_BUCKET_BYTES`` of one group and dtype, in reverse forward order, and are launched
-in bucket order (the same on every rank). After the backward the param's gradient is its own
-(outside) gradient plus the reduced bucket slices::
+branch) reach the param itself, never ``v``, so they are not summed over ranks. A
+post-accumulate-grad hook on ``v`` (the engine runs it as soon as ``v``'s last use is
+back-propagated, like DDP's AccumulateGrad hooks) takes ``v.grad``, a tensor no one else holds
+(AccumulateGrad steals an unshared cotangent and clones a shared one), and puts it in its
+bucket; a full bucket is all-reduced asynchronously while the rest of the backward runs. A
+gradient of at least ``fs.lax.PSUM_INPLACE_MIN_BYTES`` is a bucket of its own, reduced in place
+in the tensor autograd made (no copy, no extra memory); smaller ones of one group and dtype are
+copied into a packed buffer of up to ``fs.lax.PSUM_BUCKET_BYTES``, reused across calls once
+the gradients returned from it (views) are gone. Buckets are cut in reverse forward order and
+launched in the order they fill, the same on every rank. After the backward the param's
+gradient is its own (outside) gradient plus the reduced bucket slices::
 
     op on the top-level path     forward                  backward
-    pcast(w, axis), w a leaf     new leaf v (no comm)     hook: copy into bucket; full bucket
-                                                          -> async all_reduce; grad w += slice
+    pcast(w, axis), w a leaf     new leaf v (no comm)     hook: v.grad into its bucket; full
+                                                          bucket -> async all_reduce;
+                                                          grad w = slice (+ w's own grad)
     any other pcast / collective as in fshard.lax         as in fshard.lax
+
+Returned gradients never alias a buffer a later call writes: in-place ones are fresh tensors,
+packed ones views of a buffer reused only once nothing references it.
 
 A pcast of anything other than a differentiated leaf itself (a cast or slice of a param)
 keeps ``fshard.lax``'s Function, whose backward all-reduces at once: correct, not bucketed.
@@ -84,10 +93,10 @@ def _scalar_loss(out, has_aux: bool):
     return loss, aux
 
 
-#: Bucket buffers kept between calls, per (numel, dtype, device), as DDP keeps its buckets: on
-#: CPU a fresh 16 MiB buffer is fresh pages every step (page faults cost more than the copy).
-#: A buffer is reused only once nothing else references its storage (the gradients returned
-#: from it, which are views, are gone), so results are never overwritten.
+#: Packed-bucket buffers kept between calls, per (numel, dtype, device), as DDP keeps its
+#: buckets: on CPU a fresh multi-MiB buffer is fresh pages every step (the faults cost more than
+#: the copy). A buffer is reused only once nothing else references its storage (the gradients
+#: returned from it, which are views, are gone), so returned gradients are never overwritten.
 _POOL: dict[tuple, list[torch.Tensor]] = {}
 _POOL_DEPTH = 2
 
@@ -105,11 +114,20 @@ def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Bucket:
-    __slots__ = ("group", "entries", "sizes", "flat", "pending", "work")
+    """One all_reduce: ``entries`` = ``[(entry, offset, numel)]``. ``own``: a single large
+    gradient reduced in place in the tensor autograd accumulated (no copy); otherwise the
+    entries are packed into a pooled buffer."""
 
-    def __init__(self, group: AxisGroup, entries: list[int], sizes: list[int]):
-        self.group, self.entries, self.sizes = group, entries, sizes
-        self.flat, self.pending, self.work = None, len(entries), None
+    __slots__ = ("group", "entries", "numel", "own", "flat", "pending", "work")
+
+    def __init__(self, group: AxisGroup, own: bool):
+        self.group, self.own, self.entries, self.numel = group, own, [], 0
+        self.flat, self.pending, self.work = None, 0, None
+
+    def add(self, k: int, numel: int) -> None:
+        self.entries.append((k, self.numel, numel))
+        self.numel += numel
+        self.pending += 1
 
 
 class _Reducer:
@@ -137,39 +155,49 @@ class _Reducer:
         v = x.detach().requires_grad_()
         k = len(self.entries)
         self.entries.append((i, group, v))
-        v.register_hook(functools.partial(self._ready, k))
+        # After AccumulateGrad: v.grad is then a tensor no one else holds (the engine steals an
+        # unshared gradient or clones a shared one), so it may be reduced in place.
+        v.register_post_accumulate_grad_hook(functools.partial(self._ready, k))
         return v
 
     def _plan(self) -> None:
-        """Cut the entries, last registered first, into buckets per (group, dtype, device)."""
-        self.buckets, open_ = [], {}
-        cap = lax.PSUM_BUCKET_BYTES
-        for k in reversed(range(len(self.entries))):
+        """Cut the entries, last registered first (the order their gradients are expected),
+        into buckets per (group, dtype, device): a gradient of at least
+        ``fs.lax.PSUM_INPLACE_MIN_BYTES`` alone (reduced in place), smaller ones packed up to
+        ``fs.lax.PSUM_BUCKET_BYTES``. Buckets are launched in the order they are expected to
+        fill (by their last entry): static, so the same on every rank."""
+        buckets, open_, last = [], {}, {}
+        for pos, k in enumerate(reversed(range(len(self.entries)))):
             _, g, v = self.entries[k]
-            key = (g.axes, id(g.pg), v.dtype, v.device)
-            b = open_.get(key)
-            size = v.numel()
-            if b is None or (sum(b.sizes) + size) * v.element_size() > cap:
-                b = open_[key] = _Bucket(g, [], [])
-                self.buckets.append(b)
-            self.slot[k] = (b, sum(b.sizes))
-            b.entries.append(k)
-            b.sizes.append(size)
-            b.pending += 1
+            size, width = v.numel(), v.element_size()
+            if size * width >= lax.PSUM_INPLACE_MIN_BYTES:
+                b = _Bucket(g, own=True)
+                buckets.append(b)
+            else:
+                key = (g.axes, id(g.pg), v.dtype, v.device)
+                b = open_.get(key)
+                if b is None or (b.numel + size) * width > lax.PSUM_BUCKET_BYTES:
+                    b = open_[key] = _Bucket(g, own=False)
+                    buckets.append(b)
+            self.slot[k] = (b, b.numel)
+            b.add(k, size)
+            last[id(b)] = pos
+        self.buckets = sorted(buckets, key=lambda b: last[id(b)])
 
-    def _ready(self, k: int, g: torch.Tensor) -> torch.Tensor:
+    def _ready(self, k: int, v: torch.Tensor) -> None:
         if self.buckets is None:
             self._plan()
+        g, v.grad = v.grad, None
         b, off = self.slot[k]
-        if b.flat is None:
-            b.flat = _buffer(sum(b.sizes), g)
-        b.flat[off : off + g.numel()].view_as(g).copy_(g)
+        if b.own:
+            b.flat = g.contiguous().view(-1)
+        else:
+            if b.flat is None:
+                b.flat = _buffer(b.numel, g)
+            b.flat[off : off + g.numel()].view_as(g).copy_(g)
         self.arrived.add(k)
         b.pending -= 1
         self._launch_ready()
-        # The engine keeps what a hook returns until the backward ends: hand it a zero-size
-        # stand-in (the cotangent now lives in the bucket).
-        return g.new_zeros(()).expand_as(g)
 
     def _launch_ready(self, flush: bool = False) -> None:
         while self.next < len(self.buckets):
@@ -177,19 +205,21 @@ class _Reducer:
             if b.pending:
                 if not flush:
                     return
+                # cotangents that never arrived (the pcast did not reach the loss): zeros
                 if b.flat is None:
-                    b.flat = _buffer(sum(b.sizes), self.entries[b.entries[0]][2]).zero_()
-                else:  # cotangents that never arrived (the pcast did not reach the loss)
-                    for k, size in zip(b.entries, b.sizes):
+                    like = self.entries[b.entries[0][0]][2]
+                    b.flat = (like.new_empty(b.numel) if b.own else _buffer(b.numel, like)).zero_()
+                else:
+                    for k, off, size in b.entries:
                         if k not in self.arrived:
-                            off = self.slot[k][1]
                             b.flat[off : off + size].zero_()
                 b.pending = 0
             _, b.work = _comm.all_reduce_start(b.flat, b.group, inplace=True)
             self.next += 1
 
     def finish(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Add every leaf's reduced pcast cotangents to its own gradient ``grads[i]``."""
+        """Add every leaf's reduced pcast cotangents to its own gradient ``grads[i]`` (which
+        this call owns: accumulated by autograd into a fresh leaf)."""
         if not self.entries:
             return grads
         if self.buckets is None:  # no pcast output reached the loss
@@ -199,12 +229,17 @@ class _Reducer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            for k, size in zip(b.entries, b.sizes):
+            for k, off, size in b.entries:
                 i, _, v = self.entries[k]
-                _, off = self.slot[k]
-                piece = b.flat[off : off + size].view_as(v)
-                out[i] = piece if out[i] is None else out[i] + piece
+                piece = b.flat[off : off + size].view(v.shape)
+                out[i] = piece if out[i] is None else piece.add_(out[i])
         return out
+
+    def close(self) -> None:
+        """Drop every tensor this call held. The reducer itself may outlive the call (the
+        context variable's cache keeps the last hook until its next lookup): what it held
+        must not, or each step's gradients stay alive into the next one (fresh pages)."""
+        self.leaves, self.index, self.entries, self.buckets, self.slot = [], {}, [], [], {}
 
 
 def _requires_grad(tree) -> bool:
@@ -238,15 +273,17 @@ def _top_level(f, nums, has_aux, args, kwargs):
     try:
         with torch.enable_grad():
             loss, aux = _scalar_loss(f(*new_args, **kwargs), has_aux)
-            inputs = every + [v for _, _, v in reducer.entries]
-            got = (
-                torch.autograd.grad(loss, inputs, allow_unused=True)
-                if loss.requires_grad
-                else [None] * len(inputs)
-            )
+            if loss.requires_grad:
+                # backward, not autograd.grad: the pcast hooks run after AccumulateGrad, whose
+                # .grad no one else holds (see _Reducer.pcast)
+                torch.autograd.backward(loss, inputs=every + [v for _, _, v in reducer.entries])
+        got = [t.grad for t in every]
+        for t in every:
+            t.grad = None
+        got = reducer.finish(got)
     finally:
         lax.PCAST_HOOK.reset(token)
-    got = reducer.finish(list(got[: len(every)]))
+        reducer.close()
     got = [torch.zeros_like(t) if g is None else g for t, g in zip(every, got)]
     out, k = [], 0
     for leaves, spec in zip(flat, specs):
@@ -260,7 +297,7 @@ def value_and_grad(
 ) -> Callable:
     """``jax.value_and_grad``: a function returning ``(value, grads)`` of ``f``.
 
-    At top level it runs ``f`` once on detached leaves and calls ``torch.autograd.grad``, with
+    At top level it runs ``f`` once on detached leaves and calls ``torch.autograd.backward``, with
     the data-parallel gradient reduction bucketed and overlapped with the backward (see the
     module docstring); under a ``torch.func`` transform, while traced (``torch.compile``,
     ``make_fx``, export: hooks and asynchronous reductions are eager-only, the graph records the

@@ -284,3 +284,87 @@ def test_errors():
         fs.value_and_grad(lambda w: w.sum())(torch.arange(3))
     with pytest.raises(TypeError, match="has_aux"):
         fs.value_and_grad(lambda w: w.sum(), has_aux=1)
+
+
+def _dp_setup():
+    mesh = fs.Mesh.create((2,), ("dp",))
+    model, x, y = _data()
+    xs, ys = fs.shard(x, mesh, fs.P("dp")).local, fs.shard(y, mesh, fs.P("dp")).local
+
+    def loss(ps, x, y):
+        p = {k: fs.lax.pcast(v.local, "dp", mesh=mesh) for k, v in ps.items()}
+        out = torch.func.functional_call(model, p, (x,))
+        return fs.lax.psum(((out - y) ** 2).sum() / (y.numel() * 2), "dp", mesh=mesh)
+
+    return mesh, model, xs, ys, loss
+
+
+def dp_in_place_rank_fn():
+    """Weights at least PSUM_INPLACE_MIN_BYTES are reduced in the gradient autograd made (no
+    copy), each its own bucket; the biases are packed. Steps reuse the packed buffers only
+    once the gradients returned from them are gone: grads kept from step 1 are not
+    overwritten by step 2, and two param sets never share a buffer."""
+    import gc
+
+    from fshard import autodiff
+
+    mesh, model, xs, ys, loss = _dp_setup()
+    params = fs.nn.shard_params(model, mesh)
+    other = {k: fs.from_local(v.local * 2, mesh, fs.P(), shape=v.shape) for k, v in params.items()}
+    old = lax.PSUM_INPLACE_MIN_BYTES
+    lax.PSUM_INPLACE_MIN_BYTES = 8 * H * OUT  # fc2.weight (and fc1.weight) in place
+    vg = fs.value_and_grad(loss)
+    try:
+        with fs.debug.comm_log() as log:
+            _, g1 = vg(params, xs, ys)
+        g1_copy = {k: t.local.clone() for k, t in g1.items()}
+        _, g2 = vg(other, xs, ys)  # while g1 is alive
+        _, g1_again = vg(params, xs, ys)  # after g2: same values as a first call
+        del g2
+        # one cotangent tensor flows to two pcast leaves (add's backward passes it to both):
+        # reducing one in place must not change the other's
+        a, b = params["fc1.weight"].local, params["fc1.weight"].local * 3
+
+        def shared(a, b, x):
+            s = fs.lax.pcast(a, "dp", mesh=mesh) + fs.lax.pcast(b, "dp", mesh=mesh)
+            return fs.lax.psum((s @ x.T).sum(), "dp", mesh=mesh)
+
+        gs = fs.grad(shared, argnums=(0, 1))(a, b, xs)
+        gs_ref = torch.func.grad(shared, argnums=(0, 1))(a, b, xs)
+        assert torch.equal(gs[0], gs_ref[0]) and torch.equal(gs[1], gs_ref[1])
+        gc.disable()  # nothing of a call may outlive it (no reference cycle waiting for gc)
+        try:
+            vg(params, xs, ys)
+            left = sum(isinstance(o, autodiff._Reducer) for o in gc.get_objects())
+        finally:
+            gc.enable()
+    finally:
+        lax.PSUM_INPLACE_MIN_BYTES = old
+    g_ref = torch.func.grad(loss)(params, xs, ys)
+    g2_ref = torch.func.grad(loss)(other, xs, ys)
+    _, g2 = vg(other, xs, ys)
+    for k in g1:
+        assert torch.equal(g1[k].local, g_ref[k].local), k
+        assert torch.equal(g1[k].local, g1_copy[k]), k  # not overwritten by later calls
+        assert torch.equal(g1_again[k].local, g_ref[k].local), k
+        assert torch.equal(g2[k].local, g2_ref[k].local), k
+
+    def storages(g):
+        return {t.local.untyped_storage().data_ptr() for t in g.values()}
+
+    assert not storages(g1) & storages(g1_again)  # no two live calls share a buffer
+    assert not storages(g1) & storages(g2)
+    assert left == 0
+    # fc2.weight alone (in place), then the packed biases (fc2's arrived first, fc1's
+    # completes the bucket), then fc1.weight alone: launch order by when each bucket fills
+    return [(r.op, r.nbytes) for r in log]
+
+
+def test_dp_in_place_and_reused_buckets(world2):
+    for records in world2.run(dp_in_place_rank_fn):
+        assert records == [
+            ("all_reduce", 8),  # the loss psum (forward)
+            ("all_reduce", 8 * H * OUT),
+            ("all_reduce", 8 * (OUT + H)),
+            ("all_reduce", 8 * H * D),
+        ]
