@@ -20,17 +20,10 @@ import optree
 MAX_LISTED = 10
 
 
-def keystr(accessor: optree.PyTreeAccessor | tuple) -> str:
-    """JAX's ``keystr``: ``['layers'][0]['w']``, ``.mu`` for a namedtuple field, ``''`` for the
-    root. Takes an optree accessor, or a path tuple of plain keys (each shown as ``[key]``)."""
-    if isinstance(accessor, optree.PyTreeAccessor):
-        return accessor.codify("")
-    return "".join(f"[{k!r}]" for k in accessor)
-
-
 def paths(treespec: optree.PyTreeSpec) -> list[str]:
-    """:func:`keystr` of every leaf of ``treespec``, in flattening order."""
-    return [keystr(a) for a in treespec.accessors()]
+    """JAX's ``keystr`` of every leaf of ``treespec``, in flattening order: ``['layers'][0]['w']``,
+    ``.mu`` for a namedtuple field, ``''`` for a bare leaf."""
+    return [accessor.codify("") for accessor in treespec.accessors()]
 
 
 class LeafErrors:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm, lax
+from ._leaf_errors import LeafErrors
 from .array import ShardedArray
 from .lax import PsumScatter, apply
 from .mesh import AxisGroup, Mesh
@@ -86,14 +87,14 @@ def fsdp_plan(
         )
     named = dict(module.named_parameters())
     specs = match_plan(named, base or {})
+    errors = LeafErrors(f"fsdp_plan: parameters the base plan already shards over {axis!r}")
+    for name, spec in specs.items():
+        if axis in spec.axes:
+            errors.add(f"[{name!r}]", f"base spec {spec}")
+    errors.raise_if_any(fix=f"FSDP adds {axis!r} itself: leave it out of the base plan")
     out = {}
     for name, p in named.items():
         spec = specs[name]
-        if axis in spec.axes:
-            raise ValueError(
-                f"fsdp_plan: the base plan already uses {axis!r} for {name} ({spec}); FSDP adds "
-                f"{axis!r} itself, so leave it out of the base plan"
-            )
         if p.dim() == 0:
             out[name] = spec
             continue
@@ -283,9 +284,11 @@ def fsdp_gather(
     missing = sorted({n for names in units.values() for n in names} - set(params))
     if missing:
         raise ValueError(f"fsdp_gather: units name params not in params: {missing[:5]}")
+    errors = LeafErrors("fsdp_gather: params must be ShardedArrays", "params")
     for n, v in params.items():
         if not isinstance(v, ShardedArray):
-            raise TypeError(f"fsdp_gather: params[{n!r}] is {type(v).__name__}, not a ShardedArray")
+            errors.add(f"[{n!r}]", f"got {type(v).__name__}", TypeError)
+    errors.raise_if_any(fix="shard them with fs.nn.shard_params(module, mesh, fsdp_plan(...))")
     session = _Session(params, units, axis, mesh, prefetch)
     if not session.eager:
         yield session.gather

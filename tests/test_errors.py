@@ -115,6 +115,15 @@ def bad_input_on_ranks():
                 assert w in str(e), (i, w, str(e))
         else:
             raise AssertionError(f"case {i} did not raise {exc.__name__}")
+    # A tree is checked whole before any leaf moves: the valid first leaf is not resharded.
+    with fs.debug.comm_log() as log:
+        try:
+            fs.reshard({"a": x, "b": x}, {"a": fs.P(), "b": fs.P("y")})
+        except ValueError as e:
+            assert "x['b']: spec P('y')" in str(e) and "x['a']" not in str(e), str(e)
+        else:
+            raise AssertionError("reshard of a bad tree did not raise")
+    assert log == [], log
     # The world is still healthy: no rank was left inside a collective.
     assert torch.equal(fs.gather(x), torch.arange(10.0).reshape(5, 2))
     return len(cases)

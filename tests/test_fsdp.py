@@ -179,3 +179,20 @@ def test_fsdp_x_tp_gpt_matches_dense(world4):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
         for k in got:
             torch.testing.assert_close(got[k], params[k], rtol=1e-4, atol=1e-5)
+
+
+def test_errors_list_every_bad_entry():
+    """fsdp_plan and fsdp_gather name every parameter that does not fit, before any collective
+    (an abstract mesh: nothing communicates)."""
+    mesh = fs.Mesh.abstract((2,), ("dp",))
+    base = {"inp.weight": fs.P("dp"), "layers.0.weight": fs.P(None, "dp")}
+    with pytest.raises(ValueError) as info:
+        fs.nn.fsdp_plan(Net(), mesh, base=base)
+    msg = str(info.value)
+    assert "['inp.weight']: base spec P('dp')" in msg, msg
+    assert "['layers.0.weight']: base spec P(None, 'dp')" in msg and "(2 leaves)" in msg, msg
+    params = {"a": torch.zeros(2), "b": 3}
+    with pytest.raises(TypeError) as info, fs.nn.fsdp_gather(params, {"u": ["a", "b"]}, mesh=mesh):
+        pass
+    msg = str(info.value)
+    assert "params['a']: got Tensor" in msg and "params['b']: got int" in msg, msg
