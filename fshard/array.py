@@ -65,12 +65,7 @@ class ShardedArray:
         dtype = local.dtype
         if dtype is not layout.dtype:
             layout = layout.with_dtype(dtype)
-        if _dynamo_compiling():  # dynamo cannot trace the slot setters; it traces __init__
-            return ShardedArray(local, layout)
-        obj = _new(ShardedArray)
-        _set_local(obj, local)
-        _set_layout(obj, layout)
-        return obj
+        return ShardedArray._raw(local, layout)
 
     def __setattr__(self, name, value):
         raise TypeError(

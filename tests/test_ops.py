@@ -370,7 +370,7 @@ def softclip(x, limit):
 def _softclip_rule(op, args, kwargs):
     x = args[0]
     keep = fs.P(*x.dim_axes)
-    return fs.ops.Plan(in_specs=(keep,), out=x.with_spec(keep), local=softclip)
+    return fs.ops.OpSharding(in_specs=(keep,), out=x.with_spec(keep), local=softclip)
 
 
 def api_cases():

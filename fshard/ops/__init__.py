@@ -4,14 +4,24 @@
 :class:`~fshard.ShardedArray` values dispatch here (``ShardedArray.__torch_function__``, Tensor
 method forwarding and Python operators all call :func:`dispatch`). Each op family has one rule
 (:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.nn`); see
-:mod:`.registry` for the rule protocol and :func:`register_rule` to add your own.
+:mod:`.registry` for the rule protocol, :mod:`.binding` for arguments by name, and :func:`register_rule` to add your own.
 """
 
 from . import elementwise, linalg, loss, nn, reduction, shape, whole
-from .registry import SCALAR, SHAPE_ONLY, Plan, dispatch, register_rule, rule_for, tensor_inputs
+from .binding import bind
+from .registry import (
+    SCALAR,
+    SHAPE_ONLY,
+    OpSharding,
+    dispatch,
+    register_rule,
+    rule_for,
+    tensor_inputs,
+)
 
 __all__ = [
-    "Plan",
+    "OpSharding",
+    "bind",
     "SCALAR",
     "SHAPE_ONLY",
     "dispatch",

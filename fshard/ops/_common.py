@@ -108,20 +108,24 @@ def reshard_cost(layout: Layout, target: P) -> float:
     )
 
 
-# -- local collectives (groups are captured at plan time) -----------------------------------
+# -- collectives of local tensors over an AxisGroup captured at plan time (None: no-op) ----
+# (fs.lax.psum & co. take axis names and resolve the group per call; these do not.)
 
 
-def psum(t, group):
+def group_psum(t, group):
+    """The sum of local ``t`` over ``group`` (:class:`fshard.lax.Psum`)."""
     return t if group is None else apply(Psum(group), t)
 
 
-def pcast(t, group):
+def group_pcast(t, group):
+    """Local ``t`` marked varying over ``group`` (:class:`fshard.lax.Pcast`: backward psum)."""
     if group is None or not t.requires_grad:
         return t
     return apply(Pcast(group), t)
 
 
-def pmax(t, group, how: str = "max"):
+def group_pmax(t, group, how: str = "max"):
+    """The elementwise max (``how="min"``: min) of local ``t`` over ``group``."""
     return t if group is None else call(_Pmax, t, group, how)
 
 

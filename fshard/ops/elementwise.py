@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..spec import Layout
 from ._common import meta_call, out_layout, spec
-from .registry import SCALAR, Plan, register_rule, tensor_inputs
+from .registry import SCALAR, OpSharding, register_rule, tensor_inputs
 
 __all__ = ["elementwise_rule", "align", "own_dims"]
 
@@ -98,7 +98,7 @@ def elementwise_rule(kind: str):
         else:
             keep = lambda x: bool(partial) and bool(x.partial)  # noqa: E731
         specs = input_specs(ins, dims, shape, partial, keep)
-        return Plan(specs, out_layout(ins[0].mesh, dims, partial, meta))
+        return OpSharding(specs, out_layout(ins[0].mesh, dims, partial, meta))
 
     return rule
 
@@ -107,7 +107,7 @@ def like_rule(op, args, kwargs):
     """``zeros_like`` & co.: the input's dims, no pending sum, the op's dtype."""
     (x,) = tensor_inputs(args, kwargs)
     meta = meta_call(op, args, kwargs)
-    return Plan([None], out_layout(x.mesh, x.dim_axes, (), meta))
+    return OpSharding([None], out_layout(x.mesh, x.dim_axes, (), meta))
 
 
 def _cast_target(op, args, kwargs) -> tuple[torch.dtype | None, torch.device | None]:
@@ -134,7 +134,7 @@ def cast_rule(op, args, kwargs):
     x = args[0]
     dtype, device = _cast_target(op, args, kwargs)
     if op is torch.Tensor.type and dtype is None and len(args) == 1 and not kwargs:
-        return Plan([None] * len(tensor_inputs(args, kwargs)), None)  # x.type() -> its name
+        return OpSharding([None] * len(tensor_inputs(args, kwargs)), None)  # x.type() -> its name
     if device is not None and not x.mesh.is_abstract:
         here = x.mesh.device()
         if device.type != here.type or (device.index is not None and device != here):
@@ -148,7 +148,7 @@ def cast_rule(op, args, kwargs):
     out = out_layout(x.mesh, x.dim_axes, partial, meta)
     specs = [spec(x.dim_axes, partial)] + [None] * (len(tensor_inputs(args, kwargs)) - 1)
     target = meta.dtype
-    return Plan(specs, out, lambda t, *a, **k: t.to(target), tensors_only=True)
+    return OpSharding(specs, out, lambda t, *a, **k: t.to(target), tensors_only=True)
 
 
 def _variants(*names, fn=True, method=True, nn=False):

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..spec import Layout
 from ._common import in_mesh_order, meta_call, out_layout, reshard_cost, spec
-from .registry import Plan, register_rule, tensor_inputs
+from .binding import bind
+from .registry import OpSharding, register_rule, tensor_inputs
 
 __all__ = ["contract", "matmul_letters"]
 
@@ -129,13 +130,12 @@ def matmul_rule(op, args, kwargs):
     (sa, sb), out_dims, partial = contract([a, b], [la, lb], lo)
     meta = meta_call(op, args, kwargs)
     specs = [sb, sa] if swapped else [sa, sb]
-    return Plan(specs, out_layout(a.mesh, out_dims, partial, meta))
+    return OpSharding(specs, out_layout(a.mesh, out_dims, partial, meta))
 
 
 def linear_rule(op, args, kwargs):
-    names = ("input", "weight", "bias")
-    bound = dict(zip(names, args)) | kwargs
-    x, w, bias = bound["input"], bound["weight"], bound.get("bias")
+    bound = bind(op, args, kwargs)
+    x, w, bias = bound["input"], bound["weight"], bound["bias"]
     lx = [f"b{i}" for i in range(x.ndim - 1)] + ["k"]
     lw = ["m", "k"] if w.ndim == 2 else ["k"]
     lo = lx[:-1] + (["m"] if w.ndim == 2 else [])
@@ -144,32 +144,29 @@ def linear_rule(op, args, kwargs):
     specs = {"input": sx, "weight": sw}
     if isinstance(bias, Layout):
         specs["bias"] = _additive_spec(bias, out_dims, tuple(meta.shape), partial)
-    order = [n for n in names[: len(args)] if isinstance(bound.get(n), Layout)]
-    order += [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
-    return Plan([specs[n] for n in order], out_layout(x.mesh, out_dims, partial, meta))
+    return OpSharding(specs, out_layout(x.mesh, out_dims, partial, meta))
 
 
 def addmm_rule(op, args, kwargs):
-    names = ("input", "mat1", "mat2")
-    bound = dict(zip(names, args)) | kwargs
+    bound = bind(op, args, kwargs)
     c, a, b = bound["input"], bound["mat1"], bound["mat2"]
     (sa, sb), out_dims, partial = contract([a, b], [["n", "k"], ["k", "m"]], ["n", "m"])
     meta = meta_call(op, args, kwargs)
     specs = {"input": _additive_spec(c, out_dims, tuple(meta.shape), partial), "mat1": sa}
     specs["mat2"] = sb
-    order = [n for n in names[: len(args)] if isinstance(bound.get(n), Layout)]
-    order += [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
-    return Plan([specs[n] for n in order], out_layout(a.mesh, out_dims, partial, meta))
+    return OpSharding(specs, out_layout(a.mesh, out_dims, partial, meta))
 
 
 def baddbmm_rule(op, args, kwargs):
     """``baddbmm(input, batch1, batch2, beta=, alpha=)``: a batched ``addmm``."""
-    c, a, b = args[0], args[1], args[2]
+    bound = bind(op, args, kwargs)
+    c, a, b = bound["input"], bound["batch1"], bound["batch2"]
     letters = [["b", "n", "k"], ["b", "k", "m"]]
     (sa, sb), out_dims, partial = contract([a, b], letters, ["b", "n", "m"])
     meta = meta_call(op, args, kwargs)
     sc = _additive_spec(c, out_dims, tuple(meta.shape), partial)
-    return Plan([sc, sa, sb], out_layout(a.mesh, out_dims, partial, meta))
+    specs = {"input": sc, "batch1": sa, "batch2": sb}
+    return OpSharding(specs, out_layout(a.mesh, out_dims, partial, meta))
 
 
 def outer_rule(op, args, kwargs):
@@ -177,7 +174,7 @@ def outer_rule(op, args, kwargs):
     a, b = tensor_inputs(args, kwargs)
     (sa, sb), out_dims, partial = contract([a, b], [["i"], ["j"]], ["i", "j"])
     meta = meta_call(op, args, kwargs)
-    return Plan([sa, sb], out_layout(a.mesh, out_dims, partial, meta))
+    return OpSharding([sa, sb], out_layout(a.mesh, out_dims, partial, meta))
 
 
 def parse_einsum(eq: str, shapes) -> tuple[list[list[str | None]], list[str]]:
@@ -238,7 +235,7 @@ def einsum_rule(op, args, kwargs):
     letters, out = parse_einsum(eq, [x.shape for x in ins])
     specs, out_dims, partial = contract(ins, letters, out)
     meta = meta_call(op, args, kwargs)
-    return Plan(specs, out_layout(ins[0].mesh, out_dims, partial, meta))
+    return OpSharding(specs, out_layout(ins[0].mesh, out_dims, partial, meta))
 
 
 def _register():

@@ -19,60 +19,50 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import Layout
-from ._common import group_of, in_mesh_order, meta_call, out_layout, psum, spec
+from ._common import group_of, group_psum, in_mesh_order, meta_call, out_layout, spec
+from .binding import bind
 from .elementwise import align, own_dims
-from .registry import Plan, register_rule, tensor_inputs
+from .registry import OpSharding, register_rule, tensor_inputs
 
 __all__ = []
 
 
-def _reduction(op, args, kwargs, pos):
-    if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
+def _reduction(op, bound) -> str:
+    if bound.get("size_average") is not None or bound.get("reduce") is not None:
         raise NotImplementedError(
             f"{op.__name__} on a ShardedArray: the legacy size_average=/reduce= arguments are "
             "not supported; use reduction='mean'|'sum'|'none'"
         )
-    return kwargs.get("reduction", args[pos] if len(args) > pos else "mean")
+    return bound["reduction"]
 
 
-def pointwise_loss_rule(reduction_pos):
-    """A loss that is elementwise before its reduction (``reduction`` at ``args[pos]``)."""
+def pointwise_loss_rule(op, args, kwargs):
+    """A loss that is elementwise before its reduction."""
+    ins = tensor_inputs(args, kwargs)
+    reduction = _reduction(op, bind(op, args, kwargs))
+    shape = torch.broadcast_shapes(*[x.shape for x in ins])
+    dims = align(ins, shape)
+    specs = [spec(own_dims(x, dims, shape)) for x in ins]
+    mesh = ins[0].mesh
+    meta = meta_call(op, args, kwargs)
+    if reduction == "none":
+        return OpSharding(specs, out_layout(mesh, dims, (), meta))
+    axes = in_mesh_order(mesh, [a for d in dims for a in d])
+    count = math.prod(shape)
+    name = op.__name__
+    fn = getattr(F, name)
 
-    def rule(op, args, kwargs):
-        ins = tensor_inputs(args, kwargs)
-        reduction = _reduction(op, args, kwargs, reduction_pos)
-        shape = torch.broadcast_shapes(*[x.shape for x in ins])
-        dims = align(ins, shape)
-        specs = [spec(own_dims(x, dims, shape)) for x in ins]
-        mesh = ins[0].mesh
-        meta = meta_call(op, args, kwargs)
-        if reduction == "none":
-            return Plan(specs, out_layout(mesh, dims, (), meta))
-        axes = in_mesh_order(mesh, [a for d in dims for a in d])
-        count = math.prod(shape)
-        name = op.__name__
-        fn = getattr(F, name)
+    def local(b):
+        total = fn(**{**b, "reduction": "sum"})
+        return total / count if reduction == "mean" else total
 
-        def local(*a, **k):
-            if len(a) > reduction_pos:
-                a = (*a[:reduction_pos], "sum", *a[reduction_pos + 1 :])
-            else:
-                k = {**k, "reduction": "sum"}
-            total = fn(*a, **k)
-            return total / count if reduction == "mean" else total
-
-        return Plan(specs, out_layout(mesh, [], axes, meta), local)
-
-    return rule
-
-
-_NLL = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+    return OpSharding(specs, out_layout(mesh, [], axes, meta), local, by_name=True)
 
 
 def nll_loss_rule(op, args, kwargs):
-    bound = dict(zip(_NLL, args)) | kwargs
+    bound = bind(op, args, kwargs)
     x, t = bound["input"], bound["target"]
-    reduction = _reduction(op, (), bound, 99)
+    reduction = _reduction(op, bound)
     if not isinstance(t, Layout):
         raise TypeError("nll_loss: target must be a tensor")
     # input (N, C, d...) or (C,); target (N, d...): the class dim is whole, the rest align
@@ -83,19 +73,16 @@ def nll_loss_rule(op, args, kwargs):
     x_dims = list(dims)
     x_dims.insert(class_dim, ())
     specs = {"input": spec(x_dims), "target": spec(dims), "weight": spec([()])}
-    order = [n for n in _NLL[: len(args)] if isinstance(bound.get(n), Layout)]
-    order += [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
     mesh = x.mesh
     meta = meta_call(op, args, kwargs)
     if reduction == "none":
-        return Plan([specs[n] for n in order], out_layout(mesh, dims, (), meta))
+        return OpSharding(specs, out_layout(mesh, dims, (), meta))
     axes = in_mesh_order(mesh, [a for d in dims for a in d])
     group = group_of(mesh, axes)
-    ignore = bound.get("ignore_index", -100)
+    ignore = bound["ignore_index"]
 
-    def local(*a, **k):
-        b = dict(zip(_NLL, a)) | k
-        inp, tgt, w = b["input"], b["target"], b.get("weight")
+    def local(b):
+        inp, tgt, w = b["input"], b["target"], b["weight"]
         total = F.nll_loss(inp, tgt, w, ignore_index=ignore, reduction="sum")
         if reduction == "sum":
             return total
@@ -104,21 +91,21 @@ def nll_loss_rule(op, args, kwargs):
             den = valid.sum().to(total.dtype)
         else:
             den = (w[torch.where(valid, tgt, 0)] * valid.to(w.dtype)).sum()
-        return total / psum(den.detach() if w is None else den, group)
+        return total / group_psum(den.detach() if w is None else den, group)
 
-    return Plan([specs[n] for n in order], out_layout(mesh, [], axes, meta), local)
+    return OpSharding(specs, out_layout(mesh, [], axes, meta), local, by_name=True)
 
 
 def _register():
-    for name, pos in (
-        ("mse_loss", 4),
-        ("l1_loss", 4),
-        ("smooth_l1_loss", 4),
-        ("huber_loss", 2),
-        ("binary_cross_entropy", 5),
-        ("binary_cross_entropy_with_logits", 5),
+    for name in (
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
     ):
-        register_rule(getattr(F, name), pointwise_loss_rule(pos))
+        register_rule(getattr(F, name), pointwise_loss_rule)
     register_rule(F.nll_loss, nll_loss_rule)
 
 

@@ -36,33 +36,22 @@ from ..spec import Layout
 from ._common import (
     block_bounds,
     group_of,
+    group_pcast,
+    group_pmax,
+    group_psum,
     in_mesh_order,
     meta_call,
     norm_dim,
     out_layout,
-    pcast,
-    pmax,
-    psum,
     safe_amax,
     spec,
     unreduced,
 )
+from .binding import bind
 from .elementwise import align, own_dims
-from .registry import Plan, register_rule, tensor_inputs
+from .registry import OpSharding, register_rule, tensor_inputs
 
 __all__ = []
-
-
-def _bind(names, args, kwargs):
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def _order(names, args, kwargs, bound):
-    """Names of the tensor inputs in flattening order (positional, then sorted keywords)."""
-    order = [n for n in names[: len(args)] if isinstance(bound.get(n), Layout)]
-    return order + [n for n in sorted(kwargs) if isinstance(kwargs[n], Layout)]
 
 
 def _rank(mesh):
@@ -75,7 +64,7 @@ def _rank(mesh):
 def softmax_rule(op, args, kwargs):
     ins = tensor_inputs(args, kwargs)
     x = ins[0]
-    dim_arg = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    dim_arg = bind(op, args, kwargs)["dim"]
     if dim_arg is None:
         raise TypeError(f"{op.__name__}: pass dim explicitly for a ShardedArray")
     dim = norm_dim(dim_arg, x.ndim)
@@ -87,26 +76,26 @@ def softmax_rule(op, args, kwargs):
     if group is None:  # the Tensor kernel F.softmax would call, without its torch-function check
         name = op.__name__
         kernel = methodcaller(name, dim) if dtype == x.dtype else methodcaller(name, dim, dtype)
-        return Plan([unreduced(x)], out, kernel, tensors_only=True)
+        return OpSharding([unreduced(x)], out, kernel, tensors_only=True)
 
     def local(t, *a, **k):
         t = t.to(dtype)
-        m = pmax(safe_amax(t, (dim,), True), group).detach()
+        m = group_pmax(safe_amax(t, (dim,), True), group).detach()
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         z = t - m
         e = torch.exp(z)
-        s = pcast(psum(e.sum(dim, keepdim=True), group), group)
+        s = group_pcast(group_psum(e.sum(dim, keepdim=True), group), group)
         return z - torch.log(s) if log else e / s
 
-    return Plan([unreduced(x)], out, local)
+    return OpSharding([unreduced(x)], out, local)
 
 
 # -- normalization --------------------------------------------------------------------------
 
 
-def _norm_rule(names, rms: bool):
+def _norm_rule(rms: bool):
     def rule(op, args, kwargs):
-        bound = _bind(names, args, kwargs)
+        bound = bind(op, args, kwargs)
         x = bound["input"]
         ns = bound["normalized_shape"]
         ns = (ns,) if isinstance(ns, int) else tuple(ns)
@@ -118,52 +107,48 @@ def _norm_rule(names, rms: bool):
                 specs[n] = spec(x.dim_axes[x.ndim - nd :])
         meta = meta_call(op, args, kwargs)
         out = out_layout(x.mesh, x.dim_axes, (), meta)
-        order = _order(names, args, kwargs, bound)
         group = group_of(x.mesh, norm_axes)
         if group is None:
-            return Plan([specs[n] for n in order], out)
+            return OpSharding(specs, out)
         dims = tuple(range(-nd, 0))
         count = math.prod(ns)
 
-        def local(*a, **k):
-            b = _bind(names, a, k)
-            t, w, bias, eps = b["input"], b.get("weight"), b.get("bias"), b.get("eps")
+        def local(b):
+            t, w, bias, eps = b["input"], b["weight"], b.get("bias"), b["eps"]
             if eps is None:
                 eps = torch.finfo(t.dtype).eps if rms else 1e-5
             if rms:
-                ms = psum((t * t).sum(dims, keepdim=True), group) / count
-                y = t * torch.rsqrt(pcast(ms, group) + eps)
+                ms = group_psum((t * t).sum(dims, keepdim=True), group) / count
+                y = t * torch.rsqrt(group_pcast(ms, group) + eps)
             else:
-                mean = psum(t.sum(dims, keepdim=True), group) / count
-                d = t - pcast(mean, group)
-                var = psum((d * d).sum(dims, keepdim=True), group) / count
-                y = d * torch.rsqrt(pcast(var, group) + eps)
+                mean = group_psum(t.sum(dims, keepdim=True), group) / count
+                d = t - group_pcast(mean, group)
+                var = group_psum((d * d).sum(dims, keepdim=True), group) / count
+                y = d * torch.rsqrt(group_pcast(var, group) + eps)
             if w is not None:
                 y = y * w
             if bias is not None:
                 y = y + bias
             return y
 
-        return Plan([specs[n] for n in order], out, local)
+        return OpSharding(specs, out, local, by_name=True)
 
     return rule
 
 
 # -- embedding ------------------------------------------------------------------------------
 
-_EMB = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
-
 
 def embedding_rule(op, args, kwargs):
-    bound = _bind(_EMB, args, kwargs)
+    bound = bind(op, args, kwargs)
     ids, w = bound["input"], bound["weight"]
-    if bound.get("max_norm") is not None or bound.get("sparse"):
+    if bound["max_norm"] is not None or bound["sparse"]:
         raise NotImplementedError(
             "F.embedding on a ShardedArray supports neither max_norm (it renormalises the "
             "weight in place) nor sparse=True"
         )
     vocab_axes, dim_axes = w.dim_axes[0], w.dim_axes[1]
-    if bound.get("scale_grad_by_freq") and (vocab_axes or ids.sharded_axes):
+    if bound["scale_grad_by_freq"] and (vocab_axes or ids.sharded_axes):
         raise NotImplementedError(
             "F.embedding(scale_grad_by_freq=True) with a vocab-split weight or split ids is not "
             f"supported (weight {w.spec}, ids {ids.spec}): the id counts would be per rank, not "
@@ -175,18 +160,15 @@ def embedding_rule(op, args, kwargs):
     specs = {"input": spec(id_dims), "weight": spec(w.dim_axes)}
     meta = meta_call(op, args, kwargs)
     out = out_layout(w.mesh, [*id_dims, dim_axes], in_mesh_order(w.mesh, vocab_axes), meta)
-    order = _order(_EMB, args, kwargs, bound)
-    in_specs = [specs[n] for n in order]
     if not vocab_axes:
-        return Plan(in_specs, out)
+        return OpSharding(specs, out)
     lo, hi = block_bounds(w, 0, _rank(w.mesh))
-    pad = bound.get("padding_idx")
+    pad = bound["padding_idx"]
     if pad is not None:
         pad = pad % w.shape[0]
         pad = pad - lo if lo <= pad < hi else None
 
-    def local(*a, **k):
-        b = _bind(_EMB, a, k)
+    def local(b):
         i, weight = b["input"], b["weight"]
         inside = (i >= lo) & (i < hi)
         if hi == lo:
@@ -197,43 +179,31 @@ def embedding_rule(op, args, kwargs):
         rows = F.embedding(torch.where(inside, i - lo, 0), weight, padding_idx=pad)
         return rows * inside.unsqueeze(-1).to(rows.dtype)
 
-    return Plan(in_specs, out, local)
+    return OpSharding(specs, out, local, by_name=True)
 
 
 # -- cross entropy --------------------------------------------------------------------------
 
-_CE = (
-    "input",
-    "target",
-    "weight",
-    "size_average",
-    "ignore_index",
-    "reduce",
-    "reduction",
-    "label_smoothing",
-)
-
 
 def cross_entropy_rule(op, args, kwargs):
-    bound = _bind(_CE, args, kwargs)
+    bound = bind(op, args, kwargs)
     x, target = bound["input"], bound["target"]
-    if isinstance(bound.get("weight"), Layout) or bound.get("size_average") is not None:
+    if isinstance(bound["weight"], Layout) or bound["size_average"] is not None:
         raise NotImplementedError(
             "F.cross_entropy on a ShardedArray supports no class weight= and no legacy "
             "size_average=/reduce=; gather first or use fs.shard_map"
         )
-    if bound.get("reduce") is not None:
+    if bound["reduce"] is not None:
         raise NotImplementedError("F.cross_entropy: legacy reduce= is not supported")
     if x.ndim != 2 or not isinstance(target, Layout) or target.ndim != 1:
         raise NotImplementedError(
             "F.cross_entropy on a ShardedArray expects (N, C) logits and (N,) class indices; "
             "reshape first (logits.reshape(-1, C), target.reshape(-1))"
         )
-    reduction = bound.get("reduction", "mean")
+    reduction = bound["reduction"]
     n_axes, c_axes = x.dim_axes
     mesh = x.mesh
     specs = {"input": spec(x.dim_axes), "target": spec([n_axes])}
-    order = _order(_CE, args, kwargs, bound)
     if reduction == "none":
         out = Layout(mesh, spec([n_axes]), (x.shape[0],), x.dtype)
     else:
@@ -242,11 +212,9 @@ def cross_entropy_rule(op, args, kwargs):
     lo, hi = block_bounds(x, 1, _rank(mesh))
     n_classes = x.shape[1]
 
-    def local(*a, **k):
-        b = _bind(_CE, a, k)
+    def local(b):
         logits, t = b["input"], b["target"]
-        ignore = b.get("ignore_index", -100)
-        smooth = b.get("label_smoothing", 0.0)
+        ignore, smooth = b["ignore_index"], b["label_smoothing"]
         valid = t != ignore
         if c_group is None:
             loss = F.cross_entropy(
@@ -261,14 +229,14 @@ def cross_entropy_rule(op, args, kwargs):
             return total
         count = valid.sum().to(total.dtype)
         if n_group is not None:
-            count = psum(count, n_group)
+            count = group_psum(count, n_group)
         return total / count
 
-    return Plan([specs[n] for n in order], out, local)
+    return OpSharding(specs, out, local, by_name=True)
 
 
 def _vocab_parallel_ce(logits, t, valid, lo, hi, n_classes, smooth, group):
-    m = pmax(safe_amax(logits, (1,), True), group).detach()
+    m = group_pmax(safe_amax(logits, (1,), True), group).detach()
     z = logits - m
     sumexp = torch.exp(z).sum(1)
     inside = (t >= lo) & (t < hi)
@@ -279,7 +247,7 @@ def _vocab_parallel_ce(logits, t, valid, lo, hi, n_classes, smooth, group):
         # that under vmap the psum below is batched (or not) the same way on every rank
         picked = z.sum(1) * inside.to(z.dtype)
     parts = [sumexp, picked] + ([z.sum(1)] if smooth else [])
-    red = psum(torch.stack(parts), group)
+    red = group_psum(torch.stack(parts), group)
     lse = torch.log(red[0])
     loss = lse - red[1]
     if smooth:
@@ -289,13 +257,11 @@ def _vocab_parallel_ce(logits, t, valid, lo, hi, n_classes, smooth, group):
 
 # -- attention ------------------------------------------------------------------------------
 
-_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
 
 def sdpa_rule(op, args, kwargs):
-    bound = _bind(_SDPA, args, kwargs)
+    bound = bind(op, args, kwargs)
     q, k, v = bound["query"], bound["key"], bound["value"]
-    gqa = bool(bound.get("enable_gqa"))
+    gqa = bool(bound["enable_gqa"])
     meta = meta_call(op, args, kwargs)
     batch = tuple(meta.shape[:-2])  # q, k and v's leading dims broadcast to these
 
@@ -316,22 +282,20 @@ def sdpa_rule(op, args, kwargs):
         n: spec([*own_dims(x, dims, batch), (), ()])
         for n, x in zip(("query", "key", "value"), lead)
     }
-    mask = bound.get("attn_mask")
+    mask = bound["attn_mask"]
     if isinstance(mask, Layout):
         specs["attn_mask"] = spec(own_dims(mask, out_dims, tuple(meta.shape)))
-    order = _order(_SDPA, args, kwargs, bound)
     out = out_layout(q.mesh, out_dims, (), meta)
     block = None if q.mesh.is_abstract else out.shard_metadata(q.mesh.rank).slices()
     shape = (*batch, q.shape[-2], k.shape[-2])  # the attention weights' global shape
 
-    def local(*a, **kw):
-        b = _bind(_SDPA, a, kw)
-        p = b.get("dropout_p", 0.0)
+    def local(b):
+        p = b["dropout_p"]
         if not p:
-            return op(*a, **kw)
+            return op(**b)
         return _sdpa_dropout(b, p, shape, block)
 
-    return Plan([specs[n] for n in order], out, local)
+    return OpSharding(specs, out, local, by_name=True)
 
 
 def _sdpa_dropout(b, p, shape, block):
@@ -339,14 +303,14 @@ def _sdpa_dropout(b, p, shape, block):
     dropout mask drawn for the global shape from the default generator and sliced to this
     rank's block, so it equals dense ``F.scaled_dot_product_attention`` for the same seed."""
     q, k, v = b["query"], b["key"], b["value"]
-    if b.get("enable_gqa") and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+    if b["enable_gqa"] and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
-    scale = b.get("scale")
+    scale = b["scale"]
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
-    mask = b.get("attn_mask")
-    if b.get("is_causal"):
+    mask = b["attn_mask"]
+    if b["is_causal"]:
         mask = torch.ones(shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, -math.inf)
@@ -362,19 +326,19 @@ def _sdpa_dropout(b, p, shape, block):
 
 
 def dropout_rule(op, args, kwargs):
-    bound = _bind(("input", "p", "training", "inplace"), args, kwargs)
+    bound = bind(op, args, kwargs)
     x = bound["input"]
-    if bound.get("inplace"):
+    if bound["inplace"]:
         raise TypeError("ShardedArray is immutable: dropout(inplace=True) is not supported")
     meta = meta_call(op, args, kwargs)
     out = out_layout(x.mesh, x.dim_axes, x.partial, meta)
-    if not bound.get("training", True):
-        return Plan([None], out, lambda t, *a, **k: t)
+    if not bound["training"]:
+        return OpSharding([None], out, lambda t, *a, **k: t)
     block = None if x.mesh.is_abstract else x.shard_metadata(x.mesh.rank).slices()
     shape = x.shape
 
-    def local(t, *a, **k):
-        p = _bind(("p",), a, k).get("p", 0.5)
+    def local(b):
+        t, p = b["input"], b["p"]
         if p == 0:
             return t
         if p == 1:
@@ -383,7 +347,7 @@ def dropout_rule(op, args, kwargs):
         noise.div_(1 - p)
         return t * noise[block]
 
-    return Plan([None], out, local)
+    return OpSharding([None], out, local, by_name=True)
 
 
 def _register():
@@ -393,11 +357,8 @@ def _register():
             softmax_rule,
             aliases=(getattr(torch, name), getattr(torch.Tensor, name)),
         )
-    register_rule(
-        F.layer_norm,
-        _norm_rule(("input", "normalized_shape", "weight", "bias", "eps"), rms=False),
-    )
-    register_rule(F.rms_norm, _norm_rule(("input", "normalized_shape", "weight", "eps"), rms=True))
+    register_rule(F.layer_norm, _norm_rule(rms=False))
+    register_rule(F.rms_norm, _norm_rule(rms=True))
     register_rule(F.embedding, embedding_rule)
     register_rule(F.cross_entropy, cross_entropy_rule)
     register_rule(F.scaled_dot_product_attention, sdpa_rule)

@@ -27,19 +27,19 @@ import torch
 
 from ._common import (
     group_of,
+    group_pcast,
+    group_pmax,
+    group_psum,
     in_mesh_order,
     meta_call,
     norm_dims,
     numel,
     out_layout,
-    pcast,
-    pmax,
-    psum,
     safe_amax,
     spec,
 )
 from .elementwise import NONLINEAR, elementwise_rule
-from .registry import Plan, register_rule, tensor_inputs
+from .registry import OpSharding, register_rule, tensor_inputs
 
 __all__ = ["reduction_rule"]
 
@@ -93,11 +93,11 @@ def reduction_rule(kind: str):
         if len(metas) > 1:  # max/min(dim) with indices: gather the reduced dim first
             whole = [() if d in dims else a for d, a in enumerate(x.dim_axes)]
             outs = tuple(out_layout(x.mesh, out_dims, (), m) for m in metas)
-            return Plan([spec(whole)], outs)
+            return OpSharding([spec(whole)], outs)
         out = out_layout(x.mesh, out_dims, partial, meta)
         group = group_of(x.mesh, axes)
         local = _local_fn(kind, op, dims, keepdim, group, x, meta.dtype)
-        return Plan([in_spec], out, local)
+        return OpSharding([in_spec], out, local)
 
     return rule
 
@@ -111,15 +111,15 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
     if kind == "mean":
         return lambda t, *a, **k: torch.sum(t, dim=dims, keepdim=keepdim, dtype=out_dtype) / count
     if kind in ("amax", "max"):
-        return lambda t, *a, **k: pmax(safe_amax(t, dims, keepdim), group)
+        return lambda t, *a, **k: group_pmax(safe_amax(t, dims, keepdim), group)
     if kind in ("amin", "min"):
-        return lambda t, *a, **k: pmax(-safe_amax(-t, dims, keepdim), group, "min")
+        return lambda t, *a, **k: group_pmax(-safe_amax(-t, dims, keepdim), group, "min")
     if kind == "logsumexp":
 
         def logsumexp(t, *a, **k):
-            m = pmax(safe_amax(t, dims, True), group).detach()
+            m = group_pmax(safe_amax(t, dims, True), group).detach()
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            s = psum(torch.sum(torch.exp(t - m), dim=dims, keepdim=True), group)
+            s = group_psum(torch.sum(torch.exp(t - m), dim=dims, keepdim=True), group)
             out = m + torch.log(s)
             return out if keepdim else out.squeeze(dims)
 
@@ -137,9 +137,11 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
 
         def var(t, *a, **k):
             corr = _correction((None, *a), k)
-            mean = psum(torch.sum(t, dim=dims, keepdim=True), group) / count
-            d = t - pcast(mean, group)
-            v = psum(torch.sum(d * d, dim=dims, keepdim=keepdim), group) / max(count - corr, 0)
+            mean = group_psum(torch.sum(t, dim=dims, keepdim=True), group) / count
+            d = t - group_pcast(mean, group)
+            v = group_psum(torch.sum(d * d, dim=dims, keepdim=keepdim), group) / max(
+                count - corr, 0
+            )
             return v.sqrt() if kind == "std" else v
 
         return var
@@ -157,13 +159,13 @@ def _split_norm(t, p, dims, keepdim, group):
             "(fs.reshard(x, fs.P(...)) with those dims None) or use fs.shard_map"
         )
     if p == math.inf:
-        return pmax(safe_amax(t.abs(), dims, keepdim), group)
+        return group_pmax(safe_amax(t.abs(), dims, keepdim), group)
     if p == -math.inf:
-        return pmax(-safe_amax(-t.abs(), dims, keepdim), group, "min")
+        return group_pmax(-safe_amax(-t.abs(), dims, keepdim), group, "min")
     if p == 0:  # the count of non-zeros; its gradient is zero, as torch's
         nonzero = (t != 0).to(t.dtype) + 0 * t
-        return psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
-    s = psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
+        return group_psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
+    s = group_psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
     return s ** (1.0 / p)
 
 

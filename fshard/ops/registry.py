@@ -1,14 +1,15 @@
 """The op-rule registry and the dispatcher every ShardedArray op goes through.
 
-A *rule* is a function ``rule(op, args, kwargs) -> Plan``. It sees the call with every tensor
+A *rule* is a function ``rule(op, args, kwargs) -> OpSharding``. It sees the call with every tensor
 input replaced by its :class:`~fshard.Layout` (plain tensors as replicated layouts) and every
 Python ``float``/``complex`` replaced by :data:`SCALAR` (a run-time value: rules must not depend
 on it, which is what lets ``x * lr`` hit the cache for every ``lr``, unlike pytorch#109101). It
-returns a :class:`Plan`: the spec each tensor input must have, the output layout(s), and the
-function to run on local tensors.
+returns an :class:`OpSharding`: the spec each tensor input must have, the output layout(s), and
+the function to run on local tensors. A rule reads its arguments by name with
+:func:`~fshard.ops.binding.bind` (the op's signature, bound once per op).
 
-Plans are cached by ``(op, input layouts, static args)``, so after the first call an op costs a
-dict lookup plus the local torch call. When the plan's input specs differ from the inputs'
+OpShardings are cached by ``(op, input layouts, static args)``, so after the first call an op
+costs a dict lookup plus the local torch call. When the input specs differ from the inputs'
 layouts, the inputs are resharded with :func:`fshard.executor.reshard_one` (differentiable, logged);
 then every input that is invariant over a mesh axis on which another input varies (sharded or
 partial) goes through ``pcast`` (forward identity, backward psum), so a replicated parameter's
@@ -16,12 +17,13 @@ gradient is reduced exactly once. In strict mode (:func:`fshard.config.strict`) 
 would communicate raises instead.
 
 Tensor inputs are numbered in flattening order: positional arguments left to right (lists and
-tuples in order), then keyword arguments sorted by name. ``Plan.in_specs`` follows that order.
+tuples in order), then keyword arguments sorted by name. ``OpSharding.in_specs`` follows that
+order, or names the parameters (``{"input": P("x"), "weight": None}``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +37,17 @@ from ..executor import check_plain_tensor, claimed_local, reshard_one
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
 from ..spec import LAYOUT_OF_ID, Layout, P, _layout
+from .binding import declare_signature, resolve
 
-__all__ = ["Plan", "SCALAR", "SHAPE_ONLY", "register_rule", "dispatch", "tensor_inputs", "rule_for"]
+__all__ = [
+    "OpSharding",
+    "SCALAR",
+    "SHAPE_ONLY",
+    "register_rule",
+    "dispatch",
+    "tensor_inputs",
+    "rule_for",
+]
 
 
 class _Scalar:
@@ -53,7 +64,7 @@ SCALAR = _Scalar()
 
 
 class _ShapeOnly:
-    """``Plan.in_specs`` entry for a tensor read for its shape only (``x.expand_as(other)``)."""
+    """``OpSharding.in_specs`` entry for a tensor read for its shape only (``x.expand_as(y)``)."""
 
     __slots__ = ()
 
@@ -67,13 +78,14 @@ SHAPE_ONLY = _ShapeOnly()
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
-    """What a rule decides for one op call, once per ``(op, layouts, static args)``.
+class OpSharding:
+    """How one op call runs on shards, decided by its rule once per ``(op, layouts, static args)``.
 
     Attributes:
         in_specs: one :class:`~fshard.P` (or ``None``: keep as is; :data:`SHAPE_ONLY`: read
             for its shape only) per tensor input, in flattening order (positional, then keyword
-            arguments sorted by name).
+            arguments sorted by name); or a mapping ``{parameter name: spec}`` (the op's
+            signature names the tensor inputs; names left out are kept as they are).
         out: the output :class:`~fshard.Layout`, a tuple/list of them for ops returning
             several tensors, or ``None`` for an op whose result is returned as is.
         local: called as ``local(*args, **kwargs)`` with the resharded local tensors (and the
@@ -82,15 +94,18 @@ class Plan:
             static ones; there are no scalars) and is called with the local tensors alone, in
             flattening order. Saves re-passing keywords such as ``F.softmax``'s ``_stacklevel``
             on every call.
+        by_name: ``local`` is called with one dict, every argument by parameter name with the
+            op's defaults filled (local tensors and the call's actual scalars).
 
     Example:
-        >>> Plan(in_specs=(P("x"),), out=Layout(Mesh.abstract((2,), ("x",)), P("x"), (4,)))  # doctest: +SKIP
+        >>> OpSharding(in_specs=(P("x"),), out=Layout(Mesh.abstract((2,), ("x",)), P("x"), (4,)))  # doctest: +SKIP
     """
 
-    in_specs: Sequence[P | None]
+    in_specs: Sequence[P | None] | Mapping[str, P | None]
     out: Any
     local: Callable | None = None
     tensors_only: bool = False
+    by_name: bool = False
 
 
 _RULES: dict = {}
@@ -117,15 +132,24 @@ def _remember(cache: dict, key, value):
 _KW = object()  # separates positional from keyword arguments in a _UNARY key
 
 
-def register_rule(op, rule=None, *, aliases: Sequence = (), float_valued: bool = False):
+def register_rule(
+    op,
+    rule=None,
+    *,
+    aliases: Sequence = (),
+    float_valued: bool = False,
+    signature: Callable | None = None,
+):
     """Register ``rule`` for torch function or Tensor method ``op`` (and ``aliases``).
 
-    A rule is ``rule(op, args, kwargs) -> Plan``; in ``args``/``kwargs`` tensors appear as
-    their :class:`~fshard.Layout` and Python floats as :data:`SCALAR` (with
+    A rule is ``rule(op, args, kwargs) -> OpSharding``; in ``args``/``kwargs`` tensors appear
+    as their :class:`~fshard.Layout` and Python floats as :data:`SCALAR` (with
     ``float_valued=True``, as their values: for ops whose output shape depends on a float).
-    Plans are cached per layouts and static arguments, so a rule runs once per distinct call
-    signature. Register
-    ``torch.Tensor.<name>`` too for the method form (``x.<name>(...)``). Usable as a decorator.
+    ``fs.ops.bind(op, args, kwargs)`` gives them by parameter name. The result is cached per
+    layouts and static arguments, so a rule runs once per distinct call signature. Register
+    ``torch.Tensor.<name>`` too for the method form (``x.<name>(...)``). ``signature``: a
+    callable with ``op``'s Python signature, for an op whose own cannot be read (see
+    :mod:`fshard.ops.binding`). Usable as a decorator.
 
     Example (a custom op that keeps any layout, as every elementwise op does)::
 
@@ -138,14 +162,18 @@ def register_rule(op, rule=None, *, aliases: Sequence = (), float_valued: bool =
         def _softclip_rule(op, args, kwargs):
             x = args[0]                      # a Layout
             keep = fs.P(*x.dim_axes)         # nonlinear: drop any pending sum first
-            return fs.ops.Plan(in_specs=(keep,), out=x.with_spec(keep), local=softclip)
+            return fs.ops.OpSharding(in_specs=(keep,), out=x.with_spec(keep), local=softclip)
 
         y = softclip(x_sharded, 2.0)         # runs on local shards, no communication
     """
     if rule is None:
-        return lambda r: register_rule(op, r, aliases=aliases, float_valued=float_valued)
+        return lambda r: register_rule(
+            op, r, aliases=aliases, float_valued=float_valued, signature=signature
+        )
     if not callable(rule):
         raise TypeError(f"register_rule: rule must be callable, got {type(rule).__name__}")
+    if signature is not None:
+        declare_signature(op, signature)
     for o in (op, *aliases):
         _RULES[o] = rule
         if float_valued:
@@ -203,8 +231,9 @@ _STATIC = frozenset(
 def dispatch(func, args, kwargs):
     """Run torch function/method ``func`` on ShardedArray arguments through its rule.
 
-    Hot path: a flat argument list is keyed without building a pytree; the plan is looked up
-    in a dict and run. Keyword arguments are keyed (and numbered) in sorted-name order.
+    Hot path: a flat argument list is keyed without building a pytree; the compiled
+    OpSharding is looked up in a dict and run. Keyword arguments are keyed (and numbered) in
+    sorted-name order.
     """
     if _dynamo_compiling():
         return _traced_dispatch(func, args, kwargs)
@@ -398,7 +427,7 @@ def _substitute(tree, paths, values):
 
 
 def _unary_runner(c: _Compiled, args, kwargs):
-    """``run(args, kwargs)`` for a trivial plan of one ShardedArray followed by static
+    """``run(args, kwargs)`` for a trivial OpSharding of one ShardedArray followed by static
     arguments only (they are part of the unary cache key, so they are passed through as given)."""
     if not _runs_as_is(c):
         return None
@@ -422,7 +451,7 @@ def _dispatch_tree(func, args, kwargs):
         key = (func, tree, *[_leaf_key(a) for a in leaves])
     try:
         compiled = _CACHE.get(key)
-    except TypeError:  # an unhashable static argument: plan without caching
+    except TypeError:  # an unhashable static argument: compile without caching
         compiled, key = None, None
     if compiled is None:
         compiled = _compile(func, leaves, tree)
@@ -436,7 +465,7 @@ def _is_tensor_like(x) -> bool:
 
 
 def tensor_inputs(args, kwargs) -> list[Layout]:
-    """The tensor inputs a rule sees (Layouts), in the order ``Plan.in_specs`` follows.
+    """The tensor inputs a rule sees (Layouts), in the order ``OpSharding.in_specs`` follows.
 
     Example:
         >>> tensor_inputs((lay_x, 2, [lay_y]), {})  # doctest: +SKIP
@@ -514,10 +543,31 @@ def _compile(func, leaves, tree) -> _Compiled:
         )
     if rule is None:
         raise NotImplementedError(unsupported_message(name, view))
-    plan = rule(func, args, kwargs)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"the rule for {name} returned {type(plan).__name__}, not a fs.ops.Plan")
-    return _Compiled.build(func, name, plan, leaves, view, mesh, tree)
+    sharding = rule(func, args, kwargs)
+    if not isinstance(sharding, OpSharding):
+        raise TypeError(
+            f"the rule for {name} returned {type(sharding).__name__}, not a fs.ops.OpSharding"
+        )
+    specs = sharding.in_specs
+    if isinstance(specs, Mapping):
+        specs = [specs.get(n) for n in _tensor_names(func, args, kwargs)]
+    fn = sharding.local or func
+    if sharding.by_name:
+        fn = _by_name(sharding.local, resolve(func, args, kwargs))
+    return _Compiled.build(name, specs, sharding, fn, leaves, view, mesh, tree)
+
+
+def _tensor_names(op, args, kwargs) -> list[str]:
+    """The parameter name of each tensor input, in flattening order (a list argument's name
+    once per tensor in it)."""
+    positional = resolve(op, args, kwargs).positional
+    named = [*zip(positional, args), *sorted(kwargs.items())]
+    return [n for n, v in named for _ in tensor_inputs((v,), {})]
+
+
+def _by_name(local, sig):
+    bind = sig.bind
+    return lambda *args, **kwargs: local(bind(args, kwargs))
 
 
 def unsupported_message(name: str, view) -> str:
@@ -541,7 +591,8 @@ class _Input:
 
 
 class _Compiled:
-    """A plan bound to concrete leaf positions: what ``dispatch`` runs on a cache hit."""
+    """An :class:`OpSharding` bound to concrete leaf positions: what ``dispatch`` runs on a
+    cache hit."""
 
     __slots__ = (
         "name",
@@ -557,9 +608,9 @@ class _Compiled:
     )
 
     @staticmethod
-    def build(func, name, plan: Plan, leaves, view, mesh, tree=None) -> _Compiled:
+    def build(name, specs, sharding: OpSharding, fn, leaves, view, mesh, tree) -> _Compiled:
         tensor_idx = [i for i, v in enumerate(view) if isinstance(v, Layout)]
-        specs = tuple(plan.in_specs)
+        specs = tuple(specs)
         if len(specs) != len(tensor_idx):
             raise ValueError(
                 f"the rule for {name} gave {len(specs)} in_specs for {len(tensor_idx)} tensor "
@@ -599,8 +650,8 @@ class _Compiled:
         self = _Compiled()
         self.name = name
         self.inputs = tuple(inputs)
-        self.fn = plan.local or func
-        self.out = plan.out
+        self.fn = fn
+        self.out = sharding.out
         self.comm = tuple(comm)
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
@@ -608,7 +659,7 @@ class _Compiled:
             x.spec is None and x.pcast is None and not x.plain and not x.layout.partial
             for x in inputs
         )
-        self.tensors_only = plan.tensors_only
+        self.tensors_only = sharding.tensors_only
         flat = tree is None or type(tree) is tuple
         self.run = (flat and _fast_runner(self, tree)) or self.run_general
         return self

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from ..spec import Layout
 from ._common import meta_call, norm_dim, out_layout, spec
+from .binding import bind
 from .elementwise import align
-from .registry import SHAPE_ONLY, Plan, register_rule, tensor_inputs
+from .registry import SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
 
 __all__ = ["reshape_dims", "permutation_rule", "reshape_rule"]
 
@@ -46,7 +47,7 @@ def permutation_rule(op, args, kwargs):
     perm = [s - 2 for s in out.shape]
     meta = meta_call(op, args, kwargs)
     dims = [x.dim_axes[p] for p in perm]
-    return Plan([None], out_layout(x.mesh, dims, x.partial, meta))
+    return OpSharding([None], out_layout(x.mesh, dims, x.partial, meta))
 
 
 # -- reshape family -------------------------------------------------------------------------
@@ -125,7 +126,7 @@ def reshape_rule(op, args, kwargs):
     out = out_layout(x.mesh, dims, x.partial, meta)
     shape = None if x.mesh.is_abstract else out.local_shape()
     n_in = len(tensor_inputs(args, kwargs))
-    return Plan([None] + [SHAPE_ONLY] * (n_in - 1), out, lambda t, *a, **k: t.reshape(shape))
+    return OpSharding([None] + [SHAPE_ONLY] * (n_in - 1), out, lambda t, *a, **k: t.reshape(shape))
 
 
 # -- expand ---------------------------------------------------------------------------------
@@ -143,16 +144,10 @@ def expand_rule(op, args, kwargs):
     out = out_layout(x.mesh, dims, x.partial, meta)
     local_shape = None if x.mesh.is_abstract else out.local_shape()
     specs = [spec(dims[off:], x.partial)] + [SHAPE_ONLY] * (len(ins) - 1)
-    return Plan(specs, out, lambda t, *a, **k: t.expand(local_shape))
+    return OpSharding(specs, out, lambda t, *a, **k: t.expand(local_shape))
 
 
 # -- cat / stack ----------------------------------------------------------------------------
-
-
-def _dim_kw(args, kwargs, pos, default=0):
-    if "dim" in kwargs:
-        return kwargs["dim"]
-    return args[pos] if len(args) > pos else default
 
 
 def cat_rule(op, args, kwargs):
@@ -160,7 +155,7 @@ def cat_rule(op, args, kwargs):
     meta = meta_call(op, args, kwargs)
     shape = tuple(meta.shape)
     stack = op is torch.stack
-    dim = norm_dim(_dim_kw(args, kwargs, 1), len(shape))
+    dim = norm_dim(bind(op, args, kwargs)["dim"], len(shape))
     partials = {x.partial for x in ins}
     partial = ins[0].partial if len(partials) == 1 else ()
     if stack:
@@ -173,7 +168,7 @@ def cat_rule(op, args, kwargs):
         dims = align(same_rank, shape, reserved=(*partial, *_cat_dim_axes(same_rank, dim)))
         out_dims = dims
         specs = [spec(dims, partial) if x.ndim == len(shape) else None for x in ins]
-    return Plan(specs, out_layout(ins[0].mesh, out_dims, partial, meta))
+    return OpSharding(specs, out_layout(ins[0].mesh, out_dims, partial, meta))
 
 
 def _cat_dim_axes(ins, dim):
@@ -187,21 +182,21 @@ def _unsplit(x: Layout, dims) -> list:
     return [() if d in dims else a for d, a in enumerate(x.dim_axes)]
 
 
-def split_rule_at(pos: int, removes_dim: bool = False):
-    """Rule for ops cutting dim ``args[pos]`` (split, chunk, unbind, narrow, select)."""
+def split_rule(removes_dim: bool = False):
+    """Rule for ops cutting their ``dim`` argument (split, chunk, unbind, select)."""
 
     def rule(op, args, kwargs):
         ins = tensor_inputs(args, kwargs)
         x = ins[0]
-        dim = norm_dim(_dim_kw(args, kwargs, pos), x.ndim)
+        dim = norm_dim(bind(op, args, kwargs)["dim"], x.ndim)
         dims = _unsplit(x, {dim})
         meta = meta_call(op, args, kwargs)
         out_dims = [a for d, a in enumerate(dims) if not (removes_dim and d == dim)]
         specs = [spec(dims, x.partial)] + [None] * (len(ins) - 1)
         if isinstance(meta, torch.Tensor):
-            return Plan(specs, out_layout(x.mesh, out_dims, x.partial, meta))
+            return OpSharding(specs, out_layout(x.mesh, out_dims, x.partial, meta))
         outs = tuple(out_layout(x.mesh, out_dims, x.partial, m) for m in meta)
-        return Plan(specs, outs)
+        return OpSharding(specs, outs)
 
     return rule
 
@@ -209,10 +204,8 @@ def split_rule_at(pos: int, removes_dim: bool = False):
 def pad_rule(op, args, kwargs):
     """``F.pad``: the padded (last ``len(pad) // 2``) dims are made whole, the others keep their
     axes. A pending sum survives zero padding only (``mode="constant"`` with no or int 0 value)."""
-    x = args[0]
-    pad = kwargs.get("pad", args[1] if len(args) > 1 else None)
-    mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
-    value = kwargs.get("value", args[3] if len(args) > 3 else None)
+    bound = bind(op, args, kwargs)
+    x, pad, mode, value = bound["input"], bound["pad"], bound["mode"], bound["value"]
     padded = set(range(x.ndim - len(pad) // 2, x.ndim))
     if mode != "constant":  # torch allows an empty block on the batch dim of (N, C, *) only
         batched = x.ndim == len(pad) // 2 + 2
@@ -221,14 +214,13 @@ def pad_rule(op, args, kwargs):
     partial = x.partial if zero_fill else ()
     dims = _unsplit(x, padded)
     meta = meta_call(op, args, kwargs)
-    return Plan([spec(dims, partial)], out_layout(x.mesh, dims, partial, meta))
+    return OpSharding([spec(dims, partial)], out_layout(x.mesh, dims, partial, meta))
 
 
 def narrow_rule(op, args, kwargs):
     """``narrow(x, dim, start, length)``: ``start`` may be a 0-d tensor (plain or replicated)."""
-    x = args[0]
-    names = ("input", "dim", "start", "length")
-    bound = dict(zip(names, args)) | kwargs
+    bound = bind(op, args, kwargs)
+    x = bound["input"]
     dim = norm_dim(bound["dim"], x.ndim)
     start = bound["start"]
     if isinstance(start, Layout):
@@ -241,7 +233,7 @@ def narrow_rule(op, args, kwargs):
     dims = _unsplit(x, {dim})
     meta = meta_call(op, (x, dim, start, bound["length"]), {})
     specs = [spec(dims, x.partial)] + [None] * (len(tensor_inputs(args, kwargs)) - 1)
-    return Plan(specs, out_layout(x.mesh, dims, x.partial, meta))
+    return OpSharding(specs, out_layout(x.mesh, dims, x.partial, meta))
 
 
 def complex_view_rule(op, args, kwargs):
@@ -254,7 +246,7 @@ def complex_view_rule(op, args, kwargs):
         in_spec, out_dims = None, [*dims, ()]
     else:
         in_spec, out_dims = spec([*dims[:-1], ()], x.partial), dims[:-1]
-    return Plan([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
+    return OpSharding([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
 
 
 def getitem_rule(op, args, kwargs):
@@ -291,7 +283,7 @@ def getitem_rule(op, args, kwargs):
         d += 1
     meta = meta_call(op, args, kwargs)
     in_spec = spec(_unsplit(x, cut), x.partial)
-    return Plan([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
+    return OpSharding([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
 
 
 def _register():
@@ -310,14 +302,14 @@ def _register():
     register_rule(torch.broadcast_to, expand_rule, aliases=(torch.Tensor.broadcast_to,))
     for op in (torch.cat, torch.concat, torch.concatenate, torch.stack):
         register_rule(op, cat_rule)
-    register_rule(torch.split, split_rule_at(2), aliases=(torch.Tensor.split,))
-    register_rule(torch.chunk, split_rule_at(2), aliases=(torch.Tensor.chunk,))
+    register_rule(torch.split, split_rule(), aliases=(torch.Tensor.split,))
+    register_rule(torch.chunk, split_rule(), aliases=(torch.Tensor.chunk,))
     register_rule(torch.narrow, narrow_rule, aliases=(torch.Tensor.narrow,))
     register_rule(F.pad, pad_rule)
     register_rule(torch.view_as_real, complex_view_rule)
     register_rule(torch.view_as_complex, complex_view_rule)
-    register_rule(torch.unbind, split_rule_at(1, True), aliases=(torch.Tensor.unbind,))
-    register_rule(torch.select, split_rule_at(1, True), aliases=(torch.Tensor.select,))
+    register_rule(torch.unbind, split_rule(removes_dim=True), aliases=(torch.Tensor.unbind,))
+    register_rule(torch.select, split_rule(removes_dim=True), aliases=(torch.Tensor.select,))
     register_rule(torch.Tensor.__getitem__, getitem_rule)
 
 

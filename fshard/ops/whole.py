@@ -29,21 +29,19 @@ import torch.nn.functional as F
 
 from ..spec import Layout
 from ._common import meta_call, norm_dim, out_layout, spec
-from .registry import Plan, register_rule, tensor_inputs
+from .binding import bind
+from .registry import OpSharding, register_rule, tensor_inputs
 
 __all__ = ["whole_dims_rule"]
 
 
-def _dim(args, kwargs, pos, default=None, name="dim"):
-    return kwargs.get(name, args[pos] if len(args) > pos else default)
+def along(name="dim"):
+    """Whole dims for an op cutting its argument ``name``; every dim when it is ``None`` (or
+    empty: ``roll`` without ``dims`` rolls the flattened tensor)."""
 
-
-def along(pos, default=None, name="dim"):
-    """Whole dims for an op cutting ``args[pos]`` (``name=``); every dim when it is ``None``."""
-
-    def whole(x, args, kwargs):
-        d = _dim(args, kwargs, pos, default, name)
-        if d is None or isinstance(d, Layout):
+    def whole(op, x, args, kwargs):
+        d = bind(op, args, kwargs).get(name)
+        if d is None or isinstance(d, Layout) or (isinstance(d, (tuple, list)) and not d):
             return set(range(x.ndim))
         ds = d if isinstance(d, (tuple, list)) else (d,)
         return {norm_dim(v, x.ndim) for v in ds}
@@ -51,14 +49,14 @@ def along(pos, default=None, name="dim"):
     return whole
 
 
-def last_two(x, args, kwargs):
+def last_two(op, x, args, kwargs):
     return set(range(max(x.ndim - 2, 0), x.ndim))
 
 
 def batched(ndim):
     """Every dim but dim 0 of an input with ``ndim`` dims (the batch); all dims otherwise."""
 
-    def whole(x, args, kwargs):
+    def whole(op, x, args, kwargs):
         return set(range(1 if x.ndim == ndim else 0, x.ndim))
 
     return whole
@@ -67,13 +65,14 @@ def batched(ndim):
 def spatial(spatial_dims):
     """Pooling: dims 0 (and 1 when batched) are independent; the ``spatial_dims`` last are mixed."""
 
-    def whole(x, args, kwargs):
+    def whole(op, x, args, kwargs):
         return set(range(x.ndim - spatial_dims, x.ndim))
 
     return whole
 
 
-def repeated(x, args, kwargs):
+def repeated(op, x, args, kwargs):
+    # x.repeat(2, 3) passes the sizes as varargs, which no signature binds
     sizes = args[1:] if len(args) > 1 else kwargs.get("repeats", ())
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
         sizes = tuple(sizes[0])
@@ -82,7 +81,7 @@ def repeated(x, args, kwargs):
 
 
 def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
-    """A rule making ``whole(x, args, kwargs)`` dims of the first tensor input ``x`` whole.
+    """A rule making ``whole(op, x, args, kwargs)`` dims of the first tensor input ``x`` whole.
 
     Args:
         whole: the dims of ``x`` the op mixes.
@@ -90,17 +89,17 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
             other tensor input is an integer tensor).
         align_others: other tensor inputs of ``x``'s rank share its axes on the kept dims
             (``gather``'s index); otherwise they are replicated (weights, biases).
-        removes: ``removes(x, args, kwargs)`` -> the dim of ``x`` the output drops (``argmax``
+        removes: ``removes(op, x, args, kwargs)`` -> the dim of ``x`` the output drops (``argmax``
             without ``keepdim``), or ``None``.
     """
 
     def rule(op, args, kwargs):
         ins = tensor_inputs(args, kwargs)
         x = ins[0]
-        cut = set(whole(x, args, kwargs))
+        cut = set(whole(op, x, args, kwargs))
         meta = meta_call(op, args, kwargs)
         metas = meta if isinstance(meta, (tuple, list)) else (meta,)
-        gone = removes(x, args, kwargs) if removes is not None else None
+        gone = removes(op, x, args, kwargs) if removes is not None else None
         if any(m.ndim < x.ndim - (gone is not None) for m in metas):
             cut = set(range(x.ndim))  # dims merge: keep nothing split
         for d in range(x.ndim):  # a dim whose size changes is mixed too
@@ -122,23 +121,23 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
             dims = [()] * (m.ndim - len(out_dims)) + out_dims if m.ndim >= len(out_dims) else []
             outs.append(out_layout(x.mesh, dims, partial if m.is_floating_point() else (), m))
         out = outs[0] if not isinstance(meta, (tuple, list)) else type(meta)(outs)
-        return Plan(specs, out)
+        return OpSharding(specs, out)
 
     return rule
 
 
-def _argmax_removes(x, args, kwargs):
-    d = _dim(args, kwargs, 1)
-    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+def _argmax_removes(op, x, args, kwargs):
+    bound = bind(op, args, kwargs)
+    d, keepdim = bound["dim"], bound["keepdim"]
     return None if d is None or keepdim else norm_dim(d, x.ndim)
 
 
-_REPEAT_INTERLEAVE = whole_dims_rule(along(2), linear=True)
+_REPEAT_INTERLEAVE = whole_dims_rule(along(), linear=True)
 
 
 def repeat_interleave_rule(op, args, kwargs):
-    repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
-    if isinstance(repeats, Layout) and kwargs.get("output_size") is None:
+    bound = bind(op, args, kwargs)
+    if isinstance(bound["repeats"], Layout) and bound["output_size"] is None:
         raise NotImplementedError(
             "repeat_interleave with tensor repeats on a ShardedArray needs output_size= (the "
             "output shape must be known without reading the repeats); pass output_size=int"
@@ -148,8 +147,8 @@ def repeat_interleave_rule(op, args, kwargs):
 
 def batch_norm_rule(op, args, kwargs):
     """Eval mode (running statistics) is per example; training mixes the batch: gathered."""
-    training = kwargs.get("training", args[5] if len(args) > 5 else False)
-    x = args[0]
+    bound = bind(op, args, kwargs)
+    x, training = bound["input"], bound["training"]
     cut = set(range(x.ndim)) if training else set(range(1, x.ndim))
     return whole_dims_rule(lambda *_: cut)(op, args, kwargs)
 
@@ -158,35 +157,35 @@ def new_rule(op, args, kwargs):
     """``x.new_zeros(shape)`` & co.: a replicated value of the given global shape."""
     x = args[0]
     meta = meta_call(op, args, kwargs)
-    return Plan(
+    return OpSharding(
         [None] * len(tensor_inputs(args, kwargs)), out_layout(x.mesh, [()] * meta.ndim, (), meta)
     )
 
 
 def _register():
-    dim1 = whole_dims_rule(along(1), linear=True)
+    dim1 = whole_dims_rule(along(), linear=True)
     for n in ("cumsum", "index_select"):
         register_rule(getattr(torch, n), dim1, aliases=(getattr(torch.Tensor, n),))
-    flip = whole_dims_rule(along(1, name="dims"), linear=True)
+    flip = whole_dims_rule(along("dims"), linear=True)
     register_rule(torch.flip, flip, aliases=(torch.Tensor.flip,))
-    register_rule(torch.cumprod, whole_dims_rule(along(1)), aliases=(torch.Tensor.cumprod,))
-    roll = whole_dims_rule(along(2, name="dims"), linear=True)
+    register_rule(torch.cumprod, whole_dims_rule(along()), aliases=(torch.Tensor.cumprod,))
+    roll = whole_dims_rule(along("dims"), linear=True)
     register_rule(torch.roll, roll, aliases=(torch.Tensor.roll,))
     for n in ("sort", "argsort"):
         register_rule(
-            getattr(torch, n), whole_dims_rule(along(1, -1)), aliases=(getattr(torch.Tensor, n),)
+            getattr(torch, n), whole_dims_rule(along()), aliases=(getattr(torch.Tensor, n),)
         )
-    register_rule(torch.topk, whole_dims_rule(along(2, -1)), aliases=(torch.Tensor.topk,))
+    register_rule(torch.topk, whole_dims_rule(along()), aliases=(torch.Tensor.topk,))
     for n in ("argmax", "argmin"):
-        rule = whole_dims_rule(along(1), removes=_argmax_removes)
+        rule = whole_dims_rule(along(), removes=_argmax_removes)
         register_rule(getattr(torch, n), rule, aliases=(getattr(torch.Tensor, n),))
     register_rule(
         torch.repeat_interleave, repeat_interleave_rule, aliases=(torch.Tensor.repeat_interleave,)
     )
-    gather = whole_dims_rule(along(1), linear=True, align_others=True)
+    gather = whole_dims_rule(along(), linear=True, align_others=True)
     register_rule(torch.gather, gather, aliases=(torch.Tensor.gather,))
     for n in ("scatter_add", "index_add"):
-        rule = whole_dims_rule(along(1), align_others=True)
+        rule = whole_dims_rule(along(), align_others=True)
         register_rule(getattr(torch, n), rule, aliases=(getattr(torch.Tensor, n),))
     for n in ("tril", "triu"):
         rule = whole_dims_rule(last_two, linear=True)
@@ -198,10 +197,10 @@ def _register():
             names = (f"{pool}{k}d", f"_{pool}{k}d", f"{pool}{k}d_with_indices")
             ops = [getattr(F, n) for n in names if hasattr(F, n)]
             register_rule(ops[0], whole_dims_rule(spatial(k)), aliases=ops[1:])
-    interpolate = whole_dims_rule(lambda x, a, k: set(range(2, x.ndim)))
+    interpolate = whole_dims_rule(lambda op, x, a, k: set(range(2, x.ndim)))
     register_rule(F.interpolate, interpolate, float_valued=True)
-    register_rule(F.group_norm, whole_dims_rule(lambda x, a, k: set(range(1, x.ndim))))
-    register_rule(F.instance_norm, whole_dims_rule(lambda x, a, k: set(range(2, x.ndim))))
+    register_rule(F.group_norm, whole_dims_rule(lambda op, x, a, k: set(range(1, x.ndim))))
+    register_rule(F.instance_norm, whole_dims_rule(lambda op, x, a, k: set(range(2, x.ndim))))
     register_rule(F.batch_norm, batch_norm_rule)
     for n in ("new_zeros", "new_ones", "new_full", "new_empty"):
         register_rule(getattr(torch.Tensor, n), new_rule)
