@@ -168,6 +168,8 @@ class ShardedArray:
             )
         if not callable(method):  # a property such as x.T or x.mT
             return _DISPATCH(method.__get__, (self,), {})
+        if _dynamo_compiling():  # a class attribute set in a trace is not seen by it
+            return lambda *args, **kwargs: _DISPATCH(method, (self, *args), kwargs)
         # Install a forwarding method on the class, so later calls skip __getattr__.
         setattr(ShardedArray, name, _forward_method(method))
         return getattr(self, name)

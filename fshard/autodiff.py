@@ -299,8 +299,10 @@ def value_and_grad(
 
     At top level it runs ``f`` once on detached leaves and calls ``torch.autograd.backward``, with
     the data-parallel gradient reduction bucketed and overlapped with the backward (see the
-    module docstring); under a ``torch.func`` transform, or when an argument takes part in an
-    outer autograd graph, it is ``torch.func.grad_and_value`` (same results, composable).
+    module docstring); under a ``torch.func`` transform, while traced (``torch.compile``,
+    ``make_fx``, export: hooks and asynchronous reductions are eager-only, the graph records the
+    collectives instead), or when an argument takes part in an outer autograd graph, it is
+    ``torch.func.grad_and_value`` (same results, composable).
     Gradients follow fshard's contract: the params' layouts, the dense gradient's values.
 
     Args:
@@ -327,7 +329,11 @@ def value_and_grad(
     @functools.wraps(f)
     def run(*args, **kwargs):
         nums = _check_argnums(argnums, len(args))
-        if torch._C._are_functorch_transforms_active() or _requires_grad((args, kwargs)):
+        if (
+            _comm.tracing()  # torch.compile, make_fx, export: the graph holds the reductions
+            or torch._C._are_functorch_transforms_active()
+            or _requires_grad((args, kwargs))
+        ):
             g, v = torch.func.grad_and_value(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
             return v, g
         loss, aux, grads = _top_level(f, nums, has_aux, args, kwargs)

@@ -14,6 +14,7 @@ import torch
 
 from . import _comm
 from ._function import call
+from ._traced import constant
 from .array import ShardedArray
 from .lax import (
     AllGather,
@@ -27,7 +28,7 @@ from .lax import (
     claim_partial_leaf,
 )
 from .planner import Step, chunk_sizes, plan
-from .spec import Layout, P
+from .spec import LAYOUT_OF_ID, Layout, P
 
 __all__ = ["check_plain_tensor", "claimed_local", "reshard_one"]
 
@@ -139,6 +140,14 @@ def _program(layout: Layout, spec: P):
     return tuple(_compile_step(s) for s in plan(layout, spec)), layout.with_spec(spec)
 
 
+def _program_of(layout_id: str, entries: tuple, partial: tuple):
+    """:func:`_program` from constants (see :func:`fshard._traced.constant`)."""
+    return _program(LAYOUT_OF_ID[layout_id], P(*entries, partial=partial))
+
+
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
 def claimed_local(x: ShardedArray) -> torch.Tensor:
     """``x.local`` ready to be consumed: a partial leaf being differentiated goes through
     :class:`fshard.lax.Claim`, so its gradient holds addends of the dense gradient (DESIGN §4:
@@ -155,7 +164,10 @@ def reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
     """``x`` moved to layout ``spec`` (differentiable; no checks: ``spec`` is a valid P)."""
     if x.layout.spec == spec:
         return x
-    ops, out = _program(x.layout, spec)
+    if _dynamo_compiling():  # planned at trace time, not traced
+        ops, out = constant(_program_of, x.layout._id, spec._entries, spec.partial)
+    else:
+        ops, out = _program(x.layout, spec)
     local = claimed_local(x)
     for op in ops:
         local = op(local) if isinstance(op, (_ZeroOthers, _GatherBlocks)) else apply(op, local)

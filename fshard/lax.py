@@ -265,7 +265,14 @@ class Claim:
 
 def _is_grad_leaf(t: torch.Tensor) -> bool:
     """Whether ``t`` is a leaf being differentiated (by autograd or an enclosing torch.func
-    transform level), looking through vmap wrappers."""
+    transform level), looking through vmap wrappers.
+
+    While dynamo traces: never. It cannot tell (``grad_fn`` of an intermediate is refused,
+    ``is_leaf`` reads False for torch.func.grad's inputs), and partial values in compiled code
+    are the intermediates of op rules (a row-parallel matmul); differentiating a partial-layout
+    *input* there is refused by :func:`fshard.value_and_grad` and unsupported otherwise."""
+    if _dynamo_compiling():
+        return False
     while True:
         if t.grad_fn is not None:
             return False

@@ -173,8 +173,16 @@ def _targets(module: torch.nn.Module, params: Mapping, fn: str) -> list:
     return targets
 
 
-def _output_hook(name: str, spec: P):
-    def hook(mod, inputs, out):
+_NONE = object()  # no instance ``forward`` to restore
+
+
+def _with_output(forward, name: str, spec: P):
+    """``forward`` with its ShardedArray output resharded to ``spec``. Applied as a patched
+    instance ``forward``, not a forward hook: dynamo traces a patched forward, while registering
+    a hook inside a compiled step is a graph break."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
         if isinstance(out, ShardedArray):
             return reshard(out, spec)
         if any(isinstance(leaf, ShardedArray) for leaf in tree_leaves(out)):
@@ -183,9 +191,9 @@ def _output_hook(name: str, spec: P):
                 f"but it returns a {type(out).__name__}, not a single ShardedArray; drop its "
                 "fs.nn.Output entry (or reshard inside the model)"
             )
-        return None
+        return out
 
-    return hook
+    return run
 
 
 def functional_call(
@@ -238,21 +246,31 @@ def functional_call(
     if not isinstance(args, tuple):
         args = (args,)
     targets = _targets(module, params, "functional_call")
-    saved, hooks = [], []
+    saved, patched, orders = [], [], {}
     try:
         for _, owner, attr, slot, value in targets:
-            original = getattr(owner, slot).pop(attr)
+            entries = getattr(owner, slot)
+            orders.setdefault((id(owner), slot), (entries, list(entries)))
+            original = entries.pop(attr)
             saved.append((owner, attr, slot, original))
             owner.__dict__[attr] = value
         for name, spec in outputs.items():
-            hooks.append(module.get_submodule(name).register_forward_hook(_output_hook(name, spec)))
+            sub = module.get_submodule(name)
+            patched.append((sub, sub.__dict__.get("forward", _NONE)))
+            sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
         return module(*args, **(kwargs or {}))
     finally:
-        for h in hooks:
-            h.remove()
+        for sub, forward in reversed(patched):
+            if forward is _NONE:
+                del sub.__dict__["forward"]
+            else:
+                sub.__dict__["forward"] = forward
         for owner, attr, slot, original in reversed(saved):
             owner.__dict__.pop(attr, None)
             getattr(owner, slot)[attr] = original
+        for entries, order in orders.values():  # named_parameters() order (dynamo guards it)
+            for name in order:
+                entries[name] = entries.pop(name)
 
 
 def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:

@@ -211,14 +211,24 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 _IDS: dict = {}
 
 
-def _intern(value: tuple) -> object:
+#: token -> the first Layout of that value (torch.compile plans ops from tokens: see
+#: fshard.ops.registry._traced_plan)
+LAYOUT_OF_ID: dict = {}
+
+
+def _intern(value: tuple, layout: Layout) -> str:
     """A process-wide token per distinct layout value (``Layout._id``): equal layouts share one
-    token, which hashes and compares by identity in C. Op-dispatch cache keys use it because
-    ``Layout.__hash__`` is a Python call (a dict probe keyed by two layouts: 347 ns, by two
-    C-hashed keys: 170 ns); a token also never equals a static argument (an int id would equal
-    ``3`` or ``True``)."""
+    token, a string whose hash is cached and which compares by identity first. Op-dispatch
+    cache keys use it because ``Layout.__hash__`` is a Python call (a dict probe keyed by two
+    layouts: 347 ns, by two C-hashed keys: 170 ns); a token never equals a static argument (an
+    int id would equal ``3`` or ``True``; no argument is spelled ``"\0layout<n>"``). A string,
+    not an ``object()``, because dynamo guards a string attribute by value, so a compiled
+    function sees every equal layout as the same constant."""
     token = _IDS.get(value)
-    return _IDS.setdefault(value, object()) if token is None else token
+    if token is None:
+        token = _IDS.setdefault(value, f"\0layout{len(_IDS)}")
+        LAYOUT_OF_ID.setdefault(token, layout)
+    return token
 
 
 class Layout:
@@ -268,7 +278,7 @@ class Layout:
         set_(self, "dtype", dtype)
         set_(self, "dim_axes", spec.padded(len(shape)))
         set_(self, "_hash", hash((mesh, spec, shape, dtype)))
-        set_(self, "_id", _intern((mesh, spec, shape, dtype)))
+        set_(self, "_id", _intern((mesh, spec, shape, dtype), self))
 
     def __setattr__(self, name, value):
         raise AttributeError("Layout is immutable")
@@ -513,7 +523,7 @@ class ExplicitLayout(Layout):
         set_(self, "dim_axes", None)
         set_(self, "chunks", boxes)
         set_(self, "_hash", hash(("explicit", mesh, boxes, shape, dtype)))
-        set_(self, "_id", _intern(("explicit", mesh, boxes, shape, dtype)))
+        set_(self, "_id", _intern(("explicit", mesh, boxes, shape, dtype), self))
 
     def __eq__(self, other) -> bool:
         return (

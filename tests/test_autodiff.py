@@ -332,6 +332,7 @@ def dp_in_place_rank_fn():
         gs = fs.grad(shared, argnums=(0, 1))(a, b, xs)
         gs_ref = torch.func.grad(shared, argnums=(0, 1))(a, b, xs)
         assert torch.equal(gs[0], gs_ref[0]) and torch.equal(gs[1], gs_ref[1])
+        gc.collect()  # garbage of the calls above is not this call's (it failed on main here)
         gc.disable()  # nothing of a call may outlive it (no reference cycle waiting for gc)
         try:
             vg(params, xs, ys)

@@ -31,11 +31,12 @@ import optree
 import torch
 
 from .. import config
+from .._traced import constant
 from ..array import ShardedArray, expose_operators, install_dispatch
 from ..executor import check_plain_tensor, claimed_local, reshard_one
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
-from ..spec import Layout, P, _layout
+from ..spec import LAYOUT_OF_ID, Layout, P, _layout
 from .binding import declare_signature, resolve
 
 __all__ = [
@@ -234,6 +235,8 @@ def dispatch(func, args, kwargs):
     OpSharding is looked up in a dict and run. Keyword arguments are keyed (and numbered) in
     sorted-name order.
     """
+    if _dynamo_compiling():
+        return _traced_dispatch(func, args, kwargs)
     ukey = None
     x = args[0] if args else None
     if type(x) is ShardedArray:
@@ -300,6 +303,127 @@ def dispatch(func, args, kwargs):
 
 
 install_dispatch(dispatch)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
+# -- under torch.compile ---------------------------------------------------------------------
+
+
+def _traced_dispatch(func, args, kwargs):
+    """:func:`dispatch` while dynamo traces. The plan is a constant of the graph
+    (:func:`fshard._traced.constant`): planned from the call's static description, sharing the
+    eager cache; the graph records only the plan's local program (reshards, pcasts, the local
+    op). Guards: every layout token, static argument and plain-tensor shape."""
+    both = (args, kwargs or {})
+    compiled, paths, tree = constant(_plan_described, func, _describe(both))
+    leaves = [_at(both, path) for path in paths]
+    if tree is _NESTED:
+        return compiled.run_general(leaves, lambda locs: _substitute(both, paths, locs))
+    return compiled.run(leaves, tree)
+
+
+_DESC_SHARDED, _DESC_TENSOR, _DESC_VALUE = "\0sharded", "\0tensor", "\0value"
+_DESC_LIST, _DESC_DICT = "\0list", "\0dict"
+_NESTED = "\0nested"  # the plan's tree: rebuild (args, kwargs) by substitution
+
+
+def _describe(a):
+    """``a`` as a hashable tree of constants dynamo can convert: a ShardedArray by its layout
+    token, a tensor by shape and dtype, any other leaf by value."""
+    t = type(a)
+    if t is ShardedArray:
+        return (_DESC_SHARDED, a.layout._id)
+    if isinstance(a, torch.Tensor):
+        return (_DESC_TENSOR, tuple(a.shape), a.dtype)
+    if t is tuple:
+        return tuple(_describe(v) for v in a)
+    if t is list:
+        return (_DESC_LIST, *[_describe(v) for v in a])
+    if t is dict:
+        return (_DESC_DICT, *[(k, _describe(v)) for k, v in a.items()])
+    return (_DESC_VALUE, a)
+
+
+def _stand_in(d):
+    """What :func:`_describe` described: a ShardedArray of the layout (on a meta tensor), a meta
+    tensor, or the value itself, in the same containers."""
+    kind = d[0] if d else None
+    if kind == _DESC_SHARDED:
+        lay = LAYOUT_OF_ID[d[1]]
+        return ShardedArray._raw(torch.empty(0, dtype=lay.dtype, device="meta"), lay)
+    if kind == _DESC_TENSOR:
+        return torch.empty(d[1], dtype=d[2], device="meta")
+    if kind == _DESC_VALUE:
+        return d[1]
+    if kind == _DESC_LIST:
+        return [_stand_in(v) for v in d[1:]]
+    if kind == _DESC_DICT:
+        return {k: _stand_in(v) for k, v in d[1:]}
+    return tuple(_stand_in(v) for v in d)
+
+
+def _plan_described(func, desc) -> tuple:
+    """``(compiled, paths, tree)`` for a call described by :func:`_describe`: the plan, where
+    each of its leaves sits in ``(args, kwargs)``, and its tree (``_NESTED``: substitute)."""
+    args, kwargs = _stand_in(desc)
+    paths = _leaf_paths((args, kwargs))
+    leaves = [_at((args, kwargs), p) for p in paths]
+    flat = all(len(p) == 2 for p in paths)
+    if flat and func not in _FLOAT_VALUED:
+        names = tuple(sorted(kwargs))
+        tree = (len(args), names) if names else None
+        key = (func, tree, *[_leaf_key(a) for a in leaves])
+        compiled = _CACHE.get(key) or _remember(_CACHE, key, _compile(func, leaves, tree))
+        return compiled, paths, tree
+    spec_leaves, spec = optree.tree_flatten(
+        (args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True
+    )
+    key = (func, spec, *[a if type(a) is float else _leaf_key(a) for a in spec_leaves])
+    compiled = _CACHE.get(key) or _remember(_CACHE, key, _compile(func, spec_leaves, spec))
+    return compiled, paths, _NESTED
+
+
+def _leaf_paths(both) -> list[tuple]:
+    """Paths (indices and keys) of the leaves of ``(args, kwargs)``, in optree's flatten order
+    (dict keys sorted), the order of a plan's leaves; positional then keyword (sorted) when flat."""
+    out = []
+
+    def walk(a, path):
+        t = type(a)
+        if t is tuple or t is list:
+            for i, v in enumerate(a):
+                walk(v, (*path, i))
+        elif t is dict:
+            for k in sorted(a):
+                walk(a[k], (*path, k))
+        else:
+            out.append(path)
+
+    walk(both, ())
+    return out
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _substitute(tree, paths, values):
+    """``tree`` with the leaf at ``paths[i]`` replaced by ``values[i]``."""
+    at = dict(zip(paths, values))
+
+    def walk(a, path):
+        if path in at:
+            return at[path]
+        t = type(a)
+        if t is tuple or t is list:
+            return t(walk(v, (*path, i)) for i, v in enumerate(a))
+        if t is dict:
+            return {k: walk(v, (*path, k)) for k, v in a.items()}
+        return a
+
+    return walk(tree, ())
 
 
 def _unary_runner(c: _Compiled, args, kwargs):
@@ -380,6 +504,8 @@ def _unflatten(tree, leaves):
     if type(tree) is tuple:
         n, names = tree
         return tuple(leaves[:n]), dict(zip(names, leaves[n:]))
+    if callable(tree):  # under torch.compile: see _traced_dispatch
+        return tree(leaves)
     return optree.tree_unflatten(tree, leaves)
 
 
@@ -540,7 +666,7 @@ class _Compiled:
         return self
 
     def run_general(self, leaves, tree):
-        if self.comm and config._STRICT.get():
+        if self.comm and _strict():
             raise strict_error(self.name, self.inputs, self.comm)
         if self.trivial:
             locs = [a.local if type(a) is ShardedArray else a for a in leaves]
@@ -564,6 +690,14 @@ class _Compiled:
             args, kwargs = _unflatten(tree, locs)
             result = self.fn(*args, **kwargs)
         return _wrap(result, self.out)
+
+
+def _strict() -> bool:
+    return config._STRICT.get()
+
+
+# Under torch.compile the setting at trace time (dynamo cannot read a ContextVar).
+_strict._dynamo_marked_constant = True
 
 
 def _runs_as_is(c: _Compiled) -> bool:
