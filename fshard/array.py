@@ -283,6 +283,17 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
         )
     if not isinstance(local, torch.Tensor):  # optree/torch utilities put placeholders here
         return ShardedArray._raw(local, layout)
+    if layout.partial and torch.compiler.is_dynamo_compiling():
+        # torch.func.grad rebuilds its inputs here. Under dynamo a partial input cannot be told
+        # from a partial intermediate (lax._is_grad_leaf), so its gradient would miss the Claim
+        # and come back summed over the partial axes: refuse instead of a wrong number.
+        raise NotImplementedError(
+            f"a ShardedArray with pending sums over {layout.partial} ({layout}) passed through "
+            "a pytree while torch.compile traces: differentiating or tree-mapping a partial "
+            "value inside compiled code is not supported. Reduce it first "
+            "(fs.reshard(x, spec_without_partial)) outside the compiled function, or run this "
+            "part eagerly"
+        )
     extra = local.dim() - layout.ndim
     if extra:
         layout = _relayout_for_rank_change(layout, local, extra)

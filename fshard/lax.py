@@ -270,7 +270,7 @@ def _is_grad_leaf(t: torch.Tensor) -> bool:
     While dynamo traces: never. It cannot tell (``grad_fn`` of an intermediate is refused,
     ``is_leaf`` reads False for torch.func.grad's inputs), and partial values in compiled code
     are the intermediates of op rules (a row-parallel matmul); differentiating a partial-layout
-    *input* there is refused by :func:`fshard.value_and_grad` and unsupported otherwise."""
+    *input* there is refused where the pytree rebuilds it (``array._unflatten``)."""
     if _dynamo_compiling():
         return False
     while True:

@@ -388,3 +388,32 @@ def test_lowerings_agree(world2):
     big = 2 * _comm.BROADCAST_GATHER_BYTES
     want = [("reduce_scatter", nb), ("reduce_scatter", nb), ("all_gather", nb), ("all_gather", big)]
     assert got == [(True, want), (True, want)]
+
+
+def partial_input_refused_under_compile():
+    """A partial-layout input to a compiled torch.func.grad: fullgraph raises naming the pending
+    sums; without fullgraph dynamo falls back to eager and the gradient equals eager fshard's
+    (which test_transforms checks against dense). Before, the compiled gradient came back
+    summed over the partial axis (2x here), silently."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    local = _gen(dist.get_rank(), 2, 3)
+    p = fs.from_local(local, mesh, fs.P(None, None, partial=("x",)), shape=(2, 3))
+
+    def loss(p):
+        return fs.reshard(p, fs.P(None, None)).local.pow(2).sum()
+
+    want = grad(loss)(p)
+    try:
+        torch.compile(grad(loss), fullgraph=True, backend="aot_eager")(p)
+        refused = False
+    except Exception as e:
+        refused = "pending sums over ('x',)" in str(e)
+    torch._dynamo.reset()
+    got = torch.compile(grad(loss), backend="aot_eager")(p)
+    assert got.layout == want.layout
+    torch.testing.assert_close(got.local, want.local)
+    return refused
+
+
+def test_partial_input_refused_under_compile(world2):
+    assert world2.run(partial_input_refused_under_compile) == [True, True]
