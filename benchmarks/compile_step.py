@@ -43,22 +43,15 @@ from fshard.array import ShardedArray
 _BACKEND_ENV = "FSHARD_BENCH_COMPILE_BACKEND"  # main sets it; the rank processes inherit it
 
 
-class _FuncolAllReduce(torch.autograd.Function):
-    """The anchor's collective: functional all_reduce forward, identity backward."""
+class _FuncolAllReduce(_AllReduce):
+    """The anchor's collective: train_step's all_reduce with the functional collective forward
+    (identity backward inherited)."""
 
     @staticmethod
     def forward(x):
         from torch.distributed import _functional_collectives as funcol
 
         return funcol.all_reduce(x, "sum", dist.group.WORLD)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 ANCHOR = "funcol anchor, compiled (fullgraph)"
