@@ -1,6 +1,6 @@
 """Compiled training steps on 2 local Gloo ranks (1 thread each), printed as a rich table.
 
-    python benchmarks/compile_step.py [--reps 5] [--steps 10] [--backend inductor]
+    python benchmarks/compile_step.py [--reps 11] [--steps 10] [--backend inductor]
 
 Tensor-parallel MLP 1024 -> 4096 -> 1024, batch 64, fwd + bwd + SGD (the TP setup of
 ``benchmarks/train_step.py``), every step a pure function returning new parameters:
@@ -207,7 +207,7 @@ def _eager_over_compiled(times, eager: str, compiled: str) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     a = ap.parse_args(argv)
