@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _comm, lax
+from . import _comm, _export, lax
 from .mesh import AxisGroup
 
 __all__ = ["value_and_grad", "grad"]
@@ -329,6 +329,8 @@ def value_and_grad(
     @functools.wraps(f)
     def run(*args, **kwargs):
         nums = _check_argnums(argnums, len(args))
+        if _export.exporting():  # torch.func.grad does not export: a make_fx graph of it does
+            return _export.value_and_grad(f, argnums, has_aux, args, kwargs)
         if (
             _comm.tracing()  # torch.compile, make_fx, export: the graph holds the reductions
             or torch._C._are_functorch_transforms_active()
