@@ -46,9 +46,12 @@ import functools
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
+
+# torch's pytree registry (the nodes torch.func.grad sees, ShardedArray included), walked in C++
+import torch.utils._cxx_pytree as pytree
 
 from . import _comm, lax
+from .array import ShardedArray, is_sharded
 from .mesh import AxisGroup
 
 __all__ = ["value_and_grad", "grad"]
@@ -243,31 +246,46 @@ class _Reducer:
 
 
 def _requires_grad(tree) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(tree))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_iter(tree))
 
 
 def _detach(tree):
+    if tree is None:
+        return None
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
+def _fresh_leaves(i: int, arg) -> tuple[list[torch.Tensor], list, object]:
+    """Argument ``i`` flattened once (ShardedArrays as leaves): its tensors detached into fresh
+    leaves that require grad, each leaf's layout (``None`` for a plain tensor), and the
+    argument rebuilt on the fresh leaves (ShardedArrays rebuilt directly: no pytree callback)."""
+    leaves, spec = pytree.tree_flatten(arg, is_leaf=is_sharded)
+    tensors, layouts, rebuilt = [], [], []
+    for j, x in enumerate(leaves):
+        layout = x.layout if type(x) is ShardedArray else None
+        t = x.local if layout is not None else x
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(
+                f"value_and_grad: argument {i} leaf {j} is "
+                f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}; "
+                "differentiated arguments must be pytrees of floating-point tensors or "
+                "ShardedArrays (pass the others as arguments not in argnums)"
+            )
+        t = t.detach().requires_grad_()
+        tensors.append(t)
+        layouts.append(layout)
+        rebuilt.append(t if layout is None else ShardedArray._raw(t, layout))
+    return tensors, layouts, (spec, pytree.tree_unflatten(rebuilt, spec))
+
+
 def _top_level(f, nums, has_aux, args, kwargs):
-    flat, specs = [], []
+    every, layouts, specs = [], [], []
     new_args = list(args)
     for i in nums:
-        leaves, spec = pytree.tree_flatten(args[i])
-        for j, t in enumerate(leaves):
-            if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
-                raise TypeError(
-                    f"value_and_grad: argument {i} leaf {j} is "
-                    f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}; "
-                    "differentiated arguments must be pytrees of floating-point tensors or "
-                    "ShardedArrays (pass the others as arguments not in argnums)"
-                )
-        leaves = [t.detach().requires_grad_() for t in leaves]
-        new_args[i] = pytree.tree_unflatten(leaves, spec)
-        flat.append(leaves)
-        specs.append(spec)
-    every = [t for leaves in flat for t in leaves]
+        tensors, lay, (spec, new_args[i]) = _fresh_leaves(i, args[i])
+        every += tensors
+        layouts += lay
+        specs.append((spec, len(tensors)))
     reducer = _Reducer(every)
     token = lax.PCAST_HOOK.set(reducer.pcast)
     try:
@@ -284,11 +302,16 @@ def _top_level(f, nums, has_aux, args, kwargs):
     finally:
         lax.PCAST_HOOK.reset(token)
         reducer.close()
-    got = [torch.zeros_like(t) if g is None else g for t, g in zip(every, got)]
+    got = [
+        g if layout is None else ShardedArray._raw(g, layout)
+        for g, layout in zip(
+            (torch.zeros_like(t) if g is None else g for t, g in zip(every, got)), layouts
+        )
+    ]
     out, k = [], 0
-    for leaves, spec in zip(flat, specs):
-        out.append(pytree.tree_unflatten(got[k : k + len(leaves)], spec))
-        k += len(leaves)
+    for spec, n in specs:
+        out.append(pytree.tree_unflatten(got[k : k + n], spec))
+        k += n
     return loss.detach(), _detach(aux), out
 
 

@@ -369,3 +369,62 @@ def test_dp_in_place_and_reused_buckets(world2):
             ("all_reduce", 8 * (OUT + H)),
             ("all_reduce", 8 * H * D),
         ]
+
+
+def trees_rank_fn():
+    """Mixed pytrees (nested dict/list/tuple/namedtuple/OrderedDict, plain tensors, ShardedArrays
+    split, replicated and partial) through the top-level path: the same structure, layouts and
+    values as torch.func.grad_and_value of the same function, and the dense gradient."""
+    from collections import OrderedDict, namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    mesh = fs.Mesh.create((2,), ("tp",))
+    torch.manual_seed(0)
+    full = {k: torch.randn(4, 6, dtype=torch.float64) for k in "wvu"}
+    plain = torch.randn(3, dtype=torch.float64)
+    # a partial param: rank 0 holds the value, rank 1 zeros (addends of full["u"])
+    part = fs.from_local(
+        full["u"] if mesh.rank == 0 else torch.zeros_like(full["u"]), mesh, fs.P(partial=("tp",))
+    )
+    tree = {
+        "z": [fs.shard(full["w"], mesh, fs.P("tp", None)), plain],
+        "a": Pair(fs.shard(full["v"], mesh, fs.P(None, "tp")), OrderedDict(q=part, p=plain * 2)),
+    }
+
+    def f(t, s):
+        w, v = fs.gather(t["z"][0]), fs.gather(t["a"].a)
+        u = fs.gather(fs.reshard(t["a"].b["q"], fs.P()))
+        return (w * v).sum() * s + (u**2).sum() + (t["z"][1] * t["a"].b["p"]).sum()
+
+    def dense(t, s):
+        return (t["w"] * t["v"]).sum() * s + (t["u"] ** 2).sum() + (t["x"] * t["y"]).sum()
+
+    s = torch.tensor(1.5, dtype=torch.float64)
+    v, g = fs.value_and_grad(f)(tree, s)
+    g_ref, v_ref = torch.func.grad_and_value(f)(tree, s)
+    assert torch.equal(v, v_ref)
+
+    def sharded(x):
+        return isinstance(x, fs.ShardedArray)
+
+    flat, spec = fs.tree_flatten(g, is_leaf=sharded)
+    flat_ref, spec_ref = fs.tree_flatten(g_ref, is_leaf=sharded)
+    assert sum(map(sharded, flat)) == 3
+    assert spec == spec_ref and type(g["a"]) is Pair and list(g["a"].b) == ["q", "p"]
+    for a, b in zip(flat, flat_ref):
+        assert type(a) is type(b)
+        if isinstance(a, fs.ShardedArray):
+            assert a.layout == b.layout
+            a, b = a.local, b.local
+        assert torch.equal(a, b)
+    gd = torch.func.grad(dense)({**full, "x": plain, "y": plain * 2}, s)
+    torch.testing.assert_close(fs.gather(g["z"][0]), gd["w"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(fs.gather(g["a"].a), gd["v"], rtol=0, atol=1e-12)
+    assert g["a"].b["q"].layout == part.layout
+    torch.testing.assert_close(fs.gather(fs.reshard(g["a"].b["q"], fs.P())), gd["u"])
+    torch.testing.assert_close(g["z"][1], gd["x"])
+    return True
+
+
+def test_pytrees_match_torch_func(world2):
+    assert world2.run(trees_rank_fn) == [True, True]
