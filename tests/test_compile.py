@@ -330,10 +330,21 @@ def _whole_step_case(kind, mesh):
     return full, params, loss, dense_losses, batches
 
 
+class _AsModule(torch.nn.Module):
+    """``fn`` as a module's forward (torch.export takes modules)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def whole_step(kind, how):
     """grad (fs.value_and_grad) + fs.optim.adamw + apply_updates as one step compiled with
-    fullgraph=True or traced by make_fx, run for 3 steps on new batches, against torch.func-free
-    dense autograd and torch.optim.AdamW on full tensors."""
+    fullgraph=True or traced by make_fx or torch.export, run for 3 steps on new batches,
+    against torch.func-free dense autograd and torch.optim.AdamW on full tensors."""
     mesh = fs.Mesh.create((2,), ("tp",))
     full, params, loss, dense_losses, batches = _whole_step_case(kind, mesh)
     tx = fs.optim.adamw(1e-2, weight_decay=0.1)
@@ -348,6 +359,10 @@ def whole_step(kind, how):
 
         counter = CompileCounterWithBackend("aot_eager")
         f = torch.compile(step, fullgraph=True, backend=counter)
+    elif how == "export":  # non-strict torch.export (tests/test_export.py)
+        f = torch.export.export(
+            _AsModule(step), (params, tx.init(params), *batches[0]), strict=False
+        ).module()
     else:
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -365,7 +380,11 @@ def whole_step(kind, how):
         for k, v in ps.items():
             assert v.layout == params[k].layout
             torch.testing.assert_close(fs.gather(v), dense[k].detach())
-    return counter.frame_count if how == "compile" else "_c10d_functional.wait_tensor" in f.code
+    if how == "compile":
+        return counter.frame_count
+    if how == "export":  # the reductions are in the graph: (all_reduces, waits)
+        return f.code.count("_c10d_functional.all_reduce."), f.code.count("wait_tensor.")
+    return "_c10d_functional.wait_tensor" in f.code
 
 
 def test_whole_step_adamw_compiles_fullgraph(world2):
