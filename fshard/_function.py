@@ -45,6 +45,8 @@ from torch.autograd import forward_ad
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 
+from ._export import check_no_grad_transform
+
 _LEVEL_KEYS = (TransformType.Grad, TransformType.Jvp)
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # False in eager, for the cost of a call
 _APPLY = torch._C._FunctionBase.__dict__["apply"]  # the C++ apply, unbound
@@ -61,6 +63,7 @@ def call(fn: type[torch.autograd.Function], *args):
         return traced_apply(fn, *args)  # pass a Function with a jvp through traced() first
     if not torch._C._are_functorch_transforms_active():
         return _base_apply(fn, *args)
+    check_no_grad_transform(fn.__name__)
     top = peek_interpreter_stack()
     if top.key() not in _LEVEL_KEYS:
         return fn.apply(*args)
@@ -93,6 +96,8 @@ def traced_apply(fn: type[torch.autograd.Function], x: torch.Tensor, *args):
     reports the truth.
     """
     levels = _compiled_levels()
+    if levels:
+        check_no_grad_transform(fn.__name__)
     if levels and levels != ("Grad",):
         raise NotImplementedError(
             f"fshard collectives under torch.compile support no transform or one "

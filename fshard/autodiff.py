@@ -50,7 +50,7 @@ import torch
 # torch's pytree registry (the nodes torch.func.grad sees, ShardedArray included), walked in C++
 import torch.utils._cxx_pytree as pytree
 
-from . import _comm, lax
+from . import _comm, _export, lax
 from .array import ShardedArray, is_sharded
 from .mesh import AxisGroup
 
@@ -352,6 +352,8 @@ def value_and_grad(
     @functools.wraps(f)
     def run(*args, **kwargs):
         nums = _check_argnums(argnums, len(args))
+        if _export.exporting():  # torch.func.grad does not export: a make_fx graph of it does
+            return _export.value_and_grad(f, argnums, has_aux, args, kwargs)
         if (
             _comm.tracing()  # torch.compile, make_fx, export: the graph holds the reductions
             or torch._C._are_functorch_transforms_active()

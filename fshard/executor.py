@@ -20,10 +20,10 @@ from .lax import (
     AllGather,
     AllToAll,
     LocalSlice,
-    Pcast,
     Ppermute,
     Psum,
     PsumScatter,
+    ZeroOthers,
     apply,
     claim_partial_leaf,
 )
@@ -52,16 +52,6 @@ def check_plain_tensor(t: torch.Tensor, where: str) -> None:
         )
 
 
-class _ZeroOthers:
-    """R -> P on ``group``: pcast, then keep the value on the first rank only (backward: psum)."""
-
-    def __init__(self, group):
-        self.pcast, self.keep = Pcast(group), 1.0 if group.index == 0 else 0.0
-
-    def __call__(self, x):
-        return apply(self.pcast, x) * self.keep
-
-
 def _compile_step(step: Step):
     """The op that runs one planned step on a local tensor (differentiable)."""
     src, dst, mesh = step.src, step.dst, step.src.mesh
@@ -69,7 +59,7 @@ def _compile_step(step: Step):
         return _GatherBlocks(src)
     g = mesh.group(step.axes)
     if step.op == "zero":
-        return _ZeroOthers(g)
+        return ZeroOthers(g)
     if step.op == "ppermute":
         me = mesh.rank
         return Ppermute(g, step.perm, src.local_shape(me), dst.local_shape(me))
@@ -170,5 +160,5 @@ def reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
         ops, out = _program(x.layout, spec)
     local = claimed_local(x)
     for op in ops:
-        local = op(local) if isinstance(op, (_ZeroOthers, _GatherBlocks)) else apply(op, local)
+        local = op(local) if isinstance(op, _GatherBlocks) else apply(op, local)
     return ShardedArray._raw(local, out)

@@ -22,6 +22,12 @@ A value is, per mesh axis, *invariant* (I: the same on every rank of the axis) o
     all_to_all(split a, b)   V -> V    all_to_all           all_to_all(split b, concat a)
     ppermute(perm)           V -> V    send/recv            ppermute(inverse perm)
     pmax / pmin              V -> I    all_reduce(max/min)  mask ties, psum of the mask
+    zero_others (R -> P)     I -> P    none (zeros on all   identity         (no comm)
+                                       ranks but the first)
+
+A partial value's cotangent is invariant (DESIGN §4: every addend enters the sum with weight
+one), so the transpose of reshard's R -> P step is the identity; JAX's spelling of the step,
+``pcast`` then a mask, would ``psum`` the masked cotangents back to that same tensor.
 
 Inside :func:`fshard.shard_map` the axis names refer to the shard_map's mesh; elsewhere pass
 ``mesh=``. Inside a shard_map body each local tensor also carries its *varying axes* (tracked by
@@ -212,6 +218,47 @@ class Scale:
 
     def transpose(self):
         return self
+
+    def batched(self, batch: int):
+        return self
+
+
+@dataclass(frozen=True, eq=False)
+class ZeroOthers:
+    """Replicated -> partial over ``group`` (reshard's ``zero`` step): the group's first rank
+    keeps the value, the others hold zeros (not ``x * 0``, which turns an ``inf`` into ``nan``),
+    so the addends sum to it with no communication.
+
+    Backward: the identity (:class:`PartialCotangent`). The cotangent of a partial value is
+    invariant (as :class:`Claim` also relies on), and the sum of the addends depends on the
+    replicated input with weight one. Its jvp is itself (linear) and its double backward
+    :class:`ZeroOthers` again, as for ``pcast`` then a mask.
+    """
+
+    group: AxisGroup
+
+    def run(self, x):
+        return x.view_as(x) if self.group.index == 0 else torch.zeros_like(x)
+
+    def transpose(self):
+        return PartialCotangent(self.group)
+
+    def batched(self, batch: int):
+        return self
+
+
+@dataclass(frozen=True, eq=False)
+class PartialCotangent:
+    """The backward of :class:`ZeroOthers`: a partial value's (invariant) cotangent is the
+    replicated input's cotangent as it is."""
+
+    group: AxisGroup
+
+    def run(self, x):
+        return x.view_as(x)
+
+    def transpose(self):
+        return ZeroOthers(self.group)
 
     def batched(self, batch: int):
         return self

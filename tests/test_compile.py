@@ -204,12 +204,34 @@ class _MLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+def _graph_ops(fn):
+    """``fn`` compiled (fullgraph, AOTAutograd like ``aot_eager``) and a Counter of the ops in
+    the graphs it builds (``"_c10d_functional.all_reduce.default"``, ...); ``"graphs"`` counts
+    the graphs."""
+    from collections import Counter
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops = Counter()
+
+    def record(gm, _):
+        ops["graphs"] += 1
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    return torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record)), ops
+
+
+_MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+
 def compiled_global_view():
     """A global-view step: fs.nn.functional_call of a Megatron-sharded module through the op
     rules (a partial row-parallel output resharded by the plan's Output), torch.func.grad and
-    an SGD tree_map, compiled with fullgraph=True; 2 steps on new batches, fed back."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
+    an SGD tree_map, compiled with fullgraph=True; 2 steps on new batches, fed back. Its graph
+    holds the collectives and matmuls of the same step written in the local view (one forward
+    all_reduce; the row-parallel bias's gradient needs none)."""
     mesh = fs.Mesh.create((2,), ("tp",))
     torch.manual_seed(0)
     model = _MLP().double()
@@ -222,11 +244,21 @@ def compiled_global_view():
     def step(ps, x, y):
         return fs.tree_map(lambda p, g: p - 0.1 * g, ps, grad(loss)(ps, x, y))
 
+    def local_loss(ps, x, y):
+        h = F.gelu(F.linear(lax.pcast(x, "tp", mesh=mesh), ps["fc1.weight"], ps["fc1.bias"]))
+        out = lax.psum(F.linear(h, ps["fc2.weight"]), "tp", mesh=mesh) + ps["fc2.bias"]
+        return ((out - y) ** 2).mean()
+
+    def local_step(ps, x, y):
+        return {
+            k: p - 0.1 * g for (k, p), g in zip(ps.items(), grad(local_loss)(ps, x, y).values())
+        }
+
     def dense_loss(p, x, y):
         return ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean()
 
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    compiled, ops = _graph_ops(step)
+    compiled_local, local_ops = _graph_ops(local_step)
     dense = {k: fs.gather(v) for k, v in params.items()}
     ps = eager = params
     for i in range(2):
@@ -241,13 +273,23 @@ def compiled_global_view():
             assert v.layout == params[k].layout
             torch.testing.assert_close(v.local, eager[k].local)
             torch.testing.assert_close(fs.gather(v), dense[k])
-    return counter.frame_count
+    got = compiled_local({k: v.local for k, v in params.items()}, x.local, y.local)
+    g = grad(loss)(params, x, y)  # the local view's step, compiled for its graph, checked too
+    for k, v in got.items():
+        torch.testing.assert_close(v, params[k].local - 0.1 * g[k].local)
+    comm = {k: n for k, n in ops.items() if k.startswith("_c10d_functional")}
+    local_comm = {k: n for k, n in local_ops.items() if k.startswith("_c10d_functional")}
+    matmuls = [sum(o[k] for k in _MATMULS) for o in (ops, local_ops)]
+    return ops["graphs"], comm == local_comm, comm, matmuls
 
 
 def test_global_view_step_compiles_fullgraph(world2):
     """ShardedArrays through the op rules compile: each op's plan is a trace-time constant
-    (guarded by layout tokens), the graph holds its local program; one graph for 2 steps."""
-    assert world2.run(compiled_global_view) == [1, 1]
+    (guarded by layout tokens), the graph holds its local program; one graph for 2 steps, with
+    the collectives and matmuls of the local view (the R -> P bias of the row-parallel linear
+    used to add a backward all_reduce)."""
+    comm = {"_c10d_functional.all_reduce.default": 1, "_c10d_functional.wait_tensor.default": 1}
+    assert world2.run(compiled_global_view) == [(1, True, comm, [5, 5])] * 2
 
 
 def _whole_step_case(kind, mesh):
@@ -288,10 +330,21 @@ def _whole_step_case(kind, mesh):
     return full, params, loss, dense_losses, batches
 
 
+class _AsModule(torch.nn.Module):
+    """``fn`` as a module's forward (torch.export takes modules)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def whole_step(kind, how):
     """grad (fs.value_and_grad) + fs.optim.adamw + apply_updates as one step compiled with
-    fullgraph=True or traced by make_fx, run for 3 steps on new batches, against torch.func-free
-    dense autograd and torch.optim.AdamW on full tensors."""
+    fullgraph=True or traced by make_fx or torch.export, run for 3 steps on new batches,
+    against torch.func-free dense autograd and torch.optim.AdamW on full tensors."""
     mesh = fs.Mesh.create((2,), ("tp",))
     full, params, loss, dense_losses, batches = _whole_step_case(kind, mesh)
     tx = fs.optim.adamw(1e-2, weight_decay=0.1)
@@ -306,6 +359,10 @@ def whole_step(kind, how):
 
         counter = CompileCounterWithBackend("aot_eager")
         f = torch.compile(step, fullgraph=True, backend=counter)
+    elif how == "export":  # non-strict torch.export (tests/test_export.py)
+        f = torch.export.export(
+            _AsModule(step), (params, tx.init(params), *batches[0]), strict=False
+        ).module()
     else:
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -323,7 +380,11 @@ def whole_step(kind, how):
         for k, v in ps.items():
             assert v.layout == params[k].layout
             torch.testing.assert_close(fs.gather(v), dense[k].detach())
-    return counter.frame_count if how == "compile" else "_c10d_functional.wait_tensor" in f.code
+    if how == "compile":
+        return counter.frame_count
+    if how == "export":  # the reductions are in the graph: (all_reduces, waits)
+        return f.code.count("_c10d_functional.all_reduce."), f.code.count("wait_tensor.")
+    return "_c10d_functional.wait_tensor" in f.code
 
 
 def test_whole_step_adamw_compiles_fullgraph(world2):

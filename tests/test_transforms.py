@@ -75,6 +75,30 @@ def test_reshard_differentiable_1d(world2):
     assert world2.run(reshard_contract, (2,), ("x",), cases) == [True, True]
 
 
+def replicated_to_partial():
+    """R -> P keeps the value on the first rank and zeros elsewhere; its backward is the
+    identity (a partial value's cotangent is invariant), so grad through it logs only the
+    forward all_reduce of the gather; an inf stays inf (zeros, not x * 0)."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    T, W = _gen(0, 6, 4), _gen(1, 6, 4)
+    T[2, 1] = float("inf")
+    x = fs.shard(T, mesh, P())
+
+    def f(x_):
+        return (fs.gather(fs.reshard(x_, P(partial="x"))) * W).sum()
+
+    assert torch.equal(fs.gather(fs.reshard(x, P(partial="x"))), T)
+    with fs.debug.comm_log() as log:
+        g = grad(f)(x)
+    assert g.layout == x.layout
+    assert torch.equal(g.local, W)  # d/dT (T * W).sum(), the full gradient on every rank
+    return [(r.op, r.nbytes) for r in log]
+
+
+def test_replicated_to_partial_backward_is_free(world2):
+    assert world2.run(replicated_to_partial) == [[("all_reduce", 6 * 4 * 8)]] * 2
+
+
 def test_reshard_differentiable_2x2(world4):
     cases = [
         (P("a", "b"), P("b", "a")),  # block permutation
