@@ -67,6 +67,37 @@ def test_sgd_step_export_tp_and_dp(world2):
         assert world2.run(exported_sgd_step, kind) == [([(True, False)], {})] * 2
 
 
+def exported_dynamic_batch():
+    """The TP step exported with a dynamic batch size (``torch.export.Dim``) on a batch of 4,
+    replayed on batches of 6 and 3: equal to the eager step and dense torch.func."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    full, params, loss, dense_losses, batches = _whole_step_case("tp", mesh)
+
+    def step(ps, x, y):
+        value, g = fs.value_and_grad(loss)(ps, x, y)
+        return fs.tree_map(lambda p, d: p - 0.1 * d, ps, g), value
+
+    b = torch.export.Dim("batch", min=2, max=64)
+    shapes = ({k: [None] for k in params}, {0: b}, {0: b})  # a ShardedArray: its [local]
+    ep = torch.export.export(
+        _AsModule(step), (params, *batches[0]), strict=False, dynamic_shapes={"args": shapes}
+    )
+    for n in (6, 3):
+        x, y = _gen(50 + n, n, 8), _gen(60 + n, n, 8)
+        (ps, value), (eager, eager_value) = ep.module()(params, x, y), step(params, x, y)
+        dg = grad(lambda p, x=x, y=y: dense_losses(p, x, y)[0])(full)
+        torch.testing.assert_close(value, eager_value)
+        torch.testing.assert_close(value, dense_losses(full, x, y)[0])
+        for k, v in ps.items():
+            torch.testing.assert_close(v.local, eager[k].local)
+            torch.testing.assert_close(fs.gather(v), full[k] - 0.1 * dg[k])
+    return True
+
+
+def test_dynamic_batch_export(world2):
+    assert world2.run(exported_dynamic_batch) == [True, True]
+
+
 def exported_global_view():
     """fs.nn.functional_call of a Megatron-sharded MLP (op rules, a partial row-parallel output
     resharded by the plan) + fs.value_and_grad + SGD, exported non-strict: equal to the eager
