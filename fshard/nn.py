@@ -422,7 +422,8 @@ def megatron_plan(
             ``Conv1D`` ``(in, out)``: ``P(None, axis)``), the bias ``P(axis)``; their outputs
             are sharded on the last dim.
         row: globs of row-parallel layers (attention out-proj, fc2): the weight is split on
-            in-features; the bias stays replicated (added once after the reduction).
+            in-features; the bias stays replicated (added once, by the first rank's addend of
+            the pending sum; its gradient needs no collective).
         vocab: globs of vocab-parallel Embeddings: the weight ``(vocab, dim)`` is ``P(axis)``.
         axis: the tensor-parallel mesh axis.
         bias: whether the column-parallel layers have a bias (its pattern must match).
