@@ -239,9 +239,9 @@ class _Reducer:
         return out
 
     def close(self) -> None:
-        """Drop every tensor this call held. The reducer itself may outlive the call (the
-        context variable's cache keeps the last hook until its next lookup): what it held
-        must not, or each step's gradients stay alive into the next one (fresh pages)."""
+        """Drop every tensor this call held. The reducer object itself may outlive the call for
+        a moment (a reference released after the call returns): what it held must not, or
+        each step's gradients stay alive into the next one (fresh pages)."""
         self.leaves, self.index, self.entries, self.buckets, self.slot = [], {}, [], [], {}
 
 
@@ -255,14 +255,15 @@ def _detach(tree):
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _fresh_leaves(i: int, arg) -> tuple[list[torch.Tensor], list, object]:
+def _fresh_leaves(i: int, arg) -> tuple[list[torch.Tensor], list, object, object]:
     """Argument ``i`` flattened once (ShardedArrays as leaves): its tensors detached into fresh
-    leaves that require grad, each leaf's layout (``None`` for a plain tensor), and the
-    argument rebuilt on the fresh leaves (ShardedArrays rebuilt directly: no pytree callback)."""
+    leaves that require grad, each leaf's layout (``None`` for a plain tensor), the tree spec,
+    and the argument rebuilt on the fresh leaves (ShardedArrays rebuilt directly: no pytree
+    callback)."""
     leaves, spec = pytree.tree_flatten(arg, is_leaf=is_sharded)
     tensors, layouts, rebuilt = [], [], []
     for j, x in enumerate(leaves):
-        layout = x.layout if type(x) is ShardedArray else None
+        layout = x.layout if is_sharded(x) else None
         t = x.local if layout is not None else x
         if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
             raise TypeError(
@@ -275,14 +276,14 @@ def _fresh_leaves(i: int, arg) -> tuple[list[torch.Tensor], list, object]:
         tensors.append(t)
         layouts.append(layout)
         rebuilt.append(t if layout is None else ShardedArray._raw(t, layout))
-    return tensors, layouts, (spec, pytree.tree_unflatten(rebuilt, spec))
+    return tensors, layouts, spec, pytree.tree_unflatten(rebuilt, spec)
 
 
 def _top_level(f, nums, has_aux, args, kwargs):
     every, layouts, specs = [], [], []
     new_args = list(args)
     for i in nums:
-        tensors, lay, (spec, new_args[i]) = _fresh_leaves(i, args[i])
+        tensors, lay, spec, new_args[i] = _fresh_leaves(i, args[i])
         every += tensors
         layouts += lay
         specs.append((spec, len(tensors)))
@@ -302,15 +303,13 @@ def _top_level(f, nums, has_aux, args, kwargs):
     finally:
         lax.PCAST_HOOK.reset(token)
         reducer.close()
-    got = [
-        g if layout is None else ShardedArray._raw(g, layout)
-        for g, layout in zip(
-            (torch.zeros_like(t) if g is None else g for t, g in zip(every, got)), layouts
-        )
-    ]
+    grads = []
+    for t, g, layout in zip(every, got, layouts):
+        g = torch.zeros_like(t) if g is None else g
+        grads.append(g if layout is None else ShardedArray._raw(g, layout))
     out, k = [], 0
     for spec, n in specs:
-        out.append(pytree.tree_unflatten(got[k : k + n], spec))
+        out.append(pytree.tree_unflatten(grads[k : k + n], spec))
         k += n
     return loss.detach(), _detach(aux), out
 

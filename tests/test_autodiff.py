@@ -410,8 +410,7 @@ def trees_rank_fn():
     g_ref, v_ref = torch.func.grad_and_value(f)(tree, s)
     assert torch.equal(v, v_ref)
 
-    def sharded(x):
-        return isinstance(x, fs.ShardedArray)
+    from fshard.array import is_sharded as sharded
 
     flat, spec = fs.tree_flatten(g, is_leaf=sharded)
     flat_ref, spec_ref = fs.tree_flatten(g_ref, is_leaf=sharded)
