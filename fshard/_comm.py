@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import _compat
 from .consistency import check_collective as _consistent
 from .mesh import AxisGroup
 
@@ -124,15 +125,6 @@ def tracing() -> bool:
     )
 
 
-def _funcol():
-    """The functional collectives (imported on first trace). Callers pass detached tensors:
-    these are raw collectives, as in eager (fshard's Functions define their gradients), and
-    the ops' own autograd kernels fail under ``torch.func.grad`` in dynamo."""
-    from torch.distributed import _functional_collectives
-
-    return _functional_collectives
-
-
 def all_gather(
     t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
 ) -> torch.Tensor:
@@ -159,9 +151,9 @@ def _gather_wire(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     big = big is not None and nbytes(x) >= big
     if tracing():
         if not big:
-            return _funcol().all_gather_single(x.detach(), 0, g.pg)
+            return _compat.funcol_all_gather(x.detach(), g.pg)
         # the functional broadcast takes the source's rank inside the group
-        return torch.cat([_funcol().broadcast(x.detach(), k, g.pg) for k in range(g.size)])
+        return torch.cat([_compat.funcol().broadcast(x.detach(), k, g.pg) for k in range(g.size)])
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
     if big:
         blocks = out.view(g.size, *x.shape)
@@ -169,7 +161,7 @@ def _gather_wire(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         for k, src in enumerate(_group_rank_order(g)):
             dist.broadcast(blocks[k], src=src, group=g.pg)
     else:
-        dist.all_gather_single(out, x, group=g.pg)
+        _compat.all_gather_into(out, x, group=g.pg)
     return out
 
 
@@ -204,7 +196,7 @@ def all_reduce_start(
     _consistent("all_reduce", g, t, reduce=op, shape=tuple(t.shape))
     record("all_reduce", g.axes, nbytes(t))
     if tracing():
-        return _funcol().all_reduce(t.detach(), op, g.pg), None
+        return _compat.funcol().all_reduce(t.detach(), op, g.pg), None
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     return out, dist.all_reduce(out, _REDUCE_OPS[op], group=g.pg, async_op=True)
 
@@ -219,7 +211,7 @@ def _exchange(pieces: list[torch.Tensor], g: AxisGroup) -> torch.Tensor:
 def _exchange_stacked(send: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``send`` is ``[n, ...]`` in group-rank order; returns ``[n, ...]`` in chunk order."""
     if tracing():
-        recv = _funcol().all_to_all_single(send.detach(), None, None, g.pg)
+        recv = _compat.funcol().all_to_all_single(send.detach(), None, None, g.pg)
     else:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=g.pg)
@@ -260,10 +252,10 @@ def reduce_scatter(
     if lowering(g).reduce_scatter_via_all_to_all:
         mine = _exchange_stacked(send, g).sum(0)
     elif tracing():
-        mine = _funcol().reduce_scatter_single(send.flatten(0, 1).detach(), "sum", 0, g.pg)
+        mine = _compat.funcol_reduce_scatter(send.flatten(0, 1).detach(), g.pg)
     else:
         mine = send.new_empty(send.shape[1:])
-        dist.reduce_scatter_tensor(mine, send.flatten(0, 1), group=g.pg)
+        _compat.reduce_scatter_into(mine, send.flatten(0, 1), group=g.pg)
     return mine[: sizes[g.index]].movedim(0, dim)
 
 
@@ -356,7 +348,7 @@ def _ppermute_traced(t, g: AxisGroup, perm, out_shape: tuple) -> torch.Tensor:
             send[g.group_rank[dst]] = n_in
         if dst == me:
             recv[g.group_rank[src]] = n_out
-    got = _funcol().all_to_all_single(t.reshape(-1).detach(), recv, send, g.pg)
+    got = _compat.funcol().all_to_all_single(t.reshape(-1).detach(), recv, send, g.pg)
     if not any(recv):
         return t.new_zeros(out_shape)
     return got.view(out_shape)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from . import _compat
+
 _INNER = False  # True while value_and_grad's make_fx trace runs (export's modes suspended)
 
 #: Modules of the torch-function modes export pushes (pre-dispatch recording, non-strict
@@ -63,7 +65,7 @@ def _suspended():
 
 def exporting() -> bool:
     """Whether ``torch.export`` is tracing the caller (and not this module's inner trace)."""
-    return torch.compiler.is_exporting() and not _INNER
+    return _compat.is_exporting() and not _INNER
 
 
 def value_and_grad(f: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict):

@@ -75,9 +75,11 @@ def call(fn: type[torch.autograd.Function], *args):
         set_single_level_autograd_function_allowed(allowed)
 
 
-def _compiled_levels() -> tuple[str, ...]:
-    """The functorch transforms active while dynamo traces (outermost first)."""
-    return tuple(ci.key().name for ci in get_interpreter_stack() or ())
+def _compiled_levels() -> str:
+    """The functorch transforms active while dynamo traces, outermost first, as one string
+    (``"Grad > Vmap"``; ``""`` for none). A string, not a tuple: torch 2.11's dynamo cannot
+    guard a comparison of the tuple this constant would be."""
+    return " > ".join(ci.key().name for ci in get_interpreter_stack() or ())
 
 
 # Evaluated at trace time, its result a constant of the graph (what
@@ -98,10 +100,10 @@ def traced_apply(fn: type[torch.autograd.Function], x: torch.Tensor, *args):
     levels = _compiled_levels()
     if levels:
         check_no_grad_transform(fn.__name__)
-    if levels and levels != ("Grad",):
+    if levels and levels != "Grad":
         raise NotImplementedError(
             f"fshard collectives under torch.compile support no transform or one "
-            f"torch.func.grad, got {' > '.join(levels)} (grad of grad, vmap, jvp, jacrev: the "
+            f"torch.func.grad, got {levels} (grad of grad, vmap, jvp, jacrev: the "
             "compiled backward of a collective is not differentiable and has no batching "
             "rule); run this step eagerly, or compile only the innermost function"
         )

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._compat import freeze_key
+
 
 class _Values:
     """Attribute ``key``: the value of the call :func:`_key` numbered ``key``. A class, not a
@@ -28,7 +30,7 @@ _KEYS: dict = {}  # (fn, args) -> attribute name in _Values
 
 
 def _key(fn: Callable, args: tuple) -> str:
-    k = (fn, args)
+    k = (fn, freeze_key(args))  # slices in args hash only from Python 3.12
     name = _KEYS.get(k)
     if name is None:
         name = f"v{len(_KEYS)}"

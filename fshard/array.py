@@ -17,6 +17,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from . import _compat
 from .spec import Layout, P, ShardMetadata, _layout
 
 __all__ = ["ShardedArray"]
@@ -209,6 +210,13 @@ def _forward_operator(name: str):
     def op(self, *args):
         return _DISPATCH(tensor_op, (self, *args), _NO_KWARGS)
 
+    if name in ("__eq__", "__ne__") and not _compat.TRACES_CLASS_EQ:
+
+        def op(self, *args):  # noqa: F811 (the older dynamo's twin)
+            if isinstance(self, type):  # dynamo's `cls == other` as `cls.__eq__(other)`
+                return (self is ShardedArray) == (name == "__eq__")
+            return _DISPATCH(tensor_op, (self, *args), _NO_KWARGS)
+
     op.__name__ = name
     return op
 
@@ -288,7 +296,7 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
         # from a partial intermediate (lax._is_grad_leaf), so its gradient would miss the Claim
         # and come back summed over the partial axes: refuse instead of a wrong number.
         raise NotImplementedError(
-            f"a ShardedArray with pending sums over {layout.partial} ({layout}) passed through "
+            f"a ShardedArray with pending sums over {layout.partial} passed through "
             "a pytree while torch.compile traces: differentiating or tree-mapping a partial "
             "value inside compiled code is not supported. Reduce it first "
             "(fs.reshard(x, spec_without_partial)) outside the compiled function, or run this "

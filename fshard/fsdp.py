@@ -41,9 +41,8 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
-from . import _comm, lax
+from . import _comm, _compat, lax
 from ._leaf_errors import LeafErrors
 from .array import ShardedArray
 from .lax import PsumScatter, apply
@@ -156,7 +155,7 @@ def _gather_start(x: torch.Tensor, g: AxisGroup):
     x = x.detach().contiguous()
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
     _comm.record("all_gather", g.axes, _comm.nbytes(x))
-    return out, dist.all_gather_single(out, x, group=g.pg, async_op=True)
+    return out, _compat.all_gather_into(out, x, group=g.pg, async_op=True)
 
 
 class _Session:

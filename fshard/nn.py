@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from . import _compat
 from ._leaf_errors import LeafErrors
 from .api import gather, reshard, shard
 from .array import ShardedArray
@@ -123,6 +124,13 @@ def shard_params(
             x = ShardedArray._raw(x.local.clone(), x.layout)
         out[name] = x
     _OUTPUTS[module] = outputs
+    if not _compat.TRACES_ATTRIBUTE_DELETE:
+        # functional_call leaves these modules' ``forward`` bound on the instance under an
+        # older dynamo (it cannot delete it): bind it now, so the first compiled call sees the
+        # state every later one does (no recompile on the second step)
+        for name in outputs:
+            sub = module.get_submodule(name)
+            sub.__dict__.setdefault("forward", sub.forward)
     return out
 
 
@@ -247,26 +255,36 @@ def functional_call(
         args = (args,)
     targets = _targets(module, params, "functional_call")
     saved, patched, orders = [], [], {}
+    # torch 2.11's dynamo replays the traced ``delattr`` below after the ``_parameters``
+    # re-insert (the module loses its parameters): there the values go into the slot itself.
+    in_slot = not _compat.TRACES_ATTRIBUTE_DELETE and torch.compiler.is_dynamo_compiling()
     try:
         for _, owner, attr, slot, value in targets:
             entries = getattr(owner, slot)
+            if in_slot:
+                saved.append((owner, attr, slot, entries[attr]))
+                entries[attr] = value
+                continue
             orders.setdefault((id(owner), slot), (entries, list(entries)))
             original = entries.pop(attr)
             saved.append((owner, attr, slot, original))
             owner.__dict__[attr] = value
         for name, spec in outputs.items():
             sub = module.get_submodule(name)
-            patched.append((sub, sub.__dict__.get("forward", _NONE)))
+            patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
             sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
         return module(*args, **(kwargs or {}))
     finally:
-        for sub, forward in reversed(patched):
-            if forward is _NONE:
-                del sub.__dict__["forward"]
-            else:
+        for sub, forward, bound in reversed(patched):
+            if forward is not _NONE:
                 sub.__dict__["forward"] = forward
+            elif _compat.TRACES_ATTRIBUTE_DELETE or not torch.compiler.is_dynamo_compiling():
+                del sub.__dict__["forward"]
+            else:  # the class's forward, bound, left as the instance's: the same calls
+                sub.__dict__["forward"] = bound
         for owner, attr, slot, original in reversed(saved):
-            owner.__dict__.pop(attr, None)
+            if not in_slot:
+                del owner.__dict__[attr]
             getattr(owner, slot)[attr] = original
         for entries, order in orders.values():  # named_parameters() order (dynamo guards it)
             for name in order:

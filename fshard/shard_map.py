@@ -42,10 +42,9 @@ from collections.abc import Callable, Sequence
 
 import optree
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, axis_env, consistency
+from . import _comm, _compat, axis_env, consistency
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
 from .array import ShardedArray, is_sharded
@@ -474,7 +473,7 @@ def _exchanged_shapes(flat: list, mesh: Mesh) -> list:
         recv = send.new_empty(g.size * len(mine))
         consistency.check_collective("size_exchange", g, send, count=len(mine))
         _comm.record("size_exchange", g.axes, send.numel() * send.element_size())
-        dist.all_gather_single(recv, send, group=g.pg)
+        _compat.all_gather_into(recv, send, group=g.pg)
         rows = recv.view(g.size, len(mine)).tolist()
         table = {g.ranks[j]: rows[g.group_rank[j]] for j in range(g.size)}
     shapes, k = [], 0

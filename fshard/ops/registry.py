@@ -30,7 +30,7 @@ from typing import Any
 import optree
 import torch
 
-from .. import config
+from .. import _compat, config
 from .._traced import constant
 from ..array import ShardedArray, expose_operators, install_dispatch
 from ..executor import check_plain_tensor, claimed_local, reshard_one
@@ -651,7 +651,7 @@ class _Compiled:
         self = _Compiled()
         self.name = name
         self.inputs = tuple(inputs)
-        self.fn = fn
+        self.fn = _compat.attribute_callable(fn)
         self.out = sharding.out
         self.comm = tuple(comm)
         self.tensor_idx = tuple(tensor_idx)

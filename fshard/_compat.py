@@ -1,0 +1,167 @@
+"""Every difference between the torch and Python versions fshard supports, decided once at import.
+
+No other module tests a version or probes an attribute of torch: each difference is one name here,
+bound when fshard is imported, and the rest of the package calls that name. Adding support for an
+older or newer torch means adding a row here (and a line to ``tests/data/torch_api_oldest.txt``,
+which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
+
+| name | newest torch (2.13+) | oldest supported (2.11) |
+|---|---|---|
+| :func:`all_gather_into` | ``dist.all_gather_single`` | ``dist.all_gather_into_tensor`` |
+| :func:`funcol_all_gather` | ``_functional_collectives.all_gather_single`` | ``all_gather_tensor`` |
+| :func:`funcol_reduce_scatter` | ``_functional_collectives.reduce_scatter_single`` | ``reduce_scatter_tensor`` |
+| :func:`is_exporting` | ``torch.compiler.is_exporting()`` | the same, but True inside *every* dynamo trace; export is then told apart by export's own flag |
+| :data:`TRACES_TREESPEC_EQ` | dynamo compares optree specs | it cannot: ``fs.optim`` checks structure in eager only |
+| :func:`attribute_callable` | dynamo calls a ``torch.Tensor`` method held in an attribute | it cannot: such a method is wrapped in a Python function |
+| :data:`TRACES_CLASS_EQ` | dynamo compares classes | ``ShardedArray.__eq__(cls)`` answers for a class |
+| :data:`TRACES_ATTRIBUTE_DELETE` | dynamo traces deleting a module attribute it saw set | it cannot: ``functional_call`` rebinds ``forward`` under dynamo |
+| :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
+
+The older names still exist in 2.13 but warn (deprecated), so the new ones are preferred where
+they exist.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+#: ``(major, minor)`` of the running torch, for the README's compatibility table and error text.
+TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
+
+#: The oldest torch the suite has passed on (declared in pyproject.toml; README, "Compatibility").
+OLDEST_TORCH: tuple[int, int] = (2, 11)
+
+_HAS_GATHER_SINGLE = hasattr(dist, "all_gather_single")
+
+#: ``all_gather_into(out, x, group=None, async_op=False)``: every rank's ``x`` into ``out`` along
+#: dim 0, in group-rank order.
+all_gather_into = dist.all_gather_single if _HAS_GATHER_SINGLE else dist.all_gather_into_tensor
+
+#: ``reduce_scatter_into(out, x, group=None, async_op=False)``: the sum over ranks of ``x``'s
+#: group-rank-th block of dim 0, into ``out``.
+reduce_scatter_into = (
+    dist.reduce_scatter_single
+    if hasattr(dist, "reduce_scatter_single")
+    else dist.reduce_scatter_tensor
+)
+
+
+def funcol():
+    """``torch.distributed._functional_collectives``, imported on first use (it imports dynamo:
+    seconds at fshard import). Callers pass detached tensors: these are raw collectives, as in
+    eager (fshard's Functions define their gradients), and the ops' own autograd kernels fail
+    under ``torch.func.grad`` in dynamo. tools/torch_api.py checks the names read from it."""
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
+
+
+def funcol_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """The functional all_gather of ``x`` along dim 0 over process group ``group`` (traced code)."""
+    f = funcol()
+    if _HAS_GATHER_SINGLE:
+        return f.all_gather_single(x, 0, group)
+    return f.all_gather_tensor(x, 0, group)
+
+
+def funcol_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """The functional sum-reduce_scatter of ``x`` along dim 0 over ``group`` (traced code)."""
+    f = funcol()
+    if _HAS_GATHER_SINGLE:
+        return f.reduce_scatter_single(x, "sum", 0, group)
+    return f.reduce_scatter_tensor(x, "sum", 0, group)
+
+
+#: torch < 2.13: dynamo folds ``torch.compiler.is_exporting()`` to True in *every* frame it
+#: traces (torch/_dynamo/variables/torch.py, ``tracing_state_functions``), so inside a plain
+#: ``torch.compile`` it says "exporting". The flag it should have read is export's own, which
+#: export sets around both its strict and non-strict traces and dynamo reads as a guarded global.
+_EXPORT_CALL_FOLDED = TORCH_VERSION < (2, 13)
+
+
+def is_exporting() -> bool:
+    """Whether ``torch.export`` is tracing the caller, on every supported torch (not True
+    inside a plain ``torch.compile`` trace, as ``torch.compiler.is_exporting()`` is on 2.11).
+
+    Example:
+        >>> is_exporting()
+        False
+    """
+    if _EXPORT_CALL_FOLDED:
+        return torch.compiler._is_exporting_flag
+    return torch.compiler.is_exporting()
+
+
+#: Whether dynamo can trace ``spec_a != spec_b`` of optree tree specs (torch 2.11's pytree
+#: polyfill compares their function-valued fields and raises "Polyfill handler ... __eq__").
+#: Where it cannot, ``fs.optim``'s structure checks run in eager calls only.
+TRACES_TREESPEC_EQ = TORCH_VERSION >= (2, 13)
+
+
+#: Whether dynamo can call a C method descriptor (``torch.Tensor.mean``) read from an object's
+#: attribute (torch 2.11: "Dynamo does not know how to trace method ``fn`` of class ...").
+_TRACES_DESCRIPTOR_ATTRIBUTES = TORCH_VERSION >= (2, 13)
+_DESCRIPTORS = (
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+    types.ClassMethodDescriptorType,
+)
+
+
+def attribute_callable(fn):
+    """``fn``, made callable from an object's attribute under dynamo: on torch < 2.13 a C method
+    descriptor is wrapped in a Python function (one more frame in eager), elsewhere ``fn``.
+
+    Example:
+        >>> attribute_callable(abs)(-2)
+        2
+    """
+    if _TRACES_DESCRIPTOR_ATTRIBUTES or not isinstance(fn, _DESCRIPTORS):
+        return fn
+
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return call
+
+
+#: Whether dynamo compares two classes as Python does. torch 2.11's ``cmp_eq`` polyfill calls
+#: ``a.__eq__(b)`` for classes ``a``, ``b``: with ``a`` the ShardedArray class that is the
+#: elementwise ``__eq__`` op called on the class ``b`` (optree's ``node_type != spec.type`` in
+#: ``fs.tree_map`` under ``torch.compile``). Where it does not, ShardedArray's ``__eq__`` and
+#: ``__ne__`` answer for a class argument.
+TRACES_CLASS_EQ = TORCH_VERSION >= (2, 13)
+
+
+#: Whether dynamo traces deleting an instance attribute of a module that a traced call set
+#: (torch 2.11 refuses ``del m.__dict__[k]`` and ``m.__dict__.pop``, and replays a traced
+#: ``delattr`` of such an attribute wrongly: the module loses the class's ``forward``).
+#: Where it does not, ``fs.nn.functional_call`` restores an ``Output``-patched ``forward`` under
+#: dynamo by binding the class's ``forward`` to the instance (the same calls).
+TRACES_ATTRIBUTE_DELETE = TORCH_VERSION >= (2, 13)
+
+
+def freeze_key(v):
+    """``v`` made hashable for a cache key: slices become tuples (a ``slice`` hashes only from
+    Python 3.12), recursively through tuples and lists.
+
+    Example:
+        >>> freeze_key((slice(None, 2), Ellipsis, [1, 2]))
+        (('slice', None, 2, None), Ellipsis, ('list', 1, 2))
+    """
+    if isinstance(v, slice):
+        return ("slice", v.start, v.stop, v.step)
+    if isinstance(v, tuple):
+        return tuple(freeze_key(e) for e in v)
+    if isinstance(v, list):
+        return ("list", *(freeze_key(e) for e in v))
+    return v
+
+
+#: Whether ``slice`` objects hash (Python 3.12+); only for the tests' expectations.
+SLICES_HASH = sys.version_info >= (3, 12)
