@@ -107,8 +107,23 @@ def _sgd_donated(learning_rate, momentum: float, nesterov: bool, weight_decay: f
     return donated_step
 
 
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fusable(params, *others) -> bool:
+    """Whether torch's fused Adam kernel takes these lists: CUDA tensors, one floating dtype
+    (params, grads and moments alike). Elsewhere the foreach ops run (CPU has no fused kernel
+    in every supported torch)."""
+    p0 = params[0]
+    if not p0.is_cuda or p0.dtype not in _FUSED_DTYPES:
+        return False
+    return all(t.is_cuda and t.dtype == p0.dtype for ts in (params, *others) for t in ts)
+
+
 def _adam_donated(learning_rate, b1: float, b2: float, eps: float, weight_decay: float, mask):
-    """torch.optim.Adam(W)'s foreach step on the donated params and moments."""
+    """torch.optim.Adam(W)'s step on the donated params and moments: its fused CUDA kernel
+    (``torch._fused_adamw_``, as ``AdamW(fused=True)``) where every tensor of a group is on
+    CUDA in one floating dtype, its foreach ops otherwise."""
 
     def donated_step(grads, state, params):
         operands = step_operands(grads, params)
@@ -130,6 +145,13 @@ def _adam_donated(learning_rate, b1: float, b2: float, eps: float, weight_decay:
         for key, idx in groups(p, flags).items():
             gi, pi = [g[i] for i in idx], [p[i] for i in idx]
             mi, vi = [m_all[i] for i in idx], [v_all[i] for i in idx]
+            if _fusable(pi, gi, mi, vi):  # torch.optim.AdamW(fused=True)'s kernel, same math
+                wd = weight_decay if key[2] else 0.0
+                steps = [torch.full((), float(t), device=pi[0].device)] * len(pi)  # read only
+                fused = torch._fused_adamw_ if key[2] else torch._fused_adam_
+                fused(pi, gi, mi, vi, [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2,
+                      weight_decay=wd, eps=eps, maximize=False)  # fmt: skip
+                continue
             if key[2]:
                 torch._foreach_mul_(pi, 1.0 - lr * weight_decay)
             torch._foreach_lerp_(mi, gi, 1.0 - b1)
