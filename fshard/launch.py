@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
@@ -410,7 +411,15 @@ def _init_torchrun_group(backend: str | None) -> str:
             )
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
+    # Destroyed before the interpreter tears down: a live group's threads at exit can end the
+    # process in std::terminate (seen once: SIGABRT after a torchrun rank had returned).
+    atexit.register(_destroy_default_group)
     return backend
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run(
