@@ -7,10 +7,14 @@
 (every collective runs once on the batched tensor). ``vmap(grad(loss))`` gives every model's
 gradient with the stacked layouts; ``check()`` compares both with dense ``torch.func``.
 
-Run: ``python examples/ensemble.py`` (starts 2 local ranks).
+Run: ``python examples/ensemble.py`` (starts 2 local ranks), ``--device cuda`` to hold the
+blocks on the GPU(s), or ``torchrun --nproc-per-node 2 examples/ensemble.py``. The default device
+is ``cuda`` under NCCL (torchrun with a GPU per rank) and ``cpu`` otherwise.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch.func import grad, vmap
@@ -57,10 +61,15 @@ def make_problem(dtype=torch.float64):
     )
 
 
-def check() -> dict:
-    """Predictions and per-model gradients of the sharded ensemble vs dense, on this rank."""
-    mesh = fs.Mesh.create((2,), ("tp",))
+def check(device: str | None = None) -> dict:
+    """Predictions and per-model gradients of the sharded ensemble vs dense, on this rank.
+
+    ``device``: where the blocks live (``"cpu"``, ``"cuda"``, ``None``: the mesh's default);
+    the dense reference runs there too."""
+    mesh = fs.Mesh.create((2,), ("tp",), device_type=device)
     dense, x, t = make_problem()
+    dense = {k: v.to(mesh.device()) for k, v in dense.items()}
+    x, t = x.to(mesh.device()), t.to(mesh.device())
     specs = {"w1": P(None, None, "tp"), "w2": P(None, "tp")}
     stacked = {k: fs.shard(v, mesh, specs[k]) for k, v in dense.items()}
     preds = vmap(model, in_dims=(0, None, None))(stacked, x, mesh)
@@ -72,13 +81,31 @@ def check() -> dict:
         "pred_shape": tuple(preds.shape),
         "grad_err": max((fs.gather(grads[k]) - want_g[k]).abs().max().item() for k in want_g),
         "grad_specs": {k: grads[k].spec for k in grads},
+        "device": str(preds.local.device),
     }
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the local blocks live (default: cuda under NCCL, else cpu)",
+    )
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+            "use --device cpu"
+        )
+    return {"device": a.device}
 
 
 if __name__ == "__main__":
     from fshard.launch import run
 
-    result = run(check, 2)[0]
+    result = run(check, 2, (parse_args()["device"],))[0]
     print(f"ensemble of {E} models, predictions {result['pred_shape']}")
     print(f"predictions vs dense: max abs error {result['pred_err']:.2e}")
     print(f"per-model grads vs dense: max abs error {result['grad_err']:.2e}")

@@ -9,10 +9,16 @@ clipped gradients are averaged, Gaussian noise is added (``fs.randn`` draws exac
 the dense ``torch.randn`` would), and SGD updates the parameters. ``check()`` compares one step
 with the same step on dense tensors.
 
-Run: ``python examples/per_example_grads.py`` (starts 2 local ranks).
+Run: ``python examples/per_example_grads.py`` (starts 2 local ranks), ``--device cuda`` to
+hold the blocks on the GPU(s), or ``torchrun --nproc-per-node 2 examples/per_example_grads.py``.
+The default device is ``cuda`` under NCCL (torchrun with a GPU per rank) and ``cpu`` otherwise.
+The noise comes from a CPU generator on every device (``fs.randn`` draws where the generator
+lives), so the sharded step equals the dense one anywhere.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import optree
 import torch
@@ -91,6 +97,7 @@ def dense_dp_sgd_step(params, xs, ts, *, clip=1.0, noise_multiplier=0.5, lr=0.1,
         g = per_ex[k]
         clipped = (g * scale.view(-1, *[1] * (g.dim() - 1))).sum(0)
         noise = torch.randn(params[k].shape, generator=gen, dtype=params[k].dtype)
+        noise = noise.to(params[k].device)  # drawn on the CPU (gen), as fs.randn draws it
         out[k] = params[k] - lr * (clipped + noise_multiplier * clip * noise) / xs.shape[0]
     return out
 
@@ -107,10 +114,15 @@ def make_problem(dtype=torch.float64):
     return dense, xs, ts
 
 
-def check() -> dict:
-    """Run one sharded step and the dense step on this rank; report the largest differences."""
-    mesh = fs.Mesh.create((2,), ("tp",))
+def check(device: str | None = None) -> dict:
+    """Run one sharded step and the dense step on this rank; report the largest differences.
+
+    ``device``: where the blocks live (``"cpu"``, ``"cuda"``, ``None``: the mesh's default);
+    the dense reference runs there too."""
+    mesh = fs.Mesh.create((2,), ("tp",), device_type=device)
     dense, xs, ts = make_problem()
+    dense = {k: v.to(mesh.device()) for k, v in dense.items()}
+    xs, ts = xs.to(mesh.device()), ts.to(mesh.device())
     specs = {"w1": P(None, "tp"), "w2": P("tp"), "b2": P()}
     params = {k: fs.shard(v, mesh, specs[k]) for k, v in dense.items()}
     per_ex = vmap(grad(example_loss), in_dims=(None, 0, 0, None))(params, xs, ts, mesh)
@@ -124,13 +136,31 @@ def check() -> dict:
         "per_example_specs": {k: per_ex[k].spec for k in per_ex},
         "step_err": max((fs.gather(new[k]) - ref[k]).abs().max().item() for k in ref),
         "step_specs": {k: new[k].spec for k in new},
+        "device": str(new["w1"].local.device),
     }
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the local blocks live (default: cuda under NCCL, else cpu)",
+    )
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+            "use --device cpu"
+        )
+    return {"device": a.device}
 
 
 if __name__ == "__main__":
     from fshard.launch import run
 
-    result = run(check, 2)[0]
+    result = run(check, 2, (parse_args()["device"],))[0]
     print(f"per-example grads vs dense: max abs error {result['per_example_grad_err']:.2e}")
     print(f"DP-SGD step vs dense:       max abs error {result['step_err']:.2e}")
     print(f"update layouts: {result['step_specs']}")

@@ -1,8 +1,16 @@
 """Quickstart: shard a tensor on 2 local ranks, reshard it, and look at layouts and traffic.
 
-python examples/quickstart.py          # self-launches 2 local Gloo ranks
+python examples/quickstart.py                   # self-launches 2 local Gloo ranks (CPU tensors)
+python examples/quickstart.py --device cuda     # the same ranks with their blocks on the GPU(s)
 torchrun --nproc-per-node 2 examples/quickstart.py
+
+``--device`` says where the local blocks live: ``cuda`` or ``cpu``; by default ``cuda`` when the
+process group is NCCL (torchrun on a machine with a GPU per rank) and ``cpu`` otherwise (Gloo).
+Under torchrun the mesh spans every rank (``--nproc-per-node 1`` on one GPU runs NCCL).
 """
+
+import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -10,9 +18,9 @@ import torch.distributed as dist
 import fshard as fs
 
 
-def main():
-    mesh = fs.Mesh.create((dist.get_world_size(),), ("x",))
-    t = torch.arange(35.0).reshape(5, 7)  # uneven on purpose: 5 rows over 2 ranks
+def main(device=None):
+    mesh = fs.Mesh.create((dist.get_world_size(),), ("x",), device_type=device)
+    t = torch.arange(35.0, device=mesh.device()).reshape(5, 7)  # uneven: 5 rows over 2 ranks
     x = fs.shard(t, mesh, fs.P("x", None))
     rank = dist.get_rank()
     lines = []
@@ -30,14 +38,36 @@ def main():
         fs.debug.visualize(x)
         fs.debug.visualize(y)
         print("\n".join(lines))
-    # gradients keep the parameter's layout
+    # gradients keep the parameter's layout; fs.shard puts the CPU tensor on the mesh's device
     w = fs.shard(torch.randn(7, 3, generator=torch.Generator().manual_seed(0)), mesh, fs.P("x"))
     g = torch.func.grad(lambda w: (fs.gather(w) ** 2).sum())(w)
     assert g.layout == w.layout and torch.allclose(fs.gather(g), 2 * fs.gather(w))
-    return rank, tuple(x.local.shape)
+    return rank, tuple(x.local.shape), str(x.local.device)
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the local blocks live (default: cuda under NCCL, else cpu)",
+    )
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+            "use --device cpu"
+        )
+    return {"device": a.device}
 
 
 if __name__ == "__main__":
     from fshard.launch import run
 
-    print("local shapes per rank:", run(main, 2))
+    args = parse_args()
+    under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun else 2
+    shapes = run(main, ranks, (args["device"],))
+    if not under_torchrun or dist.get_rank() == 0:
+        print("local shapes per rank:", shapes)

@@ -3,7 +3,13 @@
     python examples/train_gpt.py                    # 2 local Gloo ranks, dp=1 x tp=2, 200 steps
     python examples/train_gpt.py --dp 2 --tp 1      # pure data parallel
     python examples/train_gpt.py --fsdp 2           # FSDP over dp=2 x Megatron TP over tp=2
-    torchrun --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2   # NCCL on GPUs
+    python examples/train_gpt.py --device cuda      # the local ranks' blocks on the GPU(s)
+    torchrun --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2   # NCCL with 4 GPUs
+
+``--device`` (``cpu`` or ``cuda``) is where the params, optimizer state and batches live; by
+default ``cuda`` when the process group is NCCL (torchrun with a GPU per rank, see
+``fs.launch.default_backend``) and ``cpu`` otherwise (Gloo: the local ranks, or torchrun with
+more ranks than GPUs, where ``--device cuda`` shares the GPUs between the ranks).
 
 What it shows:
 
@@ -324,7 +330,7 @@ def train(args: dict) -> dict:
     dp, tp = args["dp"], args["tp"]
     if dist.get_world_size() != dp * tp:
         raise ValueError(f"world size {dist.get_world_size()} != dp * tp = {dp * tp}")
-    mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
+    mesh = fs.Mesh.create((dp, tp), ("dp", "tp"), device_type=args.get("device"))
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
     plan = gpt_plan("tp")
@@ -420,6 +426,12 @@ def parse_args(argv=None) -> dict:
         default="local",
         help="local: explicit collectives (tp_loss); global: the module's own forward",
     )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where params, optimizer state and batches live (default: cuda under NCCL, else cpu)",
+    )
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     a = ap.parse_args(argv)
@@ -438,11 +450,17 @@ def parse_args(argv=None) -> dict:
         raise SystemExit(f"--heads ({a.heads}) must be divisible by --tp ({a.tp})")
     if a.d_model % a.heads:
         raise SystemExit(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+            "use --device cpu"
+        )
     model = {"d_model": a.d_model, "n_heads": a.heads, "n_layers": a.layers, "ctx": a.ctx}
     return {
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
         "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
+        "device": a.device,
     }  # fmt: skip
 
 

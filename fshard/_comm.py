@@ -41,6 +41,166 @@ class CommRecord:
 _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("fshard_comm_log", default=None)
 
 
+# -- what each backend accepts on the wire (checked before every call) ------------------------
+#
+# Kept apart from the collectives below: one table and one function, called first thing by each
+# collective that communicates, so every refusal happens locally, before any rank enters the
+# call (a refusal on one rank, or an abort inside the backend, would leave the others waiting).
+#
+# Sources (torch 2.11-2.13): NCCL's dtype map is ``c10d::ncclDataType`` in
+# torch/csrc/distributed/c10d/NCCLUtils.hpp (bool travels as uint8; float8 as NCCL's float8
+# types or uint8) and its reductions refuse float8 ("Float8 dtypes are not currently supported
+# for NCCL reductions", ProcessGroupNCCL::allreduce / _reduce_scatter_base). Gloo's is
+# ``GENERATE_ALL_TYPES`` in ProcessGroupGlooDetail.hpp; Gloo's send/recv move raw bytes (any
+# dtype) from a host pointer, so a CUDA tensor aborts the process (``gloo::IoException ...
+# writev ... Bad address``): fshard stages point-to-point traffic through host memory instead.
+# Complex tensors travel as their real view (torch.view_as_real) in torch's Python wrappers of
+# all_reduce, all_gather, all_to_all, broadcast, scatter and send/recv, but not of gather (every
+# backend) nor reduce_scatter (NCCL); max/min have no meaning for complex values.
+
+_COMMON_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+_FLOAT8 = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+#: dtypes each backend's collectives accept (complex dtypes: see :data:`_COMPLEX_REFUSED`).
+WIRE_DTYPES: dict[str, frozenset] = {
+    "nccl": _COMMON_DTYPES | _FLOAT8,
+    "gloo": _COMMON_DTYPES,
+}
+#: ops whose torch wrapper does not view complex tensors as real, per backend
+_COMPLEX_REFUSED = {"nccl": frozenset({"gather", "reduce_scatter"}), "gloo": frozenset({"gather"})}
+#: ops that move bytes without looking at the dtype, per backend (Gloo's send/recv)
+_ANY_DTYPE = {"gloo": frozenset({"ppermute"})}
+#: the devices each backend's collectives take tensors on
+WIRE_DEVICE_TYPES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda")}
+#: ops that reduce (their float8 and complex limits differ from data movement)
+_REDUCING = frozenset({"all_reduce", "reduce_scatter"})
+
+
+def _names(dtypes) -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def check_wire(
+    tensor: torch.Tensor,
+    backend: str | None,
+    device: torch.device | None = None,
+    *,
+    op: str = "collective",
+    reduce: str | None = None,
+    name: str = "the local tensor",
+) -> None:
+    """Refuse, before the call, a tensor that ``backend`` cannot send in collective ``op``.
+
+    A pure function of its arguments (no process group needed), called by every collective of
+    this module first thing when it communicates.
+
+    Args:
+        tensor: what would go on the wire (its dtype and device are read, never its data, so a
+            ``meta`` or fake tensor works).
+        backend: ``dist.get_backend(group)``: ``"nccl"`` and ``"gloo"`` are checked; any other
+            backend (or ``None``) passes.
+        device: the device the backend needs for this rank. NCCL: this rank's own GPU
+            (``torch.device("cuda", torch.cuda.current_device())``, which is ``mesh.device()``
+            of a CUDA mesh); ``None`` checks only the device type. Unused for Gloo, which takes
+            CPU and CUDA tensors (CUDA tensors go through host memory).
+        op: the collective (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``,
+            ``ppermute``, ``scatter``, ``gather``, ``broadcast``), for its dtype rules and the
+            message.
+        reduce: the reduction of ``all_reduce`` (``"sum"``, ``"max"``, ``"min"``).
+        name: how the message names ``tensor``.
+
+    Raises:
+        TypeError: a dtype the backend cannot send (NCCL and Gloo: no int16, uint16/32/64;
+            Gloo: no float8; complex tensors in gather, and in reduce_scatter on NCCL), float8
+            in an NCCL reduction, complex values reduced by max/min.
+        ValueError: a tensor on a device the backend cannot read: NCCL needs this rank's GPU
+            (not the CPU, not another GPU); Gloo needs the CPU or a GPU (not ``meta``).
+
+    Example::
+
+        check_wire(torch.ones(2), "gloo", op="all_gather")  # passes
+        check_wire(torch.ones(2, dtype=torch.int16), "nccl", op="all_gather")  # TypeError
+        check_wire(torch.ones(2), "nccl", torch.device("cuda", 0))  # ValueError: on cpu
+    """
+    if backend not in WIRE_DTYPES:
+        return
+    kind = backend.upper() if backend == "nccl" else backend.capitalize()
+    where = f"{op} over {kind}"
+    dtype = tensor.dtype
+    if dtype.is_complex:
+        if op in _COMPLEX_REFUSED[backend]:
+            raise TypeError(
+                f"{where}: {name} has dtype {dtype}; torch's {op} over {kind} has no complex "
+                "type. Move the real and imaginary parts (torch.view_as_real(x), then "
+                "torch.view_as_complex on the result), or a real dtype"
+            )
+        if op in _REDUCING and reduce in ("max", "min"):
+            raise TypeError(
+                f"{where}: {name} has dtype {dtype}; complex values have no order, so reduce "
+                f"'{reduce}' is undefined for them. Accepted: reduce='sum', or a real dtype"
+            )
+    elif dtype not in WIRE_DTYPES[backend] and op not in _ANY_DTYPE.get(backend, ()):
+        fix = "x.to(torch.bfloat16)" if dtype.is_floating_point else "x.to(torch.int64)"
+        raise TypeError(
+            f"{where}: {name} has dtype {dtype}, which {kind} cannot send. Accepted: "
+            f"{_names(WIRE_DTYPES[backend])}, and complex dtypes as their real view. Convert "
+            f"it first ({fix}) and back after"
+        )
+    if backend == "nccl" and op in _REDUCING and dtype in _FLOAT8:
+        raise TypeError(
+            f"{where}: {name} has dtype {dtype}; NCCL cannot reduce float8 values (it only "
+            "moves them). Upcast before reducing (x.to(torch.bfloat16)) and cast back after"
+        )
+    dev = tensor.device
+    accepted = WIRE_DEVICE_TYPES[backend]
+    if dev.type not in accepted:
+        if backend == "nccl":
+            mine = device if device is not None else "this rank's GPU"
+            raise ValueError(
+                f"{where}: {name} is on {dev}, but NCCL moves only tensors on this rank's GPU "
+                f"({mine}). Build the mesh on CUDA (fs.Mesh.create(..., device_type='cuda'), "
+                "the default under NCCL) and create tensors on mesh.device(): fs.shard, "
+                "fs.from_local and fs.nn.shard_params move CPU tensors there; or start the "
+                "process group with Gloo for CPU tensors"
+            )
+        raise ValueError(
+            f"{where}: {name} is on {dev}; Gloo moves tensors on the CPU or a CUDA GPU. Move "
+            "it to mesh.device() first"
+        )
+    if backend == "nccl" and device is not None and dev != device:
+        raise ValueError(
+            f"{where}: {name} is on {dev}, but this rank's GPU is {device} "
+            "(torch.cuda.current_device()); NCCL needs each rank's tensors on its own GPU. "
+            "Move it with x.to(mesh.device()), or call torch.cuda.set_device(local_rank) "
+            "before creating the mesh and the tensors"
+        )
+
+
+def _wire(t: torch.Tensor, g: AxisGroup, op: str, reduce: str | None = None) -> None:
+    """:func:`check_wire` for a collective over ``g`` (eager calls; a compiled graph is traced
+    from eager-checked code)."""
+    backend = g.backend
+    if backend not in WIRE_DTYPES or torch.compiler.is_compiling():
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    check_wire(t, backend, device, op=op, reduce=reduce)
+
+
 def record(op: str, axes: tuple[str, ...], nbytes: int) -> None:
     if torch.compiler.is_compiling():
         return  # a trace runs once; what it records would not be what the graph sends
@@ -133,6 +293,7 @@ def all_gather(
         return t
     x = t.movedim(dim, 0)
     sizes = tuple(sizes) if sizes is not None else (x.shape[0],) * g.size
+    _wire(t, g, "all_gather")
     _consistent("all_gather", g, t, dim=dim, chunk_sizes=sizes, other_dims=tuple(x.shape[1:]))
     record("all_gather", g.axes, nbytes(t))
     m = max(sizes)
@@ -193,6 +354,7 @@ def all_reduce_start(
     back to back queue on the group's worker, so copying the next bucket overlaps the wire."""
     if g.size == 1:
         return t, None
+    _wire(t, g, "all_reduce", op)
     _consistent("all_reduce", g, t, reduce=op, shape=tuple(t.shape))
     record("all_reduce", g.axes, nbytes(t))
     if tracing():
@@ -239,6 +401,7 @@ def reduce_scatter(
     """Sum over the group, keeping chunk ``g.index`` of ``dim``."""
     if g.size == 1:
         return t
+    _wire(t, g, "reduce_scatter", "sum")
     _consistent("reduce_scatter", g, t, dim=dim, shape=tuple(t.shape), chunk_sizes=sizes)
     record("reduce_scatter", g.axes, nbytes(t))
     x = t.movedim(dim, 0)
@@ -274,6 +437,7 @@ def all_to_all(
     """
     if g.size == 1:
         return t
+    _wire(t, g, "all_to_all")
     _consistent(
         "all_to_all",
         g,
@@ -316,15 +480,21 @@ def ppermute(
     out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
     if tracing():
         return _ppermute_traced(t, g, perm, out_shape)
-    out = t.new_zeros(out_shape)
+    if g.size > 1:
+        _wire(t, g, "ppermute")
+    # Gloo's send/recv read host pointers: a CUDA tensor goes through host memory (a copy each
+    # way), as Gloo's own collectives do for CUDA tensors.
+    host = g.backend == "gloo" and t.device.type != "cpu"
+    wire = t.cpu() if host else t
+    out = wire.new_zeros(out_shape)
     me = g.index
     ops = []
     moved = False
     for src, dst in perm:
         if src == me and dst == me:
-            out = t.clone()
+            out = wire.clone()
         elif src == me:
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), g.ranks[dst], group=g.pg))
+            ops.append(dist.P2POp(dist.isend, wire.contiguous(), g.ranks[dst], group=g.pg))
             moved = True
         elif dst == me:
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[src], group=g.pg))
@@ -335,7 +505,7 @@ def ppermute(
     if moved:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-    return out
+    return out.to(t.device) if host else out
 
 
 def _ppermute_traced(t, g: AxisGroup, perm, out_shape: tuple) -> torch.Tensor:
@@ -377,6 +547,7 @@ def scatter_from(
     if g.size == 1:
         return full[blocks[0]].clone()
     _untraceable("scatter (fs.shard of a full tensor from one rank)")
+    _wire(full if g.index == src else like, g, "scatter")
     numel = max(max(_static_numel(b) for b in blocks), 1)
     _consistent("scatter", g, like, src=src, blocks=_boxes(blocks))
     recv = like.new_empty(numel)
@@ -425,6 +596,7 @@ def gather_to(
         out[blocks[0]] = t
         return out
     _untraceable("gather to one rank")
+    _wire(t, g, "gather")
     _consistent("gather", g, t, dst=dst, blocks=_boxes(blocks), shape=tuple(shape))
     record("gather", g.axes, nbytes(t))
     numel = max(max(_static_numel(b) for b in blocks), 1)

@@ -7,6 +7,13 @@ All of these are pure: they return new values and never mutate their inputs. ``s
 its primal, and a replicated value is *invariant* (its cotangent is the same on every rank), so
 ``gather``'s backward keeps the local block with no communication and ``shard``'s backward
 all-gathers the cotangent.
+
+Devices (as DTensor's ``distribute_tensor`` and ``DTensor.from_local``): a ShardedArray's local
+block lives on its mesh's device for this rank, ``mesh.device()`` (``cuda:<current device>`` on
+a CUDA mesh, else the CPU). ``shard``, ``from_local`` and ``fs.nn.shard_params`` copy a tensor
+given on another device there (``shard`` moves only this rank's block when the tensor is not
+being differentiated); tensors on the ``meta`` device stay there. ``rand``/``randn`` draw where
+their generator lives, so a CPU generator gives the dense CPU values on any mesh, moved.
 """
 
 from __future__ import annotations
@@ -48,6 +55,20 @@ def _check_mesh(mesh, name="mesh") -> Mesh:
             f"{name} is abstract ({mesh!r}): sharded values need a real mesh; use Mesh.create"
         )
     return mesh
+
+
+def _on_mesh_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``t`` on this rank's device of ``mesh`` (a copy when it is elsewhere, differentiable);
+    a ``meta`` tensor stays where it is (as in DTensor)."""
+    if t.device.type == "meta":
+        return t
+    device = mesh.device()
+    return t if t.device == device else t.to(device)
+
+
+def _differentiated(t: torch.Tensor) -> bool:
+    """Whether ``t`` may carry a gradient: autograd, or a ``torch.func`` transform's wrapper."""
+    return t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _check_spec(spec, name="spec") -> P:
@@ -122,7 +143,11 @@ def shard(
             if they do not, rank ``r`` broadcasts them (one small message).
 
     Returns:
-        The sharded value.
+        The sharded value, its block on ``mesh.device()`` whatever device ``t`` is on (as
+        DTensor's ``distribute_tensor``): a CPU tensor sharded onto a CUDA mesh is copied to
+        this rank's GPU. Only the block is copied, unless ``t`` is being differentiated (then
+        ``t`` moves first and the block is cut there, so that the backward gathers on the
+        mesh's device and hands ``t`` its gradient on ``t``'s device).
 
     Example:
         >>> x = fs.shard(torch.randn(8, 4), mesh, fs.P("x", None))  # doctest: +SKIP
@@ -139,7 +164,17 @@ def shard(
     layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
     if consistency.enabled():
         _agree(layout, "shard (every rank must pass the same full tensor)", values=t)
-    return reshard_one(ShardedArray._raw(t, full), layout.spec)
+    moved = _on_mesh_device(t, mesh)
+    if moved is t:
+        return reshard_one(ShardedArray._raw(t, full), layout.spec)
+    if _differentiated(t):
+        # The backward all-gathers the cotangent over the mesh: on its device, then `.to`'s
+        # backward returns it to t's device. The block is copied out of the moved whole.
+        out = reshard_one(ShardedArray._raw(moved, full), layout.spec)
+        return ShardedArray._raw(out.local.clone(), out.layout)
+    # replicated -> any spec is local (slices, zeros): cut the block where t is, move it alone
+    out = reshard_one(ShardedArray._raw(t, full), layout.spec)
+    return ShardedArray._raw(_on_mesh_device(out.local, mesh).contiguous(), out.layout)
 
 
 def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
@@ -150,6 +185,7 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
         raise TypeError(f"shard: rank {src} is src and must pass a tensor, got {type(t).__name__}")
     if isinstance(t, torch.Tensor):
         check_plain_tensor(t, "shard: t")
+        t = _on_mesh_device(t, mesh)  # the blocks leave from the mesh's device (NCCL: the GPU)
     if me == src:
         meta = (tuple(t.shape), t.dtype)
     elif shape is not None and dtype is not None:
@@ -183,7 +219,11 @@ def from_local(
             replicated or purely partial spec.
 
     Returns:
-        The sharded value; ``local`` is checked against the layout's block for this rank.
+        The sharded value; ``local`` is checked against the layout's block for this rank. A
+        ``local`` on another device than ``mesh.device()`` is copied there (as
+        ``DTensor.from_local`` does; differentiable), so a CPU block wrapped on a CUDA mesh
+        lands on this rank's GPU; a ``meta`` block stays on ``meta``. With ``local`` already
+        there, the result holds ``local`` itself (no copy).
 
     Example:
         >>> x = fs.from_local(torch.ones(3, 4), mesh, fs.P("x"), shape=(5, 4))  # doctest: +SKIP
@@ -207,7 +247,7 @@ def from_local(
             f"{spec} of global shape {layout.shape} gives this rank {want}"
         )
     _agree(layout, "from_local")
-    return ShardedArray._raw(local, layout)
+    return ShardedArray._raw(_on_mesh_device(local, mesh), layout)
 
 
 def _agree(layout: Layout, what: str, **values) -> None:
@@ -313,9 +353,13 @@ def _random(draw, shape, mesh, spec, dtype, generator) -> ShardedArray:
         _agree(layout, f"{draw.__name__}: the generator state every rank draws from", rng=state)
     # Draw the whole tensor and keep this rank's block: the values equal the dense call with the
     # same seed on any mesh and spec. Cost: each rank draws and briefly holds the full tensor.
-    whole = draw(layout.shape, generator=generator, dtype=layout.dtype, device=mesh.device())
-    block = whole[layout.shard_metadata(mesh.rank).slices()].clone()
-    return ShardedArray._raw(block, layout)
+    # A generator draws on its own device (a CPU generator: the dense CPU values on a CUDA
+    # mesh); only the block moves to the mesh's device.
+    device = mesh.device() if generator is None else generator.device
+    whole = draw(layout.shape, generator=generator, dtype=layout.dtype, device=device)
+    block = whole[layout.shard_metadata(mesh.rank).slices()]
+    block = block.clone() if block.device == mesh.device() else block.to(mesh.device())
+    return ShardedArray._raw(block.contiguous(), layout)
 
 
 def rand(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedArray:
@@ -324,6 +368,12 @@ def rand(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedAr
     Every rank must hold a generator in the same state (same seed). Memory: each rank draws the
     full tensor once (O(global size) transiently, then keeps only its block), which is what
     makes the values independent of the mesh and the spec.
+
+    Devices: the values are drawn on the generator's device and the block is moved to
+    ``mesh.device()``. So ``generator=torch.Generator().manual_seed(0)`` (a CPU generator) works
+    on a CUDA mesh too and gives exactly ``torch.rand(shape, generator=g)`` (the CPU values);
+    a CUDA generator gives the CUDA stream's values. Without a generator the mesh device's
+    default generator draws (every rank must be seeded alike: ``torch.manual_seed``).
 
     Example:
         >>> g = torch.Generator().manual_seed(0)  # doctest: +SKIP
@@ -335,7 +385,8 @@ def rand(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedAr
 def randn(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedArray:
     """Normal values equal to ``torch.randn(shape, generator=g)`` for the same seed.
 
-    Same contract and memory cost as :func:`rand`.
+    Same contract, devices and memory cost as :func:`rand`: a CPU generator gives the values
+    of ``torch.randn(shape, generator=g)`` on the CPU, on any mesh.
 
     Example:
         >>> w = fs.randn((512, 512), mesh, fs.P("tp"), generator=torch.Generator().manual_seed(0))  # doctest: +SKIP

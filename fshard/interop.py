@@ -153,7 +153,8 @@ def _mesh_for(device_mesh, mesh: Mesh | None, fn: str) -> Mesh:
                 f"{fn}: the DeviceMesh has no mesh_dim_names; pass mesh= (a fshard.Mesh of shape "
                 f"{shape}) to name its axes"
             )
-        mesh = Mesh.create(shape, names)
+        kind = device_mesh.device_type
+        mesh = Mesh.create(shape, names, device_type=kind if kind in ("cpu", "cuda") else None)
     elif not isinstance(mesh, Mesh):
         raise TypeError(f"{fn}: mesh must be a fshard.Mesh or None, got {type(mesh).__name__}")
     if mesh.shape != shape or mesh.ranks != ranks:

@@ -1,4 +1,8 @@
-"""Local multi-process launcher: run a function on N CPU ranks joined by one Gloo process group.
+"""Local multi-process launcher: run a function on N ranks joined by one Gloo process group.
+
+Local ranks are always Gloo; their tensors live on the CPU unless a mesh says otherwise
+(``fs.Mesh.create(..., device_type="cuda")``: CUDA tensors over Gloo, ranks sharing the GPUs).
+Under ``torchrun``, :func:`run` picks NCCL or Gloo by :func:`default_backend`.
 
 :class:`World` keeps N spawned worker processes (one ``torch.distributed`` Gloo group) alive
 across many calls, so tests and notebooks pay the start-up cost once and module-level state
@@ -22,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
@@ -42,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "World", "is_worker", "run"]
+__all__ = ["RankError", "World", "default_backend", "is_worker", "run"]
 
 _WORKER_ENV = "FSHARD_LAUNCH_WORKER"
 _GRACE_S = 5.0  # after one rank raises, how long the others get to finish
@@ -331,15 +336,109 @@ class World:
         return [outcomes[r][1] for r in range(self.world_size)]
 
 
+_BACKENDS = ("gloo", "nccl")
+
+
+def default_backend(
+    env: dict | None = None, *, cuda_available: bool | None = None, device_count: int | None = None
+) -> tuple[str, str]:
+    """The process-group backend :func:`run` starts under ``torchrun``, and why.
+
+    In order: ``FSHARD_BACKEND`` (``gloo`` or ``nccl``) when set; else NCCL when CUDA is
+    available and this node has a GPU for each of its ranks (``LOCAL_WORLD_SIZE``, as torchrun
+    sets it, else ``WORLD_SIZE``, is at most ``torch.cuda.device_count()``); else Gloo. NCCL
+    needs one GPU per rank (two ranks on one GPU fail with ``Duplicate GPU detected``); Gloo
+    runs any number of ranks, on CPU tensors (the default mesh under Gloo) or on CUDA tensors
+    sharing the GPUs (``fs.Mesh.create(..., device_type="cuda")``, the examples' ``--device
+    cuda``), which Gloo moves through host memory.
+
+    Args:
+      env: the environment to read (default ``os.environ``).
+      cuda_available, device_count: override ``torch.cuda.is_available()`` and
+        ``torch.cuda.device_count()`` (for tests).
+
+    Returns:
+      ``(backend, reason)``: ``"nccl"`` or ``"gloo"``, and one line saying why.
+
+    Example::
+
+      default_backend({"LOCAL_WORLD_SIZE": "2"}, cuda_available=True, device_count=1)
+      # ('gloo', '2 ranks on this node, 1 CUDA device: NCCL needs one GPU per rank')
+    """
+    env = os.environ if env is None else env
+    forced = env.get("FSHARD_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(
+                f"FSHARD_BACKEND={env['FSHARD_BACKEND']!r}: accepted values are 'gloo' and "
+                "'nccl' (or unset, to choose by the GPUs present)"
+            )
+        return forced, "FSHARD_BACKEND"
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        return "gloo", "CUDA is not available"
+    if device_count is None:
+        device_count = torch.cuda.device_count()
+    ranks = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    have = f"{_count(ranks, 'rank')} on this node, {_count(device_count, 'CUDA device')}"
+    if ranks > device_count:
+        return "gloo", f"{have}: NCCL needs one GPU per rank"
+    return "nccl", have
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _init_torchrun_group(backend: str | None) -> str:
+    """Initialise the default process group of a torchrun rank (see :func:`default_backend`)."""
+    if backend is None:
+        backend, why = default_backend()
+        if backend == "gloo" and torch.cuda.is_available() and os.environ.get("RANK") == "0":
+            print(
+                f"fshard.launch: using Gloo ({why}); meshes default to CPU tensors, "
+                "Mesh.create(..., device_type='cuda') puts them on the GPUs (shared)",
+                file=sys.stderr,
+            )
+    elif backend not in _BACKENDS:
+        raise ValueError(f"run: backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "run: backend='nccl' needs CUDA, and torch.cuda.is_available() is False; use "
+                "backend='gloo' (or leave it None)"
+            )
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    # Destroyed before the interpreter tears down: a live group's threads at exit can end the
+    # process in std::terminate (seen once: SIGABRT after a torchrun rank had returned).
+    atexit.register(_destroy_default_group)
+    return backend
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def run(
-    fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout: float = 300.0,
+    backend: str | None = None,
 ) -> list:
     """Runs ``fn(*args)`` on ``world_size`` ranks and returns the results in rank order.
 
-    Locally this starts a :class:`World`, runs ``fn`` once and closes the World. Under
-    ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) it runs ``fn`` in this
-    process instead, initialising the default process group if needed (NCCL if CUDA is
-    available, else Gloo), and gathers every rank's result; ``timeout`` is not applied then.
+    Locally this starts a :class:`World` (Gloo ranks), runs ``fn`` once and closes the World.
+    Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) it runs ``fn`` in
+    this process instead, initialising the default process group if needed, and gathers every
+    rank's result; ``timeout`` is not applied then. The backend there is ``backend``, else
+    :func:`default_backend`: NCCL when this node has a GPU per rank, else Gloo (said on
+    stderr by rank 0 when GPUs are present). Meshes follow the backend: ``Mesh.create``
+    defaults to CUDA blocks under NCCL and CPU blocks under Gloo.
 
     Args:
       fn: The function to run on each rank; must be importable (defined at module level).
@@ -347,6 +446,8 @@ def run(
         ``WORLD_SIZE``.
       args: Positional arguments for ``fn``, the same for every rank.
       timeout: Seconds to wait for all ranks (local launch only).
+      backend: ``"gloo"``, ``"nccl"`` or ``None`` (choose; see above). The local launch
+        runs Gloo only.
 
     Returns:
       A list with ``fn``'s return value from each rank, rank 0 first.
@@ -356,6 +457,8 @@ def run(
       results = run(train_step, 2, (batch,))
     """
     _check_world_size(world_size)
+    if backend not in (None, *_BACKENDS):
+        raise ValueError(f"run: backend must be 'gloo', 'nccl' or None, got {backend!r}")
     if is_worker():
         raise RuntimeError(
             "fshard.launch.run: called inside a World worker; nested launches are not "
@@ -369,15 +472,16 @@ def run(
                 "torchrun; pass the same number of processes"
             )
         if not dist.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group("nccl")
-            else:
-                dist.init_process_group("gloo")
+            _init_torchrun_group(backend)
         result = fn(*args)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, result)
         return gathered
+    if backend == "nccl":
+        raise ValueError(
+            "run: the local launcher starts Gloo ranks; run under torchrun for NCCL "
+            "(torchrun --nproc-per-node N script.py), or pass backend='gloo' / None"
+        )
     with World(world_size, timeout=timeout) as world:
         return world.run(fn, *args)
 

@@ -4,8 +4,11 @@ A mesh is row-major: the rank at position ``i`` of ``mesh.ranks`` sits at
 ``numpy.unravel_index(i, shape)``. ``Mesh.abstract`` needs no process group and serves layout
 math and planning; ``Mesh.create`` builds (and caches) the DeviceMesh and one process group per
 subset of axes, so that collectives over a tuple of axes (``("dp", "tp")``) have a group.
-Meshes compare and hash by shape, names and ranks: an abstract mesh equals the real mesh of the
-same shape, so layouts built on either are interchangeable.
+Meshes compare and hash by shape, names, ranks and device type (``"cpu"`` or ``"cuda"``, where
+the local blocks live): an abstract mesh equals the real mesh of the same shape and device type,
+so layouts built on either are interchangeable, while a CPU and a CUDA mesh over the same ranks
+are different meshes (as a JAX ``Mesh`` over other devices, or a DTensor ``DeviceMesh`` of
+another device type), so no cache keyed by layouts hands one's programs to the other.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Mesh:
         for pos, r in enumerate(ranks):
             coords[r] = _unravel(pos, shape)
         set_(self, "_coords", coords)
-        set_(self, "_hash", hash((shape, axis_names, ranks)))
+        set_(self, "_hash", hash((shape, axis_names, ranks, device_type)))
         set_(self, "_groups", {})  # axes tuple -> AxisGroup, filled once by Mesh.create
 
     def __setattr__(self, name, value):
@@ -117,14 +120,18 @@ class Mesh:
 
     # -- construction -------------------------------------------------------------------
     @staticmethod
-    def abstract(shape: Sequence[int], names: Sequence[str]) -> Mesh:
+    def abstract(shape: Sequence[int], names: Sequence[str], device_type: str = "cpu") -> Mesh:
         """A mesh with no process group, for layout math and planning.
+
+        ``device_type`` (``"cpu"`` or ``"cuda"``) only matters for equality: an abstract mesh
+        equals the real mesh of the same shape, names and device type.
 
         Example:
             >>> Mesh.abstract((2, 4), ("x", "y")).size("y")
             4
         """
-        return Mesh(shape, names)
+        _check_device_type(device_type, "Mesh.abstract")
+        return Mesh(shape, names, device_type=device_type)
 
     @staticmethod
     def create(shape: Sequence[int], names: Sequence[str], device_type: str | None = None) -> Mesh:
@@ -133,8 +140,18 @@ class Mesh:
         Args:
             shape: ranks along each axis; their product must equal the world size.
             names: one unique name per axis.
-            device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` when the default process
-                group uses NCCL, else ``"cpu"``.
+            device_type: where the local blocks live, ``"cpu"`` or ``"cuda"``; default
+                ``"cuda"`` when the default process group uses NCCL, else ``"cpu"``. A CUDA mesh
+                over Gloo is allowed (Gloo moves CUDA tensors through host memory): that is how
+                more ranks than GPUs share the GPUs. ``mesh.device()`` is this rank's device, and
+                ``fs.shard`` / ``fs.from_local`` / the creation functions put blocks there.
+
+        A CUDA mesh uses the current CUDA device of each process. When the process has not
+        initialised CUDA yet (no ``torch.cuda.set_device`` call, no CUDA tensor), this sets it to
+        ``LOCAL_RANK % torch.cuda.device_count()`` (``RANK`` without ``LOCAL_RANK``) before the
+        DeviceMesh is built: one GPU per rank under NCCL, ranks sharing the GPUs round robin
+        over Gloo (DeviceMesh itself would pick ``cuda:LOCAL_RANK``, which does not exist when
+        there are more ranks than GPUs).
 
         Example:
             >>> mesh = Mesh.create((2, 2), ("dp", "tp"))  # doctest: +SKIP
@@ -153,15 +170,20 @@ class Mesh:
             )
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        if device_type not in ("cpu", "cuda"):
+        _check_device_type(device_type, "Mesh.create")
+        if device_type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "Mesh.create: device_type='cuda' but CUDA is not available here (torch "
+                    f"{torch.__version__}, torch.cuda.is_available() is False); use "
+                    "device_type='cpu' (Gloo), or run on a CUDA build with a GPU"
+                )
+            _select_cuda_device()
+        elif dist.get_backend() == "nccl":
             raise ValueError(
-                f"Mesh.create: device_type must be 'cpu' or 'cuda', got {device_type!r}"
-            )
-        if device_type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                "Mesh.create: device_type='cuda' but CUDA is not available here (torch "
-                f"{torch.__version__}, torch.cuda.is_available() is False); use "
-                "device_type='cpu' (Gloo), or run on a CUDA build with a GPU"
+                "Mesh.create: device_type='cpu' but the process group uses NCCL, which moves "
+                "only CUDA tensors; use device_type='cuda' (the default under NCCL), or start "
+                "the process group with Gloo (fs.launch.run(..., backend='gloo'))"
             )
         return _create(shape, names, device_type, id(dist.group.WORLD))
 
@@ -175,6 +197,7 @@ class Mesh:
             and self.shape == other.shape
             and self.axis_names == other.axis_names
             and self.ranks == other.ranks
+            and self.device_type == other.device_type
         )
 
     def __hash__(self) -> int:
@@ -182,7 +205,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
-        kind = "" if self.device_mesh is not None else ", abstract"
+        kind = "" if self.device_type == "cpu" else f", {self.device_type}"
+        kind += "" if self.device_mesh is not None else ", abstract"
         return f"Mesh({axes}{kind})"
 
     @property
@@ -279,6 +303,22 @@ class Mesh:
         return self._groups[axes]
 
 
+def _check_device_type(device_type, where: str) -> None:
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+
+
+def _select_cuda_device() -> None:
+    """Before a CUDA DeviceMesh: give a process that has not picked a GPU the GPU
+    ``LOCAL_RANK % device_count`` (see :meth:`Mesh.create`)."""
+    if torch.cuda.is_initialized():
+        return  # the process chose (torch.cuda.set_device) or used a GPU already: keep it
+    import os
+
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", dist.get_rank())))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+
+
 def _unravel(pos: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     out = []
     for s in reversed(shape):
@@ -313,7 +353,7 @@ def _create(shape, names, device_type, _world_key) -> Mesh:
     dm = init_device_mesh(device_type, shape, mesh_dim_names=names)
     ranks = tuple(int(r) for r in dm.mesh.flatten().tolist())
     mesh = Mesh(shape, names, ranks, device_type, dm)
-    _LIVE[(shape, names, ranks)] = mesh
+    _LIVE[(shape, names, ranks, device_type)] = mesh
     # One group per subset of >= 2 axes. Group creation is collective over the whole world, so
     # every rank creates every group here, in the same order, once per mesh.
     me = dist.get_rank()
@@ -338,8 +378,9 @@ def _create(shape, names, device_type, _world_key) -> Mesh:
 
 
 def _restore(shape, names, ranks, device_type) -> Mesh:
-    """Unpickle: the live mesh when this process has one of that shape, else an abstract one."""
-    return _LIVE.get((shape, names, ranks)) or Mesh(shape, names, ranks, device_type)
+    """Unpickle: the live mesh when this process has one of that shape and device type, else an
+    abstract one."""
+    return _LIVE.get((shape, names, ranks, device_type)) or Mesh(shape, names, ranks, device_type)
 
 
 def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:

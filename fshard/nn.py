@@ -70,7 +70,10 @@ def shard_params(
     """Shard a module's parameters following ``plan``.
 
     The values are copies: the module's own tensors are never aliased, so a donated optimizer
-    step (``fs.optim.step(..., donate=True)``) cannot write into the module. Write trained
+    step (``fs.optim.step(..., donate=True)``) cannot write into the module. They live on
+    ``mesh.device()`` whatever device the module is on (as :func:`fshard.shard`): a CPU module
+    sharded onto a CUDA mesh gives CUDA blocks (each rank copies only its blocks; the module
+    stays on the CPU, so move inputs and buffers your forward reads with ``mesh.device()``). Write trained
     values back with :func:`load_params`. Tied parameters (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
     gives every alias that value.

@@ -209,6 +209,7 @@ def _small_errors():
     )
     w = fs.shard(torch.ones(4), mesh, fs.P())
     cases = {
+        # a CUDA mesh where CUDA is missing; where it is present it is created (no error)
         "cuda mesh on a CPU build": lambda: fs.Mesh.create((2,), ("x",), device_type="cuda"),
         "randn int dtype": lambda: fs.randn((4,), mesh, fs.P(), dtype=torch.int64),
         "rand int dtype": lambda: fs.rand((4,), mesh, fs.P("x"), dtype=torch.int32),
@@ -222,7 +223,8 @@ def _small_errors():
         "jacrev of a ShardedArray function": lambda: torch.func.jacrev(torch.sin)(w),
         "hessian of a ShardedArray function": lambda: torch.func.hessian(lambda v: v * v)(w),
     }
-    return {name: _error_of(fn) for name, fn in cases.items()}
+    out = {name: _error_of(fn) for name, fn in cases.items()}
+    return out, torch.cuda.is_available()
 
 
 _SMALL_ERRORS = {
@@ -242,9 +244,13 @@ _SMALL_ERRORS = {
 
 
 def test_small_errors_are_clear(world2):
-    """Issue 14.7: each unsupported input raises the documented error type with the fix."""
-    for got in world2.run(_small_errors):
+    """Issue 14.7: each unsupported input raises the documented error type with the fix. A
+    CUDA mesh is an error only where CUDA is not available (asked on the ranks: a CUDA build
+    without a GPU refuses it too); with CUDA it is simply created."""
+    for got, cuda in world2.run(_small_errors):
         for name, (kind, words) in _SMALL_ERRORS.items():
+            if cuda and name == "cuda mesh on a CPU build":
+                kind, words = None, "no error"
             assert got[name][0] == kind and words in got[name][1], (name, got[name])
 
 

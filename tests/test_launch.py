@@ -295,7 +295,10 @@ def test_readme_multinode_torchrun_command(tmp_path):
     args[args.index("--nproc-per-node") + 1] = "1"  # one process per "node"
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(root / "tests/_two_nodes.py")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(root), GLOO_SOCKET_IFNAME="lo")
+    # Both "nodes" are this machine: on one GPU, each node's one rank would pick NCCL (a GPU per
+    # local rank) and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). The command
+    # under test is the rendezvous; its backend is pinned to Gloo.
+    env.update(PYTHONPATH=str(root), GLOO_SOCKET_IFNAME="lo", FSHARD_BACKEND="gloo")
     nodes = [
         subprocess.Popen(
             cmd,
