@@ -312,3 +312,33 @@ LLAMA = [("tp", "sdpa"), ("tp", "eager"), ("fsdp", "sdpa")]
 def test_llama_matches_dense_autocast(world2, device, mode, attn):
     pytest.importorskip("transformers")
     _check(world2.run(_llama_rank, device, mode, attn))
+
+
+# -- torch.compile: autocast around the compiled function and inside it ---------------------
+
+
+def _compiled_rank(device):
+    mesh = fs.Mesh.create((1,), ("tp",), device_type=device)
+    p = {k: v.to(device) for k, v in _build_sdpa().items()}
+    sp = {k: fs.shard(v, mesh, fs.P()) for k, v in p.items()}
+
+    def inside(ps):
+        with torch.autocast(device, AC):
+            return _sdpa(ps)
+
+    with torch.autocast(device, AC):
+        want = _sdpa(p)
+        outer = torch.compile(_sdpa, backend="eager")(sp)
+    inner = torch.compile(inside, backend="eager")(sp)
+    return [
+        {f"{where} {k}": (_gathered(got[k]), _gathered(want[k])) for k in want}
+        for where, got in (("outer", outer), ("inner", inner))
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_under_autocast(world1, device):
+    """The plan made while dynamo traces follows the autocast state at trace time, whether the
+    autocast region encloses the compiled function or sits inside it."""
+    for results in world1.run(_compiled_rank, device):
+        _check(results)

@@ -24,6 +24,8 @@ The plan caches key on :func:`state` (``None`` when no autocast is enabled: one 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,6 +39,10 @@ __all__ = ["state", "input_casts", "disabled"]
 _DEVICES = ("cpu", "cuda")
 
 _any_enabled = torch._C._is_any_autocast_enabled
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+#: Logs every exception a meta kernel raises in fake mode; the probe expects some (the mixed
+#: dtypes only autocast makes valid) and handles them.
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
 def state():
@@ -99,6 +105,15 @@ def _run(op, view, unflatten, tensors, device_type, enabled, casts):
     applied), autocast for ``device_type`` on or off: ``({leaf index: dtype autocast cast it
     to}, output dtypes)``."""
     leaves = list(view)
+    level = _FAKE_LOG.level
+    _FAKE_LOG.setLevel(logging.CRITICAL)
+    try:
+        return _run_fake(op, leaves, view, unflatten, tensors, device_type, enabled, casts)
+    finally:
+        _FAKE_LOG.setLevel(level)
+
+
+def _run_fake(op, leaves, view, unflatten, tensors, device_type, enabled, casts):
     # Outside every torch.func level, as meta_call: the stand-ins are not batched or wrapped.
     with torch._C._DisableFuncTorch(), FakeTensorMode():
         for i in tensors:
@@ -145,6 +160,9 @@ def disabled(fn, device_type: str):
     is_enabled, set_enabled = torch.is_autocast_enabled, torch.set_autocast_enabled
 
     def run(*args, **kwargs):
+        if _dynamo_compiling():  # traced as a context manager (eager that costs ~14 us)
+            with torch.autocast(device_type, enabled=False):
+                return fn(*args, **kwargs)
         prev = is_enabled(device_type)
         set_enabled(device_type, False)
         try:
