@@ -31,6 +31,14 @@ def meta_call(op, args, kwargs):
         return op(*margs, **mkwargs)
 
 
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch's kernels compute a reduced-precision float in (``at::opmath_type``):
+    float32 for bfloat16/float16, the dtype itself otherwise. A rule's local program for a
+    normalization or softmax computes in it and rounds once at the end, as the dense kernel
+    does (bf16 activations with fp32 weights are what autocast produces)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def spec(dims, partial=()) -> P:
     """A P from per-dim axis tuples, written the way a user would (``None``, ``"x"``)."""
     entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]

@@ -42,6 +42,7 @@ from ._common import (
     in_mesh_order,
     meta_call,
     norm_dim,
+    opmath,
     out_layout,
     safe_amax,
     spec,
@@ -79,13 +80,13 @@ def softmax_rule(op, args, kwargs):
         return OpSharding([unreduced(x)], out, kernel, tensors_only=True)
 
     def local(t, *a, **k):
-        t = t.to(dtype)
+        t = t.to(opmath(dtype))  # as the dense kernel: compute in float32, round once
         m = group_pmax(safe_amax(t, (dim,), True), group).detach()
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         z = t - m
         e = torch.exp(z)
         s = group_pcast(group_psum(e.sum(dim, keepdim=True), group), group)
-        return z - torch.log(s) if log else e / s
+        return (z - torch.log(s) if log else e / s).to(dtype)
 
     return OpSharding([unreduced(x)], out, local)
 
@@ -112,9 +113,13 @@ def _norm_rule(rms: bool):
             return OpSharding(specs, out)
         dims = tuple(range(-nd, 0))
         count = math.prod(ns)
+        dtype = meta.dtype  # the input's, also with weights of another dtype (autocast's mix)
 
         def local(b):
             t, w, bias, eps = b["input"], b["weight"], b.get("bias"), b["eps"]
+            # As the dense kernels: compute in float32 for a reduced-precision input (rms_norm's
+            # default eps is float32's then), round once at the end.
+            t = t.to(opmath(t.dtype))
             if eps is None:
                 eps = torch.finfo(t.dtype).eps if rms else 1e-5
             if rms:
@@ -129,7 +134,7 @@ def _norm_rule(rms: bool):
                 y = y * w
             if bias is not None:
                 y = y + bias
-            return y
+            return y.to(dtype)
 
         return OpSharding(specs, out, local, by_name=True)
 

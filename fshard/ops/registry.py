@@ -8,8 +8,10 @@ returns an :class:`OpSharding`: the spec each tensor input must have, the output
 the function to run on local tensors. A rule reads its arguments by name with
 :func:`~fshard.ops.binding.bind` (the op's signature, bound once per op).
 
-OpShardings are cached by ``(op, input layouts, static args)``, so after the first call an op
-costs a dict lookup plus the local torch call. When the input specs differ from the inputs'
+OpShardings are cached by ``(op, autocast state, input layouts, static args)``, so after the first
+call an op costs a dict lookup plus the local torch call. Under ``torch.autocast`` a rule plans on
+the dtypes autocast gives the op's inputs and the local program runs on inputs cast the same way
+(:mod:`fshard.ops._autocast`). When the input specs differ from the inputs'
 layouts, the inputs are resharded with :func:`fshard.executor.reshard_one` (differentiable, logged);
 then every input that is invariant over a mesh axis on which another input varies (sharded or
 partial) goes through ``pcast`` (forward identity, backward psum), so a replicated parameter's
@@ -37,6 +39,7 @@ from ..executor import check_plain_tensor, claimed_local, reshard_one
 from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
 from ..spec import LAYOUT_OF_ID, Layout, P, _layout
+from . import _autocast
 from .binding import declare_signature, resolve
 
 __all__ = [
@@ -114,8 +117,8 @@ _CACHE: dict = {}
 #: interpolate's scale_factor): planned per value.
 _FLOAT_VALUED: set = set()
 #: Calls of one ShardedArray then static arguments, keyed by
-#: ``(op, layout._id, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then values: no tuple
-#: per item; the length fixes where the names end).
+#: ``(op, autocast state, layout._id, *args[1:], _KW, *kwargs, *kwargs.values())`` (names then
+#: values: no tuple per item; the length fixes where the names end).
 _UNARY: dict = {}
 #: Bound of _CACHE and _UNARY (keys hold shapes and static arguments, so a program with
 #: ever-changing shapes would grow them without end): a full cache is emptied and refilled.
@@ -237,32 +240,33 @@ def dispatch(func, args, kwargs):
     """
     if _dynamo_compiling():
         return _traced_dispatch(func, args, kwargs)
+    ac = _autocast_state()  # None unless torch.autocast is on: plans differ under it
     ukey = None
     x = args[0] if args else None
     if type(x) is ShardedArray:
         # One probe per call shape; tuple displays, not star-unpacking, on the common shapes.
-        # Unary keys: (op, layout id, *args[1:], _KW, *kwargs, *kwargs.values()).
+        # Unary keys: (op, ac, layout id, *args[1:], _KW, *kwargs, *kwargs.values()).
         n = len(args)
         if kwargs:
             if n == 1:
-                ukey = (func, x.layout._id, _KW, *kwargs, *kwargs.values())
+                ukey = (func, ac, x.layout._id, _KW, *kwargs, *kwargs.values())
             elif type(args[1]) is not ShardedArray:
-                ukey = (func, x.layout._id, *args[1:], _KW, *kwargs, *kwargs.values())
+                ukey = (func, ac, x.layout._id, *args[1:], _KW, *kwargs, *kwargs.values())
         elif n == 1:
-            ukey = (func, x.layout._id, _KW)
+            ukey = (func, ac, x.layout._id, _KW)
         elif n == 2:
             y = args[1]
             ty = type(y)
             if ty is ShardedArray or ty is float:  # binary (floats never enter _UNARY)
                 compiled = _CACHE.get(
-                    (func, None, x.layout._id, y.layout._id if ty is ShardedArray else SCALAR)
+                    (func, None, ac, x.layout._id, y.layout._id if ty is ShardedArray else SCALAR)
                 )
                 if compiled is not None:
                     return compiled.run(args, None)
             else:  # x.sum(0), torch.softmax(x, -1)
-                ukey = (func, x.layout._id, y, _KW)
+                ukey = (func, ac, x.layout._id, y, _KW)
         elif type(args[1]) is not ShardedArray:
-            ukey = (func, x.layout._id, *args[1:], _KW)
+            ukey = (func, ac, x.layout._id, *args[1:], _KW)
         if ukey is not None:
             try:
                 run = _UNARY.get(ukey)
@@ -275,7 +279,7 @@ def dispatch(func, args, kwargs):
         leaves, tree = (*args, *[kwargs[n] for n in names]), (len(args), names)
     else:
         leaves, tree = args, None
-    key = [func, tree]
+    key = [func, tree, ac]
     append = key.append
     for a in leaves:
         t = type(a)
@@ -288,12 +292,12 @@ def dispatch(func, args, kwargs):
         elif isinstance(a, torch.Tensor):
             append((type(a), a.shape, a.dtype, a.layout))
         else:
-            return _dispatch_tree(func, args, kwargs)
+            return _dispatch_tree(func, args, kwargs, ac)
     key = tuple(key)
     compiled = _CACHE.get(key)
     if compiled is None:
         if func in _FLOAT_VALUED:
-            return _dispatch_tree(func, args, kwargs)
+            return _dispatch_tree(func, args, kwargs, ac)
         compiled = _remember(_CACHE, key, _compile(func, leaves, tree))
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
@@ -304,6 +308,7 @@ def dispatch(func, args, kwargs):
 
 install_dispatch(dispatch)
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
+_autocast_state = _autocast.state
 
 
 # -- under torch.compile ---------------------------------------------------------------------
@@ -315,7 +320,7 @@ def _traced_dispatch(func, args, kwargs):
     eager cache; the graph records only the plan's local program (reshards, pcasts, the local
     op). Guards: every layout token, static argument and plain-tensor shape."""
     both = (args, kwargs or {})
-    compiled, paths, tree = constant(_plan_described, func, _describe(both))
+    compiled, paths, tree = constant(_plan_described, func, _describe(both), _autocast_state())
     leaves = [_at(both, path) for path in paths]
     if tree is _NESTED:
         return compiled.run_general(leaves, lambda locs: _substitute(both, paths, locs))
@@ -362,9 +367,10 @@ def _stand_in(d):
     return tuple(_stand_in(v) for v in d)
 
 
-def _plan_described(func, desc) -> tuple:
-    """``(compiled, paths, tree)`` for a call described by :func:`_describe`: the plan, where
-    each of its leaves sits in ``(args, kwargs)``, and its tree (``_NESTED``: substitute)."""
+def _plan_described(func, desc, ac) -> tuple:
+    """``(compiled, paths, tree)`` for a call described by :func:`_describe` under autocast state
+    ``ac``: the plan, where each of its leaves sits in ``(args, kwargs)``, and its tree
+    (``_NESTED``: substitute)."""
     args, kwargs = _stand_in(desc)
     paths = _leaf_paths((args, kwargs))
     leaves = [_at((args, kwargs), p) for p in paths]
@@ -372,13 +378,13 @@ def _plan_described(func, desc) -> tuple:
     if flat and func not in _FLOAT_VALUED:
         names = tuple(sorted(kwargs))
         tree = (len(args), names) if names else None
-        key = (func, tree, *[_leaf_key(a) for a in leaves])
+        key = (func, tree, ac, *[_leaf_key(a) for a in leaves])
         compiled = _CACHE.get(key) or _remember(_CACHE, key, _compile(func, leaves, tree))
         return compiled, paths, tree
     spec_leaves, spec = optree.tree_flatten(
         (args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True
     )
-    key = (func, spec, *[a if type(a) is float else _leaf_key(a) for a in spec_leaves])
+    key = (func, spec, ac, *[a if type(a) is float else _leaf_key(a) for a in spec_leaves])
     compiled = _CACHE.get(key) or _remember(_CACHE, key, _compile(func, spec_leaves, spec))
     return compiled, paths, _NESTED
 
@@ -443,12 +449,12 @@ def _unary_runner(c: _Compiled, args, kwargs):
     return lambda a, kw: raw(fn(a[0].local, **kw), out)
 
 
-def _dispatch_tree(func, args, kwargs):
+def _dispatch_tree(func, args, kwargs, ac):
     leaves, tree = optree.tree_flatten((args, kwargs), is_leaf=_is_tensor_like, none_is_leaf=True)
     if func in _FLOAT_VALUED:  # planned per float value (never under the SCALAR key)
-        key = (func, tree, *[a if type(a) is float else _leaf_key(a) for a in leaves])
+        key = (func, tree, ac, *[a if type(a) is float else _leaf_key(a) for a in leaves])
     else:
-        key = (func, tree, *[_leaf_key(a) for a in leaves])
+        key = (func, tree, ac, *[_leaf_key(a) for a in leaves])
     try:
         compiled = _CACHE.get(key)
     except TypeError:  # an unhashable static argument: compile without caching
@@ -536,6 +542,10 @@ def _compile(func, leaves, tree) -> _Compiled:
         )
     rule = _RULES.get(func)
     view = _static_view(leaves, mesh, floats=func in _FLOAT_VALUED)
+    # Under torch.autocast the rule sees the dtypes autocast gives the op's inputs.
+    casts = _autocast.input_casts(func, view, _filled(tree), mesh.device_type)
+    if casts:
+        view = [v.with_dtype(casts[i]) if i in casts else v for i, v in enumerate(view)]
     args, kwargs = _unflatten(tree, view)
     if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         raise TypeError(
@@ -555,7 +565,15 @@ def _compile(func, leaves, tree) -> _Compiled:
     fn = sharding.local or func
     if sharding.by_name:
         fn = _by_name(sharding.local, resolve(func, args, kwargs))
-    return _Compiled.build(name, specs, sharding, fn, leaves, view, mesh, tree)
+    if casts:  # run as autocast runs an op it casts: on the cast inputs, autocast off
+        fn = _autocast.disabled(fn, mesh.device_type)
+    return _Compiled.build(name, specs, sharding, fn, leaves, view, mesh, tree, casts or {})
+
+
+def _filled(tree):
+    """``leaves -> (args, kwargs)`` with run-time placeholders (:data:`SCALAR`) given a value,
+    for evaluating the op itself (as :func:`fshard.ops._common.meta_call` does)."""
+    return lambda leaves: _unflatten(tree, [0.5 if v is SCALAR else v for v in leaves])
 
 
 def _tensor_names(op, args, kwargs) -> list[str]:
@@ -589,6 +607,7 @@ class _Input:
     spec: P | None  # reshard target, None when no reshard
     pcast: Any  # AxisGroup or None
     plain: bool
+    cast: torch.dtype | None = None  # the dtype autocast gives this input, None: as is
 
 
 class _Compiled:
@@ -609,7 +628,10 @@ class _Compiled:
     )
 
     @staticmethod
-    def build(name, specs, sharding: OpSharding, fn, leaves, view, mesh, tree) -> _Compiled:
+    def build(name, specs, sharding: OpSharding, fn, leaves, view, mesh, tree, casts) -> _Compiled:
+        """``view``: the leaves as the rule saw them (tensor inputs retyped by ``casts``, the
+        ``{leaf index: dtype}`` autocast gives them: applied to the local tensors after any
+        reshard and pcast, so communication and a partial value's sum keep the source dtype)."""
         tensor_idx = [i for i, v in enumerate(view) if isinstance(v, Layout)]
         specs = tuple(specs)
         if len(specs) != len(tensor_idx):
@@ -647,7 +669,8 @@ class _Compiled:
                 missing = []
             group = mesh.group(tuple(missing)) if missing and not mesh.is_abstract else None
             plain = type(leaves[i]) is not ShardedArray
-            inputs.append(_Input(i, view[i], spec, group, plain))
+            src = view[i].with_dtype(leaves[i].dtype) if i in casts else view[i]
+            inputs.append(_Input(i, src, spec, group, plain, casts.get(i)))
         self = _Compiled()
         self.name = name
         self.inputs = tuple(inputs)
@@ -657,7 +680,11 @@ class _Compiled:
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
         self.trivial = all(
-            x.spec is None and x.pcast is None and not x.plain and not x.layout.partial
+            x.spec is None
+            and x.pcast is None
+            and not x.plain
+            and not x.layout.partial
+            and x.cast is None
             for x in inputs
         )
         self.tensors_only = sharding.tensors_only
@@ -681,6 +708,8 @@ class _Compiled:
                 loc = claimed_local(a)  # a partial leaf's gradient holds addends (DESIGN §4)
                 if inp.pcast is not None and loc.requires_grad:
                     loc = apply(Pcast(inp.pcast), loc)
+                if inp.cast is not None:
+                    loc = loc.to(inp.cast)
                 locs[inp.index] = loc
         if self.tensors_only:
             result = self.fn(*[locs[i] for i in self.tensor_idx])
