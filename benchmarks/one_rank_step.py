@@ -11,7 +11,8 @@ CUDA, fp32 on CPU), step = forward + next-token cross entropy + backward + AdamW
 * fshard TP: ``megatron_plan`` + ``fs.value_and_grad`` + donated ``fs.optim.step(adamw)``.
 * fshard TP, torch.func form: the same with ``torch.func.grad_and_value`` (the older README form).
 * fshard FSDP: ``fsdp_plan`` + ``fsdp_call`` + ``fs.value_and_grad`` + donated ``fs.optim.step``.
-* DTensor: ``parallelize_module`` (colwise q/k/v/gate/up, rowwise o/down) + ``torch.optim.AdamW``.
+* DTensor: ``parallelize_module`` (colwise q/k/v/gate/up, rowwise o/down) + ``torch.optim.AdamW``
+  (per-parameter: its foreach and fused kernels refuse DTensors beside plain tensors).
 * FSDP2: ``fully_shard`` per layer and the root + ``torch.optim.AdamW``.
 * with ``--compile``: ``torch.compile(model)`` + the eager optimizer, and the fshard TP step
   under ``torch.compile``.
@@ -75,13 +76,15 @@ def lm_loss(logits, ids):
     return fs.gather(loss) if isinstance(loss, fs.ShardedArray) else loss
 
 
-def torch_adamw(params, device):
+def torch_adamw(params, device, per_param=False):
     kind = {"fused": True} if device == "cuda" else {"foreach": True}
+    if per_param:  # DTensor beside plain params: foreach and fused refuse the mix
+        kind = {"foreach": False}
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **kind)
 
 
-def eager(model, ids, device):
-    opt = torch_adamw(model.parameters(), device)
+def eager(model, ids, device, per_param=False):
+    opt = torch_adamw(model.parameters(), device, per_param)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -166,7 +169,7 @@ def dtensor(model, ids, device):
         plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
         plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(model, dmesh, plan)
-    return eager(model, ids, device)
+    return eager(model, ids, device, per_param=True)
 
 
 def fsdp2(model, ids, device):
