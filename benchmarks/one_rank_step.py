@@ -267,6 +267,8 @@ def main():
             rows[name] = measure(name, make, size, device, dtype, a.steps, a.warmup)
         except Exception as e:  # a configuration that cannot run is a row, not a crash
             rows[name] = e
+        r = rows[name]  # as it comes, for a run that is cut short
+        print(name, "|", r if isinstance(r, Exception) else f"{r[0] * 1e3:.2f} ms", flush=True)
     base_t, _, base_loss = rows["eager torch + AdamW"]
     t = Table(title=f"one-rank training step, {a.size or ('small' if device == 'cuda' else 'tiny')} "
               f"Llama, {device} {str(dtype).replace('torch.', '')}, torch {torch.__version__}")  # fmt: skip

@@ -50,7 +50,8 @@ _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("fshard_comm_
 # Sources (torch 2.11-2.13): NCCL's dtype map is ``c10d::ncclDataType`` in
 # torch/csrc/distributed/c10d/NCCLUtils.hpp (bool travels as uint8; float8 as NCCL's float8
 # types or uint8) and its reductions refuse float8 ("Float8 dtypes are not currently supported
-# for NCCL reductions", ProcessGroupNCCL::allreduce / _reduce_scatter_base). Gloo's is
+# for NCCL reductions", ProcessGroupNCCL::allreduce / _reduce_scatter_base) unless NCCL has
+# float8 types (2.24+, ``fshard._compat.nccl_reduces_float8``; seen on torch 2.11 + NCCL 2.28). Gloo's is
 # ``GENERATE_ALL_TYPES`` in ProcessGroupGlooDetail.hpp; Gloo's send/recv move raw bytes (any
 # dtype) from a host pointer, so a CUDA tensor aborts the process (``gloo::IoException ...
 # writev ... Bad address``): fshard stages point-to-point traffic through host memory instead.
@@ -75,6 +76,10 @@ _FLOAT8 = frozenset(
     getattr(torch, n)
     for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, n)
+)
+#: float8 types NCCL 2.24+ reduces natively (the fnuz ones travel as uint8: never reduced)
+_FLOAT8_NATIVE = frozenset(
+    getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fn") if hasattr(torch, n)
 )
 #: dtypes each backend's collectives accept (complex dtypes: see :data:`_COMPLEX_REFUSED`).
 WIRE_DTYPES: dict[str, frozenset] = {
@@ -161,7 +166,12 @@ def check_wire(
             f"{_names(WIRE_DTYPES[backend])}, and complex dtypes as their real view. Convert "
             f"it first ({fix}) and back after"
         )
-    if backend == "nccl" and op in _REDUCING and dtype in _FLOAT8:
+    if (
+        backend == "nccl"
+        and op in _REDUCING
+        and dtype in _FLOAT8
+        and not (dtype in _FLOAT8_NATIVE and _compat.nccl_reduces_float8())
+    ):
         raise TypeError(
             f"{where}: {name} has dtype {dtype}; NCCL cannot reduce float8 values (it only "
             "moves them). Upcast before reducing (x.to(torch.bfloat16)) and cast back after"

@@ -15,6 +15,7 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :func:`attribute_callable` | dynamo calls a ``torch.Tensor`` method held in an attribute | it cannot: such a method is wrapped in a Python function |
 | :data:`TRACES_CLASS_EQ` | dynamo compares classes | ``ShardedArray.__eq__(cls)`` answers for a class |
 | :data:`TRACES_ATTRIBUTE_DELETE` | dynamo traces deleting a module attribute it saw set | it cannot: ``functional_call`` rebinds ``forward`` under dynamo |
+| :func:`nccl_reduces_float8` | NCCL 2.24+: float8 reductions | older NCCL: float8 moves only |
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
 
 The older names still exist in 2.13 but warn (deprecated), so the new ones are preferred where
@@ -23,6 +24,7 @@ they exist.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -144,6 +146,24 @@ TRACES_CLASS_EQ = TORCH_VERSION >= (2, 13)
 #: Where it does not, ``fs.nn.functional_call`` restores an ``Output``-patched ``forward`` under
 #: dynamo by binding the class's ``forward`` to the instance (the same calls).
 TRACES_ATTRIBUTE_DELETE = TORCH_VERSION >= (2, 13)
+
+
+@functools.cache
+def nccl_reduces_float8() -> bool:
+    """Whether the NCCL torch runs with reduces float8 (e4m3fn, e5m2) values: NCCL 2.24+ has
+    float8 types, which torch then maps them to (``NCCL_SUPPORTS_FP8`` in
+    torch/csrc/distributed/c10d/NCCLUtils.hpp); older ones carry float8 as uint8 and torch
+    refuses to reduce it. Seen: all_reduce of float8 accepted on torch 2.11 with NCCL 2.28.9.
+    False on a build without NCCL.
+
+    Example:
+        >>> isinstance(nccl_reduces_float8(), bool)
+        True
+    """
+    try:
+        return tuple(torch.cuda.nccl.version()[:2]) >= (2, 24)
+    except Exception:  # a CPU build has no NCCL
+        return False
 
 
 def freeze_key(v):

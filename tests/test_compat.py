@@ -85,7 +85,8 @@ def test_suite_slice_on_simulated_oldest_torch(tmp_path):
     in every process, parent and spawned ranks (a ``sitecustomize`` on ``PYTHONPATH``)."""
     newer = ["all_gather_single", "reduce_scatter_single"]
     (tmp_path / "sitecustomize.py").write_text(_SIMULATE.format(names=newer))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    path = [str(tmp_path), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     probe = subprocess.run(
         [
             sys.executable,

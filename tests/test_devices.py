@@ -20,12 +20,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import fshard
 import fshard as fs
 import fshard._comm as comm
 import fshard.launch as launch
@@ -44,8 +46,12 @@ CUDA0 = torch.device("cuda", 0)
 
 
 def _fake(*shape, dtype=torch.float32, device="cuda:0"):
-    """A tensor with a dtype and a device and no data: fake CUDA tensors exist on CPU builds."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    """A tensor with a dtype and a device and no data: fake CUDA tensors exist on CPU builds,
+    and (with the CUDA context set-up skipped) for GPUs this machine does not have."""
+    with (
+        mock.patch("torch._subclasses.fake_tensor.init_gpu_context", lambda device: None),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
         return torch.empty(*shape, dtype=dtype, device=device)
 
 
@@ -83,10 +89,22 @@ def test_check_wire_nccl_refuses_dtypes_it_lacks(dtype):
 
 def test_check_wire_nccl_reductions():
     f8 = _fake(4, dtype=torch.float8_e4m3fn)
+    fnuz = _fake(4, dtype=torch.float8_e4m3fnuz)
     assert comm.check_wire(f8, "nccl", CUDA0, op="all_gather") is None  # moved, as uint8/fp8
     for op in ("all_reduce", "reduce_scatter"):
-        got = _raises(comm.check_wire, f8, "nccl", CUDA0, op=op, reduce="sum")
-        assert got.startswith(f"TypeError: {op} over NCCL") and "cannot reduce float8" in got
+        for native in (False, True):  # NCCL before / from 2.24 (float8 types)
+            with mock.patch.object(fshard._compat, "nccl_reduces_float8", lambda n=native: n):
+                got = _raises(comm.check_wire, f8, "nccl", CUDA0, op=op, reduce="sum")
+                never = _raises(comm.check_wire, fnuz, "nccl", CUDA0, op=op, reduce="sum")
+            assert (
+                never.startswith(f"TypeError: {op} over NCCL") and "cannot reduce float8" in never
+            )
+            if native:
+                assert got is None
+            else:
+                assert (
+                    got.startswith(f"TypeError: {op} over NCCL") and "cannot reduce float8" in got
+                )
     c = _fake(4, dtype=torch.complex64)
     assert comm.check_wire(c, "nccl", CUDA0, op="all_reduce", reduce="sum") is None
     assert comm.check_wire(c, "nccl", CUDA0, op="all_to_all") is None
@@ -196,6 +214,9 @@ torch.cuda.set_device(0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
 ops = [o for o in t._PROBE_OPS if o != "ppermute"]  # no send/recv with a single rank
 out = t._probe("nccl", torch.device("cuda", 0), ops)
+# one rank: torch's NCCL reduce_scatter and scatter copy without NCCL's type map (seen on 2.11:
+# int16 accepted there, refused by every other op), so their acceptance here proves nothing
+out = [d for d in out if not (d[1] in ("reduce_scatter", "scatter") and d[3] is None)]
 cpu = t._raises(t.comm.check_wire, torch.ones(2), "nccl", torch.device("cuda", 0))
 try:
     dist.all_reduce(torch.ones(2))
@@ -218,7 +239,7 @@ def test_check_wire_agrees_with_nccl():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")), None)
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = json.loads(line[len("PROBE") :])
-    assert not got["disagreements"], got["disagreements"]
+    assert not got["disagreements"], "\n".join(map(repr, got["disagreements"]))
     ours, theirs = got["cpu"]
     assert ours and theirs, got["cpu"]  # both refuse a CPU tensor; ours names the fix
 
@@ -297,7 +318,8 @@ def _torchrun(script: str, nproc: int, *args: str, env: dict | None = None) -> s
         "--master-addr", "127.0.0.1", "--master-port", str(port), str(ROOT / script), *args,
     ]  # fmt: skip
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    base.update(PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", **(env or {}))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    base.update(PYTHONPATH=path, GLOO_SOCKET_IFNAME="lo", **(env or {}))
     proc = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr

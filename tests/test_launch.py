@@ -298,7 +298,8 @@ def test_readme_multinode_torchrun_command(tmp_path):
     # Both "nodes" are this machine: on one GPU, each node's one rank would pick NCCL (a GPU per
     # local rank) and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). The command
     # under test is the rendezvous; its backend is pinned to Gloo.
-    env.update(PYTHONPATH=str(root), GLOO_SOCKET_IFNAME="lo", FSHARD_BACKEND="gloo")
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env.update(PYTHONPATH=path, GLOO_SOCKET_IFNAME="lo", FSHARD_BACKEND="gloo")
     nodes = [
         subprocess.Popen(
             cmd,
