@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
@@ -410,16 +409,12 @@ def _init_torchrun_group(backend: str | None) -> str:
                 "backend='gloo' (or leave it None)"
             )
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # The group is not destroyed at exit: under torch 2.11 a rank that destroyed it in an
+    # atexit hook made the other node's torchrun agent lose the rendezvous store ("Failed to
+    # recv ... The connection to the C10d store has failed") in 2 of 3 two-node runs
+    # (tests/test_launch.py::test_readme_multinode_torchrun_command; 0 of 3 without it).
     dist.init_process_group(backend)
-    # Destroyed before the interpreter tears down: a live group's threads at exit can end the
-    # process in std::terminate (seen once: SIGABRT after a torchrun rank had returned).
-    atexit.register(_destroy_default_group)
     return backend
-
-
-def _destroy_default_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run(
