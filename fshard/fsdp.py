@@ -134,8 +134,7 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
     for pname, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(pname)
     for pname, p in module.named_parameters():
-        held = names[id(p)]
-        inside = (u for u in prefixes if all(n.startswith(u + ".") for n in held))
+        inside = (u for u in prefixes if all(n.startswith(u + ".") for n in names[id(p)]))
         units[max(inside, key=len, default="")].append(pname)
     return units
 
