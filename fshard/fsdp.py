@@ -42,12 +42,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import _comm, _compat, lax
+from . import _comm, _compat, _swap, lax
 from ._leaf_errors import LeafErrors
 from .array import ShardedArray
 from .lax import PsumScatter, apply
 from .mesh import AxisGroup, Mesh
-from .nn_plan import _resolve, match_plan
+from .nn_plan import match_plan
 from .spec import P
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -108,7 +108,9 @@ def fsdp_plan(
 
 def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
     """Default FSDP units: each element of every ``nn.ModuleList`` (e.g. ``"blocks.3"``), and
-    the root unit ``""`` holding every other param (embeddings, final norm, head).
+    the root unit ``""`` holding every other param (embeddings, final norm, head). A tied
+    param (one tensor under several names) belongs to the deepest unit holding all its names,
+    so it is gathered for every use (GPT-2's ``lm_head.weight`` = ``wte.weight``: the root).
 
     Args:
         module: the module.
@@ -128,9 +130,12 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
     ]
     units: dict[str, list[str]] = {"": []}
     units.update({p: [] for p in prefixes})
-    for pname, _ in module.named_parameters():
-        owner = max((u for u in prefixes if pname.startswith(u + ".")), key=len, default="")
-        units[owner].append(pname)
+    names: dict[int, list[str]] = {}  # every name of each tensor
+    for pname, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(pname)
+    for pname, p in module.named_parameters():
+        inside = (u for u in prefixes if all(n.startswith(u + ".") for n in names[id(p)]))
+        units[max(inside, key=len, default="")].append(pname)
     return units
 
 
@@ -299,19 +304,46 @@ def fsdp_gather(
     session.active = {}
 
 
-def _swap(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> list:
-    saved = []
-    for name, value in values.items():
-        owner, attr, slot = _resolve(module, name)
-        saved.append((owner, attr, slot, getattr(owner, slot).pop(attr)))
-        owner.__dict__[attr] = value
-    return saved
-
-
-def _restore(saved: list) -> None:
-    for owner, attr, slot, original in reversed(saved):
-        owner.__dict__.pop(attr, None)
-        getattr(owner, slot)[attr] = original
+def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
+    """Every unit's names resolve in ``module`` (ties: one value), no tensor is in two units,
+    and a unit other than the root holds every name of its tensors (a tied alias outside the
+    unit's submodule would read the module's own tensor, not the gathered one). Returns the
+    module's aliases, read before any swap; raises listing every problem."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    held = _swap.aliases(module)
+    values = {n: params[n] for names in units.values() for n in names if n in params}
+    _swap.targets(module, values, "fsdp_call", held)  # names, value types, ties
+    names: dict[int, list[str]] = {}  # every name of each tensor
+    for attr in ("named_parameters", "named_buffers"):
+        for n, t in getattr(module, attr)(remove_duplicate=False):
+            names.setdefault(id(t), []).append(n)
+    unit_of: dict[int, tuple[str, str]] = {}
+    errors = LeafErrors("fsdp_call: units that do not fit the module", "params")
+    for unit, members in units.items():
+        for n in members:
+            if n not in values:
+                continue  # not in params: fsdp_gather names it
+            owner, attr, slot = _swap.resolve(module, n, "fsdp_call")
+            key = id(getattr(owner, slot)[attr])
+            if key in unit_of:
+                other, other_unit = unit_of[key]
+                errors.add(
+                    f"[{n!r}]",
+                    f"in unit {unit!r}, but it is (tied to) params[{other!r}] of unit "
+                    f"{other_unit!r}; put it in one unit",
+                )
+                continue
+            unit_of[key] = (n, unit)
+            outside = [a for a in names[key] if unit and not a.startswith(unit + ".")]
+            if outside:
+                errors.add(
+                    f"[{n!r}]",
+                    f"in unit {unit!r}, but also held as {outside} outside it; put it in a "
+                    "unit holding all its names (the root unit '' holds every name)",
+                )
+    errors.raise_if_any()
+    return held
 
 
 def fsdp_call(
@@ -327,6 +359,12 @@ def fsdp_call(
 ):
     """Run ``module(*args)`` on local tensors with each FSDP unit gathered just before its
     forward (a forward pre-hook), the next one prefetched, and released after.
+
+    The gathered values are swapped into the module as by :func:`functional_call` (the root
+    unit for the whole call, each other unit during its submodule's forward): every alias of a
+    tied param reads the gathered value, and the module's own tensors come back afterwards in
+    their order. The units are checked against the module first: a tensor in two units, or
+    one with an alias outside its unit's submodule, is an error.
 
     The module's forward runs on plain local tensors (no op rules), so this is pure data /
     fully-sharded parallelism; for FSDP x TP write the local-view loss with
@@ -351,7 +389,8 @@ def fsdp_call(
     units = fsdp_units(module) if units is None else units
     if not isinstance(args, tuple):
         args = (args,)
-    handles, swapped = [], []
+    held = _check_units(module, params, units)
+    handles, inside = [], []  # inside: the units' swaps now entered, innermost last
     with fsdp_gather(params, units, mesh=mesh, axis=axis, prefetch=prefetch) as get:
         try:
             for unit in units:
@@ -360,19 +399,18 @@ def fsdp_call(
                 sub = module.get_submodule(unit)
 
                 def pre(m, a, unit=unit):
-                    swapped.append(_swap(module, get(unit)))
+                    inside.append(_swap.swap(module, get(unit), "fsdp_call", held).__enter__())
 
                 def post(m, a, o):
-                    _restore(swapped.pop())
+                    inside.pop().__exit__(None, None, None)
 
                 handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
-            root = _swap(module, get(""))
-            try:
-                return module(*args, **(kwargs or {}))
-            finally:
-                _restore(root)
+            with _swap.swap(module, get(""), "fsdp_call", held):
+                try:
+                    return module(*args, **(kwargs or {}))
+                finally:  # a unit whose forward raised: its swap exits before the root's
+                    while inside:
+                        inside.pop().__exit__(None, None, None)
         finally:
             for h in handles:
                 h.remove()
-            while swapped:
-                _restore(swapped.pop())

@@ -31,13 +31,13 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from . import _compat
+from . import _compat, _swap
 from ._leaf_errors import LeafErrors
 from .api import gather, reshard, shard
 from .array import ShardedArray
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: F401 (fs.nn API)
 from .mesh import Mesh
-from .nn_plan import Output, _match, _matcher, _resolve, _split_plan, match_plan
+from .nn_plan import Output, _match, _matcher, _split_plan, match_plan
 from .spec import Layout, P
 from .tree import tree_leaves
 
@@ -137,53 +137,6 @@ def shard_params(
     return out
 
 
-def _aliases(module: torch.nn.Module) -> dict[int, list]:
-    """``id(tensor) -> [(owner, attr, slot), ...]``: every place a parameter/buffer is held."""
-    out: dict[int, list] = {}
-    for owner in module.modules():
-        for slot in ("_parameters", "_buffers"):
-            for attr, t in getattr(owner, slot).items():
-                if t is not None:
-                    out.setdefault(id(t), []).append((owner, attr, slot))
-    return out
-
-
-def _targets(module: torch.nn.Module, params: Mapping, fn: str) -> list:
-    """``[(name, owner, attr, slot, value)]`` for every alias of every entry ``name`` of
-    ``params``; the error lists every entry that does not fit."""
-    aliases = _aliases(module)
-    claimed: dict[int, tuple[str, object]] = {}
-    targets = []
-    errors = LeafErrors(f"{fn}: params entries that do not fit the module", "params")
-    for name, value in params.items():
-        if not isinstance(value, (torch.Tensor, ShardedArray)):
-            errors.add(
-                f"[{name!r}]",
-                f"got {type(value).__name__}; values must be ShardedArrays or tensors",
-                TypeError,
-            )
-            continue
-        try:
-            owner, attr, slot = _resolve(module, name, fn)
-        except ValueError:
-            errors.add(f"[{name!r}]", "not a parameter or buffer of the module")
-            continue
-        key = id(getattr(owner, slot)[attr])
-        if key in claimed:
-            other, other_value = claimed[key]
-            if other_value is not value:
-                errors.add(
-                    f"[{name!r}]",
-                    f"tied to params[{other!r}] (one parameter) but given a different value; "
-                    "pass only one of them",
-                )
-            continue
-        claimed[key] = (name, value)
-        targets.extend((name, o, a, s, value) for o, a, s in aliases[key])
-    errors.raise_if_any()
-    return targets
-
-
 _NONE = object()  # no instance ``forward`` to restore
 
 
@@ -218,12 +171,13 @@ def functional_call(
     """Run ``module(*args, **kwargs)`` with the parameters (and buffers) in ``params``.
 
     ``torch.func.functional_call`` refuses non-Tensor values, so this swaps the values into
-    the module itself: each named entry is popped from its owner's ``_parameters`` (or
-    ``_buffers``) and set in the owner's ``__dict__``; everything is restored afterwards, also
-    when ``forward`` raises. Like ``torch.func.functional_call`` (``tie_weights=True``), every
-    alias of a parameter gets the value (GPT-2's ``lm_head.weight`` is
-    ``transformer.wte.weight``: passing the latter swaps both). Names missing from ``params``
-    keep the module's own tensors. Not thread-safe for concurrent calls on one module.
+    the module itself (``fshard/_swap.py``, shared with :func:`fsdp_call`): each named entry is
+    popped from its owner's ``_parameters`` (or ``_buffers``) and set in the owner's
+    ``__dict__``; everything is restored afterwards, in its order, also when ``forward``
+    raises. Like ``torch.func.functional_call`` (``tie_weights=True``), every alias of a
+    parameter gets the value (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``: passing
+    the latter swaps both). Names missing from ``params`` keep the module's own tensors. Not
+    thread-safe for concurrent calls on one module.
 
     Args:
         module: the module.
@@ -256,42 +210,22 @@ def functional_call(
         outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
-    targets = _targets(module, params, "functional_call")
-    saved, patched, orders = [], [], {}
-    # torch 2.11's dynamo replays the traced ``delattr`` below after the ``_parameters``
-    # re-insert (the module loses its parameters): there the values go into the slot itself.
-    in_slot = not _compat.TRACES_ATTRIBUTE_DELETE and torch.compiler.is_dynamo_compiling()
-    try:
-        for _, owner, attr, slot, value in targets:
-            entries = getattr(owner, slot)
-            if in_slot:
-                saved.append((owner, attr, slot, entries[attr]))
-                entries[attr] = value
-                continue
-            orders.setdefault((id(owner), slot), (entries, list(entries)))
-            original = entries.pop(attr)
-            saved.append((owner, attr, slot, original))
-            owner.__dict__[attr] = value
-        for name, spec in outputs.items():
-            sub = module.get_submodule(name)
-            patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
-            sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
-        return module(*args, **(kwargs or {}))
-    finally:
-        for sub, forward, bound in reversed(patched):
-            if forward is not _NONE:
-                sub.__dict__["forward"] = forward
-            elif _compat.TRACES_ATTRIBUTE_DELETE or not torch.compiler.is_dynamo_compiling():
-                del sub.__dict__["forward"]
-            else:  # the class's forward, bound, left as the instance's: the same calls
-                sub.__dict__["forward"] = bound
-        for owner, attr, slot, original in reversed(saved):
-            if not in_slot:
-                del owner.__dict__[attr]
-            getattr(owner, slot)[attr] = original
-        for entries, order in orders.values():  # named_parameters() order (dynamo guards it)
-            for name in order:
-                entries[name] = entries.pop(name)
+    patched = []
+    with _swap.swap(module, params, "functional_call"):
+        try:
+            for name, spec in outputs.items():
+                sub = module.get_submodule(name)
+                patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
+                sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
+            return module(*args, **(kwargs or {}))
+        finally:
+            for sub, forward, bound in reversed(patched):
+                if forward is not _NONE:
+                    sub.__dict__["forward"] = forward
+                elif _compat.TRACES_ATTRIBUTE_DELETE or not torch.compiler.is_dynamo_compiling():
+                    del sub.__dict__["forward"]
+                else:  # the class's forward, bound, left as the instance's: the same calls
+                    sub.__dict__["forward"] = bound
 
 
 def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:
@@ -324,7 +258,7 @@ def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = N
         raise TypeError(f"load_params: dst must be a rank (int) or None, got {dst!r}")
     targets = {}
     errors = LeafErrors("load_params: values whose shape does not fit the module", "params")
-    for name, owner, attr, slot, value in _targets(module, params, "load_params"):
+    for name, owner, attr, slot, value in _swap.targets(module, params, "load_params"):
         t = getattr(owner, slot)[attr]
         if tuple(value.shape) != tuple(t.shape):
             errors.add(
@@ -368,7 +302,7 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
     by_tensor = {
-        id(getattr(o, s)[a]): v for _, o, a, s, v in _targets(module, params, "state_dict")
+        id(getattr(o, s)[a]): v for _, o, a, s, v in _swap.targets(module, params, "state_dict")
     }
     out = {}
     for key, t in module.state_dict(keep_vars=True).items():

@@ -1,5 +1,5 @@
 """Sharding plans for ``torch.nn`` modules: ``{pattern: fs.P | Output}`` matched against
-parameter and module names (:func:`match_plan`), and dotted names resolved to their owner.
+parameter and module names (:func:`match_plan`).
 
 Shared by :mod:`fshard.nn` (``shard_params``, ``functional_call``, which re-exports
 :class:`Output` and :func:`match_plan`) and :mod:`fshard.fsdp`.
@@ -11,8 +11,6 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
-
-import torch
 
 from .spec import P
 
@@ -115,18 +113,3 @@ def match_plan(names: Iterable[str], plan: Mapping[str, P]) -> dict[str, P]:
     names = list(names)
     found = _match(names, rules, "parameter")
     return {name: found.get(name, P()) for name in names}
-
-
-def _resolve(module: torch.nn.Module, name: str, fn: str = "functional_call"):
-    *path, attr = name.split(".")
-    owner = module
-    for part in path:
-        sub = owner._modules.get(part)
-        if sub is None:
-            raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
-        owner = sub
-    for slot in ("_parameters", "_buffers"):
-        tensors = getattr(owner, slot)
-        if tensors.get(attr) is not None:
-            return owner, attr, slot
-    raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")

@@ -14,6 +14,8 @@ import fshard as fs
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt as demo  # noqa: E402
 
+from tests.test_nn import TIED, dense_value_and_grads, module_state, tied_case  # noqa: E402
+
 D, H, OUT, B, STEPS = 8, 16, 6, 4, 3
 
 
@@ -196,3 +198,82 @@ def test_errors_list_every_bad_entry():
         pass
     msg = str(info.value)
     assert "params['a']: got Tensor" in msg and "params['b']: got int" in msg, msg
+
+
+# -- tied parameters (fshard/_swap.py): every alias gets the gathered value -----------------------
+
+
+def test_fsdp_units_put_a_tied_param_where_all_its_names_are():
+    units = fs.nn.fsdp_units(tied_case("four_owners")[0])  # blocks.0.weight is held 4 times
+    want = {"": ["blocks.0.weight", "head.bias"], "blocks.0": ["blocks.0.bias"]}
+    assert units == {**want, "blocks.1": ["blocks.1.bias"]}
+    units = fs.nn.fsdp_units(tied_case("weight_bias")[0])  # head.bias is proj.bias
+    assert units[""] == ["emb.weight", "head.bias", "proj.weight"]
+
+
+def fsdp_tied_rank_fn(kind, how):
+    mesh = fs.Mesh.create((2,), ("dp",))
+    model, ids = tied_case(kind)
+    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+    assert any(v.spec == fs.P("dp") for v in params.values())
+    start = module_state(model)
+
+    def loss(ps, x):
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)
+        return fs.lax.pmean(out.square().mean(), "dp", mesh=mesh)
+
+    xs = fs.shard(ids, mesh, fs.P("dp")).local
+    if how == "value_and_grad":
+        value, grads = fs.value_and_grad(loss)(params, xs)
+    else:
+        grads, value = torch.func.grad_and_value(loss)(params, xs)
+    assert all(grads[k].layout == params[k].layout for k in params)
+    states = [module_state(model)]
+    with pytest.raises(RuntimeError):  # the first block's forward raises: all restored
+        fs.nn.fsdp_call(model, params, (xs,), {"cut": 3}, mesh=mesh)
+    states.append(module_state(model))
+    return float(value), {k: fs.gather(g) for k, g in grads.items()}, start, states
+
+
+@pytest.mark.parametrize("how", ["value_and_grad", "torch.func.grad"])
+@pytest.mark.parametrize("kind", list(TIED))
+def test_fsdp_call_tied_matches_dense(world2, kind, how):
+    """fsdp_call of a module with a tied weight, a tied weight and bias, or one tensor held by
+    four modules (across units): the loss and every gradient equal dense torch.func (the tied
+    head used to read the module's own frozen tensor: the embedding gradient was off), and no
+    call changes which tensor a name holds or the order of named_parameters() / state_dict()
+    (an nn.Linear's bias used to come back before its weight), also when the forward raises."""
+    model, ids = tied_case(kind)
+    value, grads = dense_value_and_grads(model, ids)
+    for got_value, got_grads, start, states in world2.run(fsdp_tied_rank_fn, kind, how):
+        torch.testing.assert_close(got_value, float(value))
+        assert list(got_grads) == list(grads)
+        for k in grads:
+            torch.testing.assert_close(got_grads[k], grads[k], msg=k)
+        for state in states:
+            assert state == start
+
+
+def test_fsdp_call_checks_units_up_front():
+    """A tensor in two units, or in a unit that does not hold all its names, is refused before
+    anything is gathered (an abstract mesh: nothing communicates)."""
+    mesh = fs.Mesh.abstract((2,), ("dp",))
+    model, ids = tied_case("four_owners")
+    params = {k: v.detach() for k, v in model.named_parameters()}  # checked before the types
+    before = module_state(model)
+    units = {"": ["head.bias"], "blocks.0": ["blocks.0.weight", "blocks.0.bias"]}
+    units["blocks.1"] = ["blocks.1.bias"]
+    with pytest.raises(ValueError) as info:
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    msg = str(info.value)
+    assert "params['blocks.0.weight']: in unit 'blocks.0', but also held as" in msg, msg
+    assert "'blocks.1.weight', 'emb.weight', 'head.weight'" in msg, msg
+    units = {"": ["blocks.0.weight", "head.bias"], "blocks.1": ["blocks.1.weight"]}
+    params["blocks.1.weight"] = params["blocks.0.weight"]  # one tensor, two names: one value
+    with pytest.raises(ValueError) as info:
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    msg = str(info.value)
+    assert "params['blocks.1.weight']: in unit 'blocks.1', but it is (tied to) " in msg, msg
+    with pytest.raises(ValueError, match="blocks.9.weight"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units={"": ["blocks.9.weight"]})
+    assert module_state(model) == before

@@ -404,3 +404,153 @@ def test_megatron_plan_reads_module_types():
         fs.nn.megatron_plan(column=["*fc"], model=blk)
     with pytest.raises(ValueError, match="matches no module"):
         fs.nn.megatron_plan(row=["fc9"], model=blk)
+
+
+# -- tied parameters through every entry point (fshard/_swap.py), against dense torch.func --------
+
+V, D = 8, 4
+
+
+class TiedWeight(nn.Module):
+    """GPT-2's tie: the head's weight is the embedding's."""
+
+    vocab = V
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList([nn.Linear(D, D) for _ in range(2)])
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def trunk(self, ids, cut):
+        h = self.emb(ids)[..., :cut]  # cut < D: the first block's forward raises
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return h
+
+    def forward(self, ids, cut=None):
+        return self.head(self.trunk(ids, cut))
+
+
+class TiedWeightBias(TiedWeight):
+    """A decoder tied in weight (to the embedding) and in bias (to another head's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, V)
+        self.head = nn.Linear(D, V)
+        self.head.weight = self.emb.weight
+        self.head.bias = self.proj.bias
+
+    def forward(self, ids, cut=None):
+        h = self.trunk(ids, cut)
+        return self.head(h) + torch.tanh(self.proj(h))
+
+
+class FourOwners(TiedWeight):
+    """One tensor held by four modules (embedding, both blocks, head), its first name inside an
+    FSDP unit (``blocks.0``), the others outside it."""
+
+    vocab = D
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.blocks = nn.ModuleList([nn.Linear(D, D) for _ in range(2)])
+        self.emb = nn.Embedding(D, D)
+        self.head = nn.Linear(D, D)
+        self.emb.weight = self.blocks[1].weight = self.head.weight = self.blocks[0].weight
+
+
+TIED = {"weight": TiedWeight, "weight_bias": TiedWeightBias, "four_owners": FourOwners}
+
+
+def tied_case(kind: str):
+    """``(model, ids)``: the float64 module (same values on every process) and a (4, 3) batch."""
+    torch.manual_seed(0)
+    model = TIED[kind]().double()
+    return model, torch.randint(0, model.vocab, (4, 3))
+
+
+def module_state(module: nn.Module):
+    """What a call must leave as it found: the tensor of every name (aliases included) and the
+    order of ``named_parameters()`` and ``state_dict()``."""
+    named = [(n, id(t)) for n, t in module.named_parameters(remove_duplicate=False)]
+    return named, [n for n, _ in module.named_parameters()], list(module.state_dict())
+
+
+def dense_value_and_grads(model: nn.Module, ids: torch.Tensor):
+    """The loss ``mean(model(ids) ** 2)`` and its gradient by torch.func on the full tensors."""
+    dense = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(ps):
+        return torch.func.functional_call(model, ps, (ids,)).square().mean()
+
+    grads, value = torch.func.grad_and_value(loss)(dense)
+    return value, grads
+
+
+def test_tied_cases_are_tied():
+    owners = {"weight": 2, "weight_bias": 2, "four_owners": 4}
+    for kind, n in owners.items():
+        model, _ = tied_case(kind)
+        named = module_state(model)[0]
+        assert len(named) - len(dict(model.named_parameters())) == n - 1 + (kind == "weight_bias")
+        assert model.head.weight is model.emb.weight
+
+
+def tied_entry_points_rank_fn(kind):
+    """functional_call (+ torch.func.grad), state_dict and load_params of a tied module on 2 ranks,
+    replicated and with the tied weight split over tp; returns what the parent compares with
+    dense torch, and the module's state before and after every call."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    model, ids = tied_case(kind)
+    first = next(k for k, _ in model.named_parameters())
+    start = module_state(model)
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out, states = [], []
+    x = fs.shard(ids, mesh, fs.P())
+
+    def loss(ps):
+        y = fs.nn.functional_call(model, ps, (x,))
+        return fs.gather(y * y).mean()
+
+    for plan in ({}, {first: fs.P("tp")}):
+        params = fs.nn.shard_params(model, mesh, plan)
+        grads, value = torch.func.grad_and_value(loss)(params)
+        assert all(grads[k].layout == params[k].layout for k in params)
+        states.append(module_state(model))
+        with pytest.raises(RuntimeError):  # restored when the forward raises
+            fs.nn.functional_call(model, params, (x,), {"cut": 3})
+        states.append(module_state(model))
+        sd = {k: fs.gather(v) for k, v in fs.nn.state_dict(model, params).items()}
+        states.append(module_state(model))
+        fs.nn.load_params(model, {k: fs.tree_map(lambda t: t + 1, v) for k, v in params.items()})
+        states.append(module_state(model))
+        loaded = {k: v.clone() for k, v in model.state_dict().items()}
+        fs.nn.load_params(model, dense)  # back to the initial values for the next plan
+        out.append((float(value), {k: fs.gather(g) for k, g in grads.items()}, sd, loaded))
+    return out, start, states
+
+
+@pytest.mark.parametrize("kind", list(TIED))
+def test_tied_entry_points_match_dense(world2, kind):
+    """Every alias of a tied tensor (a tied weight; a tied weight and bias; one tensor with four
+    owners) reads the swapped value in functional_call (values and every gradient equal dense
+    torch.func), is in state_dict and is written by load_params; no call changes which tensor a
+    name holds or the order of named_parameters() and state_dict()."""
+    model, ids = tied_case(kind)
+    value, grads = dense_value_and_grads(model, ids)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    for out, start, states in world2.run(tied_entry_points_rank_fn, kind):
+        for state in states:
+            assert state == start
+        for got_value, got_grads, got_sd, loaded in out:
+            torch.testing.assert_close(got_value, float(value))
+            assert list(got_grads) == list(grads)
+            for k in grads:
+                torch.testing.assert_close(got_grads[k], grads[k], msg=k)
+            assert list(got_sd) == list(sd) and list(loaded) == list(sd)
+            for k in sd:
+                torch.testing.assert_close(got_sd[k], sd[k], msg=k)
+                torch.testing.assert_close(loaded[k], sd[k] + 1, msg=k)

@@ -1,0 +1,161 @@
+"""Values put into a module for the duration of a ``with`` block: the one mechanism behind
+:func:`fshard.nn.functional_call` and :func:`fshard.nn.fsdp_call` (its root and each unit), and
+the name lookup of :func:`fshard.nn.load_params` and :func:`fshard.nn.state_dict`.
+
+``torch.func.functional_call`` refuses non-Tensor values (a ShardedArray), so :class:`swap` puts
+the values into the module itself: each named entry is popped from its owner's ``_parameters``
+(or ``_buffers``) and set in the owner's ``__dict__``, where ``getattr`` finds it first::
+
+    with swap(module, {"fc.weight": w}, "functional_call"):
+        out = module(x)  # every alias of fc.weight reads w
+    # the module's own parameters are back, in their order
+
+* **Ties.** Every place that holds the named tensor gets the value (GPT-2's ``lm_head.weight``
+  is ``transformer.wte.weight``; one tensor may have any number of owners), as
+  ``torch.func.functional_call(tie_weights=True)``. Two names of one tensor given different
+  values are an error.
+* **Restored** on exit, also when the body raises, and each owner's ``_parameters`` /
+  ``_buffers`` get back their order (``named_parameters()``, ``state_dict()``; dynamo guards
+  it). Swaps nest (FSDP units inside the root) if they exit in reverse order of entry.
+* **Validated up front**: every entry that does not fit is listed (:class:`LeafErrors`) before
+  anything is swapped.
+* **Traced.** Under ``torch.func`` transforms the values are whatever tensors the transform
+  passes. Under ``torch.compile`` on a torch whose dynamo cannot trace deleting an attribute it
+  saw set (``_compat.TRACES_ATTRIBUTE_DELETE`` False: torch 2.11 replays the traced ``delattr``
+  after the ``_parameters`` re-insert, and the module loses its parameters), the values go into
+  the ``_parameters`` / ``_buffers`` slot itself instead of ``__dict__``.
+
+Not thread-safe for concurrent swaps on one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from . import _compat
+from ._leaf_errors import LeafErrors
+from .array import ShardedArray
+
+__all__ = ["swap", "targets", "aliases", "resolve"]
+
+
+def resolve(module: torch.nn.Module, name: str, fn: str = "functional_call"):
+    """``(owner, attr, slot)`` of the parameter or buffer ``name`` (a dotted name as in
+    ``named_parameters()``, any alias of a tied one); ``ValueError`` naming ``fn`` if there is
+    none."""
+    *path, attr = name.split(".")
+    owner = module
+    for part in path:
+        sub = owner._modules.get(part)
+        if sub is None:
+            raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
+        owner = sub
+    for slot in ("_parameters", "_buffers"):
+        tensors = getattr(owner, slot)
+        if tensors.get(attr) is not None:
+            return owner, attr, slot
+    raise ValueError(f"{fn}: {name!r} is not a parameter or buffer of the module")
+
+
+def aliases(module: torch.nn.Module) -> dict[int, list]:
+    """``id(tensor) -> [(owner, attr, slot), ...]``: every place a parameter/buffer is held.
+    Read it before a swap when a nested swap needs it (entries the outer one popped are not
+    found afterwards)."""
+    out: dict[int, list] = {}
+    for owner in module.modules():
+        for slot in ("_parameters", "_buffers"):
+            for attr, t in getattr(owner, slot).items():
+                if t is not None:
+                    out.setdefault(id(t), []).append((owner, attr, slot))
+    return out
+
+
+def targets(module: torch.nn.Module, values: Mapping, fn: str, held: dict | None = None) -> list:
+    """``[(name, owner, attr, slot, value)]`` for every alias of every entry ``name`` of
+    ``values``; the error (naming ``fn``) lists every entry that does not fit. ``held``: the
+    :func:`aliases` of ``module``, when the caller has them."""
+    held = aliases(module) if held is None else held
+    claimed: dict[int, tuple[str, object]] = {}
+    out = []
+    errors = LeafErrors(f"{fn}: params entries that do not fit the module", "params")
+    for name, value in values.items():
+        if not isinstance(value, (torch.Tensor, ShardedArray)):
+            errors.add(
+                f"[{name!r}]",
+                f"got {type(value).__name__}; values must be ShardedArrays or tensors",
+                TypeError,
+            )
+            continue
+        try:
+            owner, attr, slot = resolve(module, name, fn)
+        except ValueError:
+            errors.add(f"[{name!r}]", "not a parameter or buffer of the module")
+            continue
+        key = id(getattr(owner, slot)[attr])
+        if key in claimed:
+            other, other_value = claimed[key]
+            if other_value is not value:
+                errors.add(
+                    f"[{name!r}]",
+                    f"tied to params[{other!r}] (one parameter) but given a different value; "
+                    "pass only one of them",
+                )
+            continue
+        claimed[key] = (name, value)
+        out.extend((name, o, a, s, value) for o, a, s in held[key])
+    errors.raise_if_any()
+    return out
+
+
+class swap:
+    """``with swap(module, values, fn):`` the module reads ``values`` (``{name: ShardedArray |
+    Tensor}``, names as in ``named_parameters()`` / ``named_buffers()``) in place of its own
+    tensors, every alias of each included; names left out keep the module's own. ``fn`` names
+    the caller in errors, raised by the constructor before anything is swapped. ``held``: the
+    module's :func:`aliases`, read before any enclosing swap.
+
+    A swap is entered once. ``__enter__`` / ``__exit__`` may be called from hooks (FSDP units:
+    a forward pre-hook and a forward hook) as long as nested swaps exit in reverse order.
+    """
+
+    def __init__(self, module: torch.nn.Module, values: Mapping, fn: str, held=None):
+        self.targets = targets(module, values, fn, held)
+        self.saved: list = []
+        self.orders: dict = {}
+        self.in_slot = False
+
+    def __enter__(self) -> swap:
+        # torch 2.11's dynamo replays the traced ``delattr`` of __exit__ after the
+        # ``_parameters`` re-insert (the module loses its parameters): there the values go into
+        # the slot itself.
+        self.in_slot = not _compat.TRACES_ATTRIBUTE_DELETE and torch.compiler.is_dynamo_compiling()
+        try:
+            for _, owner, attr, slot, value in self.targets:
+                entries = getattr(owner, slot)
+                if self.in_slot:
+                    self.saved.append((owner, attr, slot, entries[attr]))
+                    entries[attr] = value
+                    continue
+                self.orders.setdefault((id(owner), slot), (entries, list(entries)))
+                original = entries.pop(attr)
+                self.saved.append((owner, attr, slot, original))
+                owner.__dict__[attr] = value
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for owner, attr, slot, original in reversed(self.saved):
+            if not self.in_slot:
+                del owner.__dict__[attr]
+            getattr(owner, slot)[attr] = original
+        for entries, order in self.orders.values():  # named_parameters() order (dynamo guards it)
+            for name in order:
+                entries[name] = entries.pop(name)
+        self.saved, self.orders = [], {}
