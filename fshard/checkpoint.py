@@ -47,7 +47,9 @@ Safety: ``load`` never executes code from the checkpoint directory.
 Integrity and atomicity:
 
 - **Checksums:** ``fshard.json`` records the size and SHA-256 of ``.metadata`` and of every data
-  file (hashed at save time, each file by one rank). ``load`` verifies ``.metadata`` on every
+  file (hashed at save time, each file by one rank), and the SHA-256 of its own canonical JSON
+  (so an edited Python value is caught too; manifests of format version 1, written before that
+  existed, load without it). ``load`` verifies ``.metadata`` on every
   rank and each data file it is about to read on one rank, before DCP reads any data; a
   mismatch names the file.
 - **Atomic:** data goes to a fresh ``.<name>.fshard-tmp-<id>`` beside ``path``. When every rank
@@ -114,7 +116,8 @@ _test_hook: Callable[[str], None] | None = None
 _ROOT_KEY = "<root>"
 _MANIFEST = "fshard.json"
 _FORMAT = "fshard.checkpoint"
-_VERSION = 1
+_VERSION = 2  # 2: the manifest carries a checksum of itself (1: fshard before 2026-11-26)
+_UNSEALED_VERSIONS = (1,)  # read without a self-checksum: written before it existed
 _HASH_BLOCK = 1 << 22
 
 # torch.save / torch.load(weights_only=True) of fshard's values (see "Safety" above).
@@ -567,6 +570,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         if me == 0 and error is None:
             files = {n: {"bytes": b, "sha256": h} for _, d in gathered for n, (b, h) in d.items()}
             manifest = {"format": _FORMAT, "version": _VERSION, "values": values, "files": files}
+            manifest = _seal(manifest)
             try:
                 with open(os.path.join(tmp, _MANIFEST), "w") as f:
                     json.dump(manifest, f, allow_nan=False, sort_keys=True)
@@ -597,6 +601,19 @@ def _expected(leaf: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
     return None
 
 
+def _manifest_digest(manifest: dict) -> str:
+    """SHA-256 of ``manifest``'s canonical JSON, its own ``"sha256"`` entry left out."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    text = json.dumps(body, allow_nan=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _seal(manifest: dict) -> dict:
+    """``manifest`` with the checksum of its own content (so an edited Python value, which no
+    data-file checksum covers, is caught at load)."""
+    return {**manifest, "sha256": _manifest_digest(manifest)}
+
+
 def _read_manifest(path: str) -> dict:
     full = os.path.join(path, _MANIFEST)
     if not os.path.isfile(full):
@@ -607,8 +624,16 @@ def _read_manifest(path: str) -> dict:
     try:
         with open(full, "rb") as f:
             manifest = json.loads(f.read())
-        if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
-            raise ValueError(f"format {manifest.get('format')!r} {manifest.get('version')!r}")
+        version = manifest.get("version")
+        if manifest.get("format") != _FORMAT or version not in (_VERSION, *_UNSEALED_VERSIONS):
+            raise ValueError(f"format {manifest.get('format')!r} {version!r}")
+        if version not in _UNSEALED_VERSIONS and manifest.get("sha256") != _manifest_digest(
+            manifest
+        ):
+            raise ValueError(
+                "its content does not match the checksum it was saved with: it was modified "
+                "after the save"
+            )
         if not isinstance(manifest["values"], dict) or not isinstance(manifest["files"], dict):
             raise ValueError("values and files must be objects")
     except (ValueError, KeyError, AttributeError, UnicodeDecodeError) as e:

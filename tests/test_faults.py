@@ -362,7 +362,7 @@ def _reseal(path, *names):
     for name in names:
         data = _Path(path, name).read_bytes()
         m["files"][name] = {"bytes": len(data), "sha256": _hashlib.sha256(data).hexdigest()}
-    _Path(path, "fshard.json").write_text(_json.dumps(m))
+    _Path(path, "fshard.json").write_text(_json.dumps(_fs.checkpoint._seal(m)))
 
 
 # -- 14.4 loading never runs code from disk ---------------------------------------------------
@@ -424,7 +424,7 @@ def _plant(path, where, marker):
     # fshard.json: a value that is not an allowed type (a dtype tag naming a function)
     m = _manifest(path)
     m["values"]["step"] = {"dtype": "load"}
-    _Path(path, "fshard.json").write_text(_json.dumps(m))
+    _Path(path, "fshard.json").write_text(_json.dumps(_fs.checkpoint._seal(m)))
     return None
 
 
@@ -449,6 +449,37 @@ def test_checkpoint_load_runs_no_code_from_disk(world2, tmp_path, where):
         "manifest": "key 'step': the saved Python value is refused",
     }[where]
     assert needle in error, error
+
+
+def ck_save_named(path):
+    mesh = _fs.Mesh.create((_dist.get_world_size(),), ("x",))
+    x = _fs.shard(_torch.full((5, 3), 1.0), mesh, _fs.P("x"))
+    _fs.checkpoint.save(path, {"x": x, "run": "run1", "step": 3})
+
+
+def ck_load_named(path):
+    mesh = _fs.Mesh.create((_dist.get_world_size(),), ("x",))
+    like = {"x": _fs.Layout(mesh, _fs.P("x"), (5, 3)), "run": "", "step": 0}
+    try:
+        out = _fs.checkpoint.load(path, like)
+    except _fs.checkpoint.CheckpointError as e:
+        return str(e)
+    return out["run"], out["step"]
+
+
+def test_edited_manifest_value_is_caught(world2, tmp_path):
+    """One character of a Python value changed inside fshard.json ('run1' -> 'rUn1') loaded
+    silently: no data-file checksum covers it. The manifest's checksum of itself catches it;
+    the untouched checkpoint still loads."""
+    path = str(tmp_path / "ck")
+    world2.run(ck_save_named, path)
+    assert world2.run(ck_load_named, path) == [("run1", 3)] * 2
+    manifest = _Path(path, "fshard.json")
+    text = manifest.read_text()
+    assert text.count('"run1"') == 1
+    manifest.write_text(text.replace('"run1"', '"rUn1"'))
+    error = _one_error(world2.run(ck_load_named, path))
+    assert "fshard.json is corrupted" in error and "modified after the save" in error, error
 
 
 def weights_only_roundtrip():
