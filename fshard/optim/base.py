@@ -267,3 +267,17 @@ class InjectHyperparamsState(NamedTuple):
     count: torch.Tensor
     hyperparams: dict
     inner_state: Any
+
+
+def _register_states_for_weights_only() -> None:
+    """Every state class of ``fs.optim`` loads with ``torch.load(weights_only=True)``
+    (``torch.save(opt_state)`` is how torch users checkpoint an optimizer)."""
+    states = [
+        v
+        for k, v in globals().items()
+        if isinstance(v, type) and issubclass(v, tuple) and k.endswith("State")
+    ]
+    torch.serialization.add_safe_globals(states)
+
+
+_register_states_for_weights_only()
