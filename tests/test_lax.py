@@ -536,3 +536,32 @@ def test_collective_on_some_ranks_fails_not_hangs(world2):
     assert time.monotonic() - start < 25
     assert "did not finish within 5 s" in str(info.value) or "rank 0" in str(info.value)
     assert world2.run(bad_arguments)[0] == (0, 2)  # the world restarted and works
+
+
+def _psum_of_sharded_refused():
+    mesh = fs.Mesh.create((2,), ("dp",))
+    x = fs.shard(torch.arange(4.0), mesh, fs.P("dp"))
+    errors = []
+    for call in (
+        lambda: fs.lax.psum(x, "dp", mesh=mesh),
+        lambda: fs.lax.psum({"a": x}, "dp", mesh=mesh),
+        lambda: fs.lax.psum(x, "dp", mesh=mesh, donate=True),
+        lambda: fs.lax.pmean(x, "dp", mesh=mesh),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except TypeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_psum_of_a_sharded_value_is_refused(world2):
+    """``fs.lax.psum(x, "dp")`` of a ShardedArray split over dp summed its blocks under the old
+    layout (arange(4) in P('dp') gathered to [2, 4, 2, 4]); JAX refuses psum outside shard_map.
+    Refused before any collective, naming fs.reshard and partial layouts."""
+    for errors in world2.run(_psum_of_sharded_refused):
+        assert all(e is not None for e in errors), errors
+        for e in errors:
+            assert "is a ShardedArray (P('dp') on Mesh(dp=2))" in e, e
+            assert "fs.reshard" in e and "partial=" in e, e
