@@ -313,6 +313,14 @@ def test_readme_multinode_torchrun_command(tmp_path):
     ]
     try:
         outs = [node.communicate(timeout=110)[0] for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            os.killpg(node.pid, signal.SIGKILL)  # the agent and its worker
+        outs = [node.communicate()[0] for node in nodes]
+        pytest.fail(
+            "a node did not finish in 110 s; their output:\n"
+            + "\n---\n".join(o[-3000:] for o in outs)
+        )
     finally:
         for node in nodes:
             node.kill()
