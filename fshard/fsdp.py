@@ -68,8 +68,9 @@ def fsdp_plan(
     """A :func:`fshard.nn.shard_params` plan that shards every param over ``axis`` too.
 
     Dim 0 of each param's base spec gets ``axis`` as its least significant axis (``None`` ->
-    ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``; a tuple of axes is appended as a whole), so all-gathering this rank's block over ``axis``
-    along dim 0 gives exactly its block under the base plan. A param whose dim 0 does not split
+    ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``; a tuple of axes is appended as a whole), so
+    all-gathering this rank's block over ``axis`` along dim 0 gives exactly its block under the
+    base plan. A param whose dim 0 does not split
     evenly over those axes (or a 0-d one) keeps its base spec: it stays whole over ``axis``
     and its gradient is all-reduced like DDP's.
 
