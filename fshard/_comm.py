@@ -12,11 +12,18 @@ How each collective goes on the wire depends on the backend: :data:`LOWERINGS` i
 being traced (``torch.compile``, ``make_fx``, export) every collective is issued through
 ``torch.distributed._functional_collectives`` instead, whose ops return tensors and record their
 waits in the graph, so a traced step replays exactly; ``comm_log`` records eager calls only.
+
+This is the only module that puts data on the wire (``tests/test_wire.py`` scans the package):
+besides the primitives of ``fshard.lax``, FSDP's prefetching gather (:func:`all_gather_start`,
+whose :class:`Pending` result does the chunk-order fix-up at ``wait``), shard_map's
+:func:`size_exchange` and ``fs.shard(src=)``'s :func:`broadcast_object` live here, so the
+lowering, the wire and consistency checks and the comm log each have one place.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -295,45 +302,122 @@ def tracing() -> bool:
     )
 
 
+class Pending:
+    """A collective launched asynchronously: :meth:`wait` waits for its ``works`` and returns
+    the result (``finish(out)``, e.g. the blocks put in chunk order). Waiting twice returns the
+    same tensor."""
+
+    __slots__ = ("_out", "_works", "_finish")
+
+    def __init__(self, out: torch.Tensor, works=(), finish=None):
+        self._out, self._works, self._finish = out, works, finish
+
+    def wait(self) -> torch.Tensor:
+        for w in self._works:
+            w.wait()
+        self._works = ()
+        if self._finish is not None:
+            self._out, self._finish = self._finish(self._out), None
+        return self._out
+
+
 def all_gather(
     t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
 ) -> torch.Tensor:
     """Concatenate every chunk's ``t`` along ``dim`` in chunk order (``sizes``: chunk sizes)."""
     if g.size == 1:
         return t
+    out, _, sizes = _all_gather_launch(t, g, dim, sizes, async_op=False)
+    return _chunk_order(out, g, sizes, dim)
+
+
+def all_gather_start(
+    t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
+) -> Pending:
+    """:func:`all_gather` launched asynchronously (FSDP's prefetch): ``.wait()`` returns what
+    :func:`all_gather` returns. The wire check, the consistency check and the comm-log record
+    happen at launch (on every rank in the same order), the chunk-order fix-up at ``wait``.
+    Several launched back to back queue on the group's worker."""
+    if g.size == 1:
+        return Pending(t)
+    out, works, sizes = _all_gather_launch(t, g, dim, sizes, async_op=True)
+    return Pending(out, works, functools.partial(_chunk_order, g=g, sizes=sizes, dim=dim))
+
+
+def _all_gather_launch(t, g: AxisGroup, dim: int, sizes, async_op: bool) -> tuple:
+    """Check, record and put :func:`all_gather` on the wire: ``(out, works, sizes)``, ``out``
+    the blocks in group-rank order (padded to the largest), complete once ``works`` are
+    waited on."""
     x = t.movedim(dim, 0)
     sizes = tuple(sizes) if sizes is not None else (x.shape[0],) * g.size
     _wire(t, g, "all_gather")
     _consistent("all_gather", g, t, dim=dim, chunk_sizes=sizes, other_dims=tuple(x.shape[1:]))
     record("all_gather", g.axes, nbytes(t))
+    out, works = _gather_wire(_pad_dim0(x, max(sizes)), g, async_op)
+    return out, works, sizes
+
+
+def _chunk_order(out: torch.Tensor, g: AxisGroup, sizes: tuple, dim: int) -> torch.Tensor:
+    """Blocks gathered in group-rank order (padded to the largest), trimmed and concatenated
+    in chunk order along ``dim``."""
     m = max(sizes)
-    x = _pad_dim0(x, m)
-    out = _gather_wire(x, g)
     if g.identity_order and all(s == m for s in sizes):
         return out.movedim(0, dim)  # already in chunk order, no padding: no copy
-    blocks = out.view(g.size, m, *x.shape[1:])
+    blocks = out.view(g.size, m, *out.shape[1:])
     parts = [blocks[g.group_rank[j], : sizes[j]] for j in range(g.size)]
     return torch.cat(parts, 0).movedim(0, dim)
 
 
-def _gather_wire(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
-    """Every rank's ``x`` (equal shapes) stacked along dim 0 in group-rank order."""
+def size_exchange(values: Sequence[int], g: AxisGroup, device: torch.device) -> list[list[int]]:
+    """Every chunk's ``values`` (ints, the same count on every rank), in chunk order: one small
+    all_gather of int64, logged as ``size_exchange`` (shard_map's output shapes)."""
+    values = list(values)
+    if g.size == 1:
+        return [values]
+    send = torch.tensor(values, dtype=torch.int64, device=device)
+    _wire(send, g, "all_gather")
+    _consistent("size_exchange", g, send, count=len(values))
+    record("size_exchange", g.axes, nbytes(send))
+    out, _ = _gather_wire(send, g, async_op=False)
+    rows = out.view(g.size, len(values)).tolist()
+    return [rows[g.group_rank[j]] for j in range(g.size)]
+
+
+def broadcast_object(obj, g: AxisGroup, src: int):
+    """Chunk ``src``'s picklable ``obj`` on every rank of ``g`` (``obj`` is ignored elsewhere).
+    Metadata ahead of a data collective (``fs.shard(..., src=)``'s shape and dtype): not in
+    the comm log, whose records are the data collectives."""
+    if g.size == 1:
+        return obj
+    _untraceable("broadcast of Python values (fs.shard(..., src=) without shape and dtype)")
+    box = [obj]
+    dist.broadcast_object_list(box, src=g.ranks[src], group=g.pg)
+    return box[0]
+
+
+def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple:
+    """Every rank's ``x`` (equal shapes) stacked along dim 0 in group-rank order: ``(out,
+    works)``, ``out`` complete once every work in ``works`` is waited on (none when traced or
+    not ``async_op``)."""
     big = lowering(g).gather_broadcast_bytes
     big = big is not None and nbytes(x) >= big
     if tracing():
         if not big:
-            return _compat.funcol_all_gather(x.detach(), g.pg)
+            return _compat.funcol_all_gather(x.detach(), g.pg), ()
         # the functional broadcast takes the source's rank inside the group
-        return torch.cat([_compat.funcol().broadcast(x.detach(), k, g.pg) for k in range(g.size)])
+        k = range(g.size)
+        return torch.cat([_compat.funcol().broadcast(x.detach(), i, g.pg) for i in k]), ()
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
     if big:
         blocks = out.view(g.size, *x.shape)
         blocks[g.group_rank[g.index]].copy_(x)
-        for k, src in enumerate(_group_rank_order(g)):
-            dist.broadcast(blocks[k], src=src, group=g.pg)
-    else:
-        _compat.all_gather_into(out, x, group=g.pg)
-    return out
+        works = [
+            dist.broadcast(blocks[k], src=src, group=g.pg, async_op=async_op)
+            for k, src in enumerate(_group_rank_order(g))
+        ]
+        return out, works if async_op else ()
+    work = _compat.all_gather_into(out, x, group=g.pg, async_op=async_op)
+    return out, (work,) if async_op else ()
 
 
 def _group_rank_order(g: AxisGroup) -> list[int]:

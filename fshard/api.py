@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import optree
 import torch
-import torch.distributed as dist
 
 from . import _comm, consistency
 from ._leaf_errors import LeafErrors, paths
@@ -192,12 +191,10 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
         meta = (tuple(shape), dtype)
     else:
         meta = None
-    if shape is None or dtype is None:
-        box = [meta]
-        dist.broadcast_object_list(box, src=src)
-        meta = box[0]
-    layout = Layout(mesh, spec.__class__(*spec.dims), meta[0], meta[1])
     g = mesh.group(mesh.axis_names)
+    if shape is None or dtype is None:
+        meta = _comm.broadcast_object(meta, g, g.ranks.index(src))
+    layout = Layout(mesh, spec.__class__(*spec.dims), meta[0], meta[1])
     blocks = [layout.shard_metadata(r).slices() for r in g.ranks]
     like = t if me == src else torch.empty(0, dtype=meta[1], device=mesh.device())
     local = _comm.scatter_from(t, g, g.ranks.index(src), blocks, like)

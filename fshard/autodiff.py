@@ -165,27 +165,21 @@ class _Reducer:
 
     def _plan(self) -> None:
         """Cut the entries, last registered first (the order their gradients are expected),
-        into buckets per (group, dtype, device): a gradient of at least
-        ``fs.lax.PSUM_INPLACE_MIN_BYTES`` alone (reduced in place), smaller ones packed up to
+        with ``fs.lax.buckets`` (the bucketing ``fs.lax.psum`` of a pytree uses): per (group,
+        dtype, device), a gradient of at least ``fs.lax.PSUM_INPLACE_MIN_BYTES`` alone
+        (reduced in place: autograd made it, nobody else holds it), smaller ones packed up to
         ``fs.lax.PSUM_BUCKET_BYTES``. Buckets are launched in the order they are expected to
         fill (by their last entry): static, so the same on every rank."""
-        buckets, open_, last = [], {}, {}
-        for pos, k in enumerate(reversed(range(len(self.entries)))):
-            _, g, v = self.entries[k]
-            size, width = v.numel(), v.element_size()
-            if size * width >= lax.PSUM_INPLACE_MIN_BYTES:
-                b = _Bucket(g, own=True)
-                buckets.append(b)
-            else:
-                key = (g.axes, id(g.pg), v.dtype, v.device)
-                b = open_.get(key)
-                if b is None or (b.numel + size) * width > lax.PSUM_BUCKET_BYTES:
-                    b = open_[key] = _Bucket(g, own=False)
-                    buckets.append(b)
-            self.slot[k] = (b, b.numel)
-            b.add(k, size)
-            last[id(b)] = pos
-        self.buckets = sorted(buckets, key=lambda b: last[id(b)])
+        ks = list(reversed(range(len(self.entries))))
+        vs = [self.entries[k][2] for k in ks]
+        groups = [self.entries[k][1] for k in ks]
+        self.buckets = []
+        for cut in lax.buckets(vs, groups, in_place=True, order="filled"):
+            b = _Bucket(groups[cut.idx[0]], own=cut.own)
+            for pos in cut.idx:
+                self.slot[ks[pos]] = (b, b.numel)
+                b.add(ks[pos], vs[pos].numel())
+            self.buckets.append(b)
 
     def _ready(self, k: int, v: torch.Tensor) -> None:
         if self.buckets is None:

@@ -23,7 +23,13 @@ which differentiates at top level) it also does what FSDP2 does for memory and s
 
 Under a ``torch.func`` transform each param is ``fs.lax.all_gather(..., to="varying")`` (same
 values, same collectives, no prefetch or freeing: torch.func does not support saved-tensor
-hooks).
+hooks). Both paths gather through ``fshard._comm`` (the asynchronous one with
+``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
+
+The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
+sharded over their product, the first most significant, like any ``P`` entry; any order works
+(a reversed tuple's process group lists its ranks in another order: ``_comm`` puts the gathered
+blocks back in chunk order).
 
 Example (pure FSDP on a module; the loss is averaged over dp)::
 
@@ -42,11 +48,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import _comm, _compat, _swap, lax
+from . import _comm, _swap, lax
 from ._leaf_errors import LeafErrors
 from .array import ShardedArray
 from .lax import PsumScatter, apply
-from .mesh import AxisGroup, Mesh
+from .mesh import Mesh
 from .nn_plan import match_plan
 from .spec import P
 
@@ -54,20 +60,24 @@ __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
 
 
 def fsdp_plan(
-    module: torch.nn.Module, mesh: Mesh, axis: str = "dp", base: Mapping[str, P] | None = None
+    module: torch.nn.Module,
+    mesh: Mesh,
+    axis: str | Sequence[str] = "dp",
+    base: Mapping[str, P] | None = None,
 ) -> dict[str, P]:
     """A :func:`fshard.nn.shard_params` plan that shards every param over ``axis`` too.
 
     Dim 0 of each param's base spec gets ``axis`` as its least significant axis (``None`` ->
-    ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``), so all-gathering this rank's block over ``axis``
-    along dim 0 gives exactly its block under the base plan. A param whose dim 0 does not split
+    ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``; a tuple of axes is appended as a whole), so
+    all-gathering this rank's block over ``axis`` along dim 0 gives exactly its block under the
+    base plan. A param whose dim 0 does not split
     evenly over those axes (or a 0-d one) keeps its base spec: it stays whole over ``axis``
     and its gradient is all-reduced like DDP's.
 
     Args:
         module: the module.
         mesh: the mesh (sizes decide which params split evenly).
-        axis: the data-parallel mesh axis.
+        axis: the data-parallel mesh axis, or a tuple of axes (sharded over their product).
         base: another plan to compose with, e.g. ``fs.nn.megatron_plan(...)`` on ``'tp'``.
 
     Returns:
@@ -80,15 +90,12 @@ def fsdp_plan(
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"fsdp_plan: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"fsdp_plan: axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}"
-        )
+    axes = _axes(axis, mesh, "fsdp_plan")
     named = dict(module.named_parameters())
     specs = match_plan(named, base or {})
     errors = LeafErrors(f"fsdp_plan: parameters the base plan already shards over {axis!r}")
     for name, spec in specs.items():
-        if axis in spec.axes:
+        if set(axes) & set(spec.axes):
             errors.add(f"[{name!r}]", f"base spec {spec}")
     errors.raise_if_any(fix=f"FSDP adds {axis!r} itself: leave it out of the base plan")
     out = {}
@@ -98,12 +105,32 @@ def fsdp_plan(
             out[name] = spec
             continue
         dims = spec.padded(p.dim())
-        first = (*dims[0], axis)
+        first = (*dims[0], *axes)
         if p.shape[0] % math.prod(mesh.size(a) for a in first):
             out[name] = spec
             continue
-        out[name] = P(first if len(first) > 1 else axis, *dims[1:], partial=spec.partial)
+        out[name] = P(first if len(first) > 1 else first[0], *dims[1:], partial=spec.partial)
     return out
+
+
+def _axes(axis, mesh: Mesh, where: str) -> tuple[str, ...]:
+    """``axis`` (a mesh axis name or a non-empty tuple of distinct names) as a tuple."""
+    axes = (axis,) if isinstance(axis, str) else axis
+    if (
+        not isinstance(axes, (tuple, list))
+        or not axes
+        or any(not isinstance(a, str) for a in axes)
+        or len(set(axes)) != len(axes)
+    ):
+        raise TypeError(
+            f"{where}: axis must be a mesh axis name or a tuple of distinct names, got {axis!r}"
+        )
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"{where}: axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}"
+        )
+    return tuple(axes)
 
 
 def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
@@ -155,46 +182,37 @@ class _Gathered(torch.autograd.Function):
         return apply(PsumScatter(ctx.group, 0, None), g), None, None
 
 
-def _gather_start(x: torch.Tensor, g: AxisGroup):
-    """All-gather ``x`` over ``g`` along dim 0, launched asynchronously: ``(out, work)``."""
-    x = x.detach().contiguous()
-    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
-    _comm.record("all_gather", g.axes, _comm.nbytes(x))
-    return out, _compat.all_gather_into(out, x, group=g.pg, async_op=True)
-
-
 class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
     def __init__(self, params, units, axis, mesh, prefetch):
         self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
+        self.axes = _axes(axis, mesh, "fsdp_gather")
         self.order = list(units)
         self.prefetch = prefetch
         self.group = mesh.group(axis)
-        self.eager = not torch._C._are_functorch_transforms_active() and self.group.identity_order
-        self.launched: dict[str, dict] = {}  # unit -> {name: (out, work)} gathers in flight
+        # a 1-rank group has nothing to gather or free: the lax path (no hooks, no copy)
+        self.eager = not torch._C._are_functorch_transforms_active() and self.group.size > 1
+        self.launched: dict[str, dict] = {}  # unit -> {name: _comm.Pending} gathers in flight
         self.active: dict[int, tuple[str, str, torch.Tensor]] = {}  # storage -> (unit, name, full)
         self.seen: list[str] = []  # units in forward order
         self.cache: dict[str, dict] = {}  # backward: unit -> {name: full}
 
     def sharded(self, name: str) -> bool:
-        return self.axis in self.params[name].spec.dims[0] if self.params[name].spec.dims else False
+        dims = self.params[name].spec.dims
+        return bool(dims) and all(a in dims[0] for a in self.axes)
 
     def _launch(self, unit: str) -> None:
         if unit not in self.launched:
             self.launched[unit] = {
-                n: _gather_start(self.params[n].local, self.group)
+                n: _comm.all_gather_start(self.params[n].local.detach(), self.group, 0, None)
                 for n in self.units[unit]
                 if self.sharded(n)
             }
 
     def _wait(self, unit: str) -> dict:
         self._launch(unit)
-        fulls = {}
-        for n, (out, work) in self.launched.pop(unit).items():
-            work.wait()
-            fulls[n] = out
-        return fulls
+        return {n: pending.wait() for n, pending in self.launched.pop(unit).items()}
 
     def gather(self, unit: str) -> dict[str, torch.Tensor]:
         if unit not in self.units:
@@ -259,7 +277,7 @@ def fsdp_gather(
     units: Mapping[str, Sequence[str]],
     *,
     mesh: Mesh,
-    axis: str = "dp",
+    axis: str | Sequence[str] = "dp",
     prefetch: bool = True,
 ) -> Iterator[Callable[[str], dict[str, torch.Tensor]]]:
     """Gather FSDP units just before use; yields ``get(unit) -> {param name: local tensor}``.
@@ -272,7 +290,7 @@ def fsdp_gather(
         params: ``{name: ShardedArray}`` sharded with :func:`fsdp_plan`.
         units: ``{unit name: [param names]}`` in forward order (:func:`fsdp_units`).
         mesh: the mesh.
-        axis: the data-parallel mesh axis.
+        axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`).
         prefetch: launch the next unit's gather (and in the backward the previous one's)
             asynchronously.
 
@@ -353,7 +371,7 @@ def fsdp_call(
     kwargs=None,
     *,
     mesh: Mesh,
-    axis: str = "dp",
+    axis: str | Sequence[str] = "dp",
     units: Mapping[str, Sequence[str]] | None = None,
     prefetch: bool = True,
 ):
@@ -376,7 +394,7 @@ def fsdp_call(
         args: positional arguments (local tensors).
         kwargs: keyword arguments.
         mesh: the mesh.
-        axis: the data-parallel mesh axis.
+        axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`).
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
 

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import optree
 import torch
@@ -563,31 +564,79 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
 #: ceiling a freed bucket's memory is reused by the next step's; above it every bucket is fresh
 #: pages (measured on the 33 MB MLP: packing into fresh pages cost 24 ms, into reused 6 ms).
 PSUM_BUCKET_BYTES = int(os.environ.get("FSHARD_PSUM_BUCKET_BYTES", 16 << 20))
-#: With ``psum(..., donate=True)``, leaves at least this large are reduced in place.
+#: Tensors at least this large are reduced in place (:func:`buckets`): donated leaves of
+#: ``psum(..., donate=True)``, and ``fs.value_and_grad``'s gradients (autograd's own tensors).
 PSUM_INPLACE_MIN_BYTES = 1 << 20
 
 
-def _buckets(leaves: list, idx: Sequence[int]) -> list[list[int]]:
-    """``idx`` grouped by the leaves' (dtype, device), then cut into runs of at most
-    ``PSUM_BUCKET_BYTES`` (a larger leaf is a bucket of its own)."""
-    by_kind: dict = {}
-    for i in idx:
-        by_kind.setdefault((leaves[i].dtype, leaves[i].device), []).append(i)
-    buckets = []
-    for same in by_kind.values():
-        run, size = [], 0
-        for i in same:
-            if run and size + _comm.nbytes(leaves[i]) > PSUM_BUCKET_BYTES:
-                buckets.append(run)
-                run, size = [], 0
-            run.append(i)
-            size += _comm.nbytes(leaves[i])
-        buckets.append(run)
-    return buckets
+class Bucket(NamedTuple):
+    """One all_reduce planned by :func:`buckets`: the tensors at positions ``idx``, packed back to
+    back in that order, or (``own``) one tensor reduced in place in its own buffer."""
+
+    idx: list[int]
+    own: bool
+
+
+def buckets(
+    tensors: Sequence[torch.Tensor],
+    groups: Sequence[AxisGroup],
+    *,
+    in_place: Container[int] | bool = (),
+    order: str = "filled",
+) -> list[Bucket]:
+    """The bucketing of data-parallel reductions: :func:`psum` of a pytree and
+    ``fs.value_and_grad``'s pcast hooks (``fshard.autodiff``) both cut their tensors here.
+
+    Tensors reduced over ``groups[i]`` are bucketed per (group, dtype, device). A tensor of at
+    least :data:`PSUM_INPLACE_MIN_BYTES` whose position is in ``in_place`` (``True``: any
+    position) is a bucket of its own, reduced in place; the others are packed in list order
+    into runs of at most :data:`PSUM_BUCKET_BYTES` (a larger tensor alone). Static: the same
+    buckets on every rank for the same shapes. The order of the buckets (the order they are
+    launched in, the comm log's order) is the caller's:
+
+    * ``"filled"``: by each bucket's last tensor, the order the buckets fill when the tensors
+      arrive in list order (``value_and_grad``: gradients arrive during the backward, and each
+      bucket is launched as soon as it is full);
+    * ``"in_place_first"``: the in-place buckets in list order, then the packed ones kind by
+      kind (kinds in order of first appearance): ``psum`` of a pytree, where every tensor is
+      ready at once; the in-place ones need no copy, so the wire starts before the first pack.
+    """
+    cap, min_own = PSUM_BUCKET_BYTES, PSUM_INPLACE_MIN_BYTES
+    out: list[Bucket] = []
+    last: list[int] = []  # per bucket: the position of its last tensor
+    kind: list[int] = []  # per bucket: -1 in place, else its kind's order of first appearance
+    open_: dict = {}  # kind key -> (bucket number, bytes so far)
+    kinds: dict = {}
+    for i, t in enumerate(tensors):
+        n = _comm.nbytes(t)
+        if n >= min_own and (in_place is True or (in_place is not False and i in in_place)):
+            out.append(Bucket([i], True))
+            last.append(i)
+            kind.append(-1)
+            continue
+        g = groups[i]
+        key = (g.axes, id(g.pg), t.dtype, t.device)
+        k, size = open_.get(key, (None, 0))
+        if k is None or size + n > cap:
+            k, size = len(out), 0
+            out.append(Bucket([], False))
+            last.append(i)
+            kind.append(kinds.setdefault(key, len(kinds)))
+        out[k].idx.append(i)
+        last[k] = i
+        open_[key] = (k, size + n)
+    if order == "filled":
+        rank = last
+    elif order == "in_place_first":
+        rank = kind  # a stable sort: in place in list order, then each kind's runs in order
+    else:
+        raise ValueError(f"buckets: order must be 'filled' or 'in_place_first', got {order!r}")
+    return [out[k] for k in sorted(range(len(out)), key=rank.__getitem__)]
 
 
 def _reducible_in_place(leaves: list) -> set[int]:
-    """Donated leaves that may hold their own sum: large, contiguous, plain, unshared."""
+    """Donated leaves that may hold their own sum: contiguous, plain, unshared (and, decided by
+    :func:`buckets`, large)."""
     owners: dict = {}
     for leaf in leaves:
         key = leaf.untyped_storage().data_ptr()
@@ -595,38 +644,40 @@ def _reducible_in_place(leaves: list) -> set[int]:
     return {
         i
         for i, leaf in enumerate(leaves)
-        if _comm.nbytes(leaf) >= PSUM_INPLACE_MIN_BYTES
-        and leaf.is_contiguous()
-        and owners[leaf.untyped_storage().data_ptr()] == 1
+        if leaf.is_contiguous() and owners[leaf.untyped_storage().data_ptr()] == 1
     }
 
 
 def _psum_bucketed(leaves: list, g: AxisGroup, donate: bool = False) -> list:
     out = list(leaves)
+    groups = [g] * len(leaves)
     plain = [untracked(leaf) for leaf in leaves]
     if any(p is None for p in plain):
-        for idx in _buckets(leaves, range(len(leaves))):
-            _unpack(out, leaves, idx, apply(Psum(g), _flat(leaves, idx)))
+        for b in buckets(leaves, groups, order="in_place_first"):
+            _unpack(out, leaves, b.idx, apply(Psum(g), _flat(leaves, b.idx)))
         return out
     leaves, out = plain, list(plain)
     # No autograd or transform: every all_reduce is launched before the first is waited on
     # (packing bucket k+1 overlaps bucket k on the wire), each in place on a buffer we own: a
     # packed bucket, or a donated leaf.
-    own = _reducible_in_place(leaves) if donate else set()
-    packed = [i for i in range(len(leaves)) if i not in own]
-    launched = [([i], *_comm.all_reduce_start(leaves[i], g, inplace=True)) for i in sorted(own)]
-    launched += [
-        (idx, *_comm.all_reduce_start(_flat(leaves, idx), g, inplace=True))
-        for idx in _buckets(leaves, packed)
+    own = _reducible_in_place(leaves) if donate else ()
+    launched = [
+        (
+            b,
+            *_comm.all_reduce_start(
+                leaves[b.idx[0]] if b.own else _flat(leaves, b.idx), g, inplace=True
+            ),
+        )
+        for b in buckets(leaves, groups, in_place=own, order="in_place_first")
     ]
     for _, _, work in launched:
         if work is not None:
             work.wait()
-    for idx, flat, _ in launched:
-        if idx[0] in own:
-            out[idx[0]] = flat
+    for b, flat, _ in launched:
+        if b.own:
+            out[b.idx[0]] = flat
         else:
-            _unpack(out, leaves, idx, flat)
+            _unpack(out, leaves, b.idx, flat)
     return out
 
 

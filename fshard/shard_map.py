@@ -44,7 +44,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _compat, axis_env, consistency
+from . import _comm, axis_env, consistency
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
 from .array import ShardedArray, is_sharded
@@ -466,16 +466,8 @@ def _exchanged_shapes(flat: list, mesh: Mesh) -> list:
     """
     mine = [s for _, local, _ in flat for s in local.shape]
     g = mesh.group(mesh.axis_names)
-    if g.size == 1:
-        table = {mesh.rank: mine}
-    else:
-        send = torch.tensor(mine, dtype=torch.int64, device=mesh.device())
-        recv = send.new_empty(g.size * len(mine))
-        consistency.check_collective("size_exchange", g, send, count=len(mine))
-        _comm.record("size_exchange", g.axes, send.numel() * send.element_size())
-        _compat.all_gather_into(recv, send, group=g.pg)
-        rows = recv.view(g.size, len(mine)).tolist()
-        table = {g.ranks[j]: rows[g.group_rank[j]] for j in range(g.size)}
+    rows = _comm.size_exchange(mine, g, mesh.device())
+    table = {g.ranks[j]: rows[j] for j in range(g.size)}
     shapes, k = [], 0
     for w, local, spec in flat:
         nd = local.dim()

@@ -231,14 +231,24 @@ def test_visualize_abstract_layout():
 
 
 def reshard_broadcast_gather_path():
+    from dataclasses import replace
+
     from fshard import _comm
 
-    old = _comm.BROADCAST_GATHER_BYTES
-    _comm.BROADCAST_GATHER_BYTES = 0  # force the large-block lowering on small tensors
+    g = fs.Mesh.create((dist.get_world_size(),), ("x",)).group("x")
+    # force the large-block lowering on small tensors (LOWERINGS read BROADCAST_GATHER_BYTES at
+    # import: setting it here changed nothing)
+    _comm._LOWERING_OF_PG[g.pg] = replace(_comm.lowering(g), gather_broadcast_bytes=0)
+    calls = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda *a, **k: calls.append(1) or broadcast(*a, **k)
     try:
-        return reshard_1d([(5, 7), (3, 2)])
+        out = reshard_1d([(5, 7), (3, 2)])
     finally:
-        _comm.BROADCAST_GATHER_BYTES = old
+        dist.broadcast = broadcast
+        _comm._LOWERING_OF_PG.pop(g.pg, None)
+    assert calls, "the broadcast lowering did not run"
+    return out
 
 
 def test_all_gather_broadcast_lowering(world2):

@@ -64,11 +64,11 @@ def dense_run():
     return losses, params
 
 
-def fsdp_rank_fn(traced):
-    mesh = fs.Mesh.create((2,), ("dp",))
+def fsdp_rank_fn(traced, shape=(2,), names=("dp",), axis="dp"):
+    mesh = fs.Mesh.create(shape, names)
     model, data = _setup()
-    plan = fs.nn.fsdp_plan(model, mesh)
-    assert plan["inp.weight"] == fs.P("dp") and plan["gain"] == fs.P()
+    plan = fs.nn.fsdp_plan(model, mesh, axis)
+    assert plan["inp.weight"] == fs.P(axis) and plan["gain"] == fs.P()
     params = fs.nn.shard_params(model, mesh, plan)
     tx = fs.optim.adamw(**TX)
     state = tx.init(params)
@@ -81,8 +81,8 @@ def fsdp_rank_fn(traced):
     assert all(t.layout == params["inp.weight"].layout for t in moments)
 
     def loss(ps, x, y):
-        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)
-        return fs.lax.pmean(F.mse_loss(out, y), "dp", mesh=mesh)
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh, axis=axis)
+        return fs.lax.pmean(F.mse_loss(out, y), axis, mesh=mesh)
 
     if traced:  # under torch.func: plain fs.lax.all_gather(to="varying") per param
 
@@ -93,7 +93,7 @@ def fsdp_rank_fn(traced):
         vg = fs.value_and_grad(loss)
     losses, logs = [], []
     for x, y in data:
-        xs, ys = fs.shard(x, mesh, fs.P("dp")).local, fs.shard(y, mesh, fs.P("dp")).local
+        xs, ys = fs.shard(x, mesh, fs.P(axis)).local, fs.shard(y, mesh, fs.P(axis)).local
         with fs.debug.comm_log() as log:
             v, g = vg(params, xs, ys)
         logs.append([(r.op, r.nbytes) for r in log])
@@ -130,6 +130,32 @@ def test_fsdp_training_matches_dense(world2, dense, traced):
             assert sorted(log) == sorted(want)
             # no weight gradient is ever all-reduced (then sliced)
             assert not [r for r in log if r[0] == "all_reduce" and r[1] > 24]
+
+
+def test_fsdp_over_reversed_axes_matches_dense(world4, dense):
+    """FSDP over the axis tuple ("b", "a") of a (2, 2) mesh: params sharded over both, the batch
+    too. That group's process group lists the ranks in another order than its chunks (0, 1, 2, 3
+    against 0, 2, 1, 3), which kept FSDP off its eager path (prefetch, freeing) before its gathers
+    went through ``_comm`` (whose fix-up puts blocks in chunk order). The eager log shows the
+    backward's re-gathers (the eager path ran); params whose dim 0 does not split over 4 stay whole, their gradients
+    all-reduced in one bucket."""
+    ref_losses, ref_params = dense
+    model, _ = _setup()
+    sizes = {k: p.numel() * 8 for k, p in model.named_parameters()}
+    whole = ["out.weight", "out.bias", "gain"]  # 6, 6, 3 rows: not a multiple of 4
+    sharded = [k for k in sizes if k not in whole]
+    for losses, params, logs in world4.run(fsdp_rank_fn, False, (2, 2), ("a", "b"), ("b", "a")):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for k in params:
+            torch.testing.assert_close(params[k], ref_params[k])
+        for log in logs:
+            want = [("all_gather", sizes[k] // 4) for k in sharded]
+            # the backward re-gathers the blocks' units; the root's sharded params (inp) are not
+            # saved for it (its input needs no gradient)
+            want += [("all_gather", sizes[k] // 4) for k in sharded if k.startswith("layers.")]
+            want += [("reduce_scatter", sizes[k]) for k in sharded]
+            want += [("all_reduce", 8), ("all_reduce", sum(sizes[k] for k in whole))]
+            assert sorted(log) == sorted(want)
 
 
 CFG = demo.GPTConfig(d_model=16, n_heads=2, n_layers=2, ctx=8)
