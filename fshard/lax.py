@@ -543,17 +543,21 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
         return _one(x, g, mesh, Psum(g), varies=False)
     from .array import ShardedArray  # a check only: lax works on local blocks
 
-    leaves, spec = optree.tree_flatten(x, is_leaf=lambda v: isinstance(v, ShardedArray))
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, ShardedArray):
+    tops = optree.tree_leaves(x, is_leaf=lambda v: isinstance(v, ShardedArray))
+    for i, leaf in enumerate(tops):
+        # Summing blocks that split (or are pending over) the axis is the user's mistake
+        # here; a value replicated over it sums its per-rank locals (local-view DDP code).
+        if isinstance(leaf, ShardedArray) and set(g.axes) & leaf.layout.varying_axes:
             raise TypeError(
-                f"psum: {'x' if spec.num_leaves == 1 and spec.is_leaf() else f'pytree leaf {i}'}"
-                f" is a ShardedArray ({leaf.spec} on {leaf.mesh}), a global value: fs.lax "
+                f"psum: {'x' if isinstance(x, ShardedArray) else f'pytree leaf {i}'}"
+                f" is a ShardedArray laid out over {g.axes} ({leaf.spec} on {leaf.mesh}): fs.lax "
                 "collectives sum local blocks inside fs.shard_map (JAX refuses psum outside "
                 "shard_map too). For a global value, fs.reshard(x, spec) moves it to another "
                 "layout, and fs.from_local(block, mesh, fs.P(..., partial=axis), shape=...) "
                 "declares per-rank addends whose sum fs.reshard then computes"
             )
+    leaves, spec = optree.tree_flatten(x)
+    for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"psum: pytree leaf {i} is {type(leaf).__name__}, not a tensor")
     out = _tracked(leaves, g, mesh, lambda ls: _psum_bucketed(ls, g, donate), varies=False)

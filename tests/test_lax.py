@@ -553,15 +553,19 @@ def _psum_of_sharded_refused():
             errors.append(None)
         except TypeError as e:
             errors.append(str(e))
-    return errors
+    r = fs.from_local(torch.full((2,), float(dist.get_rank() + 1)), mesh, fs.P(), shape=(2,))
+    summed = fs.lax.psum({"r": r}, "dp", mesh=mesh)["r"]  # replicated over dp: allowed
+    return errors, summed.local.tolist()
 
 
 def test_psum_of_a_sharded_value_is_refused(world2):
     """``fs.lax.psum(x, "dp")`` of a ShardedArray split over dp summed its blocks under the old
     layout (arange(4) in P('dp') gathered to [2, 4, 2, 4]); JAX refuses psum outside shard_map.
-    Refused before any collective, naming fs.reshard and partial layouts."""
-    for errors in world2.run(_psum_of_sharded_refused):
+    Refused before any collective, naming fs.reshard and partial layouts. A value replicated
+    over the axis (local-view DDP code, examples/train_gpt.py) still sums its per-rank locals."""
+    for errors, summed in world2.run(_psum_of_sharded_refused):
+        assert summed == [3.0, 3.0]
         assert all(e is not None for e in errors), errors
         for e in errors:
-            assert "is a ShardedArray (P('dp') on Mesh(dp=2))" in e, e
+            assert "is a ShardedArray laid out over ('dp',) (P('dp') on Mesh(dp=2))" in e, e
             assert "fs.reshard" in e and "partial=" in e, e
