@@ -14,9 +14,8 @@ is ``cuda`` under NCCL (torchrun with a GPU per rank) and ``cpu`` otherwise.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+from _device import device_args
 from torch.func import grad, vmap
 
 import fshard as fs
@@ -86,20 +85,7 @@ def check(device: str | None = None) -> dict:
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default=None,
-        help="where the local blocks live (default: cuda under NCCL, else cpu)",
-    )
-    a = ap.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
-            "use --device cpu"
-        )
-    return {"device": a.device}
+    return device_args(__doc__, argv)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ lives), so the sharded step equals the dense one anywhere.
 
 from __future__ import annotations
 
-import argparse
-
 import optree
 import torch
+from _device import device_args
 from torch.func import grad, vmap
 
 import fshard as fs
@@ -141,20 +140,7 @@ def check(device: str | None = None) -> dict:
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default=None,
-        help="where the local blocks live (default: cuda under NCCL, else cpu)",
-    )
-    a = ap.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
-            "use --device cpu"
-        )
-    return {"device": a.device}
+    return device_args(__doc__, argv)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ process group is NCCL (torchrun on a machine with a GPU per rank) and ``cpu`` ot
 Under torchrun the mesh spans every rank (``--nproc-per-node 1`` on one GPU runs NCCL).
 """
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
+from _device import device_args
 
 import fshard as fs
 
@@ -46,20 +46,7 @@ def main(device=None):
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default=None,
-        help="where the local blocks live (default: cuda under NCCL, else cpu)",
-    )
-    a = ap.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
-            "use --device cpu"
-        )
-    return {"device": a.device}
+    return device_args(__doc__, argv)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _device import add_device_flag, checked_device
 from torch import nn
 
 import fshard as fs
@@ -426,12 +427,7 @@ def parse_args(argv=None) -> dict:
         default="local",
         help="local: explicit collectives (tp_loss); global: the module's own forward",
     )
-    ap.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default=None,
-        help="where params, optimizer state and batches live (default: cuda under NCCL, else cpu)",
-    )
+    add_device_flag(ap, "params, optimizer state and batches")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     a = ap.parse_args(argv)
@@ -450,11 +446,7 @@ def parse_args(argv=None) -> dict:
         raise SystemExit(f"--heads ({a.heads}) must be divisible by --tp ({a.tp})")
     if a.d_model % a.heads:
         raise SystemExit(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
-            "use --device cpu"
-        )
+    checked_device(a.device)
     model = {"d_model": a.d_model, "n_heads": a.heads, "n_layers": a.layers, "ctx": a.ctx}
     return {
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
