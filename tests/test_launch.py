@@ -279,27 +279,14 @@ def test_workers_die_with_the_driver(sig, start):
 # -- the README's multi-node command, on two loopback "nodes" ---------------------------------
 
 
-@pytest.mark.timeout(120)
-def test_readme_multinode_torchrun_command(tmp_path):
-    root = Path(__file__).resolve().parent.parent
-    line = next(
-        ln for ln in (root / "README.md").read_text().splitlines() if ln.startswith("torchrun ")
-    )
-    argv = shlex.split(line)
-    script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [a.replace("HOST:29500", f"127.0.0.1:{port}") for a in argv[1:script]]
-    assert args[args.index("--nnodes") + 1] == "2"
-    args[args.index("--nproc-per-node") + 1] = "1"  # one process per "node"
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(root / "tests/_two_nodes.py")]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    # Both "nodes" are this machine: on one GPU, each node's one rank would pick NCCL (a GPU per
-    # local rank) and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). The command
-    # under test is the rendezvous; its backend is pinned to Gloo.
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    env.update(PYTHONPATH=path, GLOO_SOCKET_IFNAME="lo", FSHARD_BACKEND="gloo")
+# torchrun's own shutdown race on one machine: an agent whose worker has finished polls the
+# rendezvous store (DynamicRendezvousHandler.num_nodes_waiting) after the agent hosting the store
+# has exited. Seen 2 in ~30 two-node runs here, with both workers' results already printed.
+_AGENT_STORE_RACE = "RendezvousConnectionError: The connection to the C10d store has failed"
+
+
+def _two_node_run(cmd, env):
+    """``[(returncode, output)]`` of the two "nodes" running ``cmd``."""
     nodes = [
         subprocess.Popen(
             cmd,
@@ -324,12 +311,53 @@ def test_readme_multinode_torchrun_command(tmp_path):
     finally:
         for node in nodes:
             node.kill()
+    return [(node.returncode, out) for node, out in zip(nodes, outs)]
+
+
+@pytest.mark.timeout(250)
+def test_readme_multinode_torchrun_command(tmp_path):
+    """The README's multi-node torchrun command on two loopback "nodes": each worker's block and
+    the gather. One rerun is allowed only for torchrun's agent-side store race at shutdown
+    (:data:`_AGENT_STORE_RACE`, after both workers printed correct results); a worker failure
+    or a wrong result fails at once."""
+    root = Path(__file__).resolve().parent.parent
+    line = next(
+        ln for ln in (root / "README.md").read_text().splitlines() if ln.startswith("torchrun ")
+    )
+    argv = shlex.split(line)
+    script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    # Both "nodes" are this machine: on one GPU, each node's one rank would pick NCCL (a GPU per
+    # local rank) and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). The command
+    # under test is the rendezvous; its backend is pinned to Gloo.
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env.update(PYTHONPATH=path, GLOO_SOCKET_IFNAME="lo", FSHARD_BACKEND="gloo")
     full = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     want = [(0, [full[0]], full), (1, [full[1]], full)]  # each rank's block, then the gather
-    for node, out in zip(nodes, outs):
-        assert node.returncode == 0, out[-3000:]
-        result = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-        assert ast.literal_eval(result[len("RESULT ") :]) == want
+    for attempt in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = [a.replace("HOST:29500", f"127.0.0.1:{port}") for a in argv[1:script]]
+        assert args[args.index("--nnodes") + 1] == "2"
+        args[args.index("--nproc-per-node") + 1] = "1"  # one process per "node"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", *args, str(root / "tests/_two_nodes.py")
+        ]  # fmt: skip
+        runs = _two_node_run(cmd, env)
+        results = [
+            [ast.literal_eval(ln[len("RESULT ") :]) for ln in out.splitlines() if ln.startswith("RESULT ")]
+            for _, out in runs
+        ]  # fmt: skip
+        for got in results:
+            assert got in ([], [want]), got  # a wrong result fails at once
+        failed = [out for rc, out in runs if rc != 0]
+        if not failed:
+            assert results == [[want], [want]]
+            return
+        raced = all(_AGENT_STORE_RACE in out for out in failed) and results == [[want], [want]]
+        if not raced or attempt == 1:
+            raise AssertionError(failed[0][-3000:])
 
 
 def test_one_shot_run():
