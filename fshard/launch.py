@@ -466,11 +466,19 @@ def run(
                 f"run: world_size={world_size} does not match WORLD_SIZE={env_size} set by "
                 "torchrun; pass the same number of processes"
             )
-        if not dist.is_initialized():
+        owned = not dist.is_initialized()
+        if owned:
             _init_torchrun_group(backend)
         result = fn(*args)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, result)
+        if owned:
+            # The group run() made is closed here, every rank past its last collective: a Gloo
+            # group left to interpreter teardown aborted a rank after its correct output
+            # ("terminate called without an active exception", SIGABRT; 2 clean-clone CI runs
+            # in 4 here). Not from an atexit hook: on torch 2.11 that raced torchrun's agents.
+            dist.barrier()
+            dist.destroy_process_group()
         return gathered
     if backend == "nccl":
         raise ValueError(
