@@ -56,5 +56,5 @@ if __name__ == "__main__":
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun else 2
     shapes = run(main, ranks, (args["device"],))
-    if not under_torchrun or dist.get_rank() == 0:
+    if not under_torchrun or int(os.environ["RANK"]) == 0:  # run() closed its group
         print("local shapes per rank:", shapes)

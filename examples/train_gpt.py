@@ -484,7 +484,7 @@ def main(argv=None) -> dict:
     world = args["dp"] * args["tp"]
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     out = launch_run(train, world, (args,), timeout=3600)[0]
-    if under_torchrun and dist.get_rank() != 0:
+    if under_torchrun and int(os.environ["RANK"]) != 0:  # run() closed its group
         return out
     losses = out["losses"]
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])

@@ -430,7 +430,9 @@ def run(
     Locally this starts a :class:`World` (Gloo ranks), runs ``fn`` once and closes the World.
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) it runs ``fn`` in
     this process instead, initialising the default process group if needed, and gathers every
-    rank's result; ``timeout`` is not applied then. The backend there is ``backend``, else
+    rank's result; ``timeout`` is not applied then. A group ``run`` initialised is destroyed
+    before it returns (a Gloo group left to interpreter teardown can abort the process after
+    its output); initialise it yourself (``dist.init_process_group``) to keep using it after. The backend there is ``backend``, else
     :func:`default_backend`: NCCL when this node has a GPU per rank, else Gloo (said on
     stderr by rank 0 when GPUs are present). Meshes follow the backend: ``Mesh.create``
     defaults to CUDA blocks under NCCL and CPU blocks under Gloo.
