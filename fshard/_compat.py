@@ -25,7 +25,6 @@ they exist.
 from __future__ import annotations
 
 import functools
-import sys
 import types
 
 import torch
@@ -181,7 +180,3 @@ def freeze_key(v):
     if isinstance(v, list):
         return ("list", *(freeze_key(e) for e in v))
     return v
-
-
-#: Whether ``slice`` objects hash (Python 3.12+); only for the tests' expectations.
-SLICES_HASH = sys.version_info >= (3, 12)
