@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .spec import chunk_index
+
 __all__ = ["Mesh", "AxisGroup"]
 
 
@@ -285,11 +287,7 @@ class Mesh:
     def axis_index(self, axes: str | Sequence[str], rank: int | None = None) -> int:
         """Mixed-radix position of ``rank`` along ``axes`` (first axis most significant)."""
         coords = self.coords(self.rank if rank is None else rank)
-        idx = 0
-        for a in self.axes_tuple(axes):
-            ax = self.axis_index_of(a)
-            idx = idx * self.shape[ax] + coords[ax]
-        return idx
+        return chunk_index(self, self.axes_tuple(axes), coords)[0]
 
     def group(self, axes: str | Sequence[str]) -> AxisGroup:
         """This rank's process group over ``axes``.

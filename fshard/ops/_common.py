@@ -10,7 +10,7 @@ import torch
 from .._function import call
 from ..lax import Pcast, Psum, _Pmax, apply
 from ..planner import plan as plan_steps
-from ..spec import Layout, P, _layout, chunk_bounds
+from ..spec import Layout, P, _layout
 from .registry import SCALAR, is_layout
 
 
@@ -79,9 +79,8 @@ def norm_dims(dims, ndim: int) -> tuple[int, ...]:
 
 def block_bounds(layout: Layout, dim: int, rank: int) -> tuple[int, int]:
     """``[start, stop)`` of ``rank``'s block of ``dim``."""
-    coords = layout.mesh.coords(rank)
-    index, count = layout.chunk_index(dim, coords)
-    return chunk_bounds(layout.shape[dim], count, index)
+    block = layout.shard_metadata(rank).slices()[dim]
+    return block.start, block.stop
 
 
 def numel(shape) -> int:
