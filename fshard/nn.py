@@ -14,6 +14,9 @@ into the module, ``state_dict`` gives a sharded state dict for :mod:`fshard.chec
     grads = torch.func.grad(loss_fn)(params, x, y)
     fs.nn.load_params(model, params)  # model.state_dict() now holds the trained values
 
+After the module has run on the params, ``model.state_dict()`` raises until ``load_params``
+(the module's own tensors are not what training produced).
+
 A plan maps globs to ``fs.P`` (a parameter's layout) or to :class:`Output` (a module's
 output layout, DTensor's ``output_layouts``: e.g. reduce a row-parallel Linear's pending sum
 right after it, so the residual stream stays replicated).
@@ -74,7 +77,11 @@ def shard_params(
     ``mesh.device()`` whatever device the module is on (as :func:`fshard.shard`): a CPU module
     sharded onto a CUDA mesh gives CUDA blocks (each rank copies only its blocks; the module
     stays on the CPU, so move inputs and buffers your forward reads with ``mesh.device()``). Write trained
-    values back with :func:`load_params`. Tied parameters (GPT-2's ``lm_head.weight`` is
+    values back with :func:`load_params`. Once the module has run on the params
+    (:func:`functional_call`, :func:`fsdp_call`), ``module.state_dict()`` raises until
+    :func:`load_params`: its own tensors no longer hold what training produced (save
+    ``fs.nn.state_dict(module, params)`` instead; torch's and HF's savers call
+    ``state_dict()``, so a stale save fails instead of writing the initial weights). Tied parameters (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
     gives every alias that value.
 
@@ -127,6 +134,7 @@ def shard_params(
             x = ShardedArray._raw(x.local.clone(), x.layout)
         out[name] = x
     _OUTPUTS[module] = outputs
+    _swap.hold_elsewhere(module)
     if not _compat.TRACES_ATTRIBUTE_DELETE:
         # functional_call leaves these modules' ``forward`` bound on the instance under an
         # older dynamo (it cannot delete it): bind it now, so the first compiled call sees the
@@ -268,16 +276,20 @@ def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = N
             )
         targets[id(t)] = (t, value)
     errors.raise_if_any()
+    written = dst is None  # with dst: whether this rank is dst (its gathers return the values)
     for t, value in targets.values():
         full = value
         if isinstance(value, ShardedArray):
             full = gather(value, dst)
             if full is None:
                 continue
+            written = True
         elif dst is not None:
             raise TypeError("load_params: dst needs ShardedArray values (a tensor is local)")
         with torch.no_grad():
             t.copy_(full.detach())
+    if written:
+        _swap.held_here(module)
 
 
 def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
@@ -305,7 +317,9 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
         id(getattr(o, s)[a]): v for _, o, a, s, v in _swap.targets(module, params, "state_dict")
     }
     out = {}
-    for key, t in module.state_dict(keep_vars=True).items():
+    with _swap.reading():
+        module_state = module.state_dict(keep_vars=True)
+    for key, t in module_state.items():
         out[key] = by_tensor.get(id(t), t.detach() if isinstance(t, torch.Tensor) else t)
     return out
 
