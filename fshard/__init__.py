@@ -9,6 +9,7 @@ from . import checkpoint, config, consistency, debug, interop, launch, lax, nn, 
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .autodiff import grad, value_and_grad
+from .jacobian import hessian, jacfwd
 from .mesh import Mesh
 from .planner import Step, plan
 from .shard_map import shard_map
@@ -31,6 +32,8 @@ __all__ = [
     "shard_map",
     "value_and_grad",
     "grad",
+    "jacfwd",
+    "hessian",
     "zeros",
     "ones",
     "full",

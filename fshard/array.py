@@ -13,6 +13,8 @@ local shape. Vmapping over a sharded dim is refused with an error.
 
 from __future__ import annotations
 
+import sys
+
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
@@ -275,6 +277,28 @@ for _name in ("__i" + n + "__" for n in _INPLACE_NAMES):
 # -- pytree registration ---------------------------------------------------------------------
 
 
+def _refuse_torch_jacfwd(layout: Layout) -> None:
+    """``torch.func.jacfwd`` (and ``hessian``, its jacfwd of jacrev) builds its basis from each
+    rank's local block, not the global value: a wrong Jacobian for a split or partial argument.
+    Its basis (one extra leading dim) is rebuilt here by its ``wrapper_fn``; refuse it there."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name == "wrapper_fn" and code.co_filename.endswith("eager_transforms.py"):
+            if "flat_basis" in frame.f_locals:
+                raise NotImplementedError(
+                    f"torch.func.jacfwd / torch.func.hessian with respect to a ShardedArray laid "
+                    f"out as {layout.spec}: torch.func builds its basis from each rank's local "
+                    "block, which is not a basis of the global value (the Jacobian would be "
+                    "wrong). Use fs.jacfwd / fs.hessian (same arguments; basis of the global "
+                    "value), or torch.func.jacrev"
+                )
+            return
+        frame = frame.f_back
+
+
 def _flatten(x: ShardedArray):
     return (x.local,), x.layout
 
@@ -285,12 +309,15 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
         raise TypeError(
             "a ShardedArray nested inside a ShardedArray: torch.func.jacrev/jacfwd/hessian of a "
             "function returning a ShardedArray, taken w.r.t. a ShardedArray, would build one "
-            "block per pair of elements, and no layout describes such a block. Take the "
-            "jacobian of plain tensors instead: of t -> fs.gather(f(fs.shard(t, mesh, spec))) "
-            "w.r.t. the full tensor t, or of the local blocks inside fs.shard_map"
+            "block per pair of elements, and no layout describes such a block. Use fs.jacfwd / "
+            "fs.hessian (their Jacobian of a ShardedArray output keeps its layout), or take the "
+            "jacobian of plain tensors: of t -> fs.gather(f(fs.shard(t, mesh, spec))) w.r.t. "
+            "the full tensor t, or of the local blocks inside fs.shard_map"
         )
     if not isinstance(local, torch.Tensor):  # optree/torch utilities put placeholders here
         return ShardedArray._raw(local, layout)
+    if local.dim() == layout.ndim + 1 and (layout.varying_axes or layout.partial):
+        _refuse_torch_jacfwd(layout)
     if layout.partial and torch.compiler.is_dynamo_compiling():
         # torch.func.grad rebuilds its inputs here. Under dynamo a partial input cannot be told
         # from a partial intermediate (lax._is_grad_leaf), so its gradient would miss the Claim
