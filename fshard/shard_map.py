@@ -145,8 +145,8 @@ class _Tracker(TorchFunctionMode):
         for a in args:
             if isinstance(a, torch.Tensor):
                 found.append(self.vma(a))
-            elif isinstance(a, (tuple, list)):
-                found.extend(self.vma(t) for t in a if isinstance(t, torch.Tensor))
+            elif isinstance(a, (tuple, list, slice)):
+                found.extend(self.vma(t) for t in _index_tensors(a))
         for a in kwargs.values():
             if isinstance(a, torch.Tensor):
                 found.append(self.vma(a))
@@ -190,6 +190,19 @@ class _Tracker(TorchFunctionMode):
                 new_args.append(a)
         new_kwargs = {k: fix(v) if k != "out" else v for k, v in kwargs.items()}
         return tuple(new_args), new_kwargs
+
+
+def _index_tensors(a):
+    """The tensors in a tuple/list argument or an index: slice bounds included, so a slice of
+    an invariant value at a varying position (``v[2 * i : 2 * i + 2]``, ``i`` from
+    :func:`fshard.lax.axis_index`) varies, as JAX's ``dynamic_slice`` does, and its gradient
+    is summed over the axis (the invariant operand is ``pcast`` first)."""
+    items = (a.start, a.stop, a.step) if isinstance(a, slice) else a
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            yield t
+        elif isinstance(t, slice):
+            yield from (b for b in (t.start, t.stop, t.step) if isinstance(b, torch.Tensor))
 
 
 def _mark(t: torch.Tensor, mark: tuple) -> None:

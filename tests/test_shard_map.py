@@ -389,6 +389,37 @@ def test_axis_index_is_varying(world2):
     assert world2.run(axis_index_varies) == [True, True]
 
 
+def axis_index_slices():
+    mesh = fs.Mesh.create((2,), ("x",))
+    v = torch.arange(4.0, dtype=torch.float64) / 3 + 1
+
+    def body(v_):
+        i = lax.axis_index("x")
+        return lax.psum((v_[2 * i : 2 * i + 2] ** 2).sum(), "x")  # bounds from axis_index
+
+    def narrow(v_):
+        i = lax.axis_index("x")
+        return lax.psum((torch.narrow(v_, 0, 2 * i, 2) ** 2).sum(), "x")
+
+    out = []
+    for fn in (body, narrow):
+        f = fs.shard_map(fn, mesh, P(), P())
+        vs = fs.shard(v, mesh, P())
+        out.append((fs.gather(f(vs)), fs.gather(grad(lambda w: fs.gather(f(w)))(vs))))
+    return out
+
+
+def test_slice_at_axis_index_has_jax_gradient(world2):
+    """Issue 26 item 4: a slice of a replicated value at a position computed from
+    ``axis_index`` varies over the axis (JAX's ``dynamic_slice``): its gradient is summed over
+    the ranks. Was: tracked invariant, the gradient was each rank's own half (1.52 off)."""
+    v = torch.arange(4.0, dtype=torch.float64) / 3 + 1
+    for rank in world2.run(axis_index_slices):
+        for value, g in rank:
+            _close(value, (v**2).sum(), "value")
+            _close(g, 2 * v, "gradient summed over the ranks (JAX)")
+
+
 def inner_transforms_keep_varying_axes():
     """grad / vmap(out_dims=1) inside the body give varying values: the outer gradient matches
     the dense one (treating them as replicated double-counted the cotangents)."""
