@@ -451,10 +451,10 @@ def sharded_loss_rank_fn():
     for name, loss in losses.items():
         assert isinstance(loss(ws), fs.ShardedArray)
         value, g = fs.value_and_grad(loss)(ws)  # top-level path
-        (v2, aux), g2 = fs.value_and_grad(lambda w: (loss(w), 7), has_aux=True)(ws)
+        (v2, aux), g2 = fs.value_and_grad(lambda w, loss=loss: (loss(w), 7), has_aux=True)(ws)
         g3 = fs.grad(loss)(ws)
         # under a torch.func transform: the torch.func.grad_and_value path
-        g4 = torch.func.vmap(fs.grad(lambda w, s: loss(w) * s), in_dims=(None, 0))(
+        g4 = torch.func.vmap(fs.grad(lambda w, s, loss=loss: loss(w) * s), in_dims=(None, 0))(
             ws, torch.tensor([1.0, 2.0], dtype=torch.float64)
         )
         assert g.layout == ws.layout and g4.layout.shape == (2, 5, 3)

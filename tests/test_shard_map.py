@@ -405,7 +405,7 @@ def axis_index_slices():
     for fn in (body, narrow):
         f = fs.shard_map(fn, mesh, P(), P())
         vs = fs.shard(v, mesh, P())
-        out.append((fs.gather(f(vs)), fs.gather(grad(lambda w: fs.gather(f(w)))(vs))))
+        out.append((fs.gather(f(vs)), fs.gather(grad(lambda w, f=f: fs.gather(f(w)))(vs))))
     return out
 
 
