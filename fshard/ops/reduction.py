@@ -142,7 +142,7 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
             v = group_psum(torch.sum(d * d, dim=dims, keepdim=keepdim), group) / max(
                 count - corr, 0
             )
-            return v.sqrt() if kind == "std" else v
+            return _root(v, 2) if kind == "std" else v
 
         return var
     raise AssertionError(kind)
@@ -166,7 +166,16 @@ def _split_norm(t, p, dims, keepdim, group):
         nonzero = (t != 0).to(t.dtype) + 0 * t
         return group_psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
     s = group_psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
-    return s ** (1.0 / p)
+    return _root(s, p)
+
+
+def _root(s: torch.Tensor, p) -> torch.Tensor:
+    """``s ** (1/p)`` with gradient 0 where ``s == 0``, as torch's ``norm`` / ``std`` backward
+    (it masks a zero result: there the root's derivative is infinite and the chain rule would
+    give ``0 * inf = nan``)."""
+    zero = s == 0
+    root = torch.where(zero, torch.ones_like(s), s) ** (1.0 / p)
+    return torch.where(zero, torch.zeros_like(s), root)
 
 
 def _register():
