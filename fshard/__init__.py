@@ -56,3 +56,9 @@ __all__ = [
     "checkpoint",
     "interop",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public API only (``dir(fshard)``, tab completion); the implementation modules
+    (``fshard.array``, ``fshard.executor``, ...) stay importable by name."""
+    return sorted(__all__)
