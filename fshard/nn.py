@@ -51,6 +51,7 @@ __all__ = [
     "load_params",
     "state_dict",
     "megatron_plan",
+    "hf_tp_plan",
     "match_plan",
 ]
 
@@ -445,3 +446,99 @@ def megatron_plan(
         for m in (*row, *vocab):  # is a pending sum
             plan[m] = Output(row_output)
     return plan
+
+
+#: transformers' tensor-parallel styles (``config.base_model_tp_plan``, ``model._tp_plan``) and
+#: the megatron_plan role each maps to. An output transformers gathers (``colwise_gather_output``,
+#: ``colwise_rep``) stays split here: in fshard's global view the next op reads a split value as
+#: it reads a full one (same values), and the gather is left to the op that needs it.
+_HF_STYLES = {
+    "colwise": "column",
+    "colwise_gather_output": "column",
+    "colwise_rep": "column",
+    "rowwise": "row",
+    "rowwise_rep": "row",
+    "rowwise_split_input": "row",
+    "embedding_rowwise": "vocab",
+    "replicate": None,
+}
+
+
+def _hf_entries(model: torch.nn.Module) -> dict[str, str]:
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    out = dict(getattr(model, "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    for k, v in base.items():
+        out[f"{prefix}.{k}" if has_base else k] = v
+    return out
+
+
+def hf_tp_plan(
+    model: torch.nn.Module,
+    axis: str = "tp",
+    *,
+    unsupported: str = "error",
+    row_output: P | None = _REPLICATED,
+) -> dict[str, P | Output]:
+    """The tensor-parallel plan a ``transformers`` model ships, as a fshard plan.
+
+    Reads ``model.tp_plan`` (``config.base_model_tp_plan`` under the base model's prefix, plus
+    the head's ``_tp_plan``) and maps each style to :func:`megatron_plan`'s roles:
+    ``colwise`` (and ``colwise_gather_output``, ``colwise_rep``: the output stays split, see
+    below) to ``column``, ``rowwise`` (``rowwise_rep``, ``rowwise_split_input``) to ``row``,
+    ``embedding_rowwise`` to ``vocab``, ``replicate`` to nothing. An output transformers
+    gathers stays split over ``axis`` here: fshard's global view reads it as it reads the full
+    value (the same numbers), and only an op that needs it whole gathers it. Styles with no
+    fshard equivalent yet (``packed_colwise`` fused projections, MoE experts, ``sequence_parallel``
+    ...) raise a ``ValueError`` listing them, or, with ``unsupported="replicate"``, leave those
+    modules replicated (correct, less sharded).
+
+    Args:
+        model: a ``transformers`` model (``PreTrainedModel``).
+        axis: the tensor-parallel mesh axis.
+        unsupported: ``"error"`` (default) or ``"replicate"``.
+        row_output: as in :func:`megatron_plan`.
+
+    Returns:
+        A plan for :func:`shard_params` (checked against the model by :func:`megatron_plan`).
+
+    Example:
+        >>> plan = fs.nn.hf_tp_plan(model)  # doctest: +SKIP
+        >>> params = fs.nn.shard_params(model, mesh, plan)  # doctest: +SKIP
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"hf_tp_plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    if unsupported not in ("error", "replicate"):
+        raise ValueError(
+            f"hf_tp_plan: unsupported must be 'error' or 'replicate', got {unsupported!r}"
+        )
+    entries = _hf_entries(model)
+    if not entries:
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__} ships no tensor-parallel plan (neither "
+            "config.base_model_tp_plan nor _tp_plan); write one with fs.nn.megatron_plan"
+        )
+    roles: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
+    skipped = []
+    names = [n for n, _ in model.named_modules()]
+    for pattern, style in entries.items():
+        if style not in _HF_STYLES:
+            skipped.append(f"{pattern!r}: {style!r}")
+        elif _HF_STYLES[style] is not None:
+            match = _matcher(pattern)
+            if not any(match(n) for n in names):  # a fused parameter (MoE experts), no module
+                skipped.append(f"{pattern!r}: {style!r} (a parameter, not a module)")
+            else:
+                roles[_HF_STYLES[style]].append(pattern)
+    if skipped and unsupported == "error":
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__}'s plan has styles with no fshard equivalent "
+            f"yet: {', '.join(skipped)}. Pass unsupported='replicate' to keep those modules "
+            "replicated (values are the same; they are not sharded), or write the plan with "
+            "fs.nn.megatron_plan"
+        )
+    return megatron_plan(**roles, axis=axis, row_output=row_output, model=model)

@@ -1,0 +1,69 @@
+"""fs.nn.hf_tp_plan: the tensor-parallel plans transformers ships, as fshard plans (issue 29
+item 3), against the hand-written Megatron plans and dense forwards."""
+
+import pytest
+import torch
+
+import fshard as fs
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 64, 8
+
+
+def _llama(cls="LlamaForCausalLM", cfg="LlamaConfig", **extra):
+    torch.manual_seed(0)
+    config = getattr(transformers, cfg)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, **extra,
+    )  # fmt: skip
+    return getattr(transformers, cls)(config)
+
+
+def test_llama_plan_is_the_megatron_plan():
+    model = _llama()
+    want = fs.nn.megatron_plan(
+        column=["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
+                "model.layers.*.self_attn.v_proj", "model.layers.*.mlp.gate_proj",
+                "model.layers.*.mlp.up_proj", "lm_head"],
+        row=["model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"],
+        vocab=["model.embed_tokens"],
+        model=model,
+    )  # fmt: skip
+    assert fs.nn.hf_tp_plan(model) == want
+
+
+def test_unsupported_styles_are_named_or_replicated():
+    model = _llama("MixtralForCausalLM", "MixtralConfig", num_local_experts=4)
+    with pytest.raises(ValueError, match="packed_colwise.*unsupported='replicate'"):
+        fs.nn.hf_tp_plan(model)
+    plan = fs.nn.hf_tp_plan(model, unsupported="replicate")
+    assert not any("experts" in k for k in plan)
+    assert plan["model.layers.*.self_attn.q_proj.weight"] == fs.P("tp", None)
+    with pytest.raises(ValueError, match="ships no tensor-parallel plan"):
+        fs.nn.hf_tp_plan(torch.nn.Linear(2, 2))
+
+
+def hf_plan_forward_rank_fn(cls, cfg, extra):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    model = _llama(cls, cfg, **extra)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    dense = model(ids).logits
+    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model, unsupported="replicate"))
+    sharded = {k: v.spec for k, v in params.items() if v.spec != fs.P()}
+    out = fs.nn.functional_call(model, params, (fs.shard(ids, mesh, fs.P()),)).logits
+    return dense, fs.gather(out), len(sharded)
+
+
+@pytest.mark.parametrize(
+    "cls, cfg, extra",
+    [
+        ("LlamaForCausalLM", "LlamaConfig", {}),
+        ("Qwen2ForCausalLM", "Qwen2Config", {}),  # q/k/v biases
+        ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4}),  # experts replicated
+    ],
+)
+def test_hf_plan_forward_equals_dense(world2, cls, cfg, extra):
+    for dense, got, n_sharded in world2.run(hf_plan_forward_rank_fn, cls, cfg, extra):
+        assert n_sharded >= 10  # q, k, v, o, (gate, up, down), embed, lm_head per layer
+        torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
