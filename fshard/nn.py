@@ -98,7 +98,8 @@ def shard_params(
             recorded for this module and applied by :func:`functional_call`.
         src: a rank: only that rank's values are used; they are scattered (each rank receives
             its block). Other ranks' modules only provide names, shapes and dtypes (they may
-            live on the ``meta`` device).
+            live on the ``meta`` device): ``src``'s buffers, persistent or not (a rotary
+            ``inv_freq``), are broadcast into them, so they run.
 
     Returns:
         ``{name: ShardedArray}`` in ``named_parameters()`` order (detached copies).
@@ -134,6 +135,8 @@ def shard_params(
         if _shares_storage(x.local, t):
             x = ShardedArray._raw(x.local.clone(), x.layout)
         out[name] = x
+    if src is not None:
+        _broadcast_buffers(module, mesh, src)
     _OUTPUTS[module] = outputs
     _swap.hold_elsewhere(module)
     if not _compat.TRACES_ATTRIBUTE_DELETE:
@@ -144,6 +147,24 @@ def shard_params(
             sub = module.get_submodule(name)
             sub.__dict__.setdefault("forward", sub.forward)
     return out
+
+
+def _broadcast_buffers(module: torch.nn.Module, mesh: Mesh, src: int) -> None:
+    """``src``'s buffers, persistent or not (a rotary ``inv_freq`` is computed at construction
+    and never saved), written into every rank's module: a module built on ``meta`` elsewhere
+    then runs. Each buffer object is sent once (tied buffers stay tied)."""
+    seen: dict[int, torch.Tensor] = {}
+    for owner in module.modules():
+        for attr, b in list(owner._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in seen:
+                t = b.detach() if mesh.rank == src else None
+                got = shard(t, mesh, _REPLICATED, src=src, shape=b.shape, dtype=b.dtype).local
+                if mesh.rank != src:  # on the module's device, or the mesh's for a meta module
+                    got = got if b.device.type == "meta" else got.to(b.device)
+                seen[id(b)] = b if mesh.rank == src else got
+            owner._buffers[attr] = seen[id(b)]
 
 
 _NONE = object()  # no instance ``forward`` to restore

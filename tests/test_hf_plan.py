@@ -67,3 +67,27 @@ def test_hf_plan_forward_equals_dense(world2, cls, cfg, extra):
     for dense, got, n_sharded in world2.run(hf_plan_forward_rank_fn, cls, cfg, extra):
         assert n_sharded >= 10  # q, k, v, o, (gate, up, down), embed, lm_head per layer
         torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
+
+
+def meta_load_rank_fn():
+    """Rank 0 builds the model with weights; rank 1 on the meta device (too big for it)."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    if mesh.rank == 0:
+        model = _llama()
+    else:
+        with torch.device("meta"):
+            model = _llama()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model), src=0)
+    out = fs.nn.functional_call(model, params, (fs.shard(ids, mesh, fs.P()),)).logits
+    return fs.gather(out)
+
+
+def test_shard_params_from_one_rank_with_meta_modules_elsewhere(world2):
+    """Issue 29 item 3: rank 0 loads, the others build on meta, shard_params(..., src=0): the
+    forward failed on rank 1 at the rotary inv_freq (a non-persistent buffer, never sent)."""
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    dense = model(ids).logits
+    for got in world2.run(meta_load_rank_fn):
+        torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
