@@ -41,7 +41,7 @@ from .array import ShardedArray
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: F401 (fs.nn API)
 from .mesh import Mesh
 from .nn_plan import Output, _match, _matcher, _split_plan, match_plan
-from .spec import Layout, P
+from .spec import Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
@@ -240,6 +240,9 @@ def functional_call(
         outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
+    mesh = _one_rank_mesh(params)
+    if mesh is not None:
+        return _run_local(module, params, args, kwargs or {}, mesh)
     patched = []
     with _swap.swap(module, params, "functional_call"):
         try:
@@ -256,6 +259,52 @@ def functional_call(
                     del sub.__dict__["forward"]
                 else:  # the class's forward, bound, left as the instance's: the same calls
                     sub.__dict__["forward"] = bound
+
+
+def _one_rank_mesh(params: Mapping) -> Mesh | None:
+    """The params' mesh when it has one rank (every axis of size 1) and every ShardedArray
+    value lives on it; ``None`` otherwise, decided at the first ShardedArray on a bigger mesh.
+    Not while dynamo traces: a compiled step's plans are constants already."""
+    if torch.compiler.is_dynamo_compiling():
+        return None
+    mesh = None
+    for v in params.values():
+        if type(v) is ShardedArray:
+            m = v.layout.mesh
+            if mesh is None:
+                if m.size(m.axis_names) != 1:
+                    return None
+                mesh = m
+            elif m is not mesh and m != mesh:
+                return None
+    return mesh
+
+
+def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
+    """:func:`functional_call` on a one-rank mesh: every block is the whole value, so the module
+    runs on the plain local tensors (no per-op dispatch: a one-GPU step costs what the plain
+    step costs), and each tensor in the output comes back as a replicated ShardedArray of the
+    mesh. Output entries of the plan reshard nothing here."""
+    import torch.utils._pytree as pytree
+
+    def unwrap(v):
+        return v.local if type(v) is ShardedArray else v
+
+    local = {k: unwrap(v) for k, v in params.items()}
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=_is_sharded)
+    with _swap.swap(module, local, "functional_call"):
+        out = module(*args, **kwargs)
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor):
+            return ShardedArray._raw(t, _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype))
+        return t
+
+    return pytree.tree_map(wrap, out, is_leaf=_is_sharded)
+
+
+def _is_sharded(v) -> bool:
+    return type(v) is ShardedArray
 
 
 def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:

@@ -91,3 +91,48 @@ def test_shard_params_from_one_rank_with_meta_modules_elsewhere(world2):
     dense = model(ids).logits
     for got in world2.run(meta_load_rank_fn):
         torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
+
+
+def one_rank_rank_fn():
+    import fshard.array as array_mod
+
+    mesh = fs.Mesh.create((1,), ("tp",))
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model))
+    calls = []
+    dispatch = array_mod._DISPATCH
+    array_mod._DISPATCH = lambda *a: calls.append(a[0]) or dispatch(*a)
+    try:
+
+        def loss_fn(ps):
+            out = fs.nn.functional_call(model, ps, (fs.shard(ids, mesh, fs.P()),)).logits
+            return out, torch.nn.functional.cross_entropy(out.local.flatten(0, 1), ids.flatten())
+
+        out, _ = loss_fn(params)
+        n_forward = len(calls)
+        loss, grads = fs.value_and_grad(lambda ps: loss_fn(ps)[1])(params)
+    finally:
+        array_mod._DISPATCH = dispatch
+    return out.spec, fs.gather(out), n_forward, loss, {k: fs.gather(g) for k, g in grads.items()}
+
+
+def test_one_rank_mesh_runs_the_module_on_plain_tensors(world1):
+    """Issue 27 (a one-GPU step as fast as plain torch): on a one-rank mesh functional_call
+    runs the module on the local tensors (no per-op dispatch), wraps its tensors as replicated
+    ShardedArrays, and values and gradients equal dense torch."""
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    dense = {k: v.detach() for k, v in model.named_parameters()}
+
+    def dense_loss(ps):
+        out = torch.func.functional_call(model, ps, (ids,)).logits
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), ids.flatten())
+
+    dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense)
+    (spec, logits, n_dispatched, loss, grads) = world1.run(one_rank_rank_fn)[0]
+    assert spec == fs.P() and n_dispatched == 0
+    torch.testing.assert_close(logits, model(ids).logits)
+    torch.testing.assert_close(loss, dloss)
+    for k in dgrads:
+        torch.testing.assert_close(grads[k], dgrads[k], rtol=1e-5, atol=1e-6)
