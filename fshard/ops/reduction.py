@@ -6,7 +6,9 @@ Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
   a nonlinear op or ``fs.gather`` needs the total; ``mean`` divides each addend by the global
   count). They are linear, so a partial input stays partial;
 - ``amax``/``amin``/``max``/``min`` reduce locally, then ``pmax`` over ``A`` (the gradient goes
-  to the maxima, ties share it); empty uneven shards contribute ``-inf``;
+  to the maxima, ties share it); empty uneven shards contribute ``-inf``; ``all``/``any``:
+  the local result, then ``pmin``/``pmax`` over ``A`` (a replicated result: ``if
+  mask.all():`` works on a sharded mask);
 - ``logsumexp``: ``pmax`` of the local max, then ``psum`` of the shifted exponentials;
 - ``norm``: ``psum`` of ``|x|^p`` (``pmax`` of ``|x|`` for ``p=inf``); ``var``/``std``: two
   ``psum`` passes (mean, then squared deviations), exact for uneven shards.
@@ -145,6 +147,14 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
             return v.sqrt() if kind == "std" else v
 
         return var
+    if kind in ("all", "any"):  # pmin/pmax of the local results (as uint8: reducible)
+        reduce_local, how = (torch.all, "min") if kind == "all" else (torch.any, "max")
+
+        def logical(t, *a, **k):
+            local = reduce_local(t, dim=dims, keepdim=keepdim).to(torch.uint8)
+            return group_pmax(local, group, how).to(out_dtype)
+
+        return logical
     raise AssertionError(kind)
 
 
@@ -170,7 +180,8 @@ def _split_norm(t, p, dims, keepdim, group):
 
 
 def _register():
-    for kind in ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std"):
+    kinds = ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std")
+    for kind in (*kinds, "all", "any"):
         rule = reduction_rule(kind)
         register_rule(getattr(torch, kind), rule, aliases=(getattr(torch.Tensor, kind),))
     register_rule(torch.linalg.vector_norm, reduction_rule("vector_norm"))
