@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from . import rows
 from ._common import (
     group_of,
     group_pcast,
@@ -82,6 +83,8 @@ def reduction_rule(kind: str):
         meta = meta_call(op, args, kwargs)
         metas = meta if isinstance(meta, tuple) else (meta,)
         keepdim = metas[0].ndim == x.ndim and x.ndim > 0
+        if x.is_explicit:
+            return _rows_rule(kind, op, x, dims, keepdim, meta)
         axes = in_mesh_order(x.mesh, [a for d in dims for a in x.dim_axes[d]])
         keep_partial = x.partial if kind in LINEAR else ()
         if kind in LINEAR:
@@ -101,7 +104,22 @@ def reduction_rule(kind: str):
         local = _local_fn(kind, op, dims, keepdim, group, x, meta.dtype)
         return OpSharding([in_spec], out, local)
 
+    rule.explicit_layouts = True
     return rule
+
+
+def _rows_rule(kind, op, x, dims, keepdim, meta):
+    """``sum``/``mean`` of a value in row blocks (:mod:`fshard.ops.rows`): reducing dim 0
+    leaves a sum pending over the axes the rows vary over; otherwise the rows stay."""
+    bounds = rows.row_bounds(x)
+    if kind not in LINEAR or bounds is None or isinstance(meta, tuple):
+        raise rows.explicit_error(getattr(op, "__name__", str(op)), [x])
+    axes = rows.row_axes(x)
+    if 0 not in dims:
+        return OpSharding([None], rows.rows_layout(x.mesh, bounds, meta.shape, meta.dtype, axes))
+    out = out_layout(x.mesh, [()] * meta.ndim, axes, meta)
+    group = group_of(x.mesh, axes)
+    return OpSharding([None], out, _local_fn(kind, op, dims, keepdim, group, x, meta.dtype))
 
 
 def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):

@@ -107,3 +107,23 @@ def explicit_error(name: str, layouts) -> TypeError:
         "and casts of values with the same row blocks, reshapes and F.cross_entropy take it; "
         "otherwise reshard it first: fs.reshard(x, fs.P(...))"
     )
+
+
+def row_wise_rule(op, ins, row: Layout, meta):
+    """An op whose output row ``i`` depends on row ``i`` of ``row`` (an explicit row layout)
+    and on the other tensor inputs whole (``x @ w``, ``F.linear``, ``addmm``): the others are
+    replicated, the output keeps ``row``'s blocks. ``None`` when the op is not of that shape."""
+    from .registry import OpSharding
+
+    others = [x for x in ins if x is not row]
+    if any(x.is_explicit for x in others) or meta.ndim != row.ndim:
+        return None
+    if not meta.ndim or meta.shape[0] != row.shape[0]:
+        return None
+    axes = row_axes(row)
+    live = tuple(a for a in row.mesh.axis_names if row.mesh.size(a) > 1)
+    if axes != live:  # the others would be pcast over every axis: only exact when rows vary
+        return None  # over all of them
+    bounds = row_bounds(row)
+    out = rows_layout(row.mesh, bounds, tuple(meta.shape), meta.dtype, axes)
+    return OpSharding([None if x is row else spec([()] * x.ndim) for x in ins], out)
