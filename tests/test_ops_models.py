@@ -206,8 +206,8 @@ def odd_batch_cases():
         y = f(flat, ww, cc)
         assert y.layout.is_explicit and y.shape == (B * T, 2)
         torch.testing.assert_close(fs.gather(y), f(L.view(-1, V), w, c))
-        gw = torch.func.grad(lambda w_: fs.gather(f(flat, w_, cc).pow(2).sum()))(ww)
-        want = torch.func.grad(lambda w_: f(L.view(-1, V), w_, c).pow(2).sum())(w)
+        gw = torch.func.grad(lambda w_, f=f: fs.gather(f(flat, w_, cc).pow(2).sum()))(ww)
+        want = torch.func.grad(lambda w_, f=f: f(L.view(-1, V), w_, c).pow(2).sum())(w)
         torch.testing.assert_close(fs.gather(gw), want)  # reduced over dp exactly once
     with pytest.raises(TypeError, match=r"explicit layout.*fs\.reshard"):
         torch.cumsum(flat, 0)  # a rule that does not take row blocks

@@ -14,8 +14,8 @@ refused (``TypeError`` pointing at the functional form and ``x.at``) when ``x`` 
 data with another live value:
 
 - ``x`` has a live view, or is a view of a live value (the dispatcher links an op's output to
-  the inputs it aliases, decided once per layout by running the op on meta tensors; a view that
-  is no longer referenced does not count);
+  the inputs it aliases, decided once per layout by running the op on meta tensors, with a
+  shared token; a view that is no longer referenced does not count);
 - ``x`` went through a pytree boundary (``torch.func`` transforms, ``tree_map``): the object
   on the other side holds the same local tensor (an input of a function under ``grad`` is the
   caller's value, which an in-place update would have to change);
@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-import weakref
+import sys
 
 import torch
 
@@ -40,7 +40,6 @@ from ..array import PYTREE_SHARED, ShardedArray
 
 __all__ = ["rebind", "inplace_method", "link_views"]
 
-_get_alias = ShardedArray.__dict__["_alias"].__get__
 _set_alias = ShardedArray.__dict__["_alias"].__set__
 _set_local = ShardedArray.__dict__["local"].__set__
 _set_layout = ShardedArray.__dict__["layout"].__set__
@@ -64,51 +63,57 @@ _PLAIN = _Shared("it is a view of a plain torch.Tensor")
 
 
 class _Views:
-    """The values sharing one block of data (a base and its views), held weakly."""
+    """The token a base and its views share (in their ``_alias`` slot). No list of members:
+    the number of values holding the token is its reference count, so linking a view costs
+    two slot writes, and a view nobody references any more no longer counts."""
 
-    __slots__ = ("refs",)
+    __slots__ = ()
 
-    def __init__(self):
-        self.refs: list = []
 
-    def add(self, x: ShardedArray) -> None:
-        self.refs.append(weakref.ref(x))
-
-    def others(self, x: ShardedArray) -> int:
-        live = [r for r in self.refs if r() is not None]
-        self.refs = live
-        return sum(1 for r in live if r() is not x)
+def _holders(token) -> int:
+    """How many objects hold ``token`` (CPython reference count, less this call's own two)."""
+    return sys.getrefcount(token) - 2
 
 
 def _alias(x: ShardedArray):
-    try:
-        return _get_alias(x)
-    except AttributeError:  # never linked: a fresh value
-        return None
+    return getattr(x, "_alias", None)  # unset: never linked, a fresh value
 
 
 def link_views(base, out) -> None:
     """Record that ``out`` (a ShardedArray, or a tuple/list of them) aliases ``base``."""
-    outs = out if isinstance(out, (tuple, list)) else (out,)
     if type(base) is not ShardedArray:
-        for o in outs:
-            if type(o) is ShardedArray:
-                _set_alias(o, _PLAIN)
+        group = _PLAIN
+    else:
+        group = getattr(base, "_alias", None)
+        if group is None:
+            group = _Views()
+            _set_alias(base, group)
+    if type(out) is ShardedArray:
+        if out is not base:
+            _set_alias(out, group)
         return
-    group = _alias(base)
-    if group is None:
-        group = _Views()
-        group.add(base)
-        _set_alias(base, group)
-    for o in outs:
+    for o in out if isinstance(out, (tuple, list)) else ():
         if type(o) is ShardedArray and o is not base:
-            if type(group) is _Views:
-                group.add(o)
             _set_alias(o, group)
 
 
-def tracking(run, view_of: tuple[int, ...]):
-    """``run`` (a compiled op's runner) that links its output to the inputs it aliases."""
+def tracking(run, view_of: tuple[int, ...], n_leaves: int | None = None):
+    """``run`` (a compiled op's runner, called ``run(leaves, tree)``) that links its output to
+    the inputs it aliases (``view_of``: leaf indices). ``n_leaves``: only the first ``n_leaves``
+    leaves are passed (a unary runner gets the positional arguments): a view of a keyword
+    argument then links nothing, so the caller must not use such a runner (``None`` returned)."""
+    if n_leaves is not None and any(i >= n_leaves for i in view_of):
+        return None
+    if len(view_of) == 1:
+        (i,) = view_of
+
+        def linked_one(leaves, tree):
+            out = run(leaves, tree)
+            if not _dynamo_compiling():
+                link_views(leaves[i], out)
+            return out
+
+        return linked_one
 
     def linked(leaves, tree):
         out = run(leaves, tree)
@@ -163,7 +168,7 @@ def _refusal(x: ShardedArray, what: str, functional: str) -> str | None:
             why = _PYTREE
         elif type(state) is _Shared:
             why = state.why
-        elif not state.others(x):
+        elif _holders(state) <= 2:  # x's slot and the local name `state`: nobody else
             return None
         else:
             why = (

@@ -307,6 +307,8 @@ def dispatch(func, args, kwargs):
         compiled = _remember(_CACHE, key, _compile(func, leaves, tree))
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
+            if unary is not None and compiled.view_of:  # leaf i is args[i] here
+                unary = _inplace.tracking(unary, compiled.view_of, len(args))
             if unary is not None:
                 _remember(_UNARY, ukey, unary)
     return compiled.run(leaves, tree)
@@ -745,7 +747,7 @@ _strict._dynamo_marked_constant = True
 
 def _runs_as_is(c: _Compiled) -> bool:
     """No reshard, no pcast, no communication, one output layout: swap in locals, call, wrap."""
-    return c.trivial and not c.comm and isinstance(c.out, Layout) and not c.view_of
+    return c.trivial and not c.comm and isinstance(c.out, Layout)
 
 
 def _fast_runner(c: _Compiled, tree):
