@@ -135,6 +135,8 @@ def _expand(x: Layout, key) -> list:
     for it in items:
         if isinstance(it, bool) or (isinstance(it, Layout) and it.dtype == torch.bool):
             raise _DataDependent()
+        if isinstance(it, (list, tuple)) and torch.tensor(it).dtype == torch.bool:
+            raise _DataDependent()  # a list of bools is a mask too
         if not (it is None or it is Ellipsis or isinstance(it, (int, slice)) or _is_advanced(it)):
             raise TypeError(
                 f"ShardedArray indexing: unsupported index {it!r}; use ints, slices, None, ..., "
