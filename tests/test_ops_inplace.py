@@ -216,3 +216,36 @@ def aliasing_cases():
 
 def test_inplace_refused_where_data_is_shared(world2):
     assert world2.run(aliasing_cases) == [True, True]
+
+
+def inplace_keyword_cases():
+    """op(x, inplace=True) (F.relu, nn.ReLU(inplace=True), F.dropout): the input is rebound to
+    the result and returned, as torch returns its input; refused where x shares its data."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    a = randn(5, 4)
+    x = fs.shard(a, mesh, P("x")) * 1.0
+    y = torch.nn.functional.relu(x, inplace=True)
+    assert y is x
+    torch.testing.assert_close(fs.gather(x), torch.relu(a))
+    y = torch.nn.functional.dropout(x, p=0.5, training=False, inplace=True)
+    assert y is x
+    m = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2)
+    )
+    params = fs.nn.shard_params(m, mesh, {})
+    xs = fs.shard(a, mesh, P("x"))
+    g = grad(lambda p: fs.gather(fs.nn.functional_call(m, p, (xs,)).pow(2).sum()))(params)
+    dense = dict(m.named_parameters())
+    want = grad(lambda p: torch.func.functional_call(m, p, (a,)).pow(2).sum())(dense)
+    for k in want:
+        torch.testing.assert_close(fs.gather(g[k]), want[k])
+    view = x[:2]
+    with pytest.raises(TypeError, match=r"relu\(\.\.\., inplace=True\) refused.*inplace=False"):
+        torch.nn.functional.relu(x, inplace=True)
+    del view
+    return True
+
+
+def test_inplace_keyword(world2):
+    assert world2.run(inplace_keyword_cases) == [True, True]

@@ -38,7 +38,7 @@ import torch
 
 from ..array import PYTREE_SHARED, ShardedArray
 
-__all__ = ["rebind", "inplace_method", "link_views"]
+__all__ = ["rebind", "inplace_method", "link_views", "InplaceKeyword"]
 
 _set_alias = ShardedArray.__dict__["_alias"].__set__
 _set_local = ShardedArray.__dict__["local"].__set__
@@ -255,3 +255,27 @@ def inplace_method(name: str):
 
     method.__name__ = name
     return method
+
+
+class InplaceKeyword:
+    """What the dispatcher runs for ``op(x, ..., inplace=True)`` (``F.relu``, ``F.dropout``,
+    ``nn.ReLU(inplace=True)``): the call with ``inplace=False``, ``x`` rebound to its result
+    (refused where ``x`` shares its data), ``x`` returned as torch returns its input.
+    ``unflatten(leaves) -> (args, kwargs)``."""
+
+    __slots__ = ("run", "run_general", "view_of", "trivial", "comm", "out")
+
+    def __init__(self, op, name: str, unflatten):
+        def run(leaves, tree):
+            args, kwargs = unflatten(leaves)
+            x = args[0] if args else kwargs["input"]
+            functional = {**kwargs, "inplace": False}
+            return rebind(
+                x,
+                lambda: op(*args, **functional),
+                f"{name}(..., inplace=True)",
+                f"y = {name}(x, ...) with inplace=False",
+            )
+
+        self.run = self.run_general = run
+        self.view_of, self.trivial, self.comm, self.out = (), False, (), None

@@ -556,6 +556,8 @@ def _compile(func, leaves, tree) -> _Compiled:
     if casts:
         view = [v.with_dtype(casts[i]) if i in casts else v for i, v in enumerate(view)]
     args, kwargs = _unflatten(tree, view)
+    if kwargs.get("inplace") is True and kwargs.get("out") is None:  # F.relu(x, inplace=True)
+        return _inplace.InplaceKeyword(func, name, lambda leaves: _unflatten(tree, leaves))
     if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         raise TypeError(
             f"ShardedArray is immutable: {name} with out=/inplace=True is not supported; "
