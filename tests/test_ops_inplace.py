@@ -219,8 +219,9 @@ def test_inplace_refused_where_data_is_shared(world2):
 
 
 def inplace_keyword_cases():
-    """op(x, inplace=True) (F.relu, nn.ReLU(inplace=True), F.dropout): the input is rebound to
-    the result and returned, as torch returns its input; refused where x shares its data."""
+    """op(x, inplace=True) (F.relu, nn.ReLU(inplace=True), F.dropout) and in-place torch
+    functions (torch.sigmoid_): the input is rebound to the result and returned, as torch
+    returns its input; refused where x shares its data."""
     mesh = _mesh()
     torch.manual_seed(0)
     a = randn(5, 4)
@@ -230,6 +231,8 @@ def inplace_keyword_cases():
     torch.testing.assert_close(fs.gather(x), torch.relu(a))
     y = torch.nn.functional.dropout(x, p=0.5, training=False, inplace=True)
     assert y is x
+    assert torch.sigmoid_(x) is x  # an in-place torch function
+    torch.testing.assert_close(fs.gather(x), torch.sigmoid(torch.relu(a)))
     m = torch.nn.Sequential(
         torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2)
     )

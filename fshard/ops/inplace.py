@@ -1,7 +1,8 @@
 """In-place forms on ShardedArray: what they mean, and when they are refused.
 
 A ShardedArray never changes its local tensor. The in-place forms a model uses
-(``x[idx] = v``, ``x.masked_fill_(m, v)``, ``x.index_add_(0, i, s)``, ``x.zero_()``...) compute
+(``x[idx] = v``, ``x.masked_fill_(m, v)``, ``x.index_add_(0, i, s)``, ``x.zero_()``,
+``F.relu(x, inplace=True)``, ``torch.sigmoid_(x)``...) compute
 the functional result (``x.at[idx].set(v)``, ``x.masked_fill(m, v)``...) and *rebind* the
 object ``x`` to it: every name bound to that same object sees the new value, as with a torch
 tensor. Augmented assignment (``x += y``) rebinds the *name* instead, as ``jax.Array`` does:
@@ -38,7 +39,7 @@ import torch
 
 from ..array import PYTREE_SHARED, ShardedArray
 
-__all__ = ["rebind", "inplace_method", "link_views", "InplaceKeyword"]
+__all__ = ["rebind", "inplace_method", "inplace_keyword", "link_views", "InplaceCall"]
 
 _set_alias = ShardedArray.__dict__["_alias"].__set__
 _set_local = ShardedArray.__dict__["local"].__set__
@@ -257,25 +258,34 @@ def inplace_method(name: str):
     return method
 
 
-class InplaceKeyword:
-    """What the dispatcher runs for ``op(x, ..., inplace=True)`` (``F.relu``, ``F.dropout``,
-    ``nn.ReLU(inplace=True)``): the call with ``inplace=False``, ``x`` rebound to its result
-    (refused where ``x`` shares its data), ``x`` returned as torch returns its input.
-    ``unflatten(leaves) -> (args, kwargs)``."""
+def inplace_keyword(op, name: str):
+    """``op(x, ..., inplace=True)`` (``F.relu``, ``F.dropout``, ``nn.ReLU(inplace=True)``): the
+    call with ``inplace=False``, ``x`` rebound to its result (refused where ``x`` shares its
+    data) and returned, as torch returns its input. Called as ``call(args, kwargs)``."""
+
+    def call(args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        functional = {**kwargs, "inplace": False}
+        return rebind(
+            x,
+            lambda: op(*args, **functional),
+            f"{name}(..., inplace=True)",
+            f"y = {name}(x, ...) with inplace=False",
+        )
+
+    return call
+
+
+class InplaceCall:
+    """What the dispatcher caches for an in-place call reaching it as a torch function
+    (``torch.relu_(x)``, ``F.elu_(x)``, ``F.relu(x, inplace=True)``):
+    ``call(args, kwargs)`` with the call's arguments. ``unflatten(leaves) -> (args, kwargs)``."""
 
     __slots__ = ("run", "run_general", "view_of", "trivial", "comm", "out")
 
-    def __init__(self, op, name: str, unflatten):
+    def __init__(self, call, unflatten):
         def run(leaves, tree):
-            args, kwargs = unflatten(leaves)
-            x = args[0] if args else kwargs["input"]
-            functional = {**kwargs, "inplace": False}
-            return rebind(
-                x,
-                lambda: op(*args, **functional),
-                f"{name}(..., inplace=True)",
-                f"y = {name}(x, ...) with inplace=False",
-            )
+            return call(*unflatten(leaves))
 
         self.run = self.run_general = run
         self.view_of, self.trivial, self.comm, self.out = (), False, (), None

@@ -544,6 +544,9 @@ def _compile(func, leaves, tree) -> _Compiled:
         elif isinstance(a, torch.Tensor):
             check_plain_tensor(a, f"{name}: input {i}")
     fname = getattr(func, "__name__", "")
+    method = _inplace.inplace_method(fname) if fname.endswith("_") else None
+    if method is not None and type(leaves[0]) is ShardedArray:  # torch.relu_(x), F.elu_(x)
+        return _inplace.InplaceCall(lambda a, k: method(*a, **k), lambda lv: _unflatten(tree, lv))
     if fname.endswith("_") and not fname.endswith("__"):
         raise TypeError(
             f"ShardedArray is immutable: in-place {name} is not supported; use the functional "
@@ -557,7 +560,9 @@ def _compile(func, leaves, tree) -> _Compiled:
         view = [v.with_dtype(casts[i]) if i in casts else v for i, v in enumerate(view)]
     args, kwargs = _unflatten(tree, view)
     if kwargs.get("inplace") is True and kwargs.get("out") is None:  # F.relu(x, inplace=True)
-        return _inplace.InplaceKeyword(func, name, lambda leaves: _unflatten(tree, leaves))
+        return _inplace.InplaceCall(
+            _inplace.inplace_keyword(func, name), lambda lv: _unflatten(tree, lv)
+        )
     if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         raise TypeError(
             f"ShardedArray is immutable: {name} with out=/inplace=True is not supported; "
