@@ -45,7 +45,7 @@ class ShardedArray:
         (torch.Size([8]), torch.Size([4]))
     """
 
-    __slots__ = ("local", "layout", "_alias", "__weakref__")  # _alias: see fshard.ops.inplace
+    __slots__ = ("local", "layout", "_alias")  # _alias: see fshard.ops.inplace
 
     def __init__(self, local: torch.Tensor, layout: Layout):
         if not isinstance(layout, Layout):

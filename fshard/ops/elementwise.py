@@ -143,8 +143,9 @@ def _cast_target(op, args, kwargs) -> tuple[torch.dtype | None, torch.device | N
 
 
 def cast_rule(op, args, kwargs):
-    """``Tensor.to``/``Tensor.type``/``Tensor.type_as``: a dtype cast (pending sums survive float -> float); a
-    device argument must name the mesh's device (moving shards between devices is a new mesh)."""
+    """``Tensor.to``/``Tensor.type``/``Tensor.type_as``: a dtype cast (pending sums survive
+    float -> float; another tensor argument is read for its dtype only); a device argument must
+    name the mesh's device (moving shards between devices is a new mesh)."""
     x = args[0]
     dtype, device = _cast_target(op, args, kwargs)
     if x.is_explicit:

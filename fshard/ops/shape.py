@@ -1,4 +1,4 @@
-"""Shape rules: permutations, reshape family, expand, cat/stack, split family, indexing.
+"""Shape rules: permutations, reshape family, expand, cat/stack, split family.
 
 - Permutations (``transpose``, ``permute``, ``t``, ``.T``, ``.mT``, ``movedim``) permute the
   spec; no communication.
@@ -6,8 +6,10 @@
   dims whose products match. A group may be split over mesh axes only on its first input dim,
   and only when every rank's block stays one contiguous block of the first output dim under the
   flat ceil-div chunking. That covers every even split and uneven shards whenever the result is
-  well defined (e.g. ``(5, 4)`` split on dim 0 -> ``(5, 2, 2)``); other cases raise a
-  ``ValueError`` naming the ``fs.reshard`` that makes them local.
+  well defined (e.g. ``(5, 4)`` split on dim 0 -> ``(5, 2, 2)``). A split dim 0 merged with
+  the dims after it whose uneven blocks ceil-div cannot express (rows ``2 | 1`` of
+  ``(3, 15, V)`` -> ``(45, V)``) stays local too, in row blocks (:mod:`.rows`); other cases
+  raise a ``ValueError`` naming the ``fs.reshard`` that makes them local.
 - ``expand`` keeps the spec (expanded size-1 dims must be unsplit; new dims are unsplit).
 - ``cat``/``stack`` align inputs like elementwise ops with the cat dim unsplit; ``split``,
   ``chunk``, ``unbind``, ``narrow`` and ``select`` are local on unsplit dims and gather a split
