@@ -469,3 +469,35 @@ def linearize_refused():
 def test_linearize_through_a_collective_raises(world2):
     m0, m1 = world2.run(linearize_refused)
     assert m0 == m1 and "linearize" in m0
+
+
+def partial_out_spec_of_invariant_value():
+    """Issue 21 item 2: psum's result is invariant over the axis; declaring it P(partial=...)
+    would add its n copies (the value came back 2x the dense one). check_vma refuses it, as JAX
+    refuses an unreduced out_spec for an invariant value; the varying addends are accepted."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    X = _gen(3, 4)
+    x = fs.shard(X, mesh, P())
+    parts = fs.from_local(x.local / 2, mesh, P(partial="tp"), shape=(4,))
+    summed = fs.shard_map(
+        lambda t: lax.psum(t * 2, "tp"), mesh, (P(partial="tp"),), P(partial="tp")
+    )
+    msg = _raises(lambda: summed(parts), ValueError, r"invariant over 'tp'.*out_specs=P\(\)")
+    invariant = fs.shard_map(lambda t: t * 2, mesh, (P(),), P(partial="tp"))
+    _raises(lambda: invariant(x), ValueError, r"declared partial over mesh axis 'tp'")
+    # The fixes the message names give the dense 2 * x.
+    fixed = fs.shard_map(lambda t: lax.psum(t * 2, "tp"), mesh, (P(partial="tp"),), P())
+    _close(fs.gather(fixed(parts)), 2 * X, "psum returned replicated")
+    addends = fs.shard_map(lambda t: t * 2, mesh, (P(partial="tp"),), P(partial="tp"))
+    _close(fs.gather(addends(parts)), 2 * X, "addends returned partial")
+    g = grad(lambda p: fs.gather(addends(p)).sum())(parts)
+    _close(fs.gather(g), torch.full_like(X, 2.0), "grad of the partial output")
+    # check_vma=False trusts the out_spec (documented): the copies are taken as addends.
+    trusted = fs.shard_map(lambda t: t * 2, mesh, (P(),), P(partial="tp"), check_vma=False)
+    _close(fs.gather(trusted(x)), 4 * X, "check_vma=False trusts P(partial)")
+    return msg
+
+
+def test_partial_out_spec_of_invariant_value_is_refused(world2):
+    m0, m1 = world2.run(partial_out_spec_of_invariant_value)
+    assert m0 == m1

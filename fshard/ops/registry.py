@@ -40,6 +40,8 @@ from ..lax import Pcast, apply
 from ..planner import plan as _plan_steps
 from ..spec import LAYOUT_OF_ID, Layout, P, _layout
 from . import _autocast
+from . import inplace as _inplace
+from .aliases import aliases_of
 from .binding import declare_signature, resolve
 
 __all__ = [
@@ -150,7 +152,9 @@ def register_rule(
     ``float_valued=True``, as their values: for ops whose output shape depends on a float).
     ``fs.ops.bind(op, args, kwargs)`` gives them by parameter name. The result is cached per
     layouts and static arguments, so a rule runs once per distinct call signature. Register
-    ``torch.Tensor.<name>`` too for the method form (``x.<name>(...)``). ``signature``: a
+    ``torch.Tensor.<name>`` too for the method form (``x.<name>(...)``); the names torch
+    documents as aliases of ``op`` (``torch.greater`` for ``torch.gt``, see
+    :mod:`fshard.ops.aliases`) get the rule too unless they have their own. ``signature``: a
     callable with ``op``'s Python signature, for an op whose own cannot be read (see
     :mod:`fshard.ops.binding`). Usable as a decorator.
 
@@ -177,7 +181,9 @@ def register_rule(
         raise TypeError(f"register_rule: rule must be callable, got {type(rule).__name__}")
     if signature is not None:
         declare_signature(op, signature)
-    for o in (op, *aliases):
+    given = (op, *aliases)
+    derived = {a for o in given for a in aliases_of(o)} - set(given)
+    for o in (*given, *[a for a in derived if a not in _RULES]):  # torch's documented aliases
         _RULES[o] = rule
         if float_valued:
             _FLOAT_VALUED.add(o)
@@ -301,6 +307,8 @@ def dispatch(func, args, kwargs):
         compiled = _remember(_CACHE, key, _compile(func, leaves, tree))
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
+            if unary is not None and compiled.view_of:  # leaf i is args[i] here
+                unary = _inplace.tracking(unary, compiled.view_of, len(args))
             if unary is not None:
                 _remember(_UNARY, ukey, unary)
     return compiled.run(leaves, tree)
@@ -527,7 +535,8 @@ def _compile(func, leaves, tree) -> _Compiled:
             )
     for i, a in enumerate(leaves):
         if type(a) is ShardedArray:
-            if a.layout.is_explicit:
+            # a rule marked explicit_layouts takes them itself (fshard.ops.rows)
+            if a.layout.is_explicit and not getattr(_RULES.get(func), "explicit_layouts", False):
                 raise TypeError(
                     f"{name}: input {i} has an explicit layout (Layout.explicit); per-op rules "
                     "need a fs.P layout. Reshard it first: fs.reshard(x, fs.P(...))"
@@ -535,6 +544,9 @@ def _compile(func, leaves, tree) -> _Compiled:
         elif isinstance(a, torch.Tensor):
             check_plain_tensor(a, f"{name}: input {i}")
     fname = getattr(func, "__name__", "")
+    method = _inplace.inplace_method(fname) if fname.endswith("_") else None
+    if method is not None and type(leaves[0]) is ShardedArray:  # torch.relu_(x), F.elu_(x)
+        return _inplace.InplaceCall(lambda a, k: method(*a, **k), lambda lv: _unflatten(tree, lv))
     if fname.endswith("_") and not fname.endswith("__"):
         raise TypeError(
             f"ShardedArray is immutable: in-place {name} is not supported; use the functional "
@@ -547,6 +559,10 @@ def _compile(func, leaves, tree) -> _Compiled:
     if casts:
         view = [v.with_dtype(casts[i]) if i in casts else v for i, v in enumerate(view)]
     args, kwargs = _unflatten(tree, view)
+    if kwargs.get("inplace") is True and kwargs.get("out") is None:  # F.relu(x, inplace=True)
+        return _inplace.InplaceCall(
+            _inplace.inplace_keyword(func, name), lambda lv: _unflatten(tree, lv)
+        )
     if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         raise TypeError(
             f"ShardedArray is immutable: {name} with out=/inplace=True is not supported; "
@@ -567,7 +583,12 @@ def _compile(func, leaves, tree) -> _Compiled:
         fn = _by_name(sharding.local, resolve(func, args, kwargs))
     if casts:  # run as autocast runs an op it casts: on the cast inputs, autocast off
         fn = _autocast.disabled(fn, mesh.device_type)
-    return _Compiled.build(name, specs, sharding, fn, leaves, view, mesh, tree, casts or {})
+    compiled = _Compiled.build(name, specs, sharding, fn, leaves, view, mesh, tree, casts or {})
+    # An output that aliases an input (a view) is linked to it at run time (fshard.ops.inplace)
+    compiled.view_of = _inplace.aliased_inputs(func, view, _filled(tree))
+    if compiled.view_of:
+        compiled.run = _inplace.tracking(compiled.run, compiled.view_of)
+    return compiled
 
 
 def _filled(tree):
@@ -625,6 +646,7 @@ class _Compiled:
         "trivial",
         "tensors_only",
         "run",
+        "view_of",
     )
 
     @staticmethod
@@ -688,6 +710,7 @@ class _Compiled:
             for x in inputs
         )
         self.tensors_only = sharding.tensors_only
+        self.view_of = ()  # set by _compile
         flat = tree is None or type(tree) is tuple
         self.run = (flat and _fast_runner(self, tree)) or self.run_general
         return self
