@@ -49,11 +49,13 @@ def check_plain_tensor(t: torch.Tensor, where: str) -> None:
 
 class Program(NamedTuple):
     """A reshard decision: the planned ``steps``, their ``ops`` bound to the mesh's process
-    groups (``None`` on an abstract mesh, which has none), and the ``out`` layout."""
+    groups (``None`` on an abstract mesh, which has none), the ``out`` layout, and ``claim``:
+    the source's bound ``Claim`` if it is partial (see :func:`claimed_local`)."""
 
     steps: tuple[Step, ...]
     ops: tuple[Bound, ...] | None
     out: Layout
+    claim: Bound | None = None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -66,8 +68,11 @@ def program(layout: Layout, spec: P) -> Program:
     """
     planned = steps(layout, layout.with_spec(spec))
     mesh = layout.mesh
-    ops = None if mesh.is_abstract else tuple(Bound(s.op, mesh.group(s.axes)) for s in planned)
-    return Program(planned, ops, layout.with_spec(spec))
+    if mesh.is_abstract:
+        return Program(planned, None, layout.with_spec(spec))
+    ops = tuple(Bound(s.op, mesh.group(s.axes)) for s in planned)
+    held = claim_of(mesh.group(layout.partial)) if layout.partial else None
+    return Program(planned, ops, layout.with_spec(spec), held)
 
 
 def _program_of(layout_id: str, entries: tuple, partial: tuple) -> Program:
@@ -109,4 +114,4 @@ def reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
         prog = constant(_program_of, x.layout._id, spec._entries, spec.partial)
     else:
         prog = program(x.layout, spec)
-    return ShardedArray._raw(run(claimed_local(x), prog), prog.out)
+    return ShardedArray._raw(run(claim(x.local, prog.claim), prog), prog.out)
