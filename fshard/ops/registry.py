@@ -642,6 +642,10 @@ class _Compiled:
                 f"the rule for {name} gave {len(specs)} in_specs for {len(tensor_idx)} tensor "
                 "inputs; give one P (or None) per tensor input"
             )
+        # each input's layout with its own dtype (autocast's cast comes after any reshard)
+        own = {
+            i: view[i].with_dtype(leaves[i].dtype) if i in casts else view[i] for i in tensor_idx
+        }
         targets = []
         comm = []
         for pos, (i, spec) in enumerate(zip(tensor_idx, specs)):
@@ -653,8 +657,7 @@ class _Compiled:
                 targets.append((src, None))
                 continue
             tgt = src.with_spec(spec)
-            # planned on the leaf's own dtype (the cast comes after): reshard_one's program
-            prog = program(src.with_dtype(leaves[i].dtype) if i in casts else src, spec)
+            prog = program(own[i], spec)  # the decision reshard_one caches too
             if not prog.steps:  # differs on size-1 mesh axes only: the same local block
                 targets.append((tgt, None))
                 continue
@@ -676,7 +679,7 @@ class _Compiled:
                 g = mesh.group(tuple(missing))
                 pcast = Bound(Pcast(g.axes), g)
             plain = type(leaves[i]) is not ShardedArray
-            src = view[i].with_dtype(leaves[i].dtype) if i in casts else view[i]
+            src = own[i]
             claim_op = None
             if src.partial and not mesh.is_abstract:
                 claim_op = claim_of(mesh.group(src.partial))
