@@ -5,10 +5,11 @@ A sharded value is an immutable pytree of one plain local tensor plus a static l
 primitives of :mod:`fshard.lax`.
 """
 
-from . import checkpoint, config, consistency, debug, interop, launch, lax, nn, ops, optim
+from . import checkpoint, config, consistency, data, debug, interop, launch, lax, nn, ops, optim
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .autodiff import grad, value_and_grad
+from .jacobian import hessian, jacfwd
 from .mesh import Mesh
 from .planner import Step, plan
 from .shard_map import shard_map
@@ -31,6 +32,8 @@ __all__ = [
     "shard_map",
     "value_and_grad",
     "grad",
+    "jacfwd",
+    "hessian",
     "zeros",
     "ones",
     "full",
@@ -52,4 +55,11 @@ __all__ = [
     "nn",
     "checkpoint",
     "interop",
+    "data",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public API only (``dir(fshard)``, tab completion); the implementation modules
+    (``fshard.array``, ``fshard.executor``, ...) stay importable by name."""
+    return sorted(__all__)

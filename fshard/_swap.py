@@ -30,6 +30,8 @@ Not thread-safe for concurrent swaps on one module.
 
 from __future__ import annotations
 
+import contextvars
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -38,7 +40,62 @@ from . import _compat
 from ._leaf_errors import LeafErrors
 from .array import ShardedArray
 
-__all__ = ["swap", "targets", "aliases", "resolve"]
+__all__ = ["swap", "targets", "aliases", "resolve", "hold_elsewhere", "held_here", "reading"]
+
+
+# -- modules whose values are held elsewhere --------------------------------------------------
+# fs.nn.shard_params copies a module's values into a params dict that training replaces; the
+# module's own tensors then lag behind. ``module.state_dict()`` is refused after any swap into
+# the module (a training or eval step on the params) until fs.nn.load_params writes the values
+# back. A plain dict keyed by ``id``: dynamo records its
+# update in a compiled step as a side effect (a WeakKeyDictionary it cannot trace). The hook
+# that reads it is registered only on modules shard_params saw, so a reused id is harmless.
+_STALE: dict[int, bool] = {}
+_HOOKED: dict[int, object] = {}
+_READING = contextvars.ContextVar("fshard_swap_reading", default=False)
+
+
+def _refuse_stale_state_dict(module, prefix, keep_vars) -> None:
+    if _STALE.get(id(module)) and not _READING.get():
+        raise RuntimeError(
+            f"{type(module).__name__}.state_dict(): this module's parameters were copied into a "
+            "params dict by fs.nn.shard_params and used since; training updates that dict, not "
+            "the module, so its own tensors may be stale. Save the trained values with "
+            "fs.checkpoint.save(path, fs.nn.state_dict(model, params)) (sharded, no gather), or "
+            "write them back first with fs.nn.load_params(model, params), after which "
+            "model.state_dict() holds them"
+        )
+
+
+def hold_elsewhere(module: torch.nn.Module) -> None:
+    """Mark ``module``'s values as copied into a params dict (:func:`fshard.nn.shard_params`):
+    from the next swap into it, ``module.state_dict()`` raises until :func:`held_here`."""
+    _STALE[id(module)] = False
+    if id(module) not in _HOOKED:
+        _HOOKED[id(module)] = module.register_state_dict_pre_hook(_refuse_stale_state_dict)
+        weakref.finalize(module, _forget, id(module))
+
+
+def _forget(key: int) -> None:
+    _STALE.pop(key, None)
+    _HOOKED.pop(key, None)
+
+
+def held_here(module: torch.nn.Module) -> None:
+    """``module``'s own tensors hold its values again (:func:`fshard.nn.load_params`)."""
+    if id(module) in _STALE:
+        _STALE[id(module)] = False
+
+
+class reading:
+    """``with reading():`` ``module.state_dict()`` is allowed (fshard reads keys and aliases
+    from it, not values)."""
+
+    def __enter__(self):
+        self.token = _READING.set(True)
+
+    def __exit__(self, *exc):
+        _READING.reset(self.token)
 
 
 def resolve(module: torch.nn.Module, name: str, fn: str = "functional_call"):
@@ -122,6 +179,8 @@ class swap:
 
     def __init__(self, module: torch.nn.Module, values: Mapping, fn: str, held=None):
         self.targets = targets(module, values, fn, held)
+        if id(module) in _STALE and fn in ("functional_call", "fsdp_call"):
+            _STALE[id(module)] = True
         self.saved: list = []
         self.orders: dict = {}
         self.in_slot = False

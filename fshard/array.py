@@ -13,6 +13,8 @@ local shape. Vmapping over a sharded dim is refused with an error.
 
 from __future__ import annotations
 
+import sys
+
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
@@ -27,8 +29,16 @@ class ShardedArray:
     """An immutable sharded value: ``local`` (this rank's shard) and ``layout`` (static).
 
     Build one with :func:`fshard.shard`, :func:`fshard.from_local` or a creation function,
-    never by assigning fields. Torch functions and operators dispatch to fshard's op rules;
-    in-place methods raise ``TypeError``.
+    never by assigning fields. Torch functions and operators dispatch to fshard's op rules.
+
+    Updates are functional, as in JAX: ``x.at[idx].set(v)`` (also ``add``, ``multiply``,
+    ``min``, ``max``, ``get``) returns a new value; ``x += y`` rebinds the name ``x`` to
+    ``x + y`` (nothing another name holds changes, as ``jax.Array``). The in-place forms models
+    use (``x[idx] = v``, ``x.masked_fill_(m, v)``, ``x.index_add_(...)``, ``x.zero_()``...)
+    rebind the object ``x`` to the functional result, and are refused with a ``TypeError``
+    where that could differ from torch: when ``x`` shares its data with another live value (a
+    view, or a value on the other side of a ``torch.func``/pytree boundary). See
+    :mod:`fshard.ops.inplace`.
 
     Example:
         >>> import fshard as fs  # doctest: +SKIP
@@ -37,7 +47,7 @@ class ShardedArray:
         (torch.Size([8]), torch.Size([4]))
     """
 
-    __slots__ = ("local", "layout")
+    __slots__ = ("local", "layout", "_alias")  # _alias: see fshard.ops.inplace
 
     def __init__(self, local: torch.Tensor, layout: Layout):
         if not isinstance(layout, BaseLayout):
@@ -75,10 +85,31 @@ class ShardedArray:
         )
 
     def __setitem__(self, key, value):
-        raise TypeError(
-            "ShardedArray does not support item assignment; use a functional form such as "
-            "torch.where(mask, value, x) or fs.shard_map on local tensors"
+        """``x[key] = value``: rebinds ``x`` to ``x.at[key].set(value)`` (refused when ``x``
+        shares its data with another live value; see :mod:`fshard.ops.inplace`)."""
+        from .ops import indexing, inplace
+
+        inplace.rebind(
+            self,
+            lambda: indexing.index_update(self, key, value, "set"),
+            "item assignment x[idx] = v",
+            "y = x.at[idx].set(v)",
         )
+
+    @property
+    def at(self):
+        """JAX's functional indexed update: ``x.at[idx].set(v)``, ``.add(v)`` (repeated
+        indices accumulate), ``.multiply(v)``, ``.min(v)``, ``.max(v)``, ``.get()``.
+
+        ``idx`` is anything ``x[idx]`` accepts: ints, slices, ``None``, ``...``, lists and
+        integer tensors. The result is a new value with ``x``'s shape; ``x`` is unchanged.
+
+        Example:
+            >>> y = x.at[..., 0].set(0.0)  # doctest: +SKIP
+        """
+        from .ops.indexing import At
+
+        return At(self)
 
     def __reduce__(self):
         return (_rebuild_sharded, (self.local, self.layout))
@@ -143,11 +174,29 @@ class ShardedArray:
             raise TypeError("len() of a 0-d ShardedArray")
         return self.layout.shape[0]
 
-    def __bool__(self):
-        raise TypeError(
-            "the truth value of a ShardedArray is undefined on one rank; gather it first "
-            "(bool(fs.gather(x)))"
-        )
+    def __bool__(self) -> bool:
+        """The truth value of a one-element value that is the same on every rank (replicated,
+        no pending sum), e.g. ``if mask.all():``. A split or pending value is refused: ranks
+        hold different parts of it and could take different branches."""
+        return bool(self._invariant_local("bool()"))
+
+    def item(self):
+        """The Python number of a one-element value the same on every rank (as :meth:`__bool__`)."""
+        return self._invariant_local("item()").item()
+
+    def _invariant_local(self, what: str) -> torch.Tensor:
+        lay = self.layout
+        if lay.is_explicit or lay.sharded_axes or lay.partial:
+            how = f"split as {lay.spec}" if not lay.partial else f"pending over {lay.partial}"
+            if lay.is_explicit:
+                how = "split in row blocks"
+            raise TypeError(
+                f"{what} of a ShardedArray {how}: each rank holds a different part of it, so "
+                "ranks could take different branches. Reduce it to a replicated value first: "
+                "x.all() / x.any() / (x == y).all() (they reduce over the mesh), "
+                "fs.reshard(x, fs.P()), or gather it (bool(fs.gather(x)))"
+            )
+        return self.local
 
     __hash__ = object.__hash__
 
@@ -163,10 +212,16 @@ class ShardedArray:
         if method is None or name.startswith("__"):
             raise AttributeError(f"'ShardedArray' object has no attribute {name!r}")
         if name.endswith("_") and not name.endswith("__"):
-            raise TypeError(
-                f"ShardedArray is immutable: in-place Tensor.{name} is not supported; use the "
-                f"functional form {name[:-1]!r} (e.g. y = x.{name[:-1]}(...))"
-            )
+            from .ops.inplace import inplace_method
+
+            forward = inplace_method(name)
+            if forward is None:
+                raise TypeError(
+                    f"ShardedArray: in-place Tensor.{name} is not supported (it has no "
+                    "functional form fshard could rebind to)"
+                )
+            setattr(ShardedArray, name, forward)
+            return getattr(self, name)
         if not callable(method):  # a property such as x.T or x.mT
             return _DISPATCH(method.__get__, (self,), {})
         if _dynamo_compiling():  # a class attribute set in a trace is not seen by it
@@ -202,6 +257,14 @@ _new = object.__new__
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _set_local = ShardedArray.__dict__["local"].__set__  # slot setters: the frozen class's
 _set_layout = ShardedArray.__dict__["layout"].__set__  # __setattr__ refuses assignment
+_set_alias = ShardedArray.__dict__["_alias"].__set__
+#: ``_alias`` of a value whose local tensor another object may hold (it crossed a pytree
+#: boundary): in-place forms on it are refused (fshard.ops.inplace).
+PYTREE_SHARED = "pytree"
+
+
+def _mark_shared(x: ShardedArray) -> None:
+    _set_alias(x, PYTREE_SHARED)
 
 
 def _forward_operator(name: str):
@@ -242,7 +305,7 @@ def _tensor_operators() -> dict:
         if not (name.startswith("__") and name.endswith("__")) or name in _OWN:
             continue
         if name.startswith("__i") and name[3:-2] in _INPLACE_NAMES:
-            continue
+            continue  # x += y falls back to x = x + y: the name is rebound, as jax.Array
         value = getattr(torch.Tensor, name, None)
         if callable(value):
             try:
@@ -258,24 +321,34 @@ _TENSOR_OPERATORS = _tensor_operators()
 ShardedArray.__hash__ = object.__hash__
 
 
-def _inplace_operator(name: str):
-    def op(self, other):
-        raise TypeError(
-            f"ShardedArray is immutable: {name} would update it in place; write x = x.{name[3:-2]}(y)"
-            " (or x = x <op> y)"
-        )
-
-    return op
-
-
-for _name in ("__i" + n + "__" for n in _INPLACE_NAMES):
-    setattr(ShardedArray, _name, _inplace_operator(_name))
-
-
 # -- pytree registration ---------------------------------------------------------------------
 
 
+def _refuse_torch_jacfwd(layout: Layout) -> None:
+    """``torch.func.jacfwd`` (and ``hessian``, its jacfwd of jacrev) builds its basis from each
+    rank's local block, not the global value: a wrong Jacobian for a split or partial argument.
+    Its basis (one extra leading dim) is rebuilt here by its ``wrapper_fn``; refuse it there."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name == "wrapper_fn" and code.co_filename.endswith("eager_transforms.py"):
+            if "flat_basis" in frame.f_locals:
+                raise NotImplementedError(
+                    f"torch.func.jacfwd / torch.func.hessian with respect to a ShardedArray laid "
+                    f"out as {layout.spec}: torch.func builds its basis from each rank's local "
+                    "block, which is not a basis of the global value (the Jacobian would be "
+                    "wrong). Use fs.jacfwd / fs.hessian (same arguments; basis of the global "
+                    "value), or torch.func.jacrev"
+                )
+            return
+        frame = frame.f_back
+
+
 def _flatten(x: ShardedArray):
+    if not _dynamo_compiling():
+        _mark_shared(x)  # its local now has another holder (fshard.ops.inplace)
     return (x.local,), x.layout
 
 
@@ -285,12 +358,15 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
         raise TypeError(
             "a ShardedArray nested inside a ShardedArray: torch.func.jacrev/jacfwd/hessian of a "
             "function returning a ShardedArray, taken w.r.t. a ShardedArray, would build one "
-            "block per pair of elements, and no layout describes such a block. Take the "
-            "jacobian of plain tensors instead: of t -> fs.gather(f(fs.shard(t, mesh, spec))) "
-            "w.r.t. the full tensor t, or of the local blocks inside fs.shard_map"
+            "block per pair of elements, and no layout describes such a block. Use fs.jacfwd / "
+            "fs.hessian (their Jacobian of a ShardedArray output keeps its layout), or take the "
+            "jacobian of plain tensors: of t -> fs.gather(f(fs.shard(t, mesh, spec))) w.r.t. "
+            "the full tensor t, or of the local blocks inside fs.shard_map"
         )
     if not isinstance(local, torch.Tensor):  # optree/torch utilities put placeholders here
         return ShardedArray._raw(local, layout)
+    if local.dim() == layout.ndim + 1 and (layout.varying_axes or layout.partial):
+        _refuse_torch_jacfwd(layout)
     if layout.partial and torch.compiler.is_dynamo_compiling():
         # torch.func.grad rebuilds its inputs here. Under dynamo a partial input cannot be told
         # from a partial intermediate (lax._is_grad_leaf), so its gradient would miss the Claim
@@ -305,7 +381,10 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
     extra = local.dim() - layout.ndim
     if extra:
         layout = _relayout_for_rank_change(layout, local, extra)
-    return ShardedArray._derived(local, layout)
+    out = ShardedArray._derived(local, layout)
+    if not _dynamo_compiling():
+        _mark_shared(out)
+    return out
 
 
 def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -> Layout:
@@ -357,10 +436,13 @@ except ImportError:  # pragma: no cover - older optree
 optree.register_pytree_node(ShardedArray, _flatten, _unflatten, namespace=_OPTREE_NS)
 torch_pytree.register_pytree_node(
     ShardedArray,
-    lambda x: ([x.local], x.layout),
+    lambda x: ([_flatten(x)[0][0]], x.layout),
     lambda children, layout: _unflatten(layout, children),
     serialized_type_name="fshard.ShardedArray",
-    flatten_with_keys_fn=lambda x: ([(torch_pytree.GetAttrKey("local"), x.local)], x.layout),
+    flatten_with_keys_fn=lambda x: (
+        [(torch_pytree.GetAttrKey("local"), _flatten(x)[0][0])],
+        x.layout,
+    ),
 )
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.utils._cxx_pytree as pytree
 
 from . import _comm, _export, lax
+from .api import gather
 from .array import ShardedArray, is_sharded
 from .mesh import AxisGroup
 
@@ -77,6 +78,17 @@ def _check_argnums(argnums, nargs: int | None) -> tuple[int, ...]:
     return tuple(i % nargs for i in nums)
 
 
+def _tensor_loss(out, has_aux: bool):
+    """``out`` with a ShardedArray loss (a replicated or pending scalar, as global-view code
+    computes it) as the plain tensor ``fs.gather`` gives: a replicated one is its local value
+    (no communication), a pending sum is all-reduced."""
+    loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
+    if not isinstance(loss, ShardedArray):
+        return out
+    loss = gather(loss)
+    return (loss, out[1]) if has_aux else loss
+
+
 def _scalar_loss(out, has_aux: bool):
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -90,8 +102,8 @@ def _scalar_loss(out, has_aux: bool):
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)
         raise TypeError(
-            f"value_and_grad: f must return a scalar torch.Tensor loss, got {what}; "
-            "for a replicated ShardedArray loss return fs.gather(loss) (no communication)"
+            f"value_and_grad: f must return a scalar loss (a torch.Tensor or a one-element "
+            f"ShardedArray), got {what}"
         )
     return loss, aux
 
@@ -285,7 +297,7 @@ def _top_level(f, nums, has_aux, args, kwargs):
     token = lax.PCAST_HOOK.set(reducer.pcast)
     try:
         with torch.enable_grad():
-            loss, aux = _scalar_loss(f(*new_args, **kwargs), has_aux)
+            loss, aux = _scalar_loss(_tensor_loss(f(*new_args, **kwargs), has_aux), has_aux)
             if loss.requires_grad:
                 # backward, not autograd.grad: the pcast hooks run after AccumulateGrad, whose
                 # .grad no one else holds (see _Reducer.pcast)
@@ -322,8 +334,9 @@ def value_and_grad(
     Gradients follow fshard's contract: the params' layouts, the dense gradient's values.
 
     Args:
-        f: a function whose output is a scalar tensor loss (``(loss, aux)`` with
-            ``has_aux``); a replicated ShardedArray loss goes through ``fs.gather`` first.
+        f: a function whose output is a scalar loss (``(loss, aux)`` with ``has_aux``): a
+            tensor, or a one-element ShardedArray as global-view code computes it (replicated:
+            used as it is; a pending sum: reduced first, as ``fs.gather`` does).
         argnums: the positional argument (int) or arguments (tuple) to differentiate: pytrees
             of floating-point tensors and ShardedArrays.
         has_aux: ``f`` returns ``(loss, aux)``; aux is returned detached.
@@ -342,17 +355,22 @@ def value_and_grad(
         raise TypeError(f"value_and_grad: has_aux must be a bool, got {has_aux!r}")
     _check_argnums(argnums, None)
 
+    def tensor_f(*args, **kwargs):
+        return _tensor_loss(f(*args, **kwargs), has_aux)
+
     @functools.wraps(f)
     def run(*args, **kwargs):
         nums = _check_argnums(argnums, len(args))
         if _export.exporting():  # torch.func.grad does not export: a make_fx graph of it does
-            return _export.value_and_grad(f, argnums, has_aux, args, kwargs)
+            return _export.value_and_grad(tensor_f, argnums, has_aux, args, kwargs)
         if (
             _comm.tracing()  # torch.compile, make_fx, export: the graph holds the reductions
             or torch._C._are_functorch_transforms_active()
             or _requires_grad((args, kwargs))
         ):
-            g, v = torch.func.grad_and_value(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+            g, v = torch.func.grad_and_value(tensor_f, argnums=argnums, has_aux=has_aux)(
+                *args, **kwargs
+            )
             return v, g
         loss, aux, grads = _top_level(f, nums, has_aux, args, kwargs)
         grads = grads[0] if isinstance(argnums, int) else tuple(grads)

@@ -710,12 +710,13 @@ def _validate(
     def problem(key: str, text: str) -> None:
         errors.add(where[key], f"key {key!r}{text}")
 
+    missing: list[str] = []
+
     for key, leaf in zip(keys, leaves):
         want = _expected(leaf)
         if key not in found and key not in saved_values:
-            have = sorted([*found, *saved_values])
-            more = f", ... ({len(have)} keys)" if len(have) > 12 else ""
-            problem(key, f" is missing (the checkpoint has keys {have[:12]}{more})")
+            problem(key, " is missing")
+            missing.append(key)
             continue
         if want is None:
             if key not in saved_values:
@@ -763,8 +764,22 @@ def _validate(
         if bad is not None:
             problem(needed[name], f": {bad}")
     if errors:
-        return errors.message(), None, None
+        return errors.message(_structure_diff(missing, keys, [*found, *saved_values])), None, None
     return None, md, values
+
+
+def _structure_diff(missing: list[str], keys: list[str], saved: list[str]) -> str:
+    """The structural difference, once: the keys the checkpoint has that ``like`` lacks (where
+    ``like`` has keys the checkpoint lacks, e.g. another optimizer's state)."""
+    if not missing:
+        return ""
+    extra = sorted(set(saved) - set(keys))
+    shown = ", ".join(repr(k) for k in extra[:12]) + (", ..." if len(extra) > 12 else "")
+    return (
+        f"`like` has {len(missing)} keys the checkpoint lacks; the checkpoint has "
+        f"{len(extra)} keys `like` lacks{': ' + shown if extra else ''} (of {len(set(saved))} "
+        "keys). Build `like` with the structure that was saved (e.g. the same optimizer)"
+    )
 
 
 def _load_target(leaf: Any, me: int):

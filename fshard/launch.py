@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _by_value
+
 __all__ = ["RankError", "World", "default_backend", "is_worker", "run"]
 
 _WORKER_ENV = "FSHARD_LAUNCH_WORKER"
@@ -143,7 +145,10 @@ class World:
         """Runs ``fn(*args)`` on every rank and returns the results in rank order.
 
         ``fn``, ``args`` and the results travel by pickle, so ``fn`` must be importable
-        (defined at module level).
+        (defined at module level of a module or script). In an interactive session
+        (``python -c``, a script on stdin, the REPL, a notebook: ``__main__`` has no file the
+        workers could import) the functions and classes ``__main__`` defines travel by value
+        instead: their code and the globals it uses (:mod:`fshard._by_value`).
 
         Args:
           fn: The function to run on each rank.
@@ -170,11 +175,13 @@ class World:
             )
         timeout = self.timeout if timeout is None else timeout
         try:
-            payload = pickle.dumps((fn, args))
+            payload = _by_value.dumps((fn, args))
         except Exception as e:
             raise TypeError(
                 f"World.run: could not pickle fn={fn!r} and its args ({e}); fn must be "
-                "importable (defined at module level, not a lambda or a local function)"
+                "importable (defined at module level, not a lambda or a local function), or "
+                "defined in an interactive session (python -c, stdin, a notebook), where "
+                "__main__'s functions and classes travel by value"
             ) from e
         try:
             if len(self._procs) != self.world_size or not all(p.is_alive() for p in self._procs):
@@ -254,7 +261,8 @@ class World:
                 ),
                 name=f"fshard-rank{rank}",
             )
-            proc.start()
+            with _by_value.unimportable_main_hidden():
+                proc.start()
             child_conn.close()  # else the parent would never see EOF when the child dies
             lifeline_r.close()
             self._procs.append(proc)
@@ -438,7 +446,8 @@ def run(
     defaults to CUDA blocks under NCCL and CPU blocks under Gloo.
 
     Args:
-      fn: The function to run on each rank; must be importable (defined at module level).
+      fn: The function to run on each rank; defined at module level of a module or script,
+        or anywhere in an interactive session (notebook, ``python -c``; sent by value).
       world_size: Number of ranks (an int >= 1); under ``torchrun`` it must equal
         ``WORLD_SIZE``.
       args: Positional arguments for ``fn``, the same for every rank.

@@ -14,6 +14,9 @@ into the module, ``state_dict`` gives a sharded state dict for :mod:`fshard.chec
     grads = torch.func.grad(loss_fn)(params, x, y)
     fs.nn.load_params(model, params)  # model.state_dict() now holds the trained values
 
+After the module has run on the params, ``model.state_dict()`` raises until ``load_params``
+(the module's own tensors are not what training produced).
+
 A plan maps globs to ``fs.P`` (a parameter's layout) or to :class:`Output` (a module's
 output layout, DTensor's ``output_layouts``: e.g. reduce a row-parallel Linear's pending sum
 right after it, so the residual stream stays replicated).
@@ -38,7 +41,7 @@ from .array import ShardedArray
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: F401 (fs.nn API)
 from .mesh import Mesh
 from .nn_plan import Output, _match, _matcher, _split_plan, match_plan
-from .spec import Layout, P
+from .spec import Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "load_params",
     "state_dict",
     "megatron_plan",
+    "hf_tp_plan",
     "match_plan",
 ]
 
@@ -74,7 +78,11 @@ def shard_params(
     ``mesh.device()`` whatever device the module is on (as :func:`fshard.shard`): a CPU module
     sharded onto a CUDA mesh gives CUDA blocks (each rank copies only its blocks; the module
     stays on the CPU, so move inputs and buffers your forward reads with ``mesh.device()``). Write trained
-    values back with :func:`load_params`. Tied parameters (GPT-2's ``lm_head.weight`` is
+    values back with :func:`load_params`. Once the module has run on the params
+    (:func:`functional_call`, :func:`fsdp_call`), ``module.state_dict()`` raises until
+    :func:`load_params`: its own tensors no longer hold what training produced (save
+    ``fs.nn.state_dict(module, params)`` instead; torch's and HF's savers call
+    ``state_dict()``, so a stale save fails instead of writing the initial weights). Tied parameters (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
     gives every alias that value.
 
@@ -90,7 +98,8 @@ def shard_params(
             recorded for this module and applied by :func:`functional_call`.
         src: a rank: only that rank's values are used; they are scattered (each rank receives
             its block). Other ranks' modules only provide names, shapes and dtypes (they may
-            live on the ``meta`` device).
+            live on the ``meta`` device): ``src``'s buffers, persistent or not (a rotary
+            ``inv_freq``), are broadcast into them, so they run.
 
     Returns:
         ``{name: ShardedArray}`` in ``named_parameters()`` order (detached copies).
@@ -126,7 +135,10 @@ def shard_params(
         if _shares_storage(x.local, t):
             x = ShardedArray._raw(x.local.clone(), x.layout)
         out[name] = x
+    if src is not None:
+        _broadcast_buffers(module, mesh, src)
     _OUTPUTS[module] = outputs
+    _swap.hold_elsewhere(module)
     if not _compat.TRACES_ATTRIBUTE_DELETE:
         # functional_call leaves these modules' ``forward`` bound on the instance under an
         # older dynamo (it cannot delete it): bind it now, so the first compiled call sees the
@@ -135,6 +147,24 @@ def shard_params(
             sub = module.get_submodule(name)
             sub.__dict__.setdefault("forward", sub.forward)
     return out
+
+
+def _broadcast_buffers(module: torch.nn.Module, mesh: Mesh, src: int) -> None:
+    """``src``'s buffers, persistent or not (a rotary ``inv_freq`` is computed at construction
+    and never saved), written into every rank's module: a module built on ``meta`` elsewhere
+    then runs. Each buffer object is sent once (tied buffers stay tied)."""
+    seen: dict[int, torch.Tensor] = {}
+    for owner in module.modules():
+        for attr, b in list(owner._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in seen:
+                t = b.detach() if mesh.rank == src else None
+                got = shard(t, mesh, _REPLICATED, src=src, shape=b.shape, dtype=b.dtype).local
+                if mesh.rank != src:  # on the module's device, or the mesh's for a meta module
+                    got = got if b.device.type == "meta" else got.to(b.device)
+                seen[id(b)] = b if mesh.rank == src else got
+            owner._buffers[attr] = seen[id(b)]
 
 
 _NONE = object()  # no instance ``forward`` to restore
@@ -210,6 +240,9 @@ def functional_call(
         outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
+    mesh = _one_rank_mesh(params)
+    if mesh is not None:
+        return _run_local(module, params, args, kwargs or {}, mesh)
     patched = []
     with _swap.swap(module, params, "functional_call"):
         try:
@@ -226,6 +259,52 @@ def functional_call(
                     del sub.__dict__["forward"]
                 else:  # the class's forward, bound, left as the instance's: the same calls
                     sub.__dict__["forward"] = bound
+
+
+def _one_rank_mesh(params: Mapping) -> Mesh | None:
+    """The params' mesh when it has one rank (every axis of size 1) and every ShardedArray
+    value lives on it; ``None`` otherwise, decided at the first ShardedArray on a bigger mesh.
+    Not while dynamo traces: a compiled step's plans are constants already."""
+    if torch.compiler.is_dynamo_compiling():
+        return None
+    mesh = None
+    for v in params.values():
+        if type(v) is ShardedArray:
+            m = v.layout.mesh
+            if mesh is None:
+                if m.size(m.axis_names) != 1:
+                    return None
+                mesh = m
+            elif m is not mesh and m != mesh:
+                return None
+    return mesh
+
+
+def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
+    """:func:`functional_call` on a one-rank mesh: every block is the whole value, so the module
+    runs on the plain local tensors (no per-op dispatch: a one-GPU step costs what the plain
+    step costs), and each tensor in the output comes back as a replicated ShardedArray of the
+    mesh. Output entries of the plan reshard nothing here."""
+    import torch.utils._pytree as pytree
+
+    def unwrap(v):
+        return v.local if type(v) is ShardedArray else v
+
+    local = {k: unwrap(v) for k, v in params.items()}
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=_is_sharded)
+    with _swap.swap(module, local, "functional_call"):
+        out = module(*args, **kwargs)
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor):
+            return ShardedArray._raw(t, _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype))
+        return t
+
+    return pytree.tree_map(wrap, out, is_leaf=_is_sharded)
+
+
+def _is_sharded(v) -> bool:
+    return type(v) is ShardedArray
 
 
 def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:
@@ -268,16 +347,20 @@ def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = N
             )
         targets[id(t)] = (t, value)
     errors.raise_if_any()
+    written = dst is None  # with dst: whether this rank is dst (its gathers return the values)
     for t, value in targets.values():
         full = value
         if isinstance(value, ShardedArray):
             full = gather(value, dst)
             if full is None:
                 continue
+            written = True
         elif dst is not None:
             raise TypeError("load_params: dst needs ShardedArray values (a tensor is local)")
         with torch.no_grad():
             t.copy_(full.detach())
+    if written:
+        _swap.held_here(module)
 
 
 def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
@@ -305,7 +388,9 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
         id(getattr(o, s)[a]): v for _, o, a, s, v in _swap.targets(module, params, "state_dict")
     }
     out = {}
-    for key, t in module.state_dict(keep_vars=True).items():
+    with _swap.reading():
+        module_state = module.state_dict(keep_vars=True)
+    for key, t in module_state.items():
         out[key] = by_tensor.get(id(t), t.detach() if isinstance(t, torch.Tensor) else t)
     return out
 
@@ -431,3 +516,99 @@ def megatron_plan(
         for m in (*row, *vocab):  # is a pending sum
             plan[m] = Output(row_output)
     return plan
+
+
+#: transformers' tensor-parallel styles (``config.base_model_tp_plan``, ``model._tp_plan``) and
+#: the megatron_plan role each maps to. An output transformers gathers (``colwise_gather_output``,
+#: ``colwise_rep``) stays split here: in fshard's global view the next op reads a split value as
+#: it reads a full one (same values), and the gather is left to the op that needs it.
+_HF_STYLES = {
+    "colwise": "column",
+    "colwise_gather_output": "column",
+    "colwise_rep": "column",
+    "rowwise": "row",
+    "rowwise_rep": "row",
+    "rowwise_split_input": "row",
+    "embedding_rowwise": "vocab",
+    "replicate": None,
+}
+
+
+def _hf_entries(model: torch.nn.Module) -> dict[str, str]:
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    out = dict(getattr(model, "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    for k, v in base.items():
+        out[f"{prefix}.{k}" if has_base else k] = v
+    return out
+
+
+def hf_tp_plan(
+    model: torch.nn.Module,
+    axis: str = "tp",
+    *,
+    unsupported: str = "error",
+    row_output: P | None = _REPLICATED,
+) -> dict[str, P | Output]:
+    """The tensor-parallel plan a ``transformers`` model ships, as a fshard plan.
+
+    Reads ``model.tp_plan`` (``config.base_model_tp_plan`` under the base model's prefix, plus
+    the head's ``_tp_plan``) and maps each style to :func:`megatron_plan`'s roles:
+    ``colwise`` (and ``colwise_gather_output``, ``colwise_rep``: the output stays split, see
+    below) to ``column``, ``rowwise`` (``rowwise_rep``, ``rowwise_split_input``) to ``row``,
+    ``embedding_rowwise`` to ``vocab``, ``replicate`` to nothing. An output transformers
+    gathers stays split over ``axis`` here: fshard's global view reads it as it reads the full
+    value (the same numbers), and only an op that needs it whole gathers it. Styles with no
+    fshard equivalent yet (``packed_colwise`` fused projections, MoE experts, ``sequence_parallel``
+    ...) raise a ``ValueError`` listing them, or, with ``unsupported="replicate"``, leave those
+    modules replicated (correct, less sharded).
+
+    Args:
+        model: a ``transformers`` model (``PreTrainedModel``).
+        axis: the tensor-parallel mesh axis.
+        unsupported: ``"error"`` (default) or ``"replicate"``.
+        row_output: as in :func:`megatron_plan`.
+
+    Returns:
+        A plan for :func:`shard_params` (checked against the model by :func:`megatron_plan`).
+
+    Example:
+        >>> plan = fs.nn.hf_tp_plan(model)  # doctest: +SKIP
+        >>> params = fs.nn.shard_params(model, mesh, plan)  # doctest: +SKIP
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"hf_tp_plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    if unsupported not in ("error", "replicate"):
+        raise ValueError(
+            f"hf_tp_plan: unsupported must be 'error' or 'replicate', got {unsupported!r}"
+        )
+    entries = _hf_entries(model)
+    if not entries:
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__} ships no tensor-parallel plan (neither "
+            "config.base_model_tp_plan nor _tp_plan); write one with fs.nn.megatron_plan"
+        )
+    roles: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
+    skipped = []
+    names = [n for n, _ in model.named_modules()]
+    for pattern, style in entries.items():
+        if style not in _HF_STYLES:
+            skipped.append(f"{pattern!r}: {style!r}")
+        elif _HF_STYLES[style] is not None:
+            match = _matcher(pattern)
+            if not any(match(n) for n in names):  # a fused parameter (MoE experts), no module
+                skipped.append(f"{pattern!r}: {style!r} (a parameter, not a module)")
+            else:
+                roles[_HF_STYLES[style]].append(pattern)
+    if skipped and unsupported == "error":
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__}'s plan has styles with no fshard equivalent "
+            f"yet: {', '.join(skipped)}. Pass unsupported='replicate' to keep those modules "
+            "replicated (values are the same; they are not sharded), or write the plan with "
+            "fs.nn.megatron_plan"
+        )
+    return megatron_plan(**roles, axis=axis, row_output=row_output, model=model)

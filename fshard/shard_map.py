@@ -25,11 +25,14 @@ tensor object, stamped with the active body so stale marks are ignored):
   body) varies over the axes of its primal (JAX: a cotangent has its primal's type); a ``vmap``
   result varies as the physical tensor it views (``out_dims`` moves a dim by a view).
 
-At the output boundary, an output declared varying over an axis (sharded or partial in its
-out_spec) but tracked invariant is ``pcast`` (its blocks are copies, so its gradient sums
-them). An output declared replicated over an axis but tracked varying is an error by default
-(``check_vma=True``, JAX's static check: a ``ValueError`` naming the fix, no communication);
-with ``check_vma=False`` it gets a cast whose forward is the identity and whose backward
+At the output boundary, an output declared sharded over an axis but tracked invariant is
+``pcast`` (its blocks are copies, so its gradient sums them). Two mismatches are errors by
+default (``check_vma=True``, JAX's static checks: a ``ValueError`` naming the fix, no
+communication): an output declared replicated over an axis but tracked varying, and an output
+declared partial over an axis but tracked invariant (its ``n`` equal copies would be added up;
+JAX refuses an unreduced out_spec for an invariant value too). With ``check_vma=False`` the
+out_spec is trusted: a partial-declared invariant output is ``pcast``, and a replicated-declared
+varying one gets a cast whose forward is the identity and whose backward
 scales the cotangent by ``1/n`` (e.g. the default ``all_gather(to="varying")`` returned as
 ``P()``: the cotangent of an invariant output arrives identical on every rank and the varying
 computation behind it would otherwise add the ``n`` copies up).
@@ -48,8 +51,9 @@ from . import _comm, axis_env, consistency
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
 from .array import ShardedArray, is_sharded
+from .collectives import Bound, Pcast, Unvary
 from .executor import claimed_local
-from .lax import Pcast, Unvary, apply
+from .lax import apply
 from .mesh import Mesh
 from .spec import Layout, P, chunk_bounds
 
@@ -114,7 +118,8 @@ class _Tracker(TorchFunctionMode):
             return t
         self.paused += 1
         try:
-            out = apply(Pcast(self.mesh.group(missing)), t)
+            g = self.mesh.group(missing)
+            out = apply(Bound(Pcast(g.axes), g), t)
         finally:
             self.paused -= 1
         self.tag(out, have | frozenset(missing))
@@ -145,8 +150,8 @@ class _Tracker(TorchFunctionMode):
         for a in args:
             if isinstance(a, torch.Tensor):
                 found.append(self.vma(a))
-            elif isinstance(a, (tuple, list)):
-                found.extend(self.vma(t) for t in a if isinstance(t, torch.Tensor))
+            elif isinstance(a, (tuple, list, slice)):
+                found.extend(self.vma(t) for t in _index_tensors(a))
         for a in kwargs.values():
             if isinstance(a, torch.Tensor):
                 found.append(self.vma(a))
@@ -190,6 +195,19 @@ class _Tracker(TorchFunctionMode):
                 new_args.append(a)
         new_kwargs = {k: fix(v) if k != "out" else v for k, v in kwargs.items()}
         return tuple(new_args), new_kwargs
+
+
+def _index_tensors(a):
+    """The tensors in a tuple/list argument or an index: slice bounds included, so a slice of
+    an invariant value at a varying position (``v[2 * i : 2 * i + 2]``, ``i`` from
+    :func:`fshard.lax.axis_index`) varies, as JAX's ``dynamic_slice`` does, and its gradient
+    is summed over the axis (the invariant operand is ``pcast`` first)."""
+    items = (a.start, a.stop, a.step) if isinstance(a, slice) else a
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            yield t
+        elif isinstance(t, slice):
+            yield from (b for b in (t.start, t.stop, t.step) if isinstance(b, torch.Tensor))
 
 
 def _mark(t: torch.Tensor, mark: tuple) -> None:
@@ -363,7 +381,21 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
 
 def _variance_problem(spec: P, mesh: Mesh, vma: frozenset) -> str | None:
     """JAX's static out_specs check (``check_vma``): an output declared replicated over an axis
-    must be invariant over it. Uses the tracked varying axes only: no communication."""
+    must be invariant over it, and one declared partial (addends, JAX's *unreduced*) over an
+    axis must vary over it: the same value on every rank taken as addends would be counted
+    ``n`` times. Uses the tracked varying axes only: no communication."""
+    summed = [a for a in mesh.axis_names if a in spec.partial and a not in vma]
+    if summed:
+        axes = summed[0] if len(summed) == 1 else tuple(summed)
+        rest = P(*spec.dims, partial=tuple(a for a in spec.partial if a not in summed))
+        return (
+            f"declared partial over mesh axis {axes!r} by its out_spec {spec} (its blocks are "
+            f"addends of a pending sum), but it is invariant over {axes!r} (the same on every "
+            f"rank of it, e.g. already reduced by fs.lax.psum): taken as addends it would be "
+            f"counted once per rank of {axes!r} ({mesh.size(axes)} times). "
+            f"Declare it replicated over {axes!r} (out_specs={rest!r}), or return the unreduced "
+            f"addends (drop the fs.lax.psum over {axes!r}) with P(partial={axes!r})."
+        )
     bad = [a for a in mesh.axis_names if a in vma and a not in spec.axes]
     if bad:
         axes = bad[0] if len(bad) == 1 else tuple(bad)
@@ -383,9 +415,11 @@ def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch
     add = tuple(a for a in mesh.axis_names if a in declared and a not in vma)
     drop = tuple(a for a in mesh.axis_names if a in vma and a not in declared)
     if add:
-        local = apply(Pcast(mesh.group(add)), local)
+        g = mesh.group(add)
+        local = apply(Bound(Pcast(g.axes), g), local)
     if drop:
-        local = apply(Unvary(mesh.group(drop)), local)
+        g = mesh.group(drop)
+        local = apply(Bound(Unvary(g.axes), g), local)
     return local
 
 
@@ -569,7 +603,10 @@ def shard_map(
             invariant over it (reduced, or never mixed with values sharded over it), else
             ``ValueError`` naming the output, the axis and the fix. Free: it reads the tracked
             varying axes. ``False`` trusts the out_spec (the output is taken as equal over the
-            axis; its cotangent is counted once).
+            axis; its cotangent is counted once). Likewise an output declared partial over an
+            axis (``P(partial="x")``: addends) must vary over it; an invariant one (e.g. the
+            result of ``fs.lax.psum(t, "x")``) would be summed ``n`` times: ``ValueError``
+            naming the out_spec to use instead.
 
     Returns:
         A function of the same positional arguments returning :class:`ShardedArray` outputs

@@ -433,3 +433,49 @@ def trees_rank_fn():
 
 def test_pytrees_match_torch_func(world2):
     assert world2.run(trees_rank_fn) == [True, True]
+
+
+def sharded_loss_rank_fn():
+    mesh = fs.Mesh.create((2,), ("dp",))
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, dtype=torch.float64)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    ws = fs.shard(w, mesh, fs.P("dp"))  # 3 | 2 rows
+    xs = fs.shard(x, mesh, fs.P("dp"))
+    losses = {
+        # a pending sum (the global sum of split rows), and the replicated value of it
+        "pending": lambda w: (w * xs).sin().sum(),
+        "replicated": lambda w: fs.reshard((w * xs).sin().sum(), fs.P()),
+    }
+    out = {}
+    for name, loss in losses.items():
+        assert isinstance(loss(ws), fs.ShardedArray)
+        value, g = fs.value_and_grad(loss)(ws)  # top-level path
+        (v2, aux), g2 = fs.value_and_grad(lambda w, loss=loss: (loss(w), 7), has_aux=True)(ws)
+        g3 = fs.grad(loss)(ws)
+        # under a torch.func transform: the torch.func.grad_and_value path
+        g4 = torch.func.vmap(fs.grad(lambda w, s, loss=loss: loss(w) * s), in_dims=(None, 0))(
+            ws, torch.tensor([1.0, 2.0], dtype=torch.float64)
+        )
+        assert g.layout == ws.layout and g4.layout.shape == (2, 5, 3)
+        out[name] = [value, v2, aux, *[fs.gather(t) for t in (g, g2, g3, g4)]]
+    return out
+
+
+def test_a_sharded_scalar_loss_is_accepted(world2):
+    """Issue 29 item 2: a global-view loss is a one-element ShardedArray (replicated, or a
+    pending sum); fs.value_and_grad / fs.grad take it as it is (was: TypeError asking for
+    fs.gather(loss)), top level and under torch.func, equal to dense."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, dtype=torch.float64)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    dg, dv = torch.func.grad_and_value(lambda w: (w * x).sin().sum())(w)
+    for rank in world2.run(sharded_loss_rank_fn):
+        for value, v2, aux, g, g2, g3, g4 in rank.values():
+            for v in (value, v2):
+                assert type(v) is torch.Tensor
+                torch.testing.assert_close(v, dv)
+            assert aux == 7
+            for got in (g, g2, g3):
+                torch.testing.assert_close(got, dg)
+            torch.testing.assert_close(g4, torch.stack([dg, 2 * dg]))

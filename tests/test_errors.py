@@ -50,6 +50,7 @@ def bad_input_on_ranks():
     """Cases that need a real mesh; every one is caught before any collective."""
     mesh = fs.Mesh.create((2,), ("x",))
     x = fs.shard(torch.arange(10.0).reshape(5, 2), mesh, fs.P("x"))
+    view = x[1:]  # live while the cases run: in-place forms on x are refused
     cases = [
         (lambda: fs.Mesh.create((3,), ("x",)), ValueError, ["3 ranks", "world size is 2"]),
         (
@@ -84,8 +85,8 @@ def bad_input_on_ranks():
             ["(2 leaves)", "x['b']: got int", "x['c']: got Tensor", "fs.shard"],
         ),
         (lambda: setattr(x, "local", torch.ones(1)), TypeError, ["immutable", "fs.reshard"]),
-        (lambda: x.add_(1), TypeError, ["in-place", "'add'"]),
-        (lambda: x.__setitem__(0, 1.0), TypeError, ["item assignment"]),
+        (lambda: (view, x.add_(1)), TypeError, ["in-place", "live value", "x.add("]),
+        (lambda: x.__setitem__(0, 1.0), TypeError, ["item assignment", ".at[idx].set(v)"]),
         (lambda: bool(x), TypeError, ["gather"]),
         (lambda: fs.lax.all_gather(torch.ones(2), "x", mesh=mesh, to="both"), ValueError, ["to"]),
         (

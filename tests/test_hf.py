@@ -1,7 +1,9 @@
 """Hugging Face GPT-2 and Llama (tiny, random weights, built from configs) train under DP=2 and
 TP=2 exactly like the dense loop: ``fs.nn.shard_params`` + ``fs.nn.functional_call`` inside
 ``torch.func.grad_and_value``, 3 ``fs.optim.adamw`` steps; loss and every gathered gradient
-against dense torch each step, layouts kept; ``vmap(grad)`` per-example gradients under TP.
+against dense torch each step, layouts kept; ``vmap(grad)`` per-example gradients under TP;
+padding attention masks (sharded in DP, replicated in TP) with the model's own loss, and an odd
+DP batch.
 
 Each configuration is one ``world2.run`` call (its own test timeout); the models are built once
 per rank process and reset to their initial weights after each configuration. A configuration that fails because an op rule is
@@ -83,22 +85,48 @@ def _check_llama_tp_comm(log, layers):
     assert sum(r.nbytes for r in log if r.nbytes != act) <= 3 * rows, log
 
 
-def _train(model, kind, mode, ids):
-    pending = mode == "tp-pending"  # row-parallel outputs left as pending sums (no Output)
-    mode = "tp" if pending else mode
+def padding_mask(batch: int) -> torch.Tensor:
+    """A left-padded first row and a right-padded last row (1 = token, 0 = padding)."""
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[-1, -3:] = 0
+    return mask
+
+
+def _train(model, kind, job, ids):
+    """``job``: ``dp``/``tp``/``tp-pending``; ``-pad``: a padding attention_mask sharded like
+    the ids (dp) or replicated (tp) and the model's own loss (labels=ids, padding ignored);
+    ``-odd``: an odd batch (rows 2 | 1 over dp)."""
+    mode, *flags = job.split("-")
+    pending = "pending" in flags  # row-parallel outputs left as pending sums (no Output)
     mesh = fs.Mesh.create((2,), (mode,))
     plan = tp_plan(kind, model) if mode == "tp" else {}
     if pending:
         plan = {k: v for k, v in plan.items() if not isinstance(v, fs.nn.Output)}
     params = fs.nn.shard_params(model, mesh, plan)
     layouts = {k: v.layout for k, v in params.items()}
-    x = fs.shard(ids, mesh, fs.P("dp") if mode == "dp" else fs.P())
+    if "odd" in flags:
+        ids = ids[: BATCH - 1]
+    spec = fs.P("dp") if mode == "dp" else fs.P()
+    x = fs.shard(ids, mesh, spec)
+    kwargs = {"use_cache": False}
+    if "pad" in flags:
+        mask = padding_mask(ids.shape[0])
+        labels = ids.masked_fill(mask == 0, -100)
+        kwargs.update(
+            attention_mask=fs.shard(mask, mesh, spec), labels=fs.shard(labels, mesh, spec)
+        )
+        dense_kwargs = {"use_cache": False, "attention_mask": mask, "labels": labels}
 
     def loss_fn(ps, x):
-        logits = fs.nn.functional_call(model, ps, (x,), {"use_cache": False}).logits
-        return lm_loss(logits, x)
+        out = fs.nn.functional_call(model, ps, (x,), kwargs)
+        if "pad" in flags:
+            return fs.gather(out.loss)
+        return lm_loss(out.logits, x)
 
     def dense_loss(ps, ids):
+        if "pad" in flags:
+            return torch.func.functional_call(model, ps, (ids,), dense_kwargs).loss
         logits = torch.func.functional_call(model, ps, (ids,), {"use_cache": False}).logits
         return lm_loss(logits, ids)
 
@@ -110,7 +138,7 @@ def _train(model, kind, mode, ids):
     for step in range(STEPS):
         with fs.debug.comm_log() as log:
             grads, loss = torch.func.grad_and_value(loss_fn)(params, x)
-        if kind == "llama" and mode == "tp" and not pending:
+        if kind == "llama" and job == "tp":
             _check_llama_tp_comm(log, model.config.num_hidden_layers)
         dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense, ids)
         _close(loss, dloss, f"loss, step {step}")
@@ -158,6 +186,9 @@ CONFIGS = [
     for attn in ("sdpa", "eager")
     for job in ("dp", "tp", "vmap-tp")
 ] + [("llama", "eager", "tp-pending"), ("llama", "eager", "vmap-tp-train")]
+# issue 21: padding masks through transformers' masking utilities (eager and sdpa), odd batches
+CONFIGS += [("llama", attn, job) for attn in ("sdpa", "eager") for job in ("dp-pad", "tp-pad")]
+CONFIGS += [("llama", "sdpa", "dp-pad-odd"), ("gpt2", "eager", "dp-pad-odd")]
 
 
 _MODELS: dict = {}  # (kind, attn) -> model, built once per rank process

@@ -271,6 +271,7 @@ def tied_and_write_back_rank_fn():
     torch.manual_seed(0)
     lm = TiedLM()
     dense = {k: v.detach().clone() for k, v in lm.named_parameters()}
+    keys = list(lm.state_dict())
     ids = torch.randint(0, 12, (3, 5))
     ys = torch.randint(0, 12, (3, 5))
 
@@ -305,8 +306,10 @@ def tied_and_write_back_rank_fn():
         for k, v in lm.named_parameters():
             assert torch.equal(v.detach(), dense[k]), k  # untouched until load_params
         sd = fs.nn.state_dict(lm, params)
-        assert list(sd) == list(lm.state_dict())  # tied alias head.weight included
+        assert list(sd) == keys  # tied alias head.weight included
         assert sd["head.weight"] is params["emb.weight"]
+        with pytest.raises(RuntimeError, match=r"fs\.nn\.state_dict\(model, params\)"):
+            lm.state_dict()  # the module ran on params: its own tensors are the initial ones
         fs.nn.load_params(lm, params)
         got = lm.state_dict()
         for k in ref:
@@ -474,9 +477,10 @@ def tied_case(kind: str):
 
 def module_state(module: nn.Module):
     """What a call must leave as it found: the tensor of every name (aliases included) and the
-    order of ``named_parameters()`` and ``state_dict()``."""
+    order of ``named_parameters()`` and ``state_dict()`` (its keys, read through
+    ``fs.nn.state_dict``: the module's own ``state_dict()`` is refused once it ran on params)."""
     named = [(n, id(t)) for n, t in module.named_parameters(remove_duplicate=False)]
-    return named, [n for n, _ in module.named_parameters()], list(module.state_dict())
+    return named, [n for n, _ in module.named_parameters()], list(fs.nn.state_dict(module, {}))
 
 
 def dense_value_and_grads(model: nn.Module, ids: torch.Tensor):
@@ -554,3 +558,57 @@ def test_tied_entry_points_match_dense(world2, kind):
             for k in sd:
                 torch.testing.assert_close(got_sd[k], sd[k], msg=k)
                 torch.testing.assert_close(loaded[k], sd[k] + 1, msg=k)
+
+
+def stale_state_dict_rank_fn():
+    mesh = fs.Mesh.create((2,), ("tp",))
+    torch.manual_seed(0)
+    mlp = MLP()
+    initial = {k: v.detach().clone() for k, v in mlp.state_dict().items()}
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plan = fs.nn.megatron_plan(column=["fc1"], row=["fc2"])
+    params = fs.nn.shard_params(mlp, mesh, plan)
+    fresh = mlp.state_dict()  # nothing has run yet: the module still holds the values
+    assert all(torch.equal(fresh[k], initial[k]) for k in initial)
+
+    def loss(ps):
+        out = fs.nn.functional_call(mlp, ps, (fs.shard(x, mesh, fs.P()),))
+        return fs.gather(F.mse_loss(out, fs.shard(y, mesh, fs.P())))
+
+    def dense_loss(ps):
+        return F.mse_loss(torch.func.functional_call(mlp, ps, (x,)), y)
+
+    tx = fs.optim.sgd(0.5)
+    state, ref = tx.init(params), dict(initial)
+    for _ in range(2):
+        params, state = fs.optim.step(tx, torch.func.grad(loss)(params), state, params)
+        ref = {
+            k: v - 0.5 * g
+            for (k, v), g in zip(ref.items(), torch.func.grad(dense_loss)(ref).values())
+        }
+    # the silent bug was: mlp.state_dict() returned `initial` here
+    with pytest.raises(RuntimeError, match=r"fs\.nn\.load_params\(model, params\)"):
+        mlp.state_dict()
+    with pytest.raises(RuntimeError, match="shard_params"):
+        torch.save(mlp.state_dict(), "/dev/null")
+    sharded = fs.nn.state_dict(mlp, params)  # the sharded path keeps working
+    fs.nn.load_params(mlp, params)
+    saved = mlp.state_dict()
+    for k in ref:
+        torch.testing.assert_close(saved[k], ref[k])
+        torch.testing.assert_close(fs.gather(sharded[k]), ref[k])
+    fs.nn.functional_call(mlp, params, (fs.shard(x, mesh, fs.P()),))  # runs on params again
+    with pytest.raises(RuntimeError, match="stale"):
+        mlp.state_dict()
+    fs.nn.load_params(mlp, params)
+    plain = MLP()  # a module never given to shard_params is untouched by all this
+    fs.nn.functional_call(plain, dict(plain.named_parameters()), (x,))
+    return sorted(mlp.state_dict()) == sorted(initial) and len(plain.state_dict()) == 4
+
+
+def test_state_dict_of_a_module_trained_through_params_is_refused_until_load_params(world2):
+    """Issue 26 item 6: after ``shard_params`` and training on the params dict, the module's own
+    ``state_dict()`` (and so ``torch.save`` / HF ``save_pretrained`` of it) silently held the
+    initial weights. It now raises, pointing to ``fs.nn.state_dict`` / ``load_params``, until
+    ``load_params`` writes the trained values back (compared with dense SGD)."""
+    assert world2.run(stale_state_dict_rank_fn) == [True, True]

@@ -389,6 +389,37 @@ def test_axis_index_is_varying(world2):
     assert world2.run(axis_index_varies) == [True, True]
 
 
+def axis_index_slices():
+    mesh = fs.Mesh.create((2,), ("x",))
+    v = torch.arange(4.0, dtype=torch.float64) / 3 + 1
+
+    def body(v_):
+        i = lax.axis_index("x")
+        return lax.psum((v_[2 * i : 2 * i + 2] ** 2).sum(), "x")  # bounds from axis_index
+
+    def narrow(v_):
+        i = lax.axis_index("x")
+        return lax.psum((torch.narrow(v_, 0, 2 * i, 2) ** 2).sum(), "x")
+
+    out = []
+    for fn in (body, narrow):
+        f = fs.shard_map(fn, mesh, P(), P())
+        vs = fs.shard(v, mesh, P())
+        out.append((fs.gather(f(vs)), fs.gather(grad(lambda w, f=f: fs.gather(f(w)))(vs))))
+    return out
+
+
+def test_slice_at_axis_index_has_jax_gradient(world2):
+    """Issue 26 item 4: a slice of a replicated value at a position computed from
+    ``axis_index`` varies over the axis (JAX's ``dynamic_slice``): its gradient is summed over
+    the ranks. Was: tracked invariant, the gradient was each rank's own half (1.52 off)."""
+    v = torch.arange(4.0, dtype=torch.float64) / 3 + 1
+    for rank in world2.run(axis_index_slices):
+        for value, g in rank:
+            _close(value, (v**2).sum(), "value")
+            _close(g, 2 * v, "gradient summed over the ranks (JAX)")
+
+
 def inner_transforms_keep_varying_axes():
     """grad / vmap(out_dims=1) inside the body give varying values: the outer gradient matches
     the dense one (treating them as replicated double-counted the cotangents)."""
@@ -438,3 +469,35 @@ def linearize_refused():
 def test_linearize_through_a_collective_raises(world2):
     m0, m1 = world2.run(linearize_refused)
     assert m0 == m1 and "linearize" in m0
+
+
+def partial_out_spec_of_invariant_value():
+    """Issue 21 item 2: psum's result is invariant over the axis; declaring it P(partial=...)
+    would add its n copies (the value came back 2x the dense one). check_vma refuses it, as JAX
+    refuses an unreduced out_spec for an invariant value; the varying addends are accepted."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    X = _gen(3, 4)
+    x = fs.shard(X, mesh, P())
+    parts = fs.from_local(x.local / 2, mesh, P(partial="tp"), shape=(4,))
+    summed = fs.shard_map(
+        lambda t: lax.psum(t * 2, "tp"), mesh, (P(partial="tp"),), P(partial="tp")
+    )
+    msg = _raises(lambda: summed(parts), ValueError, r"invariant over 'tp'.*out_specs=P\(\)")
+    invariant = fs.shard_map(lambda t: t * 2, mesh, (P(),), P(partial="tp"))
+    _raises(lambda: invariant(x), ValueError, r"declared partial over mesh axis 'tp'")
+    # The fixes the message names give the dense 2 * x.
+    fixed = fs.shard_map(lambda t: lax.psum(t * 2, "tp"), mesh, (P(partial="tp"),), P())
+    _close(fs.gather(fixed(parts)), 2 * X, "psum returned replicated")
+    addends = fs.shard_map(lambda t: t * 2, mesh, (P(partial="tp"),), P(partial="tp"))
+    _close(fs.gather(addends(parts)), 2 * X, "addends returned partial")
+    g = grad(lambda p: fs.gather(addends(p)).sum())(parts)
+    _close(fs.gather(g), torch.full_like(X, 2.0), "grad of the partial output")
+    # check_vma=False trusts the out_spec (documented): the copies are taken as addends.
+    trusted = fs.shard_map(lambda t: t * 2, mesh, (P(),), P(partial="tp"), check_vma=False)
+    _close(fs.gather(trusted(x)), 4 * X, "check_vma=False trusts P(partial)")
+    return msg
+
+
+def test_partial_out_spec_of_invariant_value_is_refused(world2):
+    m0, m1 = world2.run(partial_out_spec_of_invariant_value)
+    assert m0 == m1

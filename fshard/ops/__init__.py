@@ -3,11 +3,12 @@
 ``torch.matmul(x, w)``, ``x @ w``, ``x + y``, ``x.sum(0)``, ``F.softmax(x, -1)``... on
 :class:`~fshard.ShardedArray` values dispatch here (``ShardedArray.__torch_function__``, Tensor
 method forwarding and Python operators all call :func:`dispatch`). Each op family has one rule
-(:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.nn`); see
+(:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.indexing`,
+:mod:`.nn`; in-place forms: :mod:`.inplace`); see
 :mod:`.registry` for the rule protocol, :mod:`.binding` for arguments by name, and :func:`register_rule` to add your own.
 """
 
-from . import elementwise, linalg, loss, nn, reduction, shape, whole
+from . import elementwise, indexing, inplace, linalg, loss, nn, reduction, shape, whole
 from .binding import bind
 from .registry import (
     SCALAR,
@@ -35,4 +36,6 @@ __all__ = [
     "nn",
     "loss",
     "whole",
+    "indexing",
+    "inplace",
 ]

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import Layout
+from . import rows
 from ._common import meta_call, out_layout, spec
-from .registry import SCALAR, OpSharding, register_rule, tensor_inputs
+from .registry import SCALAR, SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
 
 __all__ = ["elementwise_rule", "align", "own_dims"]
 
@@ -91,6 +92,8 @@ def elementwise_rule(kind: str):
         ins = tensor_inputs(args, kwargs)
         meta = meta_call(op, args, kwargs)
         shape = tuple(meta.shape)
+        if any(x.is_explicit for x in ins):
+            return _rows_rule(op, ins, meta)
         partial = _kept_partial(kind, ins, args, meta)
         dims = align(ins, shape, reserved=partial)
         if kind == ADDITIVE:
@@ -100,7 +103,18 @@ def elementwise_rule(kind: str):
         specs = input_specs(ins, dims, shape, partial, keep)
         return OpSharding(specs, out_layout(ins[0].mesh, dims, partial, meta))
 
+    rule.explicit_layouts = True
     return rule
+
+
+def _rows_rule(op, ins, meta):
+    """Inputs with the same row blocks (:mod:`fshard.ops.rows`): the op runs on them as they
+    are; its output has those row blocks."""
+    bounds = rows.same_rows(ins)
+    if bounds is None or tuple(meta.shape) != tuple(ins[0].shape):
+        raise rows.explicit_error(getattr(op, "__name__", str(op)), ins)
+    out = rows.rows_layout(ins[0].mesh, bounds, tuple(meta.shape), meta.dtype)
+    return OpSharding([None] * len(ins), out)
 
 
 def like_rule(op, args, kwargs):
@@ -129,10 +143,20 @@ def _cast_target(op, args, kwargs) -> tuple[torch.dtype | None, torch.device | N
 
 
 def cast_rule(op, args, kwargs):
-    """``Tensor.to``/``Tensor.type``: a dtype cast (pending sums survive float -> float); a
-    device argument must name the mesh's device (moving shards between devices is a new mesh)."""
+    """``Tensor.to``/``Tensor.type``/``Tensor.type_as``: a dtype cast (pending sums survive
+    float -> float; another tensor argument is read for its dtype only); a device argument must
+    name the mesh's device (moving shards between devices is a new mesh)."""
     x = args[0]
     dtype, device = _cast_target(op, args, kwargs)
+    if x.is_explicit:
+        target = dtype or x.dtype
+        n_other = len(tensor_inputs(args, kwargs)) - 1
+        return OpSharding(
+            [None] + [SHAPE_ONLY] * n_other,
+            x.with_dtype(target),
+            lambda t, *a, **k: t.to(target),
+            tensors_only=True,
+        )
     if op is torch.Tensor.type and dtype is None and len(args) == 1 and not kwargs:
         return OpSharding([None] * len(tensor_inputs(args, kwargs)), None)  # x.type() -> its name
     if device is not None and not x.mesh.is_abstract:
@@ -146,7 +170,8 @@ def cast_rule(op, args, kwargs):
     meta = torch.empty(x.shape, dtype=x.dtype, device="meta").to(dtype or x.dtype)
     partial = _kept_partial(CAST, [x], args, meta)
     out = out_layout(x.mesh, x.dim_axes, partial, meta)
-    specs = [spec(x.dim_axes, partial)] + [None] * (len(tensor_inputs(args, kwargs)) - 1)
+    # x.to(other) / x.type_as(other) read other's dtype only
+    specs = [spec(x.dim_axes, partial)] + [SHAPE_ONLY] * (len(tensor_inputs(args, kwargs)) - 1)
     target = meta.dtype
     return OpSharding(specs, out, lambda t, *a, **k: t.to(target), tensors_only=True)
 
@@ -308,7 +333,8 @@ def _register():
         register_rule(op, elementwise_rule(DIVIDE))
     for n in CAST_METHODS:
         register_rule(getattr(torch.Tensor, n), elementwise_rule(CAST))
-    register_rule(torch.Tensor.to, cast_rule, aliases=(torch.Tensor.type,))
+    register_rule(torch.Tensor.to, cast_rule, aliases=(torch.Tensor.type, torch.Tensor.type_as))
+    cast_rule.explicit_layouts = True
     for n in INT_CASTS:
         register_rule(getattr(torch.Tensor, n), elementwise_rule(NONLINEAR))
     for n in LIKE:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import Layout
+from . import rows
 from ._common import in_mesh_order, meta_call, out_layout, reshard_cost, spec
 from .binding import bind
 from .registry import OpSharding, register_rule, tensor_inputs
@@ -120,12 +121,26 @@ def _additive_spec(term: Layout, out_dims, out_shape, partial):
     return spec(dims, partial)
 
 
+def _rows(op, args, kwargs, row: Layout):
+    """An explicit row-block operand (:mod:`fshard.ops.rows`): row-wise when ``row`` is the
+    operand whose rows the output keeps, else the registry's explicit-layout error."""
+    ins = tensor_inputs(args, kwargs)
+    sharding = None
+    if row.is_explicit:
+        sharding = rows.row_wise_rule(op, ins, row, meta_call(op, args, kwargs))
+    if sharding is None:
+        raise rows.explicit_error(getattr(op, "__name__", str(op)), ins)
+    return sharding
+
+
 def matmul_rule(op, args, kwargs):
     ins = tensor_inputs(args, kwargs)
     if len(ins) != 2:
         raise TypeError(f"{op.__name__}: expected two tensor operands")
     swapped = op is torch.Tensor.__rmatmul__
     a, b = (ins[1], ins[0]) if swapped else (ins[0], ins[1])
+    if a.is_explicit or b.is_explicit:
+        return _rows(op, args, kwargs, a)
     la, lb, lo = matmul_letters(a.shape, b.shape)
     (sa, sb), out_dims, partial = contract([a, b], [la, lb], lo)
     meta = meta_call(op, args, kwargs)
@@ -136,6 +151,8 @@ def matmul_rule(op, args, kwargs):
 def linear_rule(op, args, kwargs):
     bound = bind(op, args, kwargs)
     x, w, bias = bound["input"], bound["weight"], bound["bias"]
+    if any(t.is_explicit for t in tensor_inputs(args, kwargs)):
+        return _rows(op, args, kwargs, x)
     lx = [f"b{i}" for i in range(x.ndim - 1)] + ["k"]
     lw = ["m", "k"] if w.ndim == 2 else ["k"]
     lo = lx[:-1] + (["m"] if w.ndim == 2 else [])
@@ -150,6 +167,8 @@ def linear_rule(op, args, kwargs):
 def addmm_rule(op, args, kwargs):
     bound = bind(op, args, kwargs)
     c, a, b = bound["input"], bound["mat1"], bound["mat2"]
+    if any(t.is_explicit for t in tensor_inputs(args, kwargs)):
+        return _rows(op, args, kwargs, a)
     (sa, sb), out_dims, partial = contract([a, b], [["n", "k"], ["k", "m"]], ["n", "m"])
     meta = meta_call(op, args, kwargs)
     specs = {"input": _additive_spec(c, out_dims, tuple(meta.shape), partial), "mat1": sa}
@@ -250,6 +269,8 @@ def _register():
     register_rule(torch.baddbmm, baddbmm_rule, aliases=(torch.Tensor.baddbmm,))
     for op in (torch.outer, torch.Tensor.outer, torch.ger, torch.Tensor.ger):
         register_rule(op, outer_rule)
+    for rule in (matmul_rule, linear_rule, addmm_rule):
+        rule.explicit_layouts = True
 
 
 _register()

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import Layout
+from . import rows
 from ._common import (
     block_bounds,
     group_of,
@@ -206,15 +207,24 @@ def cross_entropy_rule(op, args, kwargs):
             "reshape first (logits.reshape(-1, C), target.reshape(-1))"
         )
     reduction = bound["reduction"]
-    n_axes, c_axes = x.dim_axes
     mesh = x.mesh
-    specs = {"input": spec(x.dim_axes), "target": spec([n_axes])}
-    if reduction == "none":
-        out = Layout(mesh, spec([n_axes]), (x.shape[0],), x.dtype)
+    if x.is_explicit or target.is_explicit:  # row blocks (fshard.ops.rows): taken as they are
+        bounds = rows.same_rows([x, target])
+        if bounds is None:
+            raise rows.explicit_error("F.cross_entropy", [x, target])
+        n_axes, c_axes = rows.row_axes(x), ()
+        specs = {"input": None, "target": None}
+        if reduction == "none":
+            out = rows.rows_layout(mesh, bounds, (x.shape[0],), x.dtype, n_axes)
     else:
+        n_axes, c_axes = x.dim_axes
+        specs = {"input": spec(x.dim_axes), "target": spec([n_axes])}
+        if reduction == "none":
+            out = Layout(mesh, spec([n_axes]), (x.shape[0],), x.dtype)
+    if reduction != "none":
         out = Layout(mesh, spec([], in_mesh_order(mesh, n_axes)), (), x.dtype)
     c_group, n_group = group_of(mesh, c_axes), group_of(mesh, n_axes)
-    lo, hi = block_bounds(x, 1, _rank(mesh))
+    lo, hi = (0, x.shape[1]) if c_group is None else block_bounds(x, 1, _rank(mesh))
     n_classes = x.shape[1]
 
     def local(b):
@@ -366,6 +376,7 @@ def _register():
     register_rule(F.rms_norm, _norm_rule(rms=True))
     register_rule(F.embedding, embedding_rule)
     register_rule(F.cross_entropy, cross_entropy_rule)
+    cross_entropy_rule.explicit_layouts = True
     register_rule(F.scaled_dot_product_attention, sdpa_rule)
     register_rule(F.dropout, dropout_rule)
 

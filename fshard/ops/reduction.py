@@ -6,7 +6,9 @@ Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
   a nonlinear op or ``fs.gather`` needs the total; ``mean`` divides each addend by the global
   count). They are linear, so a partial input stays partial;
 - ``amax``/``amin``/``max``/``min`` reduce locally, then ``pmax`` over ``A`` (the gradient goes
-  to the maxima, ties share it); empty uneven shards contribute ``-inf``;
+  to the maxima, ties share it); empty uneven shards contribute ``-inf``; ``all``/``any``:
+  the local result, then ``pmin``/``pmax`` over ``A`` (a replicated result: ``if
+  mask.all():`` works on a sharded mask);
 - ``logsumexp``: ``pmax`` of the local max, then ``psum`` of the shifted exponentials;
 - ``norm``: ``psum`` of ``|x|^p`` (``pmax`` of ``|x|`` for ``p=inf``); ``var``/``std``: two
   ``psum`` passes (mean, then squared deviations), exact for uneven shards.
@@ -25,6 +27,7 @@ import math
 
 import torch
 
+from . import rows
 from ._common import (
     group_of,
     group_pcast,
@@ -80,6 +83,8 @@ def reduction_rule(kind: str):
         meta = meta_call(op, args, kwargs)
         metas = meta if isinstance(meta, tuple) else (meta,)
         keepdim = metas[0].ndim == x.ndim and x.ndim > 0
+        if x.is_explicit:
+            return _rows_rule(kind, op, x, dims, keepdim, meta)
         axes = in_mesh_order(x.mesh, [a for d in dims for a in x.dim_axes[d]])
         keep_partial = x.partial if kind in LINEAR else ()
         if kind in LINEAR:
@@ -99,7 +104,22 @@ def reduction_rule(kind: str):
         local = _local_fn(kind, op, dims, keepdim, group, x, meta.dtype)
         return OpSharding([in_spec], out, local)
 
+    rule.explicit_layouts = True
     return rule
+
+
+def _rows_rule(kind, op, x, dims, keepdim, meta):
+    """``sum``/``mean`` of a value in row blocks (:mod:`fshard.ops.rows`): reducing dim 0
+    leaves a sum pending over the axes the rows vary over; otherwise the rows stay."""
+    bounds = rows.row_bounds(x)
+    if kind not in LINEAR or bounds is None or isinstance(meta, tuple):
+        raise rows.explicit_error(getattr(op, "__name__", str(op)), [x])
+    axes = rows.row_axes(x)
+    if 0 not in dims:
+        return OpSharding([None], rows.rows_layout(x.mesh, bounds, meta.shape, meta.dtype, axes))
+    out = out_layout(x.mesh, [()] * meta.ndim, axes, meta)
+    group = group_of(x.mesh, axes)
+    return OpSharding([None], out, _local_fn(kind, op, dims, keepdim, group, x, meta.dtype))
 
 
 def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
@@ -142,9 +162,17 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
             v = group_psum(torch.sum(d * d, dim=dims, keepdim=keepdim), group) / max(
                 count - corr, 0
             )
-            return v.sqrt() if kind == "std" else v
+            return _root(v, 2) if kind == "std" else v
 
         return var
+    if kind in ("all", "any"):  # pmin/pmax of the local results (as uint8: reducible)
+        reduce_local, how = (torch.all, "min") if kind == "all" else (torch.any, "max")
+
+        def logical(t, *a, **k):
+            local = reduce_local(t, dim=dims, keepdim=keepdim).to(torch.uint8)
+            return group_pmax(local, group, how).to(out_dtype)
+
+        return logical
     raise AssertionError(kind)
 
 
@@ -166,11 +194,21 @@ def _split_norm(t, p, dims, keepdim, group):
         nonzero = (t != 0).to(t.dtype) + 0 * t
         return group_psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
     s = group_psum(torch.sum(t.abs() ** p, dim=dims, keepdim=keepdim), group)
-    return s ** (1.0 / p)
+    return _root(s, p)
+
+
+def _root(s: torch.Tensor, p) -> torch.Tensor:
+    """``s ** (1/p)`` with gradient 0 where ``s == 0``, as torch's ``norm`` / ``std`` backward
+    (it masks a zero result: there the root's derivative is infinite and the chain rule would
+    give ``0 * inf = nan``)."""
+    zero = s == 0
+    root = torch.where(zero, torch.ones_like(s), s) ** (1.0 / p)
+    return torch.where(zero, torch.zeros_like(s), root)
 
 
 def _register():
-    for kind in ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std"):
+    kinds = ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std")
+    for kind in (*kinds, "all", "any"):
         rule = reduction_rule(kind)
         register_rule(getattr(torch, kind), rule, aliases=(getattr(torch.Tensor, kind),))
     register_rule(torch.linalg.vector_norm, reduction_rule("vector_norm"))

@@ -1,4 +1,4 @@
-"""Shape rules: permutations, reshape family, expand, cat/stack, split family, indexing.
+"""Shape rules: permutations, reshape family, expand, cat/stack, split family.
 
 - Permutations (``transpose``, ``permute``, ``t``, ``.T``, ``.mT``, ``movedim``) permute the
   spec; no communication.
@@ -6,12 +6,14 @@
   dims whose products match. A group may be split over mesh axes only on its first input dim,
   and only when every rank's block stays one contiguous block of the first output dim under the
   flat ceil-div chunking. That covers every even split and uneven shards whenever the result is
-  well defined (e.g. ``(5, 4)`` split on dim 0 -> ``(5, 2, 2)``); other cases raise a
-  ``ValueError`` naming the ``fs.reshard`` that makes them local.
+  well defined (e.g. ``(5, 4)`` split on dim 0 -> ``(5, 2, 2)``). A split dim 0 merged with
+  the dims after it whose uneven blocks ceil-div cannot express (rows ``2 | 1`` of
+  ``(3, 15, V)`` -> ``(45, V)``) stays local too, in row blocks (:mod:`.rows`); other cases
+  raise a ``ValueError`` naming the ``fs.reshard`` that makes them local.
 - ``expand`` keeps the spec (expanded size-1 dims must be unsplit; new dims are unsplit).
 - ``cat``/``stack`` align inputs like elementwise ops with the cat dim unsplit; ``split``,
-  ``chunk``, ``unbind``, ``narrow``, ``select`` and basic indexing (ints, slices, ``None``,
-  ``...``) are local on unsplit dims and gather a split dim they cut first.
+  ``chunk``, ``unbind``, ``narrow`` and ``select`` are local on unsplit dims and gather a split
+  dim they cut first (indexing: :mod:`.indexing`).
 
 Pending sums pass through every shape op (they are linear).
 
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import Layout
+from . import rows
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
 from .elementwise import align
@@ -120,10 +123,20 @@ def reshape_dims(layout: Layout, dst: tuple[int, ...]) -> list[tuple[str, ...]]:
 
 
 def reshape_rule(op, args, kwargs):
+    """Local reshapes (:func:`reshape_dims`). A split batch merged with the dims after it
+    whose uneven blocks ceil-div cannot express (rows ``2 | 1`` of ``(3, 15, V)`` to
+    ``(45, V)``) stays local too: its result has row blocks (:mod:`fshard.ops.rows`)."""
     (x,) = tensor_inputs(args, kwargs)[:1]
     meta = meta_call(op, args, kwargs)
-    dims = reshape_dims(x, tuple(meta.shape))
-    out = out_layout(x.mesh, dims, x.partial, meta)
+    try:
+        if x.is_explicit:
+            raise ValueError(f"cannot reshape {x} to {tuple(meta.shape)} without moving data")
+        out = out_layout(x.mesh, reshape_dims(x, tuple(meta.shape)), x.partial, meta)
+    except ValueError:
+        out = rows.reshape_rows(x, tuple(meta.shape))
+        if out is None:
+            raise
+        out = out.with_dtype(meta.dtype)
     shape = None if x.mesh.is_abstract else out.local_shape()
     n_in = len(tensor_inputs(args, kwargs))
     return OpSharding([None] + [SHAPE_ONLY] * (n_in - 1), out, lambda t, *a, **k: t.reshape(shape))
@@ -249,43 +262,6 @@ def complex_view_rule(op, args, kwargs):
     return OpSharding([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
 
 
-def getitem_rule(op, args, kwargs):
-    x, key = args[0], args[1]
-    if not isinstance(x, Layout):
-        raise NotImplementedError("indexing a tensor with a ShardedArray is not supported")
-    items = key if isinstance(key, tuple) else (key,)
-    for it in items:
-        if not (it is None or it is Ellipsis or isinstance(it, (int, slice))) or isinstance(
-            it, bool
-        ):
-            raise NotImplementedError(
-                f"ShardedArray indexing supports ints, slices, None and ...; got {it!r}. "
-                "Gather first (fs.gather(x)[idx]) or use torch.index_select on an unsplit dim"
-            )
-    n_real = sum(1 for it in items if isinstance(it, (int, slice)))
-    expanded = []
-    for it in items:
-        if it is Ellipsis:
-            expanded.extend([slice(None)] * (x.ndim - n_real))
-        else:
-            expanded.append(it)
-    expanded.extend([slice(None)] * (x.ndim - sum(1 for it in expanded if it is not None)))
-    cut, out_dims, d = set(), [], 0
-    for it in expanded:
-        if it is None:
-            out_dims.append(())
-            continue
-        full = isinstance(it, slice) and it.indices(x.shape[d]) == (0, x.shape[d], 1)
-        if not full:
-            cut.add(d)
-        if isinstance(it, slice):
-            out_dims.append(() if d in cut else x.dim_axes[d])
-        d += 1
-    meta = meta_call(op, args, kwargs)
-    in_spec = spec(_unsplit(x, cut), x.partial)
-    return OpSharding([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
-
-
 def _register():
     perms = [torch.transpose, torch.permute, torch.t, torch.movedim, torch.swapaxes]
     perms += [torch.swapdims, torch.adjoint]
@@ -297,6 +273,7 @@ def _register():
         register_rule(getattr(torch, n), reshape_rule, aliases=(getattr(torch.Tensor, n),))
     for n in ("view", "view_as", "reshape_as"):
         register_rule(getattr(torch.Tensor, n), reshape_rule)
+    reshape_rule.explicit_layouts = True
     register_rule(torch.Tensor.expand, expand_rule)
     register_rule(torch.Tensor.expand_as, expand_rule)
     register_rule(torch.broadcast_to, expand_rule, aliases=(torch.Tensor.broadcast_to,))
@@ -310,7 +287,6 @@ def _register():
     register_rule(torch.view_as_complex, complex_view_rule)
     register_rule(torch.unbind, split_rule(removes_dim=True), aliases=(torch.Tensor.unbind,))
     register_rule(torch.select, split_rule(removes_dim=True), aliases=(torch.Tensor.select,))
-    register_rule(torch.Tensor.__getitem__, getitem_rule)
 
 
 _register()

@@ -119,7 +119,7 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
         outs = []
         for m in metas:  # new dims (repeat's) lead
             dims = [()] * (m.ndim - len(out_dims)) + out_dims if m.ndim >= len(out_dims) else []
-            outs.append(out_layout(x.mesh, dims, partial if m.is_floating_point() else (), m))
+            outs.append(out_layout(x.mesh, dims, partial, m))  # pending only when linear
         out = outs[0] if not isinstance(meta, (tuple, list)) else type(meta)(outs)
         return OpSharding(specs, out)
 

@@ -75,7 +75,10 @@ def check_match(leaves, ref_leaves, spec, ref_spec, name: str, ref_name: str) ->
         return
     if spec != ref_spec:
         have, want = paths(spec), paths(ref_spec)
-        errors = LeafErrors(f"fs.optim: {name} and {ref_name} must have the same tree structure")
+        errors = LeafErrors(
+            f"fs.optim: {name} and {ref_name} must have the same tree structure"
+            + _swapped_hint(leaves)
+        )
         for key in [k for k in want if k not in set(have)]:
             errors.add(name + key, f"missing (it is a leaf of {ref_name})")
         for key in [k for k in have if k not in set(want)]:
@@ -98,11 +101,25 @@ def check_match(leaves, ref_leaves, spec, ref_spec, name: str, ref_name: str) ->
 
 def _same_layout(a, b) -> bool:
     a_sh, b_sh = isinstance(a, ShardedArray), isinstance(b, ShardedArray)
-    return a_sh == b_sh and (not a_sh or a.layout == b.layout)
+    if a_sh != b_sh:
+        return False
+    return a.layout == b.layout if a_sh else a.shape == b.shape
 
 
 def _describe(x) -> str:
-    return f"layout {x.layout}" if isinstance(x, ShardedArray) else "a plain tensor"
+    if isinstance(x, ShardedArray):
+        return f"layout {x.layout}"
+    return f"a plain tensor of shape {tuple(x.shape)}"
+
+
+def _swapped_hint(leaves) -> str:
+    """For a single scalar where a tree was expected: the usual cause."""
+    if len(leaves) == 1 and math.prod(global_shape(leaves[0])) == 1:
+        return (
+            " (a single scalar: the loss? torch.func.grad_and_value returns (grads, loss), "
+            "fs.value_and_grad returns (loss, grads))"
+        )
+    return ""
 
 
 def flatten_like(tree, spec, ref_leaves, name: str, ref_name: str = "updates") -> list:

@@ -55,6 +55,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(updates, state, params=None):
         check_state(state)
+        if params is not None:  # the gradients against the params before any transform runs
+            pleaves, pspec = _tree.flatten(params, "params")
+            _tree.flatten_like(updates, pspec, pleaves, "updates", "params")
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params)

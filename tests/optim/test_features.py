@@ -249,3 +249,30 @@ def test_nesterov_and_eps_root_formulas():
     m_hat = b1 * m / (1 - b1**3) + (1 - b1) * g2 / (1 - b1**2)
     want = m_hat / (torch.sqrt(v / (1 - b2**2) + eps_root) + eps)
     torch.testing.assert_close(u, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("make", [lambda: optim.sgd(0.1), lambda: optim.adamw(0.1)])
+def test_optimizers_check_gradients_against_params_first(make):
+    """Issue 29 item 2: (grads, loss) swapped once made sgd's update accept the scalar loss as
+    the gradients (``tensor(-0.2)``) and adamw blame its own state. Every optimizer checks the
+    gradients' structure, shapes and layouts against the params before anything runs, and a
+    lone scalar names the likely swap."""
+    params = {"w": torch.ones(3), "b": torch.zeros(2)}
+    tx = make()
+    state = tx.init(params)
+    loss = torch.tensor(0.5)
+    for call in (
+        lambda: tx.update(loss, state, params),
+        lambda: optim.step(tx, loss, state, params),
+        lambda: optim.apply_updates(params, loss),
+    ):
+        with pytest.raises(ValueError, match=r"fs\.value_and_grad returns \(loss, grads\)") as e:
+            call()
+        assert "state" not in str(e.value).split("(a single scalar")[0]
+    wrong_shape = {"w": torch.ones(4), "b": torch.zeros(2)}  # same structure, another shape
+    with pytest.raises(ValueError, match=r"\['w'\].*shape \(4,\).*shape \(3,\)"):
+        tx.update(wrong_shape, state, params)
+    with pytest.raises(ValueError, match="shape"):
+        optim.apply_updates(params, wrong_shape)
+    updates, _ = tx.update({"w": torch.ones(3), "b": torch.ones(2)}, state, params)
+    assert set(updates) == {"w", "b"}  # the right call still runs
