@@ -4,9 +4,8 @@ Nothing here talks to torch.distributed. A layout binds a mesh (real or abstract
 shape and a dtype to a rule that says, for any rank, which block of the global tensor that rank
 holds. Two kinds, siblings behind :class:`BaseLayout` (as JAX's ``NamedSharding`` and
 ``GSPMDSharding`` behind ``Sharding``): :class:`Layout` places the blocks by a :class:`P`, and
-:class:`ExplicitLayout` lists one box per rank. ``isinstance(x, BaseLayout)`` means "any layout";
-``isinstance(x, Layout)`` means "a P layout", which is what op rules and the planner's per-axis
-steps need.
+:class:`ExplicitLayout` lists one box per rank. ``isinstance(x, BaseLayout)`` means "any layout"
+(what an op rule's view holds for a tensor); ``isinstance(x, Layout)`` means "a P layout".
 
 The one convention (DESIGN §2): a dim of size ``n`` split over mesh axes ``(a1..ak)`` has
 ``K = size(a1)*...*size(ak)`` chunks; a rank's chunk index is the mixed-radix number of its
@@ -521,8 +520,9 @@ class ExplicitLayout(BaseLayout):
 
     ``chunks`` holds ``(offsets, sizes)`` per rank in ``mesh.ranks`` order; ``spec`` is ``None``
     (no partition spec describes the boxes). Equality and hash use ``(mesh, chunks, shape,
-    dtype)``. An ExplicitLayout is not a :class:`Layout`: per-op rules refuse it, and the planner
-    gathers its blocks (``gather_blocks``) before any per-axis step.
+    dtype)``. An ExplicitLayout is not a :class:`Layout`: only op rules that declare
+    ``explicit_layouts`` (row blocks, :mod:`fshard.ops.rows`) see one, and the planner gathers
+    its blocks (``gather_blocks``) before any per-axis step.
     """
 
     __slots__ = ("chunks",)
