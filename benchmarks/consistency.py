@@ -15,7 +15,9 @@ reps; a rep's time is the slowest rank's mean):
 Sections: one ``fs.lax.psum`` of 4 KiB, then the training steps of ``benchmarks/``: the TP MLP
 of ``train_step.py`` (local and global view), its DP step (``fs.value_and_grad``, local and
 global view), and the FSDP step of ``fsdp_step.py`` (``--fsdp-dim``, ``--fsdp-layers``). The
-last columns give the collectives and digest exchanges per step in each mode.
+last columns give the collectives and digest exchanges per step in each mode, and the
+default's exchanges times the cost of one exchange alone (first row), relative to the step:
+the part of the default's cost that is not noise on a busy machine.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def _steps(fsdp_dim: int, fsdp_layers: int) -> dict:
     """{section: (step function, iterations per rep)}; built on every rank."""
     mesh = fs.Mesh.create((2,), ("tp",))
     t = torch.ones(1024)
+    g = mesh.group(("tp",))
     tp, _ = train_step.tp_configs()
     dp, _ = train_step.dp_configs()
     return {
+        "digest exchange alone": (lambda: consistency._exchange(g, 1, 0, None), 200),
         "fs.lax.psum 4 KiB": (lambda: fs.lax.psum(t, "tp", mesh=mesh), 200),
         "TP step, local view": (tp["fshard local view (pcast/psum)"], 5),
         "TP step, global view": (tp["fshard global view (op rules)"], 5),
@@ -113,7 +117,7 @@ def main(argv=None) -> None:
         f"{res['interval']})"
     )
     cols = ["step", "off ms", "default ms", "default cost", "every ms", "every cost"]
-    cols += ["collectives/step", "exchanges/step (default, every)"]
+    cols += ["collectives/step", "exchanges/step (default, every)", "default: exchanges x cost"]
     for c in cols:
         table.add_column(c, justify="left" if c == "step" else "right")
     for s, per in res["times"].items():
@@ -121,6 +125,8 @@ def main(argv=None) -> None:
         # the cost is the median of the per-rep ratios (the modes of a rep ran back to back)
         cost = {m: statistics.median(a / b - 1 for a, b in zip(per[m], per["off"])) for m in MODES}
         n = res["counts"][s]
+        x = statistics.median(res["times"]["digest exchange alone"]["off"])
+        estimate = n["default"][1] * x / med["off"]
         table.add_row(
             s,
             f"{med['off']:.3f}",
@@ -130,6 +136,7 @@ def main(argv=None) -> None:
             f"{cost['every']:+.1%}",
             str(n["off"][0]),
             f"{n['default'][1]}, {n['every'][1]}",
+            f"{estimate:+.2%}",
         )
     Console(width=160).print(table)
 

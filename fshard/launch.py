@@ -530,9 +530,17 @@ def _summary(reply: tuple) -> str:
 def _rank_error(rank: int, reply: tuple, note: str = "") -> RankError:
     if reply[0] == "died":
         code = reply[1]
+        cause = "os._exit, a segfault, the OOM killer, or an error while the worker started"
+        if code == -signal.SIGABRT:  # Gloo aborts the process on a mismatched collective
+            cause = (
+                "most often Gloo aborting on a collective whose size or dtype differs between "
+                "ranks (per-rank shapes or batch sizes, a collective one rank skipped): rerun "
+                "with FSHARD_CHECK_CONSISTENCY=every to have it named before it runs; else "
+                "an abort in a C++ library"
+            )
         return RankError(
-            f"rank {rank} died with {_died_how(code)} before replying (os._exit, a segfault, the OOM "
-            f"killer, or an error while the worker process started: see its stderr){note}",
+            f"rank {rank} died with {_died_how(code)} before replying ({cause}: see its "
+            f"stderr){note}",
             rank=rank,
             exc_type="WorkerDied",
             exit_code=code,
