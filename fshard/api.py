@@ -266,10 +266,10 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     """
     if not isinstance(x, ShardedArray):
         raise TypeError(f"gather: x must be a ShardedArray, got {type(x).__name__}")
-    consistency.boundary(x.mesh, "fs.gather")
     if dst is None:
         return reshard_one(x, P()).local
     mesh = x.mesh
+    consistency.boundary(mesh, f"fs.gather(dst={dst})")
     if isinstance(dst, bool) or not isinstance(dst, int) or dst not in mesh.ranks:
         raise ValueError(f"gather: dst must be a rank of the mesh {mesh.ranks}, got {dst!r}")
     if x.layout.partial:

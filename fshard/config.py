@@ -54,7 +54,7 @@ def _mode(value, what: str) -> str:
 #: Consistency mode (see :mod:`fshard.consistency`): ``True`` (the default) keeps a running
 #: digest of every collective (its description and call site) per process group and exchanges
 #: it at the API boundaries (creation functions, ``from_local``, ``shard``, ``shard_map``,
-#: ``gather``, ``fs.optim.step``, checkpoints), at a group's first collective and every
+#: ``gather(dst=)``, ``fs.optim.step``, checkpoints), at a group's first collective and every
 #: :data:`consistency_interval`-th; ``"every"`` exchanges before every collective (debugging,
 #: fshard's fault tests); ``False`` turns checks off. Set it here, with :func:`consistency` for
 #: a block, or with ``FSHARD_CHECK_CONSISTENCY`` (``0``/``off``, ``1``/``default``,
@@ -65,7 +65,7 @@ _mode(check_consistency, "FSHARD_CHECK_CONSISTENCY")  # refuse a typo at import
 #: In the default mode, every process group exchanges its digest at its ``consistency_interval``-th
 #: collective, and every ``consistency_interval``-th after (the same on every rank; env
 #: ``FSHARD_CONSISTENCY_INTERVAL``).
-consistency_interval: int = int(os.environ.get("FSHARD_CONSISTENCY_INTERVAL", "64"))
+consistency_interval: int = int(os.environ.get("FSHARD_CONSISTENCY_INTERVAL", "256"))
 
 
 @contextlib.contextmanager

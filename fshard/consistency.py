@@ -15,7 +15,7 @@ aborts the process). Three modes (``fs.config.check_consistency``, the
     microsecond and no communication. The digest is exchanged (one ``all_reduce(MAX)`` of four
     int64 words ``h, -h, seq, -seq``) at a group's first collective, at every
     ``fs.config.consistency_interval``-th, and at the API boundaries a step crosses
-    (:func:`boundary`: ``fs.gather``, ``fs.optim.step``, checkpoint save/load, ``from_local``,
+    (:func:`boundary`: ``fs.optim.step``, ``fs.gather(dst=)``, checkpoint save/load, ``from_local``,
     ``shard``, creation functions, ``shard_map``), which also compare their own arguments. A
     disagreement is caught at the next exchange, naming the first collective or argument that
     differed; collectives issued in between may have moved mismatched data (a size or dtype
@@ -349,7 +349,7 @@ def check_collective(op: str, g: AxisGroup, t: torch.Tensor, **fields) -> None:
 
 
 def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
-    """An API boundary (``fs.gather``, ``fs.optim.step``, ...): in the default mode, the ranks
+    """An API boundary (``fs.optim.step``, ``fs.gather(dst=)``, ...): in the default mode, the ranks
     of ``group`` exchange their running digests (every collective since the last check, with
     its call site) and ``fields``; a disagreement raises :class:`ConsistencyError` on every
     rank, naming the first collective that differed. In ``"every"`` mode each collective was

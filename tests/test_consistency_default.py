@@ -154,8 +154,12 @@ def test_world_runs_after_a_timed_out_run_and_the_message_names_the_cause(world_
 def _agreeing_steps(rank, n):
     mesh = _mesh()
     x = fs.shard(torch.arange(8.0), mesh, fs.P("x"))
-    for _ in range(n):  # more collectives than the interval: periodic exchanges line up
-        x = fs.reshard(fs.reshard(x, fs.P()), fs.P("x"))
+    interval, fs.config.consistency_interval = fs.config.consistency_interval, 16
+    try:
+        for _ in range(n):  # more collectives than the interval: periodic exchanges line up
+            x = fs.reshard(fs.reshard(x, fs.P()), fs.P("x"))
+    finally:
+        fs.config.consistency_interval = interval
     return fs.config.consistency_mode(), fs.gather(x)
 
 
