@@ -321,9 +321,10 @@ def _within(g: AxisGroup) -> list:
     return [r for r in _RUNNING.values() if r.ranks <= ranks]
 
 
-def _boundary(g: AxisGroup, what: str, fields: dict, site: tuple) -> None:
+def _boundary(g: AxisGroup, what: str, fields: dict, site: tuple, running: bool = True) -> None:
     h = _hash((tuple(fields.items()), site))
-    _check_running(g, what, _within(g), h, {**fields, "called at": _where(site)})
+    states = _within(g) if running else []
+    _check_running(g, what, states, h, {**fields, "called at": _where(site)})
 
 
 # -- entry points ------------------------------------------------------------------------------
@@ -390,6 +391,9 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
     mode = _active_mode()
     if mode == "off" or not dist.is_initialized():
         return
+    # the whole default group holds every mesh's ranks: its check compares obj only (ranks of
+    # different meshes, e.g. pipeline stages, legitimately differ in their collectives)
+    running = group is not None
     group = _as_group(group)
     if group.size == 1:
         return
@@ -397,7 +401,7 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
     if mode == "every":
         _agree(group, what, fields)
     else:
-        _boundary(group, what, fields, _site())
+        _boundary(group, what, fields, _site(), running)
 
 
 def rng_state(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
