@@ -2,6 +2,7 @@
 torch on 2 ranks with uneven blocks."""
 
 import torch
+import torch.nn.functional as F
 
 import fshard as fs
 
@@ -74,3 +75,76 @@ def test_norm_and_std_gradients_at_zero_over_a_split_dim(world2):
         for k, got in rank.items():
             assert not got.isnan().any(), k
             torch.testing.assert_close(got, want[k])
+
+
+def structseq_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = fs.shard(torch.tensor([[1.0, 5.0], [4.0, 2.0], [0.0, 3.0]]), mesh, fs.P("x", None))
+    calls = {
+        "max0": torch.max(x, 0),
+        "max1": torch.max(x, 1),
+        "min": x.min(dim=1, keepdim=True),
+        "sort": torch.sort(x, 0),
+        "topk": torch.topk(x, 1, 0),
+    }
+    return {
+        k: (type(r).__name__, fs.gather(r.values), fs.gather(r.indices)) for k, r in calls.items()
+    }
+
+
+def test_value_and_index_results_are_torch_return_types(world2):
+    """torch.max(x, dim) & co. returned a plain tuple: ``.values``/``.indices`` failed."""
+    t = torch.tensor([[1.0, 5.0], [4.0, 2.0], [0.0, 3.0]])
+    want = {
+        "max0": torch.max(t, 0),
+        "max1": torch.max(t, 1),
+        "min": t.min(dim=1, keepdim=True),
+        "sort": torch.sort(t, 0),
+        "topk": torch.topk(t, 1, 0),
+    }
+    for rank in world2.run(structseq_rank_fn):
+        for k, (name, values, indices) in rank.items():
+            assert name == type(want[k]).__name__, (k, name)
+            assert torch.equal(values, want[k].values), k
+            assert torch.equal(indices, want[k].indices), k
+
+
+def block_error_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    ints = fs.shard(torch.tensor([[3, -1, 7]]), mesh, fs.P("x", None))  # rank 1: empty
+    one_channel = fs.shard(torch.arange(8.0).reshape(2, 1, 4), mesh, fs.P(None, "x", None))
+    rows = fs.shard(torch.arange(12.0).reshape(3, 4), mesh, fs.P("x", None))  # 2 | 1 rows
+    got = {
+        "amax": torch.amax(ints, 0),
+        "amin": torch.amin(ints, 0),
+        "max": ints.max(),
+        "min": ints.min(),
+        "avg_pool1d": F.avg_pool1d(one_channel, 2),
+        "max_pool1d": F.max_pool1d(one_channel, 2),
+        "interpolate": F.interpolate(one_channel, scale_factor=2.0),
+        "group_norm": F.group_norm(rows, 4),
+    }
+    return {k: fs.gather(v) for k, v in got.items()}
+
+
+def test_errors_of_one_rank_block_are_planned_around(world2):
+    """int64 amax/amin/max over an empty shard (-inf to int64), pooling/interpolate over an
+    empty channel block and group_norm on a one-row block raised on one rank only while the
+    other waited in a collective (a hang); dense torch computes each of them."""
+    ints = torch.tensor([[3, -1, 7]])
+    one_channel = torch.arange(8.0).reshape(2, 1, 4)
+    rows = torch.arange(12.0).reshape(3, 4)
+    want = {
+        "amax": torch.amax(ints, 0),
+        "amin": torch.amin(ints, 0),
+        "max": ints.max(),
+        "min": ints.min(),
+        "avg_pool1d": F.avg_pool1d(one_channel, 2),
+        "max_pool1d": F.max_pool1d(one_channel, 2),
+        "interpolate": F.interpolate(one_channel, scale_factor=2.0),
+        "group_norm": F.group_norm(rows, 4),
+    }
+    for rank in world2.run(block_error_rank_fn):
+        for k, got in rank.items():
+            assert got.dtype == want[k].dtype, k
+            torch.testing.assert_close(got, want[k], msg=k)

@@ -133,14 +133,23 @@ def group_pmax(t, group, how: str = "max"):
     return t if group is None else call(_Pmax, t, group, how)
 
 
-def safe_amax(x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
-    """``amax`` that gives ``-inf`` over an empty (uneven) shard instead of raising."""
+def safe_amax(x: torch.Tensor, dims, keepdim: bool, how: str = "max") -> torch.Tensor:
+    """``amax`` (``how="min"``: ``amin``) that gives the reduction's identity over an empty
+    (uneven) shard instead of raising: ``-inf``/``inf`` for floats, the dtype's least/greatest
+    value for integers (an error here would be raised on the empty shard's rank alone)."""
+    reduce = torch.amax if how == "max" else torch.amin
     if all(x.shape[d] > 0 for d in dims) or not dims:
-        return torch.amax(x, dim=dims, keepdim=keepdim)
+        return reduce(x, dim=dims, keepdim=keepdim)
     shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
     if not keepdim:
         shape = [s for d, s in enumerate(shape) if d not in dims]
-    return x.new_full(shape, -math.inf) + 0 * x.sum(dim=dims, keepdim=keepdim)
+    if x.dtype == torch.bool:
+        return x.new_full(shape, how == "min")
+    if not (x.is_floating_point() or x.is_complex()):
+        info = torch.iinfo(x.dtype)
+        return x.new_full(shape, info.min if how == "max" else info.max)
+    fill = -math.inf if how == "max" else math.inf
+    return x.new_full(shape, fill) + 0 * x.sum(dim=dims, keepdim=keepdim)  # keeps the graph
 
 
 def group_of(mesh, axes):

@@ -133,7 +133,7 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
     if kind in ("amax", "max"):
         return lambda t, *a, **k: group_pmax(safe_amax(t, dims, keepdim), group)
     if kind in ("amin", "min"):
-        return lambda t, *a, **k: group_pmax(-safe_amax(-t, dims, keepdim), group, "min")
+        return lambda t, *a, **k: group_pmax(safe_amax(t, dims, keepdim, "min"), group, "min")
     if kind == "logsumexp":
 
         def logsumexp(t, *a, **k):
@@ -189,7 +189,7 @@ def _split_norm(t, p, dims, keepdim, group):
     if p == math.inf:
         return group_pmax(safe_amax(t.abs(), dims, keepdim), group)
     if p == -math.inf:
-        return group_pmax(-safe_amax(-t.abs(), dims, keepdim), group, "min")
+        return group_pmax(safe_amax(t.abs(), dims, keepdim, "min"), group, "min")
     if p == 0:  # the count of non-zeros; its gradient is zero, as torch's
         nonzero = (t != 0).to(t.dtype) + 0 * t
         return group_psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
