@@ -418,17 +418,23 @@ def _refuse_linearize() -> None:
 
 
 class _Pmax(torch.autograd.Function):
-    """Elementwise max (or min) over the group; the gradient is shared among the ties."""
+    """Elementwise max (or min) over the group; the gradient is shared among the ties.
+
+    ``ties``: how many elements each rank's input stands for (``None``: one), for a local
+    reduction before the pmax (``amax`` over a split dim): a rank's share is weighted by its
+    local tie count, so each tie gets ``1/global count``, as dense torch gives."""
 
     @staticmethod
-    def forward(x, group, how):
+    def forward(x, group, how, ties=None):
         return _comm.all_reduce(x, group, how)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, group, _ = inputs
+        x, group, _, ties = inputs
         ctx.group = group
         mask = x == output
+        if ties is not None:
+            mask = mask * ties
         ctx.save_for_backward(mask)
         ctx.save_for_forward(mask)
 
@@ -441,17 +447,21 @@ class _Pmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _Pmax._share(ctx, g), None, None
+        return _Pmax._share(ctx, g), None, None, None
 
     @staticmethod
-    def jvp(ctx, x_t, _, __):
+    def jvp(ctx, x_t, _, __, ___):
         return apply(Psum(ctx.group), _Pmax._share(ctx, x_t))
 
     @staticmethod
-    def vmap(info, in_dims, x, group, how):
-        if in_dims[0] is None:
-            return call(_Pmax, x, group, how), None
-        return call(_Pmax, x.movedim(in_dims[0], 0), group, how), 0
+    def vmap(info, in_dims, x, group, how, ties):
+        x_dim, ties_dim = in_dims[0], in_dims[3]
+        if x_dim is None and ties_dim is None:
+            return call(_Pmax, x, group, how, ties), None
+        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+        if ties is not None:
+            ties = ties.movedim(ties_dim, 0) if ties_dim is not None else ties.expand_as(x)
+        return call(_Pmax, x, group, how, ties), 0
 
 
 _PmaxTraced = traced(_Pmax)
@@ -460,8 +470,8 @@ _PmaxTraced = traced(_Pmax)
 def preduce(x: torch.Tensor, group: AxisGroup, how: str) -> torch.Tensor:
     """Elementwise ``how`` (``"max"`` or ``"min"``) over ``group``, differentiable."""
     if _dynamo_compiling():
-        return traced_apply(_PmaxTraced, x, group, how)
-    return call(_Pmax, x, group, how)
+        return traced_apply(_PmaxTraced, x, group, how, None)
+    return call(_Pmax, x, group, how, None)
 
 
 # -- public named-axis API --------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Wrong answers a random differential test found (issue 26 item 7), each pinned against dense
 torch on 2 ranks with uneven blocks."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -148,3 +150,41 @@ def test_errors_of_one_rank_block_are_planned_around(world2):
         for k, got in rank.items():
             assert got.dtype == want[k].dtype, k
             torch.testing.assert_close(got, want[k], msg=k)
+
+
+def _extremes():
+    return {
+        "amax": lambda v: torch.amax(v, 0),
+        "amin": lambda v: torch.amin(v, 0, keepdim=True),
+        "max": lambda v: v.max(),
+        "min": lambda v: v.min(),
+        "norm_inf": lambda v: torch.linalg.vector_norm(v, math.inf, 0),
+        "norm_-inf": lambda v: torch.linalg.vector_norm(v, -math.inf, 0),
+    }
+
+
+def _tied():
+    """Ties inside a rank's block (rows 0, 1 of 2 | 1) and across ranks, per column."""
+    return torch.tensor([[1.0, 2.0, 0.0], [1.0, 2.0, 3.0], [1.0, -1.0, 3.0]], dtype=torch.float64)
+
+
+def tie_grads_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = fs.shard(_tied(), mesh, fs.P("x", None))
+    out = {}
+    for k, f in _extremes().items():
+        grad = torch.func.grad(lambda v, f=f: (fs.gather(f(v)) * 1.5).sum())(x)
+        _, tangent = torch.func.jvp(lambda v, f=f: fs.gather(f(v)), (x,), (x,))
+        out[k] = (fs.gather(grad), tangent)
+    return out
+
+
+def test_extreme_gradients_share_ties_evenly_over_a_split_dim(world2):
+    """amax/amin/max()/vector_norm(inf) over a split dim shared a tie's gradient per rank
+    (ones(3): [.25, .25, .5]); dense torch shares it evenly among all the ties."""
+    t = _tied()
+    for rank in world2.run(tie_grads_rank_fn):
+        for k, f in _extremes().items():
+            grad, tangent = rank[k]
+            torch.testing.assert_close(grad, torch.func.grad(lambda v, f=f: (f(v) * 1.5).sum())(t))
+            torch.testing.assert_close(tangent, torch.func.jvp(f, (t,), (t,))[1], msg=k)

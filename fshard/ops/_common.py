@@ -128,9 +128,24 @@ def group_pcast(t, group):
     return apply(Pcast(group), t)
 
 
-def group_pmax(t, group, how: str = "max"):
-    """The elementwise max (``how="min"``: min) of local ``t`` over ``group``."""
-    return t if group is None else call(_Pmax, t, group, how)
+def group_pmax(t, group, how: str = "max", ties=None):
+    """The elementwise max (``how="min"``: min) of local ``t`` over ``group``; ``ties``: the
+    local tie count each element of ``t`` stands for (see :func:`split_extreme`)."""
+    return t if group is None else call(_Pmax, t, group, how, ties)
+
+
+def split_extreme(t, dims, keepdim: bool, group, how: str = "max"):
+    """``amax`` (``how="min"``: ``amin``) over ``dims`` of a value split over ``group`` along
+    them: the local extreme, then a pmax weighted by each rank's tie count, so the gradient is
+    shared evenly among all the global ties as dense torch shares it (the local ``amax`` shares
+    among the rank's ``c`` ties, the pmax gives the rank ``c / global count``)."""
+    if group is None:
+        return safe_amax(t, dims, keepdim, how)
+    m = safe_amax(t, dims, True, how)
+    ties = None
+    if t.is_floating_point() or t.is_complex():
+        ties = (t == m.detach()).sum(dims, keepdim=keepdim).to(t.dtype)
+    return group_pmax(m if keepdim else m.squeeze(dims), group, how, ties)
 
 
 def safe_amax(x: torch.Tensor, dims, keepdim: bool, how: str = "max") -> torch.Tensor:

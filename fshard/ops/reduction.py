@@ -40,6 +40,7 @@ from ._common import (
     out_layout,
     safe_amax,
     spec,
+    split_extreme,
 )
 from .elementwise import NONLINEAR, elementwise_rule
 from .registry import OpSharding, register_rule, tensor_inputs
@@ -131,9 +132,9 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
     if kind == "mean":
         return lambda t, *a, **k: torch.sum(t, dim=dims, keepdim=keepdim, dtype=out_dtype) / count
     if kind in ("amax", "max"):
-        return lambda t, *a, **k: group_pmax(safe_amax(t, dims, keepdim), group)
+        return lambda t, *a, **k: split_extreme(t, dims, keepdim, group)
     if kind in ("amin", "min"):
-        return lambda t, *a, **k: group_pmax(safe_amax(t, dims, keepdim, "min"), group, "min")
+        return lambda t, *a, **k: split_extreme(t, dims, keepdim, group, "min")
     if kind == "logsumexp":
 
         def logsumexp(t, *a, **k):
@@ -187,9 +188,9 @@ def _split_norm(t, p, dims, keepdim, group):
             "(fs.reshard(x, fs.P(...)) with those dims None) or use fs.shard_map"
         )
     if p == math.inf:
-        return group_pmax(safe_amax(t.abs(), dims, keepdim), group)
+        return split_extreme(t.abs(), dims, keepdim, group)
     if p == -math.inf:
-        return group_pmax(safe_amax(t.abs(), dims, keepdim, "min"), group, "min")
+        return split_extreme(t.abs(), dims, keepdim, group, "min")
     if p == 0:  # the count of non-zeros; its gradient is zero, as torch's
         nonzero = (t != 0).to(t.dtype) + 0 * t
         return group_psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)
