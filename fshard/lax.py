@@ -224,11 +224,20 @@ class Scale:
         return self
 
 
+def no_addend(x: torch.Tensor) -> torch.Tensor:
+    """Zeros like ``x`` that stand for "no addend" of a pending sum: ``-0.0`` for floating
+    dtypes, the one zero with ``v + z == v`` for every ``v`` (``-0.0 + +0.0`` is ``+0.0``,
+    which would turn a ``-0.0`` sum into ``+0.0``: ``atan2`` then differs by pi)."""
+    if x.is_complex():
+        return torch.full_like(x, complex(-0.0, -0.0))
+    return torch.full_like(x, -0.0) if x.is_floating_point() else torch.zeros_like(x)
+
+
 @dataclass(frozen=True, eq=False)
 class ZeroOthers:
     """Replicated -> partial over ``group`` (reshard's ``zero`` step): the group's first rank
-    keeps the value, the others hold zeros (not ``x * 0``, which turns an ``inf`` into ``nan``),
-    so the addends sum to it with no communication.
+    keeps the value, the others hold zeros (:func:`no_addend`; not ``x * 0``, which turns an
+    ``inf`` into ``nan``), so the addends sum to it with no communication.
 
     Backward: the identity (:class:`PartialCotangent`). The cotangent of a partial value is
     invariant (as :class:`Claim` also relies on), and the sum of the addends depends on the
@@ -239,7 +248,7 @@ class ZeroOthers:
     group: AxisGroup
 
     def run(self, x):
-        return x.view_as(x) if self.group.index == 0 else torch.zeros_like(x)
+        return x.view_as(x) if self.group.index == 0 else no_addend(x)
 
     def transpose(self):
         return PartialCotangent(self.group)

@@ -188,3 +188,21 @@ def test_extreme_gradients_share_ties_evenly_over_a_split_dim(world2):
             grad, tangent = rank[k]
             torch.testing.assert_close(grad, torch.func.grad(lambda v, f=f: (f(v) * 1.5).sum())(t))
             torch.testing.assert_close(tangent, torch.func.jvp(f, (t,), (t,))[1], msg=k)
+
+
+def signed_zero_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    t = torch.tensor([-0.0, 0.0, -1.0], dtype=torch.float64)
+    r = fs.reshard(fs.shard(t, mesh, fs.P()), fs.P(partial="x"))  # rank 1 holds no addend
+    c = fs.reshard(fs.shard(t.to(torch.complex128), mesh, fs.P()), fs.P(partial="x"))
+    return fs.gather(torch.atan2(r, torch.tensor(-1.0, dtype=torch.float64))), fs.gather(c)
+
+
+def test_pending_sum_keeps_negative_zero(world2):
+    """reshard R -> P gave the non-first ranks +0.0 addends: a -0.0 came back +0.0 and atan2
+    differed by pi."""
+    t = torch.tensor([-0.0, 0.0, -1.0], dtype=torch.float64)
+    want = torch.atan2(t, torch.tensor(-1.0, dtype=torch.float64))
+    for got, complex_sum in world2.run(signed_zero_rank_fn):
+        assert torch.equal(got, want), (got, want)
+        assert torch.equal(torch.signbit(complex_sum.real), torch.signbit(t))
