@@ -206,3 +206,17 @@ def test_pending_sum_keeps_negative_zero(world2):
     for got, complex_sum in world2.run(signed_zero_rank_fn):
         assert torch.equal(got, want), (got, want)
         assert torch.equal(torch.signbit(complex_sum.real), torch.signbit(t))
+
+
+def vmap_rows_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = fs.shard(torch.arange(18.0).reshape(2, 3, 3), mesh, fs.P(None, "x", None))
+    return fs.gather(torch.func.vmap(lambda a: a.reshape(-1))(x))
+
+
+def test_vmap_returns_row_blocks(world2):
+    """vmap of a reshape whose result is in row blocks (rows 2 | 1 of (3, 3) -> (9,): an
+    explicit layout) failed at vmap's output ('Value after * must be an iterable')."""
+    want = torch.arange(18.0).reshape(2, 9)
+    for got in world2.run(vmap_rows_rank_fn):
+        assert torch.equal(got, want)
