@@ -110,15 +110,16 @@ def reduction_rule(kind: str):
 
 
 def _rows_rule(kind, op, x, dims, keepdim, meta):
-    """``sum``/``mean`` of a value in row blocks (:mod:`fshard.ops.rows`): reducing dim 0
-    leaves a sum pending over the axes the rows vary over; otherwise the rows stay."""
+    """A reduction of a value in row blocks (:mod:`fshard.ops.rows`): reducing dim 0 runs as
+    over a split dim (``sum``/``mean`` leave a sum pending over the axes the rows vary over,
+    ``amax``/``norm``/``var``... reduce over them); otherwise the rows stay."""
     bounds = rows.row_bounds(x)
-    if kind not in LINEAR or bounds is None or isinstance(meta, tuple):
+    if bounds is None or isinstance(meta, tuple):
         raise rows.explicit_error(getattr(op, "__name__", str(op)), [x])
     axes = rows.row_axes(x)
     if 0 not in dims:
         return OpSharding([None], rows.rows_layout(x.mesh, bounds, meta.shape, meta.dtype, axes))
-    out = out_layout(x.mesh, [()] * meta.ndim, axes, meta)
+    out = out_layout(x.mesh, [()] * meta.ndim, axes if kind in LINEAR else (), meta)
     group = group_of(x.mesh, axes)
     return OpSharding([None], out, _local_fn(kind, op, dims, keepdim, group, x, meta.dtype))
 
