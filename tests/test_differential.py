@@ -195,16 +195,19 @@ def signed_zero_rank_fn():
     t = torch.tensor([-0.0, 0.0, -1.0], dtype=torch.float64)
     r = fs.reshard(fs.shard(t, mesh, fs.P()), fs.P(partial="x"))  # rank 1 holds no addend
     c = fs.reshard(fs.shard(t.to(torch.complex128), mesh, fs.P()), fs.P(partial="x"))
-    return fs.gather(torch.atan2(r, torch.tensor(-1.0, dtype=torch.float64))), fs.gather(c)
+    m1 = torch.tensor(-1.0, dtype=torch.float64)
+    scattered = fs.reshard(r, fs.P("x"))  # reduce_scatter of the addends
+    return fs.gather(torch.atan2(r, m1)), fs.gather(c), fs.gather(torch.atan2(scattered, m1))
 
 
 def test_pending_sum_keeps_negative_zero(world2):
-    """reshard R -> P gave the non-first ranks +0.0 addends: a -0.0 came back +0.0 and atan2
-    differed by pi."""
+    """reshard R -> P gave the non-first ranks +0.0 addends, and reduce_scatter (P -> S)
+    summed -0.0 addends to +0.0: a -0.0 came back +0.0 and atan2 differed by pi."""
     t = torch.tensor([-0.0, 0.0, -1.0], dtype=torch.float64)
     want = torch.atan2(t, torch.tensor(-1.0, dtype=torch.float64))
-    for got, complex_sum in world2.run(signed_zero_rank_fn):
+    for got, complex_sum, scattered in world2.run(signed_zero_rank_fn):
         assert torch.equal(got, want), (got, want)
+        assert torch.equal(scattered, want), (scattered, want)
         assert torch.equal(torch.signbit(complex_sum.real), torch.signbit(t))
 
 
