@@ -30,7 +30,7 @@ def main(device=None):
             y = fs.reshard(x, spec)
         assert torch.equal(fs.gather(y), t)
         lines.append(
-            f"{x.spec} -> {spec}: planned {[(s.op, s.nbytes) for s in planned]}, "
+            f"{x.spec} -> {spec}: planned {[(s.op.name, s.nbytes) for s in planned]}, "
             f"issued {[(r.op, r.nbytes) for r in log]}"
         )
     y = fs.reshard(x, fs.P(None, "x"))  # collectives run on every rank, never under `if rank`

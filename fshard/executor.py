@@ -1,36 +1,31 @@
-"""The reshard executor: runs the planner's steps (:func:`fshard.plan`) on local tensors.
+"""The reshard executor: binds the planner's steps (:func:`fshard.plan`) to process groups and
+runs them on local tensors.
 
-:func:`reshard_one` moves one :class:`~fshard.ShardedArray` to a target spec: the steps are
-planned and turned into differentiable ops once per ``(layout, spec)`` (:func:`_program`), then
-applied to the local tensor. Every module that reshards (the public :mod:`fshard.api`, the op
-registry, shard_map, checkpoint) goes through here, so none of them imports another's API.
+:func:`program` is the one cache of a reshard decision: per ``(layout, spec)`` the planned
+steps, their ops bound to the mesh's groups (:class:`~fshard.collectives.Bound`, bound here
+once) and the output layout. :func:`run` is the one loop that applies a program's ops, each
+through :func:`fshard.lax.apply` (the one autograd Function). :func:`reshard_one` moves one
+:class:`~fshard.ShardedArray` to a target spec; op rules hold their inputs' programs in their
+compiled plans (``fshard.ops.registry``). Every module that reshards (the public
+:mod:`fshard.api`, the op registry, shard_map, checkpoint) goes through here, so none of them
+imports another's API.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-from . import _comm
-from ._function import call
 from ._traced import constant
 from .array import ShardedArray
-from .lax import (
-    AllGather,
-    AllToAll,
-    LocalSlice,
-    Ppermute,
-    Psum,
-    PsumScatter,
-    ZeroOthers,
-    apply,
-    claim_partial_leaf,
-)
-from .planner import Step, chunk_sizes, plan
+from .collectives import Bound
+from .lax import apply, claim, claim_of
+from .planner import Step, steps
 from .spec import LAYOUT_OF_ID, Layout, P
 
-__all__ = ["check_plain_tensor", "claimed_local", "reshard_one"]
+__all__ = ["Program", "check_plain_tensor", "claimed_local", "program", "reshard_one", "run"]
 
 
 def check_plain_tensor(t: torch.Tensor, where: str) -> None:
@@ -52,87 +47,48 @@ def check_plain_tensor(t: torch.Tensor, where: str) -> None:
         )
 
 
-def _compile_step(step: Step):
-    """The op that runs one planned step on a local tensor (differentiable)."""
-    src, dst, mesh = step.src, step.dst, step.src.mesh
-    if step.op == "gather_blocks":
-        return _GatherBlocks(src)
-    g = mesh.group(step.axes)
-    if step.op == "zero":
-        return ZeroOthers(g)
-    if step.op == "ppermute":
-        me = mesh.rank
-        return Ppermute(g, step.perm, src.local_shape(me), dst.local_shape(me))
-    if step.op == "all_reduce":
-        return Psum(g)
-    if step.op == "all_to_all":
-        j, i = step.dim, step.concat_dim
-        split = chunk_sizes(src.shape[j], mesh, step.axes)
-        concat = chunk_sizes(src.shape[i], mesh, step.axes)
-        return AllToAll(g, j, i, split, concat)
-    sizes = chunk_sizes(src.shape[step.dim], mesh, step.axes)
-    if step.op == "all_gather":
-        return AllGather(g, step.dim, sizes, invariant=True)
-    if step.op == "reduce_scatter":
-        return PsumScatter(g, step.dim, sizes)
-    if step.op == "slice":
-        return LocalSlice(g, step.dim, sizes)
-    raise AssertionError(step.op)
+class Program(NamedTuple):
+    """A reshard decision: the planned ``steps``, their ``ops`` bound to the mesh's process
+    groups (``None`` on an abstract mesh, which has none), the ``out`` layout, and ``claim``:
+    the source's bound ``Claim`` if it is partial (see :func:`claimed_local`)."""
 
-
-class _GatherBlocksFn(torch.autograd.Function):
-    """Explicit layout -> full tensor on every rank: all_gather of padded flat blocks over the
-    whole mesh, assembled by offsets. Cost per rank: receives (N-1) x the largest block
-    (replicas included). Backward keeps this rank's box of the (invariant) cotangent, with no
-    communication, as for ``gather``. Not vmappable."""
-
-    @staticmethod
-    def forward(local, layout):
-        mesh = layout.mesh
-        g = mesh.group(mesh.axis_names)
-        metas = [layout.shard_metadata(r) for r in g.ranks]
-        sizes = [m.numel for m in metas]
-        flat = local.detach().contiguous().reshape(-1)
-        if max(sizes) == 0:
-            flat, sizes = flat.new_zeros(1), [1] * len(sizes)
-        flat = _comm.all_gather(flat, g, 0, sizes)
-        out = local.new_empty(layout.shape)
-        start = 0
-        for m, n in zip(metas, sizes):
-            if m.numel:
-                out[m.slices()] = flat[start : start + m.numel].view(m.shard_sizes)
-            start += n
-        return out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.layout = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        layout = ctx.layout
-        return grad[layout.shard_metadata(layout.mesh.rank).slices()].clone(), None
-
-
-class _GatherBlocks:
-    """The ``gather_blocks`` step (source: a ``Layout.explicit``)."""
-
-    def __init__(self, layout):
-        self.layout = layout
-
-    def __call__(self, x):
-        return call(_GatherBlocksFn, x, self.layout)
+    steps: tuple[Step, ...]
+    ops: tuple[Bound, ...] | None
+    out: Layout
+    claim: Bound | None = None
 
 
 @functools.lru_cache(maxsize=4096)
-def _program(layout: Layout, spec: P):
-    """Planned once per (layout, target): the ops to run and the output layout."""
-    return tuple(_compile_step(s) for s in plan(layout, spec)), layout.with_spec(spec)
+def program(layout: Layout, spec: P) -> Program:
+    """``layout`` -> ``spec``, planned and bound once.
+
+    Example:
+        >>> program(x.layout, fs.P()).ops  # doctest: +SKIP
+        (Bound(op=AllGather(axes=('x',), dim=0, sizes=(4, 4), invariant=True), group=...),)
+    """
+    planned = steps(layout, layout.with_spec(spec))
+    mesh = layout.mesh
+    if mesh.is_abstract:
+        return Program(planned, None, layout.with_spec(spec))
+    ops = tuple(Bound(s.op, mesh.group(s.axes)) for s in planned)
+    held = claim_of(mesh.group(layout.partial)) if layout.partial else None
+    return Program(planned, ops, layout.with_spec(spec), held)
 
 
-def _program_of(layout_id: str, entries: tuple, partial: tuple):
-    """:func:`_program` from constants (see :func:`fshard._traced.constant`)."""
-    return _program(LAYOUT_OF_ID[layout_id], P(*entries, partial=partial))
+def _program_of(layout_id: str, entries: tuple, partial: tuple) -> Program:
+    """:func:`program` from constants (see :func:`fshard._traced.constant`)."""
+    return program(LAYOUT_OF_ID[layout_id], P(*entries, partial=partial))
+
+
+def run(local: torch.Tensor, prog: Program) -> torch.Tensor:
+    """Apply ``prog``'s ops to ``local`` in order (differentiable)."""
+    if prog.ops is None:
+        raise ValueError(
+            f"{prog.out.mesh!r} is abstract: it has no process groups. Use Mesh.create"
+        )
+    for b in prog.ops:
+        local = apply(b, local)
+    return local
 
 
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -140,14 +96,14 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 def claimed_local(x: ShardedArray) -> torch.Tensor:
     """``x.local`` ready to be consumed: a partial leaf being differentiated goes through
-    :class:`fshard.lax.Claim`, so its gradient holds addends of the dense gradient (DESIGN §4:
+    :class:`fshard.collectives.Claim`, so its gradient holds addends of the dense gradient (DESIGN §4:
     the cotangent of a partial value is invariant; a partial *parameter's* gradient keeps the
     parameter's layout, with the full gradient on the first rank of the partial axes and zeros
     on the others)."""
     layout = x.layout
     if not layout.partial:
         return x.local
-    return claim_partial_leaf(x.local, layout.mesh.group(layout.partial))
+    return claim(x.local, claim_of(layout.mesh.group(layout.partial)))
 
 
 def reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
@@ -155,10 +111,7 @@ def reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
     if x.layout.spec == spec:
         return x
     if _dynamo_compiling():  # planned at trace time, not traced
-        ops, out = constant(_program_of, x.layout._id, spec._entries, spec.partial)
+        prog = constant(_program_of, x.layout._id, spec._entries, spec.partial)
     else:
-        ops, out = _program(x.layout, spec)
-    local = claimed_local(x)
-    for op in ops:
-        local = op(local) if isinstance(op, _GatherBlocks) else apply(op, local)
-    return ShardedArray._raw(local, out)
+        prog = program(x.layout, spec)
+    return ShardedArray._raw(run(claim(x.local, prog.claim), prog), prog.out)

@@ -51,7 +51,7 @@ import torch
 from . import _comm, _swap, lax
 from ._leaf_errors import LeafErrors
 from .array import ShardedArray
-from .lax import PsumScatter, apply
+from .collectives import AllGather, Bound
 from .mesh import Mesh
 from .nn_plan import match_plan
 from .spec import P
@@ -166,22 +166,6 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
     return units
 
 
-class _Gathered(torch.autograd.Function):
-    """The full (varying) block gathered outside autograd; backward: psum_scatter over dp."""
-
-    @staticmethod
-    def forward(shard, box, group):
-        return box.pop()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        return apply(PsumScatter(ctx.group, 0, None), g), None, None
-
-
 class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
@@ -191,6 +175,8 @@ class _Session:
         self.order = list(units)
         self.prefetch = prefetch
         self.group = mesh.group(axis)
+        # an eager gather's op, for the backward: varying result, transpose psum_scatter
+        self.gathered = Bound(AllGather(self.group.axes, 0, None), self.group)
         # a 1-rank group has nothing to gather or free: the lax path (no hooks, no copy)
         self.eager = not torch._C._are_functorch_transforms_active() and self.group.size > 1
         self.launched: dict[str, dict] = {}  # unit -> {name: _comm.Pending} gathers in flight
@@ -231,7 +217,7 @@ class _Session:
             x = self.params[n].local
             if n in fulls:
                 full = fulls[n]
-                y = _Gathered.apply(x, [full], self.group) if x.requires_grad else full
+                y = lax.apply(self.gathered, x, done=full) if x.requires_grad else full
                 self.active[full.untyped_storage().data_ptr()] = (unit, n, full)
             else:
                 y = lax.pcast(x, self.axis, mesh=self.mesh)

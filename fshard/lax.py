@@ -1,29 +1,38 @@
 """Named-axis collectives with JAX semantics, differentiable under every torch.func transform.
 
-Every collective is a small frozen *op* (hashable static config: group, dims, chunk sizes) run
-through one new-style ``torch.autograd.Function`` (:class:`_Collective`, applied with
-:func:`fshard._function.call`). The Function's
+Every collective is an op of :mod:`fshard.collectives` (frozen data keyed by mesh axes and
+chunk sizes) bound to its process group (:class:`~fshard.collectives.Bound`), applied by
+:func:`apply` through ONE new-style ``torch.autograd.Function``, :class:`_Collective` (with
+:func:`fshard._function.call`; its twin ``_CollectiveTraced`` under ``torch.compile``). What an
+op does on the wire is looked up in one table, :data:`fshard.collectives.RUN`. The Function's
 ``backward`` applies the op's *transpose*, which is again an op run through the same Function,
 so double backward, ``vmap(grad)``, ``jacrev``, ``jacfwd`` and ``hessian`` all work. Its ``vmap``
 staticmethod moves the batch dim to the front and runs the collective once on the whole batch
-(no c10d op ever sees a batched tensor); its ``jvp`` applies the op to the tangent (every op
-here is linear).
+(no c10d op ever sees a batched tensor); its ``jvp`` applies the op to the tangent. The one
+nonlinear op, ``Pmax`` (pmax/pmin), saves its tie mask as a residual and gives its backward
+and jvp as ops (a psum of the mask). Every caller applies ops through here: the reshard
+programs (:mod:`fshard.executor`), op rules (``fshard.ops._common.group_psum`` & co.),
+shard_map's pcast/unvary, FSDP's gathered parameters (an asynchronous gather's result passed in
+as ``done=``).
 
 A value is, per mesh axis, *invariant* (I: the same on every rank of the axis) or *varying*
 (V). The ops and their transposes, as in JAX with ``check_vma=True``::
 
-    op                       type      forward comm         transpose (backward)
-    psum                     V -> I    all_reduce           pcast            (no comm)
-    pcast                    I -> V    none                 psum             (all_reduce)
-    all_gather(to=varying)   V -> V    all_gather           psum_scatter     (reduce_scatter)
-    all_gather(to=invariant) V -> I    all_gather           local_slice      (no comm)
-    local_slice              I -> V    none                 all_gather(to=invariant)
-    psum_scatter             V -> V    reduce_scatter       all_gather(to=varying)
-    all_to_all(split a, b)   V -> V    all_to_all           all_to_all(split b, concat a)
-    ppermute(perm)           V -> V    send/recv            ppermute(inverse perm)
-    pmax / pmin              V -> I    all_reduce(max/min)  mask ties, psum of the mask
-    zero_others (R -> P)     I -> P    none (zeros on all   identity         (no comm)
+    op (collectives.py)      type      forward comm         transpose (backward)
+    Psum                     V -> I    all_reduce           Pcast            (no comm)
+    Pcast                    I -> V    none                 Psum             (all_reduce)
+    AllGather(varying)       V -> V    all_gather           PsumScatter      (reduce_scatter)
+    AllGather(invariant)     V -> I    all_gather           LocalSlice       (no comm)
+    LocalSlice               I -> V    none                 AllGather(invariant)
+    PsumScatter              V -> V    reduce_scatter       AllGather(varying)
+    AllToAll(split a, b)     V -> V    all_to_all           AllToAll(split b, concat a)
+    Ppermute(perm)           V -> V    send/recv            Ppermute(inverse perm)
+    Pmax(how=max/min)        V -> I    all_reduce(max/min)  mask ties, psum of the mask
+    ZeroOthers (R -> P)      I -> P    none (zeros on all   PartialCotangent (identity)
                                        ranks but the first)
+    GatherBlocks             explicit  all_gather of the    KeepBlock        (no comm)
+                             -> I      padded flat blocks
+    Unvary / Claim           identity  none                 ScaleBySize / KeepFirst
 
 A partial value's cotangent is invariant (DESIGN §4: every addend enters the sum with weight
 one), so the transpose of reshard's R -> P step is the identity; JAX's spelling of the step,
@@ -43,7 +52,6 @@ from __future__ import annotations
 import contextvars
 import os
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import optree
@@ -55,6 +63,19 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from . import _comm, axis_env
 from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
 from .axis_env import current_mesh
+from .collectives import (
+    AllGather,
+    AllToAll,
+    Bound,
+    Claim,
+    Pcast,
+    Pmax,
+    Ppermute,
+    Psum,
+    PsumScatter,
+    norm_dim,
+    run,
+)
 from .mesh import AxisGroup, Mesh
 
 __all__ = [
@@ -70,254 +91,6 @@ __all__ = [
     "axis_index",
     "axis_size",
 ]
-
-
-# -- ops: static, hashable descriptions of one collective ------------------------------------
-
-
-def _split_offset(sizes: tuple[int, ...] | None, total: int, n: int, index: int):
-    if sizes is None:
-        return index * (total // n), total // n
-    return sum(sizes[:index]), sizes[index]
-
-
-@dataclass(frozen=True, eq=False)
-class AllGather:
-    group: AxisGroup
-    dim: int
-    sizes: tuple[int, ...] | None = None
-    invariant: bool = False
-
-    def run(self, x):
-        return _comm.all_gather(x, self.group, self.dim, self.sizes)
-
-    def transpose(self):
-        if self.invariant:
-            return LocalSlice(self.group, self.dim, self.sizes)
-        return PsumScatter(self.group, self.dim, self.sizes)
-
-    def batched(self, batch: int):
-        return replace(self, dim=self.dim + 1)
-
-
-@dataclass(frozen=True, eq=False)
-class LocalSlice:
-    group: AxisGroup
-    dim: int
-    sizes: tuple[int, ...] | None = None
-
-    def run(self, x):
-        start, size = _split_offset(
-            self.sizes, x.shape[self.dim], self.group.size, self.group.index
-        )
-        # A contiguous block (a view when the slice already is one, e.g. dim 0): strided
-        # locals make every later kernel and collective on them slower, in-place ones most.
-        return x.narrow(self.dim, start, size).contiguous()
-
-    def transpose(self):
-        return AllGather(self.group, self.dim, self.sizes, invariant=True)
-
-    def batched(self, batch: int):
-        return replace(self, dim=self.dim + 1)
-
-
-@dataclass(frozen=True, eq=False)
-class PsumScatter:
-    group: AxisGroup
-    dim: int
-    sizes: tuple[int, ...] | None = None
-
-    def run(self, x):
-        return _comm.reduce_scatter(x, self.group, self.dim, self.sizes)
-
-    def transpose(self):
-        return AllGather(self.group, self.dim, self.sizes, invariant=False)
-
-    def batched(self, batch: int):
-        return replace(self, dim=self.dim + 1)
-
-
-@dataclass(frozen=True, eq=False)
-class Psum:
-    group: AxisGroup
-
-    def run(self, x):
-        return _comm.all_reduce(x, self.group, "sum")
-
-    def transpose(self):
-        return Pcast(self.group)
-
-    def batched(self, batch: int):
-        return self
-
-
-@dataclass(frozen=True, eq=False)
-class Pcast:
-    group: AxisGroup
-
-    def run(self, x):
-        return x.view_as(x)
-
-    def transpose(self):
-        return Psum(self.group)
-
-    def batched(self, batch: int):
-        return self
-
-
-@dataclass(frozen=True, eq=False)
-class AllToAll:
-    group: AxisGroup
-    split_dim: int
-    concat_dim: int
-    split_sizes: tuple[int, ...] | None = None
-    concat_sizes: tuple[int, ...] | None = None
-
-    def run(self, x):
-        return _comm.all_to_all(
-            x, self.group, self.split_dim, self.concat_dim, self.split_sizes, self.concat_sizes
-        )
-
-    def transpose(self):
-        return AllToAll(
-            self.group, self.concat_dim, self.split_dim, self.concat_sizes, self.split_sizes
-        )
-
-    def batched(self, batch: int):
-        return replace(self, split_dim=self.split_dim + 1, concat_dim=self.concat_dim + 1)
-
-
-@dataclass(frozen=True, eq=False)
-class Ppermute:
-    group: AxisGroup
-    perm: tuple[tuple[int, int], ...]
-    in_shape: tuple[int, ...] | None = None
-    out_shape: tuple[int, ...] | None = None
-
-    def run(self, x):
-        return _comm.ppermute(x, self.group, self.perm, self.out_shape)
-
-    def transpose(self):
-        inverse = tuple((d, s) for s, d in self.perm)
-        return Ppermute(self.group, inverse, self.out_shape, self.in_shape)
-
-    def batched(self, batch: int):
-        def grow(shape):
-            return None if shape is None else (batch, *shape)
-
-        return replace(self, in_shape=grow(self.in_shape), out_shape=grow(self.out_shape))
-
-
-@dataclass(frozen=True, eq=False)
-class Scale:
-    """Multiply by a constant (self-transpose); the backward of :class:`Unvary`."""
-
-    factor: float
-
-    def run(self, x):
-        return x * self.factor
-
-    def transpose(self):
-        return self
-
-    def batched(self, batch: int):
-        return self
-
-
-def no_addend(x: torch.Tensor) -> torch.Tensor:
-    """Zeros like ``x`` that stand for "no addend" of a pending sum: ``-0.0`` for floating
-    dtypes, the one zero with ``v + z == v`` for every ``v`` (``-0.0 + +0.0`` is ``+0.0``,
-    which would turn a ``-0.0`` sum into ``+0.0``: ``atan2`` then differs by pi)."""
-    if x.is_complex():
-        return torch.full_like(x, complex(-0.0, -0.0))
-    return torch.full_like(x, -0.0) if x.is_floating_point() else torch.zeros_like(x)
-
-
-@dataclass(frozen=True, eq=False)
-class ZeroOthers:
-    """Replicated -> partial over ``group`` (reshard's ``zero`` step): the group's first rank
-    keeps the value, the others hold zeros (:func:`no_addend`; not ``x * 0``, which turns an
-    ``inf`` into ``nan``), so the addends sum to it with no communication.
-
-    Backward: the identity (:class:`PartialCotangent`). The cotangent of a partial value is
-    invariant (as :class:`Claim` also relies on), and the sum of the addends depends on the
-    replicated input with weight one. Its jvp is itself (linear) and its double backward
-    :class:`ZeroOthers` again, as for ``pcast`` then a mask.
-    """
-
-    group: AxisGroup
-
-    def run(self, x):
-        return x.view_as(x) if self.group.index == 0 else no_addend(x)
-
-    def transpose(self):
-        return PartialCotangent(self.group)
-
-    def batched(self, batch: int):
-        return self
-
-
-@dataclass(frozen=True, eq=False)
-class PartialCotangent:
-    """The backward of :class:`ZeroOthers`: a partial value's (invariant) cotangent is the
-    replicated input's cotangent as it is."""
-
-    group: AxisGroup
-
-    def run(self, x):
-        return x.view_as(x)
-
-    def transpose(self):
-        return ZeroOthers(self.group)
-
-    def batched(self, batch: int):
-        return self
-
-
-@dataclass(frozen=True, eq=False)
-class Unvary:
-    """Declare a value that varies in type but is equal in value over the group as invariant.
-
-    Forward: identity. Backward: the cotangent of an invariant value arrives identical on every
-    rank of the group, and each rank's backward then sends it through the varying computation,
-    whose transposes sum the ``n`` copies; scaling by ``1/n`` counts it once. Used by
-    ``shard_map`` at its output boundary (e.g. ``all_gather(to="varying")`` returned as ``P()``).
-    """
-
-    group: AxisGroup
-
-    def run(self, x):
-        return x.view_as(x)
-
-    def transpose(self):
-        return Scale(1.0 / self.group.size)
-
-    def batched(self, batch: int):
-        return self
-
-
-@dataclass(frozen=True, eq=False)
-class Claim:
-    """Where a *leaf* with a partial layout (e.g. a parameter held as addends) is first used.
-
-    Forward: identity. Backward: the cotangent of a partial value is invariant (the same full
-    cotangent on every rank: each addend contributes to the sum with weight one), and that is
-    what flows upstream of a partial *intermediate*. A leaf's gradient, however, is returned
-    with the leaf's partial layout, whose local values are addends; so here the first rank of
-    the partial axes keeps the cotangent and the others get zeros: the gradient then gathers
-    to the dense gradient and an SGD step on the addends moves the sum once.
-    """
-
-    group: AxisGroup
-
-    def run(self, x):
-        return x.view_as(x)
-
-    def transpose(self):
-        return Scale(1.0 if self.group.index == 0 else 0.0)
-
-    def batched(self, batch: int):
-        return self
 
 
 def _is_grad_leaf(t: torch.Tensor) -> bool:
@@ -340,72 +113,104 @@ def _is_grad_leaf(t: torch.Tensor) -> bool:
         t = get_unwrapped(t)
 
 
-def claim_partial_leaf(local: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """``local`` through :class:`Claim` over ``group`` (the partial axes) if it is a leaf being
-    differentiated; otherwise ``local`` itself (an intermediate's cotangent stays invariant)."""
-    if group.size == 1 or not _is_grad_leaf(local):
+def claim(local: torch.Tensor, claim_op: Bound | None) -> torch.Tensor:
+    """``local`` through ``claim_op`` (a bound :class:`~fshard.collectives.Claim` over the
+    partial axes, see :func:`claim_of`) if it is a leaf being differentiated; otherwise
+    ``local`` itself (an intermediate's cotangent stays invariant)."""
+    if claim_op is None or not _is_grad_leaf(local):
         return local
-    return apply(Claim(group), local)
+    return apply(claim_op, local)
+
+
+def claim_of(group: AxisGroup) -> Bound | None:
+    """The bound :class:`~fshard.collectives.Claim` of a partial layout over ``group`` (None
+    where nothing is claimed: a size-1 group)."""
+    return None if group.size == 1 else Bound(Claim(group.axes), group)
 
 
 class _Collective(torch.autograd.Function):
-    """Runs a linear collective op; backward runs its transpose through this same Function."""
+    """Runs bound op ``b`` (``done``: its result, already computed, e.g. by an asynchronous
+    gather). Backward: a linear op's transpose through this same Function; a nonlinear op's
+    ``vjp`` from its residuals."""
 
     @staticmethod
-    def forward(x, op):
-        return op.run(x)
+    def forward(x, b, done):
+        return run(b, x) if done is None else done[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.op = inputs[1]
+        x, b, _ = inputs
+        ctx.b = b
+        if not b.op.linear:
+            saved = b.op.residuals(x, output)
+            ctx.save_for_backward(*saved)
+            ctx.save_for_forward(*saved)
 
     @staticmethod
     def backward(ctx, g):
-        return apply(ctx.op.transpose(), g), None
+        b = ctx.b
+        if b.op.linear:
+            return apply(b.transpose(), g), None, None
+        return b.op.vjp(g, ctx.saved_tensors, _on(b.group)), None, None
 
     @staticmethod
-    def jvp(ctx, x_t, _):
-        return apply(ctx.op, x_t)
+    def jvp(ctx, x_t, _, __):
+        b = ctx.b
+        if b.op.linear:
+            return apply(b, x_t)
+        return b.op.jvp(x_t, ctx.saved_tensors, _on(b.group))
 
     @staticmethod
-    def vmap(info, in_dims, x, op):
+    def vmap(info, in_dims, x, b, done):
         if in_dims[0] is None:
-            return apply(op, x), None
+            return apply(b, x), None
         x = x.movedim(in_dims[0], 0)
-        return apply(op.batched(x.shape[0]), x), 0
+        return apply(b.batched(x.shape[0]), x), 0
+
+
+def _on(group: AxisGroup):
+    """``apply_here(op, t)``: what a nonlinear op's vjp/jvp runs its ops with."""
+    return lambda op, t: apply(Bound(op, group), t)
 
 
 def _traced_backward(ctx, g):
-    # Compiled code is reverse mode only: the transpose runs bare.
-    return ctx.op.transpose().run(g), None
+    # Compiled code is reverse mode only: a linear op's transpose runs bare.
+    b = ctx.b
+    if b.op.linear:
+        return run(b.transpose(), g), None, None
+    return b.op.vjp(g, ctx.saved_tensors, _on(b.group)), None, None
 
 
 _CollectiveTraced = traced(_Collective, backward=_traced_backward)
 
 
-def apply(op, x: torch.Tensor) -> torch.Tensor:
-    """Run collective ``op`` on local tensor ``x`` (differentiable, vmappable).
+def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
+    """Run bound collective op ``b`` on local tensor ``x`` (differentiable, vmappable).
+
+    ``done``: the op's result on ``x``, computed already (FSDP's prefetched gathers); the
+    Function then only records the op for the backward.
 
     A tensor no transform can see (:func:`fshard._function.untracked`: e.g. the input batch
-    under ``torch.func.grad``, which wraps it but does not differentiate it) runs ``op``
+    under ``torch.func.grad``, which wraps it but does not differentiate it) runs ``b``
     directly on the plain tensor: the Function would record nothing. Otherwise the Function runs
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
+    boxed = None if done is None else (done,)
     if _forward_ad._current_level >= 0:
         _refuse_linearize()
     if _dynamo_compiling():
-        return traced_apply(_CollectiveTraced, x, op)
+        return traced_apply(_CollectiveTraced, x, b, boxed)
     plain = untracked(x)
     if plain is not None:
-        return op.run(plain)
-    if type(op) is Pcast:
+        return run(b, plain) if done is None else done
+    if type(b.op) is Pcast:
         hook = PCAST_HOOK.get()
         if hook is not None:
-            out = hook(x, op.group)
+            out = hook(x, b.group)
             if out is not None:
                 return out
-    return call(_Collective, x, op)
+    return call(_Collective, x, b, boxed)
 
 
 #: Set by :func:`fshard.value_and_grad` on its top-level path: ``(x, group) -> tensor | None``.
@@ -424,63 +229,6 @@ def _refuse_linearize() -> None:
             "Use torch.func.jvp(f, primals, tangents) for each tangent (or "
             "torch.func.vmap over jvp for many), or torch.func.jacfwd"
         )
-
-
-class _Pmax(torch.autograd.Function):
-    """Elementwise max (or min) over the group; the gradient is shared among the ties.
-
-    ``ties``: how many elements each rank's input stands for (``None``: one), for a local
-    reduction before the pmax (``amax`` over a split dim): a rank's share is weighted by its
-    local tie count, so each tie gets ``1/global count``, as dense torch gives."""
-
-    @staticmethod
-    def forward(x, group, how, ties=None):
-        return _comm.all_reduce(x, group, how)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, group, _, ties = inputs
-        ctx.group = group
-        mask = x == output
-        if ties is not None:
-            mask = mask * ties
-        ctx.save_for_backward(mask)
-        ctx.save_for_forward(mask)
-
-    @staticmethod
-    def _share(ctx, t):
-        (mask,) = ctx.saved_tensors
-        mask = mask.to(t.dtype)
-        count = apply(Psum(ctx.group), mask)
-        return t * mask / count
-
-    @staticmethod
-    def backward(ctx, g):
-        return _Pmax._share(ctx, g), None, None, None
-
-    @staticmethod
-    def jvp(ctx, x_t, _, __, ___):
-        return apply(Psum(ctx.group), _Pmax._share(ctx, x_t))
-
-    @staticmethod
-    def vmap(info, in_dims, x, group, how, ties):
-        x_dim, ties_dim = in_dims[0], in_dims[3]
-        if x_dim is None and ties_dim is None:
-            return call(_Pmax, x, group, how, ties), None
-        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-        if ties is not None:
-            ties = ties.movedim(ties_dim, 0) if ties_dim is not None else ties.expand_as(x)
-        return call(_Pmax, x, group, how, ties), 0
-
-
-_PmaxTraced = traced(_Pmax)
-
-
-def preduce(x: torch.Tensor, group: AxisGroup, how: str) -> torch.Tensor:
-    """Elementwise ``how`` (``"max"`` or ``"min"``) over ``group``, differentiable."""
-    if _dynamo_compiling():
-        return traced_apply(_PmaxTraced, x, group, how, None)
-    return call(_Pmax, x, group, how, None)
 
 
 # -- public named-axis API --------------------------------------------------------------------
@@ -503,15 +251,6 @@ def _tensor(x, fn: str, name: str = "x") -> torch.Tensor:
     return x
 
 
-def _dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{name} must be an int, got {dim!r}")
-    nd = x.dim()
-    if not -nd <= dim < max(nd, 1):
-        raise ValueError(f"{name}={dim} is out of range for a tensor with {nd} dims")
-    return dim % max(nd, 1)
-
-
 def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> list:
     """Run ``run(xs) -> list`` (the collective); inside a shard_map body also track varying axes.
 
@@ -525,7 +264,8 @@ def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> li
 
 
 def _one(x, g, mesh, op, varies: bool) -> torch.Tensor:
-    return _tracked([x], g, mesh, lambda xs: [apply(op, xs[0])], varies)[0]
+    b = Bound(op, g)
+    return _tracked([x], g, mesh, lambda xs: [apply(b, xs[0])], varies)[0]
 
 
 def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool = False):
@@ -559,7 +299,7 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
         raise TypeError(f"psum: donate must be a bool, got {donate!r}")
     g = _group(axis, mesh)
     if isinstance(x, torch.Tensor) and not donate:
-        return _one(x, g, mesh, Psum(g), varies=False)
+        return _one(x, g, mesh, Psum(g.axes), varies=False)
     from .array import ShardedArray  # a check only: lax works on local blocks
 
     tops = optree.tree_leaves(x, is_leaf=lambda v: isinstance(v, ShardedArray))
@@ -677,7 +417,7 @@ def _psum_bucketed(leaves: list, g: AxisGroup, donate: bool = False) -> list:
     plain = [untracked(leaf) for leaf in leaves]
     if any(p is None for p in plain):
         for b in buckets(leaves, groups, order="in_place_first"):
-            _unpack(out, leaves, b.idx, apply(Psum(g), _flat(leaves, b.idx)))
+            _unpack(out, leaves, b.idx, apply(Bound(Psum(g.axes), g), _flat(leaves, b.idx)))
         return out
     leaves, out = plain, list(plain)
     # No autograd or transform: every all_reduce is launched before the first is waited on
@@ -739,10 +479,8 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
 
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
     _tensor(x, f"p{how}")
-    if _forward_ad._current_level >= 0:
-        _refuse_linearize()
     g = _group(axis, mesh)
-    return _tracked([x], g, mesh, lambda xs: [preduce(xs[0], g, how)], varies=False)[0]
+    return _one(x, g, mesh, Pmax(g.axes, how), varies=False)
 
 
 def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -815,10 +553,10 @@ def all_gather(
     if not tiled:
         if sizes is not None:
             raise ValueError("all_gather: sizes= needs tiled=True (untiled blocks are equal)")
-        x = x.unsqueeze(_dim(x.unsqueeze(0), dim))
-    d = _dim(x, dim)
+        x = x.unsqueeze(norm_dim(dim, x.dim() + 1))
+    d = norm_dim(dim, x.dim())
     sizes = _check_sizes(sizes, g.size, "all_gather", x.shape[d] if x.dim() else 0, g.index)
-    op = AllGather(g, d, sizes, invariant=(to == "invariant"))
+    op = AllGather(g.axes, d, sizes, invariant=(to == "invariant"))
     return _one(x, g, mesh, op, varies=(to == "varying"))
 
 
@@ -867,7 +605,7 @@ def psum_scatter(
     """
     _tensor(x, "psum_scatter")
     g = _group(axis, mesh)
-    d = _dim(x, dim)
+    d = norm_dim(dim, x.dim())
     if not tiled:
         if sizes is not None:
             raise ValueError("psum_scatter: sizes= needs tiled=True")
@@ -876,7 +614,7 @@ def psum_scatter(
                 f"psum_scatter(tiled=False): dim {d} has size {x.shape[d]}, must equal the axis "
                 f"size {g.size}"
             )
-        return _one(x, g, mesh, PsumScatter(g, d, None), varies=True).squeeze(d)
+        return _one(x, g, mesh, PsumScatter(g.axes, d, None), varies=True).squeeze(d)
     if sizes is not None:
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
             raise TypeError(f"psum_scatter: sizes must be a sequence of ints, got {sizes!r}")
@@ -891,7 +629,7 @@ def psum_scatter(
             f"psum_scatter: dim {d} has size {x.shape[d]}, not divisible by the axis size "
             f"{g.size}; pass sizes= for uneven blocks"
         )
-    return _one(x, g, mesh, PsumScatter(g, d, sizes), varies=True)
+    return _one(x, g, mesh, PsumScatter(g.axes, d, sizes), varies=True)
 
 
 def all_to_all(
@@ -924,21 +662,21 @@ def all_to_all(
     """
     _tensor(x, "all_to_all")
     g = _group(axis, mesh)
-    s, c = _dim(x, split_dim, "split_dim"), _dim(x, concat_dim, "concat_dim")
+    s, c = norm_dim(split_dim, x.dim(), "split_dim"), norm_dim(concat_dim, x.dim(), "concat_dim")
     if not tiled:
         if x.shape[s] != g.size:
             raise ValueError(
                 f"all_to_all(tiled=False): split_dim {s} has size {x.shape[s]}, must equal the "
                 f"axis size {g.size}"
             )
-        y = _one(x, g, mesh, AllToAll(g, s, s), varies=True)
+        y = _one(x, g, mesh, AllToAll(g.axes, s, s), varies=True)
         return y.movedim(s, c)
     if x.shape[s] % g.size:
         raise ValueError(
             f"all_to_all: split_dim {s} has size {x.shape[s]}, not divisible by the axis size "
             f"{g.size}"
         )
-    return _one(x, g, mesh, AllToAll(g, s, c), varies=True)
+    return _one(x, g, mesh, AllToAll(g.axes, s, c), varies=True)
 
 
 def ppermute(
@@ -976,7 +714,7 @@ def ppermute(
         raise ValueError(f"ppermute: perm {list(pairs)} must use each source and destination once")
     if any(not 0 <= i < g.size for i in srcs + dsts):
         raise ValueError(f"ppermute: perm {list(pairs)} has indices outside [0, {g.size})")
-    return _one(x, g, mesh, Ppermute(g, pairs), varies=True)
+    return _one(x, g, mesh, Ppermute(g.axes, pairs), varies=True)
 
 
 def pcast(
@@ -1007,7 +745,7 @@ def pcast(
     tracker = axis_env.tracker(mesh)
     if tracker is not None:
         return tracker.pcast(x, g.axes)
-    return apply(Pcast(g), x)
+    return apply(Bound(Pcast(g.axes), g), x)
 
 
 def axis_index(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:

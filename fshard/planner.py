@@ -23,52 +23,73 @@ axis, so the intermediate layouts are always valid.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .collectives import (
+    AllGather,
+    AllToAll,
+    GatherBlocks,
+    LocalSlice,
+    Ppermute,
+    Psum,
+    PsumScatter,
+    ZeroOthers,
+)
 from .spec import Layout, P, chunk_bounds
 
 __all__ = ["Step", "plan"]
 
-LOCAL_OPS = ("slice", "zero")
-
 
 @dataclass(frozen=True)
 class Step:
-    """One step of a reshard: ``op`` over mesh ``axes`` from layout ``src`` to ``dst``.
+    """One step of a reshard: collective ``op`` (a :mod:`fshard.collectives` op, over mesh
+    ``op.axes``) from layout ``src`` to ``dst``.
 
     ``nbytes`` is the input bytes of the rank the plan was made for (0 for local steps);
     ``collective`` says whether the step communicates (local steps and size-1 axes do not).
-    ``split_dim``/``concat_dim``: the tensor dims the step works on (``dim`` for one-dim ops).
+    ``axes``, ``dim``, ``concat_dim`` and ``perm`` read the op (``dim``: the dim a one-dim op
+    works on, an all_to_all's split dim).
 
     Example:
         >>> from fshard import Layout, Mesh, P
         >>> m = Mesh.abstract((2,), ("x",))
         >>> step = plan(Layout(m, P(partial="x"), (8, 8)), P("x"))[0]
-        >>> step.op, step.axes, step.nbytes, step.collective
+        >>> step.op.name, step.axes, step.nbytes, step.collective
         ('reduce_scatter', ('x',), 256, True)
     """
 
-    op: str
-    axes: tuple[str, ...]
+    op: object
     src: Layout
     dst: Layout
-    dim: int | None = None
-    concat_dim: int | None = None
-    perm: tuple[tuple[int, int], ...] = ()
     nbytes: int = 0
 
     @property
+    def axes(self) -> tuple[str, ...]:
+        return self.op.axes
+
+    @property
+    def dim(self) -> int | None:
+        return getattr(self.op, "split_dim", getattr(self.op, "dim", None))
+
+    @property
+    def concat_dim(self) -> int | None:
+        return getattr(self.op, "concat_dim", None)
+
+    @property
+    def perm(self) -> tuple[tuple[int, int], ...]:
+        return getattr(self.op, "perm", ())
+
+    @property
     def collective(self) -> bool:
-        return self.op not in LOCAL_OPS and self.src.mesh.size(self.axes) > 1
+        return not self.op.local and self.src.mesh.size(self.axes) > 1
 
     def __repr__(self) -> str:
         where = f" dim={self.dim}" if self.dim is not None else ""
         if self.concat_dim is not None:
             where = f" split={self.dim} concat={self.concat_dim}"
         return (
-            f"Step({self.op} over {self.axes}{where}: {self.src.spec} -> {self.dst.spec}, "
-            f"{self.nbytes} B)"
+            f"Step({self.op.name} over {self.axes}{where}: {self.src.spec} -> "
+            f"{self.dst.spec}, {self.nbytes} B)"
         )
 
 
@@ -90,8 +111,16 @@ def _with(layout: Layout, dims=None, partial=None) -> Layout:
     return layout.with_spec(P(*dims, partial=tuple(partial)))
 
 
-def _in_mesh_order(mesh, axes) -> tuple[str, ...]:
-    return tuple(a for a in mesh.axis_names if a in set(axes))
+def in_mesh_order(mesh, axes) -> tuple[str, ...]:
+    """``axes`` in the mesh's order.
+
+    Example:
+        >>> from fshard import Mesh
+        >>> in_mesh_order(Mesh.abstract((2, 2), ("x", "y")), ("y", "x"))
+        ('x', 'y')
+    """
+    axes = set(axes)
+    return tuple(a for a in mesh.axis_names if a in axes)
 
 
 def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
@@ -110,7 +139,7 @@ def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
     Example:
         >>> from fshard import Layout, Mesh, P
         >>> m = Mesh.abstract((2,), ("x",))
-        >>> [s.op for s in plan(Layout(m, P("x"), (8, 8)), P(None, "x"))]
+        >>> [s.op.name for s in plan(Layout(m, P("x"), (8, 8)), P(None, "x"))]
         ['all_to_all']
         >>> plan(Layout(m, P("x"), (8, 8)), P())
         [Step(all_gather over ('x',) dim=0: P('x') -> P(), 128 B)]
@@ -123,18 +152,15 @@ def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
         raise TypeError(f"plan: dst_spec must be a fshard.P, got {type(dst_spec).__name__}")
     if rank is None:
         rank = layout.mesh.ranks[0] if layout.mesh.is_abstract else layout.mesh.rank
-    return [_with_bytes(s, rank) for s in _plan(layout, layout.with_spec(dst_spec))]
+    return [_with_bytes(s, rank) for s in steps(layout, layout.with_spec(dst_spec))]
 
 
 def _with_bytes(step: Step, rank: int) -> Step:
     if not step.collective:
         return step
-    shape = step.src.local_shape(rank)
     n = 1
-    for s in shape:
+    for s in step.src.local_shape(rank):
         n *= s
-    from dataclasses import replace
-
     return replace(step, nbytes=n * step.src.dtype.itemsize)
 
 
@@ -145,16 +171,18 @@ def _on_big_axes(layout: Layout):
     return dims, tuple(a for a in layout.partial if a not in unit)
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
+def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
+    """The steps from ``src`` to ``dst`` (no byte counts). Not cached: the decision is cached
+    once, bound to process groups, by ``fshard.executor.program``; an op rule's compiled plan
+    holds those programs."""
     if src.is_explicit:
         # Explicit boxes: gather every block over the whole mesh (padded flat blocks,
         # assembled by offsets), then plan from the replicated value.
         full = src.with_spec(P())
-        return (Step("gather_blocks", src.mesh.axis_names, src, full),) + _plan(full, dst)
+        return (Step(GatherBlocks(src), src, full),) + steps(full, dst)
     if _on_big_axes(src) == _on_big_axes(dst):
         return ()
-    steps: list[Step] = []
+    out: list[Step] = []
     cur = src
     mesh = src.mesh
 
@@ -167,14 +195,15 @@ def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
                 dims = list(cur.dim_axes)
                 dims[d] = axes
                 nxt = _with(cur, dims, [a for a in cur.partial if a not in axes])
-                steps.append(Step("reduce_scatter", axes, cur, nxt, dim=d))
+                sizes = chunk_sizes(cur.shape[d], mesh, axes)
+                out.append(Step(PsumScatter(axes, d, sizes), cur, nxt))
                 cur = nxt
                 removing = [a for a in removing if a not in axes]
                 break
         if removing:
-            axes = _in_mesh_order(mesh, removing)
+            axes = in_mesh_order(mesh, removing)
             nxt = _with(cur, partial=[a for a in cur.partial if a not in axes])
-            steps.append(Step("all_reduce", axes, cur, nxt))
+            out.append(Step(Psum(axes), cur, nxt))
             cur = nxt
 
     # 2. Dims.
@@ -193,10 +222,13 @@ def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
             and not cur.dim_axes[slices[0]]
         ):
             i, j = gathers[0], slices[0]
-            steps.append(Step("all_to_all", cur.dim_axes[i], cur, target, dim=j, concat_dim=i))
+            axes = cur.dim_axes[i]
+            split, concat = (chunk_sizes(cur.shape[k], mesh, axes) for k in (j, i))
+            out.append(Step(AllToAll(axes, j, i, split, concat), cur, target))
             cur = target
         elif gathers and (perm := _block_permutation(cur, target)) is not None:
-            steps.append(Step("ppermute", mesh.axis_names, cur, target, perm=perm))
+            shapes = [tuple(lay.local_shape(r) for r in mesh.ranks) for lay in (cur, target)]
+            out.append(Step(Ppermute(mesh.axis_names, perm, *shapes), cur, target))
             cur = target
         else:
             axes_out = set()
@@ -216,24 +248,28 @@ def _plan(src: Layout, dst: Layout) -> tuple[Step, ...]:
                 dims = list(cur.dim_axes)
                 dims[d] = ()
                 nxt = _with(cur, dims)
-                steps.append(Step("all_gather", cur.dim_axes[d], cur, nxt, dim=d))
+                axes = cur.dim_axes[d]
+                sizes = chunk_sizes(cur.shape[d], mesh, axes)
+                out.append(Step(AllGather(axes, d, sizes, invariant=True), cur, nxt))
                 cur = nxt
             for d in range(cur.ndim):
                 if cur.dim_axes[d] != target_dims[d]:
                     dims = list(cur.dim_axes)
                     dims[d] = target_dims[d]
                     nxt = _with(cur, dims)
-                    steps.append(Step("slice", target_dims[d], cur, nxt, dim=d))
+                    axes = target_dims[d]
+                    sizes = chunk_sizes(cur.shape[d], mesh, axes)
+                    out.append(Step(LocalSlice(axes, d, sizes), cur, nxt))
                     cur = nxt
 
     # 3. New pending sums.
     adding = [a for a in dst.partial if a not in cur.partial]
     if adding:
-        axes = _in_mesh_order(mesh, adding)
-        steps.append(Step("zero", axes, cur, dst))
+        axes = in_mesh_order(mesh, adding)
+        out.append(Step(ZeroOthers(axes), cur, dst))
         cur = dst
     assert cur == dst, (cur, dst)
-    return tuple(steps)
+    return tuple(out)
 
 
 def _block_permutation(src: Layout, dst: Layout):

@@ -51,8 +51,9 @@ from . import _comm, axis_env, consistency
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
 from .array import ShardedArray, is_sharded
+from .collectives import Bound, Pcast, Unvary
 from .executor import claimed_local
-from .lax import Pcast, Unvary, apply
+from .lax import apply
 from .mesh import Mesh
 from .spec import Layout, P, chunk_bounds
 
@@ -117,7 +118,8 @@ class _Tracker(TorchFunctionMode):
             return t
         self.paused += 1
         try:
-            out = apply(Pcast(self.mesh.group(missing)), t)
+            g = self.mesh.group(missing)
+            out = apply(Bound(Pcast(g.axes), g), t)
         finally:
             self.paused -= 1
         self.tag(out, have | frozenset(missing))
@@ -413,9 +415,11 @@ def _cast_out(local: torch.Tensor, spec: P, mesh: Mesh, vma: frozenset) -> torch
     add = tuple(a for a in mesh.axis_names if a in declared and a not in vma)
     drop = tuple(a for a in mesh.axis_names if a in vma and a not in declared)
     if add:
-        local = apply(Pcast(mesh.group(add)), local)
+        g = mesh.group(add)
+        local = apply(Bound(Pcast(g.axes), g), local)
     if drop:
-        local = apply(Unvary(mesh.group(drop)), local)
+        g = mesh.group(drop)
+        local = apply(Bound(Unvary(g.axes), g), local)
     return local
 
 

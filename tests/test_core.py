@@ -41,7 +41,7 @@ def _check_all_reshards(mesh, specs, shapes):
             before = x.local.clone()
             with fs.debug.comm_log() as log:
                 y = fs.reshard(x, b)
-            planned = [(s.op, s.axes, s.nbytes) for s in fs.plan(x.layout, b) if s.collective]
+            planned = [(s.op.name, s.axes, s.nbytes) for s in fs.plan(x.layout, b) if s.collective]
             issued = [(r.op, r.axes, r.nbytes) for r in log]
             assert issued == planned, (shape, a, b, issued, planned)
             assert y.layout == fs.Layout(mesh, b, shape), (a, b)

@@ -451,7 +451,7 @@ def level_functions():
 
         applied = []
         real_call = lax.call
-        lax.call = lambda fn, *a: applied.append(type(a[1]).__name__) or real_call(fn, *a)
+        lax.call = lambda fn, *a: applied.append(type(a[1].op).__name__) or real_call(fn, *a)
         try:
             _close(grad(f)(W[r], x0), grad(fd)(W, x0)[r], "grad w.r.t. the varying operand")
             assert applied == ["Psum", "Pcast"], applied

@@ -31,10 +31,10 @@ cuda="tests/test_devices.py tests/test_autocast.py tests/test_optim_fused.py"
 run cuda_tests 110 "$py" -m pytest -q -p no:cacheprovider -rs --timeout 100 $cuda
 ignore=""
 for f in $cuda; do ignore="$ignore --ignore $f"; done
-run suite 160 "$py" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" --timeout 120 -rfE $ignore
+run suite 200 "$py" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" --timeout 120 -rfE $ignore
 run quickstart_torchrun 40 "$py" -m torch.distributed.run --nproc-per-node 2 examples/quickstart.py --device cuda
 run train_gpt_cuda 40 "$py" examples/train_gpt.py --device cuda --steps 20
-run bench_small 90 "$py" benchmarks/one_rank_step.py --device cuda --size small --steps 20 --compile
+run bench_small 150 "$py" benchmarks/one_rank_step.py --device cuda --size small --steps 20 --compile
 cat "$out/env.txt" "$out/summary.txt"
 tail -n 3 "$out/suite.log"
 grep -E "passed|failed|skipped" "$out/cuda_tests.log" | tail -n 2

@@ -7,8 +7,9 @@ import math
 import optree
 import torch
 
-from .._function import call
-from ..lax import Pcast, Psum, _Pmax, apply
+from ..collectives import Bound, Pcast, Pmax, Psum, norm_dim
+from ..lax import apply
+from ..planner import in_mesh_order
 from ..planner import plan as plan_steps
 from ..spec import Layout, P, _layout, chunk_bounds
 from .registry import SCALAR, is_layout
@@ -54,20 +55,6 @@ def unreduced(layout: Layout) -> P:
     return spec(layout.dim_axes)
 
 
-def in_mesh_order(mesh, axes) -> tuple[str, ...]:
-    axes = set(axes)
-    return tuple(a for a in mesh.axis_names if a in axes)
-
-
-def norm_dim(d: int, ndim: int, name: str = "dim") -> int:
-    if isinstance(d, bool) or not isinstance(d, int):
-        raise TypeError(f"{name} must be an int, got {d!r}")
-    n = max(ndim, 1)
-    if not -n <= d < n:
-        raise IndexError(f"{name}={d} is out of range for a tensor with {ndim} dims")
-    return d % n
-
-
 def norm_dims(dims, ndim: int) -> tuple[int, ...]:
     """``None``/``()`` -> all dims; an int or sequence -> sorted non-negative dims."""
     if dims is None or (isinstance(dims, (tuple, list)) and len(dims) == 0):
@@ -88,50 +75,46 @@ def numel(shape) -> int:
     return math.prod(shape)
 
 
-#: Bytes a rank receives per input byte of a step over ``n`` ranks (the planner's table).
-_TRAFFIC = {
-    "all_gather": lambda n: n - 1,
-    "gather_blocks": lambda n: n - 1,
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "ppermute": lambda n: 1,
-}
-
-
 def reshard_cost(layout: Layout, target: P) -> float:
     """Bytes the mesh's first rank receives to reshard ``layout`` to ``target`` (from the
-    planner's steps). The same number on every rank, so rules that compare costs decide alike
-    (per-rank bytes differ for uneven shards)."""
+    planner's steps and each op's ``traffic``). The same number on every rank, so rules that
+    compare costs decide alike (per-rank bytes differ for uneven shards)."""
     mesh = layout.mesh
     rank = mesh.ranks[0]
     return sum(
-        _TRAFFIC[s.op](mesh.size(s.axes)) * s.nbytes
+        s.op.traffic(mesh.size(s.axes)) * s.nbytes
         for s in plan_steps(layout, target, rank=rank)
         if s.collective
     )
 
 
 # -- collectives of local tensors over an AxisGroup captured at plan time (None: no-op) ----
-# (fs.lax.psum & co. take axis names and resolve the group per call; these do not.)
+# Thin spellings of fshard.collectives ops applied with fshard.lax.apply (fs.lax.psum & co.
+# take axis names and resolve the group per call; these do not).
 
 
 def group_psum(t, group):
-    """The sum of local ``t`` over ``group`` (:class:`fshard.lax.Psum`)."""
-    return t if group is None else apply(Psum(group), t)
+    """The sum of local ``t`` over ``group`` (:class:`fshard.collectives.Psum`)."""
+    return t if group is None else apply(Bound(Psum(group.axes), group), t)
 
 
 def group_pcast(t, group):
-    """Local ``t`` marked varying over ``group`` (:class:`fshard.lax.Pcast`: backward psum)."""
+    """Local ``t`` marked varying over ``group`` (:class:`fshard.collectives.Pcast`: backward
+    psum)."""
     if group is None or not t.requires_grad:
         return t
-    return apply(Pcast(group), t)
+    return apply(Bound(Pcast(group.axes), group), t)
 
 
 def group_pmax(t, group, how: str = "max", ties=None):
-    """The elementwise max (``how="min"``: min) of local ``t`` over ``group``; ``ties``: the
-    local tie count each element of ``t`` stands for (see :func:`split_extreme`)."""
-    return t if group is None else call(_Pmax, t, group, how, ties)
+    """The elementwise max (``how="min"``: min) of local ``t`` over ``group``
+    (:class:`fshard.collectives.Pmax`); ``ties``: the local tie count each element of ``t``
+    stands for (see :func:`split_extreme`)."""
+    if group is None:
+        return t
+    if ties is None:
+        return apply(Bound(Pmax(group.axes, how), group), t)
+    return apply(Bound(Pmax(group.axes, how, ties=True), group), torch.stack([t, ties], -1))
 
 
 def split_extreme(t, dims, keepdim: bool, group, how: str = "max"):

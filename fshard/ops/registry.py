@@ -12,7 +12,8 @@ OpShardings are cached by ``(op, autocast state, input layouts, static args)``, 
 call an op costs a dict lookup plus the local torch call. Under ``torch.autocast`` a rule plans on
 the dtypes autocast gives the op's inputs and the local program runs on inputs cast the same way
 (:mod:`fshard.ops._autocast`). When the input specs differ from the inputs'
-layouts, the inputs are resharded with :func:`fshard.executor.reshard_one` (differentiable, logged);
+layouts, the inputs are resharded by their programs (:func:`fshard.executor.program`, bound once
+and held in the compiled plan; differentiable, logged);
 then every input that is invariant over a mesh axis on which another input varies (sharded or
 partial) goes through ``pcast`` (forward identity, backward psum), so a replicated parameter's
 gradient is reduced exactly once. In strict mode (:func:`fshard.config.strict`) a reshard that
@@ -35,9 +36,10 @@ import torch
 from .. import _compat, config
 from .._traced import constant
 from ..array import ShardedArray, expose_operators, install_dispatch
-from ..executor import check_plain_tensor, claimed_local, reshard_one
-from ..lax import Pcast, apply
-from ..planner import plan as _plan_steps
+from ..collectives import Bound, Pcast
+from ..executor import check_plain_tensor, program
+from ..executor import run as run_program
+from ..lax import apply, claim, claim_of
 from ..spec import LAYOUT_OF_ID, Layout, P, _layout
 from . import _autocast
 from . import inplace as _inplace
@@ -625,8 +627,9 @@ def unsupported_message(name: str, view) -> str:
 class _Input:
     index: int  # leaf index
     layout: Layout  # source layout (plain tensors: replicated)
-    spec: P | None  # reshard target, None when no reshard
-    pcast: Any  # AxisGroup or None
+    program: Any  # the reshard (fshard.executor.Program), None when no reshard
+    claim: Bound | None  # a partial source's Claim (DESIGN §4), None when not partial
+    pcast: Bound | None  # Pcast over the axes other inputs vary on, or None
     plain: bool
     cast: torch.dtype | None = None  # the dtype autocast gives this input, None: as is
 
@@ -661,6 +664,10 @@ class _Compiled:
                 f"the rule for {name} gave {len(specs)} in_specs for {len(tensor_idx)} tensor "
                 "inputs; give one P (or None) per tensor input"
             )
+        # each input's layout with its own dtype (autocast's cast comes after any reshard)
+        own = {
+            i: view[i].with_dtype(leaves[i].dtype) if i in casts else view[i] for i in tensor_idx
+        }
         targets = []
         comm = []
         for pos, (i, spec) in enumerate(zip(tensor_idx, specs)):
@@ -672,16 +679,16 @@ class _Compiled:
                 targets.append((src, None))
                 continue
             tgt = src.with_spec(spec)
-            steps = _plan_steps(src, spec, rank=mesh.ranks[0] if mesh.is_abstract else None)
-            if not steps:  # differs on size-1 mesh axes only: the same local block
+            prog = program(own[i], spec)  # the decision reshard_one caches too
+            if not prog.steps:  # differs on size-1 mesh axes only: the same local block
                 targets.append((tgt, None))
                 continue
-            if any(s.collective for s in steps):
-                comm.append((pos, src, spec, steps))
-            targets.append((tgt, spec))
+            if any(s.collective for s in prog.steps):
+                comm.append((pos, src, spec, prog.steps))
+            targets.append((tgt, prog))
         union = frozenset().union(*[t.varying_axes for t, _ in targets]) if targets else frozenset()
         inputs = []
-        for i, (tgt, spec), given in zip(tensor_idx, targets, specs):
+        for i, (tgt, prog), given in zip(tensor_idx, targets, specs):
             missing = [
                 a
                 for a in mesh.axis_names
@@ -689,10 +696,16 @@ class _Compiled:
             ]
             if given is SHAPE_ONLY:
                 missing = []
-            group = mesh.group(tuple(missing)) if missing and not mesh.is_abstract else None
+            pcast = None
+            if missing and not mesh.is_abstract:
+                g = mesh.group(tuple(missing))
+                pcast = Bound(Pcast(g.axes), g)
             plain = type(leaves[i]) is not ShardedArray
-            src = view[i].with_dtype(leaves[i].dtype) if i in casts else view[i]
-            inputs.append(_Input(i, src, spec, group, plain, casts.get(i)))
+            src = own[i]
+            claim_op = None
+            if src.partial and not mesh.is_abstract:
+                claim_op = claim_of(mesh.group(src.partial))
+            inputs.append(_Input(i, src, prog, claim_op, pcast, plain, casts.get(i)))
         self = _Compiled()
         self.name = name
         self.inputs = tuple(inputs)
@@ -702,7 +715,7 @@ class _Compiled:
         self.tensor_idx = tuple(tensor_idx)
         self.nleaves = len(view)
         self.trivial = all(
-            x.spec is None
+            x.program is None
             and x.pcast is None
             and not x.plain
             and not x.layout.partial
@@ -724,13 +737,13 @@ class _Compiled:
             locs = list(leaves)
             for inp in self.inputs:
                 a = leaves[inp.index]
-                if inp.plain:
-                    a = ShardedArray._raw(a, inp.layout)
-                if inp.spec is not None:
-                    a = reshard_one(a, inp.spec)
-                loc = claimed_local(a)  # a partial leaf's gradient holds addends (DESIGN §4)
+                loc = a if inp.plain else a.local
+                if inp.claim is not None:  # a partial leaf's gradient holds addends (DESIGN §4)
+                    loc = claim(loc, inp.claim)
+                if inp.program is not None:
+                    loc = run_program(loc, inp.program)
                 if inp.pcast is not None and loc.requires_grad:
-                    loc = apply(Pcast(inp.pcast), loc)
+                    loc = apply(inp.pcast, loc)
                 if inp.cast is not None:
                     loc = loc.to(inp.cast)
                 locs[inp.index] = loc
@@ -802,7 +815,7 @@ def _wrap(result, out):
 def strict_error(name, inputs, comm) -> RuntimeError:
     lines = []
     for pos, src, spec, steps in comm:
-        ops = ", ".join(f"{s.op} over {s.axes}" for s in steps if s.collective)
+        ops = ", ".join(f"{s.op.name} over {s.axes}" for s in steps if s.collective)
         lines.append(
             f"input {pos} {tuple(src.shape)} has {src.spec} but the rule needs {spec} ({ops}); "
             f"fix: x{pos} = fs.reshard(x{pos}, fs.{spec!r})"

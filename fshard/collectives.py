@@ -1,0 +1,499 @@
+"""Collectives as data: every communication fshard does, as a frozen op, and the one table that
+runs them.
+
+An *op* is plain hashable data keyed by mesh axes, dims and chunk sizes, never by a process
+group, so the planner builds it on an abstract mesh (``Mesh.abstract``). Each op type carries
+
+* ``name``: its printed name (``fs.plan``'s steps, the comm log's spelling of the collective);
+* ``traffic(n)``: bytes a rank receives per input byte over ``n`` ranks (0 for local ops);
+* ``transpose()``: the op its backward runs (linear ops), and ``batched(b)``: the op on a
+  tensor with a leading batch dim of size ``b`` (the vmap rule);
+* nonlinear ops (``linear = False``, :class:`Pmax`) instead save ``residuals(x, out)`` and give
+  their ``vjp``/``jvp`` in terms of other ops.
+
+A program runs on a real mesh as :class:`Bound` ops, each an op with its process group, bound
+once where the program is built (``fshard.executor.program``, an op rule's compiled plan, a
+``fs.lax`` call). :func:`run` looks the op's type up in :data:`RUN`, the one table from op type
+to the ``_comm`` function (or the local torch code) that executes it; ``fshard.lax._Collective``
+is the one autograd Function that applies a bound op.
+
+Layering: this module imports ``_comm``, ``mesh`` and ``spec`` only; ``planner`` builds ops,
+``lax`` differentiates them, ``executor`` and the op rules run them.
+
+Example:
+    >>> op = AllGather(("x",), dim=0, sizes=(3, 1), invariant=True)
+    >>> op.name, op.transpose(), op.traffic(4)
+    ('all_gather', LocalSlice(axes=('x',), dim=0, sizes=(3, 1)), 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from . import _comm
+from .mesh import AxisGroup
+from .spec import Layout, chunk_bounds
+
+__all__ = [
+    "AllGather",
+    "AllToAll",
+    "Bound",
+    "Claim",
+    "GatherBlocks",
+    "KeepBlock",
+    "KeepFirst",
+    "LocalSlice",
+    "PartialCotangent",
+    "Pcast",
+    "Pmax",
+    "Ppermute",
+    "Psum",
+    "PsumScatter",
+    "RUN",
+    "ScaleBySize",
+    "Unvary",
+    "ZeroOthers",
+    "norm_dim",
+    "run",
+]
+
+
+def norm_dim(d: int, ndim: int, name: str = "dim") -> int:
+    """``d`` as a non-negative dim of a tensor with ``ndim`` dims (a 0-d tensor takes 0 or -1).
+
+    Example:
+        >>> norm_dim(-1, 3)
+        2
+    """
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise TypeError(f"{name} must be an int, got {d!r}")
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise ValueError(f"{name}={d} is out of range for a tensor with {ndim} dims")
+    return d % n
+
+
+# -- the ops ----------------------------------------------------------------------------------
+
+
+class _Op:
+    """Defaults of the op protocol: a linear op whose batching rule ignores the batch dim."""
+
+    name: ClassVar[str]
+    local: ClassVar[bool] = True  # no bytes on the wire
+    linear: ClassVar[bool] = True
+
+    def traffic(self, n: int) -> float:
+        return 0
+
+    def batched(self, batch: int):
+        return self
+
+
+class _OnDim(_Op):
+    """An op on one tensor dim: batching shifts the dim."""
+
+    def batched(self, batch: int):
+        return replace(self, dim=self.dim + 1)
+
+
+@dataclass(frozen=True)
+class AllGather(_OnDim):
+    """Concatenate every rank's block of ``dim`` in chunk order (``sizes``: uneven blocks).
+    ``invariant``: the result's cotangent is taken as invariant (transpose: keep the local
+    block); else varying (transpose: psum_scatter)."""
+
+    axes: tuple[str, ...]
+    dim: int
+    sizes: tuple[int, ...] | None = None
+    invariant: bool = False
+    name: ClassVar[str] = "all_gather"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return n - 1
+
+    def transpose(self):
+        if self.invariant:
+            return LocalSlice(self.axes, self.dim, self.sizes)
+        return PsumScatter(self.axes, self.dim, self.sizes)
+
+
+@dataclass(frozen=True)
+class LocalSlice(_OnDim):
+    """Keep this rank's block of ``dim`` (no communication)."""
+
+    axes: tuple[str, ...]
+    dim: int
+    sizes: tuple[int, ...] | None = None
+    name: ClassVar[str] = "slice"
+
+    def transpose(self):
+        return AllGather(self.axes, self.dim, self.sizes, invariant=True)
+
+
+@dataclass(frozen=True)
+class PsumScatter(_OnDim):
+    """Sum over the group and keep this rank's block of ``dim`` (reduce_scatter)."""
+
+    axes: tuple[str, ...]
+    dim: int
+    sizes: tuple[int, ...] | None = None
+    name: ClassVar[str] = "reduce_scatter"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return (n - 1) / n
+
+    def transpose(self):
+        return AllGather(self.axes, self.dim, self.sizes, invariant=False)
+
+
+@dataclass(frozen=True)
+class Psum(_Op):
+    """Sum over the group (all_reduce): varying in, invariant out."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "all_reduce"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return 2 * (n - 1) / n
+
+    def transpose(self):
+        return Pcast(self.axes)
+
+
+@dataclass(frozen=True)
+class Pcast(_Op):
+    """Invariant -> varying: identity forward, psum backward."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "pcast"
+
+    def transpose(self):
+        return Psum(self.axes)
+
+
+@dataclass(frozen=True)
+class Pmax(_Op):
+    """Elementwise max (``how="min"``: min) over the group. Nonlinear: the cotangent goes to the
+    elements equal to the result, shared among the ties (the tie mask is the residual).
+
+    ``ties``: the input is ``stack([x, counts], -1)``, ``counts`` saying how many elements each
+    of ``x`` stands for (a local ``amax`` before the pmax): a rank's share is weighted by it, so
+    every global tie gets ``1/global count``, as dense torch gives (the local ``amax`` shares
+    its part among its ``count`` ties)."""
+
+    axes: tuple[str, ...]
+    how: str = "max"
+    ties: bool = False
+    name: ClassVar[str] = "all_reduce"
+    local: ClassVar[bool] = False
+    linear: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return 2 * (n - 1) / n
+
+    def residuals(self, x, out):
+        if self.ties:
+            return ((x[..., 0] == out) * x[..., 1],)
+        return (x == out,)
+
+    def vjp(self, t, saved, apply_here: Callable):
+        """``t`` shared among the ties; ``apply_here(op, tensor)`` runs an op on this group."""
+        mask = saved[0].to(t.dtype)
+        share = t * mask / apply_here(Psum(self.axes), mask)
+        return torch.stack([share, torch.zeros_like(share)], -1) if self.ties else share
+
+    def jvp(self, t, saved, apply_here: Callable):
+        mask = saved[0].to(t.dtype)
+        t = t[..., 0] if self.ties else t
+        return apply_here(Psum(self.axes), t * mask / apply_here(Psum(self.axes), mask))
+
+
+@dataclass(frozen=True)
+class AllToAll(_Op):
+    """Split ``split_dim`` into one block per rank, send block ``j`` to rank ``j``, concatenate
+    what arrives along ``concat_dim``."""
+
+    axes: tuple[str, ...]
+    split_dim: int
+    concat_dim: int
+    split_sizes: tuple[int, ...] | None = None
+    concat_sizes: tuple[int, ...] | None = None
+    name: ClassVar[str] = "all_to_all"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return (n - 1) / n
+
+    def transpose(self):
+        a = self
+        return AllToAll(a.axes, a.concat_dim, a.split_dim, a.concat_sizes, a.split_sizes)
+
+    def batched(self, batch: int):
+        return replace(self, split_dim=self.split_dim + 1, concat_dim=self.concat_dim + 1)
+
+
+@dataclass(frozen=True)
+class Ppermute(_Op):
+    """Send from chunk ``src`` to chunk ``dst`` for each pair of ``perm``; a chunk that receives
+    nothing gets zeros. ``out_shapes[j]``: what chunk ``j`` receives (uneven blocks; default
+    its input's shape), ``in_shapes`` likewise for what it sends."""
+
+    axes: tuple[str, ...]
+    perm: tuple[tuple[int, int], ...]
+    in_shapes: tuple[tuple[int, ...], ...] | None = None
+    out_shapes: tuple[tuple[int, ...], ...] | None = None
+    name: ClassVar[str] = "ppermute"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return 1
+
+    def transpose(self):
+        inverse = tuple((d, s) for s, d in self.perm)
+        return Ppermute(self.axes, inverse, self.out_shapes, self.in_shapes)
+
+    def batched(self, batch: int):
+        def grow(shapes):
+            return None if shapes is None else tuple((batch, *s) for s in shapes)
+
+        return replace(self, in_shapes=grow(self.in_shapes), out_shapes=grow(self.out_shapes))
+
+
+@dataclass(frozen=True)
+class ZeroOthers(_Op):
+    """Replicated -> partial over the group (reshard's ``zero`` step): the group's first rank
+    keeps the value, the others hold zeros (:func:`no_addend`: ``-0.0``; not ``x * 0``, which
+    turns an ``inf`` into ``nan``), so the addends sum to it with no communication.
+
+    Backward: the identity (:class:`PartialCotangent`). The cotangent of a partial value is
+    invariant (as :class:`Claim` also relies on), and the sum of the addends depends on the
+    replicated input with weight one. Its jvp is itself (linear) and its double backward
+    :class:`ZeroOthers` again, as for ``pcast`` then a mask.
+    """
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "zero"
+
+    def transpose(self):
+        return PartialCotangent(self.axes)
+
+
+@dataclass(frozen=True)
+class PartialCotangent(_Op):
+    """The backward of :class:`ZeroOthers`: a partial value's (invariant) cotangent is the
+    replicated input's cotangent as it is."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "partial_cotangent"
+
+    def transpose(self):
+        return ZeroOthers(self.axes)
+
+
+@dataclass(frozen=True)
+class Unvary(_Op):
+    """Declare a value that varies in type but is equal in value over the group as invariant.
+
+    Forward: identity. Backward: the cotangent of an invariant value arrives identical on every
+    rank of the group, and each rank's backward then sends it through the varying computation,
+    whose transposes sum the ``n`` copies; :class:`ScaleBySize` (``1/n``) counts it once. Used
+    by ``shard_map`` at its output boundary (e.g. ``all_gather(to="varying")`` returned as
+    ``P()``).
+    """
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "unvary"
+
+    def transpose(self):
+        return ScaleBySize(self.axes)
+
+
+@dataclass(frozen=True)
+class ScaleBySize(_Op):
+    """Multiply by ``1 / n`` (``n``: the group's size); self-transpose. The backward of
+    :class:`Unvary`."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "scale"
+
+    def transpose(self):
+        return self
+
+
+@dataclass(frozen=True)
+class Claim(_Op):
+    """Where a *leaf* with a partial layout (e.g. a parameter held as addends) is first used.
+
+    Forward: identity. Backward: the cotangent of a partial value is invariant (the same full
+    cotangent on every rank: each addend contributes to the sum with weight one), and that is
+    what flows upstream of a partial *intermediate*. A leaf's gradient, however, is returned
+    with the leaf's partial layout, whose local values are addends; so here the first rank of
+    the partial axes keeps the cotangent and the others get zeros (:class:`KeepFirst`): the
+    gradient then gathers to the dense gradient and an SGD step on the addends moves the sum
+    once.
+    """
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "claim"
+
+    def transpose(self):
+        return KeepFirst(self.axes)
+
+
+@dataclass(frozen=True)
+class KeepFirst(_Op):
+    """Multiply by 1 on the group's first rank and by 0 on the others; self-transpose. The
+    backward of :class:`Claim`."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "scale"
+
+    def transpose(self):
+        return self
+
+
+@dataclass(frozen=True)
+class GatherBlocks(_Op):
+    """Explicit layout -> the full tensor on every rank: all_gather of padded flat blocks over
+    the whole mesh, assembled by offsets (each rank receives ``(N-1)`` x the largest block,
+    replicas included). Backward: :class:`KeepBlock` (no communication, as for ``gather``).
+    ``batch``: leading batch dims (the vmap rule)."""
+
+    layout: Layout
+    batch: int = 0
+    name: ClassVar[str] = "gather_blocks"
+    local: ClassVar[bool] = False
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.layout.mesh.axis_names
+
+    def traffic(self, n):
+        return n - 1
+
+    def transpose(self):
+        return KeepBlock(self.layout, self.batch)
+
+    def batched(self, batch: int):
+        return replace(self, batch=self.batch + 1)
+
+
+@dataclass(frozen=True)
+class KeepBlock(_Op):
+    """Keep this rank's box of an explicit layout (the backward of :class:`GatherBlocks`)."""
+
+    layout: Layout
+    batch: int = 0
+    name: ClassVar[str] = "slice"
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.layout.mesh.axis_names
+
+    def transpose(self):
+        return GatherBlocks(self.layout, self.batch)
+
+    def batched(self, batch: int):
+        return replace(self, batch=self.batch + 1)
+
+
+class Bound(NamedTuple):
+    """An op with the process group it runs over (``group.axes`` are the op's axes)."""
+
+    op: Any
+    group: AxisGroup
+
+    def transpose(self) -> Bound:
+        return Bound(self.op.transpose(), self.group)
+
+    def batched(self, batch: int) -> Bound:
+        return Bound(self.op.batched(batch), self.group)
+
+
+# -- running them: one table from op type to what executes it -------------------------------
+
+
+def _identity(op, g, x):
+    return x.view_as(x)
+
+
+def _local_slice(op: LocalSlice, g: AxisGroup, x):
+    if op.sizes is None:
+        start, stop = chunk_bounds(x.shape[op.dim], g.size, g.index)
+    else:
+        start = sum(op.sizes[: g.index])
+        stop = start + op.sizes[g.index]
+    # A contiguous block (a view when the slice already is one, e.g. dim 0): strided locals make
+    # every later kernel and collective on them slower, in-place ones most.
+    return x.narrow(op.dim, start, stop - start).contiguous()
+
+
+def _ppermute(op: Ppermute, g: AxisGroup, x):
+    out = None if op.out_shapes is None else op.out_shapes[g.index]
+    return _comm.ppermute(x, g, op.perm, out)
+
+
+def _gather_blocks(op: GatherBlocks, g: AxisGroup, x):
+    layout, lead = op.layout, tuple(x.shape[: op.batch])
+    metas = [layout.shard_metadata(r) for r in g.ranks]
+    sizes = [m.numel for m in metas]
+    flat = x.contiguous().reshape(*lead, -1)
+    if max(sizes) == 0:
+        flat, sizes = flat.new_zeros(*lead, 1), [1] * len(sizes)
+    flat = _comm.all_gather(flat, g, op.batch, sizes)
+    out = x.new_empty(*lead, *layout.shape)
+    start = 0
+    for m, n in zip(metas, sizes):
+        if m.numel:
+            out[(..., *m.slices())] = flat[..., start : start + m.numel].view(*lead, *m.shard_sizes)
+        start += n
+    return out
+
+
+def _keep_block(op: KeepBlock, g: AxisGroup, x):
+    return x[(..., *op.layout.shard_metadata(g.ranks[g.index]).slices())].clone()
+
+
+def no_addend(x: torch.Tensor) -> torch.Tensor:
+    """Zeros like ``x`` that stand for "no addend" of a pending sum: ``-0.0`` for floating
+    dtypes, the one zero with ``v + z == v`` for every ``v`` (``-0.0 + +0.0`` is ``+0.0``,
+    which would turn a ``-0.0`` sum into ``+0.0``: ``atan2`` then differs by pi)."""
+    if x.is_complex():
+        return torch.full_like(x, complex(-0.0, -0.0))
+    return torch.full_like(x, -0.0) if x.is_floating_point() else torch.zeros_like(x)
+
+
+#: What executes each op type: ``RUN[type(op)](op, group, x)``.
+RUN: dict[type, Callable] = {
+    AllGather: lambda op, g, x: _comm.all_gather(x, g, op.dim, op.sizes),
+    PsumScatter: lambda op, g, x: _comm.reduce_scatter(x, g, op.dim, op.sizes),
+    Psum: lambda op, g, x: _comm.all_reduce(x, g, "sum"),
+    Pmax: lambda op, g, x: _comm.all_reduce(x[..., 0] if op.ties else x, g, op.how),
+    AllToAll: lambda op, g, x: _comm.all_to_all(
+        x, g, op.split_dim, op.concat_dim, op.split_sizes, op.concat_sizes
+    ),
+    Ppermute: _ppermute,
+    GatherBlocks: _gather_blocks,
+    LocalSlice: _local_slice,
+    KeepBlock: _keep_block,
+    Pcast: _identity,
+    PartialCotangent: _identity,
+    Unvary: _identity,
+    Claim: _identity,
+    ZeroOthers: lambda op, g, x: x.view_as(x) if g.index == 0 else no_addend(x),
+    ScaleBySize: lambda op, g, x: x * (1.0 / g.size),
+    KeepFirst: lambda op, g, x: x * (1.0 if g.index == 0 else 0.0),
+}
+
+
+def run(b: Bound, x: torch.Tensor) -> torch.Tensor:
+    """Execute bound op ``b`` on local tensor ``x`` (no autograd: see ``fshard.lax.apply``)."""
+    return RUN[type(b.op)](b.op, b.group, x)
