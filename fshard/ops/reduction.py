@@ -6,7 +6,9 @@ Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
   a nonlinear op or ``fs.gather`` needs the total; ``mean`` divides each addend by the global
   count). They are linear, so a partial input stays partial;
 - ``amax``/``amin``/``max``/``min`` reduce locally, then ``pmax`` over ``A`` (the gradient goes
-  to the maxima, ties share it); empty uneven shards contribute ``-inf``; ``all``/``any``:
+  to the maxima, every tie an equal share, as dense torch: the pmax weights each rank by its
+  local tie count); empty uneven shards contribute the identity (``-inf``, or the integer
+  dtype's least value); ``all``/``any``:
   the local result, then ``pmin``/``pmax`` over ``A`` (a replicated result: ``if
   mask.all():`` works on a sharded mask);
 - ``logsumexp``: ``pmax`` of the local max, then ``psum`` of the shifted exponentials;
@@ -14,7 +16,9 @@ Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
   ``psum`` passes (mean, then squared deviations), exact for uneven shards.
 
 Nonlinear reductions of a partial input reduce it first (refused in strict mode). ``max(dim)``
-and ``min(dim)`` with indices all-gather a split reduced dim first (``amax`` does not).
+and ``min(dim)`` with indices all-gather a split reduced dim first (``amax`` does not) and
+return torch's ``torch.return_types`` (``.values``, ``.indices``). Values in row blocks
+(:mod:`fshard.ops.rows`) reduce over dim 0 as over a split dim.
 
 Example:
     >>> s = x.sum(0)        # x P("x", None): s is P(None, partial="x"), no communication  # doctest: +SKIP

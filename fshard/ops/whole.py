@@ -13,6 +13,12 @@ their axes, so the op runs unchanged on the local blocks:
   (``batch_norm`` in training needs the whole batch: it is gathered);
 - ``repeat``: the repeated dims.
 
+The rule checks at plan time, on meta tensors, that the op accepts every rank's block (an
+empty channel block of ``avg_pool1d`` or ``interpolate`` raises where the global shape does
+not): otherwise it makes the dims with an empty block whole, then every dim, so no rank raises
+alone while the others wait in a collective. ``group_norm`` runs ``torch.group_norm`` on blocks
+(``F.group_norm``'s batch-size check refuses a one-row block the whole batch passes).
+
 Weights, biases and index vectors are replicated. Pending sums pass through the ops that are
 linear in their input (``cumsum``, ``tril``, ``flip``, ``roll``, ``index_select``, ``gather``,
 ``repeat``...) and are reduced first for the others. ``new_zeros``/``new_ones``/``new_full``/
