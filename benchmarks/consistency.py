@@ -1,16 +1,23 @@
-"""Cost of consistency mode (``fs.config.check_consistency``) on 2 local Gloo ranks.
+"""Cost of consistency checks (``fs.config.check_consistency``) on 2 local Gloo ranks.
 
     flock /tmp/fshard-bench.lock python benchmarks/consistency.py [--reps 7]
 
-Consistency mode adds one fixed-size exchange (an ``all_reduce`` of four int64 words) before
-each collective. Two tables, each configuration timed with the mode off and on in the same
-processes, interleaved per rep (median over reps; a rep's time is the slowest rank's mean):
+Three modes, timed side by side in the same rank processes, interleaved per rep (median over
+reps; a rep's time is the slowest rank's mean):
 
-1. One collective: ``fs.lax.psum`` of 4 KiB and 1 MiB, off and on, beside a raw
-   ``dist.all_reduce`` and DTensor's Partial -> Replicate ``redistribute`` of the same tensor.
-2. One training step of the tensor-parallel MLP of ``benchmarks/train_step.py`` (1024 -> 4096 ->
-   1024, batch 64, fwd + bwd + SGD): the local view (``pcast``/``psum`` in the body, 2
-   collectives per step) and the global view through the op rules (``fs.nn.functional_call``).
+* ``off``: no checks (``FSHARD_CHECK_CONSISTENCY=0``);
+* ``default``: a running digest per process group, exchanged at the API boundaries
+  (``fs.gather``, ``fs.optim.step``, creation functions, ...), at a group's first collective
+  and every ``fs.config.consistency_interval``-th;
+* ``every``: one digest exchange (an ``all_reduce`` of four int64 words) before every
+  collective (the strict mode of the test suite).
+
+Sections: one ``fs.lax.psum`` of 4 KiB, then the training steps of ``benchmarks/``: the TP MLP
+of ``train_step.py`` (local and global view), its DP step (``fs.value_and_grad``, local and
+global view), and the FSDP step of ``fsdp_step.py`` (``--fsdp-dim``, ``--fsdp-layers``). The
+last columns give the collectives and digest exchanges per step in each mode, and the
+default's exchanges times the cost of one exchange alone (first row), relative to the step:
+the part of the default's cost that is not noise on a busy machine.
 """
 
 from __future__ import annotations
@@ -21,163 +28,117 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(_HERE.parent), str(_HERE)]  # this checkout's fshard; train_step's model
+sys.path[:0] = [str(_HERE.parent), str(_HERE)]  # this checkout's fshard; the step benchmarks
+import fsdp_step  # noqa: E402
+import train_step  # noqa: E402
 from _runner import timed  # noqa: E402
-from train_step import BATCH, MLP, D  # noqa: E402  (the same model as the step benchmark)
 
 import fshard as fs  # noqa: E402
+from fshard import consistency  # noqa: E402
 from fshard.launch import World  # noqa: E402
 
-
-def _collective_configs(mesh):
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    configs = {}
-    dmesh = mesh.device_mesh
-    for label, n in (("4 KiB", 1024), ("1 MiB", 1 << 18)):
-        t = torch.ones(n)
-
-        def raw(t=t):
-            dist.all_reduce(t.clone())
-
-        def dtensor(t=t):
-            DTensor.from_local(t, dmesh, [Partial()], run_check=False).redistribute(
-                dmesh, [Replicate()]
-            ).to_local()
-
-        def fshard(t=t):
-            fs.lax.psum(t, "tp", mesh=mesh)
-
-        configs[label] = {
-            "raw dist.all_reduce": (raw, False),
-            "DTensor redistribute": (dtensor, False),
-        }
-        configs[label]["fs.lax.psum, consistency off"] = (fshard, False)
-        configs[label]["fs.lax.psum, consistency on"] = (fshard, True)
-    return configs
+MODES = ("off", "default", "every")
 
 
-def _step_configs(mesh, lr=1e-3):
-    torch.manual_seed(0)
-    model = MLP()
-    x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-    plan = fs.nn.megatron_plan(column=["fc1"], row=["fc2"])
-    tx = fs.optim.sgd(lr)
-
-    def local_loss(ps, x, y):
-        xv = fs.lax.pcast(x, "tp", mesh=mesh)
-        h = F.gelu(F.linear(xv, ps["fc1.weight"].local, ps["fc1.bias"].local))
-        out = fs.lax.psum(F.linear(h, ps["fc2.weight"].local), "tp", mesh=mesh)
-        return F.mse_loss(out + ps["fc2.bias"].local, y)
-
-    local_grad = torch.func.grad(local_loss)
-    xs = fs.shard(x, mesh, fs.P())
-
-    def global_loss(ps):
-        return F.mse_loss(fs.gather(fs.nn.functional_call(model, ps, (xs,))), y)
-
-    global_grad = torch.func.grad(global_loss)
-    state = {}
-    for view in ("local", "global"):
-        params = fs.nn.shard_params(model, mesh, plan)
-        state[view] = {"p": params, "s": tx.init(params)}
-
-    def local_step():
-        st = state["local"]
-        g = local_grad(st["p"], x, y)
-        st["p"], st["s"] = fs.optim.step(tx, g, st["s"], st["p"], donate=True)
-
-    def global_step():
-        st = state["global"]
-        g = global_grad(st["p"])
-        st["p"], st["s"] = fs.optim.step(tx, g, st["s"], st["p"], donate=True)
-
-    return {
-        "TP MLP step": {
-            "fshard local view, consistency off": (local_step, False),
-            "fshard local view, consistency on": (local_step, True),
-            "fshard global view, consistency off": (global_step, False),
-            "fshard global view, consistency on": (global_step, True),
-        }
-    }
-
-
-def _collectives_per_step(fn, check: bool) -> int:
-    with fs.config.consistency(check), fs.debug.comm_log() as log:
-        fn()
-    return len(log)
-
-
-def bench(reps: int, coll_iters: int, step_iters: int) -> dict:
-    """Run on every rank: {section: {config: [ms per rep]}} plus collectives per step."""
+def _steps(fsdp_dim: int, fsdp_layers: int) -> dict:
+    """{section: (step function, iterations per rep)}; built on every rank."""
     mesh = fs.Mesh.create((2,), ("tp",))
-    sections = {**_collective_configs(mesh), **_step_configs(mesh)}
-    out: dict = {s: {name: [] for name in cfgs} for s, cfgs in sections.items()}
-    counts = {
-        name: _collectives_per_step(fn, False) for name, (fn, _) in sections["TP MLP step"].items()
+    t = torch.ones(1024)
+    g = mesh.group(("tp",))
+    tp, _ = train_step.tp_configs()
+    dp, _ = train_step.dp_configs()
+    return {
+        "digest exchange alone": (lambda: consistency._exchange(g, 1, 0, None), 200),
+        "fs.lax.psum 4 KiB": (lambda: fs.lax.psum(t, "tp", mesh=mesh), 200),
+        "TP step, local view": (tp["fshard local view (pcast/psum)"], 5),
+        "TP step, global view": (tp["fshard global view (op rules)"], 5),
+        "DP step, local view": (dp["fs.value_and_grad, local view (pcast)"], 5),
+        "DP step, global view": (dp["fs.value_and_grad, global view (op rules)"], 5),
+        "FSDP step": (fsdp_step.fshard_config(fsdp_dim, fsdp_layers), 2),
     }
-    for cfgs in sections.values():  # warm up every configuration (plans, buffers)
-        for fn, check in cfgs.values():
-            with fs.config.consistency(check):
-                for _ in range(3):
+
+
+def _counts(fn) -> dict:
+    """Collectives and digest exchanges of one call of ``fn`` in each mode."""
+    calls = []
+    real = consistency._exchange
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    out = {}
+    consistency._exchange = counted
+    try:
+        for mode in MODES:
+            calls.clear()
+            with fs.config.consistency(mode), fs.debug.comm_log() as log:
+                fn()
+            out[mode] = (len(log), len(calls))
+    finally:
+        consistency._exchange = real
+    return out
+
+
+def bench(reps: int, fsdp_dim: int, fsdp_layers: int) -> dict:
+    """Run on every rank: {section: {mode: [ms per rep]}} and the per-step counts."""
+    steps = _steps(fsdp_dim, fsdp_layers)
+    for fn, _ in steps.values():  # warm up (plans, buffers) in every mode
+        for mode in MODES:
+            with fs.config.consistency(mode):
+                for _ in range(2):
                     fn()
-    for _ in range(reps):
-        for section, cfgs in sections.items():
-            iters = step_iters if section == "TP MLP step" else coll_iters
-            for name, (fn, check) in cfgs.items():
-                with fs.config.consistency(check):
-                    out[section][name].append(timed(fn, iters)[0] * 1e3)
-    return {"times": out, "collectives": counts}
-
-
-def _table(section: str, per_rank: list, base: str):
-    from rich.table import Table
-
-    table = Table(title=f"{section} (2 Gloo ranks; median of reps, slowest rank)")
-    for col in ("configuration", "ms", "vs " + base, "consistency cost"):
-        table.add_column(col, justify="left" if col == "configuration" else "right")
-    names = list(per_rank[0]["times"][section])
-    reps = len(per_rank[0]["times"][section][names[0]])
-    worst = {
-        n: [max(r["times"][section][n][i] for r in per_rank) for i in range(reps)] for n in names
-    }
-    med = {n: statistics.median(v) for n, v in worst.items()}
-    for n in names:
-        cost = ""
-        if n.endswith("consistency on"):
-            off = n.replace("consistency on", "consistency off")
-            cost = f"+{med[n] - med[off]:.3f} ms ({med[n] / med[off] - 1:+.1%})"
-        table.add_row(n, f"{med[n]:.3f}", f"{med[n] / med[base]:.2f}x", cost)
-    return table
+    counts = {s: _counts(fn) for s, (fn, _) in steps.items()}
+    times: dict = {s: {m: [] for m in MODES} for s in steps}
+    for rep in range(reps):
+        for s, (fn, iters) in steps.items():
+            order = MODES[rep % 3 :] + MODES[: rep % 3]  # no mode always runs first
+            for mode in order:
+                with fs.config.consistency(mode):
+                    times[s][mode].append(timed(fn, iters)[0] * 1e3)
+    return {"times": times, "counts": counts, "interval": fs.config.consistency_interval}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--coll-iters", type=int, default=200)
-    ap.add_argument("--step-iters", type=int, default=5)
+    ap.add_argument("--fsdp-dim", type=int, default=512)
+    ap.add_argument("--fsdp-layers", type=int, default=6)
     args = ap.parse_args(argv)
     from rich.console import Console
+    from rich.table import Table
 
-    with World(2, timeout=600) as world:
-        per_rank = world.run(bench, args.reps, args.coll_iters, args.step_iters)
-    console = Console()
-    for section in per_rank[0]["times"]:
-        base = (
-            "fshard local view, consistency off"
-            if section == "TP MLP step"
-            else "raw dist.all_reduce"
-        )
-        console.print(_table(section, per_rank, base))
-    counts = per_rank[0]["collectives"]
-    console.print(
-        "collectives per step (each gets one digest exchange when on): "
-        + ", ".join(f"{n.split(',')[0]}: {c}" for n, c in counts.items() if "off" in n)
+    with World(2, timeout=1800) as world:
+        res = world.run(bench, args.reps, args.fsdp_dim, args.fsdp_layers)[0]
+    table = Table(
+        title=f"Consistency checks, 2 Gloo ranks (median of {args.reps} reps; interval "
+        f"{res['interval']})"
     )
+    cols = ["step", "off ms", "default ms", "default cost", "every ms", "every cost"]
+    cols += ["collectives/step", "exchanges/step (default, every)", "default: exchanges x cost"]
+    for c in cols:
+        table.add_column(c, justify="left" if c == "step" else "right")
+    for s, per in res["times"].items():
+        med = {m: statistics.median(v) for m, v in per.items()}
+        # the cost is the median of the per-rep ratios (the modes of a rep ran back to back)
+        cost = {m: statistics.median(a / b - 1 for a, b in zip(per[m], per["off"])) for m in MODES}
+        n = res["counts"][s]
+        x = statistics.median(res["times"]["digest exchange alone"]["off"])
+        estimate = n["default"][1] * x / med["off"]
+        table.add_row(
+            s,
+            f"{med['off']:.3f}",
+            f"{med['default']:.3f}",
+            f"{cost['default']:+.1%}",
+            f"{med['every']:.3f}",
+            f"{cost['every']:+.1%}",
+            str(n["off"][0]),
+            f"{n['default'][1]}, {n['every'][1]}",
+            f"{estimate:+.2%}",
+        )
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":

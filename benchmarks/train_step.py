@@ -83,6 +83,7 @@ def tp_configs(lr=1e-3):
     y = torch.randn(BATCH, D)
 
     # fshard, local view
+    weights = model.state_dict()  # the copies below start here (refused once model is sharded)
     plan = fs.nn.megatron_plan(column=["fc1"], row=["fc2"])
     params = fs.nn.shard_params(model, mesh, plan)
     tx = fs.optim.sgd(lr)
@@ -122,7 +123,7 @@ def tp_configs(lr=1e-3):
 
     # fshard, global view (op rules through __torch_function__)
     gmodel = MLP()
-    gmodel.load_state_dict(model.state_dict())
+    gmodel.load_state_dict(weights)
     gst = {"p": fs.nn.shard_params(gmodel, mesh, plan)}
     gst["s"] = tx.init(gst["p"])
     xs, ys = fs.shard(x, mesh, fs.P()), y
@@ -139,7 +140,7 @@ def tp_configs(lr=1e-3):
 
     # DTensor
     dmodel = MLP()
-    dmodel.load_state_dict(model.state_dict())
+    dmodel.load_state_dict(weights)
     dmesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
     parallelize_module(dmodel, dmesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     dopt = torch.optim.SGD(dmodel.parameters(), lr=lr)
@@ -205,6 +206,7 @@ def dp_configs(lr=1e-3):
     x = torch.randn(BATCH, D)
     y = torch.randn(BATCH, D)
     xs, ys = fs.shard(x, mesh, fs.P("dp")), fs.shard(y, mesh, fs.P("dp"))
+    weights = model.state_dict()  # for the DDP copy (refused once model is sharded)
     params = fs.nn.shard_params(model, mesh)  # replicated
     tx = fs.optim.sgd(lr)
     st = {"p": params, "s": tx.init(params)}
@@ -254,7 +256,7 @@ def dp_configs(lr=1e-3):
         gst["p"], gst["s"] = fs.optim.step(tx, g, gst["s"], gst["p"], donate=True)
 
     dmodel = MLP()
-    dmodel.load_state_dict(model.state_dict())
+    dmodel.load_state_dict(weights)
     ddp = DDP(dmodel)
     dopt = torch.optim.SGD(ddp.parameters(), lr=lr)
 

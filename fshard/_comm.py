@@ -507,7 +507,8 @@ def reduce_scatter(
         pieces = [_pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)]
         send = torch.stack([pieces[j] for j in _chunk_of_group_rank(g)])
     if lowering(g).reduce_scatter_via_all_to_all:
-        mine = _exchange_stacked(send, g).sum(0)
+        # A left fold, not .sum(0): torch's sum starts from +0.0, so -0.0 addends gave +0.0.
+        mine = functools.reduce(torch.add, _exchange_stacked(send, g).unbind(0))
     elif tracing():
         mine = _compat.funcol_reduce_scatter(send.flatten(0, 1).detach(), g.pg)
     else:

@@ -45,11 +45,11 @@ __all__ = ["swap", "targets", "aliases", "resolve", "hold_elsewhere", "held_here
 
 # -- modules whose values are held elsewhere --------------------------------------------------
 # fs.nn.shard_params copies a module's values into a params dict that training replaces; the
-# module's own tensors then lag behind. ``module.state_dict()`` is refused after any swap into
-# the module (a training or eval step on the params) until fs.nn.load_params writes the values
-# back. A plain dict keyed by ``id``: dynamo records its
-# update in a compiled step as a side effect (a WeakKeyDictionary it cannot trace). The hook
-# that reads it is registered only on modules shard_params saw, so a reused id is harmless.
+# module's own tensors then lag behind. ``module.state_dict()`` is refused from shard_params on,
+# and again after any eager swap into the module (a training or eval step on the params), until
+# fs.nn.load_params writes the values back. Compiled calls do not mark: state read there would
+# be guarded, and the step recompiled once it changed. The hook that reads the dict is
+# registered only on modules shard_params saw, so a reused id is harmless.
 _STALE: dict[int, bool] = {}
 _HOOKED: dict[int, object] = {}
 _READING = contextvars.ContextVar("fshard_swap_reading", default=False)
@@ -59,8 +59,8 @@ def _refuse_stale_state_dict(module, prefix, keep_vars) -> None:
     if _STALE.get(id(module)) and not _READING.get():
         raise RuntimeError(
             f"{type(module).__name__}.state_dict(): this module's parameters were copied into a "
-            "params dict by fs.nn.shard_params and used since; training updates that dict, not "
-            "the module, so its own tensors may be stale. Save the trained values with "
+            "params dict by fs.nn.shard_params; training updates that dict, not the module, so "
+            "its own tensors may be stale. Save the trained values with "
             "fs.checkpoint.save(path, fs.nn.state_dict(model, params)) (sharded, no gather), or "
             "write them back first with fs.nn.load_params(model, params), after which "
             "model.state_dict() holds them"
@@ -69,8 +69,8 @@ def _refuse_stale_state_dict(module, prefix, keep_vars) -> None:
 
 def hold_elsewhere(module: torch.nn.Module) -> None:
     """Mark ``module``'s values as copied into a params dict (:func:`fshard.nn.shard_params`):
-    from the next swap into it, ``module.state_dict()`` raises until :func:`held_here`."""
-    _STALE[id(module)] = False
+    ``module.state_dict()`` raises until :func:`held_here`."""
+    _STALE[id(module)] = True
     if id(module) not in _HOOKED:
         _HOOKED[id(module)] = module.register_state_dict_pre_hook(_refuse_stale_state_dict)
         weakref.finalize(module, _forget, id(module))
@@ -179,7 +179,8 @@ class swap:
 
     def __init__(self, module: torch.nn.Module, values: Mapping, fn: str, held=None):
         self.targets = targets(module, values, fn, held)
-        if id(module) in _STALE and fn in ("functional_call", "fsdp_call"):
+        eager = not torch.compiler.is_compiling()
+        if eager and fn in ("functional_call", "fsdp_call") and id(module) in _STALE:
             _STALE[id(module)] = True
         self.saved: list = []
         self.orders: dict = {}

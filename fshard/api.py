@@ -195,6 +195,7 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
     if shape is None or dtype is None:
         meta = _comm.broadcast_object(meta, g, g.ranks.index(src))
     layout = Layout(mesh, spec.__class__(*spec.dims), meta[0], meta[1])
+    _agree(layout, f"shard(src={src}) (the shape and dtype passed must be rank {src}'s tensor's)")
     blocks = [layout.shard_metadata(r).slices() for r in g.ranks]
     like = t if me == src else torch.empty(0, dtype=meta[1], device=mesh.device())
     local = _comm.scatter_from(t, g, g.ranks.index(src), blocks, like)
@@ -268,6 +269,7 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     if dst is None:
         return reshard_one(x, P()).local
     mesh = x.mesh
+    consistency.boundary(mesh, f"fs.gather(dst={dst})")
     if isinstance(dst, bool) or not isinstance(dst, int) or dst not in mesh.ranks:
         raise ValueError(f"gather: dst must be a rank of the mesh {mesh.ranks}, got {dst!r}")
     if x.layout.partial:

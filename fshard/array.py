@@ -390,8 +390,12 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
 def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -> Layout:
     if extra > 0:
         # vmap outputs (batch dims in front): unsharded leading dims, sizes from the local.
+        lead = tuple(local.shape[:extra])
+        if layout.is_explicit:  # row blocks (fshard.ops.rows): every box gains the dims whole
+            boxes = [((0,) * extra + o, lead + s) for o, s in layout.chunks]
+            return Layout.explicit(layout.mesh, boxes, lead + layout.shape, layout.dtype)
         spec = P(*([None] * extra), *layout.dim_axes, partial=layout.partial)
-        return _layout(layout.mesh, spec, tuple(local.shape[:extra]) + layout.shape, layout.dtype)
+        return _layout(layout.mesh, spec, lead + layout.shape, layout.dtype)
     # vmap inputs: a stacked dim was taken off. A batched local says which one (its bdim, in
     # the coordinates of the value one level out: the layout's); otherwise find the unsharded
     # dim whose removal matches the local shape.

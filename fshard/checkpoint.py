@@ -524,7 +524,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     error = _agree(error)
     if error:
         raise CheckpointError(error)
-    consistency.check_equal({k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}, what="checkpoint save: keys and Python values")  # fmt: skip
+    consistency.check_equal({"checkpoint path": path, **{k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}}, what="checkpoint save: path, keys and Python values")  # fmt: skip
     state = {k: _to_saveable(k, leaf, me) for k, leaf in zip(keys, leaves) if k not in values}
     lock, tmp = None, None
     try:
@@ -849,6 +849,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
 
     path = _check_path(path, "load")
     keys, leaves, treedef = _flatten(like, "load")
+    consistency.check_equal({"checkpoint path": path}, what="checkpoint load")
     me = _rank()
     error = None
     if me == 0:

@@ -182,10 +182,16 @@ class Pcast(_Op):
 @dataclass(frozen=True)
 class Pmax(_Op):
     """Elementwise max (``how="min"``: min) over the group. Nonlinear: the cotangent goes to the
-    elements equal to the result, shared among the ties (the tie mask is the residual)."""
+    elements equal to the result, shared among the ties (the tie mask is the residual).
+
+    ``ties``: the input is ``stack([x, counts], -1)``, ``counts`` saying how many elements each
+    of ``x`` stands for (a local ``amax`` before the pmax): a rank's share is weighted by it, so
+    every global tie gets ``1/global count``, as dense torch gives (the local ``amax`` shares
+    its part among its ``count`` ties)."""
 
     axes: tuple[str, ...]
     how: str = "max"
+    ties: bool = False
     name: ClassVar[str] = "all_reduce"
     local: ClassVar[bool] = False
     linear: ClassVar[bool] = False
@@ -194,15 +200,20 @@ class Pmax(_Op):
         return 2 * (n - 1) / n
 
     def residuals(self, x, out):
+        if self.ties:
+            return ((x[..., 0] == out) * x[..., 1],)
         return (x == out,)
 
     def vjp(self, t, saved, apply_here: Callable):
         """``t`` shared among the ties; ``apply_here(op, tensor)`` runs an op on this group."""
         mask = saved[0].to(t.dtype)
-        return t * mask / apply_here(Psum(self.axes), mask)
+        share = t * mask / apply_here(Psum(self.axes), mask)
+        return torch.stack([share, torch.zeros_like(share)], -1) if self.ties else share
 
     def jvp(self, t, saved, apply_here: Callable):
-        return apply_here(Psum(self.axes), self.vjp(t, saved, apply_here))
+        mask = saved[0].to(t.dtype)
+        t = t[..., 0] if self.ties else t
+        return apply_here(Psum(self.axes), t * mask / apply_here(Psum(self.axes), mask))
 
 
 @dataclass(frozen=True)
@@ -259,8 +270,8 @@ class Ppermute(_Op):
 @dataclass(frozen=True)
 class ZeroOthers(_Op):
     """Replicated -> partial over the group (reshard's ``zero`` step): the group's first rank
-    keeps the value, the others hold zeros (not ``x * 0``, which turns an ``inf`` into ``nan``),
-    so the addends sum to it with no communication.
+    keeps the value, the others hold zeros (:func:`no_addend`: ``-0.0``; not ``x * 0``, which
+    turns an ``inf`` into ``nan``), so the addends sum to it with no communication.
 
     Backward: the identity (:class:`PartialCotangent`). The cotangent of a partial value is
     invariant (as :class:`Claim` also relies on), and the sum of the addends depends on the
@@ -451,12 +462,21 @@ def _keep_block(op: KeepBlock, g: AxisGroup, x):
     return x[(..., *op.layout.shard_metadata(g.ranks[g.index]).slices())].clone()
 
 
+def no_addend(x: torch.Tensor) -> torch.Tensor:
+    """Zeros like ``x`` that stand for "no addend" of a pending sum: ``-0.0`` for floating
+    dtypes, the one zero with ``v + z == v`` for every ``v`` (``-0.0 + +0.0`` is ``+0.0``,
+    which would turn a ``-0.0`` sum into ``+0.0``: ``atan2`` then differs by pi)."""
+    if x.is_complex():
+        return torch.full_like(x, complex(-0.0, -0.0))
+    return torch.full_like(x, -0.0) if x.is_floating_point() else torch.zeros_like(x)
+
+
 #: What executes each op type: ``RUN[type(op)](op, group, x)``.
 RUN: dict[type, Callable] = {
     AllGather: lambda op, g, x: _comm.all_gather(x, g, op.dim, op.sizes),
     PsumScatter: lambda op, g, x: _comm.reduce_scatter(x, g, op.dim, op.sizes),
     Psum: lambda op, g, x: _comm.all_reduce(x, g, "sum"),
-    Pmax: lambda op, g, x: _comm.all_reduce(x, g, op.how),
+    Pmax: lambda op, g, x: _comm.all_reduce(x[..., 0] if op.ties else x, g, op.how),
     AllToAll: lambda op, g, x: _comm.all_to_all(
         x, g, op.split_dim, op.concat_dim, op.split_sizes, op.concat_sizes
     ),
@@ -468,7 +488,7 @@ RUN: dict[type, Callable] = {
     PartialCotangent: _identity,
     Unvary: _identity,
     Claim: _identity,
-    ZeroOthers: lambda op, g, x: x.view_as(x) if g.index == 0 else torch.zeros_like(x),
+    ZeroOthers: lambda op, g, x: x.view_as(x) if g.index == 0 else no_addend(x),
     ScaleBySize: lambda op, g, x: x * (1.0 / g.size),
     KeepFirst: lambda op, g, x: x * (1.0 if g.index == 0 else 0.0),
 }

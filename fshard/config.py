@@ -6,42 +6,93 @@ import contextlib
 import contextvars
 import os
 
-__all__ = ["strict", "is_strict", "check_consistency", "consistency", "consistency_checked"]
+__all__ = [
+    "strict",
+    "is_strict",
+    "check_consistency",
+    "consistency_interval",
+    "consistency",
+    "consistency_checked",
+    "consistency_mode",
+]
 
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("fshard_strict", default=False)
-_CONSISTENCY: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+_CONSISTENCY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "fshard_consistency", default=None
 )
 
-#: Consistency mode (see :mod:`fshard.consistency`), off by default. When True, the ranks of a
-#: group exchange a small digest (op, axes, layout, shape, dtype, sequence number) before every
-#: collective, and ``from_local``/``shard``/creation functions/``shard_map`` check that every
-#: rank passed the same layout; any disagreement raises ``fs.consistency.ConsistencyError`` on
-#: every rank, before the data collective. Set it here, with :func:`consistency` for a block,
-#: or with the environment variable ``FSHARD_CHECK_CONSISTENCY=1`` (read at import, so
-#: processes spawned by ``fs.launch`` inherit it; fshard's test suite runs with it on).
-check_consistency: bool = os.environ.get("FSHARD_CHECK_CONSISTENCY", "0") not in ("", "0")
+#: the consistency modes (see :mod:`fshard.consistency`), by what selects them
+_MODES = {
+    False: "off",
+    "0": "off",
+    "off": "off",
+    "false": "off",
+    True: "default",
+    "": "default",
+    "1": "default",
+    "on": "default",
+    "true": "default",
+    "default": "default",
+    "every": "every",
+    "strict": "every",
+}
+
+
+def _mode(value, what: str) -> str:
+    key = value.strip().lower() if isinstance(value, str) else value
+    try:
+        return _MODES[key]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{what}: got {value!r}; accepted: False / 'off' / '0' (no checks), True / 'default' "
+            "/ '1' (a running digest, exchanged at API boundaries and every "
+            "consistency_interval collectives), 'every' / 'strict' (an exchange before every "
+            "collective)"
+        ) from None
+
+
+#: Consistency mode (see :mod:`fshard.consistency`): ``True`` (the default) keeps a running
+#: digest of every collective (its description and call site) per process group and exchanges
+#: it at the API boundaries (creation functions, ``from_local``, ``shard``, ``shard_map``,
+#: ``gather(dst=)``, ``fs.optim.step``, checkpoints), at a group's first collective and every
+#: :data:`consistency_interval`-th; ``"every"`` exchanges before every collective (debugging,
+#: fshard's fault tests); ``False`` turns checks off. Set it here, with :func:`consistency` for
+#: a block, or with ``FSHARD_CHECK_CONSISTENCY`` (``0``/``off``, ``1``/``default``,
+#: ``every``), read at import, so processes spawned by ``fs.launch`` inherit it.
+check_consistency: bool | str = os.environ.get("FSHARD_CHECK_CONSISTENCY", "default")
+_mode(check_consistency, "FSHARD_CHECK_CONSISTENCY")  # refuse a typo at import
+
+#: In the default mode, every process group exchanges its digest at its ``consistency_interval``-th
+#: collective, and every ``consistency_interval``-th after (the same on every rank; env
+#: ``FSHARD_CONSISTENCY_INTERVAL``).
+consistency_interval: int = int(os.environ.get("FSHARD_CONSISTENCY_INTERVAL", "256"))
 
 
 @contextlib.contextmanager
-def consistency(enabled: bool = True):
-    """Turn consistency mode on (or off) within the block, overriding ``check_consistency``.
+def consistency(enabled: bool | str = True):
+    """Set the consistency mode within the block (``True``/``"default"``, ``"every"``,
+    ``False``), overriding ``check_consistency``.
 
     Example:
-        >>> with fs.config.consistency():  # doctest: +SKIP
-        ...     y = fs.reshard(x, fs.P())  # ranks exchange a digest first
+        >>> with fs.config.consistency("every"):  # doctest: +SKIP
+        ...     y = fs.reshard(x, fs.P())  # ranks exchange a digest before each collective
     """
-    token = _CONSISTENCY.set(bool(enabled))
+    token = _CONSISTENCY.set(_mode(enabled, "fs.config.consistency(enabled)"))
     try:
         yield
     finally:
         _CONSISTENCY.reset(token)
 
 
-def consistency_checked() -> bool:
-    """Whether consistency mode is on in this context."""
+def consistency_mode() -> str:
+    """The consistency mode in this context: ``"off"``, ``"default"`` or ``"every"``."""
     scoped = _CONSISTENCY.get()
-    return check_consistency if scoped is None else scoped
+    return scoped if scoped is not None else _mode(check_consistency, "check_consistency")
+
+
+def consistency_checked() -> bool:
+    """Whether consistency checks run in this context (any mode but ``"off"``)."""
+    return consistency_mode() != "off"
 
 
 @contextlib.contextmanager

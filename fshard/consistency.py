@@ -1,41 +1,48 @@
-"""Consistency mode: ranks that disagree get one clear error, before any data moves.
+"""Consistency checks: ranks that disagree get one clear error instead of wrong values or a hang.
 
 The most common SPMD bug is ranks that disagree: a different global shape or spec in
-``from_local``, ``psum`` on one rank and ``pmax`` on another, a collective skipped on one rank,
-float32 against int32, per-rank seeds before a replicated ``fs.randn``. Collectives do not notice
-(Gloo pairs whatever arrives, reinterprets bits, or aborts the process). With consistency mode on
-(``fs.config.check_consistency = True``, the ``fs.config.consistency()`` context manager, or the
-environment variable ``FSHARD_CHECK_CONSISTENCY=1``, which spawned workers inherit), the ranks
-of a group exchange one fixed-size digest before each data collective:
+``from_local`` (per-rank batch sizes), ``psum`` on one rank and ``pmax`` on another, a
+collective skipped on one rank, float32 against int32, per-rank seeds before a replicated
+``fs.randn``. Collectives do not notice (Gloo pairs whatever arrives, reinterprets bits, or
+aborts the process). Three modes (``fs.config.check_consistency``, the
+``fs.config.consistency(mode)`` context manager, or ``FSHARD_CHECK_CONSISTENCY``):
 
-    what is hashed                                         where
-    op, mesh axes, dtype, the shapes every rank must       before every collective in
-    share (global chunk sizes, dims), the number of        fshard._comm (psum, all_gather, ...)
-    collectives this rank has issued on the group
-    mesh, spec, global shape, dtype                        from_local, shard, creation functions
-    + the generator state (rand/randn), fill value,        shard_map (in/out specs and
-      a value fingerprint (shard of a full tensor)         input layouts, once per call)
-    any Python value                                       :func:`check_equal` (e.g. checkpoints)
+``"default"`` (on unless turned off)
+    Every collective folds its description (op, mesh axes, dtype, the shapes every rank must
+    share, chunk sizes) and its call site (module, line and function of the first frame outside
+    fshard and torch) into a running digest of its process group: a deterministic BLAKE2/
+    multiply-xor hash, cached per description and per call site, so a collective costs about a
+    microsecond and no communication. The digest is exchanged (one ``all_reduce(MAX)`` of four
+    int64 words ``h, -h, seq, -seq``) at a group's first collective, at every
+    ``fs.config.consistency_interval``-th, and at the API boundaries a step crosses
+    (:func:`boundary`: ``fs.optim.step``, ``fs.gather(dst=)``, checkpoint save/load, ``from_local``,
+    ``shard``, creation functions, ``shard_map``), which also compare their own arguments. A
+    disagreement is caught at the next exchange, naming the first collective or argument that
+    differed; collectives issued in between may have moved mismatched data (a size or dtype
+    mismatch there can still abort Gloo or time out first: use ``"every"`` to find it).
+``"every"`` (strict; the test suite's fault tests)
+    The digest of each collective is exchanged before it runs: the error is raised before any
+    mismatched data moves, including mismatches that would abort Gloo.
+``"off"``
+    No checks.
 
-The digest is a 62-bit BLAKE2 hash plus the sequence number: four int64 words in one
-``all_reduce(MAX)`` (of ``h, -h, seq, -seq``: every rank learns whether all agree). On a
-mismatch, and only then, the ranks exchange readable descriptions and every rank raises the same
-:class:`ConsistencyError` naming each rank's view and the fields that differ. The exchange is a
-fixed-size int64 message, so it cannot itself be corrupted by the disagreement it detects.
-
-Cost: one small all_reduce per collective (see ``benchmarks/consistency.py``). It is on in
-fshard's test suite and opt-in otherwise. It cannot turn a rank that never reaches the next
-collective into an error: the others wait for it until the process group's timeout.
+On a mismatch, and only then, the ranks exchange readable descriptions and every rank raises the
+same :class:`ConsistencyError` naming each rank's view and the fields that differ. The exchange is
+a fixed-size int64 message, so it cannot itself be corrupted by the disagreement it detects. No
+mode turns a rank that never reaches the next collective into an error: the others wait for it
+until the process group's timeout. Cost: ``benchmarks/consistency.py``.
 
 Example:
     >>> import fshard as fs
-    >>> with fs.config.consistency():  # doctest: +SKIP
+    >>> with fs.config.consistency("every"):  # doctest: +SKIP
     ...     y = fs.lax.psum(x, "x", mesh=mesh)  # raises ConsistencyError if ranks disagree
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -45,18 +52,37 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from . import config
 from .mesh import AxisGroup, Mesh
 
-__all__ = ["ConsistencyError", "enabled", "check_collective", "check_equal", "reset"]
+__all__ = ["ConsistencyError", "enabled", "boundary", "check_collective", "check_equal", "reset"]
 
 _MASK = (1 << 62) - 1
-_SEQ: dict = {}  # process group -> checked exchanges issued on it by this rank
+_MIX = 0x9E3779B97F4A7C15
+_SHOWN = 4  # differing fields shown in an error (the first is where the ranks parted)
 
 
 class ConsistencyError(RuntimeError):
     """The ranks of a group disagreed about a collective or a value (raised on every rank)."""
 
 
+class _Running:
+    """This rank's running digest of one process group (default mode)."""
+
+    __slots__ = ("axes", "ranks", "digest", "seq", "exchanged", "history")
+
+    def __init__(self, g: AxisGroup):
+        self.axes, self.ranks = g.axes, frozenset(g.ranks)
+        self.digest, self.seq, self.exchanged = 0, 0, False
+        self.history: list = []  # (seq, description, site) since the last exchange
+
+    def key(self) -> tuple:
+        return (self.axes, len(self.ranks), self.seq, self.digest)
+
+
+_SEQ: dict = {}  # process group -> exchanges issued on it by this rank ("every" mode)
+_RUNNING: dict = {}  # process group -> _Running
+
+
 def enabled() -> bool:
-    """Whether consistency mode is on in this context (see :mod:`fshard.config`). Graph
+    """Whether consistency checks run in this context (see :mod:`fshard.config`). Graph
     tracing (``torch.compile``, ``make_fx``) runs no checks: they would be traced, not run."""
     return (
         not torch.compiler.is_compiling()  # first: dynamo cannot trace the ContextVar read
@@ -65,9 +91,17 @@ def enabled() -> bool:
     )
 
 
+def _active_mode() -> str:
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return "off"
+    return config.consistency_mode()
+
+
 def reset() -> None:
-    """Forget the per-group sequence numbers (e.g. after a run aborted by a timeout)."""
+    """Forget the sequence numbers and running digests (``fs.launch`` does this before every
+    run, so a run that failed on some ranks leaves nothing behind)."""
     _SEQ.clear()
+    _RUNNING.clear()
 
 
 def _canonical(obj):
@@ -107,6 +141,42 @@ def _hash(fields: tuple) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _MASK
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_hash(fields: tuple) -> int:
+    return _hash(fields)
+
+
+def _fold(digest: int, h: int) -> int:
+    """The running digest after ``h`` (order-sensitive, deterministic on every rank)."""
+    return ((digest ^ h) * _MIX + 1) & _MASK
+
+
+_SKIP_PREFIXES = ("fshard.", "torch.", "contextlib", "functools")
+_SKIP: dict = {}  # code object -> whether its frames are library frames
+
+
+def _site() -> tuple:
+    """``(module, line, function)`` of the first frame outside fshard and torch: where the
+    user's code issued the call (the same on every rank running the same program)."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        skip = _SKIP.get(code)
+        if skip is None:
+            name = f.f_globals.get("__name__", "")
+            skip = name == "fshard" or name == "torch" or name.startswith(_SKIP_PREFIXES)
+            if len(_SKIP) < 65536:
+                _SKIP[code] = skip
+        if not skip:
+            return (f.f_globals.get("__name__", "?"), f.f_lineno, code.co_name)
+        f = f.f_back
+    return ("?", 0, "?")
+
+
+def _where(site: tuple) -> str:
+    return f"{site[0]}:{site[1]} in {site[2]}"
+
+
 def _world_group() -> AxisGroup:
     n, me = dist.get_world_size(), dist.get_rank()
     ranks = tuple(range(n))
@@ -119,58 +189,194 @@ def _device(group: AxisGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _exchange(g: AxisGroup, h: int, seq: int, device: torch.device | None) -> bool:
+    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq``: whether every rank of ``g`` holds both."""
+    words = torch.tensor([h, -h, seq, -seq], dtype=torch.int64, device=device or _device(g))
+    dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
+    top = words.tolist()
+    return top[0] == -top[1] and top[2] == -top[3]
+
+
+def _raise(what: str, g: AxisGroup, mine: dict, note: str = "") -> None:
+    views: list = [None] * g.size
+    dist.all_gather_object(views, (dist.get_rank(), {"check": what, **mine}), group=g.pg)
+    raise ConsistencyError(_message(g, views, note))
+
+
 def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = None) -> None:
     """Raise :class:`ConsistencyError` on every rank of ``g`` unless all hold equal ``fields``."""
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    h = _hash(tuple(fields.items()))
-    words = torch.tensor([h, -h, seq, -seq], dtype=torch.int64, device=device or _device(g))
-    dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
-    top = words.tolist()
-    if top[0] == -top[1] and top[2] == -top[3]:
+    if _exchange(g, _hash(tuple(fields.items())), seq, device):
         return
     mine = {**{k: _show(v) for k, v in fields.items()}, "sequence number": seq}
-    views: list = [None] * g.size
-    dist.all_gather_object(views, (dist.get_rank(), mine), group=g.pg)
-    raise ConsistencyError(_message(what, g, views))
+    _raise(what, g, mine, "no data collective ran")
 
 
-def _message(what: str, g: AxisGroup, views: list) -> str:
+def _message(g: AxisGroup, views: list, note: str) -> str:
     views = sorted(views)
+    whats = {v["check"] for _, v in views}
+    what = whats.pop() if len(whats) == 1 else "different checks on different ranks"
     keys = list(dict.fromkeys(k for _, v in views for k in v))
     differ = [k for k in keys if len({v.get(k, "<missing>") for _, v in views}) > 1]
     lines = [
-        f"fshard consistency check failed before {what}: the {len(views)} ranks of the group "
-        f"(global ranks {[r for r, _ in views]}) disagree on {', '.join(differ)}."
+        f"fshard consistency check failed at {what}: the {len(views)} ranks of the group "
+        f"(global ranks {[r for r, _ in views]}) disagree on {', '.join(differ[:_SHOWN])}."
     ]
-    for k in differ:
+    for k in differ[:_SHOWN]:
         per = "; ".join(f"rank {r}: {v.get(k, '<missing>')}" for r, v in views)
         lines.append(f"  {k}: {per}")
+    if len(differ) > _SHOWN:
+        lines.append(f"  (and {len(differ) - _SHOWN} more after these)")
     lines.append(
-        "Every rank must issue the same collectives, in the same order, on values with the same "
-        "layout, global shape and dtype (and replicated inputs must be equal). Look for a branch "
-        "on the rank, a per-rank seed or shape, or a collective one rank skips. (Raised on every "
-        "rank by fs.config.check_consistency; no data collective ran.)"
+        "Every rank must issue the same collectives, in the same order, from the same lines, on "
+        "values with the same layout, global shape and dtype (and replicated inputs must be "
+        "equal). Look for a branch on the rank, a per-rank seed, shape or batch size, or a "
+        f"collective one rank skips. (Raised on every rank by fs.config.check_consistency; {note}.)"
     )
     return "\n".join(lines)
 
 
+# -- the default mode: running digests -------------------------------------------------------
+
+
+def _running(g: AxisGroup) -> _Running:
+    r = _RUNNING.get(g.pg)
+    if r is None:
+        r = _RUNNING[g.pg] = _Running(g)
+    return r
+
+
+def _describe(entry: tuple) -> str:
+    seq, (op, axes, dtype, fields), site = entry
+    args = "".join(f", {k}={v!r}" for k, v in fields)
+    return f"#{seq} {op} over {axes} ({dtype}{args}) at {_where(site)}"
+
+
+def _history_views(states: list) -> dict:
+    """Readable history of each group since its last exchange (sent only on a mismatch)."""
+    out = {}
+    for r in sorted(states, key=_Running.key):
+        for entry in r.history:
+            out[f"collective #{entry[0]} over {r.axes}"] = _describe(entry)
+        out[f"collectives issued over {r.axes}"] = str(r.seq)
+    return out
+
+
+def _collective_default(op: str, g: AxisGroup, t: torch.Tensor, fields: dict) -> None:
+    desc = (op, g.axes, t.dtype, tuple(fields.items()))
+    try:
+        h = _cached_hash(desc)
+    except TypeError:  # an unhashable field (a list of sizes)
+        desc = (op, g.axes, t.dtype, tuple((k, _canonical(v)) for k, v in fields.items()))
+        h = _cached_hash(desc)
+    site = _site()
+    r = _running(g)
+    r.digest = _fold(_fold(r.digest, h), _cached_hash(site))
+    r.seq += 1
+    r.history.append((r.seq, desc, site))
+    if not r.exchanged or r.seq % max(1, int(config.consistency_interval)) == 0:
+        what = f"{op} over mesh axes {g.axes} (collective #{r.seq} on the group)"
+        _check_running(g, what, [r], 0, {}, t.device)
+
+
+def _check_running(
+    g: AxisGroup, what: str, states: list, h: int, fields: dict, device=None
+) -> None:
+    """Exchange ``h`` (the boundary's own arguments) with the running digests of ``states``
+    over ``g``; on success they are settled (history cleared)."""
+    states = sorted(states, key=_Running.key)
+    total = h
+    for r in states:
+        total = _fold(total, _cached_hash(r.key()))
+    seq = _SEQ.get(g.pg, 0)
+    _SEQ[g.pg] = seq + 1
+    if _exchange(g, total, seq, device):
+        for r in states:
+            r.exchanged, r.history = True, []
+        return
+    mine = {k: _show(v) for k, v in fields.items()}
+    mine.update(_history_views(states))
+    mine["checks on the group"] = str(seq)
+    _raise(what, g, mine, "the first line that differs is where the ranks parted")
+
+
+def _as_group(group) -> AxisGroup:
+    if isinstance(group, Mesh):
+        return group.group(group.axis_names)
+    if group is None:
+        return _world_group()
+    if not isinstance(group, AxisGroup):
+        raise TypeError(
+            f"consistency: group must be a fshard.Mesh, an AxisGroup or None, got "
+            f"{type(group).__name__}"
+        )
+    return group
+
+
+def _within(g: AxisGroup) -> list:
+    """The running digests of the groups inside ``g``'s ranks (the same groups, by axes, on
+    every rank of ``g`` when they run the same program)."""
+    ranks = frozenset(g.ranks)
+    return [r for r in _RUNNING.values() if r.ranks <= ranks]
+
+
+def _boundary(g: AxisGroup, what: str, fields: dict, site: tuple, running: bool = True) -> None:
+    h = _hash((tuple(fields.items()), site))
+    states = _within(g) if running else []
+    _check_running(g, what, states, h, {**fields, "called at": _where(site)})
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
 def check_collective(op: str, g: AxisGroup, t: torch.Tensor, **fields) -> None:
-    """Before data collective ``op`` on ``g``: check every rank issues the same one.
+    """Before data collective ``op`` on ``g``: fold it into the group's digest (default mode)
+    or check now that every rank issues the same one (``"every"``).
 
     ``fields`` are what must agree across the group besides ``op``, the axes and ``t``'s dtype
-    (e.g. the shape every rank passes, the global chunk sizes). No-op unless :func:`enabled`.
+    (e.g. the shape every rank passes, the global chunk sizes). No-op when checks are off.
     """
-    if g.size == 1 or not enabled():
+    if g.size == 1:
         return
-    described = {"collective": op, "mesh axes": g.axes, "dtype": t.dtype, **fields}
-    _agree(g, f"a collective over mesh axes {g.axes}", described, t.device)
+    mode = _active_mode()
+    if mode == "default":
+        _collective_default(op, g, t, fields)
+    elif mode == "every":
+        site = _site()
+        described = {"collective": op, "mesh axes": g.axes, "dtype": t.dtype, **fields}
+        described["called at"] = _where(site)
+        _agree(g, f"a collective over mesh axes {g.axes}", described, t.device)
+
+
+def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
+    """An API boundary (``fs.optim.step``, ``fs.gather(dst=)``, ...): in the default mode, the ranks
+    of ``group`` exchange their running digests (every collective since the last check, with
+    its call site) and ``fields``; a disagreement raises :class:`ConsistencyError` on every
+    rank, naming the first collective that differed. In ``"every"`` mode each collective was
+    checked already and only ``fields`` are compared. No-op when checks are off.
+
+    Example:
+        >>> consistency.boundary(mesh, "fs.optim.step")  # doctest: +SKIP
+    """
+    mode = _active_mode()
+    if mode == "off" or not dist.is_initialized():
+        return
+    g = _as_group(group)
+    if g.size == 1:
+        return
+    if mode == "every":
+        if fields:
+            _agree(g, what, dict(fields))
+        return
+    _boundary(g, what, fields, _site())
 
 
 def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> None:
     """Raise :class:`ConsistencyError` on every rank unless ``obj`` is equal on all of them.
 
-    Runs only when consistency mode is on (:func:`enabled`); costs one small all_reduce.
+    Runs whenever checks are on (:func:`enabled`); costs one small all_reduce. In the default
+    mode it is also a :func:`boundary` (the running digests are compared with ``obj``).
 
     Args:
         obj: any value made of Python scalars, strings, tuples, lists, dicts, tensors (compared
@@ -182,21 +388,20 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
     Example:
         >>> consistency.check_equal({"step": step}, mesh, what="train state")  # doctest: +SKIP
     """
-    if not enabled() or not dist.is_initialized():
+    mode = _active_mode()
+    if mode == "off" or not dist.is_initialized():
         return
-    if isinstance(group, Mesh):
-        group = group.group(group.axis_names)
-    elif group is None:
-        group = _world_group()
-    elif not isinstance(group, AxisGroup):
-        raise TypeError(
-            f"check_equal: group must be a fshard.Mesh, an AxisGroup or None, got "
-            f"{type(group).__name__}"
-        )
+    # the whole default group holds every mesh's ranks: its check compares obj only (ranks of
+    # different meshes, e.g. pipeline stages, legitimately differ in their collectives)
+    running = group is not None
+    group = _as_group(group)
     if group.size == 1:
         return
-    fields = obj if isinstance(obj, dict) else {"value": obj}
-    _agree(group, what, dict(fields))
+    fields = dict(obj) if isinstance(obj, dict) else {"value": obj}
+    if mode == "every":
+        _agree(group, what, fields)
+    else:
+        _boundary(group, what, fields, _site(), running)
 
 
 def rng_state(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

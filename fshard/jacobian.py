@@ -30,29 +30,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from .array import ShardedArray
+from .autodiff import _check_argnums
 from .spec import Layout, P
 
 __all__ = ["jacfwd", "hessian"]
-
-
-def _nums(argnums, nargs: int | None = None) -> tuple[int, ...]:
-    single = isinstance(argnums, int) and not isinstance(argnums, bool)
-    nums = (argnums,) if single else argnums
-    if (
-        not isinstance(nums, tuple)
-        or not nums
-        or any(isinstance(i, bool) or not isinstance(i, int) for i in nums)
-    ):
-        raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
-    if nargs is not None:
-        for i in nums:
-            if not -nargs <= i < nargs:
-                raise ValueError(
-                    f"argnums={argnums!r}: index {i} is out of range for {nargs} positional "
-                    "arguments"
-                )
-        nums = tuple(i % nargs for i in nums)
-    return nums
 
 
 def _is_leaf(v) -> bool:
@@ -128,11 +109,11 @@ def jacfwd(func: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = Fal
         raise TypeError(f"jacfwd: func must be callable, got {type(func).__name__}")
     if not isinstance(has_aux, bool):
         raise TypeError(f"jacfwd: has_aux must be a bool, got {has_aux!r}")
-    _nums(argnums)
+    _check_argnums(argnums, None)
 
     @functools.wraps(func)
     def run(*args):
-        nums = _nums(argnums, len(args))
+        nums = _check_argnums(argnums, len(args))
         primals = tuple(args[i] for i in nums)
         leaves, spec = pytree.tree_flatten(primals, is_leaf=_is_leaf)
         for leaf in leaves:

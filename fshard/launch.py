@@ -337,8 +337,12 @@ class World:
             finished = sorted(outcomes)
             raise TimeoutError(
                 f"World.run: ranks {sorted(pending)} did not finish within {timeout:g} s "
-                f"(ranks {finished} did); a collective not issued on every rank is the usual "
-                "cause. All workers were killed; the world restarts on the next run."
+                f"(ranks {finished} did). The usual cause is ranks that disagree: a collective "
+                "not issued on every rank (a branch on the rank, an early return or exception "
+                "on one rank), or per-rank shapes (batch sizes) that make ranks issue different "
+                "collectives. Rerun with FSHARD_CHECK_CONSISTENCY=every to have the first "
+                "collective the ranks disagree on named. All workers were killed; the world "
+                "restarts on the next run."
             )
         return [outcomes[r][1] for r in range(self.world_size)]
 
@@ -526,9 +530,17 @@ def _summary(reply: tuple) -> str:
 def _rank_error(rank: int, reply: tuple, note: str = "") -> RankError:
     if reply[0] == "died":
         code = reply[1]
+        cause = "os._exit, a segfault, the OOM killer, or an error while the worker started"
+        if code == -signal.SIGABRT:  # Gloo aborts the process on a mismatched collective
+            cause = (
+                "most often Gloo aborting on a collective whose size or dtype differs between "
+                "ranks (per-rank shapes or batch sizes, a collective one rank skipped): rerun "
+                "with FSHARD_CHECK_CONSISTENCY=every to have it named before it runs; else "
+                "an abort in a C++ library"
+            )
         return RankError(
-            f"rank {rank} died with {_died_how(code)} before replying (os._exit, a segfault, the OOM "
-            f"killer, or an error while the worker process started: see its stderr){note}",
+            f"rank {rank} died with {_died_how(code)} before replying ({cause}: see its "
+            f"stderr){note}",
             rank=rank,
             exc_type="WorkerDied",
             exit_code=code,
@@ -608,6 +620,14 @@ def _die_with_parent(lifeline: Connection, parent_pid: int | None) -> None:
     threading.Thread(target=watch, name="fshard-lifeline", daemon=True).start()
 
 
+def _fresh_run() -> None:
+    """Each run starts with no consistency history: a run that failed on some ranks (or timed
+    out) may have left the ranks with different sequence numbers and digests."""
+    from . import consistency
+
+    consistency.reset()
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -665,6 +685,7 @@ def _worker(
             return  # the parent closed the pipe
         try:
             fn, args = pickle.loads(payload)
+            _fresh_run()
             message = ("ok", fn(*args))
         except BaseException as e:
             message = _error_reply(e)

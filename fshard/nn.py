@@ -14,8 +14,8 @@ into the module, ``state_dict`` gives a sharded state dict for :mod:`fshard.chec
     grads = torch.func.grad(loss_fn)(params, x, y)
     fs.nn.load_params(model, params)  # model.state_dict() now holds the trained values
 
-After the module has run on the params, ``model.state_dict()`` raises until ``load_params``
-(the module's own tensors are not what training produced).
+From ``shard_params`` on, ``model.state_dict()`` raises until ``load_params`` (the module's own
+tensors are not what training produces).
 
 A plan maps globs to ``fs.P`` (a parameter's layout) or to :class:`Output` (a module's
 output layout, DTensor's ``output_layouts``: e.g. reduce a row-parallel Linear's pending sum
@@ -78,11 +78,12 @@ def shard_params(
     ``mesh.device()`` whatever device the module is on (as :func:`fshard.shard`): a CPU module
     sharded onto a CUDA mesh gives CUDA blocks (each rank copies only its blocks; the module
     stays on the CPU, so move inputs and buffers your forward reads with ``mesh.device()``). Write trained
-    values back with :func:`load_params`. Once the module has run on the params
-    (:func:`functional_call`, :func:`fsdp_call`), ``module.state_dict()`` raises until
-    :func:`load_params`: its own tensors no longer hold what training produced (save
+    values back with :func:`load_params`. From here on ``module.state_dict()`` raises until
+    :func:`load_params` (and again after each later eager :func:`functional_call` /
+    :func:`fsdp_call`): the module's own tensors do not hold what training produces (save
     ``fs.nn.state_dict(module, params)`` instead; torch's and HF's savers call
-    ``state_dict()``, so a stale save fails instead of writing the initial weights). Tied parameters (GPT-2's ``lm_head.weight`` is
+    ``state_dict()``, so a stale save fails instead of writing the initial weights). Read its
+    keys before sharding, or through ``fs.nn.state_dict(module, {})``. Tied parameters (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
     gives every alias that value.
 

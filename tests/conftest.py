@@ -8,7 +8,7 @@ import pytest
 
 # Consistency mode (fshard.consistency) on for the whole suite: ranks that disagree raise
 # instead of returning wrong values. Set before fshard is imported; spawned workers inherit it.
-os.environ.setdefault("FSHARD_CHECK_CONSISTENCY", "1")
+os.environ.setdefault("FSHARD_CHECK_CONSISTENCY", "every")
 
 from fshard.launch import World  # noqa: E402
 

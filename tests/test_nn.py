@@ -145,6 +145,7 @@ def shard_and_grad_rank_fn():
     torch.manual_seed(0)
     net = Net()
     plan = {"fc1.*": fs.P("tp"), "re:fc2\\.weight": fs.P(None, "tp")}
+    weights = net.state_dict()  # read before sharding: refused after (the params hold them)
     params = fs.nn.shard_params(net, mesh, plan)
     dense = dict(net.named_parameters())
     specs = {k: v.spec for k, v in params.items()}
@@ -163,7 +164,7 @@ def shard_and_grad_rank_fn():
             for p in other.parameters():
                 p.fill_(123.0)
     else:
-        other.load_state_dict(net.state_dict())
+        other.load_state_dict(weights)
     scattered = fs.nn.shard_params(other, mesh, plan, src=0)
     for k, v in scattered.items():
         assert v.layout == params[k].layout and torch.equal(v.local, params[k].local)
@@ -568,8 +569,8 @@ def stale_state_dict_rank_fn():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     plan = fs.nn.megatron_plan(column=["fc1"], row=["fc2"])
     params = fs.nn.shard_params(mlp, mesh, plan)
-    fresh = mlp.state_dict()  # nothing has run yet: the module still holds the values
-    assert all(torch.equal(fresh[k], initial[k]) for k in initial)
+    with pytest.raises(RuntimeError, match="shard_params"):
+        mlp.state_dict()  # the params dict holds the values from here on
 
     def loss(ps):
         out = fs.nn.functional_call(mlp, ps, (fs.shard(x, mesh, fs.P()),))
@@ -599,7 +600,7 @@ def stale_state_dict_rank_fn():
         torch.testing.assert_close(fs.gather(sharded[k]), ref[k])
     fs.nn.functional_call(mlp, params, (fs.shard(x, mesh, fs.P()),))  # runs on params again
     with pytest.raises(RuntimeError, match="stale"):
-        mlp.state_dict()
+        mlp.state_dict()  # an eager call after load_params marks it again
     fs.nn.load_params(mlp, params)
     plain = MLP()  # a module never given to shard_params is untouched by all this
     fs.nn.functional_call(plain, dict(plain.named_parameters()), (x,))

@@ -105,20 +105,48 @@ def group_pcast(t, group):
     return apply(Bound(Pcast(group.axes), group), t)
 
 
-def group_pmax(t, group, how: str = "max"):
+def group_pmax(t, group, how: str = "max", ties=None):
     """The elementwise max (``how="min"``: min) of local ``t`` over ``group``
-    (:class:`fshard.collectives.Pmax`)."""
-    return t if group is None else apply(Bound(Pmax(group.axes, how), group), t)
+    (:class:`fshard.collectives.Pmax`); ``ties``: the local tie count each element of ``t``
+    stands for (see :func:`split_extreme`)."""
+    if group is None:
+        return t
+    if ties is None:
+        return apply(Bound(Pmax(group.axes, how), group), t)
+    return apply(Bound(Pmax(group.axes, how, ties=True), group), torch.stack([t, ties], -1))
 
 
-def safe_amax(x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
-    """``amax`` that gives ``-inf`` over an empty (uneven) shard instead of raising."""
+def split_extreme(t, dims, keepdim: bool, group, how: str = "max"):
+    """``amax`` (``how="min"``: ``amin``) over ``dims`` of a value split over ``group`` along
+    them: the local extreme, then a pmax weighted by each rank's tie count, so the gradient is
+    shared evenly among all the global ties as dense torch shares it (the local ``amax`` shares
+    among the rank's ``c`` ties, the pmax gives the rank ``c / global count``)."""
+    if group is None:
+        return safe_amax(t, dims, keepdim, how)
+    m = safe_amax(t, dims, True, how)
+    ties = None
+    if t.is_floating_point() or t.is_complex():
+        ties = (t == m.detach()).sum(dims, keepdim=keepdim).to(t.dtype)
+    return group_pmax(m if keepdim else m.squeeze(dims), group, how, ties)
+
+
+def safe_amax(x: torch.Tensor, dims, keepdim: bool, how: str = "max") -> torch.Tensor:
+    """``amax`` (``how="min"``: ``amin``) that gives the reduction's identity over an empty
+    (uneven) shard instead of raising: ``-inf``/``inf`` for floats, the dtype's least/greatest
+    value for integers (an error here would be raised on the empty shard's rank alone)."""
+    reduce = torch.amax if how == "max" else torch.amin
     if all(x.shape[d] > 0 for d in dims) or not dims:
-        return torch.amax(x, dim=dims, keepdim=keepdim)
+        return reduce(x, dim=dims, keepdim=keepdim)
     shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
     if not keepdim:
         shape = [s for d, s in enumerate(shape) if d not in dims]
-    return x.new_full(shape, -math.inf) + 0 * x.sum(dim=dims, keepdim=keepdim)
+    if x.dtype == torch.bool:
+        return x.new_full(shape, how == "min")
+    if not (x.is_floating_point() or x.is_complex()):
+        info = torch.iinfo(x.dtype)
+        return x.new_full(shape, info.min if how == "max" else info.max)
+    fill = -math.inf if how == "max" else math.inf
+    return x.new_full(shape, fill) + 0 * x.sum(dim=dims, keepdim=keepdim)  # keeps the graph
 
 
 def group_of(mesh, axes):

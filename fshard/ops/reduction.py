@@ -6,7 +6,9 @@ Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
   a nonlinear op or ``fs.gather`` needs the total; ``mean`` divides each addend by the global
   count). They are linear, so a partial input stays partial;
 - ``amax``/``amin``/``max``/``min`` reduce locally, then ``pmax`` over ``A`` (the gradient goes
-  to the maxima, ties share it); empty uneven shards contribute ``-inf``; ``all``/``any``:
+  to the maxima, every tie an equal share, as dense torch: the pmax weights each rank by its
+  local tie count); empty uneven shards contribute the identity (``-inf``, or the integer
+  dtype's least value); ``all``/``any``:
   the local result, then ``pmin``/``pmax`` over ``A`` (a replicated result: ``if
   mask.all():`` works on a sharded mask);
 - ``logsumexp``: ``pmax`` of the local max, then ``psum`` of the shifted exponentials;
@@ -14,7 +16,9 @@ Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
   ``psum`` passes (mean, then squared deviations), exact for uneven shards.
 
 Nonlinear reductions of a partial input reduce it first (refused in strict mode). ``max(dim)``
-and ``min(dim)`` with indices all-gather a split reduced dim first (``amax`` does not).
+and ``min(dim)`` with indices all-gather a split reduced dim first (``amax`` does not) and
+return torch's ``torch.return_types`` (``.values``, ``.indices``). Values in row blocks
+(:mod:`fshard.ops.rows`) reduce over dim 0 as over a split dim.
 
 Example:
     >>> s = x.sum(0)        # x P("x", None): s is P(None, partial="x"), no communication  # doctest: +SKIP
@@ -40,6 +44,7 @@ from ._common import (
     out_layout,
     safe_amax,
     spec,
+    split_extreme,
 )
 from .elementwise import NONLINEAR, elementwise_rule
 from .registry import OpSharding, register_rule, tensor_inputs
@@ -109,15 +114,16 @@ def reduction_rule(kind: str):
 
 
 def _rows_rule(kind, op, x, dims, keepdim, meta):
-    """``sum``/``mean`` of a value in row blocks (:mod:`fshard.ops.rows`): reducing dim 0
-    leaves a sum pending over the axes the rows vary over; otherwise the rows stay."""
+    """A reduction of a value in row blocks (:mod:`fshard.ops.rows`): reducing dim 0 runs as
+    over a split dim (``sum``/``mean`` leave a sum pending over the axes the rows vary over,
+    ``amax``/``norm``/``var``... reduce over them); otherwise the rows stay."""
     bounds = rows.row_bounds(x)
-    if kind not in LINEAR or bounds is None or isinstance(meta, tuple):
+    if bounds is None or isinstance(meta, tuple):
         raise rows.explicit_error(getattr(op, "__name__", str(op)), [x])
     axes = rows.row_axes(x)
     if 0 not in dims:
         return OpSharding([None], rows.rows_layout(x.mesh, bounds, meta.shape, meta.dtype, axes))
-    out = out_layout(x.mesh, [()] * meta.ndim, axes, meta)
+    out = out_layout(x.mesh, [()] * meta.ndim, axes if kind in LINEAR else (), meta)
     group = group_of(x.mesh, axes)
     return OpSharding([None], out, _local_fn(kind, op, dims, keepdim, group, x, meta.dtype))
 
@@ -131,9 +137,9 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
     if kind == "mean":
         return lambda t, *a, **k: torch.sum(t, dim=dims, keepdim=keepdim, dtype=out_dtype) / count
     if kind in ("amax", "max"):
-        return lambda t, *a, **k: group_pmax(safe_amax(t, dims, keepdim), group)
+        return lambda t, *a, **k: split_extreme(t, dims, keepdim, group)
     if kind in ("amin", "min"):
-        return lambda t, *a, **k: group_pmax(-safe_amax(-t, dims, keepdim), group, "min")
+        return lambda t, *a, **k: split_extreme(t, dims, keepdim, group, "min")
     if kind == "logsumexp":
 
         def logsumexp(t, *a, **k):
@@ -187,9 +193,9 @@ def _split_norm(t, p, dims, keepdim, group):
             "(fs.reshard(x, fs.P(...)) with those dims None) or use fs.shard_map"
         )
     if p == math.inf:
-        return group_pmax(safe_amax(t.abs(), dims, keepdim), group)
+        return split_extreme(t.abs(), dims, keepdim, group)
     if p == -math.inf:
-        return group_pmax(-safe_amax(-t.abs(), dims, keepdim), group, "min")
+        return split_extreme(t.abs(), dims, keepdim, group, "min")
     if p == 0:  # the count of non-zeros; its gradient is zero, as torch's
         nonzero = (t != 0).to(t.dtype) + 0 * t
         return group_psum(torch.sum(nonzero, dim=dims, keepdim=keepdim), group)

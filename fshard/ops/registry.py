@@ -806,7 +806,10 @@ def _wrap(result, out):
         return result
     if isinstance(out, BaseLayout):
         return ShardedArray._derived(result, out)
-    return type(out)([_wrap(r, o) for r, o in zip(result, out)])
+    wrapped = [_wrap(r, o) for r, o in zip(result, out)]
+    if isinstance(result, tuple) and hasattr(type(result), "n_fields"):
+        return type(result)(wrapped)  # torch.return_types.* (.values, .indices), as torch
+    return type(out)(wrapped)
 
 
 def strict_error(name, inputs, comm) -> RuntimeError:

@@ -13,6 +13,12 @@ their axes, so the op runs unchanged on the local blocks:
   (``batch_norm`` in training needs the whole batch: it is gathered);
 - ``repeat``: the repeated dims.
 
+The rule checks at plan time, on meta tensors, that the op accepts every rank's block (an
+empty channel block of ``avg_pool1d`` or ``interpolate`` raises where the global shape does
+not): otherwise it makes the dims with an empty block whole, then every dim, so no rank raises
+alone while the others wait in a collective. ``group_norm`` runs ``torch.group_norm`` on blocks
+(``F.group_norm``'s batch-size check refuses a one-row block the whole batch passes).
+
 Weights, biases and index vectors are replicated. Pending sums pass through the ops that are
 linear in their input (``cumsum``, ``tril``, ``flip``, ``roll``, ``index_select``, ``gather``,
 ``repeat``...) and are reduced first for the others. ``new_zeros``/``new_ones``/``new_full``/
@@ -24,13 +30,14 @@ Example:
 
 from __future__ import annotations
 
+import optree
 import torch
 import torch.nn.functional as F
 
 from ..spec import BaseLayout
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
-from .registry import OpSharding, register_rule, tensor_inputs
+from .registry import OpSharding, is_layout, register_rule, tensor_inputs
 
 __all__ = ["whole_dims_rule"]
 
@@ -80,7 +87,7 @@ def repeated(op, x, args, kwargs):
     return {d for d in range(x.ndim) if sizes[off + d] != 1}
 
 
-def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
+def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None, local=None):
     """A rule making ``whole(op, x, args, kwargs)`` dims of the first tensor input ``x`` whole.
 
     Args:
@@ -91,6 +98,7 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
             (``gather``'s index); otherwise they are replicated (weights, biases).
         removes: ``removes(op, x, args, kwargs)`` -> the dim of ``x`` the output drops (``argmax``
             without ``keepdim``), or ``None``.
+        local: the function run on local blocks (default: the op itself).
     """
 
     def rule(op, args, kwargs):
@@ -109,6 +117,7 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
             if any(s != x.shape[d] for s in sizes):
                 cut.add(d)
         keep = [() if d in cut else a for d, a in enumerate(x.dim_axes)]
+        keep = _every_block_runs(local or op, args, kwargs, x, keep, align_others)
         pending = linear and all(not o.dtype.is_floating_point for o in ins[1:])
         partial = x.partial if pending else ()
         specs = [spec(keep, partial)]
@@ -121,9 +130,63 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None):
             dims = [()] * (m.ndim - len(out_dims)) + out_dims if m.ndim >= len(out_dims) else []
             outs.append(out_layout(x.mesh, dims, partial, m))  # pending only when linear
         out = outs[0] if not isinstance(meta, (tuple, list)) else type(meta)(outs)
-        return OpSharding(specs, out)
+        return OpSharding(specs, out, local)
 
     return rule
+
+
+def _every_block_runs(op, args, kwargs, x, keep, align_others):
+    """``keep`` (per-dim axes of ``x``), with dims made whole until ``op`` accepts every rank's
+    block: a block the global shape does not have (an empty channel block for ``avg_pool1d``,
+    ``interpolate``) would raise on its rank alone while the others wait in a collective. The
+    dims where some rank's block is empty go first, then every dim (the dense call)."""
+    if _blocks_run(op, args, kwargs, x, keep, align_others):
+        return keep
+    lay = x.with_spec(spec(keep))
+    ranks = x.mesh.ranks
+    empty = {d for d in range(x.ndim) if any(lay.local_shape(r)[d] == 0 for r in ranks)}
+    keep = [() if d in empty else a for d, a in enumerate(keep)]
+    if empty and _blocks_run(op, args, kwargs, x, keep, align_others):
+        return keep
+    return [()] * x.ndim
+
+
+def _blocks_run(op, args, kwargs, x, keep, align_others) -> bool:
+    """Whether ``op`` runs (on meta tensors) on the block of every rank of the inputs resharded
+    to ``keep``: decided at plan time from the layouts, the same on every rank."""
+    if not any(keep):
+        return True
+    shapes = set()
+    for r in x.mesh.ranks:
+        local = {}
+        for o in tensor_inputs(args, kwargs):
+            if o is x or (align_others and o.ndim == x.ndim):
+                local[id(o)] = o.with_spec(spec(keep)).local_shape(r)
+        shapes.add(tuple(sorted(local.items())))
+
+    for shape in shapes:
+        by_id = dict(shape)
+
+        def block(v, by_id=by_id):
+            if isinstance(v, Layout) and id(v) in by_id:
+                return torch.empty(by_id[id(v)], dtype=v.dtype, device="meta")
+            return v
+
+        local_args, local_kwargs = optree.tree_map(
+            block, (args, kwargs), is_leaf=is_layout, none_is_leaf=True
+        )
+        try:
+            meta_call(op, local_args, local_kwargs)
+        except Exception:  # noqa: BLE001 -- any refusal of the block: plan around it
+            return False
+    return True
+
+
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """``F.group_norm`` without its batch-size check, which refuses a block of one row and
+    ``C == num_groups`` (one value per group) that the whole batch passes: the statistics are
+    per row, so the block's result is the dense result's rows."""
+    return torch.group_norm(input, num_groups, weight, bias, eps)
 
 
 def _argmax_removes(op, x, args, kwargs):
@@ -199,7 +262,8 @@ def _register():
             register_rule(ops[0], whole_dims_rule(spatial(k)), aliases=ops[1:])
     interpolate = whole_dims_rule(lambda op, x, a, k: set(range(2, x.ndim)))
     register_rule(F.interpolate, interpolate, float_valued=True)
-    register_rule(F.group_norm, whole_dims_rule(lambda op, x, a, k: set(range(1, x.ndim))))
+    group_norm = whole_dims_rule(lambda op, x, a, k: set(range(1, x.ndim)), local=_group_norm)
+    register_rule(F.group_norm, group_norm)
     register_rule(F.instance_norm, whole_dims_rule(lambda op, x, a, k: set(range(2, x.ndim))))
     register_rule(F.batch_norm, batch_norm_rule)
     for n in ("new_zeros", "new_ones", "new_full", "new_empty"):

@@ -17,7 +17,9 @@ from __future__ import annotations
 import optree
 import torch
 
+from .. import consistency
 from .._function import untracked
+from ..array import ShardedArray
 from . import _tree
 from .base import GradientTransformation
 
@@ -117,6 +119,14 @@ def _tensors(tree) -> list:
     ]
 
 
+def _mesh_of(tree):
+    """The mesh of the first ShardedArray in ``tree`` (None when it holds none)."""
+    for x in optree.tree_leaves(tree, is_leaf=_tree.is_leaf):
+        if isinstance(x, ShardedArray):
+            return x.mesh
+    return None
+
+
 def step(tx: GradientTransformation, grads, state, params, *, donate: bool = False):
     """One optimizer step: ``tx.update`` then :func:`apply_updates`, returning
     ``(new_params, new_state)``.
@@ -156,6 +166,10 @@ def step(tx: GradientTransformation, grads, state, params, *, donate: bool = Fal
         raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
     if not isinstance(donate, bool):
         raise TypeError(f"step: donate must be a bool, got {donate!r}")
+    if consistency.enabled():
+        mesh = _mesh_of(params)
+        if mesh is not None:
+            consistency.boundary(mesh, "fs.optim.step")
     if donate and donatable(_tensors(params), _tensors(state), _tensors(grads)):
         if tx.donated_step is not None:
             res = tx.donated_step(grads, state, params)

@@ -1,0 +1,169 @@
+"""Consistency checks with the DEFAULT settings (issue 26 items 2 and 9): the workers here are
+spawned without FSHARD_CHECK_CONSISTENCY (the suite sets "every" for everything else), so what
+they catch is what a user gets without opting in."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import fshard as fs
+from fshard.consistency import ConsistencyError
+from fshard.launch import World
+
+from .test_faults import _DISAGREE, _disagree
+
+
+@pytest.fixture(scope="module")
+def world_default():
+    saved = os.environ.pop("FSHARD_CHECK_CONSISTENCY", None)  # unset while workers spawn
+    try:
+        with World(2, timeout=60, pg_timeout=20) as world:
+            yield world
+    finally:
+        if saved is not None:
+            os.environ["FSHARD_CHECK_CONSISTENCY"] = saved
+
+
+def _mesh():
+    return fs.Mesh.create((2,), ("x",))
+
+
+def _caught(fn, *args):
+    try:
+        return ("value", fn(torch.distributed.get_rank(), *args))
+    except ConsistencyError as e:
+        return ("error", str(e))
+
+
+def _both_raise(world, fn, *args, timeout=30):
+    (k0, m0), (k1, m1) = world.run(_caught, fn, *args, timeout=timeout)
+    assert k0 == k1 == "error", (k0, m0, k1, m1)
+    assert m0 == m1 and "rank 0" in m0 and "rank 1" in m0, (m0, m1)
+    return m0
+
+
+def _skip_one_of_two_gathers(rank):
+    mesh = _mesh()
+    u, v = torch.full((2,), 1.0 + rank), torch.full((2,), 10.0 + rank)
+    fs.lax.psum(torch.ones(2), "x", mesh=mesh)  # agreed: the group's first collective
+    if rank == 0:
+        fs.lax.all_gather(u, "x", mesh=mesh)  # GATHER-A: skipped on rank 1
+    fs.lax.all_gather(v, "x", mesh=mesh)  # GATHER-B
+    if rank == 1:
+        fs.lax.all_gather(u, "x", mesh=mesh)  # GATHER-C: same shape, so Gloo pairs it
+    return fs.gather(fs.shard(torch.arange(4.0), mesh, fs.P("x")))
+
+
+def test_default_is_on_and_catches_a_skipped_same_shaped_gather(world_default):
+    """Same-shaped collectives pair silently on the wire; the call site in the running digest
+    names where the ranks parted, at the next boundary (fs.gather)."""
+    msg = _both_raise(world_default, _skip_one_of_two_gathers)
+    first = msg.splitlines()[1]  # the first collective that differs: rank 0's skipped gather
+    assert first.startswith("  collective #2 over ('x',)") and "all_gather" in first, msg
+    assert first.count("_skip_one_of_two_gathers") == 2, msg
+
+
+def _psum_vs_pmax_mid_run(rank):
+    mesh = _mesh()
+    x = torch.ones(4)
+    tx = fs.optim.sgd(0.1)
+    params = {"w": fs.shard(x, mesh, fs.P())}
+    state = tx.init(params)
+    for _ in range(3):
+        fs.lax.psum(x, "x", mesh=mesh)
+    (fs.lax.psum if rank == 0 else fs.lax.pmax)(x, "x", mesh=mesh)  # no exchange here
+    fs.optim.step(tx, params, state, params)  # the boundary of the step
+
+
+def test_default_catches_a_disagreement_mid_run_at_the_next_boundary(world_default):
+    msg = _both_raise(world_default, _psum_vs_pmax_mid_run)
+    assert msg.startswith("fshard consistency check failed at fs.optim.step"), msg
+    assert "collective #4 over ('x',)" in msg and "'sum'" in msg and "'max'" in msg, msg
+
+
+def _checkpoint_paths(rank):
+    mesh = _mesh()
+    base = os.path.join(tempfile.gettempdir(), f"fshard-consist-{os.getppid()}-{rank}")
+    fs.checkpoint.save(base, {"w": fs.shard(torch.ones(4), mesh, fs.P("x")), "step": 1})
+
+
+def test_default_catches_checkpoint_save_to_different_paths(world_default):
+    msg = _both_raise(world_default, _checkpoint_paths)
+    assert "checkpoint path" in msg, msg
+
+
+def _shard_src_wrong_shape(rank):
+    mesh = _mesh()
+    t = torch.arange(8.0).reshape(4, 2) if rank == 0 else None
+    return fs.gather(fs.shard(t, mesh, fs.P("x"), src=0, shape=(4, 2 + rank), dtype=torch.float32))
+
+
+def test_default_catches_shard_src_with_a_shape_other_than_the_source(world_default):
+    msg = _both_raise(world_default, _shard_src_wrong_shape)
+    assert "global shape" in msg and "(4, 2)" in msg and "(4, 3)" in msg, msg
+
+
+def _per_rank_batch(rank, spec):
+    mesh = _mesh()
+    local = torch.ones(2 + rank, 3)  # rank 1's loader gave one more row
+    if spec == "x":  # the global shape computed per rank from the local batch
+        x = fs.from_local(local, mesh, fs.P("x"), shape=(2 * local.shape[0], 3))
+    else:  # a "replicated" batch that is not
+        x = fs.from_local(local, mesh, fs.P())
+    return fs.gather(x.sum(0))
+
+
+@pytest.mark.parametrize("spec", ["x", "replicated"])
+def test_default_catches_mismatched_per_rank_batch_sizes(world_default, spec):
+    msg = _both_raise(world_default, _per_rank_batch, spec)
+    assert "global shape" in msg and "from_local" in msg, msg
+
+
+@pytest.mark.parametrize("case", sorted(_DISAGREE))
+def test_default_catches_every_disagreement_case(world_default, case):
+    """The 12 disagreement cases of test_faults raise on both ranks with default settings."""
+    msg = _both_raise(world_default, _disagree_case, case)
+    assert _DISAGREE[case] in msg, msg
+
+
+def _disagree_case(rank, case):
+    return _disagree(case, rank)
+
+
+def _early_return(rank):
+    if rank == 0:
+        fs.lax.psum(torch.ones(2), "x", mesh=_mesh())
+
+
+def _psum_gather():
+    mesh = _mesh()
+    return fs.lax.psum(torch.ones(2), "x", mesh=mesh), fs.gather(
+        fs.shard(torch.arange(4.0), mesh, fs.P("x"))
+    )
+
+
+def test_world_runs_after_a_timed_out_run_and_the_message_names_the_cause(world_default):
+    with pytest.raises(TimeoutError, match="disagree.*FSHARD_CHECK_CONSISTENCY=every"):
+        world_default.run(_caught, _early_return, timeout=4)
+    for s, g in world_default.run(_psum_gather):  # fresh workers
+        assert torch.equal(s, torch.full((2,), 2.0)) and torch.equal(g, torch.arange(4.0))
+
+
+def _agreeing_steps(rank, n):
+    mesh = _mesh()
+    x = fs.shard(torch.arange(8.0), mesh, fs.P("x"))
+    interval, fs.config.consistency_interval = fs.config.consistency_interval, 16
+    try:
+        for _ in range(n):  # more collectives than the interval: periodic exchanges line up
+            x = fs.reshard(fs.reshard(x, fs.P()), fs.P("x"))
+    finally:
+        fs.config.consistency_interval = interval
+    return fs.config.consistency_mode(), fs.gather(x)
+
+
+def test_default_agreeing_ranks_pass_across_periodic_exchanges(world_default):
+    (k0, (m0, g0)), (k1, (m1, g1)) = world_default.run(_caught, _agreeing_steps, 70)
+    assert k0 == k1 == "value" and m0 == m1 == "default"
+    assert torch.equal(g0, torch.arange(8.0)) and torch.equal(g1, g0)
