@@ -168,7 +168,7 @@ def _blocks_run(op, args, kwargs, x, keep, align_others) -> bool:
         by_id = dict(shape)
 
         def block(v, by_id=by_id):
-            if isinstance(v, Layout) and id(v) in by_id:
+            if isinstance(v, BaseLayout) and id(v) in by_id:
                 return torch.empty(by_id[id(v)], dtype=v.dtype, device="meta")
             return v
 
