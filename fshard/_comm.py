@@ -13,7 +13,7 @@ being traced (``torch.compile``, ``make_fx``, export) every collective is issued
 ``torch.distributed._functional_collectives`` instead, whose ops return tensors and record their
 waits in the graph, so a traced step replays exactly; ``comm_log`` records eager calls only.
 
-This is the only module that puts data on the wire (``tests/test_wire.py`` scans the package):
+This is the only module that puts data on the wire (``tests/test_comm.py`` scans the package):
 besides the primitives of ``fshard.lax``, FSDP's prefetching gather (:func:`all_gather_start`,
 whose :class:`Pending` result does the chunk-order fix-up at ``wait``), shard_map's
 :func:`size_exchange` and ``fs.shard(src=)``'s :func:`broadcast_object` live here, so the

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from . import _compat
-from .spec import Layout, P, ShardMetadata, _layout
+from .spec import BaseLayout, Layout, P, ShardMetadata, _layout
 
 __all__ = ["ShardedArray"]
 
@@ -50,7 +50,7 @@ class ShardedArray:
     __slots__ = ("local", "layout", "_alias")  # _alias: see fshard.ops.inplace
 
     def __init__(self, local: torch.Tensor, layout: Layout):
-        if not isinstance(layout, Layout):
+        if not isinstance(layout, BaseLayout):
             raise TypeError(f"layout must be a fshard.Layout, got {type(layout).__name__}")
         if not isinstance(local, torch.Tensor):
             raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")

@@ -106,7 +106,7 @@ from .array import ShardedArray, _rebuild_sharded
 from .executor import reshard_one
 from .interop import _distinct_boxes, _quiet, _sharded_tensor
 from .mesh import _restore as _rebuild_mesh
-from .spec import ExplicitLayout, Layout, P, PartitionSpec, _make_spec
+from .spec import BaseLayout, ExplicitLayout, Layout, P, PartitionSpec, _make_spec
 
 __all__ = ["save", "load", "CheckpointError"]
 
@@ -179,7 +179,7 @@ def _aside(path: str, what: str) -> str:
 
 
 def _is_leaf(x) -> bool:
-    return isinstance(x, (ShardedArray, Layout))
+    return isinstance(x, (ShardedArray, BaseLayout))
 
 
 def _flatten(tree, fn: str) -> tuple[list[str], list[Any], Any]:
@@ -206,7 +206,7 @@ def _fully_replicated(layout: Layout) -> bool:
 
 
 def _to_saveable(key: str, leaf: Any, me: int) -> Any:
-    if isinstance(leaf, Layout):
+    if isinstance(leaf, BaseLayout):
         raise TypeError(
             f"save: the leaf at key {key!r} is a Layout; save values (ShardedArray, tensors, "
             "Python values). Layouts belong in the `like` tree of load"
@@ -515,7 +515,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     me, world = _rank(), _world()
     values, error = {}, None
     for key, leaf in zip(keys, leaves):
-        if not isinstance(leaf, (ShardedArray, Layout, torch.Tensor)):
+        if not isinstance(leaf, (ShardedArray, BaseLayout, torch.Tensor)):
             try:
                 values[key] = _encode(leaf)
             except TypeError as e:
@@ -593,7 +593,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
 
 def _expected(leaf: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
-    if isinstance(leaf, (ShardedArray, Layout)):
+    if isinstance(leaf, (ShardedArray, BaseLayout)):
         layout = leaf.layout if isinstance(leaf, ShardedArray) else leaf
         return tuple(layout.shape), layout.dtype
     if isinstance(leaf, torch.Tensor):
@@ -784,7 +784,7 @@ def _structure_diff(missing: list[str], keys: list[str], saved: list[str]) -> st
 
 def _load_target(leaf: Any, me: int):
     """``(object handed to DCP or None, finish(obj) -> result leaf)``."""
-    if isinstance(leaf, (ShardedArray, Layout)):
+    if isinstance(leaf, (ShardedArray, BaseLayout)):
         layout = leaf.layout if isinstance(leaf, ShardedArray) else leaf
         if layout.mesh.is_abstract:
             raise ValueError(

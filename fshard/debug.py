@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._comm import _LOG, CommRecord
-from .spec import Layout
+from .spec import BaseLayout
 
 __all__ = ["comm_log", "visualize", "CommRecord"]
 
@@ -36,7 +36,7 @@ def comm_log():
         _LOG.reset(token)
 
 
-def _blocks(layout: Layout):
+def _blocks(layout: BaseLayout):
     """{(dim0 range, dim1 range): [ranks]} for the first two dims."""
     cells: dict = {}
     for r in layout.mesh.ranks:
@@ -59,8 +59,8 @@ def visualize(x, *, console: Console | None = None) -> str:
     Example:
         >>> fs.debug.visualize(x)  # doctest: +SKIP
     """
-    layout = x if isinstance(x, Layout) else getattr(x, "layout", None)
-    if not isinstance(layout, Layout):
+    layout = x if isinstance(x, BaseLayout) else getattr(x, "layout", None)
+    if not isinstance(layout, BaseLayout):
         raise TypeError(f"visualize: expected a ShardedArray or Layout, got {type(x).__name__}")
     cells = _blocks(layout)
     nd = layout.ndim

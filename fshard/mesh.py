@@ -4,11 +4,13 @@ A mesh is row-major: the rank at position ``i`` of ``mesh.ranks`` sits at
 ``numpy.unravel_index(i, shape)``. ``Mesh.abstract`` needs no process group and serves layout
 math and planning; ``Mesh.create`` builds (and caches) the DeviceMesh and one process group per
 subset of axes, so that collectives over a tuple of axes (``("dp", "tp")``) have a group.
-Meshes compare and hash by shape, names, ranks and device type (``"cpu"`` or ``"cuda"``, where
-the local blocks live): an abstract mesh equals the real mesh of the same shape and device type,
-so layouts built on either are interchangeable, while a CPU and a CUDA mesh over the same ranks
-are different meshes (as a JAX ``Mesh`` over other devices, or a DTensor ``DeviceMesh`` of
-another device type), so no cache keyed by layouts hands one's programs to the other.
+Meshes compare and hash by shape, names, ranks, device type (``"cpu"`` or ``"cuda"``, where
+the local blocks live) and abstractness: a CPU and a CUDA mesh over the same ranks are different
+meshes (as a JAX ``Mesh`` over other devices, or a DTensor ``DeviceMesh`` of another device
+type), and so are an abstract mesh and the real mesh of the same shape (as JAX's
+``AbstractMesh`` and ``Mesh``). So no cache keyed by layouts hands one mesh's layouts or programs
+to the other: a plan made on an abstract mesh prints and costs what the real mesh would run,
+but only the real mesh's own plans run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .spec import chunk_index
 
 __all__ = ["Mesh", "AxisGroup"]
 
@@ -112,7 +116,7 @@ class Mesh:
         for pos, r in enumerate(ranks):
             coords[r] = _unravel(pos, shape)
         set_(self, "_coords", coords)
-        set_(self, "_hash", hash((shape, axis_names, ranks, device_type)))
+        set_(self, "_hash", hash((shape, axis_names, ranks, device_type, device_mesh is None)))
         set_(self, "_groups", {})  # axes tuple -> AxisGroup, filled once by Mesh.create
 
     def __setattr__(self, name, value):
@@ -123,8 +127,9 @@ class Mesh:
     def abstract(shape: Sequence[int], names: Sequence[str], device_type: str = "cpu") -> Mesh:
         """A mesh with no process group, for layout math and planning.
 
-        ``device_type`` (``"cpu"`` or ``"cuda"``) only matters for equality: an abstract mesh
-        equals the real mesh of the same shape, names and device type.
+        ``device_type`` (``"cpu"`` or ``"cuda"``) only matters for equality. An abstract mesh
+        never equals a real mesh (of :meth:`create`), so its layouts and plans never stand in
+        for the real mesh's.
 
         Example:
             >>> Mesh.abstract((2, 4), ("x", "y")).size("y")
@@ -188,7 +193,8 @@ class Mesh:
         return _create(shape, names, device_type, id(dist.group.WORLD))
 
     def __reduce__(self):
-        return (_restore, (self.shape, self.axis_names, self.ranks, self.device_type))
+        args = (self.shape, self.axis_names, self.ranks, self.device_type)
+        return (_restore, args + (True,) if self.is_abstract else args)
 
     # -- queries ------------------------------------------------------------------------
     def __eq__(self, other) -> bool:
@@ -198,6 +204,7 @@ class Mesh:
             and self.axis_names == other.axis_names
             and self.ranks == other.ranks
             and self.device_type == other.device_type
+            and (self.device_mesh is None) == (other.device_mesh is None)
         )
 
     def __hash__(self) -> int:
@@ -285,11 +292,7 @@ class Mesh:
     def axis_index(self, axes: str | Sequence[str], rank: int | None = None) -> int:
         """Mixed-radix position of ``rank`` along ``axes`` (first axis most significant)."""
         coords = self.coords(self.rank if rank is None else rank)
-        idx = 0
-        for a in self.axes_tuple(axes):
-            ax = self.axis_index_of(a)
-            idx = idx * self.shape[ax] + coords[ax]
-        return idx
+        return chunk_index(self, self.axes_tuple(axes), coords)[0]
 
     def group(self, axes: str | Sequence[str]) -> AxisGroup:
         """This rank's process group over ``axes``.
@@ -377,10 +380,11 @@ def _create(shape, names, device_type, _world_key) -> Mesh:
     return mesh
 
 
-def _restore(shape, names, ranks, device_type) -> Mesh:
-    """Unpickle: the live mesh when this process has one of that shape and device type, else an
-    abstract one."""
-    return _LIVE.get((shape, names, ranks, device_type)) or Mesh(shape, names, ranks, device_type)
+def _restore(shape, names, ranks, device_type, abstract: bool = False) -> Mesh:
+    """Unpickle: an abstract mesh stays abstract; a real one is the live mesh when this process
+    has one of that shape and device type, else an abstract one."""
+    live = None if abstract else _LIVE.get((shape, names, ranks, device_type))
+    return live or Mesh(shape, names, ranks, device_type)
 
 
 def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:

@@ -35,7 +35,7 @@ from .collectives import (
     PsumScatter,
     ZeroOthers,
 )
-from .spec import Layout, P, chunk_bounds
+from .spec import BaseLayout, Layout, P, chunk_bounds
 
 __all__ = ["Step", "plan"]
 
@@ -146,7 +146,7 @@ def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
         >>> plan(Layout(m, P("x"), (8, 8)), P("x"))
         []
     """
-    if not isinstance(layout, Layout):
+    if not isinstance(layout, BaseLayout):
         raise TypeError(f"plan: layout must be a fshard.Layout, got {type(layout).__name__}")
     if not isinstance(dst_spec, P):
         raise TypeError(f"plan: dst_spec must be a fshard.P, got {type(dst_spec).__name__}")

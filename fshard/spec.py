@@ -1,8 +1,11 @@
 """Partition specs, layouts and per-rank shard metadata: pure layout math.
 
-Nothing here talks to torch.distributed. A :class:`Layout` binds a :class:`P` to a mesh (real
-or abstract), a global shape and a dtype, and answers, for any rank, which block of the
-global tensor that rank holds.
+Nothing here talks to torch.distributed. A layout binds a mesh (real or abstract), a global
+shape and a dtype to a rule that says, for any rank, which block of the global tensor that rank
+holds. Two kinds, siblings behind :class:`BaseLayout` (as JAX's ``NamedSharding`` and
+``GSPMDSharding`` behind ``Sharding``): :class:`Layout` places the blocks by a :class:`P`, and
+:class:`ExplicitLayout` lists one box per rank. ``isinstance(x, BaseLayout)`` means "any layout"
+(what an op rule's view holds for a tensor); ``isinstance(x, Layout)`` means "a P layout".
 
 The one convention (DESIGN §2): a dim of size ``n`` split over mesh axes ``(a1..ak)`` has
 ``K = size(a1)*...*size(ak)`` chunks; a rank's chunk index is the mixed-radix number of its
@@ -24,7 +27,16 @@ import torch
 
 AxisEntry = None | str | tuple[str, ...]
 
-__all__ = ["P", "PartitionSpec", "Layout", "ExplicitLayout", "ShardMetadata", "chunk_bounds"]
+__all__ = [
+    "P",
+    "PartitionSpec",
+    "BaseLayout",
+    "Layout",
+    "ExplicitLayout",
+    "ShardMetadata",
+    "chunk_bounds",
+    "chunk_index",
+]
 
 
 def _normalize_entry(entry: Any, position: int) -> tuple[str, ...]:
@@ -149,6 +161,27 @@ def chunk_bounds(n: int, num_chunks: int, index: int) -> tuple[int, int]:
     return min(index * c, n), min((index + 1) * c, n)
 
 
+def chunk_index(mesh, axes: tuple[str, ...], coords: tuple[int, ...]) -> tuple[int, int]:
+    """``(index, count)``: which of the ``count`` chunks of a dim split over ``axes`` the mesh
+    coordinates ``coords`` hold: the mixed-radix number of the coordinates on ``axes``, the first
+    axis most significant (DESIGN §2). The one chunk arithmetic: layouts, ``Mesh.axis_index``
+    and shard_map's size checks all call it, and :func:`chunk_bounds` turns it into a block.
+
+    Example:
+        >>> from fshard import Mesh
+        >>> chunk_index(Mesh.abstract((2, 3), ("x", "y")), ("y", "x"), (1, 2))
+        (5, 6)
+        >>> chunk_index(Mesh.abstract((2, 3), ("x", "y")), (), (1, 2))
+        (0, 1)
+    """
+    index, count = 0, 1
+    for a in axes:
+        ax = mesh.axis_index_of(a)
+        index = index * mesh.shape[ax] + coords[ax]
+        count *= mesh.shape[ax]
+    return index, count
+
+
 @dataclass(frozen=True)
 class ShardMetadata:
     """One rank's block of a global tensor (field names as the seed's ShardMetadata).
@@ -231,8 +264,75 @@ def _intern(value: tuple, layout: Layout) -> str:
     return token
 
 
-class Layout:
-    """Static description of a sharded value: ``(mesh, spec, global shape, dtype)``.
+class BaseLayout:
+    """What every layout is (JAX's ``Sharding``): a mesh, a global shape, a dtype, and for each
+    rank the block of the global tensor that rank holds.
+
+    The members every consumer may use, on either kind: ``mesh``, ``shape``, ``dtype``,
+    ``ndim``, ``nbytes``, ``spec`` (the :class:`P`, or ``None`` where no P describes the
+    blocks), ``partial``, ``sharded_axes``, ``varying_axes``, ``is_explicit``,
+    ``shard_metadata(rank)``, ``shards_metadata()``, ``local_shape(rank)``, ``with_spec(spec)``
+    (the same value laid out by a P), ``with_dtype(dtype)``, and ``_id``, a process-wide token per
+    distinct value that cache keys use. Hashable and immutable; equal values are equal layouts.
+    The two kinds are :class:`Layout` and :class:`ExplicitLayout`.
+
+    Example:
+        >>> from fshard import Mesh
+        >>> m = Mesh.abstract((2,), ("x",))
+        >>> [isinstance(lay, BaseLayout) for lay in (Layout(m, P("x"), (4,)),
+        ...                                          Layout.explicit(m, [((0,), (4,))] * 2, (4,)))]
+        [True, True]
+    """
+
+    __slots__ = ("mesh", "shape", "dtype", "_hash", "_id", "__weakref__")
+
+    #: True for an :class:`ExplicitLayout` (arbitrary per-rank boxes, no partition spec).
+    is_explicit: bool = False
+
+    def _set_value(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, value: tuple) -> None:
+        """Set the fields every layout has; ``value`` is the tuple equality and hash use."""
+        set_ = object.__setattr__
+        set_(self, "mesh", mesh)
+        set_(self, "shape", shape)
+        set_(self, "dtype", dtype)
+        set_(self, "_hash", hash(value))
+        set_(self, "_id", _intern(value, self))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the global value."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+    def shard_metadata(self, rank: int) -> ShardMetadata:
+        """The block held by ``rank`` (a global rank of the mesh). Pure; works on abstract meshes."""
+        raise NotImplementedError
+
+    def shards_metadata(self) -> list[ShardMetadata]:
+        """Every rank's block, in rank order (mesh position order)."""
+        return [self.shard_metadata(r) for r in self.mesh.ranks]
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """Shape of ``rank``'s local tensor (default: this process's rank)."""
+        return self.shard_metadata(self.mesh.rank if rank is None else rank).shard_sizes
+
+    def with_spec(self, spec: PartitionSpec) -> Layout:
+        """The same value (mesh, shape, dtype) laid out by ``spec``."""
+        return _layout(self.mesh, spec, self.shape, self.dtype)
+
+
+class Layout(BaseLayout):
+    """Static description of a sharded value: ``(mesh, spec, global shape, dtype)`` (JAX's
+    ``NamedSharding``).
 
     Hashable and immutable; every per-rank quantity is computed once and cached.
 
@@ -252,7 +352,7 @@ class Layout:
         ((5, 6), 240, frozenset({'tp'}))
     """
 
-    __slots__ = ("mesh", "spec", "shape", "dtype", "dim_axes", "_hash", "_id", "__weakref__")
+    __slots__ = ("spec", "dim_axes")
 
     def __init__(self, mesh, spec: PartitionSpec, shape, dtype: torch.dtype = torch.float32):
         if not isinstance(spec, PartitionSpec):
@@ -271,17 +371,9 @@ class Layout:
                 f"spec {spec} names axis {unknown[0]!r}, which is not an axis of the mesh; "
                 f"the mesh axes are {mesh.axis_names}"
             )
-        set_ = object.__setattr__
-        set_(self, "mesh", mesh)
-        set_(self, "spec", spec)
-        set_(self, "shape", shape)
-        set_(self, "dtype", dtype)
-        set_(self, "dim_axes", spec.padded(len(shape)))
-        set_(self, "_hash", hash((mesh, spec, shape, dtype)))
-        set_(self, "_id", _intern((mesh, spec, shape, dtype), self))
-
-    def __setattr__(self, name, value):
-        raise AttributeError("Layout is immutable")
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "dim_axes", spec.padded(len(shape)))
+        self._set_value(mesh, shape, dtype, (mesh, spec, shape, dtype))
 
     def __eq__(self, other) -> bool:
         return (
@@ -293,18 +385,13 @@ class Layout:
             and self.mesh == other.mesh
         )
 
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = BaseLayout.__hash__
 
     def __repr__(self) -> str:
         return f"Layout({self.mesh!r}, {self.spec}, shape={self.shape}, dtype={self.dtype})"
 
     def __reduce__(self):
         return (Layout, (self.mesh, self.spec, self.shape, self.dtype))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     @property
     def partial(self) -> tuple[str, ...]:
@@ -318,16 +405,6 @@ class Layout:
     def varying_axes(self) -> frozenset[str]:
         """Axes over which ranks hold different data (sharded or partial)."""
         return frozenset(self.sharded_axes) | frozenset(self.partial)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the global value."""
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-    @property
-    def is_explicit(self) -> bool:
-        """True for a layout built by :meth:`Layout.explicit` (arbitrary per-rank boxes)."""
-        return False
 
     @staticmethod
     def explicit(mesh, chunks, shape, dtype: torch.dtype = torch.float32) -> ExplicitLayout:
@@ -352,7 +429,8 @@ class Layout:
             dtype: element type (default float32).
 
         Returns:
-            An :class:`ExplicitLayout` (a :class:`Layout`; hashable, immutable, picklable).
+            An :class:`ExplicitLayout` (a :class:`BaseLayout`, not a :class:`Layout`; hashable,
+            immutable, picklable).
 
         Raises:
             ValueError: wrong number of boxes, wrong rank (ndim), a box out of bounds, two
@@ -367,32 +445,12 @@ class Layout:
         """
         return ExplicitLayout(mesh, chunks, shape, dtype)
 
-    def with_spec(self, spec: PartitionSpec) -> Layout:
-        return _layout(self.mesh, spec, self.shape, self.dtype)
-
     def with_dtype(self, dtype: torch.dtype) -> Layout:
         return _layout(self.mesh, self.spec, self.shape, dtype)
-
-    def chunk_index(self, dim: int, coords: tuple[int, ...]) -> tuple[int, int]:
-        """``(index, count)`` of the chunk of ``dim`` held at mesh coordinates ``coords``."""
-        index, count = 0, 1
-        for a in self.dim_axes[dim]:
-            ax = self.mesh.axis_index_of(a)
-            index = index * self.mesh.shape[ax] + coords[ax]
-            count *= self.mesh.shape[ax]
-        return index, count
 
     def shard_metadata(self, rank: int) -> ShardMetadata:
         """The block held by ``rank`` (a global rank of the mesh). Pure; works on abstract meshes."""
         return _shard_metadata(self, rank)
-
-    def shards_metadata(self) -> list[ShardMetadata]:
-        """Every rank's block, in rank order (mesh position order)."""
-        return [_shard_metadata(self, r) for r in self.mesh.ranks]
-
-    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
-        """Shape of ``rank``'s local tensor (default: this process's rank)."""
-        return _shard_metadata(self, self.mesh.rank if rank is None else rank).shard_sizes
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -408,8 +466,8 @@ def _layout(mesh, spec, shape, dtype) -> Layout:
 def _shard_metadata(layout: Layout, rank: int) -> ShardMetadata:
     coords = layout.mesh.coords(rank)
     offsets, sizes = [], []
-    for d, n in enumerate(layout.shape):
-        index, count = layout.chunk_index(d, coords)
+    for n, axes in zip(layout.shape, layout.dim_axes):
+        index, count = chunk_index(layout.mesh, axes, coords)
         start, stop = chunk_bounds(n, count, index)
         offsets.append(start)
         sizes.append(stop - start)
@@ -456,15 +514,21 @@ def _boxes_overlap(a, b) -> bool:
     return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
 
 
-class ExplicitLayout(Layout):
-    """A :class:`Layout` given by one explicit box per rank; build it with :meth:`Layout.explicit`.
+class ExplicitLayout(BaseLayout):
+    """A layout given by one explicit box per rank (JAX's ``GSPMDSharding``, torch's
+    ``EnumerableShardingSpec``); build it with :meth:`Layout.explicit`.
 
-    ``spec`` is ``None`` and ``dim_axes`` is ``None`` (no partition spec describes it);
-    ``chunks`` holds ``(offsets, sizes)`` per rank in ``mesh.ranks`` order. Equality and hash
-    use ``(mesh, chunks, shape, dtype)``.
+    ``chunks`` holds ``(offsets, sizes)`` per rank in ``mesh.ranks`` order; ``spec`` is ``None``
+    (no partition spec describes the boxes). Equality and hash use ``(mesh, chunks, shape,
+    dtype)``. An ExplicitLayout is not a :class:`Layout`: only op rules that declare
+    ``explicit_layouts`` (row blocks, :mod:`fshard.ops.rows`) see one, and the planner gathers
+    its blocks (``gather_blocks``) before any per-axis step.
     """
 
     __slots__ = ("chunks",)
+
+    is_explicit = True
+    spec = None
 
     def __init__(self, mesh, chunks, shape, dtype: torch.dtype = torch.float32):
         if not isinstance(dtype, torch.dtype):
@@ -515,15 +579,8 @@ class ExplicitLayout(Layout):
                 f"volume: {want}, in other words the distinct boxes do not cover the entire "
                 f"tensor of shape {shape}"
             )
-        set_ = object.__setattr__
-        set_(self, "mesh", mesh)
-        set_(self, "spec", None)
-        set_(self, "shape", shape)
-        set_(self, "dtype", dtype)
-        set_(self, "dim_axes", None)
-        set_(self, "chunks", boxes)
-        set_(self, "_hash", hash(("explicit", mesh, boxes, shape, dtype)))
-        set_(self, "_id", _intern(("explicit", mesh, boxes, shape, dtype), self))
+        object.__setattr__(self, "chunks", boxes)
+        self._set_value(mesh, shape, dtype, ("explicit", mesh, boxes, shape, dtype))
 
     def __eq__(self, other) -> bool:
         return (
@@ -535,8 +592,7 @@ class ExplicitLayout(Layout):
             and self.mesh == other.mesh
         )
 
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = BaseLayout.__hash__
 
     def __repr__(self) -> str:
         return (
@@ -546,10 +602,6 @@ class ExplicitLayout(Layout):
 
     def __reduce__(self):
         return (ExplicitLayout, (self.mesh, self.chunks, self.shape, self.dtype))
-
-    @property
-    def is_explicit(self) -> bool:
-        return True
 
     @property
     def partial(self) -> tuple[str, ...]:
@@ -567,12 +619,6 @@ class ExplicitLayout(Layout):
     def with_dtype(self, dtype: torch.dtype) -> ExplicitLayout:
         return ExplicitLayout(self.mesh, self.chunks, self.shape, dtype)
 
-    def chunk_index(self, dim: int, coords: tuple[int, ...]) -> tuple[int, int]:
-        raise ValueError(
-            "chunk_index is undefined for an explicit layout (it has no partition spec); use "
-            "shard_metadata(rank)"
-        )
-
     def shard_metadata(self, rank: int) -> ShardMetadata:
         """The box held by ``rank`` (a global rank of the mesh)."""
         try:
@@ -581,12 +627,6 @@ class ExplicitLayout(Layout):
             raise ValueError(f"rank {rank} is not in the mesh (ranks {self.mesh.ranks})") from None
         offsets, sizes = self.chunks[pos]
         return ShardMetadata(offsets, sizes, self.mesh.placement(rank))
-
-    def shards_metadata(self) -> list[ShardMetadata]:
-        return [self.shard_metadata(r) for r in self.mesh.ranks]
-
-    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
-        return self.shard_metadata(self.mesh.rank if rank is None else rank).shard_sizes
 
     def owner_ranks(self) -> list[int]:
         """For each distinct non-empty box, the first rank (in mesh order) that holds it."""

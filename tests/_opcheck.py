@@ -70,7 +70,7 @@ def _first(o):
     return o[0] if isinstance(o, (tuple, list)) else o
 
 
-# -- OpInfo conformance (tests/test_opinfo.py builds the cases; ranks run them here) ---------
+# -- OpInfo conformance (tests/ops/test_opinfo.py builds the cases; ranks run them here) -----
 
 #: What an op fshard cannot do must raise: these, from fshard's own code, naming the fix.
 CLEAR_ERRORS = (NotImplementedError, TypeError, ValueError)

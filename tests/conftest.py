@@ -20,6 +20,30 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 
+#: The one-process lane, ``pytest -m one_process``: every test of these modules that asks for
+#: no ``world*`` fixture (layout math and planning on abstract meshes, argument checks that
+#: fail before any collective, the repository's static checks), and the doctests of the pure
+#: modules. Nothing in it starts a rank.
+ONE_PROCESS = {
+    "tests/test_spec.py",
+    "tests/test_collectives.py",  # lands with issue 28 item 1 (the ops as data, on abstract meshes)
+    "tests/test_errors.py",
+    "tests/test_interop.py",
+    "tests/test_imports.py",
+    "tests/test_docs.py",
+    "fshard/spec.py",
+    "fshard/planner.py",
+}
+_WORLDS = {"world1", "world2", "world4"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path in ONE_PROCESS and not _WORLDS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.one_process)
+
+
 def _world(n: int):
     world = World(n, timeout=120)  # workers start on the first run
     yield world

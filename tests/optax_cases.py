@@ -1,7 +1,7 @@
 """The optax differential cases, one table for both sides.
 
 ``tools/record_optax.py`` builds every case with optax 0.2.8 and records its trajectory in
-``tests/data/optax_reference.npz``; ``tests/test_optim_optax.py`` builds the same case with
+``tests/data/optax_reference.npz``; ``tests/optim/test_optax.py`` builds the same case with
 ``fshard.optim`` and compares. A case is ``lib -> GradientTransformation`` (a schedule:
 ``lib -> schedule``), where :class:`Lib` gives the library module and the few calls whose
 spelling differs between the two. This module imports neither torch nor JAX: the recorder runs

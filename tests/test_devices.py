@@ -406,6 +406,42 @@ def test_a_mesh_is_its_device_type_too():
         fs.Mesh.abstract((2,), ("x",), device_type="tpu")
 
 
+def abstract_plan_then_real_reshard():
+    import pickle
+
+    me = dist.get_rank()
+    abstract = fs.Layout(fs.Mesh.abstract((2,), ("x",)), fs.P("x"), (6, 10), torch.float64)
+    # plan on the abstract mesh first: its steps fill the planner's cache
+    printed = repr(fs.plan(abstract, fs.P(None, "x")))
+    mesh = fs.Mesh.create((2,), ("x",), device_type="cpu")
+    t = torch.arange(60.0, dtype=torch.float64).reshape(6, 10)
+    x = fs.shard(t, mesh, fs.P("x"))
+    with fs.debug.comm_log() as log:
+        y = fs.reshard(x, fs.P(None, "x"))
+    return {
+        "apart": (mesh != abstract.mesh, hash(mesh) != hash(abstract.mesh), x.layout != abstract),
+        "value": torch.equal(y.local, t[:, 5 * me : 5 * me + 5]),
+        "log": [(r.op, r.nbytes) for r in log],
+        "same_plan_printed": printed == repr(fs.plan(x.layout, fs.P(None, "x"))),
+        "pickled": (
+            pickle.loads(pickle.dumps(mesh)) is mesh,
+            pickle.loads(pickle.dumps(abstract.mesh)).is_abstract,
+        ),
+    }
+
+
+def test_an_abstract_mesh_is_not_the_real_mesh(world2):
+    """Issue 28: an abstract mesh equalled the real CPU mesh over the same ranks, so after
+    ``fs.plan`` on the abstract layout the planner's cache handed ``fs.reshard`` of the equal
+    real layout the abstract mesh's steps ("... is abstract: it has no process groups"). The
+    meshes now differ (as JAX's AbstractMesh and Mesh); the abstract plan still prints what the
+    real mesh runs."""
+    for got in world2.run(abstract_plan_then_real_reshard):
+        assert got["apart"] == (True, True, True) and got["value"], got
+        assert got["log"] == [("all_to_all", 3 * 10 * 8)], got  # this rank's 3x10 input block
+        assert got["same_plan_printed"] and got["pickled"] == (True, True), got
+
+
 # -- item 1: blocks on the mesh's device -------------------------------------------------------
 
 

@@ -1,12 +1,16 @@
-"""The module-level imports among fshard's modules form no cycle (each module imports only
-modules below it, so none needs a function-level import to break a loop)."""
+"""The module-level imports among fshard's modules follow the layer table of docs/DESIGN.md §9:
+each module imports only modules of its own layer or below, and they form no cycle (so none
+needs a function-level import to break a loop)."""
 
 import ast
+import fnmatch
 import pathlib
+import re
 
 import fshard
 
 ROOT = pathlib.Path(fshard.__file__).parent
+DESIGN = ROOT.parent / "docs" / "DESIGN.md"
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -77,3 +81,69 @@ def test_ops_never_import_the_public_api():
     assert len(ops) > 3
     for m in ops:
         assert "fshard.api" not in graph[m], m
+
+
+def layer_table(text: str) -> list[tuple[int, list[str], set[str]]]:
+    """``[(layer, module patterns, planned patterns)]`` from the table of DESIGN §9: each row
+    ``| n | `mod`, `pkg.*`, `new` (*planned*) | what |``; names are relative to ``fshard``."""
+    section = text.split("\n## 9.", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].isdigit():
+            continue
+        names = re.findall(r"`([\w.*]+)`( \(\*planned\*\))?", cells[1])
+        full = ["fshard" if n == "fshard" else f"fshard.{n}" for n, _ in names]
+        planned = {f for f, (_, mark) in zip(full, names) if mark}
+        rows.append((int(cells[0]), full, planned))
+    return rows
+
+
+def layer_violations(graph: dict[str, set[str]], table) -> list[str]:
+    """What breaks the layer rule: a module in no layer (or in two), a listed module that does
+    not exist (unless planned), and every import of a module from a higher layer."""
+    layer_of: dict[str, int] = {}
+    problems = []
+    for module in sorted(graph):
+        hits = [
+            n for n, patterns, _ in table if any(fnmatch.fnmatchcase(module, p) for p in patterns)
+        ]
+        if len(hits) != 1:
+            problems.append(f"{module} is in {len(hits)} layers of DESIGN §9 (must be in one)")
+        else:
+            layer_of[module] = hits[0]
+    for _, patterns, planned in table:
+        for p in patterns:
+            if p not in planned and not any(fnmatch.fnmatchcase(m, p) for m in graph):
+                problems.append(f"DESIGN §9 lists {p}, which does not exist")
+    for module, imports in sorted(graph.items()):
+        for target in sorted(imports):
+            if module in layer_of and target in layer_of and layer_of[target] > layer_of[module]:
+                problems.append(
+                    f"{module} (layer {layer_of[module]}) imports {target} "
+                    f"(layer {layer_of[target]}, above it)"
+                )
+    return problems
+
+
+def test_layer_check_reports_each_kind_of_violation():
+    table = [
+        (1, ["fshard.a", "fshard.gone", "fshard.new"], {"fshard.new"}),
+        (2, ["fshard.b"], set()),
+    ]
+    graph = {"fshard.a": {"fshard.b"}, "fshard.b": {"fshard.a"}, "fshard.c": set()}
+    assert layer_violations(graph, table) == [
+        "fshard.c is in 0 layers of DESIGN §9 (must be in one)",
+        "DESIGN §9 lists fshard.gone, which does not exist",
+        "fshard.a (layer 1) imports fshard.b (layer 2, above it)",
+    ]
+
+
+def test_imports_follow_the_layers_of_design():
+    """Every module of fshard sits in one layer of DESIGN §9's table and imports nothing above
+    its layer."""
+    table = layer_table(DESIGN.read_text(encoding="utf-8"))
+    assert len(table) > 10 and table[0][0] == 1, table  # the table was found and parsed
+    assert [n for n, _, _ in table] == list(range(1, len(table) + 1)), "layers are numbered 1..n"
+    graph = import_graph()
+    assert not layer_violations(graph, table), "\n".join(layer_violations(graph, table))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import fshard as fs
 from fshard import interop
-from fshard.spec import ExplicitLayout
+from fshard.spec import BaseLayout, ExplicitLayout
 
 # -- Layout.explicit (pure) ---------------------------------------------------------------------
 
@@ -20,6 +20,8 @@ GOOD = [((0, 0), (2, 4)), ((2, 0), (1, 4)), ((2, 0), (1, 4))]  # rank 2 replicat
 def test_explicit_layout_metadata_eq_hash_pickle():
     lay = fs.Layout.explicit(M3, GOOD, (3, 4))
     assert isinstance(lay, ExplicitLayout) and lay.is_explicit and lay.spec is None
+    # siblings behind one protocol: any layout, but not a P layout (op rules refuse it)
+    assert isinstance(lay, BaseLayout) and not isinstance(lay, fs.Layout)
     assert [m.shard_sizes for m in lay.shards_metadata()] == [(2, 4), (1, 4), (1, 4)]
     assert lay.shard_metadata(1) == fs.ShardMetadata((2, 0), (1, 4), "rank:1/cpu")
     same = fs.Layout.explicit(M3, [fs.ShardMetadata(o, s, "x") for o, s in GOOD], (3, 4))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fshard as fs
-from fshard.spec import chunk_bounds
+from fshard.spec import chunk_bounds, chunk_index
 
 MESHES = [
     ((1,), ("x",)),
@@ -220,3 +220,21 @@ def test_every_2x2_plan_reaches_its_target():
             assert steps[0].src.spec == a and steps[-1].dst.spec == b
             for s, t in zip(steps, steps[1:]):
                 assert s.dst == t.src
+
+
+@pytest.mark.parametrize("mesh_shape,names", MESHES)
+def test_chunk_index_is_the_one_mixed_radix(mesh_shape, names):
+    """spec.chunk_index (which layouts, Mesh.axis_index and shard_map's size check all use)
+    equals numpy's row-major ravel of the coordinates on the axes, for every rank and every
+    ordered tuple of distinct axes; ranks on a non-identity rank order included."""
+    ranks = list(reversed(range(int(np.prod(mesh_shape)))))
+    m = fs.Mesh(mesh_shape, names, ranks)
+    for k in range(len(names) + 1):
+        for axes in itertools.permutations(names, k):
+            dims = [names.index(a) for a in axes]
+            sizes = tuple(mesh_shape[d] for d in dims)
+            for pos, rank in enumerate(ranks):
+                coords = np.unravel_index(pos, mesh_shape)
+                want = int(np.ravel_multi_index([coords[d] for d in dims], sizes)) if axes else 0
+                assert chunk_index(m, axes, m.coords(rank)) == (want, int(np.prod(sizes))), axes
+                assert m.axis_index(axes, rank) == want

@@ -3,8 +3,9 @@
 #
 #   tools/gpu_check.sh [OUTDIR]          # logs and tables into OUTDIR (default: gpu-check/)
 #
-# 1. the CUDA cases of the device-parametrized tests (tests/test_devices.py, test_autocast.py,
-#    test_optim_fused.py), then the rest of the suite (pytest-xdist) with the machine's torch;
+# 1. the CUDA cases of the device-parametrized tests (tests/test_devices.py,
+#    tests/ops/test_autocast.py, tests/optim/test_fused.py), then the rest of the suite
+#    (pytest-xdist) with the machine's torch;
 # 2. the README's commands on the GPU: the quickstart under torchrun with 2 ranks (one GPU: the
 #    launcher picks Gloo with CUDA tensors) and the demo with --device cuda for a few steps;
 # 3. benchmarks/one_rank_step.py --device cuda: a one-rank training step, fshard against plain
@@ -27,7 +28,7 @@ run() {  # run NAME LIMIT_SECONDS COMMAND...: one part, its log and exit status
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "$name: rc=$? in $((SECONDS - t0)) s" >> "$out/summary.txt"
 }
-cuda="tests/test_devices.py tests/test_autocast.py tests/test_optim_fused.py"
+cuda="tests/test_devices.py tests/ops/test_autocast.py tests/optim/test_fused.py"
 run cuda_tests 110 "$py" -m pytest -q -p no:cacheprovider -rs --timeout 100 $cuda
 ignore=""
 for f in $cuda; do ignore="$ignore --ignore $f"; done

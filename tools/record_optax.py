@@ -1,4 +1,4 @@
-"""Record optax 0.2.8 reference trajectories for tests/test_optim_optax.py (no JAX at test time).
+"""Record optax 0.2.8 reference trajectories for tests/optim/test_optax.py (no JAX at test time).
 
 Run with a separate environment that has JAX (CPU) and optax, never the test environment::
 
@@ -9,7 +9,7 @@ Run with a separate environment that has JAX (CPU) and optax, never the test env
 It writes ``tests/data/optax_reference.npz``: the initial params and 20 gradient steps (float64,
 JAX x64), each case's params after every step (the params flattened and concatenated in
 ``NAMES`` order, one row per step) and schedule values for steps 0..29. The cases are the table
-in ``tests/optax_cases.py``, which ``tests/test_optim_optax.py`` builds with fshard.optim.
+in ``tests/optax_cases.py``, which ``tests/optim/test_optax.py`` builds with fshard.optim.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..spec import Layout
+from ..spec import BaseLayout, Layout
 
 __all__ = ["state", "input_casts", "disabled"]
 
@@ -69,7 +69,7 @@ def input_casts(op, view, unflatten, device_type: str) -> dict[int, torch.dtype]
     """
     if not torch.is_autocast_enabled(device_type):
         return None
-    tensors = [i for i, v in enumerate(view) if isinstance(v, Layout)]
+    tensors = [i for i, v in enumerate(view) if isinstance(v, BaseLayout)]
     if not any(_eligible(view[i]) for i in tensors):
         return None
     try:

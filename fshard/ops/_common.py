@@ -11,7 +11,7 @@ from ..collectives import Bound, Pcast, Pmax, Psum, norm_dim
 from ..lax import apply
 from ..planner import in_mesh_order
 from ..planner import plan as plan_steps
-from ..spec import Layout, P, _layout, chunk_bounds
+from ..spec import BaseLayout, Layout, P, _layout
 from .registry import SCALAR, is_layout
 
 
@@ -19,7 +19,7 @@ def meta_call(op, args, kwargs):
     """Run ``op`` on meta tensors standing in for the Layouts: global output shape and dtype."""
 
     def to_meta(v):
-        if isinstance(v, Layout):
+        if isinstance(v, BaseLayout):
             return torch.empty(v.shape, dtype=v.dtype, device="meta")
         if v is SCALAR:
             return 0.5
@@ -66,9 +66,8 @@ def norm_dims(dims, ndim: int) -> tuple[int, ...]:
 
 def block_bounds(layout: Layout, dim: int, rank: int) -> tuple[int, int]:
     """``[start, stop)`` of ``rank``'s block of ``dim``."""
-    coords = layout.mesh.coords(rank)
-    index, count = layout.chunk_index(dim, coords)
-    return chunk_bounds(layout.shape[dim], count, index)
+    block = layout.shard_metadata(rank).slices()[dim]
+    return block.start, block.stop
 
 
 def numel(shape) -> int:

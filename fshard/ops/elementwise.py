@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..spec import Layout
+from ..spec import BaseLayout, Layout
 from . import rows
 from ._common import meta_call, out_layout, spec
 from .registry import SCALAR, SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
@@ -137,7 +137,7 @@ def _cast_target(op, args, kwargs) -> tuple[torch.dtype | None, torch.device | N
                 device = "cuda" if ".cuda." in a else "cpu"
             else:
                 device = a
-        elif isinstance(a, Layout):  # x.to(other)
+        elif isinstance(a, BaseLayout):  # x.to(other)
             dtype = a.dtype
     return dtype, None if device is None else torch.device(device)
 

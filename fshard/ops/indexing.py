@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..array import ShardedArray
-from ..spec import Layout, P, _layout
+from ..spec import BaseLayout, Layout, P, _layout
 from ._common import meta_call, out_layout, spec
 from .binding import bind
 from .elementwise import own_dims
@@ -133,7 +133,7 @@ def _is_advanced(it) -> bool:
 def _expand(x: Layout, key) -> list:
     items = list(key) if type(key) is tuple else [key]
     for it in items:
-        if isinstance(it, bool) or (isinstance(it, Layout) and it.dtype == torch.bool):
+        if isinstance(it, bool) or (isinstance(it, BaseLayout) and it.dtype == torch.bool):
             raise _DataDependent()
         if isinstance(it, (list, tuple)) and torch.tensor(it).dtype == torch.bool:
             raise _DataDependent()  # a list of bools is a mask too
@@ -192,7 +192,7 @@ def _advanced_position(x: Layout, items, basic, b) -> int:
     def stand_in(it):
         if isinstance(it, slice):
             return slice(None)
-        if isinstance(it, Layout):
+        if isinstance(it, BaseLayout):
             return torch.empty(it.shape, dtype=torch.long, device="meta")
         if isinstance(it, (list, tuple)):
             return torch.empty(torch.tensor(it).shape, dtype=torch.long, device="meta")
@@ -211,7 +211,7 @@ def _advanced_position(x: Layout, items, basic, b) -> int:
 
 def getitem_rule(op, args, kwargs):
     x, key = args[0], args[1]
-    if not isinstance(x, Layout):
+    if not isinstance(x, BaseLayout):
         raise NotImplementedError("indexing a plain tensor with a ShardedArray is not supported")
     try:
         cut, dims, meta = _plan(x, key)
@@ -233,7 +233,7 @@ def index_update_rule(op, args, kwargs):
             "x.at[mask] / x[mask] = v with a boolean mask on a ShardedArray: use "
             "torch.where(mask, v, x) (or x.masked_fill(mask, v))"
         ) from None
-    v = values if isinstance(values, Layout) else None
+    v = values if isinstance(values, BaseLayout) else None
     linear = mode in ("set", "add") and v is not None and v.partial == x.partial
     partial = x.partial if linear else ()
     x_dims = [() if d in cut else a for d, a in enumerate(x.dim_axes)]

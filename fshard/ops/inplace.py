@@ -140,12 +140,12 @@ def aliased_inputs(func, leaves, unflatten) -> tuple[int, ...]:
     """The leaf indices of the tensor inputs ``func``'s output aliases (views, or the input
     itself), found by running ``func`` on meta tensors. ``leaves``: the rule's view (Layouts
     for tensors); ``unflatten(leaves) -> (args, kwargs)`` with run-time placeholders filled."""
-    from ..spec import Layout
+    from ..spec import BaseLayout
 
     metas = {}
     filled = []
     for i, v in enumerate(leaves):
-        if isinstance(v, Layout):
+        if isinstance(v, BaseLayout):
             metas[i] = torch.empty(v.shape, dtype=v.dtype, device="meta")
             filled.append(metas[i])
         else:

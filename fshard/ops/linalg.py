@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..spec import Layout
+from ..spec import BaseLayout, Layout
 from . import rows
 from ._common import in_mesh_order, meta_call, out_layout, reshard_cost, spec
 from .binding import bind
@@ -159,7 +159,7 @@ def linear_rule(op, args, kwargs):
     (sx, sw), out_dims, partial = contract([x, w], [lx, lw], lo)
     meta = meta_call(op, args, kwargs)
     specs = {"input": sx, "weight": sw}
-    if isinstance(bias, Layout):
+    if isinstance(bias, BaseLayout):
         specs["bias"] = _additive_spec(bias, out_dims, tuple(meta.shape), partial)
     return OpSharding(specs, out_layout(x.mesh, out_dims, partial, meta))
 

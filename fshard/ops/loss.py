@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..spec import Layout
+from ..spec import BaseLayout, Layout
 from ._common import group_of, group_psum, in_mesh_order, meta_call, out_layout, spec
 from .binding import bind
 from .elementwise import align, own_dims
@@ -63,7 +63,7 @@ def nll_loss_rule(op, args, kwargs):
     bound = bind(op, args, kwargs)
     x, t = bound["input"], bound["target"]
     reduction = _reduction(op, bound)
-    if not isinstance(t, Layout):
+    if not isinstance(t, BaseLayout):
         raise TypeError("nll_loss: target must be a tensor")
     # input (N, C, d...) or (C,); target (N, d...): the class dim is whole, the rest align
     class_dim = 1 if x.ndim > 1 else 0

@@ -32,7 +32,7 @@ from operator import methodcaller
 import torch
 import torch.nn.functional as F
 
-from ..spec import Layout
+from ..spec import BaseLayout, Layout
 from . import rows
 from ._common import (
     block_bounds,
@@ -194,14 +194,14 @@ def embedding_rule(op, args, kwargs):
 def cross_entropy_rule(op, args, kwargs):
     bound = bind(op, args, kwargs)
     x, target = bound["input"], bound["target"]
-    if isinstance(bound["weight"], Layout) or bound["size_average"] is not None:
+    if isinstance(bound["weight"], BaseLayout) or bound["size_average"] is not None:
         raise NotImplementedError(
             "F.cross_entropy on a ShardedArray supports no class weight= and no legacy "
             "size_average=/reduce=; gather first or use fs.shard_map"
         )
     if bound["reduce"] is not None:
         raise NotImplementedError("F.cross_entropy: legacy reduce= is not supported")
-    if x.ndim != 2 or not isinstance(target, Layout) or target.ndim != 1:
+    if x.ndim != 2 or not isinstance(target, BaseLayout) or target.ndim != 1:
         raise NotImplementedError(
             "F.cross_entropy on a ShardedArray expects (N, C) logits and (N,) class indices; "
             "reshape first (logits.reshape(-1, C), target.reshape(-1))"
@@ -298,7 +298,7 @@ def sdpa_rule(op, args, kwargs):
         for n, x in zip(("query", "key", "value"), lead)
     }
     mask = bound["attn_mask"]
-    if isinstance(mask, Layout):
+    if isinstance(mask, BaseLayout):
         specs["attn_mask"] = spec(own_dims(mask, out_dims, tuple(meta.shape)))
     out = out_layout(q.mesh, out_dims, (), meta)
     block = None if q.mesh.is_abstract else out.shard_metadata(q.mesh.rank).slices()

@@ -40,7 +40,7 @@ from ..collectives import Bound, Pcast
 from ..executor import check_plain_tensor, program
 from ..executor import run as run_program
 from ..lax import apply, claim, claim_of
-from ..spec import LAYOUT_OF_ID, Layout, P, _layout
+from ..spec import LAYOUT_OF_ID, BaseLayout, Layout, P, _layout
 from . import _autocast
 from . import inplace as _inplace
 from .aliases import aliases_of
@@ -488,12 +488,12 @@ def tensor_inputs(args, kwargs) -> list[Layout]:
         [lay_x, lay_y]
     """
     leaves = optree.tree_leaves((args, kwargs), is_leaf=is_layout, none_is_leaf=True)
-    return [a for a in leaves if isinstance(a, Layout)]
+    return [a for a in leaves if isinstance(a, BaseLayout)]
 
 
 def is_layout(x) -> bool:
     """True for a :class:`Layout` (``is_leaf=`` of the static views rules see)."""
-    return isinstance(x, Layout)
+    return isinstance(x, BaseLayout)
 
 
 def _static_view(leaves, mesh, floats=False):
@@ -613,7 +613,7 @@ def _by_name(local, sig):
 
 
 def unsupported_message(name: str, view) -> str:
-    layouts = ", ".join(f"{tuple(v.shape)} {v.spec}" for v in view if isinstance(v, Layout))
+    layouts = ", ".join(f"{tuple(v.shape)} {v.spec}" for v in view if isinstance(v, BaseLayout))
     return (
         f"fshard has no sharding rule for {name} (inputs: {layouts}). Ways out: "
         "gather to a full tensor with fs.gather(x) (or fs.reshard to the layout you need) and "
@@ -657,7 +657,7 @@ class _Compiled:
         """``view``: the leaves as the rule saw them (tensor inputs retyped by ``casts``, the
         ``{leaf index: dtype}`` autocast gives them: applied to the local tensors after any
         reshard and pcast, so communication and a partial value's sum keep the source dtype)."""
-        tensor_idx = [i for i, v in enumerate(view) if isinstance(v, Layout)]
+        tensor_idx = [i for i, v in enumerate(view) if isinstance(v, BaseLayout)]
         specs = tuple(specs)
         if len(specs) != len(tensor_idx):
             raise ValueError(
@@ -767,7 +767,7 @@ _strict._dynamo_marked_constant = True
 
 def _runs_as_is(c: _Compiled) -> bool:
     """No reshard, no pcast, no communication, one output layout: swap in locals, call, wrap."""
-    return c.trivial and not c.comm and isinstance(c.out, Layout)
+    return c.trivial and not c.comm and isinstance(c.out, BaseLayout)
 
 
 def _fast_runner(c: _Compiled, tree):
@@ -804,7 +804,7 @@ def _fast_runner(c: _Compiled, tree):
 def _wrap(result, out):
     if out is None:
         return result
-    if isinstance(out, Layout):
+    if isinstance(out, BaseLayout):
         return ShardedArray._derived(result, out)
     wrapped = [_wrap(r, o) for r, o in zip(result, out)]
     if isinstance(result, tuple) and hasattr(type(result), "n_fields"):

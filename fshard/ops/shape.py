@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..spec import Layout
+from ..spec import BaseLayout, Layout
 from . import rows
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
@@ -45,7 +45,7 @@ def permutation_rule(op, args, kwargs):
     """Ops that only reorder dims: the perm is read off a meta tensor with distinct sizes."""
     (x,) = tensor_inputs(args, kwargs)
     probe = torch.empty([d + 2 for d in range(x.ndim)], device="meta")
-    margs = [probe if isinstance(a, Layout) else a for a in args]
+    margs = [probe if isinstance(a, BaseLayout) else a for a in args]
     out = op(*margs, **kwargs)
     perm = [s - 2 for s in out.shape]
     meta = meta_call(op, args, kwargs)
@@ -236,7 +236,7 @@ def narrow_rule(op, args, kwargs):
     x = bound["input"]
     dim = norm_dim(bound["dim"], x.ndim)
     start = bound["start"]
-    if isinstance(start, Layout):
+    if isinstance(start, BaseLayout):
         if start.ndim != 0 or start.dtype.is_floating_point or start.sharded_axes:
             raise TypeError(
                 f"narrow: a tensor start must be a 0-d integer tensor, got {tuple(start.shape)} "

@@ -34,7 +34,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from ..spec import Layout
+from ..spec import BaseLayout
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
 from .registry import OpSharding, is_layout, register_rule, tensor_inputs
@@ -48,7 +48,7 @@ def along(name="dim"):
 
     def whole(op, x, args, kwargs):
         d = bind(op, args, kwargs).get(name)
-        if d is None or isinstance(d, Layout) or (isinstance(d, (tuple, list)) and not d):
+        if d is None or isinstance(d, BaseLayout) or (isinstance(d, (tuple, list)) and not d):
             return set(range(x.ndim))
         ds = d if isinstance(d, (tuple, list)) else (d,)
         return {norm_dim(v, x.ndim) for v in ds}
@@ -168,7 +168,7 @@ def _blocks_run(op, args, kwargs, x, keep, align_others) -> bool:
         by_id = dict(shape)
 
         def block(v, by_id=by_id):
-            if isinstance(v, Layout) and id(v) in by_id:
+            if isinstance(v, BaseLayout) and id(v) in by_id:
                 return torch.empty(by_id[id(v)], dtype=v.dtype, device="meta")
             return v
 
@@ -200,7 +200,7 @@ _REPEAT_INTERLEAVE = whole_dims_rule(along(), linear=True)
 
 def repeat_interleave_rule(op, args, kwargs):
     bound = bind(op, args, kwargs)
-    if isinstance(bound["repeats"], Layout) and bound["output_size"] is None:
+    if isinstance(bound["repeats"], BaseLayout) and bound["output_size"] is None:
         raise NotImplementedError(
             "repeat_interleave with tensor repeats on a ShardedArray needs output_size= (the "
             "output shape must be known without reading the repeats); pass output_size=int"

@@ -13,7 +13,7 @@ from fshard import optim
 from tests import optax_cases
 from tests.optax_cases import NAN_CASES, SHAPES, Lib
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "optax_reference.npz")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "optax_reference.npz")
 SPECS = {"w": fs.P("x"), "v": fs.P(None, "x"), "u": fs.P("x"), "b": fs.P()}  # 3+2, 4+3, 3+2
 #: float64 agreement, except: adafactor's decay ``1 - t**-0.8`` is float32 in both libraries
 #: (the two float32 pows may differ by an ulp); optax evaluates a schedule on its int32 step

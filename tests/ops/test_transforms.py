@@ -1,6 +1,6 @@
 """Op rules under the torch.func transforms other than ``grad`` (2 ranks, float64, vs dense).
 
-tests/test_ops.py pins values and ``grad`` of every op rule; here a representative set of ops
+tests/ops/test_rules.py pins values and ``grad`` of every op rule; here a representative set of ops
 (elementwise with broadcasting, matmul / F.linear with a split contracting dim, sum / mean,
 amax / logsumexp, softmax / log_softmax, layer_norm, embedding with a vocab-split weight,
 vocab-parallel cross_entropy, reshape / transpose, cat / stack, and two small models chaining
@@ -248,7 +248,7 @@ def _mesh():
 R, S0, S1, PX = P(), P("x"), P(None, "x"), P(partial="x")  # the 2-D layouts (S0: row split)
 
 # Layout pairs for binary ops: every layout against every other one would repeat what
-# test_ops pins for values and grad; under the transforms what matters is which collectives
+# tests/ops/test_rules.py pins values and grad; under the transforms what matters is which collectives
 # the plan runs, and these pairs reach each kind: no communication (R with S0/S1: a local
 # slice), all_to_all (S0 with S1), a pending sum kept (R/PX into an additive or scaling op),
 # reduced (PX into a nonlinear op, PX / PX), zeroed addends (R into PX), and plain tensors.
