@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fshard as fs
 
@@ -124,3 +125,58 @@ def gpt_rank_fn():
 
 def test_gpt_sequence_parallel_two_ranks(world2):
     assert world2.run(gpt_rank_fn) == [True, True]
+
+
+def llama_rank_fn(attn):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    vocab, b, t, h, layers = 128, 1, 16, 64, 2
+    cfg = transformers.LlamaConfig(
+        hidden_size=h, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=t,
+        attn_implementation=attn,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    mesh = fs.Mesh.create((2,), ("tp",))
+    plan = fs.nn.megatron_plan(
+        column=["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
+        row=["*.o_proj", "*.down_proj"],
+        vocab=["model.embed_tokens"],
+        model=model,
+        sequence_parallel=True,
+    )
+    params = fs.nn.shard_params(model, mesh, plan)
+    ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(1))
+    norms = [n for n in params if "norm" in n]
+    # b * t * h < every column weight's size, so the linear rule gathers the activation, not
+    # the weight (at b * t > out-features it gathers the weight instead: not Megatron-SP)
+    assert all(b * t * h < params[n].numel() for n in params if "_proj" in n or "lm_head" in n)
+    # q, k, v and gate, up are separate projections here: each all-gathers its input
+    want = fs.parallel.megatron_sp_comm(
+        layers, b * t * h * 4, 2, columns=5, scatter=False, vocab=True,
+        sp_param_bytes=[params[n].numel() * 4 for n in norms],
+    )  # fmt: skip
+
+    def lm_loss(logits, ids):
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        return fs.gather(loss) if isinstance(loss, fs.ShardedArray) else loss
+
+    def loss_fn(ps, x):
+        return lm_loss(fs.nn.functional_call(model, ps, (x,), {"use_cache": False}).logits, x)
+
+    def dense_loss(ps, ids):
+        logits = torch.func.functional_call(model, ps, (ids,), {"use_cache": False}).logits
+        return lm_loss(logits, ids)
+
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = fs.shard(ids, mesh, fs.P())
+    return _adamw_steps(
+        loss_fn, dense_loss, params, dense, x, ids, lambda log: _check(log, want, b * (t - 1))
+    )
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_llama_sequence_parallel_two_ranks(world2, attn):
+    pytest.importorskip("transformers")
+    assert world2.run(llama_rank_fn, attn) == [True, True]
