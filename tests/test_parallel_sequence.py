@@ -180,3 +180,21 @@ def llama_rank_fn(attn):
 def test_hf_llama_sequence_parallel_two_ranks(world2, attn):
     pytest.importorskip("transformers")
     assert world2.run(llama_rank_fn, attn) == [True, True]
+
+
+def test_gather_varying_fuses_only_a_trailing_invariant_gather_under_the_pcast():
+    from fshard.collectives import AllGather, PsumScatter
+    from fshard.executor import gather_varying, program
+
+    mesh = fs.Mesh.abstract((2, 2), ("dp", "tp"))
+    layout = fs.Layout(mesh, fs.P(None, "tp"), (4, 8))
+    prog = program(layout, fs.P())
+    assert isinstance(prog.steps[-1].op, AllGather) and prog.steps[-1].op.invariant
+    fused, rest = gather_varying(prog, ("dp", "tp"))
+    assert rest == ("dp",)
+    assert fused.steps[-1].op == AllGather(("tp",), 1, (4, 4), invariant=False)
+    assert isinstance(fused.steps[-1].op.transpose(), PsumScatter)  # Megatron-SP's backward
+    assert fused.out == prog.out
+    assert gather_varying(prog, ("dp",)) == (prog, ("dp",))  # the gather's axis is not pcast
+    sliced = program(fs.Layout(mesh, fs.P(), (4, 8)), fs.P("tp"))
+    assert gather_varying(sliced, ("tp",)) == (sliced, ("tp",))  # no gather to fuse
