@@ -5,7 +5,20 @@ A sharded value is an immutable pytree of one plain local tensor plus a static l
 primitives of :mod:`fshard.lax`.
 """
 
-from . import checkpoint, config, consistency, data, debug, interop, launch, lax, nn, ops, optim
+from . import (
+    checkpoint,
+    config,
+    consistency,
+    data,
+    debug,
+    interop,
+    launch,
+    lax,
+    nn,
+    ops,
+    optim,
+    parallel,
+)
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .autodiff import grad, value_and_grad
@@ -56,6 +69,7 @@ __all__ = [
     "checkpoint",
     "interop",
     "data",
+    "parallel",
 ]
 
 

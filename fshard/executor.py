@@ -13,6 +13,7 @@ imports another's API.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -20,12 +21,20 @@ import torch
 
 from ._traced import constant
 from .array import ShardedArray
-from .collectives import Bound
+from .collectives import AllGather, Bound
 from .lax import apply, claim, claim_of
 from .planner import Step, steps
 from .spec import LAYOUT_OF_ID, Layout, P
 
-__all__ = ["Program", "check_plain_tensor", "claimed_local", "program", "reshard_one", "run"]
+__all__ = [
+    "Program",
+    "check_plain_tensor",
+    "claimed_local",
+    "gather_varying",
+    "program",
+    "reshard_one",
+    "run",
+]
 
 
 def check_plain_tensor(t: torch.Tensor, where: str) -> None:
@@ -73,6 +82,30 @@ def program(layout: Layout, spec: P) -> Program:
     ops = tuple(Bound(s.op, mesh.group(s.axes)) for s in planned)
     held = claim_of(mesh.group(layout.partial)) if layout.partial else None
     return Program(planned, ops, layout.with_spec(spec), held)
+
+
+def gather_varying(prog: Program, pcast_axes: tuple[str, ...]) -> tuple[Program, tuple[str, ...]]:
+    """Fuse a program ending in an invariant all_gather over ``A`` with the ``pcast`` over
+    ``pcast_axes`` (a superset of ``A``) an op rule applies after it: ``pcast(A) o
+    all_gather_invariant(A)`` is ``all_gather_varying(A)`` (JAX's default all_gather), whose
+    transpose is one reduce_scatter instead of an all_reduce then a slice. This is
+    Megatron-SP's ``g`` (all_gather forward, reduce_scatter backward) before a column-parallel
+    matmul whose input is split on the sequence dim. Returns the program and the axes still
+    to pcast; unchanged when the program does not end so.
+
+    Example:
+        >>> prog, rest = gather_varying(program(x.layout, fs.P()), ("tp",))  # doctest: +SKIP
+        >>> prog.ops[-1].op.invariant, rest  # doctest: +SKIP
+        (False, ())
+    """
+    last = prog.steps[-1].op if prog.steps else None
+    if not (isinstance(last, AllGather) and last.invariant and set(last.axes) <= set(pcast_axes)):
+        return prog, pcast_axes
+    op = dataclasses.replace(last, invariant=False)
+    steps = (*prog.steps[:-1], dataclasses.replace(prog.steps[-1], op=op))
+    ops = prog.ops and (*prog.ops[:-1], prog.ops[-1]._replace(op=op))
+    rest = tuple(a for a in pcast_axes if a not in last.axes)
+    return prog._replace(steps=steps, ops=ops), rest
 
 
 def _program_of(layout_id: str, entries: tuple, partial: tuple) -> Program:

@@ -454,6 +454,7 @@ def megatron_plan(
     *,
     row_output: P | None = _REPLICATED,
     model: torch.nn.Module | None = None,
+    sequence_parallel: bool = False,
 ) -> dict[str, P | Output]:
     """A Megatron tensor-parallel plan for ``nn.Linear`` / ``Conv1D`` / ``nn.Embedding``.
 
@@ -479,6 +480,10 @@ def megatron_plan(
             detected, and a column split of a fused q|k|v projection is refused
             (``Conv1D``, stored ``[q | k | v]``: never head-aligned) or warned about
             (``nn.Linear`` with out = 3 x in).
+        sequence_parallel: Megatron-SP (batch-first activations): ``row_output`` becomes
+            ``P(None, axis)``, so norms, dropout and residual adds run on sequence-split
+            activations; each column-parallel layer's input is all-gathered (reduce-scattered
+            in the backward). See :func:`fshard.parallel.sequence_parallel_plan`.
 
     Returns:
         A plan for :func:`shard_params`; everything else (norms, position embeddings) is
@@ -493,6 +498,13 @@ def megatron_plan(
     for arg, value in (("column", column), ("row", row), ("vocab", vocab)):
         if isinstance(value, str):
             raise TypeError(f"{arg} must be a list of globs, not a string ({value!r}); wrap it")
+    if sequence_parallel:
+        if row_output is not _REPLICATED and row_output != P(None, axis):
+            raise ValueError(
+                f"sequence_parallel=True sets row_output=P(None, {axis!r}); got row_output="
+                f"{row_output!r} too. Pass one of them"
+            )
+        row_output = P(None, axis)
     if row_output is not None and not isinstance(row_output, P):
         raise TypeError(f"row_output must be a fs.P or None, got {row_output!r}")
     if model is not None and not isinstance(model, torch.nn.Module):

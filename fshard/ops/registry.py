@@ -37,7 +37,7 @@ from .. import _compat, config
 from .._traced import constant
 from ..array import ShardedArray, expose_operators, install_dispatch
 from ..collectives import Bound, Pcast
-from ..executor import check_plain_tensor, program
+from ..executor import check_plain_tensor, gather_varying, program
 from ..executor import run as run_program
 from ..lax import apply, claim, claim_of
 from ..spec import LAYOUT_OF_ID, BaseLayout, Layout, P, _layout
@@ -696,6 +696,8 @@ class _Compiled:
             ]
             if given is SHAPE_ONLY:
                 missing = []
+            if prog is not None and missing:  # all_gather + pcast: one varying all_gather
+                prog, missing = gather_varying(prog, tuple(missing))
             pcast = None
             if missing and not mesh.is_abstract:
                 g = mesh.group(tuple(missing))
