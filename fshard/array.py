@@ -184,6 +184,13 @@ class ShardedArray:
         """The Python number of a one-element value the same on every rank (as :meth:`__bool__`)."""
         return self._invariant_local("item()").item()
 
+    def __float__(self) -> float:
+        """``float(loss)`` of a one-element value the same on every rank (as :meth:`item`)."""
+        return float(self._invariant_local("float()"))
+
+    def __int__(self) -> int:
+        return int(self._invariant_local("int()"))
+
     def _invariant_local(self, what: str) -> torch.Tensor:
         lay = self.layout
         if lay.is_explicit or lay.sharded_axes or lay.partial:
@@ -210,7 +217,9 @@ class ShardedArray:
         # non-Tensor class, so forward them as the corresponding Tensor method.
         method = getattr(torch.Tensor, name, None)
         if method is None or name.startswith("__"):
-            raise AttributeError(f"'ShardedArray' object has no attribute {name!r}")
+            spelling = _PEER_SPELLINGS.get(name)
+            hint = f"; fshard's spelling is {spelling}" if spelling else ""
+            raise AttributeError(f"'ShardedArray' object has no attribute {name!r}{hint}")
         if name.endswith("_") and not name.endswith("__"):
             from .ops.inplace import inplace_method
 
@@ -229,6 +238,20 @@ class ShardedArray:
         # Install a forwarding method on the class, so later calls skip __getattr__.
         setattr(ShardedArray, name, _forward_method(method))
         return getattr(self, name)
+
+
+#: DTensor's and ShardedTensor's names for what a ShardedArray spells otherwise.
+_PEER_SPELLINGS = {
+    "full_tensor": "fs.gather(x) (the full value on every rank; fs.gather(x, dst=0): one rank)",
+    "to_local": "x.local (this rank's block, a plain tensor)",
+    "_local_tensor": "x.local",
+    "placements": "x.spec (a fs.P: the mesh axes of each dim; partial= the pending sums)",
+    "redistribute": "fs.reshard(x, fs.P(...)) (fs.plan(x.layout, spec) shows its collectives)",
+    "device_mesh": "x.mesh (a fs.Mesh; x.mesh.device_mesh is its DeviceMesh)",
+    "local_shards": "x.local (one block per rank), or x.shards_metadata() for every rank's box",
+    "sharding_spec": "x.spec",
+    "metadata": "x.layout (x.shards_metadata(): every rank's offsets and sizes)",
+}
 
 
 def _forward_method(tensor_method):
