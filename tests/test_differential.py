@@ -48,34 +48,34 @@ def test_pending_integer_sum_through_linear_whole_dim_ops(world2):
             assert torch.equal(got, want[name]), (name, got, want[name])
 
 
-def zero_norm_grads_rank_fn():
-    mesh = fs.Mesh.create((2,), ("x",))
+#: losses whose gradient at a zero std / norm dense torch gives as 0
+ZERO_NORM_LOSSES = {
+    "std": lambda v: v.std(0).sum(),
+    "vector_norm": lambda v: torch.linalg.vector_norm(v, dim=0).sum(),
+    "norm": lambda v: torch.norm(v, dim=0).sum(),
+    "norm3": lambda v: torch.linalg.vector_norm(v, ord=3, dim=0).sum(),
+}
+
+
+def _zero_column():
     t = torch.zeros(3, 2, dtype=torch.float64)
     t[:, 1] = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)  # column 0: zero std/norm
-    x = fs.shard(t, mesh, fs.P("x", None))
-    fns = {
-        "std": lambda v: v.std(0).sum(),
-        "vector_norm": lambda v: torch.linalg.vector_norm(v, dim=0).sum(),
-        "norm": lambda v: torch.norm(v, dim=0).sum(),
-        "norm3": lambda v: torch.linalg.vector_norm(v, ord=3, dim=0).sum(),
-    }
+    return t
+
+
+def zero_norm_grads_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = fs.shard(_zero_column(), mesh, fs.P("x", None))
     return {
-        k: fs.gather(torch.func.grad(lambda v, f=f: fs.gather(f(v)))(x)) for k, f in fns.items()
+        k: fs.gather(torch.func.grad(lambda v, f=f: fs.gather(f(v)))(x))
+        for k, f in ZERO_NORM_LOSSES.items()
     }
 
 
 def test_norm_and_std_gradients_at_zero_over_a_split_dim(world2):
     """Gradients of std / vector_norm / norm over a split dim were NaN where the result is 0;
     dense torch gives 0 there."""
-    t = torch.zeros(3, 2, dtype=torch.float64)
-    t[:, 1] = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-    fns = {
-        "std": lambda v: v.std(0).sum(),
-        "vector_norm": lambda v: torch.linalg.vector_norm(v, dim=0).sum(),
-        "norm": lambda v: torch.norm(v, dim=0).sum(),
-        "norm3": lambda v: torch.linalg.vector_norm(v, ord=3, dim=0).sum(),
-    }
-    want = {k: torch.func.grad(f)(t) for k, f in fns.items()}
+    want = {k: torch.func.grad(f)(_zero_column()) for k, f in ZERO_NORM_LOSSES.items()}
     for rank in world2.run(zero_norm_grads_rank_fn):
         for k, got in rank.items():
             assert not got.isnan().any(), k
@@ -114,41 +114,41 @@ def test_value_and_index_results_are_torch_return_types(world2):
             assert torch.equal(indices, want[k].indices), k
 
 
+#: op name -> op of (ints, one_channel, rows); run on the sharded values and on dense ones
+BLOCK_OPS = {
+    "amax": lambda i, c, r: torch.amax(i, 0),
+    "amin": lambda i, c, r: torch.amin(i, 0),
+    "max": lambda i, c, r: i.max(),
+    "min": lambda i, c, r: i.min(),
+    "avg_pool1d": lambda i, c, r: F.avg_pool1d(c, 2),
+    "max_pool1d": lambda i, c, r: F.max_pool1d(c, 2),
+    "interpolate": lambda i, c, r: F.interpolate(c, scale_factor=2.0),
+    "group_norm": lambda i, c, r: F.group_norm(r, 4),
+}
+
+
+def _block_inputs():
+    return (
+        torch.tensor([[3, -1, 7]]),
+        torch.arange(8.0).reshape(2, 1, 4),
+        torch.arange(12.0).reshape(3, 4),
+    )
+
+
 def block_error_rank_fn():
     mesh = fs.Mesh.create((2,), ("x",))
-    ints = fs.shard(torch.tensor([[3, -1, 7]]), mesh, fs.P("x", None))  # rank 1: empty
-    one_channel = fs.shard(torch.arange(8.0).reshape(2, 1, 4), mesh, fs.P(None, "x", None))
-    rows = fs.shard(torch.arange(12.0).reshape(3, 4), mesh, fs.P("x", None))  # 2 | 1 rows
-    got = {
-        "amax": torch.amax(ints, 0),
-        "amin": torch.amin(ints, 0),
-        "max": ints.max(),
-        "min": ints.min(),
-        "avg_pool1d": F.avg_pool1d(one_channel, 2),
-        "max_pool1d": F.max_pool1d(one_channel, 2),
-        "interpolate": F.interpolate(one_channel, scale_factor=2.0),
-        "group_norm": F.group_norm(rows, 4),
-    }
-    return {k: fs.gather(v) for k, v in got.items()}
+    ints, one_channel, rows = _block_inputs()
+    ints = fs.shard(ints, mesh, fs.P("x", None))  # rank 1: empty
+    one_channel = fs.shard(one_channel, mesh, fs.P(None, "x", None))
+    rows = fs.shard(rows, mesh, fs.P("x", None))  # 2 | 1 rows
+    return {k: fs.gather(op(ints, one_channel, rows)) for k, op in BLOCK_OPS.items()}
 
 
 def test_errors_of_one_rank_block_are_planned_around(world2):
     """int64 amax/amin/max over an empty shard (-inf to int64), pooling/interpolate over an
     empty channel block and group_norm on a one-row block raised on one rank only while the
     other waited in a collective (a hang); dense torch computes each of them."""
-    ints = torch.tensor([[3, -1, 7]])
-    one_channel = torch.arange(8.0).reshape(2, 1, 4)
-    rows = torch.arange(12.0).reshape(3, 4)
-    want = {
-        "amax": torch.amax(ints, 0),
-        "amin": torch.amin(ints, 0),
-        "max": ints.max(),
-        "min": ints.min(),
-        "avg_pool1d": F.avg_pool1d(one_channel, 2),
-        "max_pool1d": F.max_pool1d(one_channel, 2),
-        "interpolate": F.interpolate(one_channel, scale_factor=2.0),
-        "group_norm": F.group_norm(rows, 4),
-    }
+    want = {k: op(*_block_inputs()) for k, op in BLOCK_OPS.items()}
     for rank in world2.run(block_error_rank_fn):
         for k, got in rank.items():
             assert got.dtype == want[k].dtype, k
