@@ -31,6 +31,7 @@ ONE_PROCESS = {
     "tests/test_interop.py",
     "tests/test_imports.py",
     "tests/test_docs.py",
+    "tests/ops/test_rule_selection.py",
     "fshard/spec.py",
     "fshard/planner.py",
 }
