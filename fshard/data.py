@@ -146,7 +146,7 @@ def batch(local: torch.Tensor, mesh: Mesh, axes: str | Sequence[str] = "dp", *, 
     if mesh.size(mesh.axis_names) == 1:
         shapes = [mine]
     else:
-        shapes = _comm.size_exchange(mine, mesh.group(mesh.axis_names), local.device)
+        shapes = _comm.size_exchange(mine, mesh.group(mesh.axis_names), mesh.device())
     ranks = mesh.ranks
     if any(s[:2] != mine[:2] for s in shapes) or any(
         s[2 + d] != mine[2 + d] for s in shapes for d in range(local.dim()) if d != dim

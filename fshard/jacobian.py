@@ -29,15 +29,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .array import ShardedArray
+from .array import ShardedArray, is_sharded
 from .autodiff import _check_argnums
-from .spec import Layout, P
+from .ops._common import spec as dims_spec
+from .spec import Layout
 
 __all__ = ["jacfwd", "hessian"]
-
-
-def _is_leaf(v) -> bool:
-    return isinstance(v, ShardedArray)
 
 
 def _global_shape(v) -> tuple[int, ...]:
@@ -80,8 +77,7 @@ def _columns(jac, start: int, shape: tuple[int, ...]):
     if not isinstance(jac, ShardedArray):
         return cols
     out = jac.layout
-    entries = [None if not d else d[0] if len(d) == 1 else d for d in out.dim_axes[1:]]
-    spec = P(*entries, *[None] * len(shape), partial=out.partial)
+    spec = dims_spec([*out.dim_axes[1:], *[()] * len(shape)], out.partial)
     return ShardedArray._raw(cols, Layout(out.mesh, spec, (*out.shape[1:], *shape), out.dtype))
 
 
@@ -115,7 +111,7 @@ def jacfwd(func: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = Fal
     def run(*args):
         nums = _check_argnums(argnums, len(args))
         primals = tuple(args[i] for i in nums)
-        leaves, spec = pytree.tree_flatten(primals, is_leaf=_is_leaf)
+        leaves, spec = pytree.tree_flatten(primals, is_leaf=is_sharded)
         for leaf in leaves:
             if not isinstance(leaf, (torch.Tensor, ShardedArray)):
                 raise TypeError(
@@ -144,8 +140,8 @@ def jacfwd(func: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = Fal
         aux = None
         if has_aux:
             results, aux = results
-            aux = pytree.tree_map(lambda a: a[0], aux, is_leaf=_is_leaf)
-        outs, out_spec = pytree.tree_flatten(results, is_leaf=_is_leaf)
+            aux = pytree.tree_map(lambda a: a[0], aux, is_leaf=is_sharded)
+        outs, out_spec = pytree.tree_flatten(results, is_leaf=is_sharded)
         jac = []
         for o in outs:
             per_arg = [_columns(o, s, shape) for s, shape in zip(starts, shapes)]

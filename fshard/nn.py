@@ -33,11 +33,12 @@ import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import _compat, _swap
 from ._leaf_errors import LeafErrors
 from .api import gather, reshard, shard
-from .array import ShardedArray
+from .array import ShardedArray, is_sharded
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units  # noqa: F401 (fs.nn API)
 from .mesh import Mesh
 from .nn_plan import Output, _match, _matcher, _split_plan, match_plan
@@ -286,13 +287,12 @@ def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
     runs on the plain local tensors (no per-op dispatch: a one-GPU step costs what the plain
     step costs), and each tensor in the output comes back as a replicated ShardedArray of the
     mesh. Output entries of the plan reshard nothing here."""
-    import torch.utils._pytree as pytree
 
     def unwrap(v):
         return v.local if type(v) is ShardedArray else v
 
     local = {k: unwrap(v) for k, v in params.items()}
-    args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=_is_sharded)
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=is_sharded)
     with _swap.swap(module, local, "functional_call"):
         out = module(*args, **kwargs)
 
@@ -301,11 +301,7 @@ def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
             return ShardedArray._raw(t, _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype))
         return t
 
-    return pytree.tree_map(wrap, out, is_leaf=_is_sharded)
-
-
-def _is_sharded(v) -> bool:
-    return type(v) is ShardedArray
+    return pytree.tree_map(wrap, out, is_leaf=is_sharded)
 
 
 def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:
