@@ -481,3 +481,6 @@ def is_sharded(x) -> bool:
 def _rebuild_sharded(local: torch.Tensor, layout: Layout) -> ShardedArray:
     """Unpickle (module level, so ``torch.load(weights_only=True)`` can allow-list it)."""
     return ShardedArray._raw(local, layout)
+
+
+_compat.trace_matmul_operator(ShardedArray)  # `x @ w` under torch.compile (torch < 2.14)
