@@ -73,6 +73,7 @@ _PASSTHROUGH = {
     torch.Tensor.detach_,
 }
 _FUNCTORCH = torch._C._functorch
+_compiling = torch.compiler.is_compiling
 
 
 class _Tracker(TorchFunctionMode):
@@ -88,8 +89,9 @@ class _Tracker(TorchFunctionMode):
         mark = getattr(t, _ATTR, None)
         if mark is not None and mark[0] is self:
             return mark[1]
-        # A functorch wrapper made inside the body (grad/vmap in the body) of a tracked tensor.
-        while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        # A functorch wrapper made inside the body (grad/vmap in the body) of a tracked tensor
+        # (under dynamo the transforms are its own higher-order ops: no wrapper is seen).
+        while not _compiling() and _FUNCTORCH.is_functorch_wrapped_tensor(t):
             t = _FUNCTORCH.get_unwrapped(t)
             mark = getattr(t, _ATTR, None)
             if mark is not None and mark[0] is self:
@@ -214,14 +216,23 @@ def _mark(t: torch.Tensor, mark: tuple) -> None:
     setattr(t, _ATTR, mark)
     # A transform applied inside the body (vmap) hands back its physical result when no dim
     # moves; marking the physical tensor keeps that result tracked.
-    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+    while not _compiling() and _FUNCTORCH.is_functorch_wrapped_tensor(t):
         t = _FUNCTORCH.get_unwrapped(t)
         setattr(t, _ATTR, mark)
 
 
 def _in_place(func, kwargs) -> bool:
+    return "out" in kwargs or _in_place_name(func)
+
+
+def _in_place_name(func) -> bool:
     name = getattr(func, "__name__", "")
-    return "out" in kwargs or name == "__setitem__" or (name.endswith("_") and name[-2] != "_")
+    return name == "__setitem__" or (name.endswith("_") and name[-2] != "_")
+
+
+# Run by dynamo at trace time (what torch.compiler.assume_constant_result sets): it cannot read
+# a torch function's __name__ in a trace.
+_in_place_name._dynamo_marked_constant = True
 
 
 # -- specs and pytrees ----------------------------------------------------------------------

@@ -504,9 +504,13 @@ def _operator_programs():
         cf = torch.compile(f, fullgraph=True, backend=counter)
         got = cf(*args)
         got = fs.gather(got) if isinstance(got, ShardedArray) else got
-        # the gradient of the first argument through the compiled program (torch.func.grad)
+        # the gradient of the first argument, torch.func.grad inside the compiled function
+        # (compiling grad(f) itself compiles grad's one wrapper code object for every f: past
+        # dynamo's recompile limit it stops with "Unsupported functorch tracing attempt")
         g = torch.compile(
-            grad(lambda a, b, f=f: fs.gather(f(a, b))), fullgraph=True, backend="aot_eager"
+            lambda a, b, f=f: grad(lambda a, b: fs.gather(f(a, b)))(a, b),
+            fullgraph=True,
+            backend="aot_eager",
         )
         gx = fs.gather(g(*args))
         dx = grad(f)(*dense)
@@ -529,3 +533,53 @@ def test_operator_programs_compile_fullgraph_and_equal_dense(world2):
         for name, frames, err, gerr in programs:
             assert frames == 1 and err < 1e-9 and gerr < 1e-9, (name, frames, err, gerr)
         assert tp_step == (1, True, comm, [5, 5])
+
+
+def _compiled_shard_map():
+    """A shard_map body with collectives compiled with fullgraph=True (it stopped at the axis
+    environment's ``ContextVar.get``), and its torch.func gradient compiled too, against dense:
+    ``(frames, value error, gradient error, error of the invalid body)``. The body's
+    varying-axes checks run in the trace: an all_gather left varying under ``P()`` is refused
+    (the trace reads the tracker from the axis environment; it used to see none and accept)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    X, W = _gen(3, 6, 4), _gen(4, 4, 4)
+
+    def body(x, w, to="invariant"):  # x: local rows; w: replicated (pcast where it meets x)
+        h = torch.tanh(x @ w)
+        full = lax.all_gather(h, "x", dim=0, to=to)  # (6, 4) on every rank
+        return lax.psum((h * h).sum(), "x") + full.mean()
+
+    x, w = fs.shard(X, mesh, fs.P("x", None)), fs.shard(W, mesh, fs.P())
+    specs = {"in_specs": (fs.P("x", None), fs.P()), "out_specs": fs.P()}
+    sm = fs.shard_map(body, mesh, **specs)
+    bad = fs.shard_map(lambda x, w: body(x, w, to="varying"), mesh, **specs)
+
+    def loss(x, w):
+        return fs.gather(sm(x, w))
+
+    def dense(X, W):
+        h = torch.tanh(X @ W)
+        return (h * h).sum() + h.mean()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(loss, fullgraph=True, backend=counter)(x, w)
+    gw = torch.compile(
+        lambda x, w: grad(loss, argnums=1)(x, w), fullgraph=True, backend="aot_eager"
+    )(x, w)
+    dw = grad(dense, argnums=1)(X, W)
+    try:
+        torch.compile(lambda x, w: fs.gather(bad(x, w)), fullgraph=True, backend="aot_eager")(x, w)
+        refused = ""
+    except Exception as e:  # dynamo re-raises the body's ValueError as it is
+        refused = f"{type(e).__name__}: {e}"
+    err = (got - dense(X, W)).abs().item()
+    return counter.frame_count, err, (fs.gather(gw) - dw).abs().max().item(), refused
+
+
+def test_shard_map_body_compiles_fullgraph(world2):
+    for frames, err, gerr, refused in world2.run(_compiled_shard_map):
+        assert frames == 1 and err < 1e-9 and gerr < 1e-9, (frames, err, gerr)
+        # fullgraph: dynamo reports the body's ValueError as an "Observed exception"
+        assert "ValueError('shard_map: outputs that do not fit their out_specs" in refused, refused
