@@ -100,6 +100,12 @@ def _torchrun() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
 
 
+def _table_line(line: str) -> bool:
+    """A line of a rich table (``fs.debug.visualize``): it starts with a space or a box-drawing
+    character, and its rows repeat legitimately."""
+    return line[0].isspace() or "\u2500" <= line[0] <= "\u257f"
+
+
 SCRIPTS = [b for b in ALL if b["kind"] == "script"]
 LAUNCHES = [(b, "python") for b in SCRIPTS] + [(b, "torchrun") for b in SCRIPTS if b["torchrun"]]
 
@@ -126,9 +132,12 @@ def test_scripts_run(block, how, tmp_path):
     assert proc.returncode == 0, (
         f"{_id(block)} under {how} exited {proc.returncode}:\n{out[-4000:]}"
     )
-    if how == "torchrun":  # torchrun's two ranks each ran the script's main once
-        return
     assert "Traceback" not in out, out[-4000:]
+    # Each result is printed once, by rank 0 (the tour printed everything twice): a line of
+    # text (not a table's border or cell) appears at most once.
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip() and not _table_line(ln)]
+    repeated = sorted({ln for ln in lines if lines.count(ln) > 1})
+    assert not repeated, f"{_id(block)} under {how} printed these on several ranks: {repeated}"
 
 
 NORUN = [b for b in ALL if b["kind"] == "norun"]
