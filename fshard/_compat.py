@@ -35,10 +35,10 @@ import types
 import torch
 import torch.distributed as dist
 
-#: ``(major, minor)`` of the running torch, for the README's compatibility table and error text.
+#: ``(major, minor)`` of the running torch, for the compatibility table (docs/measurements.md) and error text.
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
 
-#: The oldest torch the suite has passed on (declared in pyproject.toml; README, "Compatibility").
+#: The oldest torch the suite has passed on (declared in pyproject.toml; docs/measurements.md, "Compatibility").
 OLDEST_TORCH: tuple[int, int] = (2, 11)
 
 _HAS_GATHER_SINGLE = hasattr(dist, "all_gather_single")

@@ -1,4 +1,14 @@
-"""Global switches: strict mode (no implicit reshards) and cross-rank consistency checks."""
+"""Global switches: strict mode (no implicit reshards) and cross-rank consistency checks.
+
+Example:
+    >>> import fshard as fs
+    >>> with fs.config.consistency(False):  # no cross-rank checks within the block
+    ...     fs.config.consistency_mode()
+    'off'
+    >>> with fs.config.strict():  # an implicit reshard in an op raises, naming the fix
+    ...     fs.config.is_strict()
+    True
+"""
 
 from __future__ import annotations
 

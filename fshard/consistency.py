@@ -36,9 +36,12 @@ mode turns a rank that never reaches the next collective into an error: the othe
 until the process group's timeout. Cost: ``benchmarks/consistency.py``.
 
 Example:
-    >>> import fshard as fs
-    >>> with fs.config.consistency("every"):  # doctest: +SKIP
-    ...     y = fs.lax.psum(x, "x", mesh=mesh)  # raises ConsistencyError if ranks disagree
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))
+    >>> with fs.config.consistency("every"):  # raises ConsistencyError if ranks disagree
+    ...     y = fs.lax.psum(torch.ones(2), "x", mesh=mesh)
+    >>> y
+    tensor([2., 2.])
 """
 
 from __future__ import annotations

@@ -633,10 +633,17 @@ def shard_map(
     ``grad`` around the ``shard_map`` gives ShardedArray gradients with the inputs' layouts.
 
     Example:
-        >>> def body(x, w):  # x: batch block, w: replicated  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("dp",))
+        >>> x = fs.shard(torch.ones(4, 3), mesh, P("dp"))  # a batch split over dp
+        >>> w = fs.shard(torch.ones(3), mesh, P())  # replicated
+        >>> def body(x, w):  # x: this rank's rows, w: the whole w
         ...     return fs.lax.psum((x @ w).pow(2).sum(), "dp")
-        >>> loss = fs.shard_map(body, mesh, (P("dp"), P()), P())  # doctest: +SKIP
-        >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # doctest: +SKIP
+        >>> loss = fs.shard_map(body, mesh, (P("dp"), P()), P())
+        >>> float(fs.gather(loss(x, w)))
+        36.0
+        >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # summed over dp once
+        >>> fs.gather(g)
+        tensor([24., 24., 24.])
     """
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}")
