@@ -409,6 +409,19 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a torchrun rank (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set)
+    that is not one of :class:`World`'s local workers.
+
+    Example:
+        >>> under_torchrun()  # a plain python process
+        False
+    """
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) and (
+        os.environ.get("FSHARD_LAUNCH_WORKER") != "1"
+    )
+
+
 def _init_torchrun_group(backend: str | None) -> str:
     """Initialise the default process group of a torchrun rank (see :func:`default_backend`)."""
     if backend is None:
@@ -482,7 +495,7 @@ def run(
             "fshard.launch.run: called inside a World worker; nested launches are not "
             "supported (call fn directly: this process is already one rank of a world)"
         )
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+    if under_torchrun():
         env_size = int(os.environ["WORLD_SIZE"])
         if world_size != env_size:
             raise ValueError(

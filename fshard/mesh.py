@@ -142,6 +142,14 @@ class Mesh:
     def create(shape: Sequence[int], names: Sequence[str], device_type: str | None = None) -> Mesh:
         """A mesh over the initialised default process group (cached per shape and names).
 
+        Under ``torchrun`` with no process group yet, this initialises the default one, as
+        DTensor's ``init_device_mesh`` does (NCCL when every local rank has its own GPU, else
+        Gloo: :func:`fshard.launch.default_backend`). It is not destroyed at exit: call
+        ``torch.distributed.destroy_process_group()`` at the end of the script (a Gloo group left
+        to interpreter teardown aborts a rank after its output in about 1 run in 6, with
+        "terminate called without an active exception", in plain torch too), or run the script's
+        body with :func:`fshard.launch.run`, which does.
+
         Args:
             shape: ranks along each axis; their product must equal the world size.
             names: one unique name per axis.
@@ -162,10 +170,16 @@ class Mesh:
             >>> mesh = Mesh.create((2, 2), ("dp", "tp"))  # doctest: +SKIP
         """
         shape, names = _check_mesh_args(shape, names)
+        if dist.is_available() and not dist.is_initialized():
+            from .launch import _init_torchrun_group, under_torchrun
+
+            if under_torchrun():  # as DTensor's init_device_mesh: NCCL on GPUs, else Gloo
+                _init_torchrun_group(None)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Mesh.create needs an initialised torch.distributed process group; run under "
-                "fshard.launch.run / torchrun, or use Mesh.abstract for layout math"
+                "fshard.launch.run or torchrun (where Mesh.create initialises it), or use "
+                "Mesh.abstract for layout math"
             )
         world = dist.get_world_size()
         if math.prod(shape) != world:

@@ -591,3 +591,37 @@ def test_shard_map_and_grad_on_device(world2, device):
     for got in world2.run(_tp_step, device, timeout=120):
         assert got["device"].startswith(device), got
         assert got["value"] and got["layouts"] == (True, True) and got["grads"] == (True, True), got
+
+
+_DTENSOR_STYLE = """
+import torch
+import torch.distributed as dist
+import fshard as fs
+
+mesh = fs.Mesh.create((2,), ("tp",))  # no init_process_group: Mesh.create does it
+y = fs.gather(fs.shard(torch.arange(4.0), mesh, fs.P("tp")) * 2)
+print(f"rank {dist.get_rank()} gathered {y.tolist()} over {dist.get_backend()}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_mesh_create_initialises_the_group_under_torchrun(tmp_path):
+    """A script ported from DTensor (whose init_device_mesh initialises the process group)
+    calls fs.Mesh.create under torchrun with no group yet: it initialises one (issue 29 item 1:
+    'Mesh.create needs an initialised torch.distributed process group' under torchrun)."""
+    script = tmp_path / "port.py"
+    script.write_text(_DTENSOR_STYLE)
+    out = _torchrun(str(script), 2)
+    backend = "nccl" if HAS_CUDA and torch.cuda.device_count() >= 2 else "gloo"
+    for r in (0, 1):
+        assert f"rank {r} gathered [0.0, 2.0, 4.0, 6.0] over {backend}" in out, out[-3000:]
+
+
+def test_mesh_create_outside_torchrun_names_the_fix(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    if torch.distributed.is_initialized():
+        pytest.skip("this process already has a group")
+    with pytest.raises(RuntimeError, match="run under fshard.launch.run or torchrun"):
+        fs.Mesh.create((2,), ("x",))
