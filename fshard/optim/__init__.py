@@ -44,7 +44,8 @@ Example:
     True
 """
 
-from . import alias, base, clipping, combine, schedule, transform, update, wrappers
+from . import _muon, alias, base, clipping, combine, schedule, transform, update, wrappers
+from ._muon import *  # noqa: F403
 from .alias import *  # noqa: F403
 from .base import *  # noqa: F403
 from .clipping import *  # noqa: F403
@@ -58,6 +59,7 @@ __all__ = [
     *base.__all__,
     *transform.__all__,
     *alias.__all__,
+    *_muon.__all__,
     *combine.__all__,
     *clipping.__all__,
     *schedule.__all__,

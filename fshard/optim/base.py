@@ -24,6 +24,7 @@ __all__ = [
     "TraceState",
     "EmaState",
     "ScaleByAdamState",
+    "ScaleByMuonState",
     "ScaleByRmsState",
     "ScaleByRmsWithCountState",
     "ScaleByRStdDevState",
@@ -205,6 +206,19 @@ class ScaleByAdamState(NamedTuple):
     count: torch.Tensor
     mu: Any
     nu: Any
+
+
+class ScaleByMuonState(NamedTuple):
+    """Muon state: step count (0-d int64 tensor) and momentum (the params' layouts).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_muon().init({"w": torch.zeros(1, 2)})
+        ScaleByMuonState(count=tensor(0), mu={'w': tensor([[0., 0.]])})
+    """
+
+    count: torch.Tensor
+    mu: Any
 
 
 class ScaleByRmsState(NamedTuple):
