@@ -79,6 +79,16 @@ CASES: dict[str, Callable[[Lib], Any]] = {
     "ema_sgd": lambda L: L.o.chain(L.o.ema(0.9), L.o.sgd(0.1)),
     "apply_if_finite": lambda L: L.o.apply_if_finite(L.o.adam(1e-2), max_consecutive_errors=1),
     "zero_nans_sgd": lambda L: L.o.chain(L.o.zero_nans(), L.o.sgd(0.1)),
+    "adamax": lambda L: L.o.adamax(1e-2),
+    "adamaxw": lambda L: L.o.adamaxw(1e-2, b1=0.8, weight_decay=0.1, mask=MASK),
+    "amsgrad": lambda L: L.o.amsgrad(1e-2, b2=0.9),
+    "amsgrad_raw": lambda L: L.o.amsgrad(
+        1e-2, eps_root=1e-6, bias_correction_mu=False, bias_correction_nu=False
+    ),
+    "adabelief": lambda L: L.o.adabelief(1e-2),
+    "adabelief_nesterov": lambda L: L.o.adabelief(1e-2, b1=0.8, eps=1e-8, nesterov=True),
+    "yogi": lambda L: L.o.yogi(1e-2, eps=1e-4),
+    "adadelta": lambda L: L.o.adadelta(0.5, rho=0.8, weight_decay=0.01),
 }
 #: cases fed the gradients with NaNs/infs ("grads_nan")
 NAN_CASES = {"apply_if_finite", "zero_nans_sgd"}
@@ -94,6 +104,21 @@ SCHEDULES: dict[str, Callable[[Lib], Any]] = {
     "warmup_cosine": lambda L: L.o.warmup_cosine_decay_schedule(0.0, 1.0, 5, 25, 0.1),
     "warmup_exponential": lambda L: L.o.warmup_exponential_decay_schedule(
         0.0, 1.0, 4, 5, 0.5, staircase=True
+    ),
+    "piecewise_interpolate_linear": lambda L: L.o.piecewise_interpolate_schedule(
+        "linear", 1.0, {4: 2.0, 12: 0.25}
+    ),
+    "piecewise_interpolate_cosine": lambda L: L.o.piecewise_interpolate_schedule(
+        "cosine", 0.5, {6: 3.0, 18: 0.1}
+    ),
+    "warmup_constant": lambda L: L.o.warmup_constant_schedule(0.1, 1.0, 7),
+    "linear_onecycle": lambda L: L.o.linear_onecycle_schedule(25, 2.0),
+    "cosine_onecycle": lambda L: L.o.cosine_onecycle_schedule(25, 2.0, pct_start=0.2),
+    "sgdr": lambda L: L.o.sgdr_schedule(
+        [
+            dict(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=10, end_value=0.1),
+            dict(init_value=0.1, peak_value=0.5, warmup_steps=3, decay_steps=15),
+        ]
     ),
     "join": lambda L: L.o.join_schedules(
         [L.o.constant_schedule(0.5), L.o.linear_schedule(1.0, 0.0, 10)], [7]

@@ -34,7 +34,11 @@ from .transform import (
     add_decayed_weights,
     ema,
     scale,
+    scale_by_adadelta,
     scale_by_adam,
+    scale_by_adamax,
+    scale_by_amsgrad,
+    scale_by_belief,
     scale_by_factored_rms,
     scale_by_learning_rate,
     scale_by_lion,
@@ -44,6 +48,7 @@ from .transform import (
     scale_by_rss,
     scale_by_stddev,
     scale_by_trust_ratio,
+    scale_by_yogi,
     trace,
 )
 from .update import concrete, groups, step_operands
@@ -62,6 +67,12 @@ __all__ = [
     "lars",
     "rmsprop",
     "adagrad",
+    "adamax",
+    "adamaxw",
+    "amsgrad",
+    "adabelief",
+    "yogi",
+    "adadelta",
 ]
 
 
@@ -504,3 +515,119 @@ def adafactor(
         parts.append(add_decayed_weights(weight_decay_rate, mask=weight_decay_mask))
     parts.append(scale(-1))
     return chain(*parts)
+
+
+def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8) -> GradientTransformation:
+    """AdaMax: ``chain(scale_by_adamax, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adamax(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init(p), p)[0]
+        {'w': tensor([-0.1000])}
+    """
+    return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(check_schedule(learning_rate)))  # fmt: skip
+
+
+def adamaxw(
+    learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None
+) -> GradientTransformation:
+    """AdaMax with decoupled weight decay: ``chain(scale_by_adamax, add_decayed_weights,
+    scale_by_learning_rate)``, as optax (default ``weight_decay=1e-4``, optax's).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adamaxw(0.1, weight_decay=0.0)
+        >>> p = {"w": torch.zeros(1)}
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init(p), p)[0]
+        {'w': tensor([-0.1000])}
+    """
+    return chain(
+        scale_by_adamax(b1, b2, eps),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(check_schedule(learning_rate)),
+    )
+
+
+def amsgrad(
+    learning_rate,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    eps_root=0.0,
+    *,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformation:
+    """AMSGrad: ``chain(scale_by_amsgrad, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.amsgrad(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init(p), p)[0]
+        {'w': tensor([-0.1000])}
+    """
+    return chain(
+        scale_by_amsgrad(
+            b1, b2, eps, eps_root,
+            bias_correction_mu=bias_correction_mu, bias_correction_nu=bias_correction_nu,
+        ),
+        scale_by_learning_rate(check_schedule(learning_rate)),
+    )  # fmt: skip
+
+
+def adabelief(
+    learning_rate, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bool = False
+) -> GradientTransformation:
+    """AdaBelief: ``chain(scale_by_belief, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adabelief(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u = tx.update({"w": torch.tensor([3.0])}, tx.init(p), p)[0]
+        >>> round(u["w"].item(), 4)
+        -0.1111
+    """
+    return chain(
+        scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov),
+        scale_by_learning_rate(check_schedule(learning_rate)),
+    )
+
+
+def yogi(learning_rate, b1=0.9, b2=0.999, eps=1e-3) -> GradientTransformation:
+    """Yogi: ``chain(scale_by_yogi, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.yogi(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u = tx.update({"w": torch.tensor([3.0])}, tx.init(p), p)[0]
+        >>> round(u["w"].item(), 5)
+        -0.09996
+    """
+    return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(check_schedule(learning_rate)))
+
+
+def adadelta(
+    learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None
+) -> GradientTransformation:
+    """AdaDelta: ``chain(add_decayed_weights, scale_by_adadelta, scale_by_learning_rate)``, as
+    optax (``learning_rate=None``: no scaling).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adadelta(1.0, eps=1.0)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u = tx.update({"w": torch.tensor([1.0])}, tx.init(p), p)[0]
+        >>> round(u["w"].item(), 4)
+        -0.9535
+    """
+    lr = None if learning_rate is None else check_schedule(learning_rate)
+    return chain(
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_adadelta(rho, eps),
+        scale_by_learning_rate(lr),
+    )

@@ -25,6 +25,9 @@ __all__ = [
     "EmaState",
     "ScaleByAdamState",
     "ScaleByMuonState",
+    "ScaleByAmsgradState",
+    "ScaleByBeliefState",
+    "ScaleByAdaDeltaState",
     "ScaleByRmsState",
     "ScaleByRmsWithCountState",
     "ScaleByRStdDevState",
@@ -283,6 +286,50 @@ class ScaleByRssState(NamedTuple):
     """
 
     sum_of_squares: Any
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """Step count, moments and the running maximum of the second moment of
+    :func:`scale_by_amsgrad`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_amsgrad().init({"w": torch.zeros(1)}).nu_max
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+class ScaleByBeliefState(NamedTuple):
+    """Step count, first moment and the second moment of the prediction error of
+    :func:`scale_by_belief` (AdaBelief).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_belief().init({"w": torch.zeros(1)}).nu
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByAdaDeltaState(NamedTuple):
+    """Running averages of squared gradients and squared updates of :func:`scale_by_adadelta`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_adadelta().init({"w": torch.zeros(1)}).e_x
+        {'w': tensor([0.])}
+    """
+
+    e_g: Any
+    e_x: Any
 
 
 class ScaleByLionState(NamedTuple):

@@ -34,6 +34,11 @@ __all__ = [
     "piecewise_constant_schedule",
     "piecewise_constant",
     "join_schedules",
+    "piecewise_interpolate_schedule",
+    "warmup_constant_schedule",
+    "linear_onecycle_schedule",
+    "cosine_onecycle_schedule",
+    "sgdr_schedule",
 ]
 
 
@@ -327,3 +332,139 @@ def piecewise_constant_schedule(init_value, boundaries_and_scales: dict | None =
 
 #: optax's short name.
 piecewise_constant = piecewise_constant_schedule
+
+
+def piecewise_interpolate_schedule(
+    interpolate_type: str, init_value, boundaries_and_scales: dict | None = None
+) -> Schedule:
+    """Interpolates (``"linear"`` or ``"cosine"``) between ``init_value`` times the running
+    product of the scales at each boundary, as optax; after the last boundary, its value.
+
+    Args:
+        interpolate_type: ``"linear"`` or ``"cosine"``.
+        init_value: float or 0-d tensor, the value at step 0.
+        boundaries_and_scales: ``{step: scale}``, scales >= 0: the value reached at ``step`` is
+            the previous boundary's times ``scale``.
+
+    Example:
+        >>> import fshard as fs
+        >>> s = fs.optim.piecewise_interpolate_schedule("linear", 1.0, {10: 0.5})
+        >>> s(0), s(5), s(12)
+        (1.0, 0.75, 0.5)
+    """
+    if interpolate_type not in ("linear", "cosine"):
+        raise ValueError(f"piecewise_interpolate_schedule: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")  # fmt: skip
+    init_value = check_scalar(init_value, "init_value")
+    items = sorted((boundaries_and_scales or {}).items())
+    for b, sc in items:
+        _check_steps(b, "boundary")
+        check_scalar(sc, f"scale at {b}", lo=0.0)
+    bounds = [0] + [b for b, _ in items]
+    values = [init_value]
+    for _, sc in items:
+        values.append(values[-1] * sc)
+
+    def interpolate(start, end, pct):
+        if interpolate_type == "linear":
+            return (end - start) * pct + start
+        return end + (start - end) / 2.0 * (_cos(math.pi * pct) + 1)
+
+    def schedule(count):
+        c = _f(count)
+        v = values[-1]  # at or after the last boundary
+        for i in range(len(items) - 1, -1, -1):
+            lo, hi = bounds[i], bounds[i + 1]
+            pct = (c - lo) / max(hi - lo, 1)
+            v = _where(c < hi, interpolate(values[i], values[i + 1], pct), v)
+        return v
+
+    return schedule
+
+
+def warmup_constant_schedule(init_value, peak_value, warmup_steps: int) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant,
+    as optax.
+
+    Example:
+        >>> import fshard as fs
+        >>> s = fs.optim.warmup_constant_schedule(0.0, 1.0, 4)
+        >>> s(0), s(2), s(9)
+        (0.0, 0.5, 1.0)
+    """
+    return linear_schedule(init_value, peak_value, warmup_steps)
+
+
+def linear_onecycle_schedule(
+    transition_steps: int,
+    peak_value,
+    pct_start: float = 0.3,
+    pct_final: float = 0.85,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
+    """The one-cycle schedule with linear pieces, as optax: ``peak / div_factor`` up to
+    ``peak`` at ``pct_start``, back down at ``pct_final``, then to
+    ``peak / div_factor / final_div_factor`` at ``transition_steps``.
+
+    Example:
+        >>> import fshard as fs
+        >>> s = fs.optim.linear_onecycle_schedule(100, 1.0)
+        >>> s(0), s(30), round(s(85), 6)
+        (0.04, 1.0, 0.04)
+    """
+    _check_steps(transition_steps, "transition_steps", positive=True)
+    return piecewise_interpolate_schedule(
+        "linear",
+        peak_value / div_factor,
+        {
+            int(pct_start * transition_steps): div_factor,
+            int(pct_final * transition_steps): 1.0 / div_factor,
+            transition_steps: 1.0 / final_div_factor,
+        },
+    )
+
+
+def cosine_onecycle_schedule(
+    transition_steps: int,
+    peak_value,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
+    """The one-cycle schedule with cosine pieces, as optax: ``peak / div_factor`` up to ``peak``
+    at ``pct_start``, then down to ``peak / (div_factor * final_div_factor)``.
+
+    Example:
+        >>> import fshard as fs
+        >>> s = fs.optim.cosine_onecycle_schedule(100, 1.0)
+        >>> round(s(0), 6), s(30)
+        (0.04, 1.0)
+    """
+    _check_steps(transition_steps, "transition_steps", positive=True)
+    return piecewise_interpolate_schedule(
+        "cosine",
+        peak_value / div_factor,
+        {
+            int(pct_start * transition_steps): div_factor,
+            int(transition_steps): 1.0 / (div_factor * final_div_factor),
+        },
+    )
+
+
+def sgdr_schedule(cosine_kwargs: Sequence[dict]) -> Schedule:
+    """SGDR: warm restarts, one :func:`warmup_cosine_decay_schedule` per dict of keyword
+    arguments, each after the previous one's ``decay_steps``, as optax.
+
+    Example:
+        >>> import fshard as fs
+        >>> kw = dict(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=10)
+        >>> s = fs.optim.sgdr_schedule([kw, kw])
+        >>> s(2), s(12)
+        (1.0, 1.0)
+    """
+    schedules, boundaries, step = [], [], 0
+    for kwargs in cosine_kwargs:
+        schedules.append(warmup_cosine_decay_schedule(**kwargs))
+        step += kwargs["decay_steps"]
+        boundaries.append(step)
+    return join_schedules(schedules, boundaries[:-1])

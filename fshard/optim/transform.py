@@ -34,7 +34,10 @@ from .base import (
     EmptyState,
     FactoredState,
     GradientTransformation,
+    ScaleByAdaDeltaState,
     ScaleByAdamState,
+    ScaleByAmsgradState,
+    ScaleByBeliefState,
     ScaleByLionState,
     ScaleByRmsState,
     ScaleByRmsWithCountState,
@@ -63,6 +66,11 @@ __all__ = [
     "scale_by_rss",
     "scale_by_lion",
     "scale_by_sign",
+    "scale_by_adamax",
+    "scale_by_amsgrad",
+    "scale_by_belief",
+    "scale_by_yogi",
+    "scale_by_adadelta",
     "scale_by_trust_ratio",
     "scale_by_param_block_rms",
     "scale_by_factored_rms",
@@ -587,6 +595,210 @@ def scale_by_sign() -> GradientTransformation:
         return _tree.tree_map(torch.sign, updates), state
 
     return GradientTransformation(init_empty_state, update)
+
+
+def _bias(decay, count: torch.Tensor):
+    """optax's ``1 - decay ** count`` (count already incremented), a 0-d float tensor."""
+    return 1 - decay ** _tree.as_float(count)
+
+
+def _moment(g, m, decay):
+    """optax ``update_moment(.., order=1)``: ``(1 - decay) * g + decay * m``."""
+    return (1 - decay) * g + decay * m
+
+
+def _sq_moment(g, m, decay):
+    """optax ``update_moment_per_elem_norm(.., order=2)``: ``(1 - decay) * g**2 + decay * m``."""
+    return (1 - decay) * g * g + decay * m
+
+
+def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8) -> GradientTransformation:
+    """AdaMax's direction, as optax: ``m_hat / u`` with ``u = max(|g| + eps, b2 * u)`` (the
+    infinity norm's moving maximum) and the bias-corrected first moment.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_adamax()
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        {'w': tensor([1.])}
+    """
+    b1 = check_scalar(b1, "b1", 0.0, 1.0, open_hi=True)
+    b2 = check_scalar(b2, "b2", 0.0, 1.0, open_hi=True)
+    eps = check_scalar(eps, "eps", 0.0)
+
+    def init(params):
+        return ScaleByAdamState(_tree.count0(), _tree.zeros_like(params), _tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        bc1 = _bias(b1, count)
+
+        def leaf(g, mu, nu):
+            mu = _moment(g, mu, b1)
+            nu = torch.maximum(g.abs() + eps, b2 * nu)
+            return mu / bc1.to(mu.dtype) / nu, mu, nu
+
+        u, mu, nu = _tree.tree_map(
+            leaf, updates, state.mu, state.nu, names=["state.mu", "state.nu"], n_out=3
+        )
+        return u, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_amsgrad(
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    eps_root=0.0,
+    *,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformation:
+    """AMSGrad's direction, as optax: Adam's, with the running maximum of the (bias-corrected)
+    second moment in the denominator.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_amsgrad()
+        >>> u = tx.update({"w": torch.tensor([3.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        >>> round(u["w"].item(), 6)
+        1.0
+    """
+    b1, b2, eps, eps_root = _adam_checks(b1, b2, eps, eps_root)
+    check_bool(bias_correction_mu, "bias_correction_mu")
+    check_bool(bias_correction_nu, "bias_correction_nu")
+
+    def init(params):
+        zeros = _tree.zeros_like
+        return ScaleByAmsgradState(_tree.count0(), zeros(params), zeros(params), zeros(params))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        bc1, bc2 = _bias(b1, count), _bias(b2, count)
+
+        def leaf(g, mu, nu, nu_max):
+            mu, nu = _moment(g, mu, b1), _sq_moment(g, nu, b2)
+            m_hat = mu / bc1.to(mu.dtype) if bias_correction_mu else mu
+            nu_max = torch.maximum(nu_max, nu / bc2.to(nu.dtype) if bias_correction_nu else nu)
+            return m_hat / (torch.sqrt(nu_max + eps_root) + eps), mu, nu, nu_max
+
+        names = ["state.mu", "state.nu", "state.nu_max"]
+        u, mu, nu, nu_max = _tree.tree_map(
+            leaf, updates, state.mu, state.nu, state.nu_max, names=names, n_out=4
+        )
+        return u, ScaleByAmsgradState(count, mu, nu, nu_max)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_belief(
+    b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bool = False
+) -> GradientTransformation:
+    """AdaBelief's direction, as optax: the second moment is of the prediction error
+    ``g - mu`` (plus ``eps_root``), bias-corrected like Adam's.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_belief()
+        >>> u = tx.update({"w": torch.tensor([3.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        >>> round(u["w"].item(), 4)
+        1.1111
+    """
+    b1, b2, eps, eps_root = _adam_checks(b1, b2, eps, eps_root)
+    check_bool(nesterov, "nesterov")
+
+    def init(params):
+        return ScaleByBeliefState(_tree.count0(), _tree.zeros_like(params), _tree.zeros_like(params))  # fmt: skip
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        bc1, bc2, bc1_next = _bias(b1, count), _bias(b2, count), _bias(b1, count + 1)
+
+        def leaf(g, mu, nu):
+            mu = _moment(g, mu, b1)
+            nu = _sq_moment(g - mu, nu, b2) + eps_root
+            if nesterov:
+                m_hat = b1 * (mu / bc1_next.to(mu.dtype)) + (1 - b1) * (g / bc1.to(g.dtype))
+            else:
+                m_hat = mu / bc1.to(mu.dtype)
+            return m_hat / (torch.sqrt(nu / bc2.to(nu.dtype)) + eps), mu, nu
+
+        u, mu, nu = _tree.tree_map(
+            leaf, updates, state.mu, state.nu, names=["state.mu", "state.nu"], n_out=3
+        )
+        return u, ScaleByBeliefState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_yogi(
+    b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_value=1e-6
+) -> GradientTransformation:
+    """Yogi's direction, as optax: Adam's with the additive second-moment update
+    ``nu - (1 - b2) * sign(nu - g**2) * g**2``, both moments starting at
+    ``initial_accumulator_value``.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_yogi()
+        >>> u = tx.update({"w": torch.tensor([3.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        >>> round(u["w"].item(), 4)
+        0.9996
+    """
+    b1, b2, eps, eps_root = _adam_checks(b1, b2, eps, eps_root)
+    init_value = check_scalar(initial_accumulator_value, "initial_accumulator_value", 0.0)
+
+    def init(params):
+        full = _tree.full_like
+        return ScaleByAdamState(_tree.count0(), full(params, init_value), full(params, init_value))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        bc1, bc2 = _bias(b1, count), _bias(b2, count)
+
+        def leaf(g, mu, nu):
+            mu, g2 = _moment(g, mu, b1), g * g
+            nu = nu - (1 - b2) * torch.sign(nu - g2) * g2
+            m_hat, v_hat = mu / bc1.to(mu.dtype), nu / bc2.to(nu.dtype)
+            return m_hat / (torch.sqrt(v_hat + eps_root) + eps), mu, nu
+
+        u, mu, nu = _tree.tree_map(
+            leaf, updates, state.mu, state.nu, names=["state.mu", "state.nu"], n_out=3
+        )
+        return u, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adadelta(rho=0.9, eps=1e-6) -> GradientTransformation:
+    """AdaDelta's direction, as optax: ``g * sqrt(E[dx^2] + eps) / sqrt(E[g^2] + eps)``, then
+    ``E[dx^2]`` is updated with it.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_adadelta(rho=0.0, eps=1.0)
+        >>> tx.update({"w": torch.tensor([0.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        {'w': tensor([0.])}
+    """
+    rho = check_scalar(rho, "rho", 0.0, 1.0)
+    eps = check_scalar(eps, "eps", 0.0)
+
+    def init(params):
+        return ScaleByAdaDeltaState(_tree.zeros_like(params), _tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        def leaf(g, e_g, e_x):
+            e_g = _sq_moment(g, e_g, rho)
+            u = torch.sqrt(e_x + eps) / torch.sqrt(e_g + eps) * g
+            return u, e_g, _sq_moment(u, e_x, rho)
+
+        u, e_g, e_x = _tree.tree_map(
+            leaf, updates, state.e_g, state.e_x, names=["state.e_g", "state.e_x"], n_out=3
+        )
+        return u, ScaleByAdaDeltaState(e_g, e_x)
+
+    return GradientTransformation(init, update)
 
 
 # -- transformations that need whole leaves (a collective for sharded ones) -------------------
