@@ -288,7 +288,7 @@ MATRIX_FUNCTIONS = (
     "linalg.ldl_factor linalg.ldl_factor_ex linalg.ldl_solve "
     "linalg.matrix_power linalg.matrix_exp linalg.qr linalg.lu_factor linalg.lu_factor_ex "
     "linalg.lu linalg.lu_solve linalg.solve linalg.solve_ex linalg.solve_triangular "
-    "linalg.matrix_rank linalg.pinv linalg.svd linalg.svdvals linalg.cond linalg.diagonal"
+    "linalg.matrix_rank linalg.pinv linalg.svd linalg.svdvals linalg.diagonal"
 )
 
 

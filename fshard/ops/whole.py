@@ -516,6 +516,7 @@ def _register_table():
     norms = whole_dims_rule(along(), removes=reduced)
     for op in (torch.linalg.matrix_norm, torch.linalg.norm):
         register_rule(op, norms, float_valued=True)
+    register_rule(torch.linalg.cond, batched_rule(2), float_valued=True)
 
 
 _register_table()
