@@ -11,7 +11,15 @@ their axes, so the op runs unchanged on the local blocks:
 - every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d``, ``max/avg/adaptive``
   pooling, ``interpolate``, ``group_norm``, ``instance_norm``, ``batch_norm`` in eval mode
   (``batch_norm`` in training needs the whole batch: it is gathered);
-- ``repeat``: the repeated dims.
+- ``repeat``: the repeated dims;
+- the table at the end (:func:`register_table`, one line per rule): reductions that gather
+  the dim they reduce (``prod``, ``median``, ``var_mean``...), ``cummax``, ``glu``,
+  ``softmin``, ``normalize``, the split family (``tensor_split``, ``hsplit``...), the index
+  and scatter ops, ``fft.*`` over their ``dim``, ``pixel_shuffle``, ``grid_sample``, and
+  global ops whose every input is gathered (``kron``, ``trace``, ``quantile``, most
+  margin losses...);
+- :func:`batched_rule`: functions of the matrices in the last dims (``torch.linalg``), whose
+  batch dims keep their axes.
 
 A dim where some rank's block would be empty is made whole (an empty channel block of
 ``avg_pool1d`` or ``interpolate`` raises where the global shape does not; some backward
