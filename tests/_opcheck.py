@@ -74,6 +74,48 @@ def _first(o):
 
 #: What an op fshard cannot do must raise: these, from fshard's own code, naming the fix.
 CLEAR_ERRORS = (NotImplementedError, TypeError, ValueError)
+#: The layouts every sample runs in: every tensor input replicated, split on dim 0, split on
+#: its last dim (0-d tensors stay replicated; "last" is skipped when no input has 2+ dims,
+#: where it would repeat "dim0").
+LAYOUTS = ("replicated", "dim0", "last")
+
+
+def op_db():
+    """torch's OpInfo database (its test utilities import expecttest only for a base class)."""
+    import importlib.util
+    import sys
+    import types
+    import unittest
+
+    if "expecttest" not in sys.modules and importlib.util.find_spec("expecttest") is None:
+        shim = types.ModuleType("expecttest")
+        shim.TestCase = unittest.TestCase
+        sys.modules["expecttest"] = shim
+    from torch.testing._internal.common_methods_invocations import op_db as db
+
+    return db
+
+
+_BY_NAME: dict = {}
+
+
+class OpRef:
+    """The function of OpInfo entry ``(name, variant)``, looked up in ``op_db`` where it is
+    called: many are lambdas or closures, which do not pickle to a rank."""
+
+    def __init__(self, name: str, variant: str):
+        self.name, self.variant = name, variant
+
+    def __reduce__(self):
+        return OpRef, (self.name, self.variant)
+
+    def __call__(self, *args, **kwargs):
+        if not _BY_NAME:
+            _BY_NAME.update({(o.name, o.variant_test_name): o.op for o in op_db()})
+        return _BY_NAME[self.name, self.variant](*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"OpInfo({self.name}{'.' + self.variant if self.variant else ''})"
 
 
 def _from_fshard(exc: BaseException) -> bool:
@@ -83,16 +125,30 @@ def _from_fshard(exc: BaseException) -> bool:
     return any("/fshard/" in f.filename for f in frames[-3:])
 
 
-def _shard_leaves(tree, mesh, how):
+def split_dims(tree, how):
+    """The dim each tensor leaf of ``tree`` is split on in layout ``how`` (None: replicated)."""
     import optree
 
     def one(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        spec = fs.P("x") if how == "dim0" and t.ndim >= 1 else fs.P()
-        return fs.shard(t, mesh, spec)
+        if not isinstance(t, torch.Tensor) or t.ndim == 0 or how == "replicated":
+            return None
+        return 0 if how == "dim0" else t.ndim - 1
 
-    return optree.tree_map(one, tree, none_is_leaf=True)
+    return [one(t) for t in optree.tree_leaves(tree, none_is_leaf=True)]
+
+
+def _shard_leaves(tree, mesh, how):
+    import optree
+
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    dims = split_dims(tree, how)
+    out = [
+        fs.shard(t, mesh, fs.P(*[None] * d, "x"))
+        if d is not None
+        else (fs.shard(t, mesh, fs.P()) if isinstance(t, torch.Tensor) else t)
+        for t, d in zip(leaves, dims)
+    ]
+    return optree.tree_unflatten(spec, out)
 
 
 def _float_outputs(out):
@@ -129,11 +185,13 @@ def opinfo_case(mesh, fn, inp, args, kwargs, how, values=True):
     import optree
 
     try:
+        torch.manual_seed(0)  # random ops (dropout) draw the same numbers dense and sharded
         want = fn(inp, *args, **kwargs)
     except Exception:
         return "skip"
     s_inp, s_args, s_kwargs = _shard_leaves((inp, args, kwargs), mesh, how)
     try:
+        torch.manual_seed(0)
         got = fn(s_inp, *s_args, **s_kwargs)
     except CLEAR_ERRORS as e:
         if _from_fshard(e):
@@ -161,6 +219,7 @@ def opinfo_case(mesh, fn, inp, args, kwargs, how, values=True):
         for i, v in zip(idx, sel):
             vals[i] = v
         a, b, c = optree.tree_unflatten(spec, vals)
+        torch.manual_seed(0)
         outs = _float_outputs(fn(a, *b, **c))
         return sum(((fs.gather(o) if gather else o) * ct).sum() for o, ct in zip(outs, cots))
 
@@ -208,13 +267,13 @@ class Method:
 
 
 def opinfo_cases(cases):
-    """Run every ``(name, fn, input, args, kwargs, values)`` case replicated and split on dim 0
+    """Run every ``(name, fn, input, args, kwargs, values)`` case in each of :data:`LAYOUTS`
     over a 2-rank mesh; returns ``[(name, how, outcome, message)]`` (outcome ``'wrong'`` for a
     wrong value/gradient or an unclear error, with its message)."""
     mesh = fs.Mesh.create((2,), ("x",))
     results = []
     for name, fn, inp, args, kwargs, values in cases:
-        for how in ("replicated", "dim0"):
+        for how in layouts_of((inp, args, kwargs)):
             try:
                 outcome = opinfo_case(mesh, fn, inp, args, kwargs, how, values)
                 outcome, _, msg = outcome.partition(": ")
@@ -222,3 +281,10 @@ def opinfo_cases(cases):
                 outcome, msg = "wrong", f"{type(e).__name__}: {str(e)[:300]}"
             results.append((name, how, outcome, msg))
     return results
+
+
+def layouts_of(tree) -> list[str]:
+    """The :data:`LAYOUTS` a sample runs in ("last" only where it differs from "dim0")."""
+    if split_dims(tree, "last") == split_dims(tree, "dim0"):
+        return [h for h in LAYOUTS if h != "last"]
+    return list(LAYOUTS)

@@ -17,6 +17,7 @@ Example:
 """
 
 from . import elementwise, indexing, inplace, linalg, loss, nn, reduction, shape, whole
+from .aliases import register_copies
 from .binding import bind
 from .registry import (
     SCALAR,
@@ -27,6 +28,8 @@ from .registry import (
     rule_for,
     tensor_inputs,
 )
+
+register_copies()
 
 __all__ = [
     "OpSharding",

@@ -91,6 +91,8 @@ def elementwise_rule(kind: str):
     def rule(op, args, kwargs):
         ins = tensor_inputs(args, kwargs)
         meta = meta_call(op, args, kwargs)
+        if isinstance(meta, tuple):  # frexp: (mantissa, exponent), both of the inputs' shape
+            return _several(rule, op, args, kwargs, meta)
         shape = tuple(meta.shape)
         if any(x.is_explicit for x in ins):
             return _rows_rule(op, ins, meta)
@@ -105,6 +107,13 @@ def elementwise_rule(kind: str):
 
     rule.explicit_layouts = True
     return rule
+
+
+def _several(rule, op, args, kwargs, metas):
+    """An elementwise op with several outputs: each laid out as the first would be."""
+    first = rule(lambda *a, **k: op(*a, **k)[0], args, kwargs)
+    outs = [first.out.with_dtype(m.dtype) for m in metas]
+    return OpSharding(first.in_specs, type(metas)(outs), op)
 
 
 def _rows_rule(op, ins, meta):
@@ -229,8 +238,41 @@ UNARY_NONLINEAR = [
     "isfinite",
     "nan_to_num",
     "logit",
+    "acosh",
+    "asinh",
+    "atanh",
+    "arccosh",
+    "i0",
+    "sinc",
+    "sgn",
+    "signbit",
+    "angle",
+    "isposinf",
+    "isneginf",
+    "isreal",
+    "digamma",
+    "erfinv",
+    "lgamma",
+    "mvlgamma",
+    "polygamma",
+    "fill",
+    "cfloat",
+    "cdouble",
 ]
-NN_UNARY = "gelu silu relu tanh sigmoid softplus mish elu leaky_relu relu6 hardtanh logsigmoid"
+#: torch.special's own pointwise functions (the ones torch also has are listed above).
+SPECIAL = (
+    "i0e i1 i1e ndtr ndtri log_ndtr erfcx entr airy_ai bessel_j0 bessel_j1 bessel_y0 "
+    "bessel_y1 modified_bessel_i0 modified_bessel_i1 modified_bessel_k0 modified_bessel_k1 "
+    "scaled_modified_bessel_k0 scaled_modified_bessel_k1 spherical_bessel_j0 xlog1py zeta "
+    "chebyshev_polynomial_t chebyshev_polynomial_u chebyshev_polynomial_v "
+    "chebyshev_polynomial_w shifted_chebyshev_polynomial_t shifted_chebyshev_polynomial_u "
+    "shifted_chebyshev_polynomial_v shifted_chebyshev_polynomial_w hermite_polynomial_h "
+    "hermite_polynomial_he laguerre_polynomial_l legendre_polynomial_p"
+)
+NN_UNARY = (
+    "gelu silu relu tanh sigmoid softplus mish elu leaky_relu relu6 hardtanh logsigmoid "
+    "hardswish hardsigmoid celu selu softsign tanhshrink threshold softshrink hardshrink"
+)
 BINARY_NONLINEAR = [
     "pow",
     "maximum",
@@ -266,6 +308,17 @@ BINARY_NONLINEAR = [
     "addcdiv",
     "polar",
     "complex",
+    "heaviside",
+    "nextafter",
+    "ldexp",
+    "logaddexp",
+    "logaddexp2",
+    "xlogy",
+    "float_power",
+    "igamma",
+    "igammac",
+    "isclose",
+    "frexp",
 ]
 OPERATORS_NONLINEAR = [
     "__pow__",
@@ -304,6 +357,15 @@ ADDITIVE_OPS = [
     "clone",
     "detach",
     "contiguous",
+    "conj",
+    "conj_physical",
+    "resolve_conj",
+    "resolve_neg",
+    "real",
+    "deg2rad",
+    "rad2deg",
+    "alias_copy",
+    "rsub",
 ]
 ADDITIVE_OPERATORS = ["__add__", "__radd__", "__sub__", "__rsub__", "__neg__", "__pos__"]
 CAST_METHODS = ["float", "double", "half", "bfloat16"]
@@ -315,6 +377,8 @@ def _register():
     for n in UNARY_NONLINEAR + BINARY_NONLINEAR:
         for op in _variants(n):
             register_rule(op, elementwise_rule(NONLINEAR))
+    for n in SPECIAL.split():
+        register_rule(getattr(torch.special, n), elementwise_rule(NONLINEAR))
     for n in NN_UNARY.split():
         for op in _variants(n, fn=False, method=False, nn=True):
             register_rule(op, elementwise_rule(NONLINEAR))

@@ -26,6 +26,7 @@ from . import rows
 from ._common import in_mesh_order, meta_call, out_layout, reshard_cost, spec
 from .binding import bind
 from .registry import OpSharding, register_rule, tensor_inputs
+from .whole import batched_rule, register_table
 
 __all__ = ["contract", "matmul_letters"]
 
@@ -269,8 +270,26 @@ def _register():
     register_rule(torch.baddbmm, baddbmm_rule, aliases=(torch.Tensor.baddbmm,))
     for op in (torch.outer, torch.Tensor.outer, torch.ger, torch.Tensor.ger):
         register_rule(op, outer_rule)
+    for op in (torch.mv, torch.Tensor.mv, torch.dot, torch.Tensor.dot, torch.vdot):
+        register_rule(op, matmul_rule)
+    register_rule(torch.Tensor.vdot, matmul_rule)
     for rule in (matmul_rule, linear_rule, addmm_rule):
         rule.explicit_layouts = True
+    register_table({batched_rule(2): MATRIX_FUNCTIONS, batched_rule(1): "linalg.vander"})
+
+
+#: Functions of the matrices in the last two dims, batched over the leading ones
+#: (:func:`fshard.ops.whole.batched_rule`: the matrices are whole, batch dims stay split).
+MATRIX_FUNCTIONS = (
+    "det logdet inverse cholesky cholesky_inverse cholesky_solve qr svd pinverse matrix_exp "
+    "matrix_power ormqr lu_solve lu_unpack triangular_solve cdist linalg.det "
+    "linalg.slogdet slogdet linalg.inv linalg.inv_ex linalg.cholesky linalg.cholesky_ex "
+    "linalg.eig linalg.eigvals linalg.eigh linalg.eigvalsh linalg.householder_product "
+    "linalg.ldl_factor linalg.ldl_factor_ex linalg.ldl_solve "
+    "linalg.matrix_power linalg.matrix_exp linalg.qr linalg.lu_factor linalg.lu_factor_ex "
+    "linalg.lu linalg.lu_solve linalg.solve linalg.solve_ex linalg.solve_triangular "
+    "linalg.matrix_rank linalg.pinv linalg.svd linalg.svdvals linalg.diagonal"
+)
 
 
 _register()

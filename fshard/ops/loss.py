@@ -1,10 +1,11 @@
-"""Loss rules: elementwise losses (mse, l1, smooth_l1, huber, bce, bce_with_logits) and nll.
+"""Loss rules: elementwise losses (mse, l1, smooth_l1, huber, bce, bce_with_logits, soft_margin,
+margin_ranking, hinge_embedding, poisson_nll, kl_div) and nll.
 
 Inputs are aligned like elementwise ops (no communication for matching layouts). With
 ``reduction="none"`` the loss keeps that layout; ``"sum"`` and ``"mean"`` sum the local block
 and return a value *pending* over the split axes (``fs.gather`` or the next nonlinear op adds
-the addends). ``"mean"`` divides by the GLOBAL element count, so uneven shards give the dense
-mean. ``nll_loss`` needs the class dim whole; its ``"mean"`` divides by the global (weighted)
+the addends). ``"mean"`` divides by the GLOBAL element count (``kl_div``'s ``"batchmean"`` by
+the global batch size), so uneven shards give the dense mean. ``nll_loss`` needs the class dim whole; its ``"mean"`` divides by the global (weighted)
 count of non-ignored targets: one ``psum`` of a scalar.
 
 Example:
@@ -49,12 +50,14 @@ def pointwise_loss_rule(op, args, kwargs):
         return OpSharding(specs, out_layout(mesh, dims, (), meta))
     axes = in_mesh_order(mesh, [a for d in dims for a in d])
     count = math.prod(shape)
+    if reduction == "batchmean":  # F.kl_div divides by the input's batch size (0-d: by 1)
+        count = ins[0].shape[0] if ins[0].ndim else 1
     name = op.__name__
     fn = getattr(F, name)
 
     def local(b):
         total = fn(**{**b, "reduction": "sum"})
-        return total / count if reduction == "mean" else total
+        return total / count if reduction in ("mean", "batchmean") else total
 
     return OpSharding(specs, out_layout(mesh, [], axes, meta), local, by_name=True)
 
@@ -104,6 +107,11 @@ def _register():
         "huber_loss",
         "binary_cross_entropy",
         "binary_cross_entropy_with_logits",
+        "soft_margin_loss",
+        "margin_ranking_loss",
+        "hinge_embedding_loss",
+        "poisson_nll_loss",
+        "kl_div",
     ):
         register_rule(getattr(F, name), pointwise_loss_rule)
     register_rule(F.nll_loss, nll_loss_rule)

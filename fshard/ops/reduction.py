@@ -2,7 +2,7 @@
 
 Reducing unsharded dims is local. Reducing a dim split over mesh axes ``A``:
 
-- ``sum`` and ``mean`` give a *partial* value over ``A`` (a pending sum: no communication until
+- ``sum`` and ``mean`` (and ``nansum``, ``count_nonzero``) give a *partial* value over ``A`` (a pending sum: no communication until
   a nonlinear op or ``fs.gather`` needs the total; ``mean`` divides each addend by the global
   count). They are linear, so a partial input stays partial;
 - ``amax``/``amin``/``max``/``min`` reduce locally, then ``pmax`` over ``A`` (the gradient goes
@@ -52,6 +52,9 @@ from .registry import OpSharding, register_rule, tensor_inputs
 __all__ = ["reduction_rule"]
 
 LINEAR = ("sum", "mean")
+#: Reductions whose split dims leave a pending sum (``nansum``, ``count_nonzero``: the sum of the
+#: blocks' results; being nonlinear, they reduce a pending input first).
+SUMMED = (*LINEAR, "nansum", "count_nonzero")
 
 
 def _dim_arg(kind, args, kwargs):
@@ -92,7 +95,7 @@ def reduction_rule(kind: str):
             return _rows_rule(kind, op, x, dims, keepdim, meta)
         axes = in_mesh_order(x.mesh, [a for d in dims for a in x.dim_axes[d]])
         keep_partial = x.partial if kind in LINEAR else ()
-        if kind in LINEAR:
+        if kind in SUMMED:
             partial = in_mesh_order(x.mesh, (*keep_partial, *axes))
         else:
             partial = ()
@@ -123,7 +126,7 @@ def _rows_rule(kind, op, x, dims, keepdim, meta):
     axes = rows.row_axes(x)
     if 0 not in dims:
         return OpSharding([None], rows.rows_layout(x.mesh, bounds, meta.shape, meta.dtype, axes))
-    out = out_layout(x.mesh, [()] * meta.ndim, axes if kind in LINEAR else (), meta)
+    out = out_layout(x.mesh, [()] * meta.ndim, axes if kind in SUMMED else (), meta)
     group = group_of(x.mesh, axes)
     return OpSharding([None], out, _local_fn(kind, op, dims, keepdim, group, x, meta.dtype))
 
@@ -132,7 +135,7 @@ def _local_fn(kind, op, dims, keepdim, group, x, out_dtype):
     if group is None:
         return None  # the op itself, on local tensors
     count = numel(x.shape[d] for d in dims)
-    if kind == "sum":
+    if kind in ("sum", "nansum", "count_nonzero"):
         return None
     if kind == "mean":
         return lambda t, *a, **k: torch.sum(t, dim=dims, keepdim=keepdim, dtype=out_dtype) / count
@@ -214,7 +217,7 @@ def _root(s: torch.Tensor, p) -> torch.Tensor:
 
 def _register():
     kinds = ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std")
-    for kind in (*kinds, "all", "any"):
+    for kind in (*kinds, "all", "any", "nansum", "count_nonzero"):
         rule = reduction_rule(kind)
         register_rule(getattr(torch, kind), rule, aliases=(getattr(torch.Tensor, kind),))
     register_rule(torch.linalg.vector_norm, reduction_rule("vector_norm"))

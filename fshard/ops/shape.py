@@ -32,7 +32,7 @@ from ..spec import BaseLayout, Layout
 from . import rows
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
-from .elementwise import align
+from .elementwise import align, own_dims
 from .registry import SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
 
 __all__ = ["reshape_dims", "permutation_rule", "reshape_rule"]
@@ -214,6 +214,31 @@ def split_rule(removes_dim: bool = False):
     return rule
 
 
+def atleast_rule(op, args, kwargs):
+    """``atleast_1d/2d/3d``: each input reshaped as the op reshapes it (its new dims whole);
+    the op runs on the blocks, which gain the same size-1 dims."""
+    ins = tensor_inputs(args, kwargs)
+    meta = meta_call(op, args, kwargs)
+    metas = meta if isinstance(meta, (tuple, list)) else (meta,)
+    outs = [
+        out_layout(x.mesh, reshape_dims(x, tuple(m.shape)), x.partial, m)
+        for x, m in zip(ins, metas)
+    ]
+    out = outs[0] if not isinstance(meta, (tuple, list)) else type(meta)(outs)
+    return OpSharding([None] * len(ins), out)
+
+
+def broadcast_rule(op, args, kwargs):
+    """``broadcast_tensors``: the inputs aligned as an elementwise op aligns them; each output
+    has the common layout."""
+    ins = tensor_inputs(args, kwargs)
+    meta = meta_call(op, args, kwargs)
+    shape = tuple(meta[0].shape)
+    dims = align(ins, shape)
+    specs = [spec(own_dims(x, dims, shape)) for x in ins]
+    return OpSharding(specs, type(meta)(out_layout(ins[0].mesh, dims, (), m) for m in meta))
+
+
 def pad_rule(op, args, kwargs):
     """``F.pad``: the padded (last ``len(pad) // 2``) dims are made whole, the others keep their
     axes. A pending sum survives zero padding only (``mode="constant"`` with no or int 0 value)."""
@@ -256,10 +281,11 @@ def complex_view_rule(op, args, kwargs):
     meta = meta_call(op, args, kwargs)
     dims = list(x.dim_axes)
     if meta.ndim > x.ndim:
-        in_spec, out_dims = None, [*dims, ()]
-    else:
+        in_spec, out_dims, local = None, [*dims, ()], None
+    else:  # a last dim gathered from its blocks is a strided view: view_as_complex needs stride 1
         in_spec, out_dims = spec([*dims[:-1], ()], x.partial), dims[:-1]
-    return OpSharding([in_spec], out_layout(x.mesh, out_dims, x.partial, meta))
+        local = lambda t: torch.view_as_complex(t.contiguous())  # noqa: E731
+    return OpSharding([in_spec], out_layout(x.mesh, out_dims, x.partial, meta), local)
 
 
 def _register():
@@ -267,13 +293,16 @@ def _register():
     perms += [torch.swapdims, torch.adjoint]
     for op in perms:
         register_rule(op, permutation_rule, aliases=(getattr(torch.Tensor, op.__name__),))
-    register_rule(torch.Tensor.T.__get__, permutation_rule)
-    register_rule(torch.Tensor.mT.__get__, permutation_rule)
-    for n in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze"):
+    for name in ("T", "mT", "H", "mH"):
+        register_rule(getattr(torch.Tensor, name).__get__, permutation_rule)
+    for n in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
         register_rule(getattr(torch, n), reshape_rule, aliases=(getattr(torch.Tensor, n),))
     for n in ("view", "view_as", "reshape_as"):
         register_rule(getattr(torch.Tensor, n), reshape_rule)
     reshape_rule.explicit_layouts = True
+    for n in ("atleast_1d", "atleast_2d", "atleast_3d"):
+        register_rule(getattr(torch, n), atleast_rule)
+    register_rule(torch.broadcast_tensors, broadcast_rule)
     register_rule(torch.Tensor.expand, expand_rule)
     register_rule(torch.Tensor.expand_as, expand_rule)
     register_rule(torch.broadcast_to, expand_rule, aliases=(torch.Tensor.broadcast_to,))

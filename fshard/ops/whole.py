@@ -11,12 +11,21 @@ their axes, so the op runs unchanged on the local blocks:
 - every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d``, ``max/avg/adaptive``
   pooling, ``interpolate``, ``group_norm``, ``instance_norm``, ``batch_norm`` in eval mode
   (``batch_norm`` in training needs the whole batch: it is gathered);
-- ``repeat``: the repeated dims.
+- ``repeat``: the repeated dims;
+- the table at the end (:func:`register_table`, one line per rule): reductions that gather
+  the dim they reduce (``prod``, ``median``, ``var_mean``...), ``cummax``, ``glu``,
+  ``softmin``, ``normalize``, the split family (``tensor_split``, ``hsplit``...), the index
+  and scatter ops, ``fft.*`` over their ``dim``, ``pixel_shuffle``, ``grid_sample``, and
+  global ops whose every input is gathered (``kron``, ``trace``, ``quantile``, most
+  margin losses...);
+- :func:`batched_rule`: functions of the matrices in the last dims (``torch.linalg``), whose
+  batch dims keep their axes.
 
-The rule checks at plan time, on meta tensors, that the op accepts every rank's block (an
-empty channel block of ``avg_pool1d`` or ``interpolate`` raises where the global shape does
-not): otherwise it makes the dims with an empty block whole, then every dim, so no rank raises
-alone while the others wait in a collective. ``group_norm`` runs ``torch.group_norm`` on blocks
+A dim where some rank's block would be empty is made whole (an empty channel block of
+``avg_pool1d`` or ``interpolate`` raises where the global shape does not; some backward
+kernels mishandle empty blocks), and the rule checks at plan time, on meta tensors, that the
+op accepts every rank's block, else makes every dim whole, so no rank raises alone while the
+others wait in a collective. ``group_norm`` runs ``torch.group_norm`` on blocks
 (``F.group_norm``'s batch-size check refuses a one-row block the whole batch passes).
 
 Weights, biases and index vectors are replicated. Pending sums pass through the ops that are
@@ -35,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import BaseLayout
-from ._common import meta_call, norm_dim, out_layout, spec
+from ._common import meta_call, norm_dim, norm_dims, out_layout, spec
 from .binding import bind
 from .registry import OpSharding, is_layout, register_rule, tensor_inputs
 
@@ -96,8 +105,8 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None, lo
             other tensor input is an integer tensor).
         align_others: other tensor inputs of ``x``'s rank share its axes on the kept dims
             (``gather``'s index); otherwise they are replicated (weights, biases).
-        removes: ``removes(op, x, args, kwargs)`` -> the dim of ``x`` the output drops (``argmax``
-            without ``keepdim``), or ``None``.
+        removes: ``removes(op, x, args, kwargs)`` -> the dims of ``x`` the output drops
+            (``argmax``, ``median`` without ``keepdim``).
         local: the function run on local blocks (default: the op itself).
     """
 
@@ -107,11 +116,14 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None, lo
         cut = set(whole(op, x, args, kwargs))
         meta = meta_call(op, args, kwargs)
         metas = meta if isinstance(meta, (tuple, list)) else (meta,)
-        gone = removes(op, x, args, kwargs) if removes is not None else None
-        if any(m.ndim < x.ndim - (gone is not None) for m in metas):
+        if not all(isinstance(m, torch.Tensor) for m in metas):  # torch.allclose: a bool
+            return OpSharding([spec([()] * o.ndim) for o in ins], None, local)
+        gone = set(removes(op, x, args, kwargs)) if removes is not None else set()
+        kept = [d for d in range(x.ndim) if d not in gone]
+        if any(m.ndim < len(kept) for m in metas):
             cut = set(range(x.ndim))  # dims merge: keep nothing split
-        for d in range(x.ndim):  # a dim whose size changes is mixed too
-            sizes = [m.shape[-x.ndim + d] for m in metas if m.ndim >= x.ndim and gone is None]
+        for i, d in enumerate(kept):  # a dim whose size changes is mixed too
+            sizes = [m.shape[m.ndim - len(kept) + i] for m in metas if m.ndim >= len(kept)]
             if align_others:
                 sizes += [o.shape[d] for o in ins[1:] if o.ndim == x.ndim]
             if any(s != x.shape[d] for s in sizes):
@@ -124,34 +136,84 @@ def whole_dims_rule(whole, *, linear=False, align_others=False, removes=None, lo
         for o in ins[1:]:
             same = align_others and o.ndim == x.ndim
             specs.append(spec(keep) if same else spec([()] * o.ndim))
-        out_dims = [a for d, a in enumerate(keep) if d != gone]
+        fn = _contiguous(local or op) if _resharded(specs, ins) else local
+        out_dims = [a for d, a in enumerate(keep) if d not in gone]
         outs = []
         for m in metas:  # new dims (repeat's) lead
             dims = [()] * (m.ndim - len(out_dims)) + out_dims if m.ndim >= len(out_dims) else []
             outs.append(out_layout(x.mesh, dims, partial, m))  # pending only when linear
         out = outs[0] if not isinstance(meta, (tuple, list)) else type(meta)(outs)
-        return OpSharding(specs, out, local)
+        return OpSharding(specs, out, fn)
 
     return rule
 
 
-def _every_block_runs(op, args, kwargs, x, keep, align_others):
+def batched_rule(core: int):
+    """A rule for an op on the last ``core`` dims of its first input ``x`` (matrices: 2),
+    batched over the leading dims (``torch.linalg``): the core dims are whole, the batch dims
+    keep their axes where every output starts with ``x``'s batch dims and no input has more
+    dims than ``x`` (then batch dims broadcast alike from the left and from the right). Other
+    inputs of ``x``'s rank and batch shape share its batch axes; the rest are replicated."""
+
+    def rule(op, args, kwargs):
+        ins = tensor_inputs(args, kwargs)
+        x = ins[0]
+        nb = max(x.ndim - core, 0)
+        meta = meta_call(op, args, kwargs)
+        metas = meta if isinstance(meta, (tuple, list)) else (meta,)
+        batch = tuple(x.shape[:nb])
+        ok = all(isinstance(m, torch.Tensor) and tuple(m.shape[:nb]) == batch for m in metas)
+        ok = ok and all(o.ndim <= x.ndim for o in ins[1:])
+        keep = [a if ok and d < nb else () for d, a in enumerate(x.dim_axes)]
+        same = [o.ndim == x.ndim and tuple(o.shape[:nb]) == batch for o in ins]
+        keep = _every_block_runs(op, args, kwargs, x, keep, True, same=same)
+        specs = [spec(keep) if s else spec([()] * o.ndim) for o, s in zip(ins, same)]
+        if not all(isinstance(m, torch.Tensor) for m in metas):
+            return OpSharding(specs, None)
+        outs = [out_layout(x.mesh, keep[:nb] + [()] * (m.ndim - nb), (), m) for m in metas]
+        out = outs[0] if not isinstance(meta, (tuple, list)) else type(meta)(outs)
+        return OpSharding(specs, out, _contiguous(op) if _resharded(specs, ins) else None)
+
+    return rule
+
+
+def _resharded(specs, ins) -> bool:
+    return any(s != o.spec for s, o in zip(specs, ins))
+
+
+def _contiguous(op):
+    """``op`` on contiguous local tensors: a block gathered along a later dim is a strided
+    view, which some kernels refuse (``take_along_dim``'s flattening ``view``,
+    ``native_group_norm``, ``max_unpool``). Used where inputs are resharded (communication
+    dominates the copy)."""
+
+    def local(*args, **kwargs):
+        args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+        kwargs = {
+            k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        return op(*args, **kwargs)
+
+    return local
+
+
+def _every_block_runs(op, args, kwargs, x, keep, align_others, same=None):
     """``keep`` (per-dim axes of ``x``), with dims made whole until ``op`` accepts every rank's
-    block: a block the global shape does not have (an empty channel block for ``avg_pool1d``,
-    ``interpolate``) would raise on its rank alone while the others wait in a collective. The
-    dims where some rank's block is empty go first, then every dim (the dense call)."""
-    if _blocks_run(op, args, kwargs, x, keep, align_others):
-        return keep
+    block: a block the global shape does not have would raise on its rank alone while the
+    others wait in a collective. A dim where some rank's block is empty is made whole first
+    (``avg_pool1d`` and ``interpolate`` refuse an empty channel block; backward kernels such
+    as ``pixel_shuffle``'s return wrong shapes for an empty batch), then every dim (the dense
+    call) if the op still refuses a block."""
     lay = x.with_spec(spec(keep))
     ranks = x.mesh.ranks
     empty = {d for d in range(x.ndim) if any(lay.local_shape(r)[d] == 0 for r in ranks)}
     keep = [() if d in empty else a for d, a in enumerate(keep)]
-    if empty and _blocks_run(op, args, kwargs, x, keep, align_others):
+    if _blocks_run(op, args, kwargs, x, keep, align_others, same):
         return keep
     return [()] * x.ndim
 
 
-def _blocks_run(op, args, kwargs, x, keep, align_others) -> bool:
+def _blocks_run(op, args, kwargs, x, keep, align_others, same=None) -> bool:
     """Whether ``op`` runs (on meta tensors) on the block of every rank of the inputs resharded
     to ``keep``: decided at plan time from the layouts, the same on every rank."""
     if not any(keep):
@@ -159,8 +221,9 @@ def _blocks_run(op, args, kwargs, x, keep, align_others) -> bool:
     shapes = set()
     for r in x.mesh.ranks:
         local = {}
-        for o in tensor_inputs(args, kwargs):
-            if o is x or (align_others and o.ndim == x.ndim):
+        for i, o in enumerate(tensor_inputs(args, kwargs)):
+            aligned = same[i] if same is not None else align_others and o.ndim == x.ndim
+            if o is x or aligned:
                 local[id(o)] = o.with_spec(spec(keep)).local_shape(r)
         shapes.add(tuple(sorted(local.items())))
 
@@ -189,10 +252,26 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     return torch.group_norm(input, num_groups, weight, bias, eps)
 
 
-def _argmax_removes(op, x, args, kwargs):
+def reduced(op, x, args, kwargs):
+    """The dims a reduction over ``dim`` drops: none with ``keepdim=True`` (or with no
+    ``dim`` for ops that then reduce the flattened value to a 0-d tensor: all dims)."""
     bound = bind(op, args, kwargs)
-    d, keepdim = bound["dim"], bound["keepdim"]
-    return None if d is None or keepdim else norm_dim(d, x.ndim)
+    if bound.get("keepdim"):
+        return ()
+    d = bound.get("dim")
+    if d is None or (isinstance(d, (tuple, list)) and not d):
+        return tuple(range(x.ndim))
+    return norm_dims(d, x.ndim)
+
+
+def last_unless_keepdim(op, x, args, kwargs):
+    """``pairwise_distance`` drops the last dim unless ``keepdim``."""
+    return () if bind(op, args, kwargs)["keepdim"] else (x.ndim - 1,)
+
+
+def dropped(op, x, args, kwargs):
+    """The ``dim`` an op always drops (``trapezoid``, ``cosine_similarity``)."""
+    return (norm_dim(bind(op, args, kwargs)["dim"], x.ndim),)
 
 
 _REPEAT_INTERLEAVE = whole_dims_rule(along(), linear=True)
@@ -240,7 +319,7 @@ def _register():
         )
     register_rule(torch.topk, whole_dims_rule(along()), aliases=(torch.Tensor.topk,))
     for n in ("argmax", "argmin"):
-        rule = whole_dims_rule(along(), removes=_argmax_removes)
+        rule = whole_dims_rule(along(), removes=reduced)
         register_rule(getattr(torch, n), rule, aliases=(getattr(torch.Tensor, n),))
     register_rule(
         torch.repeat_interleave, repeat_interleave_rule, aliases=(torch.Tensor.repeat_interleave,)
@@ -271,3 +350,181 @@ def _register():
 
 
 _register()
+
+
+# -- the table of the other ops that run once some dims are whole ----------------------------
+
+
+def _all(op, x, args, kwargs):
+    return set(range(x.ndim))
+
+
+def dims(*ds):
+    """Fixed dims (``fliplr``'s 1; ``hsplit``'s 1, or 0 for a 1-d input: the last of ``ds``
+    that ``x`` has)."""
+    return lambda op, x, args, kwargs: {max(d for d in ds if d < max(x.ndim, 1))}
+
+
+def all_but(name="dim"):
+    """Every dim but argument ``name`` (``renorm`` scales each slice along ``dim``)."""
+    return lambda op, x, args, kwargs: _all(op, x, args, kwargs) - along(name)(op, x, args, kwargs)
+
+
+def last(k):
+    """The last ``k`` dims (``pixel_shuffle``'s (C, H, W))."""
+    return lambda op, x, args, kwargs: set(range(max(x.ndim - k, 0), x.ndim))
+
+
+def channels(op, x, args, kwargs):
+    """``prelu``'s channel dim (1; none for an input of one dim, which has one channel)."""
+    return {1} if x.ndim >= 2 else set()
+
+
+def normalized(op, x, args, kwargs):
+    """``native_layer_norm``'s ``normalized_shape`` dims (the last ones)."""
+    return last(len(bind(op, args, kwargs)["normalized_shape"]))(op, x, args, kwargs)
+
+
+def padded(op, x, args, kwargs):
+    """The dims ``constant_pad_nd``'s ``pad`` pads: the last ``len(pad) // 2``."""
+    return last(len(bind(op, args, kwargs)["pad"]) // 2)(op, x, args, kwargs)
+
+
+def elementwise_in_first(op, x, args, kwargs):
+    """``isin``/``bucketize``: elementwise in the first argument (kept as it is; the others,
+    the set searched, replicated); every dim when the first argument is a number."""
+    return set() if args and args[0] is x else set(range(x.ndim))
+
+
+def tiled(op, x, args, kwargs):
+    reps = tuple(bind(op, args, kwargs)["dims"])
+    reps = (1,) * (x.ndim - len(reps)) + reps
+    return {d for d in range(x.ndim) if reps[len(reps) - x.ndim + d] != 1}
+
+
+def _resolved(op):
+    """``op`` with a lazily conjugated result (``ifft`` of a real input) made a plain tensor,
+    which collectives can send."""
+    return lambda *args, **kwargs: op(*args, **kwargs).resolve_conj()
+
+
+_TENSOR_SPLIT = whole_dims_rule(along(), linear=True)
+
+
+def tensor_split_rule(op, args, kwargs):
+    """``tensor_split`` with int sections or indices; tensor indices would make the output
+    count depend on values (no plan can be made from layouts)."""
+    if len(tensor_inputs(args, kwargs)) > 1:
+        raise NotImplementedError(
+            "tensor_split of a ShardedArray with tensor indices_or_sections is not supported: "
+            "the number of outputs would depend on the values; pass a list of ints "
+            "(indices.tolist())"
+        )
+    return _TENSOR_SPLIT(op, args, kwargs)
+
+
+def compare_rule(op, args, kwargs):
+    """``torch.equal``/``allclose``: a Python bool, computed on the whole values (every rank
+    returns the same)."""
+    return OpSharding([spec([()] * o.ndim) for o in tensor_inputs(args, kwargs)], None)
+
+
+def _resolve(path: str):
+    """``"linalg.det"`` -> ``torch.linalg.det`` (``"Tensor.x"``, ``"F.x"`` likewise); None
+    where this torch has no such op."""
+    home, _, name = path.rpartition(".")
+    space = {"": torch, "Tensor": torch.Tensor, "F": F}.get(home)
+    if space is None:
+        space = getattr(torch, home, None)
+    return getattr(space, name, None)
+
+
+def register_table(table):
+    """``{rule: "name name..."}``: each name is a torch path (``"linalg.det"``, ``"F.glu"``,
+    ``"Tensor.unfold"``); a plain name registers ``torch.<name>`` and ``Tensor.<name>``."""
+    for rule, names in table.items():
+        for n in names.split():
+            paths = [n] if "." in n else [n, f"Tensor.{n}"]
+            for op in filter(None, map(_resolve, paths)):
+                register_rule(op, rule)
+
+
+#: Global ops (the whole value in, a result every rank computes): each input is gathered.
+EVERYTHING = (
+    "block_diag cartesian_prod kron meshgrid diag diag_embed diagflat diagonal "
+    "diagonal_copy diagonal_scatter select_scatter trace take put masked_scatter histc "
+    "gradient unfold unfold_copy dist hstack vstack dstack column_stack row_stack "
+    "quantile nanquantile linalg.multi_dot linalg.tensorinv linalg.tensorsolve "
+    "F.pdist F.bilinear F.unfold F.multilabel_soft_margin_loss "
+    "F.cosine_embedding_loss F.triplet_margin_loss F.triplet_margin_with_distance_loss "
+    "F.multi_margin_loss F.multilabel_margin_loss F.ctc_loss F.embedding_bag addmv addr "
+    "addbmm inner tensordot"
+)
+#: Fourier transforms over their ``dim`` (``fftn``'s default: every dim).
+FFT = (
+    "fft ifft rfft irfft hfft ihfft fft2 ifft2 rfft2 irfft2 hfft2 ihfft2 fftn ifftn rfftn "
+    "irfftn hfftn ihfftn fftshift ifftshift"
+)
+
+
+def _register_table():
+    along_linear = whole_dims_rule(along(), linear=True)
+    along_aligned = whole_dims_rule(along(), align_others=True)
+    register_table(
+        {
+            whole_dims_rule(_all): EVERYTHING,
+            along_linear: "unsafe_split unsafe_chunk split_with_sizes split_with_sizes_copy "
+            "take_along_dim",
+            whole_dims_rule(dims(1, 0), linear=True): "fliplr hsplit",
+            whole_dims_rule(dims(0), linear=True): "flipud vsplit",
+            whole_dims_rule(dims(2), linear=True): "dsplit",
+            whole_dims_rule(along("dims"), linear=True): "rot90",
+            whole_dims_rule(tiled, linear=True): "tile",
+            whole_dims_rule(along()): "cummax cummin logcumsumexp glu F.glu F.softmin "
+            "F.normalize msort",
+            whole_dims_rule(along(), removes=reduced): "prod median nanmedian mode kthvalue "
+            "nanmean var_mean std_mean aminmax",
+            along_aligned: "diff cumulative_trapezoid index_fill index_copy index_reduce "
+            "scatter scatter_reduce slice_scatter cross linalg.cross",
+            whole_dims_rule(along(), align_others=True, removes=dropped): "trapz trapezoid "
+            "linalg.vecdot F.cosine_similarity",
+            whole_dims_rule(last(1), align_others=True, removes=last_unless_keepdim): (
+                "F.pairwise_distance"
+            ),
+            whole_dims_rule(all_but()): "renorm",
+            whole_dims_rule(channels): "F.prelu",
+            whole_dims_rule(last(3)): "F.pixel_shuffle F.pixel_unshuffle F.channel_shuffle "
+            "native_channel_shuffle",
+            whole_dims_rule(lambda op, x, a, k: set(range(1, x.ndim))): "F.local_response_norm",
+            whole_dims_rule(lambda op, x, a, k: set(range(1, x.ndim)), align_others=True): (
+                "F.grid_sample grid_sampler_2d grid_sampler_3d"
+            ),
+            whole_dims_rule(padded): "constant_pad_nd",
+            whole_dims_rule(elementwise_in_first): "isin bucketize",
+            whole_dims_rule(last(1), align_others=True): "searchsorted",
+            whole_dims_rule(lambda op, x, a, k: set(), linear=True): "Tensor.sum_to_size",
+            whole_dims_rule(normalized): "native_layer_norm",
+            whole_dims_rule(_all): "linspace logspace native_group_norm",
+        }
+    )
+    for k in (1, 2, 3):
+        register_rule(getattr(F, f"conv_transpose{k}d"), whole_dims_rule(batched(k + 2)))
+        # the indices count positions in each (N, C) plane: those dims stay split
+        register_rule(getattr(F, f"max_unpool{k}d"), whole_dims_rule(last(k), align_others=True))
+    for n in FFT.split():
+        op = getattr(torch.fft, n)
+        register_rule(op, whole_dims_rule(along(), local=_resolved(op)))
+    register_rule(torch.tensor_split, tensor_split_rule, aliases=(torch.Tensor.tensor_split,))
+    for op in (torch.allclose, torch.Tensor.allclose, torch.equal, torch.Tensor.equal):
+        register_rule(op, compare_rule)
+    spatial_dims = whole_dims_rule(lambda op, x, a, k: set(range(2, x.ndim)))
+    for n in ("upsample_nearest", "upsample_bilinear"):
+        register_rule(getattr(F, n), spatial_dims, float_valued=True)
+    # ord=0.5 (what a rule sees for a float) is not a matrix norm: plan per value
+    norms = whole_dims_rule(along(), removes=reduced)
+    for op in (torch.linalg.matrix_norm, torch.linalg.norm):
+        register_rule(op, norms, float_valued=True)
+    register_rule(torch.linalg.cond, batched_rule(2), float_valued=True)
+
+
+_register_table()

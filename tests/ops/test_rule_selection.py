@@ -57,13 +57,45 @@ CASES = {
     "gelu reduces a pending sum": (
         F.gelu, (L(P("dp", partial="tp"), (8, 6)),), [P("dp", None)], P("dp", None), (8, 6),
     ),
+    "nansum over a split dim leaves a pending sum": (
+        torch.nansum, (L(P("dp", "tp"), (8, 6)), 1), [P("dp", "tp")], P("dp", partial="tp"),
+        (8,),
+    ),
+    "count_nonzero reduces a pending input first": (
+        torch.count_nonzero, (L(P("dp", partial="tp"), (8, 6)), 0), [P("dp", None)],
+        P(None, partial="dp"), (6,),
+    ),
+    "prod gathers the dim it reduces, keeps the others": (
+        torch.prod, (L(P("dp", "tp"), (8, 6)), 1), [P("dp", None)], P("dp"), (8,),
+    ),
+    "batched det: matrices whole, the batch stays split": (
+        torch.linalg.det, (L(P("dp", "tp", None), (4, 6, 6)),), [P("dp", None, None)], P("dp"),
+        (4,),
+    ),
+    "batched solve: a right-hand side of the same batch shares its axes": (
+        torch.linalg.solve, (L(P("dp"), (4, 6, 6)), L(P(None, "tp"), (4, 6, 2))),
+        [P("dp", None, None), P("dp", None, None)], P("dp", None, None), (4, 6, 2),
+    ),
+    "batched solve: a right-hand side with more dims gathers the batch": (
+        torch.linalg.solve, (L(P("dp"), (4, 6, 6)), L(P(), (3, 4, 6, 2))),
+        [P(None, None, None), P(None, None, None, None)], P(None, None, None, None), (3, 4, 6, 2),
+    ),
+    "a dim whose block would be empty is made whole": (
+        F.pixel_shuffle, (L(P("dp"), (1, 4, 2, 2)), 2), [P(None, None, None, None)],
+        P(None, None, None, None), (1, 1, 4, 4),
+    ),
+    "kl_div batchmean: a pending sum over the batch": (
+        F.kl_div, (L(P("dp"), (8, 6)), L(P("dp"), (8, 6))), [P("dp", None)] * 2,
+        P(partial="dp"), (),
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rule_chooses_the_layouts_the_semantics_require(case):
     op, args, in_specs, out_spec, out_shape = CASES[case]
-    sharding = rule_for(op)(op, args, {})
+    kwargs = {"reduction": "batchmean"} if op is F.kl_div else {}
+    sharding = rule_for(op)(op, args, kwargs)
     got = sharding.in_specs
     if isinstance(in_specs, dict):
         got = {k: got[k] for k in in_specs}
