@@ -14,6 +14,7 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :data:`TRACES_TREESPEC_EQ` | dynamo compares optree specs | it cannot: ``fs.optim`` checks structure in eager only |
 | :func:`attribute_callable` | dynamo calls a ``torch.Tensor`` method held in an attribute | it cannot: such a method is wrapped in a Python function |
 | :data:`TRACES_CLASS_EQ` | dynamo compares classes | ``ShardedArray.__eq__(cls)`` answers for a class |
+| :data:`TRACES_TUPLE_HASH` | dynamo hashes tuples: a ``shard_map`` body compiles | it cannot: ``shard_map`` under ``torch.compile`` is refused, naming torch 2.13 |
 | :data:`TRACES_ATTRIBUTE_DELETE` | dynamo traces deleting a module attribute it saw set | it cannot: ``functional_call`` rebinds ``forward`` under dynamo |
 | :func:`nccl_reduces_float8` | NCCL 2.24+: float8 reductions | older NCCL: float8 moves only |
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
@@ -142,6 +143,13 @@ def attribute_callable(fn):
 #: ``fs.tree_map`` under ``torch.compile``). Where it does not, ShardedArray's ``__eq__`` and
 #: ``__ne__`` answer for a class argument.
 TRACES_CLASS_EQ = TORCH_VERSION >= (2, 13)
+
+
+#: Whether dynamo traces ``hash`` of a tuple (torch 2.11: "Dynamo does not know how to trace
+#: builtin operator hash with argument types ['tuple']"), which a ``Layout`` made inside a trace
+#: needs. Where it does not, a ``shard_map`` called under ``torch.compile`` is refused with the
+#: version in the message (without ``fullgraph`` dynamo then runs it eagerly, as before).
+TRACES_TUPLE_HASH = TORCH_VERSION >= (2, 13)
 
 
 #: Whether dynamo traces deleting an instance attribute of a module that a traced call set

@@ -47,7 +47,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, axis_env, consistency
+from . import _comm, _compat, axis_env, consistency
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
 from .array import ShardedArray, is_sharded
@@ -665,6 +665,12 @@ def shard_map(
             )
         if axis_env.in_body():
             raise NotImplementedError("shard_map: nesting shard_map bodies is not supported")
+        if not _compat.TRACES_TUPLE_HASH and _compiling():
+            raise NotImplementedError(
+                "shard_map under torch.compile needs torch >= 2.13 (this torch's dynamo cannot "
+                "hash the layouts a body's outputs get); without fullgraph=True dynamo runs the "
+                "shard_map eagerly"
+            )
         if consistency.enabled():
             consistency.check_equal(_signature(args, in_specs, out_specs), mesh, what="shard_map")
         local_args, marks = _inputs(args, in_specs, mesh)
