@@ -204,6 +204,21 @@ def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
+    out = _apply(b, x, done)
+    if axis_env._STACK:
+        _keep_manual_axes(x, out)
+    return out
+
+
+def _keep_manual_axes(x: torch.Tensor, out: torch.Tensor) -> None:
+    """In a partial-manual ``shard_map`` body, a collective its tracker does not run (an op
+    rule's or ``fs.reshard``'s, over auto axes) leaves the manual axes its input varies over."""
+    t = axis_env.tracker()
+    if t is not None and not t.paused and t.auto is not None:
+        t.tag(out, t.vma(x))
+
+
+def _apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor:
     boxed = None if done is None else (done,)
     if _forward_ad._current_level >= 0:
         _refuse_linearize()

@@ -25,6 +25,15 @@ tensor object, stamped with the active body so stale marks are ignored):
   body) varies over the axes of its primal (JAX: a cotangent has its primal's type); a ``vmap``
   result varies as the physical tensor it views (``out_dims`` moves a dim by a view).
 
+Partial-manual bodies (``axis_names=``, JAX's partial-manual mode) and nesting. The body's
+values are global-view ShardedArrays on the mesh of the auto axes; an op on them is one op rule
+per manual block, so :meth:`_Tracker.sharded_op` (reached through the ShardedArray dispatcher,
+swapped in while such a body runs) tracks it as a whole: the result varies over the union of
+its operands' manual axes, an invariant operand is ``pcast`` first, and the rule's own
+collectives (over auto axes) run untracked. A ``shard_map`` inside a body maps over axes the
+outer one left automatic; its tracker tracks the outer's manual axes too (the outer's is paused
+meanwhile), and its results carry their outer axes back to the outer tracker.
+
 At the output boundary, an output declared sharded over an axis but tracked invariant is
 ``pcast`` (its blocks are copies, so its gradient sums them). Two mismatches are errors by
 default (``check_vma=True``, JAX's static checks: a ``ValueError`` naming the fix, no
@@ -467,7 +476,8 @@ def _restrict(spec: P, axes: frozenset) -> P:
 
 def _merged(manual: P, auto: P, ndim: int) -> P:
     """The global spec of a partial-manual output: per dim the manual axes, then the auto ones."""
-    dims = [m + a or None for m, a in zip(manual.padded(ndim), auto.padded(ndim))]
+    dims = [m + a for m, a in zip(manual.padded(ndim), auto.padded(ndim))]
+    dims = [d[0] if len(d) == 1 else (d or None) for d in dims]
     while dims and dims[-1] is None:
         dims.pop()
     return P(*dims, partial=manual.partial + auto.partial)
@@ -856,6 +866,20 @@ def shard_map(
             result of ``fs.lax.psum(t, "x")``) would be summed ``n`` times: ``ValueError``
             naming the out_spec to use instead.
 
+        axis_names: the mesh axes the body is manual over (JAX's ``axis_names``, a set);
+            default every axis. ``in_specs`` / ``out_specs`` may name only these (``ValueError``
+            naming the spec and the axis otherwise). With fewer than all the axes
+            (*partial-manual*), the body's values are global-view :class:`ShardedArray` s on the
+            mesh of the other (auto) axes through this rank: an input keeps its layout over
+            the auto axes (its in_spec says how the manual axes split it; a dim split over
+            both must name the manual axes first), op rules issue their collectives over the
+            auto axes as usual, ``fs.lax`` collectives over the manual axes apply to each
+            block, and an output's layout is its out_spec's manual axes followed by the auto
+            axes of the body's value (a plain tensor returned is replicated over them).
+            Inside a body, ``shard_map`` (with the same ``mesh``) maps over the axes the outer
+            one left automatic (default: all of them), its body seeing their blocks; naming an
+            axis already manual is a ``ValueError``.
+
     Returns:
         A function of the same positional arguments returning :class:`ShardedArray` outputs
         with the ``out_specs`` layouts and exact global shapes.
@@ -881,6 +905,17 @@ def shard_map(
         >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # summed over dp once
         >>> fs.gather(g)
         tensor([24., 24., 24.])
+
+    Manual over ``pp`` only (a pipeline stage hands its block to the next; inside, ``h`` is a
+    ShardedArray over ``tp``):
+
+        >>> mesh2 = fs.Mesh.create((2, 1), ("pp", "tp"))
+        >>> h = fs.shard(torch.arange(4.0).reshape(4, 1), mesh2, P("pp", "tp"))
+        >>> def stage(h):
+        ...     return fs.lax.ppermute(h * 10, "pp", [(0, 1), (1, 0)])
+        >>> out = fs.shard_map(stage, mesh2, P("pp"), P("pp"), axis_names={"pp"})(h)
+        >>> out.spec, fs.gather(out).flatten()
+        (P('pp', 'tp'), tensor([20., 30.,  0., 10.]))
     """
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}")

@@ -41,7 +41,8 @@ def _stage(x, w, v):
     """A pipeline-like body, manual over pp only: x and w are global-view values over tp."""
     h = torch.tanh(x @ w)  # op rules: tp collectives as usual
     n = lax.axis_size("pp")
-    nxt = lax.ppermute(h, "pp", [(i, (i + 1) % n) for i in range(n)])
+    whole = fs.reshard(h, P())  # a reshard over tp in the body keeps h's manual axes
+    nxt = lax.ppermute(whole, "pp", [(i, (i + 1) % n) for i in range(n)])
     loss = lax.psum(((h * nxt) @ v).pow(2).sum(), "pp")
     return h, loss
 
