@@ -204,10 +204,16 @@ def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
-    out = _apply(b, x, done)
+    out = REMAT_HOOK[-1](b, x, done) if REMAT_HOOK else _apply(b, x, done)
     if axis_env._STACK:
         _keep_manual_axes(x, out)
     return out
+
+
+#: :func:`fshard.remat`'s save policy while its function runs: ``(bound, x, done) -> tensor``
+#: records (forward) or substitutes (backward's recompute) the collectives it saves. A stack, as
+#: the axis environment (innermost last).
+REMAT_HOOK: list = []
 
 
 def _keep_manual_axes(x: torch.Tensor, out: torch.Tensor) -> None:

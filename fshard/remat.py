@@ -33,31 +33,91 @@ from collections.abc import Callable
 import optree
 import torch
 
-from . import axis_env
+from . import axis_env, lax
+from .collectives import AllGather, AllToAll, Ppermute, Psum, PsumScatter
 
 __all__ = ["remat"]
 
 
-class _Remat(torch.autograd.Function):
-    """Forward: ``run(*tensors)`` unrecorded; backward: ``run`` again under ``torch.func.vjp``."""
+#: The collectives the "collectives" policy saves: every op that communicates and is linear
+#: (its backward is its transpose, which needs no residual). pmax/pmin are recomputed.
+_SAVED_OPS = (AllGather, AllToAll, Ppermute, Psum, PsumScatter)
+POLICIES = (None, "nothing", "collectives")
+_FUNCTORCH = torch._C._functorch
+
+
+class _Saved(torch.autograd.Function):
+    """A saved collective output standing in for the collective during the recompute; its
+    backward is the collective's transpose applied to the cotangent (as the collective's)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(run, *tensors):
-        return run(*tensors)
+    def forward(saved, x, b):
+        return saved.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.b = inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, lax.apply(ctx.b.transpose(), g), None
+
+
+def _batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by a ``vmap`` (the forward then runs once per level: the
+    "collectives" policy recomputes there instead of saving, see :func:`remat`)."""
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        if _FUNCTORCH.is_batchedtensor(t):
+            return True
+        t = _FUNCTORCH.get_unwrapped(t)
+    return False
+
+
+class _Remat(torch.autograd.Function):
+    """Forward: ``run(*tensors)`` unrecorded, returning its outputs then the residuals its
+    policy saves; backward: ``run`` again under ``torch.func.vjp``, with the residuals."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(run, policy, *tensors):
+        if policy != "collectives" or any(map(_batched, tensors)):
+            return run(*tensors)
+        saved: list = []
+
+        def record(b, x, done):
+            out = lax._apply(b, x, done)
+            if isinstance(b.op, _SAVED_OPS):
+                # an alias, not the object: fn may return this very tensor, which must stay
+                # differentiable while the residual is marked non-differentiable
+                saved.append(out.detach())
+            return out
+
+        lax.REMAT_HOOK.append(record)
+        try:
+            outs = run(*tensors)
+        finally:
+            lax.REMAT_HOOK.pop()
+        return (*outs, *saved)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.run = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
+        ctx.n_inputs = len(inputs) - 2
+        residuals = output[ctx.run.n_out :]
+        ctx.replays = bool(residuals)
+        ctx.mark_non_differentiable(*residuals)
+        ctx.save_for_backward(*inputs[2:], *residuals)
 
     @staticmethod
     def backward(ctx, *cotangents):
-        primals = ctx.saved_tensors
+        primals = ctx.saved_tensors[: ctx.n_inputs]
+        residuals = iter(ctx.saved_tensors[ctx.n_inputs :])
         # Only the inputs asked for are differentiated: a constant's cotangent could cost
         # collectives (the psum behind a replicated operand's pcast) for nothing.
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
 
         def of_wanted(*ts):
             filled = list(primals)
@@ -65,16 +125,27 @@ class _Remat(torch.autograd.Function):
                 filled[i] = t
             return ctx.run(*filled)
 
-        with torch.enable_grad():
-            outs, vjp = torch.func.vjp(of_wanted, *(primals[i] for i in wanted))
+        def replay(b, x, done):
+            if isinstance(b.op, _SAVED_OPS):
+                return _Saved.apply(next(residuals), x, b)
+            return lax._apply(b, x, done)
+
+        if ctx.replays:
+            lax.REMAT_HOOK.append(replay)
+        try:
+            with torch.enable_grad():
+                outs, vjp = torch.func.vjp(of_wanted, *(primals[i] for i in wanted))
+        finally:
+            if ctx.replays:
+                lax.REMAT_HOOK.pop()
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cotangents))
         grads = [None] * len(primals)
-        for i, g in zip(wanted, vjp(cts)):
+        for i, g in zip(wanted, vjp(cts[: len(outs)])):
             grads[i] = g
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def remat(fn: Callable) -> Callable:
+def remat(fn: Callable, policy: str | None = None) -> Callable:
     """``fn``, recomputed in the backward instead of keeping its intermediate values
     (``jax.checkpoint`` / ``jax.remat`` with the default policy: only the inputs are saved).
 
@@ -83,6 +154,15 @@ def remat(fn: Callable) -> Callable:
             (other leaves, e.g. Python numbers, are passed through as constants) returning a
             pytree of them. It must be deterministic: the backward runs it again (a dropout
             inside needs a generator state passed in as an input).
+        policy: what is saved besides the inputs (``jax.checkpoint``'s ``policy``). ``None``
+            (or ``"nothing"``, JAX's ``nothing_saveable``): nothing; the backward re-runs every
+            collective of ``fn``. ``"collectives"``: the outputs of ``fn``'s communicating
+            linear collectives (all_reduce, all_gather, reduce_scatter, all_to_all, ppermute;
+            those of op rules and reshards included) are saved and stand in for them in the
+            recompute, so the backward runs only their transposes (``pmax``/``pmin`` are
+            recomputed). Under ``vmap`` (the generated batching rule runs the forward on
+            batched values) they are recomputed instead: the same values, the ``None`` cost.
+            Saving per op kind (JAX's ``dots_saveable``) is not offered yet.
 
     Returns:
         A function with ``fn``'s signature and values. Differentiated (``torch.func.grad``,
@@ -102,6 +182,11 @@ def remat(fn: Callable) -> Callable:
     """
     if not callable(fn):
         raise TypeError(f"remat: fn must be callable, got {type(fn).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(
+            f"remat: policy must be one of {POLICIES} (None / 'nothing': save only the inputs; "
+            f"'collectives': also the outputs of fn's collectives), got {policy!r}"
+        )
 
     @functools.wraps(fn)
     def rematted(*args, **kwargs):
@@ -138,11 +223,12 @@ def remat(fn: Callable) -> Callable:
                     "leaf; return constants outside the rematerialised function"
                 )
             out_def[:] = [spec]
+            run.n_out = len(out_leaves)
             if tracker is not None:
                 out_vma[:] = [tracker.vma(o) for o in out_leaves]
             return tuple(out_leaves)
 
-        outs = _Remat.apply(run, *(leaves[i] for i in where))
+        outs = _Remat.apply(run, policy, *(leaves[i] for i in where))[: run.n_out]
         if tracker is not None:  # what the body's tracker saw in fn (psum: invariant, ...)
             for o, axes in zip(outs, out_vma):
                 tracker.tag(o, axes)

@@ -85,14 +85,19 @@ def sharded_remat():
     def mlp(x, w1_, w2_):
         return fs.reshard(torch.tanh(x @ w1_) @ w2_, P())  # row parallel: all_reduce over tp
 
+    def dense_x(x, W1_, W2_):
+        return torch.tanh(x @ W1_) @ W2_
+
     def dense(W1_, W2_):
-        return torch.tanh(X @ W1_) @ W2_
+        return dense_x(X, W1_, W2_)
 
     r = fs.remat(mlp)
+    rc = fs.remat(mlp, policy="collectives")
     _close(fs.gather(r(X, w1, w2)), dense(W1, W2), "value")
+    _close(fs.gather(rc(X, w1, w2)), dense(W1, W2), "value, collectives saved")
     ct = fs.shard(_gen(3, 4, 3), mesh, P())
     logs = []
-    for f in (mlp, r):
+    for f in (mlp, r, rc):
         _, back = vjp(lambda a, b, f=f: f(X, a, b), w1, w2)
         with fs.debug.comm_log() as log:
             g1, g2 = back(ct)
@@ -102,15 +107,27 @@ def sharded_remat():
         _close(fs.gather(g1), d1, "vjp w1")
         _close(fs.gather(g2), d2, "vjp w2")
     # partial -> replicated has an identity backward; remat's backward re-runs the all_reduce
-    # of the (4, 3) float64 output
-    assert logs == [[], [("all_reduce", ("tp",), 4 * 3 * 8)]], logs
-    loss, (g1, g2) = fs.value_and_grad(lambda a, b: fs.gather(r(X, a, b)).sum(), argnums=(0, 1))(
-        w1, w2
+    # of the (4, 3) float64 output, unless its policy saved it
+    assert logs == [[], [("all_reduce", ("tp",), 4 * 3 * 8)], []], logs
+    # saved for the backward (eager): x, w1, w2's blocks; with "collectives" also the
+    # all_reduce's output
+    lw1, lw2 = (
+        fs.from_local(t.local.clone().requires_grad_(), mesh, t.spec, t.shape) for t in (w1, w2)
     )
+    counts = [_saved(lambda f=f: f(X, lw1, lw2).local.sum()) for f in (r, rc)]
+    assert counts == [3, 4], counts
+    # vmap(grad) with saved collectives: per-example gradients over the rows of x
+    per = vmap(grad(lambda b, x: fs.gather(rc(x[None], w1, b)).sum()), in_dims=(None, 0))(w2, X)
+    want = vmap(grad(lambda b, x: dense_x(x[None], W1, b).sum()), in_dims=(None, 0))(W2, X)
+    _close(fs.gather(per), want, "vmap(grad), collectives saved")
     d1, d2 = grad(lambda a, b: dense(a, b).sum(), argnums=(0, 1))(W1, W2)
-    _close(loss, dense(W1, W2).sum(), "value_and_grad loss")
-    _close(fs.gather(g1), d1, "value_and_grad w1")
-    _close(fs.gather(g2), d2, "value_and_grad w2")
+    for f in (r, rc):
+        loss, (g1, g2) = fs.value_and_grad(
+            lambda a, b, f=f: fs.gather(f(X, a, b)).sum(), argnums=(0, 1)
+        )(w1, w2)
+        _close(loss, dense(W1, W2).sum(), "value_and_grad loss")
+        _close(fs.gather(g1), d1, "value_and_grad w1")
+        _close(fs.gather(g2), d2, "value_and_grad w2")
     # inside a shard_map body: the recompute runs in the body's axis environment again (its
     # fs.lax mesh, and the pcast of the replicated w where it meets the batch split over tp)
     dp = fs.shard_map(
@@ -124,6 +141,15 @@ def sharded_remat():
     gw = grad(lambda w_: fs.gather(dp(x, w_)))(w)
     _close(fs.gather(gw), grad(lambda a: torch.tanh(X @ a).pow(2).sum())(W1), "shard_map grad")
     return True
+
+
+def test_policy_is_checked():
+    try:
+        fs.remat(block, policy="dots")
+    except ValueError as e:
+        assert "policy must be one of" in str(e) and "'dots'" in str(e), e
+    else:
+        raise AssertionError("expected ValueError")
 
 
 def test_sharded_remat(world2):

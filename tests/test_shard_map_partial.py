@@ -83,6 +83,14 @@ def partial_manual(shape):
     for g, p, d, what in ((gx, x, dX, "x"), (gw, w, dW, "w"), (gv, v, dV, "v")):
         assert g.layout == p.layout, (what, g.layout, p.layout)
         _close(fs.gather(g), d, f"grad {what}")
+    # the top-level fs.value_and_grad path (its own bucketed reduction of the pcast leaves)
+    val, (hx, hw, hv) = fs.value_and_grad(lambda *a: fs.gather(f(*a)[1]), argnums=(0, 1, 2))(
+        x, w, v
+    )
+    _close(val, L, "value_and_grad loss")
+    for g, p, d, what in ((hx, x, dX, "x"), (hw, w, dW, "w"), (hv, v, dV, "v")):
+        assert g.layout == p.layout, (what, g.layout, p.layout)
+        _close(fs.gather(g), d, f"value_and_grad {what}")
     # an input only feeding pp-invariant computation is not summed over pp (w * 2, out P())
     g2 = fs.shard_map(lambda w_: w_ * 2, mesh, P(), P(), axis_names={"pp"})
     gw2 = grad(lambda w_: fs.gather(g2(w_)).sum())(w)
