@@ -187,6 +187,13 @@ def nested(shape):
     assert gx.layout == x.layout and gw.layout == w.layout
     _close(fs.gather(gx), 3 * X**2 * W, "nested grad x")
     _close(fs.gather(gw), (X**3).sum(0), "nested grad w")
+    # vmap over a stack of x (each split over pp and tp), and vmap(grad) of w
+    Xs = _gen(3, 2, 4, 8)
+    xs = fs.shard(Xs, mesh, P(None, "pp", "tp"))
+    ys = vmap(lambda a: fs.gather(f(a, w)[0]))(xs)
+    _close(ys, Xs**3 * W, "nested vmap")
+    per = vmap(grad(lambda b, a: fs.gather(f(a, b)[1])), in_dims=(None, 0))(w, xs)
+    _close(fs.gather(per), (Xs**3).sum(1), "nested vmap(grad) w")
     # JAX's test_grad_nested_partial_auto: grad of x * x through both levels
     g = fs.shard_map(
         lambda x_: fs.shard_map(lambda b: b * b, mesh, P(None, "tp"), P(None, "tp"))(x_),
