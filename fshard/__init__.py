@@ -25,6 +25,7 @@ from .autodiff import grad, value_and_grad
 from .jacobian import hessian, jacfwd
 from .mesh import Mesh
 from .planner import Step, plan
+from .remat import remat
 from .shard_map import shard_map
 from .spec import Layout, P, PartitionSpec, ShardMetadata
 from .tree import tree_flatten, tree_leaves, tree_map, tree_structure, tree_unflatten
@@ -44,6 +45,7 @@ __all__ = [
     "reshard",
     "shard_map",
     "value_and_grad",
+    "remat",
     "grad",
     "jacfwd",
     "hessian",

@@ -68,6 +68,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import _comm, axis_env
 from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
+from .array import ShardedArray
 from .axis_env import current_mesh
 from .collectives import (
     AllGather,
@@ -83,6 +84,7 @@ from .collectives import (
     run,
 )
 from .mesh import AxisGroup, Mesh
+from .spec import Layout
 
 __all__ = [
     "psum",
@@ -202,6 +204,27 @@ def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
+    out = REMAT_HOOK[-1](b, x, done) if REMAT_HOOK else _apply(b, x, done)
+    if axis_env._STACK:
+        _keep_manual_axes(x, out)
+    return out
+
+
+#: :func:`fshard.remat`'s save policy while its function runs: ``(bound, x, done) -> tensor``
+#: records (forward) or substitutes (backward's recompute) the collectives it saves. A stack, as
+#: the axis environment (innermost last).
+REMAT_HOOK: list = []
+
+
+def _keep_manual_axes(x: torch.Tensor, out: torch.Tensor) -> None:
+    """In a partial-manual ``shard_map`` body, a collective its tracker does not run (an op
+    rule's or ``fs.reshard``'s, over auto axes) leaves the manual axes its input varies over."""
+    t = axis_env.tracker()
+    if t is not None and not t.paused and t.auto is not None:
+        t.tag(out, t.vma(x))
+
+
+def _apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor:
     boxed = None if done is None else (done,)
     if _forward_ad._current_level >= 0:
         _refuse_linearize()
@@ -257,6 +280,36 @@ def _tensor(x, fn: str, name: str = "x") -> torch.Tensor:
     return x
 
 
+def _blockwise(x, fn: str, collective, dims: Sequence[int] = (), linear: bool = True):
+    """``collective(block)`` on a plain tensor; on a global-view value of a partial-manual
+    ``shard_map`` body (a ShardedArray over the auto axes) the collective over manual axes maps
+    each auto block (as GSPMD would): ``dims`` it resizes must not be split over the auto axes,
+    and a nonlinear one needs a value that is not pending a sum."""
+    if not isinstance(x, ShardedArray):
+        return collective(_tensor(x, fn))
+    lay = x.layout
+    split = [d for d in range(x.ndim) if lay.dim_axes[d]]
+    if lay.is_explicit or (not linear and lay.partial) or set(split) & set(dims):
+        raise ValueError(
+            f"{fn}: x is a ShardedArray laid out as {lay.spec} over {lay.mesh}; over a manual "
+            f"axis {fn} maps its blocks only when the dims it changes ({list(dims)}) are not "
+            "split over the auto axes"
+            + ("" if linear else " and it is not partial")
+            + ": fs.reshard(x, ...) it first"
+        )
+    y = collective(x.local)
+    if y.dim() == x.ndim:
+        shape = tuple(x.shape[d] if d in split else y.shape[d] for d in range(y.dim()))
+    elif not split:
+        shape = tuple(y.shape)
+    else:
+        raise ValueError(
+            f"{fn}: x is split over the auto axes ({lay.spec}) and the result has another "
+            "rank; fs.reshard(x, fs.P(partial=...)) to unsplit it first, or use tiled=True"
+        )
+    return ShardedArray._raw(y, Layout(lay.mesh, lay.spec, shape, y.dtype))
+
+
 def _tracked(xs: list, g: AxisGroup, mesh: Mesh | None, run, varies: bool) -> list:
     """Run ``run(xs) -> list`` (the collective); inside a shard_map body also track varying axes.
 
@@ -310,8 +363,6 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
     g = _group(axis, mesh)
     if isinstance(x, torch.Tensor) and not donate:
         return _one(x, g, mesh, Psum(g.axes), varies=False)
-    from .array import ShardedArray  # a check only: lax works on local blocks
-
     tops = optree.tree_leaves(x, is_leaf=lambda v: isinstance(v, ShardedArray))
     for i, leaf in enumerate(tops):
         # Summing blocks that split (or are pending over) the axis is the user's mistake
@@ -490,9 +541,10 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
 
 
 def _preduce(x, axis, mesh, how: str) -> torch.Tensor:
-    _tensor(x, f"p{how}")
     g = _group(axis, mesh)
-    return _one(x, g, mesh, Pmax(g.axes, how), varies=False)
+    return _blockwise(
+        x, f"p{how}", lambda t: _one(t, g, mesh, Pmax(g.axes, how), varies=False), linear=False
+    )
 
 
 def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -566,6 +618,14 @@ def all_gather(
         tensor([[0., 0.],
                 [1., 1.]])
     """
+    if isinstance(x, ShardedArray):
+        d = norm_dim(dim, x.ndim + (0 if tiled else 1))
+        return _blockwise(
+            x,
+            "all_gather",
+            lambda t: all_gather(t, axis, dim=d, tiled=tiled, sizes=sizes, to=to, mesh=mesh),
+            (d,) if tiled else (),
+        )
     _tensor(x, "all_gather")
     if to not in ("varying", "invariant"):
         raise ValueError(f"all_gather: to must be 'varying' or 'invariant', got {to!r}")
@@ -627,6 +687,14 @@ def psum_scatter(
         >>> torch.equal(block, 3 * torch.arange(4.0)[2 * mesh.rank : 2 * mesh.rank + 2])
         True
     """
+    if isinstance(x, ShardedArray):
+        d = norm_dim(dim, x.ndim)
+        return _blockwise(
+            x,
+            "psum_scatter",
+            lambda t: psum_scatter(t, axis, dim=d, tiled=tiled, sizes=sizes, mesh=mesh),
+            (d,),
+        )
     _tensor(x, "psum_scatter")
     g = _group(axis, mesh)
     d = norm_dim(dim, x.dim())
@@ -689,6 +757,14 @@ def all_to_all(
         tensor([[0., 0.],
                 [1., 1.]])
     """
+    if isinstance(x, ShardedArray):
+        s_, c_ = norm_dim(split_dim, x.ndim), norm_dim(concat_dim, x.ndim)
+        return _blockwise(
+            x,
+            "all_to_all",
+            lambda t: all_to_all(t, axis, s_, c_, tiled=tiled, mesh=mesh),
+            (s_, c_),
+        )
     _tensor(x, "all_to_all")
     g = _group(axis, mesh)
     s, c = norm_dim(split_dim, x.dim(), "split_dim"), norm_dim(concat_dim, x.dim(), "concat_dim")
@@ -734,6 +810,8 @@ def ppermute(
         >>> float(y) == 1 - mesh.rank
         True
     """
+    if isinstance(x, ShardedArray):
+        return _blockwise(x, "ppermute", lambda t: ppermute(t, axis, perm, mesh=mesh))
     _tensor(x, "ppermute")
     g = _group(axis, mesh)
     try:
@@ -775,6 +853,8 @@ def pcast(
         >>> torch.autograd.grad(loss, w)[0]  # the backward sums over x: 1 + 2
         tensor([3., 3.])
     """
+    if isinstance(x, ShardedArray):
+        return _blockwise(x, "pcast", lambda t: pcast(t, axis, to, mesh=mesh))
     _tensor(x, "pcast")
     if to != "varying":
         raise ValueError(f"pcast: only to='varying' is supported, got {to!r}")

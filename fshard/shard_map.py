@@ -25,6 +25,15 @@ tensor object, stamped with the active body so stale marks are ignored):
   body) varies over the axes of its primal (JAX: a cotangent has its primal's type); a ``vmap``
   result varies as the physical tensor it views (``out_dims`` moves a dim by a view).
 
+Partial-manual bodies (``axis_names=``, JAX's partial-manual mode) and nesting. The body's
+values are global-view ShardedArrays on the mesh of the auto axes; an op on them is one op rule
+per manual block, so :meth:`_Tracker.sharded_op` (reached through the ShardedArray dispatcher,
+swapped in while such a body runs) tracks it as a whole: the result varies over the union of
+its operands' manual axes, an invariant operand is ``pcast`` first, and the rule's own
+collectives (over auto axes) run untracked. A ``shard_map`` inside a body maps over axes the
+outer one left automatic; its tracker tracks the outer's manual axes too (the outer's is paused
+meanwhile), and its results carry their outer axes back to the outer tracker.
+
 At the output boundary, an output declared sharded over an axis but tracked invariant is
 ``pcast`` (its blocks are copies, so its gradient sums them). Two mismatches are errors by
 default (``check_vma=True``, JAX's static checks: a ``ValueError`` naming the fix, no
@@ -40,7 +49,9 @@ computation behind it would otherwise add the ``n`` copies up).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import optree
@@ -48,13 +59,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _comm, _compat, axis_env, consistency
+from . import array as _array
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
-from .array import ShardedArray, is_sharded
+from .array import ShardedArray, install_dispatch, is_sharded
 from .collectives import Bound, Pcast, Unvary
 from .executor import claimed_local
 from .lax import apply
-from .mesh import Mesh
+from .mesh import Mesh, _member_ranks
 from .spec import Layout, P, chunk_bounds
 
 __all__ = ["shard_map"]
@@ -79,9 +91,12 @@ _compiling = torch.compiler.is_compiling
 class _Tracker(TorchFunctionMode):
     """Records the varying mesh axes of every tensor produced in a shard_map body."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, manual: frozenset | None = None, auto: Mesh | None = None):
         super().__init__()
-        self.mesh = mesh
+        self.mesh = mesh  # the root mesh: its groups run the pcasts
+        # The axes tracked: the body's manual axes and those of every enclosing body.
+        self.manual = frozenset(mesh.axis_names) if manual is None else manual
+        self.auto = auto  # the mesh of the body's global-view values (partial-manual), or None
         self.paused = 0
 
     # -- marks --------------------------------------------------------------------------
@@ -146,7 +161,9 @@ class _Tracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.autograd.grad and not self.paused:
             return self._grad(func, args, kwargs)
-        if self.paused or func in _PASSTHROUGH:
+        if self.paused or func in _PASSTHROUGH or ShardedArray in types:
+            # A ShardedArray operand (partial-manual body): its op rule is tracked as a whole
+            # by _sharded_op, which ShardedArray.__torch_function__ reaches.
             return func(*args, **kwargs)
         found = []  # vma of every tensor operand
         for a in args:
@@ -163,6 +180,42 @@ class _Tracker(TorchFunctionMode):
         out = func(*args, **kwargs)
         if union:
             self.tag(args[0] if _in_place(func, kwargs) else out, union)
+        return out
+
+    def sharded_op(self, dispatch, func, args, kwargs):
+        """An op on global-view values of a partial-manual body: the op rule maps each manual
+        block independently (its collectives run over the auto axes), so its results vary over
+        the union of its operands' manual axes, and an operand invariant over one of them is
+        ``pcast`` first (its gradient is then summed over that axis exactly once)."""
+        found = [self.vma(_block(t)) for t in _operands(args, kwargs)]
+        union = _EMPTY.union(*found) if found else _EMPTY
+        if union and any(v != union for v in found):
+            axes = tuple(union)
+
+            def fix(t):
+                if isinstance(t, ShardedArray) and t.dtype.is_floating_point:
+                    local = self.pcast(t.local, axes)
+                    return t if local is t.local else ShardedArray._raw(local, t.layout)
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    return self.pcast(t, axes)
+                return t
+
+            def fix_arg(a):
+                if isinstance(a, (tuple, list)) and not isinstance(a, torch.Size):
+                    return type(a)(fix(t) for t in a)
+                return fix(a)
+
+            args = tuple(fix_arg(a) for a in args)
+            kwargs = {k: fix_arg(v) for k, v in kwargs.items()}
+        self.paused += 1
+        try:
+            out = dispatch(func, args, kwargs)
+        finally:
+            self.paused -= 1
+        if union:
+            for t in optree.tree_leaves(out, is_leaf=is_sharded):
+                if isinstance(t, (torch.Tensor, ShardedArray)):
+                    self.tag(_block(t), union)
         return out
 
     def _grad(self, func, args, kwargs):
@@ -197,6 +250,20 @@ class _Tracker(TorchFunctionMode):
                 new_args.append(a)
         new_kwargs = {k: fix(v) if k != "out" else v for k, v in kwargs.items()}
         return tuple(new_args), new_kwargs
+
+
+def _operands(args, kwargs):
+    """The tensors and ShardedArrays among an op's arguments (and in its list arguments)."""
+    for a in (*args, *kwargs.values()):
+        items = a if isinstance(a, (tuple, list)) else (a,)
+        for t in items:
+            if isinstance(t, (torch.Tensor, ShardedArray)):
+                yield t
+
+
+def _block(t):
+    """The tensor whose marks track a value: a ShardedArray's local block, or the tensor."""
+    return t.local if isinstance(t, ShardedArray) else t
 
 
 def _index_tensors(a):
@@ -235,6 +302,102 @@ def _in_place_name(func) -> bool:
 _in_place_name._dynamo_marked_constant = True
 
 
+# -- the body: which axes are manual ---------------------------------------------------------
+
+
+class _Body:
+    """One shard_map call's axes. ``mesh``: the mesh its specs and results live on (the
+    enclosing body's auto mesh when nested); ``manual``: its manual axes; ``auto``: the mesh of
+    the other axes through this rank (partial-manual: the body's values are global-view
+    ShardedArrays on it), or ``None``; ``outer``: the enclosing body's tracker, or ``None``."""
+
+    __slots__ = ("mesh", "root", "manual", "auto", "outer")
+
+    def __init__(self, mesh: Mesh, root: Mesh, manual: frozenset, outer: _Tracker | None):
+        self.mesh, self.root, self.manual, self.outer = mesh, root, manual, outer
+        rest = tuple(a for a in mesh.axis_names if a not in manual)
+        self.auto = _auto_mesh(mesh, rest) if rest else None
+
+    def tracker(self) -> _Tracker:
+        tracked = self.manual | (self.outer.manual if self.outer is not None else _EMPTY)
+        return _Tracker(self.root, tracked, self.auto)
+
+    def outer_vma(self, leaf) -> frozenset:
+        """What the enclosing body tracks on ``leaf`` (its axes stay tracked in this body)."""
+        if self.outer is None or not isinstance(leaf, (torch.Tensor, ShardedArray)):
+            return _EMPTY
+        return self.outer.vma(_block(leaf))
+
+    def spec_problem(self, spec: P, what: str) -> str | None:
+        for a in spec.axes:
+            if self.outer is not None and a in self.outer.manual:
+                return (
+                    f"spec {spec} names axis {a!r}, which the enclosing shard_map already made "
+                    f"manual; an inner shard_map maps over the axes left automatic "
+                    f"{self.mesh.axis_names}"
+                )
+            if a not in self.mesh.axis_names:
+                return (
+                    f"spec {spec} names axis {a!r}, which is not an axis of the mesh; the mesh "
+                    f"axes are {self.mesh.axis_names}"
+                )
+            if a not in self.manual:
+                return (
+                    f"spec {spec} names axis {a!r}, which is not manual in this shard_map "
+                    f"(axis_names={set(sorted(self.manual))}): {what} may name only the manual "
+                    f"axes; the other axes keep the inputs' layouts inside the body (add {a!r} "
+                    "to axis_names to map over it)"
+                )
+        return None
+
+
+_AUTO: dict = {}
+
+
+def _auto_mesh(mesh: Mesh, names: tuple[str, ...]) -> Mesh:
+    """The mesh of axes ``names`` through this rank (the ranks sharing its other coordinates),
+    using ``mesh``'s process groups. Built once per mesh object and axes."""
+    key = (id(mesh), names)
+    hit = _AUTO.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    ranks = _member_ranks(mesh, names, mesh.rank)
+    shape = tuple(mesh.size(a) for a in names)
+    sub = Mesh(shape, names, ranks, mesh.device_type, mesh.device_mesh[names])
+    for k in range(len(names) + 1):
+        for axes in itertools.permutations(names, k):
+            sub._groups[axes] = mesh.group(axes)
+    _AUTO[key] = (mesh, sub)
+    return sub
+
+
+class _TrackedDispatch:
+    """While partial-manual bodies run, ShardedArray ops go through the innermost body's
+    tracker (:meth:`_Tracker.sharded_op`); the dispatcher is restored when the last one ends,
+    so ops outside bodies pay nothing."""
+
+    base = None
+    depth = 0
+
+    def __enter__(self):
+        if _TrackedDispatch.depth == 0:
+            _TrackedDispatch.base = base = _array._DISPATCH
+
+            def dispatch(func, args, kwargs):
+                t = axis_env.tracker()
+                if t is None or t.paused or t.auto is None:
+                    return base(func, args, kwargs)
+                return t.sharded_op(base, func, args, kwargs)
+
+            install_dispatch(dispatch)
+        _TrackedDispatch.depth += 1
+
+    def __exit__(self, *exc):
+        _TrackedDispatch.depth -= 1
+        if _TrackedDispatch.depth == 0:
+            install_dispatch(_TrackedDispatch.base)
+
+
 # -- specs and pytrees ----------------------------------------------------------------------
 
 
@@ -270,44 +433,99 @@ def _subtrees(specs: list, subtrees: list, treedef, prefix: str):
         yield spec, where, [(where + k, v) for k, v in zip(paths(sub_def), leaves)], sub_def
 
 
-def _spec_axes_problem(spec: P, mesh: Mesh) -> str | None:
-    unknown = [a for a in spec.axes if a not in mesh.axis_names]
-    if unknown:
-        return (
-            f"spec {spec} names axis {unknown[0]!r}, which is not an axis of the mesh; the mesh "
-            f"axes are {mesh.axis_names}"
-        )
-    return None
-
-
 # -- the input boundary ---------------------------------------------------------------------
 
 
-def _input_problem(x, spec: P | None, mesh: Mesh) -> str | None:
+def _input_problem(x, spec: P | None, body: _Body) -> str | None:
     if spec is None or not isinstance(x, ShardedArray):
         return None
+    mesh = body.mesh
     if x.mesh != mesh:
         return f"lives on {x.mesh!r}, not on the shard_map mesh {mesh!r}"
-    if x.layout.spec != spec:
+    if body.auto is None:
+        if x.layout.spec != spec:
+            return (
+                f"has layout {x.layout.spec} but in_specs gives {spec}; shard_map never "
+                f"reshards implicitly: call fs.reshard(x, {spec}) first"
+            )
+        return None
+    # Partial-manual: the in_spec says how the manual axes split x; the auto axes may split it
+    # too (after the manual ones in a dim), and stay split inside the body.
+    have = x.layout.spec
+    dims = have.padded(max(len(have), len(spec)))
+    manual_first = all(
+        d[: len([a for a in d if a in body.manual])] == tuple(a for a in d if a in body.manual)
+        for d in dims
+    )
+    if _restrict(have, body.manual) != spec or not manual_first:
         return (
-            f"has layout {x.layout.spec} but in_specs gives {spec}; shard_map never reshards "
-            f"implicitly: call fs.reshard(x, {spec}) first"
+            f"has layout {have}, whose manual axes {tuple(sorted(body.manual))} do not split it "
+            f"as in_specs gives ({spec}, each manual axis before any auto axis in a dim); "
+            f"call fs.reshard(x, ...) first"
         )
+    if bad := _mixed_dim_problem(have, tuple(x.shape), body.manual, body.mesh):
+        return bad
     return None
 
 
-def _local_input(x, spec: P | None, mesh: Mesh):
+def _restrict(spec: P, axes: frozenset) -> P:
+    """``spec`` with only the mesh axes in ``axes`` (the others replicated)."""
+    dims = [tuple(a for a in d if a in axes) or None for d in spec.dims]
+    return P(*dims, partial=tuple(a for a in spec.partial if a in axes))
+
+
+def _merged(manual: P, auto: P, ndim: int) -> P:
+    """The global spec of a partial-manual output: per dim the manual axes, then the auto ones."""
+    dims = [m + a for m, a in zip(manual.padded(ndim), auto.padded(ndim))]
+    dims = [d[0] if len(d) == 1 else (d or None) for d in dims]
+    while dims and dims[-1] is None:
+        dims.pop()
+    return P(*dims, partial=manual.partial + auto.partial)
+
+
+def _mixed_dim_problem(spec: P, shape: tuple, manual: frozenset, mesh: Mesh) -> str | None:
+    """A dim split over manual axes M and auto axes A is the concatenation of its M blocks each
+    split over A only if fshard's chunks of the dim over M x A nest in its chunks over M
+    (always for sizes divisible by the product; not for every uneven size)."""
+    for d, axes in enumerate(spec.padded(len(shape))):
+        m = tuple(a for a in axes if a in manual)
+        if not m or len(m) == len(axes):
+            continue
+        km, ka, n = mesh.size(m), mesh.size(axes[len(m) :]), shape[d]
+        for jm in range(km):
+            b0, b1 = chunk_bounds(n, km, jm)
+            for ja in range(ka):
+                i0, i1 = chunk_bounds(b1 - b0, ka, ja)
+                if chunk_bounds(n, km * ka, jm * ka + ja) != (b0 + i0, b0 + i1):
+                    return (
+                        f"splits dim {d} (size {n}) over {axes}: fshard's chunks of it over "
+                        f"all {km * ka} ranks are not the chunks over the auto axes "
+                        f"{axes[len(m) :]} of its blocks over the manual axes {m}; use a size "
+                        f"divisible by {km * ka}, or split that dim over the manual axes only"
+                    )
+    return None
+
+
+def _local_input(x, spec: P | None, body: _Body):
     if spec is None:
         return x
     if isinstance(x, ShardedArray):
-        return claimed_local(x)
+        local = claimed_local(x)
+        if body.auto is None:
+            return local
+        block = Layout(body.mesh, spec, x.shape, x.dtype).local_shape(body.mesh.rank)
+        auto = _restrict(x.layout.spec, frozenset(body.auto.axis_names))
+        return ShardedArray._raw(local, Layout(body.auto, auto, block, x.dtype))
     if isinstance(x, torch.Tensor):
-        return shard(x, mesh, spec).local
+        local = shard(x, body.mesh, spec).local
+        if body.auto is None:
+            return local
+        return ShardedArray._raw(local, Layout(body.auto, P(), tuple(local.shape), local.dtype))
     return x
 
 
-def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
-    """Local inputs and, per tensor leaf, (local, varying axes) to mark once the body starts."""
+def _inputs(args: tuple, in_specs, body: _Body) -> tuple[tuple, list]:
+    """Body inputs and, per tensor leaf, (its block, varying axes) to mark once the body starts."""
     if isinstance(in_specs, list):
         in_specs = tuple(in_specs)
     if _is_spec(in_specs):
@@ -316,11 +534,11 @@ def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
     inputs = list(_subtrees(specs, subtrees, treedef, "args"))
     errors = LeafErrors("shard_map: inputs that do not fit their in_specs")
     for spec, where, leaves, _ in inputs:  # every input checked before any communication
-        if spec is not None and (problem := _spec_axes_problem(spec, mesh)):
+        if spec is not None and (problem := body.spec_problem(spec, "in_specs")):
             errors.add(where, problem)
             continue
         for w, leaf in leaves:
-            if problem := _input_problem(leaf, spec, mesh):
+            if problem := _input_problem(leaf, spec, body):
                 errors.add(w, problem)
     errors.raise_if_any()
     marks: list = []
@@ -329,13 +547,19 @@ def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
     for spec, _, leaves, sub_def in inputs:
         locals_ = []
         for _, leaf in leaves:
-            local = _local_input(leaf, spec, mesh)
-            if spec is not None and isinstance(local, torch.Tensor):
-                axes = frozenset(spec.axes)
+            prior = body.outer_vma(leaf)
+            value = _local_input(leaf, spec, body)
+            if spec is not None and isinstance(value, (torch.Tensor, ShardedArray)):
+                local = _block(value)
+                axes = frozenset(spec.axes) | prior
                 if seen.setdefault(id(local), axes) != axes:  # one object, two specs
                     local = local.view_as(local)
+                    if isinstance(value, ShardedArray):
+                        value = ShardedArray._raw(local, value.layout)
+                    else:
+                        value = local
                 marks.append((local, axes))
-            locals_.append(local)
+            locals_.append(value)
         new.append(optree.tree_unflatten(sub_def, locals_))
     return treedef.unflatten(new), marks
 
@@ -343,11 +567,12 @@ def _inputs(args: tuple, in_specs, mesh: Mesh) -> tuple[tuple, list]:
 # -- the output boundary --------------------------------------------------------------------
 
 
-def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: bool, vma: bool):
+def _outputs(out, out_specs, body: _Body, tracker: _Tracker, out_shapes, check: bool, vma: bool):
+    mesh = body.mesh
     if isinstance(out_specs, list):
         out_specs = tuple(out_specs)
     specs, subtrees, treedef = _spec_leaves(out_specs, out, "out_specs")
-    flat = []  # (where, local tensor, spec)
+    flat = []  # (where, local tensor, spec, block shape, the block's layout over the auto axes)
     subdefs = []
     errors = LeafErrors("shard_map: outputs that do not fit their out_specs")
     for spec, where, leaves, sub_def in _subtrees(specs, subtrees, treedef, "output"):
@@ -355,34 +580,52 @@ def _outputs(out, out_specs, mesh: Mesh, tracker: _Tracker, out_shapes, check: b
         if spec is None:
             errors.add(where, "its out_specs entry is None; give a fshard.P", TypeError)
             continue
-        if problem := _spec_axes_problem(spec, mesh):
+        if problem := body.spec_problem(spec, "out_specs"):
             errors.add(where, problem)
             continue
         for w, leaf in leaves:
-            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, ShardedArray):
+            if body.auto is not None and isinstance(leaf, ShardedArray):
+                if leaf.mesh != body.auto:
+                    errors.add(
+                        w,
+                        f"is a ShardedArray on {leaf.mesh!r}; a partial-manual body returns "
+                        f"values on its auto axes' mesh {body.auto!r} (what its inputs are on)",
+                    )
+                    continue
+                local, inner, shape = leaf.local, leaf.layout.spec, tuple(leaf.shape)
+            elif not isinstance(leaf, torch.Tensor) or isinstance(leaf, ShardedArray):
                 errors.add(
                     w,
                     f"the body returned {type(leaf).__name__}; it must return local "
-                    "torch.Tensors (the body works on local blocks)",
+                    "torch.Tensors (the body works on local blocks)"
+                    + ("" if body.auto is None else " or ShardedArrays on its auto axes"),
                     TypeError,
                 )
-            elif leaf.dim() < len(spec):
+                continue
+            else:
+                local, inner, shape = leaf, None, tuple(leaf.shape)  # replicated over auto
+            if len(shape) < len(spec):
                 errors.add(
-                    w, f"has {leaf.dim()} dims but its out_spec {spec} has {len(spec)} entries"
+                    w, f"has {len(shape)} dims but its out_spec {spec} has {len(spec)} entries"
                 )
-            elif vma and (problem := _variance_problem(spec, mesh, tracker.vma(leaf))):
+            elif vma and (problem := _variance_problem(spec, mesh, tracker.vma(local))):
                 errors.add(w, problem)
-            flat.append((w, leaf, spec))
+            flat.append((w, local, spec, shape, inner))
     errors.raise_if_any()
     if check:
-        for w, local, spec in flat:
-            _check_replicated(w, local, spec, mesh)
-    shapes = _global_shapes(flat, mesh, out_shapes, out, treedef)
+        for w, local, spec, _, _ in flat:
+            _check_replicated(w, local, spec, mesh, body.manual)
+    shapes = _global_shapes(flat, mesh, out_shapes, out)
     results = []
-    for (_w, local, spec), shape in zip(flat, shapes):
-        local = _cast_out(local, spec, mesh, tracker.vma(local))
-        layout = Layout(mesh, spec, shape, local.dtype)
-        results.append(ShardedArray._raw(local, layout))
+    for (w, local, spec, _, inner), shape in zip(flat, shapes):
+        have = tracker.vma(local)
+        local = _cast_out(local, spec, mesh, have)
+        if body.outer is not None:  # the enclosing body tracks its own manual axes on it
+            body.outer.tag(local, have & body.outer.manual)
+        full = spec if inner is None else _merged(spec, inner, len(shape))
+        if inner is not None and (problem := _mixed_dim_problem(full, shape, body.manual, mesh)):
+            raise ValueError(f"shard_map: {w} {problem}")
+        results.append(ShardedArray._raw(local, Layout(mesh, full, shape, local.dtype)))
     new, i = [], 0
     for sub_def, n in subdefs:
         new.append(optree.tree_unflatten(sub_def, results[i : i + n]))
@@ -441,11 +684,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _check_replicated(where: str, local: torch.Tensor, spec: P, mesh: Mesh) -> None:
-    """Raise unless ``local`` is equal on every rank of each axis ``spec`` leaves replicated."""
+def _check_replicated(where: str, local, spec: P, mesh: Mesh, manual: frozenset) -> None:
+    """Raise unless ``local`` is equal on every rank of each manual axis ``spec`` leaves
+    replicated."""
     t = _plain(local)
     for a in mesh.axis_names:
-        if a in spec.axes or mesh.size(a) == 1:
+        if a not in manual or a in spec.axes or mesh.size(a) == 1:
             continue
         g = mesh.group(a)
         with torch.no_grad():
@@ -463,11 +707,13 @@ def _check_replicated(where: str, local: torch.Tensor, spec: P, mesh: Mesh) -> N
             )
 
 
-def _global_shapes(flat: list, mesh: Mesh, out_shapes, out, treedef) -> list:
+def _global_shapes(flat: list, mesh: Mesh, out_shapes, out) -> list:
+    """Per output (``(where, local, spec, block shape, auto spec)``): its global shape. The
+    block is the body's value: a local block, or a global-view value over the auto axes."""
     if out_shapes is not None:
         return _given_shapes(flat, mesh, out_shapes, out)
-    if not any(any(spec.dims) for _, _, spec in flat):
-        return [tuple(local.shape) for _, local, _ in flat]
+    if not any(any(f[2].dims) for f in flat):
+        return [f[3] for f in flat]
     return _exchanged_shapes(flat, mesh)
 
 
@@ -490,12 +736,12 @@ def _given_shapes(flat: list, mesh: Mesh, out_shapes, out) -> list:
             )
     shapes = [tuple(shape) for shape in given]
     errors = LeafErrors("shard_map: outputs that do not fit out_shapes")
-    for (w, local, spec), shape in zip(flat, shapes):
+    for (w, local, spec, block, _), shape in zip(flat, shapes):
         want = Layout(mesh, spec, shape, local.dtype).local_shape(mesh.rank)
-        if tuple(local.shape) != want:
+        if block != want:
             errors.add(
                 w,
-                f"has local shape {tuple(local.shape)} but out_shapes gives global shape "
+                f"has local shape {block} but out_shapes gives global shape "
                 f"{shape} with spec {spec}, whose block on rank {mesh.rank} is {want}",
             )
     errors.raise_if_any()
@@ -509,13 +755,13 @@ def _exchanged_shapes(flat: list, mesh: Mesh) -> list:
     so the ranks exchange their local shapes (all outputs in one message); the global size of a
     split dim is the sum of its chunk sizes, checked against fshard's chunking convention.
     """
-    mine = [s for _, local, _ in flat for s in local.shape]
+    mine = [s for f in flat for s in f[3]]
     g = mesh.group(mesh.axis_names)
     rows = _comm.size_exchange(mine, g, mesh.device())
     table = {g.ranks[j]: rows[j] for j in range(g.size)}
     shapes, k = [], 0
-    for w, local, spec in flat:
-        nd = local.dim()
+    for w, _, spec, block, _ in flat:
+        nd = len(block)
         dims = spec.padded(nd)
         shape = []
         for d in range(nd):
@@ -587,6 +833,7 @@ def shard_map(
     check_replication: bool = False,
     out_shapes=None,
     check_vma: bool = True,
+    axis_names=None,
 ) -> Callable:
     """Map ``f`` over local blocks: ``f`` sees this rank's local tensors and uses ``fs.lax``.
 
@@ -619,6 +866,20 @@ def shard_map(
             result of ``fs.lax.psum(t, "x")``) would be summed ``n`` times: ``ValueError``
             naming the out_spec to use instead.
 
+        axis_names: the mesh axes the body is manual over (JAX's ``axis_names``, a set);
+            default every axis. ``in_specs`` / ``out_specs`` may name only these (``ValueError``
+            naming the spec and the axis otherwise). With fewer than all the axes
+            (*partial-manual*), the body's values are global-view :class:`ShardedArray` s on the
+            mesh of the other (auto) axes through this rank: an input keeps its layout over
+            the auto axes (its in_spec says how the manual axes split it; a dim split over
+            both must name the manual axes first), op rules issue their collectives over the
+            auto axes as usual, ``fs.lax`` collectives over the manual axes apply to each
+            block, and an output's layout is its out_spec's manual axes followed by the auto
+            axes of the body's value (a plain tensor returned is replicated over them).
+            Inside a body, ``shard_map`` (with the same ``mesh``) maps over the axes the outer
+            one left automatic (default: all of them), its body seeing their blocks; naming an
+            axis already manual is a ``ValueError``.
+
     Returns:
         A function of the same positional arguments returning :class:`ShardedArray` outputs
         with the ``out_specs`` layouts and exact global shapes.
@@ -644,6 +905,17 @@ def shard_map(
         >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # summed over dp once
         >>> fs.gather(g)
         tensor([24., 24., 24.])
+
+    Manual over ``pp`` only (a pipeline stage hands its block to the next; inside, ``h`` is a
+    ShardedArray over ``tp``):
+
+        >>> mesh2 = fs.Mesh.create((2, 1), ("pp", "tp"))
+        >>> h = fs.shard(torch.arange(4.0).reshape(4, 1), mesh2, P("pp", "tp"))
+        >>> def stage(h):
+        ...     return fs.lax.ppermute(h * 10, "pp", [(0, 1), (1, 0)])
+        >>> out = fs.shard_map(stage, mesh2, P("pp"), P("pp"), axis_names={"pp"})(h)
+        >>> out.spec, fs.gather(out).flatten()
+        (P('pp', 'tp'), tensor([20., 30.,  0., 10.]))
     """
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}")
@@ -656,6 +928,8 @@ def shard_map(
     if not isinstance(check_vma, bool):
         raise TypeError(f"shard_map: check_vma must be a bool, got {check_vma!r}")
 
+    names = _check_axis_names(axis_names, mesh)
+
     @functools.wraps(f)
     def mapped(*args, **kwargs):
         if kwargs:
@@ -663,22 +937,79 @@ def shard_map(
                 f"shard_map: pass inputs positionally (in_specs describes the positional "
                 f"arguments); got keyword arguments {sorted(kwargs)}"
             )
-        if axis_env.in_body():
-            raise NotImplementedError("shard_map: nesting shard_map bodies is not supported")
         if not _compat.TRACES_TUPLE_HASH and _compiling():
             raise NotImplementedError(
                 "shard_map under torch.compile needs torch >= 2.13 (this torch's dynamo cannot "
                 "hash the layouts a body's outputs get); without fullgraph=True dynamo runs the "
                 "shard_map eagerly"
             )
+        body = _body(mesh, names)
         if consistency.enabled():
-            consistency.check_equal(_signature(args, in_specs, out_specs), mesh, what="shard_map")
-        local_args, marks = _inputs(args, in_specs, mesh)
-        tracker = _Tracker(mesh)
+            sig = _signature(args, in_specs, out_specs)
+            consistency.check_equal(sig, body.mesh, what="shard_map")
+        local_args, marks = _inputs(args, in_specs, body)
+        tracker = body.tracker()
         for local, axes in marks:
             tracker.tag(local, axes)
-        with axis_env.enter(mesh, tracker), tracker:
+        with contextlib.ExitStack() as stack:
+            if body.outer is not None:  # the inner body's tracker tracks the outer's axes too
+                body.outer.paused += 1
+                stack.callback(_resume, body.outer)
+            if body.auto is not None:
+                stack.enter_context(_TrackedDispatch())
+            stack.enter_context(axis_env.enter(body.root, tracker))
+            stack.enter_context(tracker)
             out = f(*local_args)
-        return _outputs(out, out_specs, mesh, tracker, out_shapes, check_replication, check_vma)
+        return _outputs(out, out_specs, body, tracker, out_shapes, check_replication, check_vma)
 
     return mapped
+
+
+def _resume(t: _Tracker) -> None:
+    t.paused -= 1
+
+
+def _check_axis_names(axis_names, mesh: Mesh) -> frozenset | None:
+    if axis_names is None:
+        return None
+    if isinstance(axis_names, str) or not isinstance(axis_names, (set, frozenset, tuple, list)):
+        raise TypeError(
+            f"shard_map: axis_names must be a set of mesh axis names (e.g. {{'pp'}}), got "
+            f"{type(axis_names).__name__} {axis_names!r}"
+        )
+    names = frozenset(axis_names)
+    unknown = sorted(a for a in names if a not in mesh.axis_names)
+    if unknown or not names:
+        raise ValueError(
+            f"shard_map: axis_names={set(sorted(names))} must be a non-empty subset of the mesh "
+            f"axes {mesh.axis_names}" + (f"; {unknown[0]!r} is not one" if unknown else "")
+        )
+    return names
+
+
+def _body(mesh: Mesh, names: frozenset | None) -> _Body:
+    """The axes of a call: at top level over ``mesh``; inside a body over the axes it left
+    automatic (JAX: the manual axes accumulate; ``axis_names`` defaults to all the rest)."""
+    outer = axis_env.tracker() if axis_env.in_body() else None
+    if outer is None:
+        return _Body(mesh, mesh, names if names is not None else frozenset(mesh.axis_names), None)
+    if outer.auto is None:
+        raise ValueError(
+            "shard_map inside a shard_map body over every axis of its mesh: no axis is left "
+            "to map over. Give the outer shard_map axis_names={...} (the axes it maps over) "
+            "so the inner one can map over the others"
+        )
+    if mesh != outer.mesh and mesh != outer.auto:
+        raise ValueError(
+            f"shard_map: mesh {mesh!r} is not the enclosing shard_map's mesh {outer.mesh!r}; "
+            "an inner shard_map maps over the same mesh (or the body's auto mesh)"
+        )
+    inner = outer.auto
+    if names is None:
+        names = frozenset(inner.axis_names)
+    elif taken := sorted(names & outer.manual):
+        raise ValueError(
+            f"shard_map: axis_names={set(sorted(names))} names {taken[0]!r}, which the "
+            f"enclosing shard_map already made manual; the axes left are {inner.axis_names}"
+        )
+    return _Body(inner, outer.mesh, names, outer)

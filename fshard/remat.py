@@ -1,0 +1,237 @@
+"""``fs.remat``: activation checkpointing with ``jax.checkpoint``'s meaning, under torch.func.
+
+``remat(fn)`` computes the same values as ``fn``; differentiated, it keeps only its inputs for
+the backward and recomputes everything else there. It is one ``torch.autograd.Function`` (with
+``setup_context`` and a generated vmap rule): the forward runs ``fn`` without recording, the
+backward re-runs ``fn`` on the saved inputs under ``torch.func.vjp`` and applies that vjp. So it
+works where ``torch.utils.checkpoint`` cannot (its saved-tensor hooks are refused inside
+``torch.func.grad``): ``torch.func.grad``/``vjp``/``vmap`` (and ``vmap(grad)``), eager autograd,
+``fs.value_and_grad``, double backward. Collectives inside ``fn`` run again in the recompute
+(then their transposes), never skipped: the recompute is the whole function.
+
+The inputs and outputs are pytrees of tensors and :class:`~fshard.ShardedArray` values (their
+local blocks are what is saved; layouts travel as static data). Inside a ``shard_map`` body the
+recompute runs in the body's axis environment again, so ``fs.lax`` collectives and the
+varying-axes bookkeeping (``pcast`` where an invariant value meets a varying one) are those of
+the forward.
+
+Example:
+    >>> def block(x, w):
+    ...     return torch.tanh(x @ w) @ w.T
+    >>> x, w = torch.ones(2, 3), torch.full((3, 3), 0.1)
+    >>> g = torch.func.grad(lambda w: remat(block)(x, w).sum())(w)
+    >>> torch.allclose(g, torch.func.grad(lambda w: block(x, w).sum())(w))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import optree
+import torch
+
+from . import axis_env, lax
+from .collectives import AllGather, AllToAll, Ppermute, Psum, PsumScatter
+
+__all__ = ["remat"]
+
+
+#: The collectives the "collectives" policy saves: every op that communicates and is linear
+#: (its backward is its transpose, which needs no residual). pmax/pmin are recomputed.
+_SAVED_OPS = (AllGather, AllToAll, Ppermute, Psum, PsumScatter)
+POLICIES = (None, "nothing", "collectives")
+_FUNCTORCH = torch._C._functorch
+
+
+class _Saved(torch.autograd.Function):
+    """A saved collective output standing in for the collective during the recompute; its
+    backward is the collective's transpose applied to the cotangent (as the collective's)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(saved, x, b):
+        return saved.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.b = inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, lax.apply(ctx.b.transpose(), g), None
+
+
+def _batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by a ``vmap`` (the forward then runs once per level: the
+    "collectives" policy recomputes there instead of saving, see :func:`remat`)."""
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        if _FUNCTORCH.is_batchedtensor(t):
+            return True
+        t = _FUNCTORCH.get_unwrapped(t)
+    return False
+
+
+class _Remat(torch.autograd.Function):
+    """Forward: ``run(*tensors)`` unrecorded, returning its outputs then the residuals its
+    policy saves; backward: ``run`` again under ``torch.func.vjp``, with the residuals."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(run, policy, *tensors):
+        if policy != "collectives" or any(map(_batched, tensors)):
+            return run(*tensors)
+        saved: list = []
+
+        def record(b, x, done):
+            out = lax._apply(b, x, done)
+            if isinstance(b.op, _SAVED_OPS):
+                # an alias, not the object: fn may return this very tensor, which must stay
+                # differentiable while the residual is marked non-differentiable
+                saved.append(out.detach())
+            return out
+
+        lax.REMAT_HOOK.append(record)
+        try:
+            outs = run(*tensors)
+        finally:
+            lax.REMAT_HOOK.pop()
+        return (*outs, *saved)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.run = inputs[0]
+        ctx.n_inputs = len(inputs) - 2
+        residuals = output[ctx.run.n_out :]
+        ctx.replays = bool(residuals)
+        ctx.mark_non_differentiable(*residuals)
+        ctx.save_for_backward(*inputs[2:], *residuals)
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        primals = ctx.saved_tensors[: ctx.n_inputs]
+        residuals = iter(ctx.saved_tensors[ctx.n_inputs :])
+        # Only the inputs asked for are differentiated: a constant's cotangent could cost
+        # collectives (the psum behind a replicated operand's pcast) for nothing.
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+
+        def of_wanted(*ts):
+            filled = list(primals)
+            for i, t in zip(wanted, ts):
+                filled[i] = t
+            return ctx.run(*filled)
+
+        def replay(b, x, done):
+            if isinstance(b.op, _SAVED_OPS):
+                return _Saved.apply(next(residuals), x, b)
+            return lax._apply(b, x, done)
+
+        if ctx.replays:
+            lax.REMAT_HOOK.append(replay)
+        try:
+            with torch.enable_grad():
+                outs, vjp = torch.func.vjp(of_wanted, *(primals[i] for i in wanted))
+        finally:
+            if ctx.replays:
+                lax.REMAT_HOOK.pop()
+        cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cotangents))
+        grads = [None] * len(primals)
+        for i, g in zip(wanted, vjp(cts[: len(outs)])):
+            grads[i] = g
+        return (None, None, *grads)
+
+
+def remat(fn: Callable, policy: str | None = None) -> Callable:
+    """``fn``, recomputed in the backward instead of keeping its intermediate values
+    (``jax.checkpoint`` / ``jax.remat`` with the default policy: only the inputs are saved).
+
+    Args:
+        fn: a function of positional pytrees of tensors / :class:`~fshard.ShardedArray` values
+            (other leaves, e.g. Python numbers, are passed through as constants) returning a
+            pytree of them. It must be deterministic: the backward runs it again (a dropout
+            inside needs a generator state passed in as an input).
+        policy: what is saved besides the inputs (``jax.checkpoint``'s ``policy``). ``None``
+            (or ``"nothing"``, JAX's ``nothing_saveable``): nothing; the backward re-runs every
+            collective of ``fn``. ``"collectives"``: the outputs of ``fn``'s communicating
+            linear collectives (all_reduce, all_gather, reduce_scatter, all_to_all, ppermute;
+            those of op rules and reshards included) are saved and stand in for them in the
+            recompute, so the backward runs only their transposes (``pmax``/``pmin`` are
+            recomputed). Under ``vmap`` (the generated batching rule runs the forward on
+            batched values) they are recomputed instead: the same values, the ``None`` cost.
+            Saving per op kind (JAX's ``dots_saveable``) is not offered yet.
+
+    Returns:
+        A function with ``fn``'s signature and values. Differentiated (``torch.func.grad``,
+        ``vjp``, ``vmap`` of them, eager ``backward``, ``fs.value_and_grad``), it saves only
+        its tensor inputs; the backward recomputes ``fn`` (collectives included) and then
+        differentiates it.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("tp",))
+        >>> w1 = fs.shard(torch.full((4, 6), 0.1), mesh, fs.P(None, "tp"))  # column parallel
+        >>> w2 = fs.shard(torch.full((6, 4), 0.1), mesh, fs.P("tp"))  # row parallel
+        >>> mlp = fs.remat(lambda x, w1, w2: torch.tanh(x @ w1) @ w2)
+        >>> x = torch.ones(2, 4)
+        >>> g = torch.func.grad(lambda w2: fs.gather(mlp(x, w1, w2)).sum())(w2)
+        >>> g.spec, round(float(fs.gather(g)[0, 0]), 4)  # the layout of w2, the dense value
+        (P('tp'), 0.7599)
+    """
+    if not callable(fn):
+        raise TypeError(f"remat: fn must be callable, got {type(fn).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(
+            f"remat: policy must be one of {POLICIES} (None / 'nothing': save only the inputs; "
+            f"'collectives': also the outputs of fn's collectives), got {policy!r}"
+        )
+
+    @functools.wraps(fn)
+    def rematted(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"remat: pass fn's inputs positionally (they are what is saved); got keyword "
+                f"arguments {sorted(kwargs)}"
+            )
+        leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+        where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        out_def: list = []  # the output structure, set by each run (the same every time)
+
+        # Called in a shard_map body, the backward's recompute runs in that body's axis
+        # environment again (its mesh for fs.lax, its varying-axes tracker for the pcasts).
+        env = axis_env._STACK[-1] if axis_env._STACK else None
+        tracker = env[1] if env is not None else None
+        out_vma: list = []  # the varying axes of the outputs, as fn computed them
+
+        def run(*tensors):
+            filled = list(leaves)
+            for i, t in zip(where, tensors):
+                filled[i] = t
+            with contextlib.ExitStack() as stack:
+                if env is not None and (not axis_env._STACK or axis_env._STACK[-1] is not env):
+                    stack.enter_context(axis_env.enter(*env))
+                    if env[1] is not None:
+                        stack.enter_context(env[1])
+                out = fn(*optree.tree_unflatten(treedef, filled))
+            out_leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
+            bad = [type(v).__name__ for v in out_leaves if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise TypeError(
+                    f"remat: fn must return a pytree of tensors / ShardedArrays, got a {bad[0]} "
+                    "leaf; return constants outside the rematerialised function"
+                )
+            out_def[:] = [spec]
+            run.n_out = len(out_leaves)
+            if tracker is not None:
+                out_vma[:] = [tracker.vma(o) for o in out_leaves]
+            return tuple(out_leaves)
+
+        outs = _Remat.apply(run, policy, *(leaves[i] for i in where))[: run.n_out]
+        if tracker is not None:  # what the body's tracker saw in fn (psum: invariant, ...)
+            for o, axes in zip(outs, out_vma):
+                tracker.tag(o, axes)
+        return optree.tree_unflatten(out_def[0], list(outs))
+
+    return rematted

@@ -1,0 +1,156 @@
+"""fs.remat: jax.checkpoint's meaning (only the inputs saved, the rest recomputed in backward).
+
+Oracle: the same function without remat (dense torch / torch.func), and exact counts of the
+tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``) and of the collectives the
+backward runs (``fs.debug.comm_log``).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vjp, vmap
+
+import fshard as fs
+from fshard import P, lax
+
+DT = torch.float64
+
+
+def _gen(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+def _close(got, want, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.allclose(got, want, atol=1e-9, rtol=1e-7), f"{what}: {got} != {want}"
+
+
+def block(x, w1, w2):
+    return F.gelu(torch.tanh(x @ w1) @ w2).sum(-1)
+
+
+def _saved(loss_fn, *args) -> int:
+    """How many tensors autograd saves for the backward of ``loss_fn(*args)`` (eager)."""
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(*args)
+    return count[0]
+
+
+def test_values_and_grads_match_under_torch_func():
+    X, W1, W2 = _gen(0, 5, 4), _gen(1, 4, 6), _gen(2, 6, 3)
+    r = fs.remat(block)
+    _close(r(X, W1, W2), block(X, W1, W2), "value")
+    argnums = (0, 1, 2)
+    for got, want in zip(
+        grad(lambda *a: r(*a).sum(), argnums=argnums)(X, W1, W2),
+        grad(lambda *a: block(*a).sum(), argnums=argnums)(X, W1, W2),
+    ):
+        _close(got, want, "grad")
+    # vmap(grad): per-example gradients of w1 over the rows of x
+    per = vmap(grad(lambda w, x: r(x[None], w, W2).sum()), in_dims=(None, 0))(W1, X)
+    want = vmap(grad(lambda w, x: block(x[None], w, W2).sum()), in_dims=(None, 0))(W1, X)
+    _close(per, want, "vmap(grad)")
+    # double backward: the backward's recompute is itself differentiable
+    gg = grad(lambda w: grad(lambda v: r(X, v, W2).sum())(w).pow(2).sum())(W1)
+    want = grad(lambda w: grad(lambda v: block(X, v, W2).sum())(w).pow(2).sum())(W1)
+    _close(gg, want, "grad of grad")
+    # eager autograd, pytree in and out
+    w = W1.clone().requires_grad_()
+    out = fs.remat(lambda t: {"y": block(t["x"], t["w"], W2), "n": 3 * t["w"]})({"x": X, "w": w})
+    (out["y"].sum() + out["n"].sum()).backward()
+    _close(w.grad, grad(lambda v: block(X, v, W2).sum() + 3 * v.sum())(W1), "eager backward")
+
+
+def test_only_inputs_are_saved():
+    X, W1, W2 = (t.requires_grad_() for t in (_gen(0, 5, 4), _gen(1, 4, 6), _gen(2, 6, 3)))
+    plain = _saved(lambda *a: block(*a).sum(), X, W1, W2)
+    rematted = _saved(lambda *a: fs.remat(block)(*a).sum(), X, W1, W2)
+    # without remat: mm (x, w1), tanh (its output), mm (h, w2), gelu (its input) = 6
+    assert plain == 6, plain
+    assert rematted == 3, rematted  # x, w1, w2 only
+
+
+def sharded_remat():
+    """Tensor-parallel MLP: the same values and gradients (fs.value_and_grad, torch.func.grad)
+    with the parameters' layouts; the forward's all_reduce runs again in the backward."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    X, W1, W2 = _gen(0, 4, 3), _gen(1, 3, 6), _gen(2, 6, 3)
+    w1, w2 = fs.shard(W1, mesh, P(None, "tp")), fs.shard(W2, mesh, P("tp"))
+
+    def mlp(x, w1_, w2_):
+        return fs.reshard(torch.tanh(x @ w1_) @ w2_, P())  # row parallel: all_reduce over tp
+
+    def dense_x(x, W1_, W2_):
+        return torch.tanh(x @ W1_) @ W2_
+
+    def dense(W1_, W2_):
+        return dense_x(X, W1_, W2_)
+
+    r = fs.remat(mlp)
+    rc = fs.remat(mlp, policy="collectives")
+    _close(fs.gather(r(X, w1, w2)), dense(W1, W2), "value")
+    _close(fs.gather(rc(X, w1, w2)), dense(W1, W2), "value, collectives saved")
+    ct = fs.shard(_gen(3, 4, 3), mesh, P())
+    logs = []
+    for f in (mlp, r, rc):
+        _, back = vjp(lambda a, b, f=f: f(X, a, b), w1, w2)
+        with fs.debug.comm_log() as log:
+            g1, g2 = back(ct)
+        logs.append([(rec.op, rec.axes, rec.nbytes) for rec in log])
+        assert g1.layout == w1.layout and g2.layout == w2.layout
+        d1, d2 = vjp(dense, W1, W2)[1](ct.local)
+        _close(fs.gather(g1), d1, "vjp w1")
+        _close(fs.gather(g2), d2, "vjp w2")
+    # partial -> replicated has an identity backward; remat's backward re-runs the all_reduce
+    # of the (4, 3) float64 output, unless its policy saved it
+    assert logs == [[], [("all_reduce", ("tp",), 4 * 3 * 8)], []], logs
+    # saved for the backward (eager): x, w1, w2's blocks; with "collectives" also the
+    # all_reduce's output
+    lw1, lw2 = (
+        fs.from_local(t.local.clone().requires_grad_(), mesh, t.spec, t.shape) for t in (w1, w2)
+    )
+    counts = [_saved(lambda f=f: f(X, lw1, lw2).local.sum()) for f in (r, rc)]
+    assert counts == [3, 4], counts
+    # vmap(grad) with saved collectives: per-example gradients over the rows of x
+    per = vmap(grad(lambda b, x: fs.gather(rc(x[None], w1, b)).sum()), in_dims=(None, 0))(w2, X)
+    want = vmap(grad(lambda b, x: dense_x(x[None], W1, b).sum()), in_dims=(None, 0))(W2, X)
+    _close(fs.gather(per), want, "vmap(grad), collectives saved")
+    d1, d2 = grad(lambda a, b: dense(a, b).sum(), argnums=(0, 1))(W1, W2)
+    for f in (r, rc):
+        loss, (g1, g2) = fs.value_and_grad(
+            lambda a, b, f=f: fs.gather(f(X, a, b)).sum(), argnums=(0, 1)
+        )(w1, w2)
+        _close(loss, dense(W1, W2).sum(), "value_and_grad loss")
+        _close(fs.gather(g1), d1, "value_and_grad w1")
+        _close(fs.gather(g2), d2, "value_and_grad w2")
+    # inside a shard_map body: the recompute runs in the body's axis environment again (its
+    # fs.lax mesh, and the pcast of the replicated w where it meets the batch split over tp)
+    dp = fs.shard_map(
+        fs.remat(lambda x_, w_: lax.psum(torch.tanh(x_ @ w_).pow(2).sum(), "tp")),
+        mesh,
+        (P("tp"), P()),
+        P(),
+    )
+    x = fs.shard(X, mesh, P("tp"))
+    w = fs.shard(W1, mesh, P())
+    gw = grad(lambda w_: fs.gather(dp(x, w_)))(w)
+    _close(fs.gather(gw), grad(lambda a: torch.tanh(X @ a).pow(2).sum())(W1), "shard_map grad")
+    return True
+
+
+def test_policy_is_checked():
+    try:
+        fs.remat(block, policy="dots")
+    except ValueError as e:
+        assert "policy must be one of" in str(e) and "'dots'" in str(e), e
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_sharded_remat(world2):
+    assert world2.run(sharded_remat) == [True, True]
