@@ -183,11 +183,21 @@ def _plan(x: Layout, key):
     return cut, dims, meta
 
 
+def _index_shape(it) -> tuple[int, ...]:
+    if isinstance(it, BaseLayout):
+        return tuple(it.shape)
+    if isinstance(it, (list, tuple)):
+        return tuple(torch.tensor(it).shape)
+    return tuple(it.shape) if isinstance(it, torch.Tensor) else ()
+
+
 def _advanced_position(x: Layout, items, basic, b) -> int:
     """Where torch puts the broadcast dims of the advanced indices among the basic output dims:
     probed on meta tensors whose dims have sizes no index broadcast can produce."""
-    sizes = [1_000_003 + d for d in range(x.ndim)]
-    probe = torch.empty(sizes, device="meta")
+    dims = [n for it in items for n in _index_shape(it)]
+    base = max(dims, default=0) + 2  # small enough that the probe's numel fits in an int64
+    sizes = [base + d for d in range(x.ndim)]
+    probe = torch.empty_strided(sizes, [0] * len(sizes), device="meta")
 
     def stand_in(it):
         if isinstance(it, slice):

@@ -11,7 +11,8 @@ their axes, so the op runs unchanged on the local blocks:
 - every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d``, ``max/avg/adaptive``
   pooling, ``interpolate``, ``group_norm``, ``instance_norm``, ``batch_norm`` in eval mode
   (``batch_norm`` in training needs the whole batch: it is gathered);
-- ``repeat``: the repeated dims.
+- ``repeat``: the repeated dims;
+- every dim: ``torch._grouped_mm`` (``F.grouped_mm``, MoE experts: the offsets index rows).
 
 The rule checks at plan time, on meta tensors, that the op accepts every rank's block (an
 empty channel block of ``avg_pool1d`` or ``interpolate`` raises where the global shape does
@@ -34,7 +35,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from ..spec import BaseLayout
+from ..spec import BaseLayout, P, _layout
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
 from .registry import OpSharding, is_layout, register_rule, tensor_inputs
@@ -225,6 +226,19 @@ def new_rule(op, args, kwargs):
     )
 
 
+def grouped_mm_rule(op, args, kwargs):
+    """``torch._grouped_mm`` (``F.grouped_mm``, MoE experts): the offsets index rows, so every
+    input is made whole and the result is replicated. Its shape is computed here: torch's meta
+    kernel accepts only bfloat16, the CPU kernel float32 too."""
+    bound = bind(op, args, kwargs)
+    a, b, offs = bound["input"], bound["mat2"], bound["offs"]
+    rows = (offs.shape[0],) if a.ndim == 2 and b.ndim == 2 else ()
+    shape = (*rows, *a.shape[:-1], b.shape[-1])
+    dtype = bound.get("out_dtype") or a.dtype
+    ins = tensor_inputs(args, kwargs)
+    return OpSharding([spec([()] * x.ndim) for x in ins], _layout(a.mesh, P(), shape, dtype))
+
+
 def _register():
     dim1 = whole_dims_rule(along(), linear=True)
     for n in ("cumsum", "index_select"):
@@ -254,6 +268,8 @@ def _register():
         rule = whole_dims_rule(last_two, linear=True)
         register_rule(getattr(torch, n), rule, aliases=(getattr(torch.Tensor, n),))
     register_rule(torch.Tensor.repeat, whole_dims_rule(repeated, linear=True))
+    if hasattr(torch, "_grouped_mm"):
+        register_rule(torch._grouped_mm, grouped_mm_rule)
     for k in (1, 2, 3):
         register_rule(getattr(F, f"conv{k}d"), whole_dims_rule(batched(k + 2)))
         for pool in ("max_pool", "avg_pool", "adaptive_max_pool", "adaptive_avg_pool"):

@@ -209,8 +209,15 @@ def odd_batch_cases():
         gw = torch.func.grad(lambda w_, f=f: fs.gather(f(flat, w_, cc).pow(2).sum()))(ww)
         want = torch.func.grad(lambda w_, f=f: f(L.view(-1, V), w_, c).pow(2).sum())(w)
         torch.testing.assert_close(fs.gather(gw), want)  # reduced over dp exactly once
-    with pytest.raises(TypeError, match=r"explicit layout.*fs\.reshard"):
-        torch.cumsum(flat, 0)  # a rule that does not take row blocks
+    # a rule that does not take row blocks (cumsum), or not this combination (row blocks plus
+    # a replicated value of their shape, as OPT's residual add after x.view(-1, H)): the row
+    # blocks are gathered first (one all_gather), values as dense
+    other = randn(B * T, V, seed=6, dtype=torch.float64)
+    for f, o in ((lambda x, o: torch.cumsum(x, 0), None), (lambda x, o: x + o, other)):
+        with fs.debug.comm_log() as log:
+            y = f(flat, None if o is None else fs.shard(o, mesh, P()))
+        assert [r.op for r in log] == ["all_gather"], log
+        torch.testing.assert_close(fs.gather(y), f(L.view(-1, V), o))
     return True
 
 
