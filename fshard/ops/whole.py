@@ -8,7 +8,8 @@ their axes, so the op runs unchanged on the local blocks:
   (all dims when no ``dim``), ``flip``, ``roll``, ``repeat_interleave``, ``index_select``,
   ``gather``/``scatter_add``/``index_add`` (inputs of the same rank share the other dims' axes);
 - the last two dims: ``tril``/``triu``;
-- every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d``, ``max/avg/adaptive``
+- every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d`` (but a weight split on
+  its channels: :func:`conv_rule`), ``max/avg/adaptive``
   pooling, ``interpolate``, ``group_norm``, ``instance_norm``, ``batch_norm`` in eval mode
   (``batch_norm`` in training needs the whole batch: it is gathered);
 - ``repeat``: the repeated dims;
@@ -239,6 +240,33 @@ def grouped_mm_rule(op, args, kwargs):
     return OpSharding([spec([()] * x.ndim) for x in ins], _layout(a.mesh, P(), shape, dtype))
 
 
+def conv_rule(k: int):
+    """``F.conv{k}d`` with a weight split on its channels (tensor-parallel convolutions,
+    :func:`fshard.nn.megatron_plan`): out-channels split like the weight's dim 0 (column),
+    in-channels contracted (row: a pending sum over the axes of the weight's dim 1, the bias
+    added once). The batch keeps its axes, the spatial dims are made whole. Grouped
+    convolutions, unbatched inputs and a replicated weight take :func:`whole_dims_rule`."""
+    whole = whole_dims_rule(batched(k + 2))
+
+    def rule(op, args, kwargs):
+        bound = bind(op, args, kwargs)
+        x, w, bias = bound["input"], bound["weight"], bound["bias"]
+        if x.ndim != k + 2 or bound["groups"] != 1 or not (w.dim_axes[0] or w.dim_axes[1]):
+            return whole(op, args, kwargs)
+        from .linalg import contract
+
+        sp = [None] * k
+        letters = [["n", "c", *sp], ["o", "c", *sp]]
+        (sx, sw), out_dims, partial = contract([x, w], letters, ["n", "o", *sp])
+        meta = meta_call(op, args, kwargs)
+        specs = {"input": sx, "weight": sw}
+        if isinstance(bias, BaseLayout):
+            specs["bias"] = spec([out_dims[1]], partial)
+        return OpSharding(specs, out_layout(x.mesh, out_dims, partial, meta))
+
+    return rule
+
+
 def _register():
     dim1 = whole_dims_rule(along(), linear=True)
     for n in ("cumsum", "index_select"):
@@ -271,7 +299,7 @@ def _register():
     if hasattr(torch, "_grouped_mm"):
         register_rule(torch._grouped_mm, grouped_mm_rule)
     for k in (1, 2, 3):
-        register_rule(getattr(F, f"conv{k}d"), whole_dims_rule(batched(k + 2)))
+        register_rule(getattr(F, f"conv{k}d"), conv_rule(k))
         for pool in ("max_pool", "avg_pool", "adaptive_max_pool", "adaptive_avg_pool"):
             names = (f"{pool}{k}d", f"_{pool}{k}d", f"{pool}{k}d_with_indices")
             ops = [getattr(F, n) for n in names if hasattr(F, n)]
