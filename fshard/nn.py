@@ -29,13 +29,14 @@ fshard's op rules through ``__torch_function__``; a forward written on local ten
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 
 from . import _compat, _swap
 from ._leaf_errors import LeafErrors
@@ -263,7 +264,7 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
                 sub = module.get_submodule(name)
                 patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
                 sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
-            with _recompute_swapped(module, lambda: _called(module, values, outputs)):
+            with _recompute_swapped(lambda: _called(module, values, outputs)):
                 yield
         finally:
             for sub, forward, bound in reversed(patched):
@@ -275,50 +276,29 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
                     sub.__dict__["forward"] = bound
 
 
+#: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults
+_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+
+
 @contextlib.contextmanager
-def _recompute_swapped(module: torch.nn.Module, enter):
-    """Activation checkpointing (``torch.utils.checkpoint``, non-reentrant: transformers'
-    ``gradient_checkpointing_enable()``) recomputes a layer's forward in the backward, after
-    the call has restored the module's own tensors: it would recompute with those (full,
-    stale) values. Each checkpointing layer's function (transformers'
-    ``_gradient_checkpointing_func``) gets a ``context_fn`` whose recompute context is
-    ``enter()`` (the values swapped in again) for the block."""
-    layers = [m for m in module.modules() if "_gradient_checkpointing_func" in m.__dict__]
-    for m in layers:
-        m.__dict__["_gradient_checkpointing_func"] = _with_recompute(
-            m.__dict__["_gradient_checkpointing_func"], enter
-        )
+def _recompute_swapped(enter):
+    """Activation checkpointing (``torch.utils.checkpoint``, transformers'
+    ``gradient_checkpointing_enable()``) recomputes a part of the forward in the backward,
+    after the call has put the module's own tensors back: it would recompute with those
+    (stale, or full where the values are sharded) and give wrong gradients. For the block,
+    ``checkpoint``'s default ``context_fn`` is one whose recompute context is ``enter()`` (the
+    values swapped in again), so every non-reentrant checkpoint made inside the call recomputes
+    with them. A reentrant one (``use_reentrant=True``) has no recompute hook: torch refuses
+    it then ("Passing `context_fn` ... only supported when use_reentrant=False"). A
+    ``context_fn`` passed explicitly is used as given, and its recompute does not see the
+    values (not detected)."""
+    defaults = _CHECKPOINT.__kwdefaults__
+    given = defaults["context_fn"]
+    defaults["context_fn"] = lambda: (contextlib.nullcontext(), enter())
     try:
         yield
     finally:
-        for m in layers:
-            m.__dict__["_gradient_checkpointing_func"] = m._gradient_checkpointing_func.inner
-
-
-def _with_recompute(func, enter):
-    given = func.keywords.get("context_fn") if isinstance(func, functools.partial) else None
-
-    def contexts():
-        forward, recompute = given() if given else (contextlib.nullcontext(), None)
-        if recompute is None:
-            return forward, enter()
-        stack = contextlib.ExitStack()  # the caller's recompute context, then the values
-        stack.enter_context(recompute)
-        stack.enter_context(enter())
-        return forward, stack
-
-    def run(fn, *args, **kwargs):
-        if kwargs.get("use_reentrant", getattr(func, "keywords", {}).get("use_reentrant")):
-            raise ValueError(
-                "functional_call: reentrant activation checkpointing (use_reentrant=True) "
-                "recomputes without a hook fshard could swap the values in with; enable it "
-                "non-reentrant: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                "{'use_reentrant': False}) (transformers' default)"
-            )
-        return func(fn, *args, context_fn=contexts, **kwargs)
-
-    run.inner = func
-    return run
+        defaults["context_fn"] = given
 
 
 def _one_rank_mesh(params: Mapping) -> Mesh | None:

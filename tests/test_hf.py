@@ -10,6 +10,7 @@ per rank process and reset to their initial weights after each configuration. A 
 missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op lands.
 """
 
+import re
 import traceback
 import warnings
 from pathlib import Path
@@ -536,11 +537,25 @@ ARCHS = {
     ),  # fmt: skip
 }
 
+
+def _phi3_fused_plan(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _megatron(
+            model, ["*.qkv_proj", "*.gate_up_proj", "lm_head"], ["*.o_proj", "*.down_proj"],
+            ["model.embed_tokens"],
+        )  # fmt: skip
+
+
 # all_gathers per step under the tp plan above (fs.debug.comm_log; the same every step). Zero:
 # Megatron's all-reduces only. Phi-3: the replicated fused projections feed the row-parallel
 # layers for free; its 4 and GPT-2's, Falcon's, BERT's and T5's gathers are pinned as measured
 # (a change is a regression, or an improvement to record in docs/models.md).
-TP_GATHERS = {"phi3": 4, "falcon": 2, "bert": 1, "t5": 4, "gpt2": 2, "resnet": None}
+# Phi-3 with its fused [q | k | v] (GQA) and [gate | up] split contiguously ("tp-fused"):
+# values equal, 8 more all_gathers per step (2 layers) than leaving them replicated.
+# ResNet: each BatchNorm after the column-parallel conv gathers its channels (4 per step).
+TP_GATHERS = {"phi3": 4, "falcon": 2, "bert": 1, "t5": 4, "gpt2": 2, "resnet": 4}
+TP_GATHERS["phi3-fused"] = 12
 
 
 def _arch_inputs(task: str, batch: int):
@@ -592,6 +607,8 @@ def _arch_train(model, arch: str, job: str):
     checkpointing on) against dense torch.func; returns the all_gathers of each step."""
     task, _, plan_fn = ARCHS[arch]
     mode, *flags = job.split("-")
+    if "fused" in flags:  # Phi-3's fused projections split contiguously (megatron_plan warns)
+        plan_fn = _phi3_fused_plan
     model.train(arch != "resnet")  # BatchNorm's training statistics update buffers in place,
     # which torch.func refuses for the dense loop too
     kwargs, labels = _arch_inputs(task, AB)
@@ -627,7 +644,8 @@ def _arch_train(model, arch: str, job: str):
     gathers = []
     for step in range(STEPS):
         if "ckpt" in flags:
-            model.gradient_checkpointing_enable()
+            reentrant = {"use_reentrant": "reentrant" in flags}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
         with fs.debug.comm_log() as log:
             loss, grads = fs.value_and_grad(loss_fn)(params)
         _no_checkpointing(model)
@@ -680,6 +698,13 @@ def arch_rank_fn(arch: str, job: str):
 ARCH_CONFIGS = [(a, m) for a in ARCHS for m in ("dp", "tp", "fsdp")]
 # transformers' activation checkpointing (issue 29 item 3) under tp and dp
 ARCH_CONFIGS += [("qwen2", "tp-ckpt"), ("gpt_neox", "tp-ckpt"), ("qwen2", "dp-ckpt")]
+ARCH_CONFIGS += [("phi3", "tp-fused")]
+# configurations that stop with a clear error (docs/models.md), and the error they raise
+ARCH_ERRORS = {
+    # torch refuses the context_fn fshard's recompute needs on a reentrant checkpoint
+    ("qwen2", "tp-ckpt-reentrant"): "ValueError: Passing `context_fn`.*use_reentrant=False",
+    ("qwen2", "fsdp-ckpt"): "ValueError: fsdp_call: activation checkpointing is on",
+}
 
 
 @pytest.mark.parametrize("config", ARCH_CONFIGS, ids=["-".join(c) for c in ARCH_CONFIGS])
@@ -687,6 +712,54 @@ def test_architecture_matches_dense(world2, config):
     arch, job = config
     (gathers, error), (_, error1) = world2.run(arch_rank_fn, arch, job)
     assert error is None and error1 is None, f"{config} failed on a rank:\n{error or error1}"
-    if job == "tp":
-        want = TP_GATHERS.get(arch, 0)
-        assert want is None or gathers == [want] * STEPS, gathers
+    if job in ("tp", "tp-fused"):
+        want = TP_GATHERS.get(arch + job[2:], 0)
+        assert gathers == [want] * STEPS, gathers
+
+
+@pytest.mark.parametrize("config", list(ARCH_ERRORS), ids=["-".join(c) for c in ARCH_ERRORS])
+def test_architecture_refused_clearly(world2, config):
+    for gathers, error in world2.run(arch_rank_fn, *config):
+        assert gathers is None and re.search(ARCH_ERRORS[config], error), error
+
+
+class _Checkpointed(torch.nn.Module):
+    """A module calling torch.utils.checkpoint itself (not transformers' mechanism)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        run = lambda t: torch.tanh(self.lin(t))  # noqa: E731
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+
+
+def checkpointed_rank_fn(mode):
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    mesh = fs.Mesh.create((2,), (mode,))
+    plan = {"lin.weight": fs.P(mode, None), "lin.bias": fs.P(mode)} if mode == "tp" else {}
+    params = fs.nn.shard_params(model, mesh, plan)
+    values = {k: torch.randn(v.shape) for k, v in params.items()}  # not the module's own
+    params = {k: fs.shard(v, mesh, params[k].spec) for k, v in values.items()}
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    xs = fs.shard(x, mesh, fs.P("dp") if mode == "dp" else fs.P())
+    loss_fn = lambda ps: fs.gather(fs.nn.functional_call(model, ps, (xs,)).pow(2).sum())  # noqa: E731
+    _, grads = fs.value_and_grad(loss_fn)(params)
+    return values, x, {k: fs.gather(g) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_own_activation_checkpointing_recomputes_with_the_values(world2, mode):
+    """The recompute in the backward runs after functional_call restored the module's own
+    tensors: it used them (dp: gradients silently wrong, off by 8 here; tp: a shape error).
+    Now it runs with the values swapped in again."""
+    values, x, grads = world2.run(checkpointed_rank_fn, mode)[0]
+    dense = _Checkpointed()
+    with torch.no_grad():
+        for k, v in dense.named_parameters():
+            v.copy_(values[k])
+    dense(x).pow(2).sum().backward()
+    for k, v in dense.named_parameters():
+        torch.testing.assert_close(grads[k], v.grad, msg=k)
