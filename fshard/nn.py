@@ -292,6 +292,9 @@ def _recompute_swapped(enter):
     it then ("Passing `context_fn` ... only supported when use_reentrant=False"). A
     ``context_fn`` passed explicitly is used as given, and its recompute does not see the
     values (not detected)."""
+    if torch.compiler.is_dynamo_compiling():  # dynamo traces checkpoint, recompute included
+        yield
+        return
     defaults = _CHECKPOINT.__kwdefaults__
     given = defaults["context_fn"]
     defaults["context_fn"] = lambda: (contextlib.nullcontext(), enter())

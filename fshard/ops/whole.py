@@ -233,7 +233,7 @@ def grouped_mm_rule(op, args, kwargs):
     kernel accepts only bfloat16, the CPU kernel float32 too."""
     bound = bind(op, args, kwargs)
     a, b, offs = bound["input"], bound["mat2"], bound["offs"]
-    rows = (offs.shape[0],) if a.ndim == 2 and b.ndim == 2 else ()
+    rows = (offs.shape[0],) if a.ndim == 2 and b.ndim == 2 and offs is not None else ()
     shape = (*rows, *a.shape[:-1], b.shape[-1])
     dtype = bound.get("out_dtype") or a.dtype
     ins = tensor_inputs(args, kwargs)
