@@ -5,6 +5,10 @@ against dense torch each step, layouts kept; ``vmap(grad)`` per-example gradient
 padding attention masks (sharded in DP, replicated in TP) with the model's own loss, and an odd
 DP batch.
 
+The architecture matrix (issue 21, second half of the file): 15 architectures x dp / tp / fsdp
+against dense, activation checkpointing, and the configurations refused with a clear error;
+``docs/models.md`` is its table.
+
 Each configuration is one ``world2.run`` call (its own test timeout); the models are built once
 per rank process and reset to their initial weights after each configuration. A configuration that fails because an op rule is
 missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op lands.
@@ -275,7 +279,7 @@ def test_readme_hf_section_trains_like_dense(world2):
 
 
 # -- issue 21: the architecture matrix -------------------------------------------------------
-# 14 transformers architectures (tiny configs, random weights) x dp / tp / fsdp on 2 Gloo ranks,
+# 15 transformers architectures (tiny configs, random weights) x dp / tp / fsdp on 2 Gloo ranks,
 # each 3 AdamW steps against the same computation dense, with a padding mask (sharded like the
 # batch in dp, replicated in tp, local blocks in fsdp) and an odd batch (rows 2 | 1 over dp)
 # wherever the model takes them. docs/models.md is this table in prose.
@@ -402,6 +406,18 @@ ARCHS = {
         "causal",
         _lm(
             "MixtralForCausalLM", "MixtralConfig", **_LL, num_local_experts=4, num_experts_per_tok=2
+        ),
+        lambda m: _megatron(m, [*_QKV, "lm_head"], ["*.o_proj"], ["model.embed_tokens"]),
+    ),  # fmt: skip
+    "mixtral_eager": (  # transformers' eager experts: a loop over experts, torch.where routing
+        "causal",
+        _lm(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            **_LL,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_implementation="eager",
         ),
         lambda m: _megatron(m, [*_QKV, "lm_head"], ["*.o_proj"], ["model.embed_tokens"]),
     ),  # fmt: skip

@@ -264,6 +264,18 @@ def moe_conv_cases():
         check(mesh, lambda t, w, c: F.conv2d(t, w, c, padding=1), [x, k, b], [sx, sk, sb])
     check(mesh, lambda t, w: F.conv1d(t, w), [randn(2, 4, 7), randn(6, 4, 3, seed=4)],
           [P(), P("x")])  # fmt: skip
+    # transformers' eager experts loop: torch.where(cond) (nonzero as a tuple) on a replicated
+    # mask, a 0-d index tensor (x[e] for e in expert_hit) as an int; a split mask is refused
+    mask = torch.rand(2, 5, generator=torch.Generator().manual_seed(5)) > 0.5
+    for got, want in zip(torch.where(fs.shard(mask, mesh, P())), torch.where(mask)):
+        assert got.spec == P() and torch.equal(fs.gather(got), want)
+    m3 = randn(3, 4)
+    for i, e in enumerate(fs.shard(torch.tensor([2, 0]), mesh, P())):
+        got = fs.shard(m3, mesh, P(None, "x"))[e]
+        assert e.shape == () and got.spec == P("x")
+        torch.testing.assert_close(fs.gather(got), m3[[2, 0][i]])
+    with pytest.raises(ValueError, match="split as P"):
+        torch.where(fs.shard(mask, mesh, P(None, "x")))
     return True
 
 
