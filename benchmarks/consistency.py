@@ -6,16 +6,18 @@ Three modes, timed side by side in the same rank processes, interleaved per rep 
 reps; a rep's time is the slowest rank's mean):
 
 * ``off``: no checks (``FSHARD_CHECK_CONSISTENCY=0``);
-* ``default``: a running digest per process group, exchanged at the API boundaries
-  (``fs.gather``, ``fs.optim.step``, creation functions, ...), at a group's first collective
-  and every ``fs.config.consistency_interval``-th;
+* ``default``: a running digest per process group, exchanged at a group's first collective
+  and every ``fs.config.consistency_interval``-th, at the creation functions, and at the step
+  boundaries (``fs.optim.step``, ``fs.gather(dst=)``) at their 1st, 2nd, 4th, ... crossing up
+  to ``fs.config.consistency_boundary_interval`` (64), then every 64th;
 * ``every``: one digest exchange (an ``all_reduce`` of four int64 words) before every
   collective (the strict mode of the test suite).
 
 Sections: one ``fs.lax.psum`` of 4 KiB, then the training steps of ``benchmarks/``: the TP MLP
 of ``train_step.py`` (local and global view), its DP step (``fs.value_and_grad``, local and
 global view), and the FSDP step of ``fsdp_step.py`` (``--fsdp-dim``, ``--fsdp-layers``). The
-last columns give the collectives and digest exchanges per step in each mode, and the
+last columns give the collectives and digest exchanges per step in each mode (mean over 8
+reps' worth of steps after the warm-up), and the
 default's exchanges times the cost of one exchange alone (first row), relative to the step:
 the part of the default's cost that is not noise on a busy machine.
 """
@@ -60,8 +62,9 @@ def _steps(fsdp_dim: int, fsdp_layers: int) -> dict:
     }
 
 
-def _counts(fn) -> dict:
-    """Collectives and digest exchanges of one call of ``fn`` in each mode."""
+def _counts(fn, n: int) -> dict:
+    """Collectives and digest exchanges per call of ``fn`` in each mode, over ``n`` calls (the
+    step boundaries exchange at their 1st, 2nd, 4th, ... crossing, then every 64th)."""
     calls = []
     real = consistency._exchange
 
@@ -75,8 +78,9 @@ def _counts(fn) -> dict:
         for mode in MODES:
             calls.clear()
             with fs.config.consistency(mode), fs.debug.comm_log() as log:
-                fn()
-            out[mode] = (len(log), len(calls))
+                for _ in range(n):
+                    fn()
+            out[mode] = (len(log) / n, len(calls) / n)
     finally:
         consistency._exchange = real
     return out
@@ -90,7 +94,7 @@ def bench(reps: int, fsdp_dim: int, fsdp_layers: int) -> dict:
             with fs.config.consistency(mode):
                 for _ in range(2):
                     fn()
-    counts = {s: _counts(fn) for s, (fn, _) in steps.items()}
+    counts = {s: _counts(fn, 8 * iters) for s, (fn, iters) in steps.items()}
     times: dict = {s: {m: [] for m in MODES} for s in steps}
     for rep in range(reps):
         for s, (fn, iters) in steps.items():
@@ -134,8 +138,8 @@ def main(argv=None) -> None:
             f"{cost['default']:+.1%}",
             f"{med['every']:.3f}",
             f"{cost['every']:+.1%}",
-            str(n["off"][0]),
-            f"{n['default'][1]}, {n['every'][1]}",
+            f"{n['off'][0]:g}",
+            f"{n['default'][1]:.3g}, {n['every'][1]:g}",
             f"{estimate:+.2%}",
         )
     Console(width=160).print(table)

@@ -38,7 +38,15 @@ from .mesh import AxisGroup
 
 @dataclass(frozen=True)
 class CommRecord:
-    """One collective as issued: ``op``, mesh ``axes``, ``nbytes`` of this rank's input."""
+    """One collective as issued: ``op``, mesh ``axes``, ``nbytes`` of this rank's input.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> with fs.debug.comm_log() as log:
+        ...     total = fs.lax.psum(torch.ones(3), "x", mesh=mesh)
+        >>> log[0]
+        CommRecord(op='all_reduce', axes=('x',), nbytes=12)
+    """
 
     op: str
     axes: tuple[str, ...]

@@ -17,6 +17,7 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :data:`TRACES_ATTRIBUTE_DELETE` | dynamo traces deleting a module attribute it saw set | it cannot: ``functional_call`` rebinds ``forward`` under dynamo |
 | :func:`nccl_reduces_float8` | NCCL 2.24+: float8 reductions | older NCCL: float8 moves only |
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
+| :func:`trace_matmul_operator` | (2.14+) dynamo traces ``a @ b`` of a Python class through its ``__matmul__``; ``a @ tensor`` (2.11-2.14) is traced as ``tensor @ a``: fixed | 2.11-2.13 cannot ("builtin operator matmul"): 2.14's handler is installed for ShardedArray operands when dynamo is imported |
 
 The older names still exist in 2.13 but warn (deprecated), so the new ones are preferred where
 they exist.
@@ -25,15 +26,19 @@ they exist.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import operator
+import sys
 import types
 
 import torch
 import torch.distributed as dist
 
-#: ``(major, minor)`` of the running torch, for the README's compatibility table and error text.
+#: ``(major, minor)`` of the running torch, for the compatibility table (docs/measurements.md) and error text.
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
 
-#: The oldest torch the suite has passed on (declared in pyproject.toml; README, "Compatibility").
+#: The oldest torch the suite has passed on (declared in pyproject.toml; docs/measurements.md, "Compatibility").
 OLDEST_TORCH: tuple[int, int] = (2, 11)
 
 _HAS_GATHER_SINGLE = hasattr(dist, "all_gather_single")
@@ -180,3 +185,80 @@ def freeze_key(v):
     if isinstance(v, list):
         return ("list", *(freeze_key(e) for e in v))
     return v
+
+
+_DYNAMO_BUILTIN = "torch._dynamo.variables.builtin"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``fn(module)`` right after module ``name`` is first imported (then leaves
+    ``sys.meta_path``): patching dynamo when fshard is imported would import dynamo (seconds)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        run, fn = spec.loader.exec_module, self.fn
+
+        def exec_module(module):
+            run(module)
+            fn(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name: str, fn) -> None:
+    module = sys.modules.get(name)
+    if module is not None:
+        fn(module)
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+def trace_matmul_operator(cls: type) -> None:
+    """Let ``torch.compile`` trace ``a @ b`` where ``a`` or ``b`` is a ``cls``, through
+    ``cls.__matmul__`` / ``__rmatmul__``. dynamo traces the other binary operators of a Python
+    class through its dunders, and from torch 2.14 ``@`` too (``BuiltinVariable.call_matmul``);
+    before, it stops with "Dynamo does not know how to trace builtin operator matmul". There a
+    handler that does what 2.14's does for ``cls`` operands (and nothing for others) is added to
+    ``BuiltinVariable`` when dynamo is imported. On every version, ``a @ t`` with a plain
+    tensor ``t`` was traced as ``t @ a`` (dynamo swaps the operands for the reflected method
+    but had no reflected entry for matmul): its map gets ``Tensor.__rmatmul__``.
+
+    Example:
+        >>> class M:
+        ...     def __matmul__(self, other):
+        ...         return 7
+        >>> trace_matmul_operator(M)
+        >>> torch.compile(lambda m: m @ m, fullgraph=True, backend="eager")(M())  # doctest: +SKIP
+        7
+    """
+
+    def install(module) -> None:
+        # `a @ t` with a tensor t: dynamo swaps the operands to call t's reflected method, but
+        # has no reflected entry for matmul and calls Tensor.__matmul__(t, a), i.e. `t @ a`
+        # (2.11-2.14; a silently wrong product, or a shape error)
+        module.BUILTIN_TO_TENSOR_RFN_MAP.setdefault(operator.matmul, torch.Tensor.__rmatmul__)
+        builtin = module.BuiltinVariable
+        if "call_matmul" in vars(builtin) and not hasattr(builtin.call_matmul, "_fshard"):
+            return  # dynamo's own (2.14+)
+        classes = getattr(vars(builtin).get("call_matmul"), "_fshard", frozenset()) | {cls}
+        from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+        def call_matmul(self, tx, a, b):
+            for v, name, other in ((a, "__matmul__", b), (b, "__rmatmul__", a)):
+                if isinstance(v, UserDefinedObjectVariable) and v.python_type() in classes:
+                    return v.call_method(tx, name, [other], {})
+            return None  # dynamo's other handlers, as before
+
+        call_matmul._fshard = classes
+        builtin.call_matmul = call_matmul
+
+    _after_import(_DYNAMO_BUILTIN, install)

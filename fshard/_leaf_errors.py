@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import optree
+import torch
 
 MAX_LISTED = 10
 
@@ -62,4 +63,13 @@ class LeafErrors:
         the remedy common to all the listed leaves (each line may carry its own)."""
         if self.lines:
             kind = TypeError if self.kinds == {TypeError} else ValueError
+            if _compiling():  # dynamo can build no message from the traced lines
+                raise kind(self.where + _UNDER_COMPILE)
             raise kind(self.message(fix))
+
+
+_compiling = torch.compiler.is_compiling
+_UNDER_COMPILE = (
+    " (under torch.compile; call the function once without torch.compile to see which leaves "
+    "and why)"
+)

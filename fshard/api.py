@@ -90,7 +90,11 @@ def reshard(x, spec):
         A new value (or pytree) with the target layouts; the input is not modified.
 
     Example:
-        >>> y = fs.reshard(x, fs.P(None, "x"))  # S(0) -> S(1): one all_to_all  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = fs.shard(torch.arange(12.0).reshape(3, 4), mesh, fs.P("x", None))
+        >>> y = fs.reshard(x, fs.P(None, "x"))  # S(0) -> S(1): one all_to_all
+        >>> y.spec, y.local.shape, torch.equal(fs.gather(y), fs.gather(x))
+        (P(None, 'x'), torch.Size([3, 2]), True)
     """
     if isinstance(x, ShardedArray):
         return reshard_one(x, _check_spec(spec))
@@ -138,8 +142,9 @@ def shard(
         spec: the layout, e.g. ``P("dp", None)``; partial axes keep ``t`` on the first rank of
             the axis and zeros elsewhere.
         src: see ``t``.
-        shape, dtype: with ``src=r``, ranks other than ``r`` may give these instead of ``t``;
-            if they do not, rank ``r`` broadcasts them (one small message).
+        shape: with ``src=r``, ranks other than ``r`` may give the global shape and dtype
+            instead of ``t``; if they do not, rank ``r`` broadcasts them (one small message).
+        dtype: see ``shape``.
 
     Returns:
         The sharded value, its block on ``mesh.device()`` whatever device ``t`` is on (as
@@ -149,7 +154,10 @@ def shard(
         mesh's device and hands ``t`` its gradient on ``t``'s device).
 
     Example:
-        >>> x = fs.shard(torch.randn(8, 4), mesh, fs.P("x", None))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = fs.shard(torch.arange(10.0).reshape(5, 2), mesh, fs.P("x", None))
+        >>> x.shape, [m.shard_sizes for m in x.shards_metadata()]  # 5 rows: 3 | 2
+        (torch.Size([5, 2]), [(3, 2), (2, 2)])
     """
     mesh, spec = _check_mesh(mesh), _check_spec(spec)
     if src is not None:
@@ -224,7 +232,11 @@ def from_local(
         there, the result holds ``local`` itself (no copy).
 
     Example:
-        >>> x = fs.from_local(torch.ones(3, 4), mesh, fs.P("x"), shape=(5, 4))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> rows = 3 if mesh.rank == 0 else 2  # this rank's block of 5 rows: 3 | 2
+        >>> x = fs.from_local(torch.ones(rows, 4), mesh, fs.P("x"), shape=(5, 4))
+        >>> x.shape, float(fs.gather(x).sum())
+        (torch.Size([5, 4]), 20.0)
     """
     mesh, spec = _check_mesh(mesh), _check_spec(spec)
     if isinstance(local, ShardedArray) or not isinstance(local, torch.Tensor):
@@ -262,7 +274,10 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     block (the full value is invariant), so no communication happens in backward.
 
     Example:
-        >>> t = fs.gather(x)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = fs.shard(torch.arange(6.0), mesh, fs.P("x"))
+        >>> fs.gather(x)  # the full tensor, on every rank
+        tensor([0., 1., 2., 3., 4., 5.])
     """
     if not isinstance(x, ShardedArray):
         raise TypeError(f"gather: x must be a ShardedArray, got {type(x).__name__}")
@@ -302,7 +317,10 @@ def zeros(shape, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None) -> Sh
     """A sharded tensor of zeros (each rank allocates only its block).
 
     Example:
-        >>> z = fs.zeros((8, 4), mesh, fs.P("x"))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> z = fs.zeros((5, 4), mesh, fs.P("x"))
+        >>> z.shape, z.spec, z.local.shape[1], float(fs.gather(z).abs().sum())
+        (torch.Size([5, 4]), P('x'), 4, 0.0)
     """
     return _filled(torch.zeros, shape, mesh, spec, dtype)
 
@@ -311,7 +329,10 @@ def ones(shape, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None) -> Sha
     """A sharded tensor of ones (each rank allocates only its block).
 
     Example:
-        >>> o = fs.ones((8, 4), mesh, fs.P("x"))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> o = fs.ones((5, 4), mesh, fs.P("x"))
+        >>> o.shape, float(fs.gather(o).sum())
+        (torch.Size([5, 4]), 20.0)
     """
     return _filled(torch.ones, shape, mesh, spec, dtype)
 
@@ -320,7 +341,10 @@ def empty(shape, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = None) -> Sh
     """A sharded tensor with uninitialised values (each rank allocates only its block).
 
     Example:
-        >>> e = fs.empty((8, 4), mesh, fs.P("x"))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> e = fs.empty((5, 4), mesh, fs.P("x"))  # uninitialised blocks
+        >>> e.shape, e.spec
+        (torch.Size([5, 4]), P('x'))
     """
     return _filled(torch.empty, shape, mesh, spec, dtype)
 
@@ -329,7 +353,10 @@ def full(shape, fill_value, mesh: Mesh, spec: P, *, dtype: torch.dtype | None = 
     """A sharded tensor filled with ``fill_value``.
 
     Example:
-        >>> f = fs.full((8, 4), 3.0, mesh, fs.P("x"))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> f = fs.full((5, 4), 3.0, mesh, fs.P("x"))
+        >>> f.shape, float(fs.gather(f).sum())
+        (torch.Size([5, 4]), 60.0)
     """
     return _filled(
         lambda s, **kw: torch.full(s, fill_value, **kw), shape, mesh, spec, dtype, fill_value
@@ -375,8 +402,10 @@ def rand(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedAr
     default generator draws (every rank must be seeded alike: ``torch.manual_seed``).
 
     Example:
-        >>> g = torch.Generator().manual_seed(0)  # doctest: +SKIP
-        >>> w = fs.rand((1024, 1024), mesh, fs.P(None, "tp"), generator=g)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = fs.rand((4, 6), mesh, fs.P(None, "x"), generator=torch.Generator().manual_seed(0))
+        >>> torch.equal(fs.gather(w), torch.rand(4, 6, generator=torch.Generator().manual_seed(0)))
+        True
     """
     return _random(torch.rand, shape, mesh, spec, dtype, generator)
 
@@ -388,6 +417,9 @@ def randn(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedA
     of ``torch.randn(shape, generator=g)`` on the CPU, on any mesh.
 
     Example:
-        >>> w = fs.randn((512, 512), mesh, fs.P("tp"), generator=torch.Generator().manual_seed(0))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = fs.randn((4, 6), mesh, fs.P("x"), generator=torch.Generator().manual_seed(0))
+        >>> torch.equal(fs.gather(w), torch.randn(4, 6, generator=torch.Generator().manual_seed(0)))
+        True
     """
     return _random(torch.randn, shape, mesh, spec, dtype, generator)

@@ -41,10 +41,11 @@ class ShardedArray:
     :mod:`fshard.ops.inplace`.
 
     Example:
-        >>> import fshard as fs  # doctest: +SKIP
-        >>> x = fs.shard(torch.arange(8.0), mesh, fs.P("x"))  # doctest: +SKIP
-        >>> x.shape, x.local.shape  # doctest: +SKIP
-        (torch.Size([8]), torch.Size([4]))
+        >>> import torch, fshard as fs
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = fs.shard(torch.arange(8.0), mesh, fs.P("x"))
+        >>> x.shape, x.local.shape, x.spec
+        (torch.Size([8]), torch.Size([4]), P('x'))
     """
 
     __slots__ = ("local", "layout", "_alias")  # _alias: see fshard.ops.inplace
@@ -490,3 +491,6 @@ def is_sharded(x) -> bool:
 def _rebuild_sharded(local: torch.Tensor, layout: Layout) -> ShardedArray:
     """Unpickle (module level, so ``torch.load(weights_only=True)`` can allow-list it)."""
     return ShardedArray._raw(local, layout)
+
+
+_compat.trace_matmul_operator(ShardedArray)  # `x @ w` under torch.compile (torch < 2.14)

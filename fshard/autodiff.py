@@ -347,7 +347,11 @@ def value_and_grad(
         them for a tuple ``argnums``).
 
     Example:
-        >>> loss, grads = fs.value_and_grad(loss_fn)(params, batch)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = fs.shard(torch.arange(4.0), mesh, fs.P("x"))
+        >>> loss, g = fs.value_and_grad(lambda w: (w**2).sum())(w)  # global-view loss
+        >>> float(loss), fs.gather(g), g.spec  # the gradient keeps w's layout
+        (14.0, tensor([0., 2., 4., 6.]), P('x'))
     """
     if not callable(f):
         raise TypeError(f"value_and_grad: f must be callable, got {type(f).__name__}")
@@ -391,7 +395,11 @@ def grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -
         A function returning ``grads`` (``(grads, aux)`` with ``has_aux``).
 
     Example:
-        >>> grads = fs.grad(loss_fn)(params, batch)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = fs.shard(torch.arange(4.0), mesh, fs.P("x"))
+        >>> g = fs.grad(lambda w: (w**2).sum())(w)
+        >>> fs.gather(g), g.spec
+        (tensor([0., 2., 4., 6.]), P('x'))
     """
     vg = value_and_grad(f, argnums, has_aux)
 

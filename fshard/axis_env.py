@@ -14,16 +14,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 from .mesh import Mesh
 
 __all__ = ["current_mesh", "tracker", "enter", "in_body"]
 
-_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("fshard_mesh", default=None)
-# The active body's varying-axes tracker (fshard.shard_map._Tracker) or None.
-_TRACKER: contextvars.ContextVar = contextvars.ContextVar("fshard_vma", default=None)
+# (mesh, tracker) of the enclosing bodies, innermost last. A list, not a ContextVar: dynamo traces
+# a global list's pushes, pops and reads (a shard_map body compiles), not ContextVar.get/set.
+# Bodies run one at a time per process (fshard's ranks are processes).
+_STACK: list = []
 
 
 def current_mesh(mesh: Mesh | None = None) -> Mesh:
@@ -37,7 +37,7 @@ def current_mesh(mesh: Mesh | None = None) -> Mesh:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
         return mesh
-    mesh = _MESH.get()
+    mesh = _STACK[-1][0] if _STACK else None
     if mesh is None:
         raise ValueError(
             "fs.lax collectives need a mesh: call them inside fs.shard_map, or pass mesh=..."
@@ -45,22 +45,10 @@ def current_mesh(mesh: Mesh | None = None) -> Mesh:
     return mesh
 
 
-def _body_tracker():
-    """``_TRACKER.get()``, which dynamo cannot trace: under ``torch.compile`` its value at trace
-    time is a constant of the graph. A body's tracker is a TorchFunctionMode, and dynamo guards
-    on the mode stack, so a graph traced outside a body is never reused inside one."""
-    return _TRACKER.get()
-
-
-# What torch.compiler.assume_constant_result sets; calling it would import dynamo (seconds)
-# when fshard is imported.
-_body_tracker._dynamo_marked_constant = True
-
-
 def tracker(mesh: Mesh | None = None):
     """The enclosing body's varying-axes tracker, or ``None`` outside a body or when ``mesh``
     names another mesh than the body's (then nothing is tracked)."""
-    t = _body_tracker()
+    t = _STACK[-1][1] if _STACK else None
     if t is None or (mesh is not None and mesh != t.mesh):
         return None
     return t
@@ -68,16 +56,14 @@ def tracker(mesh: Mesh | None = None):
 
 def in_body() -> bool:
     """Whether a ``shard_map`` body is running in this context."""
-    return _TRACKER.get() is not None
+    return bool(_STACK)
 
 
 @contextlib.contextmanager
 def enter(mesh: Mesh, body_tracker) -> Iterator[None]:
     """Run a ``shard_map`` body: ``mesh`` and ``body_tracker`` are current inside the block."""
-    mesh_token = _MESH.set(mesh)
-    tracker_token = _TRACKER.set(body_tracker)
+    _STACK.append((mesh, body_tracker))
     try:
         yield
     finally:
-        _TRACKER.reset(tracker_token)
-        _MESH.reset(mesh_token)
+        _STACK.pop()

@@ -78,6 +78,16 @@ Cost: ``save`` writes each distinct block once (one file per rank) and hashes wh
 (from the page cache); ``load`` hashes every data file holding a requested key once (spread
 over the ranks), then reads on each rank only the byte ranges overlapping its block (a
 replicated value is read by every rank).
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.gettempdir(), f"fshard-example-{os.getppid()}")  # one for all ranks
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> fs.checkpoint.save(path, {"w": fs.shard(torch.arange(6.0), mesh, fs.P("x")), "step": 100})
+    >>> like = {"w": fs.zeros((6,), mesh, fs.P()), "step": 0}  # another layout: replicated
+    >>> state = fs.checkpoint.load(path, like)
+    >>> state["w"].spec, fs.gather(state["w"]), state["step"]
+    (P(), tensor([0., 1., 2., 3., 4., 5.]), 100)
 """
 
 from __future__ import annotations
@@ -128,7 +138,16 @@ torch.serialization.add_safe_globals(
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupted, unsafe, or does not match ``like``, or a save failed
-    (raised on every rank, with the same message)."""
+    (raised on every rank, with the same message).
+
+    Example:
+        >>> import fshard as fs
+        >>> try:
+        ...     fs.checkpoint.load("/nonexistent/ckpt", {"step": 0})
+        ... except fs.checkpoint.CheckpointError as e:
+        ...     print(type(e).__name__)
+        CheckpointError
+    """
 
 
 def _hook(stage: str) -> None:
@@ -503,7 +522,14 @@ def save(path: str | os.PathLike, tree: Any) -> None:
             ``path`` is running, or writing failed on some rank (e.g. the disk is full).
 
     Example:
-        >>> fs.checkpoint.save("ckpt/step100", {"params": params, "opt": state, "step": 100})  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.gettempdir(), f"fshard-example-{os.getppid()}")  # one for all ranks
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = fs.shard(torch.arange(6.0), mesh, fs.P("x"))
+        >>> fs.checkpoint.save(path, {"w": w, "step": 100})
+        >>> state = fs.checkpoint.load(path, {"w": w, "step": 0})
+        >>> fs.gather(state["w"]), state["step"]
+        (tensor([0., 1., 2., 3., 4., 5.]), 100)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -842,7 +868,14 @@ def load(path: str | os.PathLike, like: Any) -> Any:
             fails its checksum; and when DCP fails to read the data on some rank.
 
     Example:
-        >>> state = fs.checkpoint.load("ckpt/step100", {"params": params, "opt": state, "step": 0})  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.gettempdir(), f"fshard-example-{os.getppid()}")  # one for all ranks
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> fs.checkpoint.save(path, {"w": fs.shard(torch.arange(6.0), mesh, fs.P("x")), "step": 100})
+        >>> like = {"w": fs.zeros((6,), mesh, fs.P()), "step": 0}  # another layout: replicated
+        >>> state = fs.checkpoint.load(path, like)
+        >>> state["w"].spec, fs.gather(state["w"]), state["step"]
+        (P(), tensor([0., 1., 2., 3., 4., 5.]), 100)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

@@ -1,4 +1,14 @@
-"""Global switches: strict mode (no implicit reshards) and cross-rank consistency checks."""
+"""Global switches: strict mode (no implicit reshards) and cross-rank consistency checks.
+
+Example:
+    >>> import fshard as fs
+    >>> with fs.config.consistency(False):  # no cross-rank checks within the block
+    ...     fs.config.consistency_mode()
+    'off'
+    >>> with fs.config.strict():  # an implicit reshard in an op raises, naming the fix
+    ...     fs.config.is_strict()
+    True
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ __all__ = [
     "is_strict",
     "check_consistency",
     "consistency_interval",
+    "consistency_boundary_interval",
     "consistency",
     "consistency_checked",
     "consistency_mode",
@@ -66,6 +77,14 @@ _mode(check_consistency, "FSHARD_CHECK_CONSISTENCY")  # refuse a typo at import
 #: collective, and every ``consistency_interval``-th after (the same on every rank; env
 #: ``FSHARD_CONSISTENCY_INTERVAL``).
 consistency_interval: int = int(os.environ.get("FSHARD_CONSISTENCY_INTERVAL", "256"))
+
+#: In the default mode, a boundary crossed every step (``fs.optim.step``, ``fs.gather(dst=)``)
+#: exchanges the digests at its 1st, 2nd, 4th, ... crossing up to this, then every this-th
+#: (env ``FSHARD_CONSISTENCY_BOUNDARY_INTERVAL``): the exchange costs one small all_reduce's
+#: latency, which would be several percent of a short step if paid every step.
+consistency_boundary_interval: int = int(
+    os.environ.get("FSHARD_CONSISTENCY_BOUNDARY_INTERVAL", "64")
+)
 
 
 @contextlib.contextmanager

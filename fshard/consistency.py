@@ -14,12 +14,15 @@ aborts the process). Three modes (``fs.config.check_consistency``, the
     multiply-xor hash, cached per description and per call site, so a collective costs about a
     microsecond and no communication. The digest is exchanged (one ``all_reduce(MAX)`` of four
     int64 words ``h, -h, seq, -seq``) at a group's first collective, at every
-    ``fs.config.consistency_interval``-th, and at the API boundaries a step crosses
-    (:func:`boundary`: ``fs.optim.step``, ``fs.gather(dst=)``, checkpoint save/load, ``from_local``,
-    ``shard``, creation functions, ``shard_map``), which also compare their own arguments. A
-    disagreement is caught at the next exchange, naming the first collective or argument that
-    differed; collectives issued in between may have moved mismatched data (a size or dtype
-    mismatch there can still abort Gloo or time out first: use ``"every"`` to find it).
+    ``fs.config.consistency_interval``-th, at every call of the entry points that create
+    layouts or touch files (checkpoint save/load, ``from_local``, ``shard``, creation
+    functions, ``shard_map``), which also compare their own arguments, and at the boundaries a
+    training loop crosses every step (:func:`boundary`: ``fs.optim.step``, ``fs.gather(dst=)``)
+    at their 1st, 2nd, 4th, ... crossing up to ``fs.config.consistency_boundary_interval`` (64)
+    and every 64th after; the other crossings fold into the digest. A disagreement is caught
+    at the next exchange, naming the first collective or argument that differed; collectives
+    issued in between may have moved mismatched data (a size or dtype mismatch there can still
+    abort Gloo or time out first: use ``"every"`` to find it).
 ``"every"`` (strict; the test suite's fault tests)
     The digest of each collective is exchanged before it runs: the error is raised before any
     mismatched data moves, including mismatches that would abort Gloo.
@@ -33,9 +36,12 @@ mode turns a rank that never reaches the next collective into an error: the othe
 until the process group's timeout. Cost: ``benchmarks/consistency.py``.
 
 Example:
-    >>> import fshard as fs
-    >>> with fs.config.consistency("every"):  # doctest: +SKIP
-    ...     y = fs.lax.psum(x, "x", mesh=mesh)  # raises ConsistencyError if ranks disagree
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))
+    >>> with fs.config.consistency("every"):  # raises ConsistencyError if ranks disagree
+    ...     y = fs.lax.psum(torch.ones(2), "x", mesh=mesh)
+    >>> y
+    tensor([2., 2.])
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class _Running:
 
 _SEQ: dict = {}  # process group -> exchanges issued on it by this rank ("every" mode)
 _RUNNING: dict = {}  # process group -> _Running
+_CROSSED: dict = {}  # (process group, boundary) -> times this rank crossed it (default mode)
 
 
 def enabled() -> bool:
@@ -102,6 +109,7 @@ def reset() -> None:
     run, so a run that failed on some ranks leaves nothing behind)."""
     _SEQ.clear()
     _RUNNING.clear()
+    _CROSSED.clear()
 
 
 def _canonical(obj):
@@ -327,6 +335,28 @@ def _boundary(g: AxisGroup, what: str, fields: dict, site: tuple, running: bool 
     _check_running(g, what, states, h, {**fields, "called at": _where(site)})
 
 
+def _due(n: int) -> bool:
+    """Whether the ``n``-th crossing (from 1) of a recurring boundary exchanges: crossings 1, 2,
+    4, 8, ... up to ``consistency_boundary_interval``, then every ``interval``-th."""
+    k = max(1, int(config.consistency_boundary_interval))
+    return n % k == 0 if n > k else n & (n - 1) == 0
+
+
+def _recurring(g: AxisGroup, what: str, fields: dict, site: tuple) -> None:
+    """A boundary crossed every step: exchange when :func:`_due`, else fold the crossing (its
+    name, fields and call site) into the group's running digest, compared at the next exchange."""
+    key = (g.pg, what)
+    n = _CROSSED[key] = _CROSSED.get(key, 0) + 1
+    if _due(n):
+        _boundary(g, what, fields, site)
+        return
+    desc = (what, g.axes, None, tuple((k, _canonical(v)) for k, v in fields.items()))
+    r = _running(g)
+    r.digest = _fold(_fold(r.digest, _cached_hash(desc)), _cached_hash(site))
+    r.seq += 1
+    r.history.append((r.seq, desc, site))
+
+
 # -- entry points ------------------------------------------------------------------------------
 
 
@@ -350,11 +380,14 @@ def check_collective(op: str, g: AxisGroup, t: torch.Tensor, **fields) -> None:
 
 
 def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
-    """An API boundary (``fs.optim.step``, ``fs.gather(dst=)``, ...): in the default mode, the ranks
-    of ``group`` exchange their running digests (every collective since the last check, with
-    its call site) and ``fields``; a disagreement raises :class:`ConsistencyError` on every
-    rank, naming the first collective that differed. In ``"every"`` mode each collective was
-    checked already and only ``fields`` are compared. No-op when checks are off.
+    """A boundary a training loop crosses every step (``fs.optim.step``, ``fs.gather(dst=)``): in
+    the default mode, at its 1st, 2nd, 4th, ... crossing up to
+    ``fs.config.consistency_boundary_interval`` and every ``interval``-th after, the ranks of
+    ``group`` exchange their running digests (every collective and crossing since the last
+    check, with call sites) and ``fields``; a disagreement raises :class:`ConsistencyError` on
+    every rank, naming the first collective that differed. Other crossings fold into the
+    digest and cost no communication. In ``"every"`` mode each collective was checked already
+    and only ``fields`` are compared, at every crossing. No-op when checks are off.
 
     Example:
         >>> consistency.boundary(mesh, "fs.optim.step")  # doctest: +SKIP
@@ -369,7 +402,7 @@ def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
         if fields:
             _agree(g, what, dict(fields))
         return
-    _boundary(g, what, fields, _site())
+    _recurring(g, what, fields, _site())
 
 
 def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> None:

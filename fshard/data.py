@@ -11,13 +11,11 @@ functions cover the recipe:
   inferred per rank (a rank with a different row count, feature size or rank count is an
   error on every rank, naming each rank's shape).
 
-Example::
-
-    ds = torch.utils.data.TensorDataset(inputs, targets)
-    loader = DataLoader(ds, batch_size=8, sampler=fs.data.sampler(ds, mesh, "dp"))
-    for x, y in loader:  # this rank's 8 rows
-        x, y = fs.data.batch(x, mesh, "dp"), fs.data.batch(y, mesh, "dp")  # (8 * dp, ...) each
-        loss, grads = fs.value_and_grad(loss_fn)(params, x, y)
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("dp",))
+    >>> fs.data.batch(torch.ones(3, 2), mesh, "dp").shape  # 3 rows here, 3 on the other rank
+    torch.Size([6, 2])
 """
 
 from __future__ import annotations
@@ -87,15 +85,18 @@ def sampler(
         mesh: the mesh.
         axes: the data-parallel axis name or names (several: their positions linearised, first
             most significant, as ``P(("dp", "fsdp"))`` splits a dim).
-        shuffle, seed, drop_last: as ``DistributedSampler``'s.
+        shuffle: as ``DistributedSampler``'s.
+        seed: as ``DistributedSampler``'s.
+        drop_last: as ``DistributedSampler``'s.
 
     Returns:
         The sampler, for ``DataLoader(dataset, batch_size=rows_per_rank, sampler=...)``.
 
     Example:
-        >>> s = fs.data.sampler(range(10), mesh, "dp", shuffle=False)  # doctest: +SKIP
-        >>> list(s)  # rank 0 of dp=2  # doctest: +SKIP
-        [0, 2, 4, 6, 8]
+        >>> mesh = fs.Mesh.create((2,), ("dp",))
+        >>> s = fs.data.sampler(range(10), mesh, "dp", shuffle=False)
+        >>> list(s) == list(range(mesh.rank, 10, 2))  # this rank's rows
+        True
     """
     names = _axes(mesh, axes, "sampler")
     return DistributedSampler(
@@ -129,9 +130,10 @@ def batch(local: torch.Tensor, mesh: Mesh, axes: str | Sequence[str] = "dp", *, 
         the positions' row counts.
 
     Example:
-        >>> x = fs.data.batch(torch.ones(4, 16), mesh, "dp")  # doctest: +SKIP
-        >>> x.shape, x.spec  # dp = 2  # doctest: +SKIP
-        ((8, 16), P('dp'))
+        >>> mesh = fs.Mesh.create((2,), ("dp",))
+        >>> x = fs.data.batch(torch.ones(4, 16), mesh, "dp")  # this rank's 4 rows
+        >>> x.shape, x.spec
+        (torch.Size([8, 16]), P('dp', None))
     """
     names = _axes(mesh, axes, "batch")
     if not isinstance(local, torch.Tensor) or type(local).__name__ == "ShardedArray":

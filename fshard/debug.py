@@ -1,4 +1,14 @@
-"""Inspecting communication and layouts: ``comm_log`` and ``visualize``."""
+"""Inspecting communication and layouts: ``comm_log`` and ``visualize``.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> x = fs.shard(torch.ones(4), mesh, fs.P("x"))
+    >>> with fs.debug.comm_log() as log:
+    ...     t = fs.gather(x)
+    >>> [r.op for r in log]
+    ['all_gather']
+"""
 
 from __future__ import annotations
 
@@ -23,10 +33,12 @@ def comm_log():
         being this rank's input bytes. Local steps (slices, zeroing) are not recorded.
 
     Example:
-        >>> with fs.debug.comm_log() as log:  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = fs.shard(torch.arange(8.0).reshape(2, 4), mesh, fs.P("x", None))
+        >>> with fs.debug.comm_log() as log:
         ...     y = fs.reshard(x, fs.P(None, "x"))
-        >>> [r.op for r in log]  # doctest: +SKIP
-        ['all_to_all']
+        >>> [(r.op, r.axes, r.nbytes) for r in log]  # this rank's (1, 4) float32 block
+        [('all_to_all', ('x',), 16)]
     """
     log: list[CommRecord] = []
     token = _LOG.set(log)
@@ -57,7 +69,13 @@ def visualize(x, *, console: Console | None = None) -> str:
         The rendered text.
 
     Example:
-        >>> fs.debug.visualize(x)  # doctest: +SKIP
+        >>> import io
+        >>> from rich.console import Console
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = fs.shard(torch.zeros(5, 7), mesh, fs.P("x", None))
+        >>> text = fs.debug.visualize(x, console=Console(file=io.StringIO()))  # printed on the console
+        >>> "[0:3)" in text and "[3:5)" in text  # rank 0 holds rows 0-2, rank 1 rows 3-4
+        True
     """
     layout = x if isinstance(x, BaseLayout) else getattr(x, "layout", None)
     if not isinstance(layout, BaseLayout):

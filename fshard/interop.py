@@ -22,6 +22,14 @@ becomes ``P`` with that dim split over all mesh axes; anything else (``Enumerabl
 other rank orders, fewer placements) becomes a :meth:`Layout.explicit` layout (a rank without a
 shard holds an empty box). ShardedTensor's deprecation FutureWarnings are silenced inside the
 converters.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> x = fs.shard(torch.arange(4.0), mesh, fs.P("x"))
+    >>> d = fs.interop.to_dtensor(x)  # no communication
+    >>> d.placements, torch.equal(fs.gather(fs.interop.from_dtensor(d)), fs.gather(x))
+    ((Shard(dim=0),), True)
 """
 
 from __future__ import annotations

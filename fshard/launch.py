@@ -9,19 +9,12 @@ across many calls, so tests and notebooks pay the start-up cost once and module-
 (e.g. mesh caches) persists between calls. :func:`run` is the one-shot form, and under
 ``torchrun`` it runs the function in place instead.
 
-Example::
-
-    import torch
-    import torch.distributed as dist
-    from fshard.launch import World
-
-    def total(x):  # module level, so it pickles by reference
-        t = torch.tensor([float(x + dist.get_rank())])
-        dist.all_reduce(t)
-        return t.item()
-
-    with World(2) as world:
-        world.run(total, 10)  # [21.0, 21.0]
+Example:
+    >>> import torch.distributed as dist
+    >>> from fshard.launch import World
+    >>> with World(2) as world:  # two ranks, kept up across calls
+    ...     world.run(dist.get_rank), world.run(dist.get_world_size)
+    ([0, 1], [2, 2])
 """
 
 from __future__ import annotations
@@ -61,6 +54,11 @@ def is_worker() -> bool:
 
     Returns:
       ``True`` inside a worker started by :class:`World` or :func:`run`, else ``False``.
+
+    Example:
+        >>> import fshard as fs
+        >>> fs.launch.is_worker()  # in the launching process; True inside fs.launch.run's ranks
+        False
     """
     return os.environ.get(_WORKER_ENV) == "1"
 
@@ -79,6 +77,14 @@ class RankError(RuntimeError):
       exception: The original exception object if it could be unpickled, else ``None``.
       exit_code: The process exit code if the worker died (negative: killed by that signal),
         else ``None``.
+
+    Example:
+        >>> import math, fshard as fs
+        >>> try:
+        ...     fs.launch.run(math.sqrt, 1, (-1.0,))
+        ... except fs.launch.RankError as e:
+        ...     print(e.rank, e.exc_type)
+        0 ValueError
     """
 
     def __init__(
@@ -118,10 +124,11 @@ class World:
       pg_timeout: Timeout in seconds of the Gloo process group (how long a collective waits
         for the other ranks before raising).
 
-    Example::
-
-      with World(4) as world:
-          ranks = world.run(get_rank)  # [0, 1, 2, 3]
+    Example:
+        >>> import torch.distributed as dist, fshard as fs
+        >>> with fs.launch.World(2) as world:  # the ranks stay up between calls
+        ...     world.run(dist.get_world_size), world.run(dist.get_rank)
+        ([2, 2], [0, 1])
     """
 
     def __init__(self, world_size: int, *, timeout: float = 300.0, pg_timeout: float = 60.0):
@@ -365,16 +372,16 @@ def default_backend(
 
     Args:
       env: the environment to read (default ``os.environ``).
-      cuda_available, device_count: override ``torch.cuda.is_available()`` and
-        ``torch.cuda.device_count()`` (for tests).
+      cuda_available: overrides ``torch.cuda.is_available()`` (for tests).
+      device_count: overrides ``torch.cuda.device_count()`` (for tests).
 
     Returns:
       ``(backend, reason)``: ``"nccl"`` or ``"gloo"``, and one line saying why.
 
-    Example::
-
-      default_backend({"LOCAL_WORLD_SIZE": "2"}, cuda_available=True, device_count=1)
-      # ('gloo', '2 ranks on this node, 1 CUDA device: NCCL needs one GPU per rank')
+    Example:
+        >>> import fshard as fs
+        >>> fs.launch.default_backend({"LOCAL_WORLD_SIZE": "2"}, cuda_available=True, device_count=1)
+        ('gloo', '2 ranks on this node, 1 CUDA device: NCCL needs one GPU per rank')
     """
     env = os.environ if env is None else env
     forced = env.get("FSHARD_BACKEND", "").strip().lower()
@@ -462,9 +469,10 @@ def run(
     Returns:
       A list with ``fn``'s return value from each rank, rank 0 first.
 
-    Example::
-
-      results = run(train_step, 2, (batch,))
+    Example:
+        >>> import torch.distributed as dist, fshard as fs
+        >>> fs.launch.run(dist.get_rank, world_size=2)  # in a script: under if __name__ == "__main__"
+        [0, 1]
     """
     _check_world_size(world_size)
     if backend not in (None, *_BACKENDS):

@@ -45,6 +45,12 @@ varying operand first applies ``pcast`` to an operand that is invariant over som
 ``psum`` of an invariant value is ``n * x`` with gradient ``n``, as in JAX), and tags its result
 (``psum``/``pmax``/``all_gather(to="invariant")`` remove the axes; the others add them). Outside
 a body nothing is tracked and the ops run as written.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> fs.lax.psum(torch.ones(2), "x", mesh=mesh)  # local view: plain tensors, named axes
+    tensor([2., 2.])
 """
 
 from __future__ import annotations
@@ -292,8 +298,12 @@ def psum(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: bool
         already invariant over ``axis`` sums to ``n * x`` (JAX semantics), gradient included.
 
     Example:
-        >>> total = fs.lax.psum(local_loss, "dp")  # doctest: +SKIP
-        >>> grads = fs.lax.psum(grads, "dp", donate=True)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> fs.lax.psum(torch.tensor(float(mesh.rank + 1)), "x", mesh=mesh)  # 1 + 2
+        tensor(3.)
+        >>> grads = {"w": torch.ones(2)}  # a whole gradient tree, bucketed
+        >>> fs.lax.psum(grads, "x", mesh=mesh, donate=True)
+        {'w': tensor([2., 2.])}
     """
     if not isinstance(donate, bool):
         raise TypeError(f"psum: donate must be a bool, got {donate!r}")
@@ -468,7 +478,9 @@ def pmean(x, axis: str | Sequence[str], *, mesh: Mesh | None = None, donate: boo
         place on the sums (buffers psum allocated, or the donated inputs).
 
     Example:
-        >>> avg = fs.lax.pmean(local_loss, "dp")  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> fs.lax.pmean(torch.tensor(float(mesh.rank)), "x", mesh=mesh)  # (0 + 1) / 2
+        tensor(0.5000)
     """
     n = _group(axis, mesh).size
     summed = psum(x, axis, mesh=mesh, donate=donate)
@@ -495,7 +507,9 @@ def pmax(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None
         The elementwise maximum, the same on every rank of ``axis``.
 
     Example:
-        >>> m = fs.lax.pmax(local_max, "tp")  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> fs.lax.pmax(torch.tensor([mesh.rank, -mesh.rank]), "x", mesh=mesh)
+        tensor([1, 0])
     """
     return _preduce(x, axis, mesh, "max")
 
@@ -512,7 +526,9 @@ def pmin(x: torch.Tensor, axis: str | Sequence[str], *, mesh: Mesh | None = None
         The elementwise minimum, the same on every rank of ``axis``.
 
     Example:
-        >>> m = fs.lax.pmin(local_min, "tp")  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> fs.lax.pmin(torch.tensor([mesh.rank, -mesh.rank]), "x", mesh=mesh)
+        tensor([ 0, -1])
     """
     return _preduce(x, axis, mesh, "min")
 
@@ -544,7 +560,11 @@ def all_gather(
         The gathered tensor (the same values on every rank of ``axis``).
 
     Example:
-        >>> full = fs.lax.all_gather(block, "x", dim=0)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> block = torch.full((1, 2), float(mesh.rank))  # this rank's row
+        >>> fs.lax.all_gather(block, "x", dim=0, mesh=mesh)
+        tensor([[0., 0.],
+                [1., 1.]])
     """
     _tensor(x, "all_gather")
     if to not in ("varying", "invariant"):
@@ -601,7 +621,11 @@ def psum_scatter(
         This rank's block of the sum.
 
     Example:
-        >>> block = fs.lax.psum_scatter(partial_sum, "x", dim=0)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> partial = torch.arange(4.0) * (mesh.rank + 1)  # addends of 3 * arange(4)
+        >>> block = fs.lax.psum_scatter(partial, "x", dim=0, mesh=mesh)  # this rank's half of the sum
+        >>> torch.equal(block, 3 * torch.arange(4.0)[2 * mesh.rank : 2 * mesh.rank + 2])
+        True
     """
     _tensor(x, "psum_scatter")
     g = _group(axis, mesh)
@@ -658,7 +682,12 @@ def all_to_all(
         The exchanged tensor.
 
     Example:
-        >>> y = fs.lax.all_to_all(x, "x", split_dim=1, concat_dim=0)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = torch.full((1, 4), float(mesh.rank))  # rows split: this rank's row
+        >>> y = fs.lax.all_to_all(x, "x", split_dim=1, concat_dim=0, mesh=mesh)  # now columns split
+        >>> y
+        tensor([[0., 0.],
+                [1., 1.]])
     """
     _tensor(x, "all_to_all")
     g = _group(axis, mesh)
@@ -699,7 +728,11 @@ def ppermute(
         What this rank received (zeros if nothing).
 
     Example:
-        >>> shifted = fs.lax.ppermute(x, "x", [(i, (i + 1) % 4) for i in range(4)])  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = torch.tensor([float(mesh.rank)])
+        >>> y = fs.lax.ppermute(x, "x", [(0, 1), (1, 0)], mesh=mesh)  # swap with the neighbour
+        >>> float(y) == 1 - mesh.rank
+        True
     """
     _tensor(x, "ppermute")
     g = _group(axis, mesh)
@@ -736,7 +769,11 @@ def pcast(
         ``x`` (same values), typed varying over ``axis``.
 
     Example:
-        >>> w_v = fs.lax.pcast(w, "dp")  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = torch.ones(2, requires_grad=True)  # the same on every rank (invariant)
+        >>> loss = (fs.lax.pcast(w, "x", mesh=mesh) * (mesh.rank + 1)).sum()  # meets varying data
+        >>> torch.autograd.grad(loss, w)[0]  # the backward sums over x: 1 + 2
+        tensor([3., 3.])
     """
     _tensor(x, "pcast")
     if to != "varying":
@@ -762,7 +799,9 @@ def axis_index(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
         indexes and slices like an int. Outside a body: a Python int.
 
     Example:
-        >>> i = fs.lax.axis_index("tp")  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> int(fs.lax.axis_index("x", mesh=mesh)) == mesh.rank
+        True
     """
     m = current_mesh(mesh)
     index = m.axis_index(axis)
@@ -785,6 +824,8 @@ def axis_size(axis: str | Sequence[str], *, mesh: Mesh | None = None) -> int:
         A Python int.
 
     Example:
-        >>> n = fs.lax.axis_size(("dp", "tp"))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> fs.lax.axis_size("x", mesh=mesh)
+        2
     """
     return current_mesh(mesh).size(axis)

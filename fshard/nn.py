@@ -24,6 +24,16 @@ right after it, so the residual stream stays replicated).
 Inside ``forward``, ``F.linear(x, self.weight)`` etc. receive ShardedArrays and dispatch to
 fshard's op rules through ``__torch_function__``; a forward written on local tensors with
 :mod:`fshard.lax` collectives (reading ``self.weight.local``) works as well.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = fs.nn.shard_params(model, mesh, {"weight": fs.P("tp")})
+    >>> out = fs.nn.functional_call(model, params, (torch.ones(1, 4),))
+    >>> torch.allclose(fs.gather(out), model(torch.ones(1, 4)))
+    True
 """
 
 from __future__ import annotations
@@ -110,8 +120,13 @@ def shard_params(
         ``{name: ShardedArray}`` in ``named_parameters()`` order (detached copies).
 
     Example:
-        >>> plan = {"*.fc1.weight": fs.P("tp", None), "*.fc2.weight": fs.P(None, "tp")}  # doctest: +SKIP
-        >>> params = fs.nn.shard_params(model, mesh, plan)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        >>> plan = {"0.weight": fs.P("tp", None), "0.bias": fs.P("tp"), "2.weight": fs.P(None, "tp")}
+        >>> params = fs.nn.shard_params(model, mesh, plan)  # the rest replicated
+        >>> params["0.weight"].spec, params["0.weight"].local.shape, params["2.bias"].spec
+        (P('tp', None), torch.Size([4, 4]), P())
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -227,8 +242,17 @@ def functional_call(
         Whatever ``module.forward`` returns.
 
     Example:
-        >>> out = fs.nn.functional_call(model, params, (x,))  # doctest: +SKIP
-        >>> grads = torch.func.grad(lambda ps: loss(fs.nn.functional_call(model, ps, (x,))))(params)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        >>> params = fs.nn.shard_params(model, mesh, fs.nn.megatron_plan(column=["0"], row=["2"]))
+        >>> x = torch.ones(3, 4)
+        >>> out = fs.nn.functional_call(model, params, (x,))  # the module's forward, sharded
+        >>> torch.allclose(fs.gather(out), model(x))
+        True
+        >>> g = fs.grad(lambda ps: fs.nn.functional_call(model, ps, (x,)).sum())(params)
+        >>> g["0.weight"].spec == params["0.weight"].spec
+        True
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -363,9 +387,14 @@ def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = N
         None; afterwards ``module.state_dict()`` holds the values.
 
     Example:
-        >>> params, opt_state = fs.optim.step(tx, grads, opt_state, params)  # doctest: +SKIP
-        >>> fs.nn.load_params(model, params)  # doctest: +SKIP
-        >>> torch.save(model.state_dict(), "model.pt")  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Linear(4, 2)
+        >>> params = fs.nn.shard_params(model, mesh, {"weight": fs.P("tp")})
+        >>> params = {k: v * 0 for k, v in params.items()}  # trained
+        >>> fs.nn.load_params(model, params)  # gathered into the module's own tensors
+        >>> float(model.weight.abs().sum())
+        0.0
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -416,7 +445,13 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
         ``{state_dict key: ShardedArray | Tensor}``.
 
     Example:
-        >>> fs.checkpoint.save("ckpt", fs.nn.state_dict(model, params))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Linear(4, 2)
+        >>> params = fs.nn.shard_params(model, mesh, {"weight": fs.P("tp")})
+        >>> sd = fs.nn.state_dict(model, params)  # for fs.checkpoint.save
+        >>> sorted(sd), sd["weight"].spec
+        (['bias', 'weight'], P('tp'))
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -725,8 +760,16 @@ def hf_tp_plan(
         A plan for :func:`shard_params` (checked against the model by :func:`megatron_plan`).
 
     Example:
-        >>> plan = fs.nn.hf_tp_plan(model)  # doctest: +SKIP
-        >>> params = fs.nn.shard_params(model, mesh, plan)  # doctest: +SKIP
+        >>> import transformers
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = transformers.LlamaForCausalLM(cfg)
+        >>> plan = fs.nn.hf_tp_plan(model)  # the plan Llama ships, as fshard specs
+        >>> params = fs.nn.shard_params(model, mesh, plan)
+        >>> params["model.layers.0.self_attn.q_proj.weight"].spec
+        P('tp', None)
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"hf_tp_plan: model must be a torch.nn.Module, got {type(model).__name__}")

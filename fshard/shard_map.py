@@ -73,6 +73,7 @@ _PASSTHROUGH = {
     torch.Tensor.detach_,
 }
 _FUNCTORCH = torch._C._functorch
+_compiling = torch.compiler.is_compiling
 
 
 class _Tracker(TorchFunctionMode):
@@ -88,8 +89,9 @@ class _Tracker(TorchFunctionMode):
         mark = getattr(t, _ATTR, None)
         if mark is not None and mark[0] is self:
             return mark[1]
-        # A functorch wrapper made inside the body (grad/vmap in the body) of a tracked tensor.
-        while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        # A functorch wrapper made inside the body (grad/vmap in the body) of a tracked tensor
+        # (under dynamo the transforms are its own higher-order ops: no wrapper is seen).
+        while not _compiling() and _FUNCTORCH.is_functorch_wrapped_tensor(t):
             t = _FUNCTORCH.get_unwrapped(t)
             mark = getattr(t, _ATTR, None)
             if mark is not None and mark[0] is self:
@@ -214,14 +216,23 @@ def _mark(t: torch.Tensor, mark: tuple) -> None:
     setattr(t, _ATTR, mark)
     # A transform applied inside the body (vmap) hands back its physical result when no dim
     # moves; marking the physical tensor keeps that result tracked.
-    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+    while not _compiling() and _FUNCTORCH.is_functorch_wrapped_tensor(t):
         t = _FUNCTORCH.get_unwrapped(t)
         setattr(t, _ATTR, mark)
 
 
 def _in_place(func, kwargs) -> bool:
+    return "out" in kwargs or _in_place_name(func)
+
+
+def _in_place_name(func) -> bool:
     name = getattr(func, "__name__", "")
-    return "out" in kwargs or name == "__setitem__" or (name.endswith("_") and name[-2] != "_")
+    return name == "__setitem__" or (name.endswith("_") and name[-2] != "_")
+
+
+# Run by dynamo at trace time (what torch.compiler.assume_constant_result sets): it cannot read
+# a torch function's __name__ in a trace.
+_in_place_name._dynamo_marked_constant = True
 
 
 # -- specs and pytrees ----------------------------------------------------------------------
@@ -622,10 +633,17 @@ def shard_map(
     ``grad`` around the ``shard_map`` gives ShardedArray gradients with the inputs' layouts.
 
     Example:
-        >>> def body(x, w):  # x: batch block, w: replicated  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("dp",))
+        >>> x = fs.shard(torch.ones(4, 3), mesh, P("dp"))  # a batch split over dp
+        >>> w = fs.shard(torch.ones(3), mesh, P())  # replicated
+        >>> def body(x, w):  # x: this rank's rows, w: the whole w
         ...     return fs.lax.psum((x @ w).pow(2).sum(), "dp")
-        >>> loss = fs.shard_map(body, mesh, (P("dp"), P()), P())  # doctest: +SKIP
-        >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # doctest: +SKIP
+        >>> loss = fs.shard_map(body, mesh, (P("dp"), P()), P())
+        >>> float(fs.gather(loss(x, w)))
+        36.0
+        >>> g = torch.func.grad(lambda w: fs.gather(loss(x, w)))(w)  # summed over dp once
+        >>> fs.gather(g)
+        tensor([24., 24., 24.])
     """
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}")

@@ -2,6 +2,21 @@
 
 ``fs.tree_map(f, tree)`` maps over local tensors; pass ``is_leaf=fs.tree.is_sharded`` to map over
 whole ShardedArrays instead.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> tree = {"w": fs.shard(torch.ones(4), mesh, fs.P("x")), "step": torch.tensor(3)}
+    >>> [tuple(t.shape) for t in fs.tree_leaves(tree)]  # the leaves are the local blocks
+    [(), (2,)]
+    >>> doubled = fs.tree_map(lambda t: 2 * t, tree)  # a new tree, the same layouts
+    >>> doubled["w"].spec, fs.gather(doubled["w"])
+    (P('x'), tensor([2., 2., 2., 2.]))
+    >>> leaves, spec = fs.tree_flatten(tree)
+    >>> fs.tree_unflatten(spec, leaves)["w"].layout == tree["w"].layout
+    True
+    >>> fs.tree_structure(tree) == spec
+    True
 """
 
 from __future__ import annotations

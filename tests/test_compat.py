@@ -5,7 +5,7 @@ The oldest supported torch is checked two ways on the pinned one: statically (ev
 name fshard writes, outside ``fshard/_compat.py``, exists in the surface recorded from the oldest
 torch, ``tests/data/torch_api_oldest.txt``) and by running collectives, FSDP and a compiled gather
 with the names the oldest torch lacks removed from ``torch.distributed`` in every process.
-The whole suite on another torch: ``tools/test_torch.sh VERSION`` (README, "Compatibility").
+The whole suite on another torch: ``tools/test_torch.sh VERSION`` (docs/measurements.md, "Compatibility").
 """
 
 import os

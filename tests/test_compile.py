@@ -478,3 +478,108 @@ def partial_input_refused_under_compile():
 
 def test_partial_input_refused_under_compile(world2):
     assert world2.run(partial_input_refused_under_compile) == [True, True]
+
+
+def _operator_programs():
+    """Global-view code written with operators and methods (issue 26 item 5), each compiled with
+    fullgraph=True in ONE process one after another, against dense: ``(name, frames, value
+    error, gradient error)``. ``x @ w`` stopped dynamo ("builtin operator matmul") before torch
+    2.14; ``x @ tensor`` was traced as ``tensor @ x`` (a silently wrong product); softmax's
+    kernel was an ``operator.methodcaller``."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    X, W, V = _gen(0, 5, 6), _gen(1, 6, 4), _gen(2, 4, 6)
+    x, w = fs.shard(X, mesh, fs.P("x", None)), fs.shard(W, mesh, fs.P())
+    programs = {
+        "(x @ w).softmax(-1).sum()": (lambda a, b: (a @ b).softmax(-1).sum(), (x, w), (X, W)),
+        "x @ tensor": (lambda a, b: (a @ b).pow(2).sum(), (x, W), (X, W)),
+        "tensor @ x.T": (lambda a, b: (b @ a.T).sum(), (x, V), (X, V)),
+        "x.T @ x / n - w @ w.T": (lambda a, b: ((a.T @ a) / 5 - b @ b.T).sum(), (x, w), (X, W)),
+        "log_softmax, mean": (lambda a, b: -(a @ b).log_softmax(1).mean(), (x, w), (X, W)),
+    }
+    out = []
+    for name, (f, args, dense) in programs.items():
+        counter = CompileCounterWithBackend("aot_eager")
+        cf = torch.compile(f, fullgraph=True, backend=counter)
+        got = cf(*args)
+        got = fs.gather(got) if isinstance(got, ShardedArray) else got
+        # the gradient of the first argument, torch.func.grad inside the compiled function
+        # (compiling grad(f) itself compiles grad's one wrapper code object for every f: past
+        # dynamo's recompile limit it stops with "Unsupported functorch tracing attempt")
+        g = torch.compile(
+            lambda a, b, f=f: grad(lambda a, b: fs.gather(f(a, b)))(a, b),
+            fullgraph=True,
+            backend="aot_eager",
+        )
+        gx = fs.gather(g(*args))
+        dx = grad(f)(*dense)
+        out.append(
+            (name, counter.frame_count, (got - f(*dense)).abs().max().item(),
+             (gx - dx).abs().max().item())
+        )  # fmt: skip
+    return out
+
+
+def _several_programs():
+    """The operator programs, then the global-view TP step, compiled in one process (the TP
+    step used to crash in dynamo's guard creation after other fshard programs)."""
+    return _operator_programs(), compiled_global_view()
+
+
+def test_operator_programs_compile_fullgraph_and_equal_dense(world2):
+    comm = {"_c10d_functional.all_reduce.default": 1, "_c10d_functional.wait_tensor.default": 1}
+    for programs, tp_step in world2.run(_several_programs):
+        for name, frames, err, gerr in programs:
+            assert frames == 1 and err < 1e-9 and gerr < 1e-9, (name, frames, err, gerr)
+        assert tp_step == (1, True, comm, [5, 5])
+
+
+def _compiled_shard_map():
+    """A shard_map body with collectives compiled with fullgraph=True (it stopped at the axis
+    environment's ``ContextVar.get``), and its torch.func gradient compiled too, against dense:
+    ``(frames, value error, gradient error, error of the invalid body)``. The body's
+    varying-axes checks run in the trace: an all_gather left varying under ``P()`` is refused
+    (the trace reads the tracker from the axis environment; it used to see none and accept)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    X, W = _gen(3, 6, 4), _gen(4, 4, 4)
+
+    def body(x, w, to="invariant"):  # x: local rows; w: replicated (pcast where it meets x)
+        h = torch.tanh(x @ w)
+        full = lax.all_gather(h, "x", dim=0, to=to)  # (6, 4) on every rank
+        return lax.psum((h * h).sum(), "x") + full.mean()
+
+    x, w = fs.shard(X, mesh, fs.P("x", None)), fs.shard(W, mesh, fs.P())
+    specs = {"in_specs": (fs.P("x", None), fs.P()), "out_specs": fs.P()}
+    sm = fs.shard_map(body, mesh, **specs)
+    bad = fs.shard_map(lambda x, w: body(x, w, to="varying"), mesh, **specs)
+
+    def loss(x, w):
+        return fs.gather(sm(x, w))
+
+    def dense(X, W):
+        h = torch.tanh(X @ W)
+        return (h * h).sum() + h.mean()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(loss, fullgraph=True, backend=counter)(x, w)
+    gw = torch.compile(
+        lambda x, w: grad(loss, argnums=1)(x, w), fullgraph=True, backend="aot_eager"
+    )(x, w)
+    dw = grad(dense, argnums=1)(X, W)
+    try:
+        torch.compile(lambda x, w: fs.gather(bad(x, w)), fullgraph=True, backend="aot_eager")(x, w)
+        refused = ""
+    except Exception as e:  # dynamo re-raises the body's ValueError as it is
+        refused = f"{type(e).__name__}: {e}"
+    err = (got - dense(X, W)).abs().item()
+    return counter.frame_count, err, (fs.gather(gw) - dw).abs().max().item(), refused
+
+
+def test_shard_map_body_compiles_fullgraph(world2):
+    for frames, err, gerr, refused in world2.run(_compiled_shard_map):
+        assert frames == 1 and err < 1e-9 and gerr < 1e-9, (frames, err, gerr)
+        # fullgraph: dynamo reports the body's ValueError as an "Observed exception"
+        assert "ValueError('shard_map: outputs that do not fit their out_specs" in refused, refused

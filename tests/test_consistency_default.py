@@ -83,6 +83,70 @@ def test_default_catches_a_disagreement_mid_run_at_the_next_boundary(world_defau
     assert "collective #4 over ('x',)" in msg and "'sum'" in msg and "'max'" in msg, msg
 
 
+def _steps_with_a_late_disagreement(bad_step, steps):
+    """``steps`` SGD steps, each with one psum; from ``bad_step`` rank 1 issues pmax. Returns the
+    step whose fs.optim.step raised (or None) and the digest exchanges issued per step."""
+    from fshard import consistency
+
+    rank, mesh = torch.distributed.get_rank(), _mesh()
+    x = torch.ones(4)
+    tx = fs.optim.sgd(0.1)
+    params = {"w": fs.shard(x, mesh, fs.P())}
+    state = tx.init(params)
+    exchanges, real = [], consistency._exchange
+
+    def counting(*a):
+        exchanges[-1] += 1
+        return real(*a)
+
+    consistency._exchange = counting
+    try:
+        for step in range(1, steps + 1):
+            exchanges.append(0)
+            bad = rank == 1 and step >= bad_step
+            (fs.lax.pmax if bad else fs.lax.psum)(x, "x", mesh=mesh)
+            try:
+                fs.optim.step(tx, params, state, params)
+            except ConsistencyError as e:
+                return step, exchanges, str(e)
+    finally:
+        consistency._exchange = real
+    return None, exchanges, ""
+
+
+def test_default_step_boundary_exchanges_at_1_2_4_8_then_every_interval():
+    """fs.optim.step exchanges at its 1st, 2nd, 4th, ... crossing up to
+    fs.config.consistency_boundary_interval (64), then every 64th: no other step communicates
+    (the per-step cost was one all_reduce's latency, ~4.5% of the TP step of benchmarks/)."""
+    saved = os.environ.pop("FSHARD_CHECK_CONSISTENCY", None)
+    try:
+        with World(2, timeout=60, pg_timeout=20) as world:
+            out = world.run(_steps_with_a_late_disagreement, 10**6, 130)
+    finally:
+        if saved is not None:
+            os.environ["FSHARD_CHECK_CONSISTENCY"] = saved
+    for raised, exchanges, _ in out:
+        assert raised is None
+        due = {1, 2, 4, 8, 16, 32, 64, 128}
+        # step 1 also exchanges at the group's first collective
+        want = [int(s in due) + (s == 1) for s in range(1, 131)]
+        assert exchanges == want, exchanges
+
+
+def test_default_catches_a_late_disagreement_at_the_next_due_step(world_default):
+    """Rank 1 switches psum to pmax at step 5: the crossings of steps 5-7 fold into the digest,
+    step 8 exchanges and every rank raises naming the first collective that differed."""
+    out = world_default.run(_steps_with_a_late_disagreement, 5, 20)
+    (s0, _, m0), (s1, _, m1) = out
+    assert s0 == s1 == 8, (s0, s1)
+    assert m0 == m1 and m0.startswith("fshard consistency check failed at fs.optim.step"), m0
+    first = m0.splitlines()[1]
+    # numbered on the group: steps 1-4 issue psums #1, #2, #3, #5 (step 3's crossing, not due,
+    # is #4); step 5's psum / pmax is #6
+    assert first.startswith("  collective #6 over ('x',)"), m0
+    assert "'sum'" in first and "'max'" in first, m0
+
+
 def _checkpoint_paths(rank):
     mesh = _mesh()
     base = os.path.join(tempfile.gettempdir(), f"fshard-consist-{os.getppid()}-{rank}")

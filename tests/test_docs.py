@@ -36,8 +36,8 @@ def test_no_references_outside_the_repository():
 
 
 def _optimizer_table() -> list[tuple[str, str]]:
-    """``(fs.optim column, optax column)`` of each row of the README's optimizer table."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """``(fs.optim column, optax column)`` of each row of docs/optimizers.md's table."""
+    with open(os.path.join(ROOT, "docs", "optimizers.md"), encoding="utf-8") as f:
         lines = f.read().split("| fs.optim | optax |", 1)[1].splitlines()[2:]
     rows = []
     for line in lines:
@@ -48,9 +48,9 @@ def _optimizer_table() -> list[tuple[str, str]]:
     return rows
 
 
-def test_readme_optimizer_table_lists_every_public_name():
-    """Each name of ``fshard.optim.__all__`` has a row of the README's table with its optax
-    name, and the table names nothing that is not public."""
+def test_optimizer_table_lists_every_public_name():
+    """Each name of ``fshard.optim.__all__`` has a row of docs/optimizers.md's table with its
+    optax name, and the table names nothing that is not public."""
     import fshard.optim
 
     rows = _optimizer_table()
@@ -61,7 +61,7 @@ def test_readme_optimizer_table_lists_every_public_name():
             listed[name] = theirs
     public = set(fshard.optim.__all__)
     assert not public - set(listed), (
-        f"missing from the README table: {sorted(public - set(listed))}"
+        f"missing from docs/optimizers.md's table: {sorted(public - set(listed))}"
     )
     assert not set(listed) - public, f"not in fshard.optim.__all__: {sorted(set(listed) - public)}"
 

@@ -246,16 +246,17 @@ def test_hf_matches_dense(world2, config):
 
 
 def readme_code() -> str:
-    """The code block of the README's "Train a Hugging Face model" section."""
+    """The code block of the README's "Hugging Face models" section."""
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text.split("## Train a Hugging Face model", 1)[1]
+    section = text.split("## Hugging Face models", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def readme_rank_fn(code):
     warnings.filterwarnings("ignore", module="transformers")
-    ns: dict = {}
+    ns: dict = {"__name__": "readme"}  # a script: its main() is what fs.launch.run runs
     exec(compile(code, "README.md", "exec"), ns)
+    trained = ns["main"]()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(ns["cfg"])  # the same weights, dense loop
     dense = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -269,7 +270,7 @@ def readme_rank_fn(code):
         grads = torch.func.grad(dense_loss)(dense, ns["ids"])
         updates, state = tx.update(grads, state, dense)
         dense = fs.optim.apply_updates(dense, updates)
-    for k, v in ns["model"].named_parameters():
+    for k, v in trained.named_parameters():
         _close(v.detach(), dense[k], f"README-trained {k}")
     return True
 

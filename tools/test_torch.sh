@@ -7,7 +7,7 @@
 # run and reused. torch is installed pinned (`torch==VERSION`): the registry's builds of other
 # versions are CUDA builds of several GB, which run on a CPU machine too. fshard is installed
 # editable from this checkout, so the suite tests the working tree. PYTHON picks the interpreter
-# (default: python3). The README's "Compatibility" table lists what was run this way.
+# (default: python3). docs/measurements.md's "Compatibility" table lists what was run this way.
 set -euo pipefail
 version="${1:?usage: tools/test_torch.sh TORCH_VERSION [pytest args...]}"
 shift

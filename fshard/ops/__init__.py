@@ -6,6 +6,14 @@ method forwarding and Python operators all call :func:`dispatch`). Each op famil
 (:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.indexing`,
 :mod:`.nn`; in-place forms: :mod:`.inplace`); see
 :mod:`.registry` for the rule protocol, :mod:`.binding` for arguments by name, and :func:`register_rule` to add your own.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> x = fs.shard(torch.ones(4, 3), mesh, fs.P("x", None))
+    >>> y = (x * 2).sum(0)  # op rules: the dense answer, communicating where the layout needs it
+    >>> fs.gather(y)
+    tensor([8., 8., 8.])
 """
 
 from . import elementwise, indexing, inplace, linalg, loss, nn, reduction, shape, whole

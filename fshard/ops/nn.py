@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import math
-from operator import methodcaller
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +75,12 @@ def softmax_rule(op, args, kwargs):
     log = op.__name__ == "log_softmax"
     dtype = meta.dtype
     if group is None:  # the Tensor kernel F.softmax would call, without its torch-function check
-        name = op.__name__
-        kernel = methodcaller(name, dim) if dtype == x.dtype else methodcaller(name, dim, dtype)
+        method = getattr(torch.Tensor, op.__name__)  # a closure: dynamo cannot call methodcaller
+        cast = dtype if dtype != x.dtype else None
+
+        def kernel(t):
+            return method(t, dim) if cast is None else method(t, dim, cast)
+
         return OpSharding([unreduced(x)], out, kernel, tensors_only=True)
 
     def local(t, *a, **k):

@@ -26,6 +26,7 @@ order, or names the parameters (``{"input": P("x"), "weight": None}``).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -349,7 +350,10 @@ def _describe(a):
     if t is ShardedArray:
         return (_DESC_SHARDED, a.layout._id)
     if isinstance(a, torch.Tensor):
-        return (_DESC_TENSOR, tuple(a.shape), a.dtype)
+        # operator.index: a size dynamo made symbolic (automatic dynamic shapes, when one code
+        # object, e.g. torch.func.grad's wrapper, is compiled again for other shapes) is
+        # specialized to a guarded constant (int() would keep it symbolic)
+        return (_DESC_TENSOR, tuple(map(operator.index, a.shape)), a.dtype)
     if t is tuple:
         return tuple(_describe(v) for v in a)
     if t is list:

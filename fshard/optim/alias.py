@@ -243,7 +243,8 @@ def adam(
 
     Args:
         learning_rate: float, 0-d tensor or schedule ``count -> value``.
-        b1, b2: moment decay rates in [0, 1).
+        b1: first moment decay rate in [0, 1).
+        b2: second moment decay rate in [0, 1).
         eps: added to the denominator.
         eps_root: added inside the square root.
         nesterov: NAdam (:func:`nadam`).
@@ -283,7 +284,8 @@ def adamw(
 
     Args:
         learning_rate: float, 0-d tensor or schedule ``count -> value``.
-        b1, b2: moment decay rates in [0, 1).
+        b1: first moment decay rate in [0, 1).
+        b2: second moment decay rate in [0, 1).
         eps: added to the denominator.
         weight_decay: decoupled decay coefficient (>= 0), 0-d tensor or schedule.
         mask: which leaves are decayed: a bool pytree with the params' structure or a callable

@@ -81,11 +81,23 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """State of a stateless transformation."""
+    """State of a stateless transformation.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale(0.1).init({"w": torch.zeros(2)})
+        EmptyState()
+    """
 
 
 def init_empty_state(params) -> EmptyState:
-    """``init`` of a stateless transformation."""
+    """``init`` of a stateless transformation.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.init_empty_state({"w": torch.zeros(2)})
+        EmptyState()
+    """
     return EmptyState()
 
 
@@ -145,26 +157,50 @@ def stateless(fn: Callable[[Any, Any], Any]) -> GradientTransformation:
 
 
 class ScaleByScheduleState(NamedTuple):
-    """Step count of a scheduled transformation (:func:`scale_by_schedule`)."""
+    """Step count of a scheduled transformation (:func:`scale_by_schedule`).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_schedule(lambda n: 0.1).init({"w": torch.zeros(2)})
+        ScaleByScheduleState(count=tensor(0))
+    """
 
     count: torch.Tensor
 
 
 class TraceState(NamedTuple):
-    """Momentum buffers of :func:`trace` (optax ``TraceState``)."""
+    """Momentum buffers of :func:`trace` (optax ``TraceState``).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.trace(0.9).init({"w": torch.zeros(2)})
+        TraceState(trace={'w': tensor([0., 0.])})
+    """
 
     trace: Any
 
 
 class EmaState(NamedTuple):
-    """Step count and moving average of :func:`ema`."""
+    """Step count and moving average of :func:`ema`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.ema(0.9).init({"w": torch.zeros(2)})
+        EmaState(count=tensor(0), ema={'w': tensor([0., 0.])})
+    """
 
     count: torch.Tensor
     ema: Any
 
 
 class ScaleByAdamState(NamedTuple):
-    """Adam state: step count (0-d int64 tensor), first and second moments."""
+    """Adam state: step count (0-d int64 tensor), first and second moments.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_adam().init({"w": torch.zeros(2)})
+        ScaleByAdamState(count=tensor(0), mu={'w': tensor([0., 0.])}, nu={'w': tensor([0., 0.])})
+    """
 
     count: torch.Tensor
     mu: Any
@@ -172,27 +208,51 @@ class ScaleByAdamState(NamedTuple):
 
 
 class ScaleByRmsState(NamedTuple):
-    """Second moment of :func:`scale_by_rms`."""
+    """Second moment of :func:`scale_by_rms`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_rms(initial_scale=0.0).init({"w": torch.zeros(2)})
+        ScaleByRmsState(nu={'w': tensor([0., 0.])})
+    """
 
     nu: Any
 
 
 class ScaleByRmsWithCountState(NamedTuple):
-    """Step count and second moment of :func:`scale_by_rms` with ``bias_correction``."""
+    """Step count and second moment of :func:`scale_by_rms` with ``bias_correction``.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_rms(bias_correction=True).init({"w": torch.zeros(2)})
+        ScaleByRmsWithCountState(count=tensor(0), nu={'w': tensor([0., 0.])})
+    """
 
     count: torch.Tensor
     nu: Any
 
 
 class ScaleByRStdDevState(NamedTuple):
-    """First and second moments of :func:`scale_by_stddev` (centered RMSProp)."""
+    """First and second moments of :func:`scale_by_stddev` (centered RMSProp).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_stddev(initial_scale=0.0).init({"w": torch.zeros(2)})
+        ScaleByRStdDevState(mu={'w': tensor([0., 0.])}, nu={'w': tensor([0., 0.])})
+    """
 
     mu: Any
     nu: Any
 
 
 class ScaleByRStdDevWithCountState(NamedTuple):
-    """:class:`ScaleByRStdDevState` with a step count (``bias_correction``)."""
+    """:class:`ScaleByRStdDevState` with a step count (``bias_correction``).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_stddev(bias_correction=True).init({"w": torch.zeros(2)})
+        ScaleByRStdDevWithCountState(count=tensor(0), mu={'w': tensor([0., 0.])}, nu={'w': tensor([0., 0.])})
+    """
 
     count: torch.Tensor
     mu: Any
@@ -200,13 +260,25 @@ class ScaleByRStdDevWithCountState(NamedTuple):
 
 
 class ScaleByRssState(NamedTuple):
-    """Sum of squared gradients of :func:`scale_by_rss` (Adagrad)."""
+    """Sum of squared gradients of :func:`scale_by_rss` (Adagrad).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_rss(initial_accumulator_value=0.0).init({"w": torch.zeros(2)})
+        ScaleByRssState(sum_of_squares={'w': tensor([0., 0.])})
+    """
 
     sum_of_squares: Any
 
 
 class ScaleByLionState(NamedTuple):
-    """Step count and momentum of :func:`scale_by_lion`."""
+    """Step count and momentum of :func:`scale_by_lion`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_lion().init({"w": torch.zeros(2)})
+        ScaleByLionState(count=tensor(0), mu={'w': tensor([0., 0.])})
+    """
 
     count: torch.Tensor
     mu: Any
@@ -215,7 +287,13 @@ class ScaleByLionState(NamedTuple):
 class FactoredState(NamedTuple):
     """Adafactor state: step count, row/column second-moment factors of factored leaves and
     the full second moment of the others (placeholders of shape ``(1,)`` elsewhere, as optax).
-    A sharded leaf's factors are sharded like the leaf minus the reduced dim."""
+    A sharded leaf's factors are sharded like the leaf minus the reduced dim.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_factored_rms(min_dim_size_to_factor=2).init({"w": torch.zeros(2, 3)})
+        FactoredState(count=tensor(0), v_row={'w': tensor([0., 0.])}, v_col={'w': tensor([0., 0., 0.])}, v={'w': tensor([0.])})
+    """
 
     count: torch.Tensor
     v_row: Any
@@ -224,26 +302,50 @@ class FactoredState(NamedTuple):
 
 
 class ZeroNansState(NamedTuple):
-    """Per leaf: whether the last update had a NaN anywhere (over every shard)."""
+    """Per leaf: whether the last update had a NaN anywhere (over every shard).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.zero_nans().init({"w": torch.zeros(2)})
+        ZeroNansState(found_nan={'w': tensor(False)})
+    """
 
     found_nan: Any
 
 
 class MaskedState(NamedTuple):
-    """State of :func:`masked`: the inner transformation's state over the selected leaves."""
+    """State of :func:`masked`: the inner transformation's state over the selected leaves.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.masked(fs.optim.trace(0.9), {"w": True}).init({"w": torch.zeros(2)})
+        MaskedState(inner_state=TraceState(trace=[tensor([0., 0.])]))
+    """
 
     inner_state: Any
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: one inner state per label."""
+    """State of :func:`multi_transform`: one inner state per label.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.multi_transform({"a": fs.optim.trace(0.9), "b": fs.optim.identity()}, {"w": "a"}).init({"w": torch.zeros(2)})
+        MultiTransformState(inner_states={'a': TraceState(trace=[tensor([0., 0.])]), 'b': EmptyState()})
+    """
 
     inner_states: dict
 
 
 class MultiStepsState(NamedTuple):
     """State of :class:`MultiSteps`: position in the accumulation window, number of inner
-    steps taken, the inner state and the accumulated gradients."""
+    steps taken, the inner state and the accumulated gradients.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.MultiSteps(fs.optim.sgd(0.1), 2).init({"w": torch.zeros(2)})
+        MultiStepsState(mini_step=tensor(0), gradient_step=tensor(0), inner_opt_state=(EmptyState(), EmptyState()), acc_grads={'w': tensor([0., 0.])})
+    """
 
     mini_step: torch.Tensor
     gradient_step: torch.Tensor
@@ -252,7 +354,13 @@ class MultiStepsState(NamedTuple):
 
 
 class ApplyIfFiniteState(NamedTuple):
-    """State of :func:`apply_if_finite`."""
+    """State of :func:`apply_if_finite`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.apply_if_finite(fs.optim.sgd(0.1), 3).init({"w": torch.zeros(2)})
+        ApplyIfFiniteState(notfinite_count=tensor(0), last_finite=tensor(True), total_notfinite=tensor(0), inner_state=(EmptyState(), EmptyState()))
+    """
 
     notfinite_count: torch.Tensor
     last_finite: torch.Tensor
@@ -262,7 +370,13 @@ class ApplyIfFiniteState(NamedTuple):
 
 class InjectHyperparamsState(NamedTuple):
     """State of :func:`inject_hyperparams`: step count, current hyperparameters (0-d tensors,
-    read and overwritten by the user: logged, changed, checkpointed) and the inner state."""
+    read and overwritten by the user: logged, changed, checkpointed) and the inner state.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.inject_hyperparams(fs.optim.sgd)(learning_rate=0.1).init({"w": torch.zeros(2)})
+        InjectHyperparamsState(count=tensor(0), hyperparams={'learning_rate': tensor(0.1000), 'momentum': tensor(0.), 'weight_decay': tensor(0.)}, inner_state=(EmptyState(), TraceState(trace={'w': tensor([0., 0.])}), EmptyState()))
+    """
 
     count: torch.Tensor
     hyperparams: dict

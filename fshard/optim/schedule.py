@@ -85,7 +85,9 @@ def polynomial_schedule(
     ``transition_steps`` done after ``transition_begin`` (clipped to [0, 1]), as optax.
 
     Args:
-        init_value, end_value, power: floats or 0-d tensors.
+        init_value: the first value (a float or 0-d tensor).
+        end_value: the last value (a float or 0-d tensor).
+        power: the polynomial's exponent (a float or 0-d tensor).
         transition_steps: steps from init to end (> 0).
         transition_begin: steps at ``init_value`` first.
 

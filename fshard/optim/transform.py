@@ -337,7 +337,8 @@ def scale_by_adam(
     moments (Nesterov's ``m_hat`` with ``nesterov``, i.e. NAdam), as optax.
 
     Args:
-        b1, b2: moment decay rates in [0, 1).
+        b1: first moment decay rate in [0, 1).
+        b2: second moment decay rate in [0, 1).
         eps: added to the denominator outside the square root.
         eps_root: added inside the square root (keeps the gradient through ``sqrt`` finite
             when differentiating through the step).
