@@ -159,6 +159,15 @@ class ShardedArray:
     def requires_grad(self) -> bool:
         return self.local.requires_grad
 
+    def requires_grad_(self, requires_grad: bool = True) -> ShardedArray:
+        """``Tensor.requires_grad_`` of the local block, returning ``self`` (transformers'
+        activation checkpointing marks the input embeddings' output this way). A no-op when the
+        block already is as asked: inside ``torch.func.grad`` every value computed from the
+        params requires grad, where functorch would refuse the call on a plain tensor."""
+        if self.local.requires_grad != requires_grad:
+            self.local.requires_grad_(requires_grad)
+        return self
+
     def shards_metadata(self) -> list[ShardMetadata]:
         """Every rank's block of the global value, in rank order."""
         return self.layout.shards_metadata()

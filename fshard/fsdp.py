@@ -394,6 +394,19 @@ def fsdp_call(
     if not isinstance(args, tuple):
         args = (args,)
     held = _check_units(module, params, units)
+    recomputing = [
+        n
+        for n, m in module.named_modules()
+        if m.training and getattr(m, "gradient_checkpointing", False)
+    ]
+    if recomputing:  # the backward would recompute those layers with the module's own tensors
+        raise ValueError(
+            f"fsdp_call: activation checkpointing is on for {recomputing[:3]} (transformers' "
+            "gradient_checkpointing_enable()); its recompute in the backward runs after the "
+            "unit's gathered values are gone, on the module's own (stale) tensors. Turn it "
+            "off (model.gradient_checkpointing_disable()), or use fs.nn.functional_call (dp / "
+            "tp), which swaps the values in again for the recompute"
+        )
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
     with fsdp_gather(params, units, mesh=mesh, axis=axis, prefetch=prefetch) as get:
         try:

@@ -38,12 +38,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 
 from . import _compat, _swap
 from ._leaf_errors import LeafErrors
@@ -269,14 +272,24 @@ def functional_call(
     mesh = _one_rank_mesh(params)
     if mesh is not None:
         return _run_local(module, params, args, kwargs or {}, mesh)
+    with _called(module, params, outputs):
+        return module(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
+    """``values`` swapped into ``module`` and its :class:`Output` layouts applied, for the
+    duration of the block, and again whenever activation checkpointing recomputes a part of
+    the forward in the backward (see :func:`_recompute_swapped`)."""
     patched = []
-    with _swap.swap(module, params, "functional_call"):
+    with _swap.swap(module, values, "functional_call"):
         try:
             for name, spec in outputs.items():
                 sub = module.get_submodule(name)
                 patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
                 sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
-            return module(*args, **(kwargs or {}))
+            with _recompute_swapped(lambda: _called(module, values, outputs)):
+                yield
         finally:
             for sub, forward, bound in reversed(patched):
                 if forward is not _NONE:
@@ -285,6 +298,34 @@ def functional_call(
                     del sub.__dict__["forward"]
                 else:  # the class's forward, bound, left as the instance's: the same calls
                     sub.__dict__["forward"] = bound
+
+
+#: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults
+_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+
+
+@contextlib.contextmanager
+def _recompute_swapped(enter):
+    """Activation checkpointing (``torch.utils.checkpoint``, transformers'
+    ``gradient_checkpointing_enable()``) recomputes a part of the forward in the backward,
+    after the call has put the module's own tensors back: it would recompute with those
+    (stale, or full where the values are sharded) and give wrong gradients. For the block,
+    ``checkpoint``'s default ``context_fn`` is one whose recompute context is ``enter()`` (the
+    values swapped in again), so every non-reentrant checkpoint made inside the call recomputes
+    with them. A reentrant one (``use_reentrant=True``) has no recompute hook: torch refuses
+    it then ("Passing `context_fn` ... only supported when use_reentrant=False"). A
+    ``context_fn`` passed explicitly is used as given, and its recompute does not see the
+    values (not detected)."""
+    if torch.compiler.is_dynamo_compiling():  # dynamo traces checkpoint, recompute included
+        yield
+        return
+    defaults = _CHECKPOINT.__kwdefaults__
+    given = defaults["context_fn"]
+    defaults["context_fn"] = lambda: (contextlib.nullcontext(), enter())
+    try:
+        yield
+    finally:
+        defaults["context_fn"] = given
 
 
 def _one_rank_mesh(params: Mapping) -> Mesh | None:
@@ -317,7 +358,7 @@ def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
 
     local = {k: unwrap(v) for k, v in params.items()}
     args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=is_sharded)
-    with _swap.swap(module, local, "functional_call"):
+    with _called(module, local, {}):
         out = module(*args, **kwargs)
 
     def wrap(t):
@@ -427,15 +468,26 @@ def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
     return out
 
 
+#: weight dim of the out-features and of the in-features, per module kind
+_WEIGHT_DIMS = {"linear": (0, 1), "conv1d": (1, 0), "conv": (0, 1)}
+
+
 def _linear_kind(mod: torch.nn.Module, name: str) -> str:
-    """``"linear"`` (weight (out, in)), ``"conv1d"`` (HF GPT-2 Conv1D, weight (in, out))."""
+    """``"linear"`` (weight (out, in)), ``"conv1d"`` (HF GPT-2 Conv1D, weight (in, out)),
+    ``"conv"`` (``nn.Conv1d/2d/3d``, weight (out, in, *kernel))."""
     if isinstance(mod, torch.nn.Linear):
         return "linear"
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx"):
         return "conv1d"
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    if isinstance(mod, conv) and mod.groups == 1:
+        return "conv"
+    what = f"a {type(mod).__name__}"
+    if isinstance(mod, conv):
+        what += f" with groups={mod.groups} (its channels are split per group)"
     raise TypeError(
-        f"megatron_plan: module {name!r} is a {type(mod).__name__}; column/row splits know "
-        "nn.Linear and transformers' Conv1D; write its fs.P entries by hand"
+        f"megatron_plan: module {name!r} is {what}; column/row splits know nn.Linear, "
+        "transformers' Conv1D and nn.Conv1d/2d/3d with groups=1; write its fs.P entries by hand"
     )
 
 
@@ -446,33 +498,107 @@ def _kind_of(module, glob: str, arg: str) -> tuple[str, list]:
     kinds = {_linear_kind(m, n) for n, m in mods}
     if len(kinds) > 1:
         raise ValueError(
-            f"megatron_plan: {arg} glob {glob!r} matches both nn.Linear and Conv1D modules "
-            "(their weights are stored transposed to each other); split it into two globs"
+            f"megatron_plan: {arg} glob {glob!r} matches modules of kinds {sorted(kinds)} "
+            "(their weights store the features in different dims); split it into one glob "
+            "per kind"
         )
     return kinds.pop(), mods
 
 
-def _check_fused(name: str, mod, kind: str, axis: str) -> None:
-    out_f, in_f = (mod.out_features, mod.in_features) if kind == "linear" else (mod.nf, mod.nx)
-    if out_f != 3 * in_f:
+def _split_dim(kind: str, axis: str, which: int) -> P:
+    """The weight spec of ``kind`` split over ``axis`` on its out- (0) or in-features (1)."""
+    dim = _WEIGHT_DIMS[kind][which]
+    return P(*[axis if d == dim else None for d in range(max(dim + 1, 2))])
+
+
+def _features(mod, kind: str) -> tuple[int, int]:
+    if kind == "conv1d":
+        return mod.nf, mod.nx
+    if kind == "conv":
+        return mod.out_channels, mod.in_channels
+    return mod.out_features, mod.in_features
+
+
+def _fused_parts(model: torch.nn.Module, name: str, out_f: int, in_f: int, column) -> str | None:
+    """What column projection ``name`` (of ``out_f`` features) looks like from the model's
+    config: a fused ``[q | k | v]`` with fewer kv heads, or a fused ``[gate | up]``; ``None``
+    otherwise. Only a projection of the hidden state that is the one column projection of its
+    parent module (a Llama ``q_proj`` has the siblings ``k_proj``, ``v_proj``) and not the
+    output embedding is taken for fused."""
+    cfg = getattr(model, "config", None)
+    get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), None)  # noqa: E731
+    parent = name.rpartition(".")[0]
+    if any(n != name and n.rpartition(".")[0] == parent for n in column):
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if in_f != get("hidden_size", "n_embd", "d_model") or model.get_submodule(name) is head:
+        return None
+    heads = get("num_attention_heads", "n_head", "num_heads")
+    if heads and isinstance(heads, int):
+        head_dim = get("head_dim") or in_f // heads
+        for kv in (get("num_key_value_heads", "num_kv_heads"), 1 if get("multi_query") else None):
+            if kv and kv != heads and out_f == (heads + 2 * kv) * head_dim:
+                return f"[q | k | v] with {heads} query and {kv} key/value heads"
+    inter = get("intermediate_size", "ffn_dim", "n_inner")
+    if isinstance(inter, int) and out_f == 2 * inter:
+        return f"[gate | up] of {inter} features each"
+    return None
+
+
+#: transformers' styles that declare a plain contiguous column split head-aligned
+_HF_ALIGNED = ("colwise",)
+
+
+def _shipped_style(model: torch.nn.Module, name: str) -> str | None:
+    """The style the model's own tensor-parallel plan gives module ``name`` (None: none)."""
+    for pattern, style in _hf_entries(model).items():
+        if _matcher(pattern)(name):
+            return style
+    return None
+
+
+def _check_fused(name: str, mod, kind: str, axis: str, model, column) -> None:
+    """Refuse or warn about a column split of a fused projection that is not head-aligned.
+
+    A contiguous split of the out-features gives each rank whole heads only when the features
+    are head-major (GPT-NeoX's ``[h0: q k v | h1: q k v | ...]``): the model's own plan says so
+    (style ``colwise``), and that split is taken without a warning. Parts of different sizes
+    (``[q | k | v]`` with fewer kv heads, ``[gate | up]``) need a per-part split, which a
+    contiguous ``fs.P`` block cannot express: values stay correct, but every step gathers
+    and re-splits the parts (Phi-3 on 2 ranks: 6 all_gathers per layer and step), so it warns
+    with that cost."""
+    out_f, in_f = _features(mod, kind)
+    if _shipped_style(model, name) in _HF_ALIGNED:
         return
-    msg = (
-        f"megatron_plan: column split of {name!r} over {axis!r}: its out-features "
-        f"({out_f} = 3 x {in_f}) look like a fused q|k|v projection"
-    )
-    if kind == "conv1d":  # HF GPT-2 family: [q | k | v] concatenated, split(n_embd) after
+    parts = _fused_parts(model, name, out_f, in_f, column)
+    if out_f != 3 * in_f and parts is None:
+        return
+    msg = f"megatron_plan: column split of {name!r} (and the modules its glob matches) over {axis!r}: its {out_f} out-features "
+    if kind == "conv1d" and out_f == 3 * in_f:  # HF GPT-2 family: [q | k | v], split(n_embd)
         raise ValueError(
-            f"{msg} stored [q | k | v] (transformers' Conv1D, GPT-2's c_attn); a contiguous "
-            "split is not head-aligned (rank 0 would get all of q and part of k, so the "
-            "attention would reshuffle heads across ranks every step). Leave it out of "
-            "column= (replicated; the row-parallel c_proj after the attention then slices its "
-            "input for free), or permute its out-features head-major and split by hand"
+            f"{msg}look like a fused [q | k | v] projection stored [q | k | v] (transformers' "
+            "Conv1D, GPT-2's c_attn); a contiguous split is not head-aligned (rank 0 would get "
+            "all of q and part of k, so the attention would reshuffle heads across ranks every "
+            "step). Leave it out of column= (replicated; the row-parallel c_proj after the "
+            "attention then slices its input for free), or permute its out-features head-major "
+            "and split by hand"
         )
+    if parts is not None:
+        warnings.warn(
+            f"{msg}are a fused {parts}; a contiguous split gives rank 0 other parts than rank "
+            "1, so every step all-gathers and re-splits them (values stay correct). Leave it "
+            "out of column= (replicated: the row-parallel layer after it slices its input for "
+            "free), or use separate projections",
+            stacklevel=4,
+        )
+        return
     warnings.warn(
-        f"{msg}: a contiguous split is head-aligned only if the out-features are head-major "
-        "([h0: q k v | h1: q k v | ...]); if they are [q | k | v] concatenated, leave it out "
-        "of column= (values stay correct, but heads move across ranks every step)",
-        stacklevel=3,
+        f"{msg}= 3 x {in_f} look like a fused q|k|v projection and the model's plan does not "
+        "say how they are ordered: a contiguous split is head-aligned if they are head-major "
+        "([h0: q k v | h1: q k v | ...], GPT-NeoX, Falcon); if they are [q | k | v] "
+        "concatenated, leave it out of column= (values stay correct, but heads move across "
+        "ranks every step)",
+        stacklevel=4,
     )
 
 
@@ -487,30 +613,40 @@ def megatron_plan(
     model: torch.nn.Module | None = None,
     sequence_parallel: bool = False,
 ) -> dict[str, P | Output]:
-    """A Megatron tensor-parallel plan for ``nn.Linear`` / ``Conv1D`` / ``nn.Embedding``.
+    """A Megatron tensor-parallel plan for ``nn.Linear`` / ``Conv1D`` / ``nn.Conv1d/2d/3d`` /
+    ``nn.Embedding``.
 
     Args:
         column: module-name globs of column-parallel layers (q/k/v, fc1): the weight is split
             on out-features (``nn.Linear`` ``(out, in)``: ``P(axis, None)``; transformers'
-            ``Conv1D`` ``(in, out)``: ``P(None, axis)``), the bias ``P(axis)``; their outputs
-            are sharded on the last dim.
-        row: globs of row-parallel layers (attention out-proj, fc2): the weight is split on
-            in-features; the bias stays replicated (added once, by the first rank's addend of
-            the pending sum; its gradient needs no collective).
+            ``Conv1D`` ``(in, out)``: ``P(None, axis)``; ``nn.Conv2d`` ``(out, in, kh, kw)``:
+            its out-channels, ``P(axis, None)``), the bias ``P(axis)``; their outputs are
+            sharded on the feature dim (the last; a convolution's channel dim 1).
+        row: globs of row-parallel layers (attention out-proj, fc2, a ViT's patch-embedding
+            ``Conv2d``): the weight is split on in-features (a convolution's in-channels, so a
+            replicated input is sliced for free); the bias stays replicated (added once, by
+            the first rank's addend of the pending sum; its gradient needs no collective).
         vocab: globs of vocab-parallel Embeddings: the weight ``(vocab, dim)`` is ``P(axis)``.
         axis: the tensor-parallel mesh axis.
         bias: whether the column-parallel layers have a bias (its pattern must match).
             Ignored when ``model`` is given (read from the modules).
         row_output: the layout each row-parallel layer's (and vocab-parallel Embedding's)
-            output, a pending sum, is resharded to right after it (an :class:`Output` entry): ``P()`` (default, DTensor's ``RowwiseParallel``)
-            all-reduces the pending sum once, so the residual stream and every norm after it
-            stay replicated; ``P(None, axis)`` reduce-scatters over the sequence dim;
-            ``None`` leaves the sum pending for the op rules.
+            output, a pending sum, is resharded to right after it (an :class:`Output` entry):
+            ``P()`` (default, DTensor's ``RowwiseParallel``) all-reduces the pending sum once,
+            so the residual stream and every norm after it stay replicated; ``P(None, axis)``
+            reduce-scatters over the sequence dim; ``None`` leaves the sum pending for the op
+            rules.
         model: the model. When given, each glob must match modules of the model, the weight
             dim is chosen by module type (``Conv1D`` stores its weight transposed), biases are
-            detected, and a column split of a fused q|k|v projection is refused
-            (``Conv1D``, stored ``[q | k | v]``: never head-aligned) or warned about
-            (``nn.Linear`` with out = 3 x in).
+            detected, and fused projections in ``column`` are checked: a head-major fused
+            q|k|v (GPT-NeoX; the model's own plan gives it the style ``colwise``) is split
+            contiguously without a warning; GPT-2's ``Conv1D`` ``[q | k | v]`` is refused (never
+            head-aligned); fused parts of different sizes read from the config (``[q | k | v]``
+            with fewer kv heads, multi-query, ``[gate | up]``: Phi-3, Falcon) warn with their
+            cost, since a contiguous ``fs.P`` block cannot give each rank a slice of every part
+            (leave them out of ``column=``: replicated, and the row-parallel layer after them
+            slices its input for free); an ``nn.Linear`` with out = 3 x in whose order the
+            model does not declare warns that it must be head-major.
         sequence_parallel: Megatron-SP (batch-first activations): ``row_output`` becomes
             ``P(None, axis)``, so norms, dropout and residual adds run on sequence-split
             activations; each column-parallel layer's input is all-gathered (reduce-scattered
@@ -541,19 +677,22 @@ def megatron_plan(
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     plan: dict[str, P | Output] = {}
+    column = list(column)
+    if model is not None:
+        found = {m: _kind_of(model, m, "column") for m in column}
+        names = {n for _, mods in found.values() for n, _ in mods}
     for m in column:
         kind, has_bias = "linear", bias
         if model is not None:
-            kind, mods = _kind_of(model, m, "column")
+            kind, mods = found[m]
             has_bias = any(getattr(mod, "bias", None) is not None for _, mod in mods)
-            for name, mod in mods:
-                _check_fused(name, mod, kind, axis)
-        plan[f"{m}.weight"] = P(axis, None) if kind == "linear" else P(None, axis)
+            _check_fused(*mods[0], kind, axis, model, names)  # one check (and warning) per glob
+        plan[f"{m}.weight"] = _split_dim(kind, axis, 0)
         if has_bias:
             plan[f"{m}.bias"] = P(axis)
     for m in row:
         kind = _kind_of(model, m, "row")[0] if model is not None else "linear"
-        plan[f"{m}.weight"] = P(None, axis) if kind == "linear" else P(axis, None)
+        plan[f"{m}.weight"] = _split_dim(kind, axis, 1)
     for m in vocab:
         plan[f"{m}.weight"] = P(axis, None)
     if row_output is not None:  # a row-parallel layer's and a vocab-parallel lookup's output

@@ -417,8 +417,9 @@ class Layout(BaseLayout):
         explicit layouts.
 
         ``fs.gather`` and ``fs.reshard`` accept explicit layouts (reshard *from* an explicit
-        layout to any :class:`P`); the spec of an explicit layout is ``None``. Per-op rules do not
-        apply to explicit layouts: reshard to a :class:`P` layout first.
+        layout to any :class:`P`); the spec of an explicit layout is ``None``. An op whose rule
+        does not take explicit layouts (most; row blocks are taken by a few, see
+        ``fshard/ops/rows.py``) gathers the blocks first (one all_gather over the mesh).
 
         Args:
             mesh: a :class:`fshard.Mesh` (real or abstract).

@@ -5,11 +5,16 @@ against dense torch each step, layouts kept; ``vmap(grad)`` per-example gradient
 padding attention masks (sharded in DP, replicated in TP) with the model's own loss, and an odd
 DP batch.
 
+The architecture matrix (issue 21, second half of the file): 15 architectures x dp / tp / fsdp
+against dense, activation checkpointing, and the configurations refused with a clear error;
+``docs/models.md`` is its table.
+
 Each configuration is one ``world2.run`` call (its own test timeout); the models are built once
 per rank process and reset to their initial weights after each configuration. A configuration that fails because an op rule is
 missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op lands.
 """
 
+import re
 import traceback
 import warnings
 from pathlib import Path
@@ -272,3 +277,506 @@ def readme_rank_fn(code):
 
 def test_readme_hf_section_trains_like_dense(world2):
     assert world2.run(readme_rank_fn, readme_code()) == [True, True]
+
+
+# -- issue 21: the architecture matrix -------------------------------------------------------
+# 15 transformers architectures (tiny configs, random weights) x dp / tp / fsdp on 2 Gloo ranks,
+# each 3 AdamW steps against the same computation dense, with a padding mask (sharded like the
+# batch in dp, replicated in tp, local blocks in fsdp) and an odd batch (rows 2 | 1 over dp)
+# wherever the model takes them. docs/models.md is this table in prose.
+
+AV, AT, AB = 128, 8, 3  # vocab, sequence, batch (odd)
+ARTOL = 1e-4  # relative to each gradient's largest entry (Gemma-2's soft-capping after Adam)
+_LL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=AV, max_position_embeddings=AT,
+)  # fmt: skip
+_QKV = ["*.q_proj", "*.k_proj", "*.v_proj"]
+
+
+def _megatron(model, column=(), row=(), vocab=()):
+    return fs.nn.megatron_plan(column=list(column), row=list(row), vocab=list(vocab), model=model)
+
+
+def _llama_plan(model, head=True):
+    column = [*_QKV, "*.gate_proj", "*.up_proj", *(["lm_head"] if head else [])]
+    return _megatron(model, column, ["*.o_proj", "*.down_proj"], ["model.embed_tokens"])
+
+
+def _lm(cls, cfg, **kw):
+    return lambda: getattr(transformers, cls)(getattr(transformers, cfg)(**kw))
+
+
+# name -> (task, build, tp plan). Tasks: "causal" (next-token loss), "mlm" (BERT, with
+# token_type_ids), "seq2seq" (T5: decoder ids and labels), "image" (pixels -> class).
+ARCHS = {
+    "qwen2": ("causal", _lm("Qwen2ForCausalLM", "Qwen2Config", **_LL), _llama_plan),  # qkv bias
+    "mistral": (
+        "causal",
+        _lm("MistralForCausalLM", "MistralConfig", **_LL, sliding_window=4),
+        _llama_plan,
+    ),  # fmt: skip
+    "gemma2": (  # tied embeddings, attention and final logit soft-capping, sliding window
+        "causal",
+        _lm(
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
+            **_LL,
+            head_dim=8,
+            sliding_window=4,
+            query_pre_attn_scalar=8,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            attn_implementation="eager",
+        ),
+        lambda m: _llama_plan(m, head=False),
+    ),  # fmt: skip
+    "phi3": (  # fused GQA qkv_proj and gate_up_proj: left replicated (see test_hf_plan.py)
+        "causal",
+        _lm("Phi3ForCausalLM", "Phi3Config", **_LL, pad_token_id=0),
+        lambda m: _megatron(m, ["lm_head"], ["*.o_proj", "*.down_proj"], ["model.embed_tokens"]),
+    ),
+    "gpt_neox": (  # head-major fused qkv, parallel residual, partial rotary
+        "causal",
+        _lm(
+            "GPTNeoXForCausalLM",
+            "GPTNeoXConfig",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=AV,
+            max_position_embeddings=AT,
+            rotary_pct=0.5,
+            use_parallel_residual=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        lambda m: _megatron(
+            m,
+            ["*.query_key_value", "*.dense_h_to_4h", "lm_head"],
+            ["*.attention.dense", "*.dense_4h_to_h"],
+            ["gpt_neox.embed_in"],
+        ),
+    ),  # fmt: skip
+    "falcon": (  # multi-query fused qkv (replicated), parallel attention
+        "causal",
+        _lm(
+            "FalconForCausalLM",
+            "FalconConfig",
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=AV,
+            multi_query=True,
+            parallel_attn=True,
+            alibi=False,
+            bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            max_position_embeddings=AT,
+        ),
+        lambda m: _megatron(
+            m,
+            ["*.dense_h_to_4h"],
+            ["*.self_attention.dense", "*.dense_4h_to_h"],
+            ["transformer.word_embeddings"],
+        ),
+    ),  # fmt: skip
+    "opt": (  # learned positions, tied head, x.view(-1, H) inside every layer
+        "causal",
+        _lm(
+            "OPTForCausalLM",
+            "OPTConfig",
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=AV,
+            max_position_embeddings=AT,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=1,
+        ),
+        lambda m: _megatron(
+            m, [*_QKV, "*.fc1"], ["*.out_proj", "*.fc2"], ["model.decoder.embed_tokens"]
+        ),
+    ),  # fmt: skip
+    "mixtral": (  # MoE: router top-k, experts as 3-D parameters (grouped_mm), replicated in tp
+        "causal",
+        _lm(
+            "MixtralForCausalLM", "MixtralConfig", **_LL, num_local_experts=4, num_experts_per_tok=2
+        ),
+        lambda m: _megatron(m, [*_QKV, "lm_head"], ["*.o_proj"], ["model.embed_tokens"]),
+    ),  # fmt: skip
+    "mixtral_eager": (  # transformers' eager experts: a loop over experts, torch.where routing
+        "causal",
+        _lm(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            **_LL,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_implementation="eager",
+        ),
+        lambda m: _megatron(m, [*_QKV, "lm_head"], ["*.o_proj"], ["model.embed_tokens"]),
+    ),  # fmt: skip
+    "qwen2_moe": (  # MoE with a gated shared expert (tensor-parallel like an MLP)
+        "causal",
+        _lm(
+            "Qwen2MoeForCausalLM",
+            "Qwen2MoeConfig",
+            **_LL,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        ),
+        lambda m: _megatron(
+            m,
+            [*_QKV, "*.shared_expert.gate_proj", "*.shared_expert.up_proj", "lm_head"],
+            ["*.o_proj", "*.shared_expert.down_proj"],
+            ["model.embed_tokens"],
+        ),
+    ),  # fmt: skip
+    "bert": (  # encoder, masked LM with token_type_ids, tied decoder
+        "mlm",
+        _lm(
+            "BertForMaskedLM",
+            "BertConfig",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=AV,
+            max_position_embeddings=AT,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        lambda m: _megatron(
+            m,
+            [
+                "*.attention.self.query",
+                "*.attention.self.key",
+                "*.attention.self.value",
+                "*.intermediate.dense",
+            ],
+            ["*.attention.output.dense", "bert.encoder.layer.*.output.dense"],
+            ["bert.embeddings.word_embeddings"],
+        ),
+    ),  # fmt: skip
+    "t5": (  # encoder-decoder, relative position buckets, tied embeddings
+        "seq2seq",
+        _lm(
+            "T5ForConditionalGeneration",
+            "T5Config",
+            d_model=32,
+            d_ff=64,
+            d_kv=8,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            vocab_size=AV,
+            relative_attention_num_buckets=8,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        ),
+        lambda m: _megatron(
+            m,
+            [
+                "*.SelfAttention.q",
+                "*.SelfAttention.k",
+                "*.SelfAttention.v",
+                "*.EncDecAttention.q",
+                "*.EncDecAttention.k",
+                "*.EncDecAttention.v",
+                "*.wi",
+            ],
+            ["*.SelfAttention.o", "*.EncDecAttention.o", "*.wo"],
+            ["shared"],
+        ),
+    ),  # fmt: skip
+    "vit": (  # vision: Conv2d patch embedding row-parallel (input channels), CLS head
+        "image",
+        _lm(
+            "ViTForImageClassification",
+            "ViTConfig",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=16,
+            patch_size=8,
+            num_channels=3,
+            num_labels=5,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        lambda m: _megatron(
+            m,
+            [*_QKV, "*.mlp.fc1"],
+            ["*.attention.o_proj", "*.mlp.fc2", "vit.embeddings.patch_embeddings.projection"],
+        ),
+    ),  # fmt: skip
+    "resnet": (  # CNN with BatchNorm (eval mode: see _arch_train); Conv2d column -> row
+        "image",
+        _lm(
+            "ResNetForImageClassification",
+            "ResNetConfig",
+            num_channels=3,
+            embedding_size=8,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            layer_type="basic",
+            num_labels=5,
+        ),
+        lambda m: _megatron(m, ["*.layer.0.convolution"], ["*.layer.1.convolution"]),
+    ),  # fmt: skip
+    "gpt2": (  # learned positions, fused Conv1D c_attn (replicated), tied head
+        "causal",
+        _lm(
+            "GPT2LMHeadModel",
+            "GPT2Config",
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=AV,
+            n_positions=AT,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+        lambda m: _megatron(
+            m, ["*.mlp.c_fc"], ["*.mlp.c_proj", "*.attn.c_proj"], ["transformer.wte"]
+        ),
+    ),  # fmt: skip
+}
+
+
+def _phi3_fused_plan(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _megatron(
+            model, ["*.qkv_proj", "*.gate_up_proj", "lm_head"], ["*.o_proj", "*.down_proj"],
+            ["model.embed_tokens"],
+        )  # fmt: skip
+
+
+# all_gathers per step under the tp plan above (fs.debug.comm_log; the same every step). Zero:
+# Megatron's all-reduces only. Phi-3: the replicated fused projections feed the row-parallel
+# layers for free; its 4 and GPT-2's, Falcon's, BERT's and T5's gathers are pinned as measured
+# (a change is a regression, or an improvement to record in docs/models.md).
+# Phi-3 with its fused [q | k | v] (GQA) and [gate | up] split contiguously ("tp-fused"):
+# values equal, 8 more all_gathers per step (2 layers) than leaving them replicated.
+# ResNet: each BatchNorm after the column-parallel conv gathers its channels (4 per step).
+TP_GATHERS = {"phi3": 4, "falcon": 2, "bert": 1, "t5": 4, "gpt2": 2, "resnet": 4}
+TP_GATHERS["phi3-fused"] = 12
+
+
+def _arch_inputs(task: str, batch: int):
+    """``(kwargs, labels)`` of the full batch: ids with a left-padded first row and a
+    right-padded last row (labels -100 there), BERT's token types and masked positions, T5's
+    decoder ids, or images and classes."""
+    g = torch.Generator().manual_seed(1)
+    if task == "image":
+        pixels = torch.randn(batch, 3, 16, 16, generator=g)
+        return {"pixel_values": pixels}, torch.randint(0, 5, (batch,), generator=g)
+    ids = torch.randint(2, AV, (batch, AT), generator=g)
+    mask = torch.ones(batch, AT, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[-1, -2:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = {"input_ids": ids, "attention_mask": mask}
+    if task == "mlm":
+        kwargs["token_type_ids"] = (torch.arange(AT) >= AT // 2).long().expand(batch, AT)
+        labels = labels.masked_fill(torch.arange(AT) % 3 != 0, -100)
+    if task == "seq2seq":
+        kwargs["decoder_input_ids"] = torch.randint(2, AV, (batch, AT), generator=g)
+        labels = torch.randint(2, AV, (batch, AT), generator=g)
+    return kwargs, labels
+
+
+def _arch_loss(task, out, labels, count: int):
+    """Token (or image) cross entropy summed over the rows given, over ``count``: the mean of
+    the whole batch once the ranks' terms are added (fsdp psums them)."""
+    logits = out.logits
+    if task == "causal":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum") / count
+
+
+def _arch_close(got, want, what, rtol=ARTOL):
+    scale = want.abs().max().item()
+    torch.testing.assert_close(
+        got,
+        want,
+        rtol=rtol,
+        atol=1e-6 + rtol * scale,
+        msg=lambda m: f"{what}: max |diff| {(got - want).abs().max():.3g}, max |dense| {scale:.3g}",
+    )
+
+
+def _arch_train(model, arch: str, job: str):
+    """3 AdamW steps of ``job`` (``dp``, ``tp``, ``fsdp``; ``-ckpt``: transformers' activation
+    checkpointing on) against dense torch.func; returns the all_gathers of each step."""
+    task, _, plan_fn = ARCHS[arch]
+    mode, *flags = job.split("-")
+    if "fused" in flags:  # Phi-3's fused projections split contiguously (megatron_plan warns)
+        plan_fn = _phi3_fused_plan
+    model.train(arch != "resnet")  # BatchNorm's training statistics update buffers in place,
+    # which torch.func refuses for the dense loop too
+    kwargs, labels = _arch_inputs(task, AB)
+    count = int((labels[:, 1:] if task == "causal" else labels).ne(-100).sum())
+    mesh = fs.Mesh.create((2,), ("tp" if mode == "tp" else "dp",))
+    plan = {"tp": plan_fn, "fsdp": lambda m: fs.nn.fsdp_plan(m, mesh), "dp": lambda m: {}}[mode]
+    params = fs.nn.shard_params(model, mesh, plan(model))
+    layouts = {k: v.layout for k, v in params.items()}
+    spec = fs.P() if mode == "tp" else fs.P("dp")
+    if mode == "fsdp":  # the module runs on local blocks; each rank's terms are psum'd
+        local = {k: fs.shard(v, mesh, spec).local for k, v in kwargs.items()}
+        ys = fs.shard(labels, mesh, spec).local
+
+        def loss_fn(ps):
+            out = fs.nn.fsdp_call(model, ps, (), local, mesh=mesh)
+            return fs.lax.psum(_arch_loss(task, out, ys, count), "dp", mesh=mesh)
+
+    else:
+        sharded = {k: fs.shard(v, mesh, spec) for k, v in kwargs.items()}
+        ys = fs.shard(labels, mesh, spec)
+
+        def loss_fn(ps):
+            out = fs.nn.functional_call(model, ps, (), sharded)
+            return fs.gather(_arch_loss(task, out, ys, count))
+
+    def dense_loss(ps):
+        out = torch.func.functional_call(model, ps, (), kwargs)
+        return _arch_loss(task, out, labels, count)
+
+    tx = fs.optim.adamw(1e-2, eps=1e-4, weight_decay=0.1)
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state, dstate = tx.init(params), tx.init(dense)
+    gathers = []
+    for step in range(STEPS):
+        if "ckpt" in flags:
+            reentrant = {"use_reentrant": "reentrant" in flags}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
+        with fs.debug.comm_log() as log:
+            loss, grads = fs.value_and_grad(loss_fn)(params)
+        _no_checkpointing(model)
+        gathers.append(sum(r.op == "all_gather" for r in log))
+        dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense)
+        _arch_close(loss, dloss, f"loss, step {step}")
+        assert set(grads) == set(dgrads)
+        for k, g in grads.items():
+            assert g.layout == layouts[k], (step, k, g.layout, layouts[k])
+            _arch_close(fs.gather(g), dgrads[k], f"grad {k}, step {step}")
+        params, state = fs.optim.step(tx, grads, state, params, donate=True)
+        updates, dstate = tx.update(dgrads, dstate, dense)
+        dense = fs.optim.apply_updates(dense, updates)
+    fs.nn.load_params(model, params)
+    for k, v in model.named_parameters():
+        # Adam divides by sqrt(v): rounding in near-zero gradient entries grows (not by lr)
+        _arch_close(v.detach(), dense[k], f"trained {k}", rtol=10 * ARTOL)
+    return gathers
+
+
+def _no_checkpointing(model):
+    """Activation checkpointing off, and the hook it put on the input embeddings removed
+    (``requires_grad_`` on their output, which functorch refuses in the dense loop)."""
+    model.gradient_checkpointing_disable()
+    if getattr(model, "_require_grads_hooks", None):
+        model.disable_input_require_grads()
+
+
+_ARCH_MODELS: dict = {}  # arch -> model, built once per rank process
+
+
+def arch_rank_fn(arch: str, job: str):
+    """``(all_gathers per step, None)`` or ``(None, error text)``; the model is reset after."""
+    warnings.filterwarnings("ignore", module="transformers")
+    transformers.logging.set_verbosity_error()
+    if arch not in _ARCH_MODELS:
+        torch.manual_seed(0)
+        _ARCH_MODELS[arch] = ARCHS[arch][1]()
+    model = _ARCH_MODELS[arch]
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    try:
+        return _arch_train(model, arch, job), None
+    except Exception as e:  # reported by the test of this configuration
+        return None, "".join(traceback.format_exception(e))[-3000:]
+    finally:
+        _no_checkpointing(model)
+        fs.nn.load_params(model, initial)
+
+
+ARCH_CONFIGS = [(a, m) for a in ARCHS for m in ("dp", "tp", "fsdp")]
+# transformers' activation checkpointing (issue 29 item 3) under tp and dp
+ARCH_CONFIGS += [("qwen2", "tp-ckpt"), ("gpt_neox", "tp-ckpt"), ("qwen2", "dp-ckpt")]
+ARCH_CONFIGS += [("phi3", "tp-fused")]
+# configurations that stop with a clear error (docs/models.md), and the error they raise
+ARCH_ERRORS = {
+    # torch refuses the context_fn fshard's recompute needs on a reentrant checkpoint
+    ("qwen2", "tp-ckpt-reentrant"): "ValueError: Passing `context_fn`.*use_reentrant=False",
+    ("qwen2", "fsdp-ckpt"): "ValueError: fsdp_call: activation checkpointing is on",
+}
+
+
+@pytest.mark.parametrize("config", ARCH_CONFIGS, ids=["-".join(c) for c in ARCH_CONFIGS])
+def test_architecture_matches_dense(world2, config):
+    arch, job = config
+    (gathers, error), (_, error1) = world2.run(arch_rank_fn, arch, job)
+    assert error is None and error1 is None, f"{config} failed on a rank:\n{error or error1}"
+    if job in ("tp", "tp-fused"):
+        want = TP_GATHERS.get(arch + job[2:], 0)
+        assert gathers == [want] * STEPS, gathers
+
+
+@pytest.mark.parametrize("config", list(ARCH_ERRORS), ids=["-".join(c) for c in ARCH_ERRORS])
+def test_architecture_refused_clearly(world2, config):
+    for gathers, error in world2.run(arch_rank_fn, *config):
+        assert gathers is None and re.search(ARCH_ERRORS[config], error), error
+
+
+class _Checkpointed(torch.nn.Module):
+    """A module calling torch.utils.checkpoint itself (not transformers' mechanism)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        run = lambda t: torch.tanh(self.lin(t))  # noqa: E731
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+
+
+def checkpointed_rank_fn(mode):
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    mesh = fs.Mesh.create((2,), (mode,))
+    plan = {"lin.weight": fs.P(mode, None), "lin.bias": fs.P(mode)} if mode == "tp" else {}
+    params = fs.nn.shard_params(model, mesh, plan)
+    values = {k: torch.randn(v.shape) for k, v in params.items()}  # not the module's own
+    params = {k: fs.shard(v, mesh, params[k].spec) for k, v in values.items()}
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    xs = fs.shard(x, mesh, fs.P("dp") if mode == "dp" else fs.P())
+    loss_fn = lambda ps: fs.gather(fs.nn.functional_call(model, ps, (xs,)).pow(2).sum())  # noqa: E731
+    _, grads = fs.value_and_grad(loss_fn)(params)
+    return values, x, {k: fs.gather(g) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_own_activation_checkpointing_recomputes_with_the_values(world2, mode):
+    """The recompute in the backward runs after functional_call restored the module's own
+    tensors: it used them (dp: gradients silently wrong, off by 8 here; tp: a shape error).
+    Now it runs with the values swapped in again."""
+    values, x, grads = world2.run(checkpointed_rank_fn, mode)[0]
+    dense = _Checkpointed()
+    with torch.no_grad():
+        for k, v in dense.named_parameters():
+            v.copy_(values[k])
+    dense(x).pow(2).sum().backward()
+    for k, v in dense.named_parameters():
+        torch.testing.assert_close(grads[k], v.grad, msg=k)

@@ -1,6 +1,8 @@
 """fs.nn.hf_tp_plan: the tensor-parallel plans transformers ships, as fshard plans (issue 29
 item 3), against the hand-written Megatron plans and dense forwards."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -61,12 +63,13 @@ def hf_plan_forward_rank_fn(cls, cfg, extra):
     [
         ("LlamaForCausalLM", "LlamaConfig", {}),
         ("Qwen2ForCausalLM", "Qwen2Config", {}),  # q/k/v biases
-        # Mixtral's MoE block (torch.histc routing) has no op rules yet: issue 21 item 7
+        # MoE experts (grouped_mm, histc routing) replicated: issue 21 item 7
+        ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4}),
     ],
 )
 def test_hf_plan_forward_equals_dense(world2, cls, cfg, extra):
     for dense, got, n_sharded in world2.run(hf_plan_forward_rank_fn, cls, cfg, extra):
-        assert n_sharded >= 10  # q, k, v, o, (gate, up, down), embed, lm_head per layer
+        assert n_sharded >= 10  # q, k, v, o, (gate, up, down), embed, lm_head
         torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
 
 
@@ -137,3 +140,58 @@ def test_one_rank_mesh_runs_the_module_on_plain_tensors(world1):
     torch.testing.assert_close(loss, dloss)
     for k in dgrads:
         torch.testing.assert_close(grads[k], dgrads[k], rtol=1e-5, atol=1e-6)
+
+
+def _plan_warnings(model, column, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fs.nn.megatron_plan(column=column, model=model, **kw)
+    return plan, [str(w.message) for w in caught if "megatron_plan" in str(w.message)]
+
+
+def test_fused_projections_are_named_with_their_cost():
+    """Issue 21 item 7: a column split of a fused projection whose parts differ in size warns
+    with the cost (one warning per glob); a head-major fused qkv that the model's own plan
+    declares colwise (GPT-NeoX), separate q/k/v, gate/up projections and LM heads do not."""
+    phi3 = _llama("Phi3ForCausalLM", "Phi3Config", pad_token_id=0)
+    _, got = _plan_warnings(phi3, ["*.qkv_proj", "*.gate_up_proj", "lm_head"])
+    assert len(got) == 2, got
+    assert "fused [q | k | v] with 4 query and 2 key/value heads" in got[0], got
+    assert "fused [gate | up] of 64 features each" in got[1], got
+    assert all("all-gathers and re-splits" in g for g in got), got
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=SEQ))  # fmt: skip
+    plan, got = _plan_warnings(neox, ["*.query_key_value", "*.dense_h_to_4h", "lm_head"])
+    assert not got and plan["*.query_key_value.weight"] == fs.P("tp", None)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB,
+        multi_query=True))  # fmt: skip
+    _, got = _plan_warnings(falcon, ["*.query_key_value"])
+    assert len(got) == 1 and "4 query and 1 key/value heads" in got[0], got
+    llama = _llama()
+    _, got = _plan_warnings(llama, ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "lm_head"])
+    assert not got, got
+    moe = _llama("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=32)  # fmt: skip
+    _, got = _plan_warnings(moe, ["*.shared_expert.gate_proj", "*.shared_expert.up_proj"])
+    assert not got, got
+
+
+def test_conv_layers_split_on_channels():
+    """Issue 21 item 7: nn.Conv1d/2d are column-parallel on out-channels (weight dim 0, bias)
+    and row-parallel on in-channels (weight dim 1, output reduced after); grouped convs and
+    transposed convs are refused with the fix."""
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 1), torch.nn.Conv1d(4, 4, 2, groups=2)
+    )
+    plan = fs.nn.megatron_plan(column=["0"], row=["1"], model=net)
+    assert plan == {
+        "0.weight": fs.P("tp", None), "0.bias": fs.P("tp"), "1.weight": fs.P(None, "tp"),
+        "1": fs.nn.Output(fs.P()),
+    }  # fmt: skip
+    with pytest.raises(TypeError, match="groups=2.*by hand"):
+        fs.nn.megatron_plan(column=["2"], model=net)
+    with pytest.raises(TypeError, match="ConvTranspose2d"):
+        fs.nn.megatron_plan(row=["0"], model=torch.nn.Sequential(torch.nn.ConvTranspose2d(2, 2, 1)))

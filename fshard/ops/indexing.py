@@ -31,7 +31,7 @@ from ..spec import BaseLayout, Layout, P, _layout
 from ._common import meta_call, out_layout, spec
 from .binding import bind
 from .elementwise import own_dims
-from .registry import OpSharding, register_rule, tensor_inputs
+from .registry import OpSharding, register_rule, rule_for, tensor_inputs
 
 __all__ = ["index_update", "At", "UPDATE_MODES"]
 
@@ -153,6 +153,11 @@ def _expand(x: Layout, key) -> list:
     return out + [slice(None)] * (x.ndim - real)
 
 
+def _scalar_index(it) -> bool:
+    """A 0-d integer tensor (``for e in expert_hit: x[e[0]]``): torch indexes with its value."""
+    return isinstance(it, BaseLayout) and it.ndim == 0 and not it.dtype.is_floating_point
+
+
 class _DataDependent(Exception):
     """A boolean index: the output shape depends on the values."""
 
@@ -173,9 +178,12 @@ def _plan(x: Layout, key):
             basic.append(("dim", d))
         else:
             cut.add(d)
-            adv = adv or not isinstance(it, int)
+            adv = adv or not (isinstance(it, int) or _scalar_index(it))
         d += 1
-    meta = meta_call(torch.Tensor.__getitem__, (x, key), {})
+    # a 0-d integer tensor indexes as an int (torch reads its value: not on meta tensors)
+    as_int = lambda it: 0 if _scalar_index(it) else it  # noqa: E731
+    meta_key = tuple(map(as_int, key)) if type(key) is tuple else as_int(key)
+    meta = meta_call(torch.Tensor.__getitem__, (x, meta_key), {})
     dims = [() if kind == "new" or d in cut else x.dim_axes[d] for kind, d in basic]
     if adv:
         b = meta.ndim - len(basic)
@@ -183,11 +191,21 @@ def _plan(x: Layout, key):
     return cut, dims, meta
 
 
+def _index_shape(it) -> tuple[int, ...]:
+    if isinstance(it, BaseLayout):
+        return tuple(it.shape)
+    if isinstance(it, (list, tuple)):
+        return tuple(torch.tensor(it).shape)
+    return tuple(it.shape) if isinstance(it, torch.Tensor) else ()
+
+
 def _advanced_position(x: Layout, items, basic, b) -> int:
     """Where torch puts the broadcast dims of the advanced indices among the basic output dims:
     probed on meta tensors whose dims have sizes no index broadcast can produce."""
-    sizes = [1_000_003 + d for d in range(x.ndim)]
-    probe = torch.empty(sizes, device="meta")
+    dims = [n for it in items for n in _index_shape(it)]
+    base = max(dims, default=0) + 2  # small enough that the probe's numel fits in an int64
+    sizes = [base + d for d in range(x.ndim)]
+    probe = torch.empty_strided(sizes, [0] * len(sizes), device="meta")
 
     def stand_in(it):
         if isinstance(it, slice):
@@ -290,7 +308,20 @@ def one_hot_rule(op, args, kwargs):
     return OpSharding([spec(x.dim_axes)], out_layout(x.mesh, dims, (), meta))
 
 
+def _where_rule(elementwise):
+    """``torch.where(cond)`` is ``nonzero(cond, as_tuple=True)`` (MoE expert loops); the
+    three-argument form is elementwise."""
+
+    def rule(op, args, kwargs):
+        if len(args) + len(kwargs) == 1:
+            return nonzero_rule(op, args, kwargs)
+        return elementwise(op, args, kwargs)
+
+    return rule
+
+
 def _register():
+    register_rule(torch.where, _where_rule(rule_for(torch.where)))
     register_rule(torch.Tensor.__getitem__, getitem_rule)
     register_rule(index_update, index_update_rule)
     register_rule(torch.nonzero, nonzero_rule, aliases=(torch.Tensor.nonzero,))

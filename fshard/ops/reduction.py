@@ -46,6 +46,7 @@ from ._common import (
     spec,
     split_extreme,
 )
+from .binding import bind
 from .elementwise import NONLINEAR, elementwise_rule
 from .registry import OpSharding, register_rule, tensor_inputs
 
@@ -215,7 +216,22 @@ def _root(s: torch.Tensor, p) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(s), root)
 
 
+def histc_rule(op, args, kwargs):
+    """``torch.histc``: bin counts add up over blocks, so a split input gives each rank its
+    block's histogram, a pending sum over the split axes (MoE routers count tokens per expert
+    this way). Without a range (``min == max``) the bins follow the data: the input is
+    gathered. A pending input is reduced first (counting is not linear in the addends)."""
+    bound = bind(op, args, kwargs)
+    x, lo, hi = bound["input"], bound["min"], bound["max"]
+    meta = meta_call(op, args, kwargs)
+    if lo == hi:
+        return OpSharding([spec([()] * x.ndim)], out_layout(x.mesh, [()], (), meta))
+    summed = in_mesh_order(x.mesh, [a for axes in x.dim_axes for a in axes])
+    return OpSharding([spec(x.dim_axes)], out_layout(x.mesh, [()], summed, meta))
+
+
 def _register():
+    register_rule(torch.histc, histc_rule, aliases=(torch.Tensor.histc,))
     kinds = ("sum", "mean", "amax", "amin", "max", "min", "norm", "logsumexp", "var", "std")
     for kind in (*kinds, "all", "any", "nansum", "count_nonzero"):
         rule = reduction_rule(kind)

@@ -529,6 +529,11 @@ def _unflatten(tree, leaves):
     return optree.tree_unflatten(tree, leaves)
 
 
+class ExplicitRefused(TypeError):
+    """Raised by a rule marked ``explicit_layouts`` for explicit inputs it cannot take as they
+    are; the dispatcher then makes them whole (see :func:`_compile`)."""
+
+
 def _compile(func, leaves, tree) -> _Compiled:
     name = op_name(func)
     sharded = [a for a in leaves if type(a) is ShardedArray]
@@ -539,14 +544,14 @@ def _compile(func, leaves, tree) -> _Compiled:
                 f"{name}: inputs live on different meshes ({mesh!r} and {a.layout.mesh!r}); "
                 "move them to one mesh first"
             )
+    # An explicit layout (row blocks of an uneven batch, fshard.ops.rows) reaching a rule that
+    # does not take it (one marked explicit_layouts does) is made whole: the rule sees it
+    # replicated and the compiled op gathers its blocks first (gather_blocks, in the comm log).
+    whole = set()
     for i, a in enumerate(leaves):
         if type(a) is ShardedArray:
-            # a rule marked explicit_layouts takes them itself (fshard.ops.rows)
             if a.layout.is_explicit and not getattr(_RULES.get(func), "explicit_layouts", False):
-                raise TypeError(
-                    f"{name}: input {i} has an explicit layout (Layout.explicit); per-op rules "
-                    "need a fs.P layout. Reshard it first: fs.reshard(x, fs.P(...))"
-                )
+                whole.add(i)
         elif isinstance(a, torch.Tensor):
             check_plain_tensor(a, f"{name}: input {i}")
     fname = getattr(func, "__name__", "")
@@ -564,7 +569,8 @@ def _compile(func, leaves, tree) -> _Compiled:
     casts = _autocast.input_casts(func, view, _filled(tree), mesh.device_type)
     if casts:
         view = [v.with_dtype(casts[i]) if i in casts else v for i, v in enumerate(view)]
-    args, kwargs = _unflatten(tree, view)
+    seen = [v.with_spec(P()) if i in whole else v for i, v in enumerate(view)]
+    args, kwargs = _unflatten(tree, seen)
     if kwargs.get("inplace") is True and kwargs.get("out") is None:  # F.relu(x, inplace=True)
         return _inplace.InplaceCall(
             _inplace.inplace_keyword(func, name), lambda lv: _unflatten(tree, lv)
@@ -576,7 +582,14 @@ def _compile(func, leaves, tree) -> _Compiled:
         )
     if rule is None:
         raise NotImplementedError(unsupported_message(name, view))
-    sharding = rule(func, args, kwargs)
+    try:
+        sharding = rule(func, args, kwargs)
+    except ExplicitRefused:  # the rule takes explicit layouts, but not this combination
+        whole = {i for i, v in enumerate(view) if isinstance(v, BaseLayout) and v.is_explicit}
+        args, kwargs = _unflatten(
+            tree, [v.with_spec(P()) if i in whole else v for i, v in enumerate(view)]
+        )
+        sharding = rule(func, args, kwargs)
     if not isinstance(sharding, OpSharding):
         raise TypeError(
             f"the rule for {name} returned {type(sharding).__name__}, not a fs.ops.OpSharding"
@@ -584,6 +597,9 @@ def _compile(func, leaves, tree) -> _Compiled:
     specs = sharding.in_specs
     if isinstance(specs, Mapping):
         specs = [specs.get(n) for n in _tensor_names(func, args, kwargs)]
+    if whole:
+        tensor_idx = [i for i, v in enumerate(view) if isinstance(v, BaseLayout)]
+        specs = [P() if s is None and i in whole else s for i, s in zip(tensor_idx, specs)]
     fn = sharding.local or func
     if sharding.by_name:
         fn = _by_name(sharding.local, resolve(func, args, kwargs))

@@ -100,8 +100,12 @@ def same_rows(layouts) -> tuple[tuple[int, int], ...] | None:
 
 
 def explicit_error(name: str, layouts) -> TypeError:
+    """The refusal of a rule marked ``explicit_layouts``: the dispatcher catches it and makes
+    the explicit inputs whole (gathers their blocks) before asking the rule again."""
+    from .registry import ExplicitRefused
+
     shown = ", ".join(f"{tuple(v.shape)} {v}" for v in layouts)
-    return TypeError(
+    return ExplicitRefused(
         f"{name}: an input has an explicit layout (row blocks, e.g. a reshape of an unevenly "
         f"split batch) that this op cannot take as it is (inputs: {shown}). Elementwise ops "
         "and casts of values with the same row blocks, reshapes and F.cross_entropy take it; "

@@ -8,7 +8,8 @@ their axes, so the op runs unchanged on the local blocks:
   (all dims when no ``dim``), ``flip``, ``roll``, ``repeat_interleave``, ``index_select``,
   ``gather``/``scatter_add``/``index_add`` (inputs of the same rank share the other dims' axes);
 - the last two dims: ``tril``/``triu``;
-- every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d``, ``max/avg/adaptive``
+- every dim but the batch (dim 0 of a batched input): ``conv1d/2d/3d`` (but a weight split on
+  its channels: :func:`conv_rule`), ``max/avg/adaptive``
   pooling, ``interpolate``, ``group_norm``, ``instance_norm``, ``batch_norm`` in eval mode
   (``batch_norm`` in training needs the whole batch: it is gathered);
 - ``repeat``: the repeated dims;
@@ -19,7 +20,8 @@ their axes, so the op runs unchanged on the local blocks:
   global ops whose every input is gathered (``kron``, ``trace``, ``quantile``, most
   margin losses...);
 - :func:`batched_rule`: functions of the matrices in the last dims (``torch.linalg``), whose
-  batch dims keep their axes.
+  batch dims keep their axes;
+- every dim: ``torch._grouped_mm`` (``F.grouped_mm``, MoE experts: the offsets index rows).
 
 A dim where some rank's block would be empty is made whole (an empty channel block of
 ``avg_pool1d`` or ``interpolate`` raises where the global shape does not; some backward
@@ -43,7 +45,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from ..spec import BaseLayout
+from ..spec import BaseLayout, P, _layout
 from ._common import meta_call, norm_dim, norm_dims, out_layout, spec
 from .binding import bind
 from .registry import OpSharding, is_layout, register_rule, tensor_inputs
@@ -304,6 +306,46 @@ def new_rule(op, args, kwargs):
     )
 
 
+def grouped_mm_rule(op, args, kwargs):
+    """``torch._grouped_mm`` (``F.grouped_mm``, MoE experts): the offsets index rows, so every
+    input is made whole and the result is replicated. Its shape is computed here: torch's meta
+    kernel accepts only bfloat16, the CPU kernel float32 too."""
+    bound = bind(op, args, kwargs)
+    a, b, offs = bound["input"], bound["mat2"], bound["offs"]
+    rows = (offs.shape[0],) if a.ndim == 2 and b.ndim == 2 and offs is not None else ()
+    shape = (*rows, *a.shape[:-1], b.shape[-1])
+    dtype = bound.get("out_dtype") or a.dtype
+    ins = tensor_inputs(args, kwargs)
+    return OpSharding([spec([()] * x.ndim) for x in ins], _layout(a.mesh, P(), shape, dtype))
+
+
+def conv_rule(k: int):
+    """``F.conv{k}d`` with a weight split on its channels (tensor-parallel convolutions,
+    :func:`fshard.nn.megatron_plan`): out-channels split like the weight's dim 0 (column),
+    in-channels contracted (row: a pending sum over the axes of the weight's dim 1, the bias
+    added once). The batch keeps its axes, the spatial dims are made whole. Grouped
+    convolutions, unbatched inputs and a replicated weight take :func:`whole_dims_rule`."""
+    whole = whole_dims_rule(batched(k + 2))
+
+    def rule(op, args, kwargs):
+        bound = bind(op, args, kwargs)
+        x, w, bias = bound["input"], bound["weight"], bound["bias"]
+        if x.ndim != k + 2 or bound["groups"] != 1 or not (w.dim_axes[0] or w.dim_axes[1]):
+            return whole(op, args, kwargs)
+        from .linalg import contract
+
+        sp = [None] * k
+        letters = [["n", "c", *sp], ["o", "c", *sp]]
+        (sx, sw), out_dims, partial = contract([x, w], letters, ["n", "o", *sp])
+        meta = meta_call(op, args, kwargs)
+        specs = {"input": sx, "weight": sw}
+        if isinstance(bias, BaseLayout):
+            specs["bias"] = spec([out_dims[1]], partial)
+        return OpSharding(specs, out_layout(x.mesh, out_dims, partial, meta))
+
+    return rule
+
+
 def _register():
     dim1 = whole_dims_rule(along(), linear=True)
     for n in ("cumsum", "index_select"):
@@ -333,8 +375,9 @@ def _register():
         rule = whole_dims_rule(last_two, linear=True)
         register_rule(getattr(torch, n), rule, aliases=(getattr(torch.Tensor, n),))
     register_rule(torch.Tensor.repeat, whole_dims_rule(repeated, linear=True))
+    register_rule(torch._grouped_mm, grouped_mm_rule)  # torch 2.11+
     for k in (1, 2, 3):
-        register_rule(getattr(F, f"conv{k}d"), whole_dims_rule(batched(k + 2)))
+        register_rule(getattr(F, f"conv{k}d"), conv_rule(k))
         for pool in ("max_pool", "avg_pool", "adaptive_max_pool", "adaptive_avg_pool"):
             names = (f"{pool}{k}d", f"_{pool}{k}d", f"{pool}{k}d_with_indices")
             ops = [getattr(F, n) for n in names if hasattr(F, n)]

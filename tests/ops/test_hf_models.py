@@ -209,10 +209,75 @@ def odd_batch_cases():
         gw = torch.func.grad(lambda w_, f=f: fs.gather(f(flat, w_, cc).pow(2).sum()))(ww)
         want = torch.func.grad(lambda w_, f=f: f(L.view(-1, V), w_, c).pow(2).sum())(w)
         torch.testing.assert_close(fs.gather(gw), want)  # reduced over dp exactly once
-    with pytest.raises(TypeError, match=r"explicit layout.*fs\.reshard"):
-        torch.cumsum(flat, 0)  # a rule that does not take row blocks
+    # a rule that does not take row blocks (cumsum), or not this combination (row blocks plus
+    # a replicated value of their shape, as OPT's residual add after x.view(-1, H)): the row
+    # blocks are gathered first (one all_gather), values as dense
+    other = randn(B * T, V, seed=6, dtype=torch.float64)
+    for f, o in ((lambda x, o: torch.cumsum(x, 0), None), (lambda x, o: x + o, other)):
+        with fs.debug.comm_log() as log:
+            y = f(flat, None if o is None else fs.shard(o, mesh, P()))
+        assert [r.op for r in log] == ["all_gather"], log
+        torch.testing.assert_close(fs.gather(y), f(L.view(-1, V), o))
     return True
 
 
 def test_odd_dp_batch_loss_without_gathering_logits(world2):
     assert world2.run(odd_batch_cases) == [True, True]
+
+
+def moe_conv_cases():
+    """Issue 21 item 7: the ops MoE experts and tensor-parallel convolutions need."""
+    mesh = _mesh()
+    # torch.histc: a split input gives block histograms pending over the split axis (no
+    # communication), a range given by the data (min == max) gathers the input
+    ids = torch.randint(0, 4, (7, 2), generator=torch.Generator().manual_seed(0)).float()
+    for s in (P(), P("x"), P(None, "x")):
+        x = fs.shard(ids, mesh, s)
+        with fs.debug.comm_log() as log:
+            h = torch.histc(x, bins=4, min=0, max=3)
+        assert h.spec == (P(partial="x") if s != P() else P()) and not log, (s, h.spec, log)
+        assert torch.equal(fs.gather(h), torch.histc(ids, bins=4, min=0, max=3))
+        check(mesh, lambda t: t.histc(bins=3), [ids], [s], label=f"histc {s}")
+    # torch._grouped_mm (F.grouped_mm, transformers' default MoE experts): whole, replicated
+    a, w = randn(6, 8, dtype=torch.float32), randn(3, 8, 8, seed=1, dtype=torch.float32)
+    offs = torch.tensor([2, 5, 6], dtype=torch.int32)
+    for sa, sw in ((P(), P()), (P("x"), P(None, None, "x"))):
+        A, W = fs.shard(a, mesh, sa), fs.shard(w, mesh, sw)
+        got = torch._grouped_mm(A, W, offs=fs.shard(offs, mesh, P()))
+        assert got.spec == P()
+        torch.testing.assert_close(fs.gather(got), torch._grouped_mm(a, w, offs=offs))
+    # F.conv2d / conv1d with the weight split on out- or in-channels: no communication, the
+    # output split on channels (column) or pending (row, the bias added once); gradients dense
+    x, k = randn(3, 5, 6, 6), randn(4, 5, 3, 3, seed=2)
+    b = randn(4, seed=3)
+    cases = [  # (x spec, weight spec, bias spec, output spec)
+        (P(), P("x"), P("x"), P(None, "x")),
+        (P(), P(None, "x"), P(), P(partial="x")),
+        (P(None, "x"), P(None, "x"), P(), P(partial="x")),
+        (P("x"), P(), P(), P("x")),  # a replicated weight: the batch keeps its split
+    ]
+    for sx, sk, sb, want in cases:
+        X, K, B = (fs.shard(t, mesh, s) for t, s in ((x, sx), (k, sk), (b, sb)))
+        with fs.debug.comm_log() as log:
+            y = F.conv2d(X, K, B, padding=1)
+        assert not log and y.spec == want, (sx, sk, log, y.spec)
+        check(mesh, lambda t, w, c: F.conv2d(t, w, c, padding=1), [x, k, b], [sx, sk, sb])
+    check(mesh, lambda t, w: F.conv1d(t, w), [randn(2, 4, 7), randn(6, 4, 3, seed=4)],
+          [P(), P("x")])  # fmt: skip
+    # transformers' eager experts loop: torch.where(cond) (nonzero as a tuple) on a replicated
+    # mask, a 0-d index tensor (x[e] for e in expert_hit) as an int; a split mask is refused
+    mask = torch.rand(2, 5, generator=torch.Generator().manual_seed(5)) > 0.5
+    for got, want in zip(torch.where(fs.shard(mask, mesh, P())), torch.where(mask)):
+        assert got.spec == P() and torch.equal(fs.gather(got), want)
+    m3 = randn(3, 4)
+    for i, e in enumerate(fs.shard(torch.tensor([2, 0]), mesh, P())):
+        got = fs.shard(m3, mesh, P(None, "x"))[e]
+        assert e.shape == () and got.spec == P("x")
+        torch.testing.assert_close(fs.gather(got), m3[[2, 0][i]])
+    with pytest.raises(ValueError, match="split as P"):
+        torch.where(fs.shard(mask, mesh, P(None, "x")))
+    return True
+
+
+def test_moe_and_conv_ops(world2):
+    assert world2.run(moe_conv_cases) == [True, True]

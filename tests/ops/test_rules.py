@@ -234,13 +234,15 @@ def shape_cases():
         n += 1
     # even merges of a split trailing dim line up; an uneven merge of a split dim keeps each
     # rank's rows (row blocks 8 | 4, which ceil-div cannot express: an explicit layout) and
-    # ops that do not take row blocks say how to reshard
+    # ops that do not take row blocks gather them first (one all_gather)
     x = fs.shard(randn(3, 4), mesh, P("x"))
     flat = x.reshape(12)
     assert [m.shard_sizes for m in flat.shards_metadata()] == [(8,), (4,)]
     torch.testing.assert_close(fs.gather(flat), randn(3, 4).reshape(12))
-    with pytest.raises(TypeError, match="fs.reshard"):
-        torch.cumsum(flat, 0)
+    with fs.debug.comm_log() as log:
+        summed = torch.cumsum(flat, 0)
+    assert [r.op for r in log] == ["all_gather"], log
+    torch.testing.assert_close(fs.gather(summed), randn(3, 4).reshape(12).cumsum(0))
     y = fs.shard(randn(4, 4), mesh, P("x"))
     assert y.reshape(16).spec == P("x")
     assert fs.shard(randn(5, 1), mesh, P("x")).reshape(5).spec == P("x")
