@@ -145,7 +145,7 @@ class Mesh:
         Under ``torchrun`` with no process group yet, this initialises the default one, as
         DTensor's ``init_device_mesh`` does (NCCL when every local rank has its own GPU, else
         Gloo: :func:`fshard.launch.default_backend`). It is not destroyed at exit: call
-        ``torch.distributed.destroy_process_group()`` at the end of the script (a Gloo group left
+        ``dist.barrier(); dist.destroy_process_group()`` at the end of the script (a Gloo group left
         to interpreter teardown aborts a rank after its output in about 1 run in 6, with
         "terminate called without an active exception", in plain torch too), or run the script's
         body with :func:`fshard.launch.run`, which does.

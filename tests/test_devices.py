@@ -594,14 +594,17 @@ def test_shard_map_and_grad_on_device(world2, device):
 
 
 _DTENSOR_STYLE = """
+import os
 import torch
 import torch.distributed as dist
 import fshard as fs
 
 mesh = fs.Mesh.create((2,), ("tp",))  # no init_process_group: Mesh.create does it
 y = fs.gather(fs.shard(torch.arange(4.0), mesh, fs.P("tp")) * 2)
-print(f"rank {dist.get_rank()} gathered {y.tolist()} over {dist.get_backend()}")
+print(f"rank {dist.get_rank()} gathered {y.tolist()} over {dist.get_backend()}", flush=True)
+dist.barrier()
 dist.destroy_process_group()
+os._exit(0)  # no interpreter teardown: torch's own rare exit abort is not what this tests
 """
 
 
