@@ -937,7 +937,7 @@ def shard_map(
                 f"shard_map: pass inputs positionally (in_specs describes the positional "
                 f"arguments); got keyword arguments {sorted(kwargs)}"
             )
-        if not _compat.TRACES_TUPLE_HASH and _compiling():
+        if not _compat.TRACES_TUPLE_HASH and torch.compiler.is_dynamo_compiling():
             raise NotImplementedError(
                 "shard_map under torch.compile needs torch >= 2.13 (this torch's dynamo cannot "
                 "hash the layouts a body's outputs get); without fullgraph=True dynamo runs the "
