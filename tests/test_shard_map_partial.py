@@ -5,34 +5,14 @@ ShardedArrays over the others, whose op rules issue their own collectives. Oracl
 computation on dense tensors with torch.func, in the rank process; layouts compared exactly.
 """
 
-import re
-
 import torch
 from torch.func import grad, vmap
 
 import fshard as fs
 from fshard import P, lax
 
-DT = torch.float64
-
-
-def _gen(seed, *shape):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
-
-
-def _close(got, want, what):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert torch.allclose(got, want, atol=1e-9, rtol=1e-7), f"{what}: {got} != {want}"
-
-
-def _raises(fn, exc, pattern):
-    try:
-        fn()
-    except exc as e:
-        assert re.search(pattern, str(e)), (pattern, str(e))
-        return str(e)
-    raise AssertionError(f"expected {exc.__name__} matching {pattern!r}")
-
+# the dense-oracle helpers of the full-manual tests
+from .test_shard_map import _close, _gen, _raises
 
 # -- partial-manual: values, layouts, gradients ---------------------------------------------------
 
