@@ -1,8 +1,8 @@
 """Sharding plans for ``torch.nn`` modules: ``{pattern: fs.P | Output}`` matched against
 parameter and module names (:func:`match_plan`).
 
-Shared by :mod:`fshard.nn` (``shard_params``, ``functional_call``, which re-exports
-:class:`Output` and :func:`match_plan`) and :mod:`fshard.fsdp`.
+Shared by :mod:`fshard.module` (``shard_params``, ``functional_call``; :mod:`fshard.nn`
+re-exports :class:`Output` and :func:`match_plan`) and the strategies of :mod:`fshard.parallel`.
 """
 
 from __future__ import annotations

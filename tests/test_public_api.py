@@ -28,6 +28,7 @@ MODULES = {
     "fshard.debug": fs.debug,
     "fshard.launch": fs.launch,
     "fshard.data": fs.data,
+    "fshard.parallel": fs.parallel,
 }
 
 

@@ -1,15 +1,34 @@
 """Parallelism strategies, one module each, each with the same shape: a plan that returns
 layouts (``{glob: fs.P | fs.nn.Output}`` for :func:`fshard.nn.shard_params`) and a call that
-runs the module (:func:`fshard.nn.functional_call` unless the strategy needs its own).
+runs the module (:func:`fshard.nn.functional_call` unless the strategy needs its own; every
+call puts values into the module through the one swap of :mod:`fshard._swap`).
 
-- :mod:`fshard.parallel.sequence`: Megatron sequence parallelism over the tensor-parallel axis.
+| strategy | plan | call |
+|---|---|---|
+| tensor (:mod:`fshard.parallel.tensor`) | ``megatron_plan``, ``hf_tp_plan`` | ``fs.nn.functional_call`` |
+| sequence (:mod:`fshard.parallel.sequence`) | ``sequence_parallel_plan`` | ``fs.nn.functional_call`` |
+| FSDP / ZeRO-3 (:mod:`fshard.parallel.fsdp`) | ``fsdp_plan`` (over any base plan) | ``fsdp_call`` |
+
+The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
+``fs.parallel.megatron_plan``).
 
 Example:
     >>> import fshard as fs
-    >>> fs.parallel.__all__
-    ['megatron_sp_comm', 'sequence_parallel_plan']
+    >>> sorted(fs.parallel.__all__)[:3]
+    ['fsdp_call', 'fsdp_gather', 'fsdp_plan']
 """
 
+from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units
 from .sequence import megatron_sp_comm, sequence_parallel_plan
+from .tensor import hf_tp_plan, megatron_plan
 
-__all__ = ["megatron_sp_comm", "sequence_parallel_plan"]
+__all__ = [
+    "megatron_plan",
+    "hf_tp_plan",
+    "sequence_parallel_plan",
+    "megatron_sp_comm",
+    "fsdp_plan",
+    "fsdp_units",
+    "fsdp_gather",
+    "fsdp_call",
+]

@@ -26,8 +26,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..nn import Output, megatron_plan
+from ..nn_plan import Output
 from ..spec import P
+from .tensor import megatron_plan
 
 __all__ = ["megatron_sp_comm", "sequence_parallel_plan"]
 

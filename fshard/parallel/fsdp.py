@@ -48,13 +48,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import _comm, _swap, lax
-from ._leaf_errors import LeafErrors
-from .array import ShardedArray
-from .collectives import AllGather, Bound
-from .mesh import Mesh
-from .nn_plan import match_plan
-from .spec import P
+from .. import _comm, _swap, lax
+from .._leaf_errors import LeafErrors
+from ..array import ShardedArray
+from ..collectives import AllGather, Bound
+from ..mesh import Mesh
+from ..nn_plan import match_plan
+from ..spec import P
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
 
@@ -84,7 +84,10 @@ def fsdp_plan(
         ``{param name: P}`` (exact names) for :func:`fshard.nn.shard_params`.
 
     Example:
-        >>> plan = fs.nn.fsdp_plan(model, mesh, base=fs.nn.megatron_plan(column=["fc1"]))  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("dp",))  # 2 ranks
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        >>> fs.nn.fsdp_plan(model, mesh)  # 3 rows do not split over 2 ranks: left whole
+        {'0.weight': P('dp', None), '0.bias': P('dp'), '2.weight': P(), '2.bias': P()}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -109,7 +112,10 @@ def fsdp_plan(
         if p.shape[0] % math.prod(mesh.size(a) for a in first):
             out[name] = spec
             continue
-        out[name] = P(first if len(first) > 1 else first[0], *dims[1:], partial=spec.partial)
+        entries = [first, *dims[1:]]  # P writes an entry of one axis as its name, none as None
+        out[name] = P(
+            *[d[0] if len(d) == 1 else (d or None) for d in entries], partial=spec.partial
+        )
     return out
 
 
@@ -146,8 +152,13 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
         ``{unit name: [param names]}``, the root first, then module order.
 
     Example:
-        >>> list(fsdp_units(gpt))  # doctest: +SKIP
-        ['', 'blocks.0', 'blocks.1']
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb = torch.nn.Embedding(8, 4)
+        ...         self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        >>> fs.nn.fsdp_units(Net())
+        {'': ['emb.weight'], 'blocks.0': ['blocks.0.weight', 'blocks.0.bias'], 'blocks.1': ['blocks.1.weight', 'blocks.1.bias']}
     """
     prefixes = [
         f"{name}.{child}" if name else child
@@ -284,8 +295,14 @@ def fsdp_gather(
         ``get(unit)``.
 
     Example:
-        >>> with fs.nn.fsdp_gather(params, units, mesh=mesh) as get:  # doctest: +SKIP
-        ...     p = get("blocks.0")
+        >>> mesh = fs.Mesh.create((2,), ("dp",))  # 2 ranks
+        >>> model = torch.nn.Linear(4, 6)
+        >>> params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+        >>> params["weight"].local.shape  # this rank's 3 of 6 rows
+        torch.Size([3, 4])
+        >>> with fs.nn.fsdp_gather(params, {"": ["weight", "bias"]}, mesh=mesh) as get:
+        ...     torch.equal(get("")["weight"], model.weight)
+        True
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"fsdp_gather: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
@@ -388,7 +405,14 @@ def fsdp_call(
         What ``module.forward`` returns (local, varying over ``axis``).
 
     Example:
-        >>> out = fs.nn.fsdp_call(model, params, (x_local,), mesh=mesh)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.create((2,), ("dp",))  # 2 ranks
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        >>> params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+        >>> x_local = torch.ones(5, 4)  # this rank's batch
+        >>> out = fs.nn.fsdp_call(model, params, (x_local,), mesh=mesh)
+        >>> torch.allclose(out, model(x_local))
+        True
     """
     units = fsdp_units(module) if units is None else units
     if not isinstance(args, tuple):

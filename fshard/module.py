@@ -1,0 +1,447 @@
+"""A module's parameters as sharded values: the single mechanism every strategy runs modules by.
+
+``shard_params(module, mesh, plan)`` turns a module's parameters into a flat dict
+``name -> ShardedArray``; ``functional_call(module, params, args)`` runs the module's own
+``forward`` with those values put into the module by :mod:`fshard._swap` (the one swap that
+:func:`fshard.parallel.fsdp_call` and the pipeline stages use too); ``load_params`` writes
+trained values back, ``state_dict`` gives a sharded state dict. The public names are
+:mod:`fshard.nn`'s, which also re-exports the plans of :mod:`fshard.parallel`; this module sits
+below :mod:`fshard.parallel` so the strategies can run modules through it.
+
+Example:
+    >>> import torch, fshard as fs
+    >>> from fshard.module import functional_call, shard_params
+    >>> mesh = fs.Mesh.create((2,), ("tp",))
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Linear(4, 2)
+    >>> out = functional_call(model, shard_params(model, mesh, {}), (torch.ones(1, 4),))
+    >>> torch.allclose(fs.gather(out), model(torch.ones(1, 4)))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Mapping
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+
+from . import _compat, _swap
+from ._leaf_errors import LeafErrors
+from .api import gather, reshard, shard
+from .array import ShardedArray, is_sharded
+from .mesh import Mesh
+from .nn_plan import Output, _match, _split_plan, match_plan
+from .spec import Layout, P, _layout
+from .tree import tree_leaves
+
+__all__ = [
+    "Output",
+    "shard_params",
+    "functional_call",
+    "load_params",
+    "state_dict",
+    "match_plan",
+]
+
+
+_REPLICATED = P()
+
+# module -> {submodule name: output spec}, recorded by the last shard_params on it
+_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta":
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def shard_params(
+    module: torch.nn.Module, mesh: Mesh, plan: Mapping[str, P | Output] | None = None, *, src=None
+) -> dict[str, ShardedArray]:
+    """Shard a module's parameters following ``plan``.
+
+    The values are copies: the module's own tensors are never aliased, so a donated optimizer
+    step (``fs.optim.step(..., donate=True)``) cannot write into the module. They live on
+    ``mesh.device()`` whatever device the module is on (as :func:`fshard.shard`): a CPU module
+    sharded onto a CUDA mesh gives CUDA blocks (each rank copies only its blocks; the module
+    stays on the CPU, so move inputs and buffers your forward reads with ``mesh.device()``). Write trained
+    values back with :func:`load_params`. From here on ``module.state_dict()`` raises until
+    :func:`load_params` (and again after each later eager :func:`functional_call` /
+    :func:`fsdp_call`): the module's own tensors do not hold what training produces (save
+    ``fs.nn.state_dict(module, params)`` instead; torch's and HF's savers call
+    ``state_dict()``, so a stale save fails instead of writing the initial weights). Read its
+    keys before sharding, or through ``fs.nn.state_dict(module, {})``. Tied parameters (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
+    gives every alias that value.
+
+    Args:
+        module: the module. With ``src=None`` every rank must hold the same values (e.g. the
+            same seed before construction); each keeps its block, no communication.
+        mesh: the mesh.
+        plan: ``{pattern: P | Output}``: ``P`` entries are parameter layouts, see
+            :func:`match_plan` (globs, or ``"re:"`` regexes; first match wins; unmatched params
+            are replicated; a pattern matching nothing raises). Specs index the parameter as
+            torch stores it (``nn.Linear.weight`` is ``(out_features, in_features)``).
+            :class:`Output` entries are module output layouts over module names; they are
+            recorded for this module and applied by :func:`functional_call`.
+        src: a rank: only that rank's values are used; they are scattered (each rank receives
+            its block). Other ranks' modules only provide names, shapes and dtypes (they may
+            live on the ``meta`` device): ``src``'s buffers, persistent or not (a rotary
+            ``inv_freq``), are broadcast into them, so they run.
+
+    Returns:
+        ``{name: ShardedArray}`` in ``named_parameters()`` order (detached copies).
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        >>> plan = {"0.weight": fs.P("tp", None), "0.bias": fs.P("tp"), "2.weight": fs.P(None, "tp")}
+        >>> params = fs.nn.shard_params(model, mesh, plan)  # the rest replicated
+        >>> params["0.weight"].spec, params["0.weight"].local.shape, params["2.bias"].spec
+        (P('tp', None), torch.Size([4, 4]), P())
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
+    named = dict(module.named_parameters())
+    param_rules, output_rules = _split_plan(plan)
+    specs = match_plan(named, param_rules)
+    outputs = _match((n for n, _ in module.named_modules()), output_rules, "module")
+    errors = LeafErrors("shard_params: parameters the plan's specs do not fit", "params")
+    for name, p in named.items():  # every layout checked before any parameter is sharded
+        try:
+            Layout(mesh, specs[name], tuple(p.shape), p.dtype)
+        except (TypeError, ValueError) as e:
+            errors.add(f"[{name!r}]", f"shape {tuple(p.shape)}, spec {specs[name]}: {e}")
+    errors.raise_if_any(fix="fix the plan's pattern or spec for these parameters")
+    out = {}
+    for name, p in named.items():
+        spec, t = specs[name], p.detach()
+        if src is None:
+            x = shard(t, mesh, spec)
+        else:
+            x = shard(
+                t if mesh.rank == src else None, mesh, spec, src=src, shape=t.shape, dtype=t.dtype
+            )
+        if _shares_storage(x.local, t):
+            x = ShardedArray._raw(x.local.clone(), x.layout)
+        out[name] = x
+    if src is not None:
+        _broadcast_buffers(module, mesh, src)
+    _OUTPUTS[module] = outputs
+    _swap.hold_elsewhere(module)
+    if not _compat.TRACES_ATTRIBUTE_DELETE:
+        # functional_call leaves these modules' ``forward`` bound on the instance under an
+        # older dynamo (it cannot delete it): bind it now, so the first compiled call sees the
+        # state every later one does (no recompile on the second step)
+        for name in outputs:
+            sub = module.get_submodule(name)
+            sub.__dict__.setdefault("forward", sub.forward)
+    return out
+
+
+def _broadcast_buffers(module: torch.nn.Module, mesh: Mesh, src: int) -> None:
+    """``src``'s buffers, persistent or not (a rotary ``inv_freq`` is computed at construction
+    and never saved), written into every rank's module: a module built on ``meta`` elsewhere
+    then runs. Each buffer object is sent once (tied buffers stay tied)."""
+    seen: dict[int, torch.Tensor] = {}
+    for owner in module.modules():
+        for attr, b in list(owner._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in seen:
+                t = b.detach() if mesh.rank == src else None
+                got = shard(t, mesh, _REPLICATED, src=src, shape=b.shape, dtype=b.dtype).local
+                if mesh.rank != src:  # on the module's device, or the mesh's for a meta module
+                    got = got if b.device.type == "meta" else got.to(b.device)
+                seen[id(b)] = b if mesh.rank == src else got
+            owner._buffers[attr] = seen[id(b)]
+
+
+_NONE = object()  # no instance ``forward`` to restore
+
+
+def _with_output(forward, name: str, spec: P):
+    """``forward`` with its ShardedArray output resharded to ``spec``. Applied as a patched
+    instance ``forward``, not a forward hook: dynamo traces a patched forward, while registering
+    a hook inside a compiled step is a graph break."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if isinstance(out, ShardedArray):
+            return reshard(out, spec)
+        if any(isinstance(leaf, ShardedArray) for leaf in tree_leaves(out)):
+            raise TypeError(
+                f"functional_call: the plan gives module {name!r} the output layout {spec}, "
+                f"but it returns a {type(out).__name__}, not a single ShardedArray; drop its "
+                "fs.nn.Output entry (or reshard inside the model)"
+            )
+        return out
+
+    return run
+
+
+def functional_call(
+    module: torch.nn.Module,
+    params: Mapping,
+    args=(),
+    kwargs=None,
+    *,
+    outputs: Mapping[str, P] | None = None,
+):
+    """Run ``module(*args, **kwargs)`` with the parameters (and buffers) in ``params``.
+
+    ``torch.func.functional_call`` refuses non-Tensor values, so this swaps the values into
+    the module itself (``fshard/_swap.py``, shared with :func:`fsdp_call`): each named entry is
+    popped from its owner's ``_parameters`` (or ``_buffers``) and set in the owner's
+    ``__dict__``; everything is restored afterwards, in its order, also when ``forward``
+    raises. Like ``torch.func.functional_call`` (``tie_weights=True``), every alias of a
+    parameter gets the value (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``: passing
+    the latter swaps both). Names missing from ``params`` keep the module's own tensors. Not
+    thread-safe for concurrent calls on one module.
+
+    Args:
+        module: the module.
+        params: ``{name: ShardedArray | Tensor}`` (names as in ``named_parameters()``).
+        args: a tuple of positional arguments (a single non-tuple value is wrapped).
+        kwargs: keyword arguments.
+        outputs: ``{module glob: P}``, output layouts applied to ShardedArray outputs of the
+            matched submodules (see :class:`Output`). ``None``: the :class:`Output` entries of
+            the plan the last :func:`shard_params` on this module used; ``{}``: none.
+
+    Returns:
+        Whatever ``module.forward`` returns.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        >>> params = fs.nn.shard_params(model, mesh, fs.nn.megatron_plan(column=["0"], row=["2"]))
+        >>> x = torch.ones(3, 4)
+        >>> out = fs.nn.functional_call(model, params, (x,))  # the module's forward, sharded
+        >>> torch.allclose(fs.gather(out), model(x))
+        True
+        >>> g = fs.grad(lambda ps: fs.nn.functional_call(model, ps, (x,)).sum())(params)
+        >>> g["0.weight"].spec == params["0.weight"].spec
+        True
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
+    if outputs is None:
+        outputs = _OUTPUTS.get(module, {})
+    else:
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"outputs must be a mapping glob -> fs.P, got {outputs!r}")
+        _, outputs = _split_plan({k: Output(v) for k, v in outputs.items()})
+        outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
+    if not isinstance(args, tuple):
+        args = (args,)
+    mesh = _one_rank_mesh(params)
+    if mesh is not None:
+        return _run_local(module, params, args, kwargs or {}, mesh)
+    with _called(module, params, outputs):
+        return module(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
+    """``values`` swapped into ``module`` and its :class:`Output` layouts applied, for the
+    duration of the block, and again whenever activation checkpointing recomputes a part of
+    the forward in the backward (see :func:`_recompute_swapped`)."""
+    patched = []
+    with _swap.swap(module, values, "functional_call"):
+        try:
+            for name, spec in outputs.items():
+                sub = module.get_submodule(name)
+                patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
+                sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
+            with _recompute_swapped(lambda: _called(module, values, outputs)):
+                yield
+        finally:
+            for sub, forward, bound in reversed(patched):
+                if forward is not _NONE:
+                    sub.__dict__["forward"] = forward
+                elif _compat.TRACES_ATTRIBUTE_DELETE or not torch.compiler.is_dynamo_compiling():
+                    del sub.__dict__["forward"]
+                else:  # the class's forward, bound, left as the instance's: the same calls
+                    sub.__dict__["forward"] = bound
+
+
+#: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults
+_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+
+
+@contextlib.contextmanager
+def _recompute_swapped(enter):
+    """Activation checkpointing (``torch.utils.checkpoint``, transformers'
+    ``gradient_checkpointing_enable()``) recomputes a part of the forward in the backward,
+    after the call has put the module's own tensors back: it would recompute with those
+    (stale, or full where the values are sharded) and give wrong gradients. For the block,
+    ``checkpoint``'s default ``context_fn`` is one whose recompute context is ``enter()`` (the
+    values swapped in again), so every non-reentrant checkpoint made inside the call recomputes
+    with them. A reentrant one (``use_reentrant=True``) has no recompute hook: torch refuses
+    it then ("Passing `context_fn` ... only supported when use_reentrant=False"). A
+    ``context_fn`` passed explicitly is used as given, and its recompute does not see the
+    values (not detected)."""
+    if torch.compiler.is_dynamo_compiling():  # dynamo traces checkpoint, recompute included
+        yield
+        return
+    defaults = _CHECKPOINT.__kwdefaults__
+    given = defaults["context_fn"]
+    defaults["context_fn"] = lambda: (contextlib.nullcontext(), enter())
+    try:
+        yield
+    finally:
+        defaults["context_fn"] = given
+
+
+def _one_rank_mesh(params: Mapping) -> Mesh | None:
+    """The params' mesh when it has one rank (every axis of size 1) and every ShardedArray
+    value lives on it; ``None`` otherwise, decided at the first ShardedArray on a bigger mesh.
+    Not while dynamo traces: a compiled step's plans are constants already."""
+    if torch.compiler.is_dynamo_compiling():
+        return None
+    mesh = None
+    for v in params.values():
+        if type(v) is ShardedArray:
+            m = v.layout.mesh
+            if mesh is None:
+                if m.size(m.axis_names) != 1:
+                    return None
+                mesh = m
+            elif m is not mesh and m != mesh:
+                return None
+    return mesh
+
+
+def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
+    """:func:`functional_call` on a one-rank mesh: every block is the whole value, so the module
+    runs on the plain local tensors (no per-op dispatch: a one-GPU step costs what the plain
+    step costs), and each tensor in the output comes back as a replicated ShardedArray of the
+    mesh. Output entries of the plan reshard nothing here."""
+
+    def unwrap(v):
+        return v.local if type(v) is ShardedArray else v
+
+    local = {k: unwrap(v) for k, v in params.items()}
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=is_sharded)
+    with _called(module, local, {}):
+        out = module(*args, **kwargs)
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor):
+            return ShardedArray._raw(t, _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype))
+        return t
+
+    return pytree.tree_map(wrap, out, is_leaf=is_sharded)
+
+
+def load_params(module: torch.nn.Module, params: Mapping, *, dst: int | None = None) -> None:
+    """Write ``params`` (e.g. trained, sharded) back into the module's own tensors, in place.
+
+    Every alias of a parameter is updated (they are one tensor). Sharded values are gathered,
+    so every rank of their mesh must call this with the same ``params``; all names and shapes
+    are checked before any communication.
+
+    Args:
+        module: the module :func:`shard_params` read.
+        params: ``{name: ShardedArray | Tensor}`` (names as in ``named_parameters()``;
+            buffers too).
+        dst: ``None``: every rank's module is written. A rank: values are gathered to that rank
+            only and only its module is written (the others may live on ``meta``).
+
+    Returns:
+        None; afterwards ``module.state_dict()`` holds the values.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Linear(4, 2)
+        >>> params = fs.nn.shard_params(model, mesh, {"weight": fs.P("tp")})
+        >>> params = {k: v * 0 for k, v in params.items()}  # trained
+        >>> fs.nn.load_params(model, params)  # gathered into the module's own tensors
+        >>> float(model.weight.abs().sum())
+        0.0
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)):
+        raise TypeError(f"load_params: dst must be a rank (int) or None, got {dst!r}")
+    targets = {}
+    errors = LeafErrors("load_params: values whose shape does not fit the module", "params")
+    for name, owner, attr, slot, value in _swap.targets(module, params, "load_params"):
+        t = getattr(owner, slot)[attr]
+        if tuple(value.shape) != tuple(t.shape):
+            errors.add(
+                f"[{name!r}]",
+                f"shape {tuple(value.shape)}; the module's {type(owner).__name__}.{attr} has "
+                f"shape {tuple(t.shape)}",
+            )
+        targets[id(t)] = (t, value)
+    errors.raise_if_any()
+    written = dst is None  # with dst: whether this rank is dst (its gathers return the values)
+    for t, value in targets.values():
+        full = value
+        if isinstance(value, ShardedArray):
+            full = gather(value, dst)
+            if full is None:
+                continue
+            written = True
+        elif dst is not None:
+            raise TypeError("load_params: dst needs ShardedArray values (a tensor is local)")
+        with torch.no_grad():
+            t.copy_(full.detach())
+    if written:
+        _swap.held_here(module)
+
+
+def state_dict(module: torch.nn.Module, params: Mapping) -> dict:
+    """``module.state_dict()`` with the values of ``params`` in place of the module's own.
+
+    A sharded state dict for :func:`fshard.checkpoint.save` (no communication): the same keys
+    as ``module.state_dict()`` (tied aliases and persistent buffers included), each holding the
+    ShardedArray from ``params`` where there is one, else the module's tensor (detached).
+
+    Args:
+        module: the module.
+        params: ``{name: ShardedArray | Tensor}`` (e.g. from :func:`shard_params`).
+
+    Returns:
+        ``{state_dict key: ShardedArray | Tensor}``.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = torch.nn.Linear(4, 2)
+        >>> params = fs.nn.shard_params(model, mesh, {"weight": fs.P("tp")})
+        >>> sd = fs.nn.state_dict(model, params)  # for fs.checkpoint.save
+        >>> sorted(sd), sd["weight"].spec
+        (['bias', 'weight'], P('tp'))
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    by_tensor = {
+        id(getattr(o, s)[a]): v for _, o, a, s, v in _swap.targets(module, params, "state_dict")
+    }
+    out = {}
+    with _swap.reading():
+        module_state = module.state_dict(keep_vars=True)
+    for key, t in module_state.items():
+        out[key] = by_tensor.get(id(t), t.detach() if isinstance(t, torch.Tensor) else t)
+    return out

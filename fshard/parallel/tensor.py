@@ -1,0 +1,372 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) over a ``tp`` mesh axis: the plan.
+
+Column-parallel layers (q/k/v, fc1) split their weight on the out-features, so their output
+is split on the feature dim; row-parallel layers (the attention out-projection, fc2) split it
+on the in-features, so they read that split activation for free and leave a pending sum,
+which an :class:`~fshard.nn.Output` entry all-reduces (or reduce-scatters: sequence
+parallelism, :mod:`fshard.parallel.sequence`) right after the layer::
+
+    x (replicated) -> column: P(tp, None) -> y split on features -> row: P(None, tp) -> pending sum
+    forward:  no comm in the column layer; all_reduce of the row layer's output
+    backward: all_reduce of the column layer's input cotangent; nothing for the row layer
+
+The call is :func:`fshard.nn.functional_call`: the op rules run the layers on the sharded
+weights, so nothing runs differently, only layouts differ. :func:`hf_tp_plan` reads a
+``transformers`` model's own tensor-parallel plan.
+
+Example:
+    >>> import fshard as fs
+    >>> fs.parallel.megatron_plan(column=["*.fc1"], row=["*.fc2"])["*.fc2.weight"]
+    P(None, 'tp')
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ..nn_plan import Output, _matcher
+from ..spec import P
+
+__all__ = ["megatron_plan", "hf_tp_plan"]
+
+_REPLICATED = P()
+
+
+#: weight dim of the out-features and of the in-features, per module kind
+_WEIGHT_DIMS = {"linear": (0, 1), "conv1d": (1, 0), "conv": (0, 1)}
+
+
+def _linear_kind(mod: torch.nn.Module, name: str) -> str:
+    """``"linear"`` (weight (out, in)), ``"conv1d"`` (HF GPT-2 Conv1D, weight (in, out)),
+    ``"conv"`` (``nn.Conv1d/2d/3d``, weight (out, in, *kernel))."""
+    if isinstance(mod, torch.nn.Linear):
+        return "linear"
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx"):
+        return "conv1d"
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    if isinstance(mod, conv) and mod.groups == 1:
+        return "conv"
+    what = f"a {type(mod).__name__}"
+    if isinstance(mod, conv):
+        what += f" with groups={mod.groups} (its channels are split per group)"
+    raise TypeError(
+        f"megatron_plan: module {name!r} is {what}; column/row splits know nn.Linear, "
+        "transformers' Conv1D and nn.Conv1d/2d/3d with groups=1; write its fs.P entries by hand"
+    )
+
+
+def _kind_of(module, glob: str, arg: str) -> tuple[str, list]:
+    mods = [(n, m) for n, m in module.named_modules() if _matcher(glob)(n)]
+    if not mods:
+        raise ValueError(f"megatron_plan: {arg} glob {glob!r} matches no module of the model")
+    kinds = {_linear_kind(m, n) for n, m in mods}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"megatron_plan: {arg} glob {glob!r} matches modules of kinds {sorted(kinds)} "
+            "(their weights store the features in different dims); split it into one glob "
+            "per kind"
+        )
+    return kinds.pop(), mods
+
+
+def _split_dim(kind: str, axis: str, which: int) -> P:
+    """The weight spec of ``kind`` split over ``axis`` on its out- (0) or in-features (1)."""
+    dim = _WEIGHT_DIMS[kind][which]
+    return P(*[axis if d == dim else None for d in range(max(dim + 1, 2))])
+
+
+def _features(mod, kind: str) -> tuple[int, int]:
+    if kind == "conv1d":
+        return mod.nf, mod.nx
+    if kind == "conv":
+        return mod.out_channels, mod.in_channels
+    return mod.out_features, mod.in_features
+
+
+def _fused_parts(model: torch.nn.Module, name: str, out_f: int, in_f: int, column) -> str | None:
+    """What column projection ``name`` (of ``out_f`` features) looks like from the model's
+    config: a fused ``[q | k | v]`` with fewer kv heads, or a fused ``[gate | up]``; ``None``
+    otherwise. Only a projection of the hidden state that is the one column projection of its
+    parent module (a Llama ``q_proj`` has the siblings ``k_proj``, ``v_proj``) and not the
+    output embedding is taken for fused."""
+    cfg = getattr(model, "config", None)
+    get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), None)  # noqa: E731
+    parent = name.rpartition(".")[0]
+    if any(n != name and n.rpartition(".")[0] == parent for n in column):
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if in_f != get("hidden_size", "n_embd", "d_model") or model.get_submodule(name) is head:
+        return None
+    heads = get("num_attention_heads", "n_head", "num_heads")
+    if heads and isinstance(heads, int):
+        head_dim = get("head_dim") or in_f // heads
+        for kv in (get("num_key_value_heads", "num_kv_heads"), 1 if get("multi_query") else None):
+            if kv and kv != heads and out_f == (heads + 2 * kv) * head_dim:
+                return f"[q | k | v] with {heads} query and {kv} key/value heads"
+    inter = get("intermediate_size", "ffn_dim", "n_inner")
+    if isinstance(inter, int) and out_f == 2 * inter:
+        return f"[gate | up] of {inter} features each"
+    return None
+
+
+#: transformers' styles that declare a plain contiguous column split head-aligned
+_HF_ALIGNED = ("colwise",)
+
+
+def _shipped_style(model: torch.nn.Module, name: str) -> str | None:
+    """The style the model's own tensor-parallel plan gives module ``name`` (None: none)."""
+    for pattern, style in _hf_entries(model).items():
+        if _matcher(pattern)(name):
+            return style
+    return None
+
+
+def _check_fused(name: str, mod, kind: str, axis: str, model, column) -> None:
+    """Refuse or warn about a column split of a fused projection that is not head-aligned.
+
+    A contiguous split of the out-features gives each rank whole heads only when the features
+    are head-major (GPT-NeoX's ``[h0: q k v | h1: q k v | ...]``): the model's own plan says so
+    (style ``colwise``), and that split is taken without a warning. Parts of different sizes
+    (``[q | k | v]`` with fewer kv heads, ``[gate | up]``) need a per-part split, which a
+    contiguous ``fs.P`` block cannot express: values stay correct, but every step gathers
+    and re-splits the parts (Phi-3 on 2 ranks: 6 all_gathers per layer and step), so it warns
+    with that cost."""
+    out_f, in_f = _features(mod, kind)
+    if _shipped_style(model, name) in _HF_ALIGNED:
+        return
+    parts = _fused_parts(model, name, out_f, in_f, column)
+    if out_f != 3 * in_f and parts is None:
+        return
+    msg = f"megatron_plan: column split of {name!r} (and the modules its glob matches) over {axis!r}: its {out_f} out-features "
+    if kind == "conv1d" and out_f == 3 * in_f:  # HF GPT-2 family: [q | k | v], split(n_embd)
+        raise ValueError(
+            f"{msg}look like a fused [q | k | v] projection stored [q | k | v] (transformers' "
+            "Conv1D, GPT-2's c_attn); a contiguous split is not head-aligned (rank 0 would get "
+            "all of q and part of k, so the attention would reshuffle heads across ranks every "
+            "step). Leave it out of column= (replicated; the row-parallel c_proj after the "
+            "attention then slices its input for free), or permute its out-features head-major "
+            "and split by hand"
+        )
+    if parts is not None:
+        warnings.warn(
+            f"{msg}are a fused {parts}; a contiguous split gives rank 0 other parts than rank "
+            "1, so every step all-gathers and re-splits them (values stay correct). Leave it "
+            "out of column= (replicated: the row-parallel layer after it slices its input for "
+            "free), or use separate projections",
+            stacklevel=4,
+        )
+        return
+    warnings.warn(
+        f"{msg}= 3 x {in_f} look like a fused q|k|v projection and the model's plan does not "
+        "say how they are ordered: a contiguous split is head-aligned if they are head-major "
+        "([h0: q k v | h1: q k v | ...], GPT-NeoX, Falcon); if they are [q | k | v] "
+        "concatenated, leave it out of column= (values stay correct, but heads move across "
+        "ranks every step)",
+        stacklevel=4,
+    )
+
+
+def megatron_plan(
+    column: Iterable[str] = (),
+    row: Iterable[str] = (),
+    vocab: Iterable[str] = (),
+    axis: str = "tp",
+    bias: bool = True,
+    *,
+    row_output: P | None = _REPLICATED,
+    model: torch.nn.Module | None = None,
+    sequence_parallel: bool = False,
+) -> dict[str, P | Output]:
+    """A Megatron tensor-parallel plan for ``nn.Linear`` / ``Conv1D`` / ``nn.Conv1d/2d/3d`` /
+    ``nn.Embedding``.
+
+    Args:
+        column: module-name globs of column-parallel layers (q/k/v, fc1): the weight is split
+            on out-features (``nn.Linear`` ``(out, in)``: ``P(axis, None)``; transformers'
+            ``Conv1D`` ``(in, out)``: ``P(None, axis)``; ``nn.Conv2d`` ``(out, in, kh, kw)``:
+            its out-channels, ``P(axis, None)``), the bias ``P(axis)``; their outputs are
+            sharded on the feature dim (the last; a convolution's channel dim 1).
+        row: globs of row-parallel layers (attention out-proj, fc2, a ViT's patch-embedding
+            ``Conv2d``): the weight is split on in-features (a convolution's in-channels, so a
+            replicated input is sliced for free); the bias stays replicated (added once, by
+            the first rank's addend of the pending sum; its gradient needs no collective).
+        vocab: globs of vocab-parallel Embeddings: the weight ``(vocab, dim)`` is ``P(axis)``.
+        axis: the tensor-parallel mesh axis.
+        bias: whether the column-parallel layers have a bias (its pattern must match).
+            Ignored when ``model`` is given (read from the modules).
+        row_output: the layout each row-parallel layer's (and vocab-parallel Embedding's)
+            output, a pending sum, is resharded to right after it (an :class:`Output` entry):
+            ``P()`` (default, DTensor's ``RowwiseParallel``) all-reduces the pending sum once,
+            so the residual stream and every norm after it stay replicated; ``P(None, axis)``
+            reduce-scatters over the sequence dim; ``None`` leaves the sum pending for the op
+            rules.
+        model: the model. When given, each glob must match modules of the model, the weight
+            dim is chosen by module type (``Conv1D`` stores its weight transposed), biases are
+            detected, and fused projections in ``column`` are checked: a head-major fused
+            q|k|v (GPT-NeoX; the model's own plan gives it the style ``colwise``) is split
+            contiguously without a warning; GPT-2's ``Conv1D`` ``[q | k | v]`` is refused (never
+            head-aligned); fused parts of different sizes read from the config (``[q | k | v]``
+            with fewer kv heads, multi-query, ``[gate | up]``: Phi-3, Falcon) warn with their
+            cost, since a contiguous ``fs.P`` block cannot give each rank a slice of every part
+            (leave them out of ``column=``: replicated, and the row-parallel layer after them
+            slices its input for free); an ``nn.Linear`` with out = 3 x in whose order the
+            model does not declare warns that it must be head-major.
+        sequence_parallel: Megatron-SP (batch-first activations): ``row_output`` becomes
+            ``P(None, axis)``, so norms, dropout and residual adds run on sequence-split
+            activations; each column-parallel layer's input is all-gathered (reduce-scattered
+            in the backward). See :func:`fshard.parallel.sequence_parallel_plan`.
+
+    Returns:
+        A plan for :func:`shard_params`; everything else (norms, position embeddings) is
+        replicated.
+
+    Example:
+        >>> megatron_plan(column=["*.fc1"], row=["*.fc2"])
+        {'*.fc1.weight': P('tp', None), '*.fc1.bias': P('tp'), '*.fc2.weight': P(None, 'tp'), '*.fc2': Output(spec=P())}
+    """
+    if not isinstance(axis, str) or not axis:
+        raise TypeError(f"axis must be a mesh axis name, got {axis!r}")
+    for arg, value in (("column", column), ("row", row), ("vocab", vocab)):
+        if isinstance(value, str):
+            raise TypeError(f"{arg} must be a list of globs, not a string ({value!r}); wrap it")
+    if sequence_parallel:
+        if row_output is not _REPLICATED and row_output != P(None, axis):
+            raise ValueError(
+                f"sequence_parallel=True sets row_output=P(None, {axis!r}); got row_output="
+                f"{row_output!r} too. Pass one of them"
+            )
+        row_output = P(None, axis)
+    if row_output is not None and not isinstance(row_output, P):
+        raise TypeError(f"row_output must be a fs.P or None, got {row_output!r}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    plan: dict[str, P | Output] = {}
+    column = list(column)
+    if model is not None:
+        found = {m: _kind_of(model, m, "column") for m in column}
+        names = {n for _, mods in found.values() for n, _ in mods}
+    for m in column:
+        kind, has_bias = "linear", bias
+        if model is not None:
+            kind, mods = found[m]
+            has_bias = any(getattr(mod, "bias", None) is not None for _, mod in mods)
+            _check_fused(*mods[0], kind, axis, model, names)  # one check (and warning) per glob
+        plan[f"{m}.weight"] = _split_dim(kind, axis, 0)
+        if has_bias:
+            plan[f"{m}.bias"] = P(axis)
+    for m in row:
+        kind = _kind_of(model, m, "row")[0] if model is not None else "linear"
+        plan[f"{m}.weight"] = _split_dim(kind, axis, 1)
+    for m in vocab:
+        plan[f"{m}.weight"] = P(axis, None)
+    if row_output is not None:  # a row-parallel layer's and a vocab-parallel lookup's output
+        for m in (*row, *vocab):  # is a pending sum
+            plan[m] = Output(row_output)
+    return plan
+
+
+#: transformers' tensor-parallel styles (``config.base_model_tp_plan``, ``model._tp_plan``) and
+#: the megatron_plan role each maps to. An output transformers gathers (``colwise_gather_output``,
+#: ``colwise_rep``) stays split here: in fshard's global view the next op reads a split value as
+#: it reads a full one (same values), and the gather is left to the op that needs it.
+_HF_STYLES = {
+    "colwise": "column",
+    "colwise_gather_output": "column",
+    "colwise_rep": "column",
+    "rowwise": "row",
+    "rowwise_rep": "row",
+    "rowwise_split_input": "row",
+    "embedding_rowwise": "vocab",
+    "replicate": None,
+}
+
+
+def _hf_entries(model: torch.nn.Module) -> dict[str, str]:
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    out = dict(getattr(model, "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    for k, v in base.items():
+        out[f"{prefix}.{k}" if has_base else k] = v
+    return out
+
+
+def hf_tp_plan(
+    model: torch.nn.Module,
+    axis: str = "tp",
+    *,
+    unsupported: str = "error",
+    row_output: P | None = _REPLICATED,
+) -> dict[str, P | Output]:
+    """The tensor-parallel plan a ``transformers`` model ships, as a fshard plan.
+
+    Reads ``model.tp_plan`` (``config.base_model_tp_plan`` under the base model's prefix, plus
+    the head's ``_tp_plan``) and maps each style to :func:`megatron_plan`'s roles:
+    ``colwise`` (and ``colwise_gather_output``, ``colwise_rep``: the output stays split, see
+    below) to ``column``, ``rowwise`` (``rowwise_rep``, ``rowwise_split_input``) to ``row``,
+    ``embedding_rowwise`` to ``vocab``, ``replicate`` to nothing. An output transformers
+    gathers stays split over ``axis`` here: fshard's global view reads it as it reads the full
+    value (the same numbers), and only an op that needs it whole gathers it. Styles with no
+    fshard equivalent yet (``packed_colwise`` fused projections, MoE experts, ``sequence_parallel``
+    ...) raise a ``ValueError`` listing them, or, with ``unsupported="replicate"``, leave those
+    modules replicated (correct, less sharded).
+
+    Args:
+        model: a ``transformers`` model (``PreTrainedModel``).
+        axis: the tensor-parallel mesh axis.
+        unsupported: ``"error"`` (default) or ``"replicate"``.
+        row_output: as in :func:`megatron_plan`.
+
+    Returns:
+        A plan for :func:`shard_params` (checked against the model by :func:`megatron_plan`).
+
+    Example:
+        >>> import transformers
+        >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        >>> _ = torch.manual_seed(0)  # every rank builds the same weights
+        >>> model = transformers.LlamaForCausalLM(cfg)
+        >>> plan = fs.nn.hf_tp_plan(model)  # the plan Llama ships, as fshard specs
+        >>> params = fs.nn.shard_params(model, mesh, plan)
+        >>> params["model.layers.0.self_attn.q_proj.weight"].spec
+        P('tp', None)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"hf_tp_plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    if unsupported not in ("error", "replicate"):
+        raise ValueError(
+            f"hf_tp_plan: unsupported must be 'error' or 'replicate', got {unsupported!r}"
+        )
+    entries = _hf_entries(model)
+    if not entries:
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__} ships no tensor-parallel plan (neither "
+            "config.base_model_tp_plan nor _tp_plan); write one with fs.nn.megatron_plan"
+        )
+    roles: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
+    skipped = []
+    names = [n for n, _ in model.named_modules()]
+    for pattern, style in entries.items():
+        if style not in _HF_STYLES:
+            skipped.append(f"{pattern!r}: {style!r}")
+        elif _HF_STYLES[style] is not None:
+            match = _matcher(pattern)
+            if not any(match(n) for n in names):  # a fused parameter (MoE experts), no module
+                skipped.append(f"{pattern!r}: {style!r} (a parameter, not a module)")
+            else:
+                roles[_HF_STYLES[style]].append(pattern)
+    if skipped and unsupported == "error":
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__}'s plan has styles with no fshard equivalent "
+            f"yet: {', '.join(skipped)}. Pass unsupported='replicate' to keep those modules "
+            "replicated (values are the same; they are not sharded), or write the plan with "
+            "fs.nn.megatron_plan"
+        )
+    return megatron_plan(**roles, axis=axis, row_output=row_output, model=model)
