@@ -65,6 +65,7 @@ import torch
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 from torch.autograd import forward_ad as _forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _comm, axis_env
 from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
@@ -234,6 +235,9 @@ def _apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor
     if plain is not None:
         return run(b, plain) if done is None else done
     if type(b.op) is Pcast:
+        if MP_SOURCES and (src := MP_SOURCES.get(x)) is not None:
+            master, dtype = src  # reduce in the policy's dtype: pcast before the cast
+            return _apply(b, master.to(dtype), None).to(x.dtype)
         hook = PCAST_HOOK.get()
         if hook is not None:
             out = hook(x, b.group)
@@ -241,6 +245,13 @@ def _apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor
                 return out
     return call(_Collective, x, b, boxed)
 
+
+#: Mixed precision (:mod:`fshard.precision`): ``{param cast to param_dtype: (its master value,
+#: reduce_dtype)}``, filled by the calls that cast. A ``pcast`` of such a value is taken on the
+#: master cast to ``reduce_dtype`` and then cast to ``param_dtype`` (same forward values), so
+#: its backward all-reduces in ``reduce_dtype``; when that is the master's own dtype the pcast
+#: sees the master itself, which :func:`fshard.value_and_grad` reduces in its buckets.
+MP_SOURCES = WeakIdKeyDictionary()
 
 #: Set by :func:`fshard.value_and_grad` on its top-level path: ``(x, group) -> tensor | None``.
 #: It takes over ``pcast`` of a leaf it differentiates (a new leaf whose gradient it reduces in

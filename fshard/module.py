@@ -30,16 +30,18 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-from . import _compat, _swap
+from . import _compat, _swap, lax
 from ._leaf_errors import LeafErrors
 from .api import gather, reshard, shard
 from .array import ShardedArray, is_sharded
 from .mesh import Mesh
 from .nn_plan import Output, _match, _split_plan, match_plan
+from .precision import MixedPrecisionPolicy
 from .spec import Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
+    "MixedPrecisionPolicy",
     "Output",
     "shard_params",
     "functional_call",
@@ -53,6 +55,8 @@ _REPLICATED = P()
 
 # module -> {submodule name: output spec}, recorded by the last shard_params on it
 _OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# module -> the MixedPrecisionPolicy the last shard_params on it was given
+_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -62,7 +66,12 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def shard_params(
-    module: torch.nn.Module, mesh: Mesh, plan: Mapping[str, P | Output] | None = None, *, src=None
+    module: torch.nn.Module,
+    mesh: Mesh,
+    plan: Mapping[str, P | Output] | None = None,
+    *,
+    src=None,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> dict[str, ShardedArray]:
     """Shard a module's parameters following ``plan``.
 
@@ -94,6 +103,9 @@ def shard_params(
             its block). Other ranks' modules only provide names, shapes and dtypes (they may
             live on the ``meta`` device): ``src``'s buffers, persistent or not (a rotary
             ``inv_freq``), are broadcast into them, so they run.
+        mp_policy: a :class:`MixedPrecisionPolicy` recorded for this module: the default of
+            :func:`functional_call` and :func:`fsdp_call` on it (FSDP2's ``fully_shard(...,
+            mp_policy=)``). The params themselves keep their dtype (the fp32 master).
 
     Returns:
         ``{name: ShardedArray}`` in ``named_parameters()`` order (detached copies).
@@ -137,6 +149,10 @@ def shard_params(
     if src is not None:
         _broadcast_buffers(module, mesh, src)
     _OUTPUTS[module] = outputs
+    if mp_policy is None:
+        _POLICIES.pop(module, None)
+    else:
+        _POLICIES[module] = mp_policy
     _swap.hold_elsewhere(module)
     if not _compat.TRACES_ATTRIBUTE_DELETE:
         # functional_call leaves these modules' ``forward`` bound on the instance under an
@@ -196,6 +212,7 @@ def functional_call(
     kwargs=None,
     *,
     outputs: Mapping[str, P] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ):
     """Run ``module(*args, **kwargs)`` with the parameters (and buffers) in ``params``.
 
@@ -216,6 +233,12 @@ def functional_call(
         outputs: ``{module glob: P}``, output layouts applied to ShardedArray outputs of the
             matched submodules (see :class:`Output`). ``None``: the :class:`Output` entries of
             the plan the last :func:`shard_params` on this module used; ``{}``: none.
+        mp_policy: a :class:`MixedPrecisionPolicy`: the module's floating parameters (not its
+            buffers) are cast to ``param_dtype`` for the call (their gradients come back in
+            their own dtype, the data-parallel reduction in ``reduce_dtype``: see
+            :mod:`fshard.precision`), floating arguments too when ``cast_forward_inputs``,
+            floating outputs to ``output_dtype``. ``None``: the policy the last
+            :func:`shard_params` on this module recorded, if any.
 
     Returns:
         Whatever ``module.forward`` returns.
@@ -248,11 +271,73 @@ def functional_call(
         outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
+    policy = policy_of(module, mp_policy)
+    if policy is not None:
+        params = _cast_params(policy, module, params)
+        args, kwargs = cast_inputs(policy, args, kwargs)
     mesh = _one_rank_mesh(params)
     if mesh is not None:
-        return _run_local(module, params, args, kwargs or {}, mesh)
-    with _called(module, params, outputs):
-        return module(*args, **(kwargs or {}))
+        out = _run_local(module, params, args, kwargs or {}, mesh)
+    else:
+        with _called(module, params, outputs):
+            out = module(*args, **(kwargs or {}))
+    return cast_outputs(policy, out)
+
+
+def policy_of(module, given) -> MixedPrecisionPolicy | None:
+    """``given`` checked, or (``None``) the policy :func:`shard_params` recorded for ``module``."""
+    if given is None:
+        return _POLICIES.get(module)
+    if not isinstance(given, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got {type(given).__name__}"
+        )
+    return given.check()
+
+
+def _cast_params(policy: MixedPrecisionPolicy, module, params: Mapping) -> dict:
+    """``params``, the module's parameters among them (not its buffers) cast to
+    ``policy.param_dtype``; each cast whose reduction dtype differs from ``param_dtype`` is
+    registered in ``fs.lax.MP_SOURCES`` (see :mod:`fshard.precision`)."""
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    out = dict(params)
+    for name, v in params.items():
+        if name not in names or not isinstance(v, (torch.Tensor, ShardedArray)):
+            continue
+        low = policy.cast_param(v)
+        if low is v:
+            continue
+        reduce = policy.reduce_in(v.dtype)
+        if reduce != low.dtype:
+            lax.MP_SOURCES[_local(low)] = (_local(v), reduce)
+        out[name] = low
+    return out
+
+
+def _cast(fn):
+    return lambda t: fn(t) if isinstance(t, (torch.Tensor, ShardedArray)) else t
+
+
+def cast_inputs(policy: MixedPrecisionPolicy, args: tuple, kwargs):
+    """``(args, kwargs)`` with floating tensors cast to ``policy.param_dtype`` when
+    ``policy.cast_forward_inputs``."""
+    if not policy.cast_forward_inputs or policy.param_dtype is None:
+        return args, kwargs
+    cast = _cast(policy.cast_param)
+    return pytree.tree_map(cast, args, is_leaf=is_sharded), pytree.tree_map(
+        cast, kwargs, is_leaf=is_sharded
+    )
+
+
+def cast_outputs(policy: MixedPrecisionPolicy | None, out):
+    """``out`` with floating tensors cast to ``policy.output_dtype``."""
+    if policy is None or policy.output_dtype is None:
+        return out
+    return pytree.tree_map(_cast(policy.cast_output), out, is_leaf=is_sharded)
+
+
+def _local(v):
+    return v.local if type(v) is ShardedArray else v
 
 
 @contextlib.contextmanager

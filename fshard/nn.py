@@ -36,11 +36,20 @@ Example:
     True
 """
 
-from .module import Output, functional_call, load_params, match_plan, shard_params, state_dict
+from .module import (
+    MixedPrecisionPolicy,
+    Output,
+    functional_call,
+    load_params,
+    match_plan,
+    shard_params,
+    state_dict,
+)
 from .parallel.fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units
 from .parallel.tensor import hf_tp_plan, megatron_plan
 
 __all__ = [
+    "MixedPrecisionPolicy",
     "Output",
     "shard_params",
     "functional_call",

@@ -53,7 +53,9 @@ from .._leaf_errors import LeafErrors
 from ..array import ShardedArray
 from ..collectives import AllGather, Bound
 from ..mesh import Mesh
+from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
+from ..precision import MixedPrecisionPolicy
 from ..spec import P
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -180,8 +182,9 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
 class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
-    def __init__(self, params, units, axis, mesh, prefetch):
+    def __init__(self, params, units, axis, mesh, prefetch, policy=None):
         self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
+        self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.order = list(units)
         self.prefetch = prefetch
@@ -202,7 +205,7 @@ class _Session:
     def _launch(self, unit: str) -> None:
         if unit not in self.launched:
             self.launched[unit] = {
-                n: _comm.all_gather_start(self.params[n].local.detach(), self.group, 0, None)
+                n: _comm.all_gather_start(self._low(n).detach(), self.group, 0, None)
                 for n in self.units[unit]
                 if self.sharded(n)
             }
@@ -225,21 +228,48 @@ class _Session:
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
-            x = self.params[n].local
             if n in fulls:
-                full = fulls[n]
-                y = lax.apply(self.gathered, x, done=full) if x.requires_grad else full
-                self.active[full.untyped_storage().data_ptr()] = (unit, n, full)
+                y = self._varying(n, fulls[n])
+                self.active[y.untyped_storage().data_ptr()] = (unit, n, y)
             else:
-                y = lax.pcast(x, self.axis, mesh=self.mesh)
+                y = self._pcast(n)
             out[n] = y
         return out
 
-    def _traced(self, n: str) -> torch.Tensor:
+    def _low(self, n: str) -> torch.Tensor:
+        """Param ``n``'s block in the policy's ``param_dtype``: what is gathered."""
+        return self.policy.cast_param(self.params[n].local)
+
+    def _varying(self, n: str, full: torch.Tensor) -> torch.Tensor:
+        """The gathered ``full`` (of :meth:`_low`) as the differentiable gather of param ``n``:
+        the backward reduce-scatters in the policy's reduce dtype, then casts to the param's."""
         x = self.params[n].local
-        if self.sharded(n):
-            return lax.all_gather(x, self.axis, dim=0, to="varying", mesh=self.mesh)
-        return lax.pcast(x, self.axis, mesh=self.mesh)
+        if not x.requires_grad:
+            return full
+        reduce = self.policy.reduce_in(x.dtype)
+        if reduce == full.dtype:
+            return lax.apply(self.gathered, self._low(n), done=full)
+        return lax.apply(self.gathered, x.to(reduce), done=full.to(reduce)).to(full.dtype)
+
+    def _pcast(self, n: str) -> torch.Tensor:
+        """Param ``n``, left whole over the axis: a pcast (the backward all-reduces) in the
+        policy's reduce dtype, then the cast to ``param_dtype``."""
+        x = self.params[n].local
+        y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), self.axis, mesh=self.mesh)
+        return self.policy.cast_param(y)
+
+    def _traced(self, n: str) -> torch.Tensor:
+        if not self.sharded(n):
+            return self._pcast(n)
+        x, low = self.params[n].local, self._low(n)
+        reduce = self.policy.reduce_in(x.dtype)
+        if reduce == low.dtype:
+            return lax.all_gather(low, self.axis, dim=0, to="varying", mesh=self.mesh)
+        # Under a transform an edge carries its forward dtype's gradient, so a gather of
+        # param_dtype values cannot reduce-scatter in another dtype: gather in the reduce dtype
+        # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
+        y = lax.all_gather(x.to(reduce), self.axis, dim=0, to="varying", mesh=self.mesh)
+        return y.to(low.dtype)
 
     # -- saved-tensor hooks: a gathered weight is re-gathered in the backward, not kept --------
 
@@ -276,6 +306,7 @@ def fsdp_gather(
     mesh: Mesh,
     axis: str | Sequence[str] = "dp",
     prefetch: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Iterator[Callable[[str], dict[str, torch.Tensor]]]:
     """Gather FSDP units just before use; yields ``get(unit) -> {param name: local tensor}``.
 
@@ -290,6 +321,9 @@ def fsdp_gather(
         axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`).
         prefetch: launch the next unit's gather (and in the backward the previous one's)
             asynchronously.
+        mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy`: blocks are cast to its
+            ``param_dtype`` before the all_gather (its bytes), gradients reduce-scattered in
+            its ``reduce_dtype`` and returned in the params' own dtype.
 
     Yields:
         ``get(unit)``.
@@ -314,7 +348,12 @@ def fsdp_gather(
         if not isinstance(v, ShardedArray):
             errors.add(f"[{n!r}]", f"got {type(v).__name__}", TypeError)
     errors.raise_if_any(fix="shard them with fs.nn.shard_params(module, mesh, fsdp_plan(...))")
-    session = _Session(params, units, axis, mesh, prefetch)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fsdp_gather: mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got "
+            f"{type(mp_policy).__name__}"
+        )
+    session = _Session(params, units, axis, mesh, prefetch, mp_policy and mp_policy.check())
     if not session.eager:
         yield session.gather
         return
@@ -377,6 +416,7 @@ def fsdp_call(
     axis: str | Sequence[str] = "dp",
     units: Mapping[str, Sequence[str]] | None = None,
     prefetch: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ):
     """Run ``module(*args)`` on local tensors with each FSDP unit gathered just before its
     forward (a forward pre-hook), the next one prefetched, and released after.
@@ -400,6 +440,11 @@ def fsdp_call(
         axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`).
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
+        mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` (``None``: the one
+            :func:`~fshard.nn.shard_params` recorded for the module, if any): params gathered
+            in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``, floating
+            arguments cast to ``param_dtype`` (``cast_forward_inputs``), floating outputs to
+            ``output_dtype``.
 
     Returns:
         What ``module.forward`` returns (local, varying over ``axis``).
@@ -417,6 +462,9 @@ def fsdp_call(
     units = fsdp_units(module) if units is None else units
     if not isinstance(args, tuple):
         args = (args,)
+    policy = policy_of(module, mp_policy)
+    if policy is not None:
+        args, kwargs = cast_inputs(policy, args, kwargs)
     held = _check_units(module, params, units)
     recomputing = [
         n
@@ -432,7 +480,9 @@ def fsdp_call(
             "tp), which swaps the values in again for the recompute"
         )
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
-    with fsdp_gather(params, units, mesh=mesh, axis=axis, prefetch=prefetch) as get:
+    with fsdp_gather(
+        params, units, mesh=mesh, axis=axis, prefetch=prefetch, mp_policy=policy
+    ) as get:
         try:
             for unit in units:
                 if unit == "":
@@ -448,7 +498,7 @@ def fsdp_call(
                 handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
             with _swap.swap(module, get(""), "fsdp_call", held):
                 try:
-                    return module(*args, **(kwargs or {}))
+                    return cast_outputs(policy, module(*args, **(kwargs or {})))
                 finally:  # a unit whose forward raised: its swap exits before the root's
                     while inside:
                         inside.pop().__exit__(None, None, None)
