@@ -170,7 +170,14 @@ def dense_loss(params: dict, model: GPT, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def tp_loss(
-    params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh, get=None
+    params: dict,
+    tokens: torch.Tensor,
+    cfg: GPTConfig,
+    mesh: fs.Mesh,
+    get=None,
+    *,
+    remat: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Mean next-byte cross entropy over this rank's sequences, Megatron TP over ``'tp'``.
 
@@ -181,13 +188,22 @@ def tp_loss(
     The result is the same on every ``tp`` rank and differs over ``dp``.
 
     ``get(unit) -> {name: local block}`` supplies each FSDP unit's weights just before use
-    (:func:`fsdp_loss`); by default every param's local shard.
+    (:func:`fsdp_loss`); by default every param's local shard. ``remat``: each block under
+    ``fs.remat`` (only its input and weights saved; the rest, collectives included, recomputed
+    in the backward). ``dtype``: compute dtype (``--bf16``): the weights are cast to it where
+    read (their gradients come back in float32), the logits back to float32 for the loss.
     """
     if get is None:
         whole = {k: v.local for k, v in params.items()}
 
         def get(unit):
             return whole
+
+    if dtype is not None:
+        fetch = get
+
+        def get(unit):
+            return {k: v.to(dtype) if v.is_floating_point() else v for k, v in fetch(unit).items()}
 
     root = get("")
     p = dict(root)
@@ -209,29 +225,47 @@ def tp_loss(
     def ln(x, name):
         return F.layer_norm(x, (cfg.d_model,), p[name + ".weight"], p[name + ".bias"])
 
-    x = F.embedding(x_tok, p["tok.weight"]) + p["pos.weight"][:t]
-    for i in range(cfg.n_layers):
-        pre = f"blocks.{i}."
-        p = {**root, **get(pre[:-1])}  # the previous block's weights can be freed
+    def block(x, weights, pre):
+        nonlocal p
+        p = weights
         qkv = column(ln(x, pre + "ln1"), pre + "attn.qkv").view(b, t, heads, 3, hd)
         x = x + row(_attend(qkv).reshape(b, t, heads * hd), pre + "attn.proj")
         h = F.gelu(column(ln(x, pre + "ln2"), pre + "mlp.fc1"))
-        x = x + row(h, pre + "mlp.fc2")
+        return x + row(h, pre + "mlp.fc2")
+
+    x = F.embedding(x_tok, p["tok.weight"]) + p["pos.weight"][:t]
+    for i in range(cfg.n_layers):
+        pre = f"blocks.{i}."
+        weights = get(pre[:-1])  # the previous block's weights can be freed
+        if remat:  # the weights are arguments: their gradients flow through the recompute
+            x = fs.remat(lambda x, w, pre=pre: block(x, w, pre))(x, weights)
+        else:
+            x = block(x, weights, pre)
+    p = root
     logits = column(ln(x, "ln_f"), "head", bias=False)
     logits = fs.lax.all_gather(logits, "tp", dim=-1, to="invariant", mesh=mesh)
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab).float(), y.reshape(-1))
 
 
 def fsdp_loss(
-    params: dict, tokens: torch.Tensor, cfg: GPTConfig, mesh: fs.Mesh, units: dict
+    params: dict,
+    tokens: torch.Tensor,
+    cfg: GPTConfig,
+    mesh: fs.Mesh,
+    units: dict,
+    remat: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """:func:`tp_loss` with params sharded over ``dp`` too (``fs.nn.fsdp_plan``): each block's
     weights are all-gathered over ``dp`` just before use (to a varying value, so their gradient
     is a reduce_scatter), the next block's gather prefetched, and re-gathered in the backward
     instead of kept. Averaged over ``dp``: the gradients come out already reduced. ``units``:
-    ``fs.nn.fsdp_units(model)`` (the root, then each block)."""
-    with fs.nn.fsdp_gather(params, units, mesh=mesh) as get:
-        loss = tp_loss(params, tokens, cfg, mesh, get=get)
+    ``fs.nn.fsdp_units(model)`` (the root, then each block). With ``dtype`` (``--bf16``) the
+    blocks are gathered in it and the gradients reduce-scattered in float32
+    (``fs.nn.MixedPrecisionPolicy``)."""
+    policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else None
+    with fs.nn.fsdp_gather(params, units, mesh=mesh, mp_policy=policy) as get:
+        loss = tp_loss(params, tokens, cfg, mesh, get=get, remat=remat)
     return fs.lax.pmean(loss, "dp", mesh=mesh)
 
 
@@ -285,19 +319,22 @@ def make_train_step(
     *,
     model: GPT | None = None,
     fsdp_units: dict | None = None,
+    remat: bool = False,
+    dtype: torch.dtype | None = None,
 ):
     """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
     With ``model`` the step differentiates :func:`global_loss` (the module's own forward);
     with ``fsdp_units`` (params sharded by ``fs.nn.fsdp_plan``) :func:`fsdp_loss` through
-    ``fs.value_and_grad``; otherwise the local-view :func:`tp_loss`.
+    ``fs.value_and_grad``; otherwise the local-view :func:`tp_loss`. ``remat`` and ``dtype``
+    as in :func:`tp_loss` (``dtype`` of the global view: the policy ``shard_params`` recorded).
     """
     dp = mesh.size("dp")
     if fsdp_units is not None:
         fsdp_grad = fs.value_and_grad(fsdp_loss)
 
         def loss_and_grads(params, batch):  # grads arrive reduce-scattered over dp
-            loss, grads = fsdp_grad(params, batch.local, model_cfg, mesh, fsdp_units)
+            loss, grads = fsdp_grad(params, batch.local, model_cfg, mesh, fsdp_units, remat, dtype)
             return grads, loss
 
     elif model is not None:
@@ -310,7 +347,7 @@ def make_train_step(
         local_grad = torch.func.grad_and_value(tp_loss)
 
         def loss_and_grads(params, batch):
-            grads, loss = local_grad(params, batch.local, model_cfg, mesh)
+            grads, loss = local_grad(params, batch.local, model_cfg, mesh, remat=remat, dtype=dtype)
             if dp > 1:  # the whole gradient pytree, bucketed; the fresh grads are donated
                 grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh, donate=True)
             return grads, loss
@@ -337,7 +374,11 @@ def train(args: dict) -> dict:
     plan = gpt_plan("tp")
     if args.get("fsdp"):
         plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
-    params = fs.nn.shard_params(model, mesh, plan)
+    dtype = torch.bfloat16 if args.get("bf16") else None
+    policy = None  # the global view's: bf16 compute, fp32 gradient reductions and logits
+    if dtype is not None and args["view"] == "global":
+        policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
+    params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
     tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
     opt_state = tx.init(params)  # same layouts as the params: sharded over dp with --fsdp
     step = make_train_step(
@@ -346,6 +387,8 @@ def train(args: dict) -> dict:
         tx,
         model=model if args["view"] == "global" else None,
         fsdp_units=fs.nn.fsdp_units(model) if args.get("fsdp") else None,
+        remat=args.get("remat", False),
+        dtype=dtype,
     )
     data = load_corpus(Path(args["data"]))
     gen = torch.Generator().manual_seed(args["seed"] + 1)
@@ -427,6 +470,16 @@ def parse_args(argv=None) -> dict:
         default="local",
         help="local: explicit collectives (tp_loss); global: the module's own forward",
     )
+    ap.add_argument(
+        "--remat",
+        action="store_true",
+        help="activation checkpointing: each block under fs.remat (local view)",
+    )
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="compute in bfloat16 from float32 master params (fs.nn.MixedPrecisionPolicy)",
+    )
     add_device_flag(ap, "params, optimizer state and batches")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
@@ -437,6 +490,8 @@ def parse_args(argv=None) -> dict:
         if a.view != "local":
             raise SystemExit("--fsdp runs the local view (explicit collectives); drop --view")
         a.dp = a.fsdp
+    if a.remat and a.view != "local":
+        raise SystemExit("--remat runs the local view (each block under fs.remat); drop --view")
     for name in ("dp", "tp", "steps", "batch", "layers", "heads", "ctx"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name} must be >= 1")
@@ -452,7 +507,7 @@ def parse_args(argv=None) -> dict:
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
         "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
-        "device": a.device,
+        "device": a.device, "remat": a.remat, "bf16": a.bf16,
     }  # fmt: skip
 
 
@@ -490,6 +545,7 @@ def main(argv=None) -> dict:
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     print(
         f"dp={args['dp']} tp={args['tp']} view={args['view']} fsdp={args.get('fsdp', False)} "
+        f"remat={args.get('remat', False)} bf16={args.get('bf16', False)} "
         f"steps={args['steps']}: "
         f"loss {first:.3f} (first 10) -> {last:.3f} (last 10), "
         f"{out['tokens_per_s']:,.0f} tokens/s"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import fshard as fs
 
@@ -24,13 +25,22 @@ def _batches():
     return [demo.get_batch(data, BATCH, CFG.ctx, gen) for _ in range(STEPS)]
 
 
-def dense_run():
+def dense_run(dtype=None):
     torch.manual_seed(SEED)
     model = demo.GPT(CFG)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     tx = demo.make_optimizer(**OPT)
     state = tx.init(params)
-    gv = torch.func.grad_and_value(demo.dense_loss)
+    if dtype is None:
+        gv = torch.func.grad_and_value(demo.dense_loss)
+    else:  # the same casts as --bf16: weights cast where read, logits back to float32
+
+        def low_loss(params, model, tokens):
+            low = {k: v.to(dtype) for k, v in params.items()}
+            logits = torch.func.functional_call(model, low, (tokens[:, :-1],)).float()
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+        gv = torch.func.grad_and_value(low_loss)
     losses, snaps = [], []
     for batch in _batches():
         grads, loss = gv(params, model, batch)
@@ -41,19 +51,34 @@ def dense_run():
     return losses, snaps
 
 
-def sharded_rank_fn(dp, tp, view):
+def sharded_rank_fn(dp, tp, view, remat=False, bf16=False, fsdp=False):
     mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
     torch.manual_seed(SEED)
     model = demo.GPT(CFG)
-    params = fs.nn.shard_params(model, mesh, demo.gpt_plan("tp"))
-    if tp > 1:
+    plan = demo.gpt_plan("tp")
+    if fsdp:
+        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
+    dtype = torch.bfloat16 if bf16 else None
+    policy = None
+    if bf16 and view == "global":
+        policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
+    params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
+    if tp > 1 and not fsdp:
         assert params["blocks.0.attn.qkv.weight"].spec == fs.P("tp", None)
         assert params["blocks.1.mlp.fc2.weight"].spec == fs.P(None, "tp")
         assert params["head.weight"].local.shape == (CFG.vocab // 2, CFG.d_model)
     layouts = {k: v.layout for k, v in params.items()}
     tx = demo.make_optimizer(**OPT)
     state = tx.init(params)
-    step = demo.make_train_step(CFG, mesh, tx, model=model if view == "global" else None)
+    step = demo.make_train_step(
+        CFG,
+        mesh,
+        tx,
+        model=model if view == "global" else None,
+        fsdp_units=fs.nn.fsdp_units(model) if fsdp else None,
+        remat=remat,
+        dtype=dtype,
+    )
     losses, snaps = [], []
     for batch in _batches():
         params, state, loss = step(params, state, fs.shard(batch, mesh, fs.P("dp")))
@@ -86,6 +111,38 @@ def test_sharded_training_matches_dense(world2, dense, dp, tp, view):
             torch.testing.assert_close(snaps[i][k], ref, rtol=1e-4, atol=1e-5, msg=f"step {i} {k}")
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "dp,tp,view,fsdp", [(1, 2, "local", False), (2, 1, "local", False), (2, 1, "local", True)]
+)
+def test_remat_training_matches_dense(world2, dense, dp, tp, view, fsdp):
+    """``--remat``: every block under fs.remat (collectives recomputed in the backward; inside
+    FSDP units too), the same training as dense."""
+    ref_losses, ref_snaps = dense
+    losses, snaps = world2.run(sharded_rank_fn, dp, tp, view, True, False, fsdp)[0]
+    for i in range(STEPS):
+        assert losses[i] == pytest.approx(ref_losses[i], rel=1e-4), (i, losses, ref_losses)
+        for k, ref in ref_snaps[i].items():
+            torch.testing.assert_close(snaps[i][k], ref, rtol=1e-4, atol=1e-5, msg=f"step {i} {k}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dp,tp,view", [(1, 2, "local"), (2, 1, "global")])
+def test_bf16_training_matches_dense_bf16(world2, dp, tp, view):
+    """``--bf16``: bfloat16 compute from float32 masters (the params stay float32), against the
+    dense run with the same casts. A split matmul sums its bf16 partial products in another
+    order than the dense one, so the comparison has bf16's tolerance."""
+    ref_losses, ref_snaps = dense_run(torch.bfloat16)
+    fp32_losses = dense_run()[0]
+    losses, snaps = world2.run(sharded_rank_fn, dp, tp, view, False, True)[0]
+    assert losses != fp32_losses  # bf16 compute happened
+    for i in range(STEPS):
+        assert losses[i] == pytest.approx(ref_losses[i], abs=1e-3), (i, losses, ref_losses)
+    for k, ref in ref_snaps[-1].items():  # Adam turns bf16 noise on tiny gradients into
+        assert snaps[-1][k].dtype == torch.float32  # +-lr steps: 3 steps of lr 1e-2
+        torch.testing.assert_close(snaps[-1][k], ref, rtol=0, atol=3e-2, msg=k)
+
+
 def test_parse_args_validation():
     with pytest.raises(SystemExit, match="divisible"):
         demo.parse_args(["--batch", "5", "--dp", "2"])
@@ -95,3 +152,6 @@ def test_parse_args_validation():
     assert demo.parse_args(["--view", "global"])["view"] == "global"
     with pytest.raises(SystemExit):
         demo.parse_args(["--view", "dense"])
+    with pytest.raises(SystemExit, match="--remat runs the local view"):
+        demo.parse_args(["--remat", "--view", "global"])
+    assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
