@@ -536,10 +536,14 @@ def all_to_all(
     """Split ``split_dim`` into chunks sent to each rank; concat what arrives along ``concat_dim``.
 
     ``split_sizes[j]``: size of the piece sent to chunk ``j``; ``concat_sizes[j]``: size along
-    ``concat_dim`` of the piece received from chunk ``j``. ``None`` means even.
+    ``concat_dim`` of the piece received from chunk ``j``. ``None`` means even. With
+    ``split_dim == concat_dim`` and sizes given the exchange is *ragged* (each rank its own
+    sizes: MoE token dispatch): only the pieces' bytes move, no padding.
     """
     if g.size == 1:
         return t
+    if split_dim == concat_dim and split_sizes is not None and concat_sizes is not None:
+        return _ragged_all_to_all(t, g, split_dim, split_sizes, concat_sizes)
     _wire(t, g, "all_to_all")
     _consistent(
         "all_to_all",
@@ -571,6 +575,37 @@ def all_to_all(
             idx[concat_dim] = slice(0, concat_sizes[j])
         parts.append(p[tuple(idx)])
     return torch.cat(parts, concat_dim)
+
+
+def _ragged_all_to_all(t, g: AxisGroup, dim: int, send: Sequence[int], recv: Sequence[int]):
+    """Pieces of ``dim`` of sizes ``send[j]`` to chunk ``j``; what chunk ``j`` sends (``recv[j]``
+    along ``dim``) concatenated in chunk order. The sizes differ per rank, so the consistency
+    check compares only what must agree (the other dims, the dtype)."""
+    if len(send) != g.size or len(recv) != g.size or sum(send) != t.shape[dim]:
+        raise ValueError(
+            f"ragged all_to_all over {g.axes}: send sizes {list(send)} must be {g.size} sizes "
+            f"summing to dim {dim}'s {t.shape[dim]}, recv sizes {list(recv)} {g.size} sizes"
+        )
+    _wire(t, g, "all_to_all")
+    other = tuple(d for i, d in enumerate(t.shape) if i != dim)
+    _consistent("ragged_all_to_all", g, t, dim=dim, other_dims=other)
+    record("all_to_all", g.axes, nbytes(t))
+    x = t.movedim(dim, 0)
+    order = _chunk_of_group_rank(g)  # group rank k holds chunk order[k]
+    if not g.identity_order:
+        pieces = torch.split(x, list(send), 0)
+        x = torch.cat([pieces[order[k]] for k in range(g.size)], 0)
+    send_k = [send[order[k]] for k in range(g.size)]
+    recv_k = [recv[order[k]] for k in range(g.size)]
+    if tracing():
+        out = _compat.funcol().all_to_all_single(x.contiguous().detach(), recv_k, send_k, g.pg)
+    else:
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_k, send_k, group=g.pg)
+    if not g.identity_order:
+        pieces = torch.split(out, recv_k, 0)
+        out = torch.cat([pieces[g.group_rank[j]] for j in range(g.size)], 0)
+    return out.movedim(0, dim)
 
 
 def ppermute(

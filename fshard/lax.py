@@ -56,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import operator
 import os
 from collections.abc import Container, Sequence
 from typing import NamedTuple
@@ -95,6 +96,7 @@ __all__ = [
     "all_gather",
     "psum_scatter",
     "all_to_all",
+    "ragged_all_to_all",
     "ppermute",
     "pcast",
     "axis_index",
@@ -793,6 +795,60 @@ def all_to_all(
             f"{g.size}"
         )
     return _one(x, g, mesh, AllToAll(g.axes, s, c), varies=True)
+
+
+def ragged_all_to_all(
+    x: torch.Tensor,
+    axis: str | Sequence[str],
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int] | None = None,
+    *,
+    mesh: Mesh | None = None,
+) -> torch.Tensor:
+    """Send rows ``[sum(send_sizes[:j]), sum(send_sizes[:j+1]))`` of ``x`` to rank ``j`` of
+    ``axis``; concatenate the rows that arrive, in rank order (JAX's ``ragged_all_to_all`` with
+    contiguous pieces; MoE token dispatch). Each rank has its own sizes; only those rows move.
+
+    The transpose (the backward) is the reverse exchange: ``recv_sizes`` out, ``send_sizes`` in.
+
+    Args:
+        x: this rank's rows (dim 0).
+        axis: a mesh axis name or a tuple of names.
+        send_sizes: rows for each rank of ``axis`` (ints summing to ``x.shape[0]``).
+        recv_sizes: rows arriving from each rank; ``None``: exchanged first (one small
+            all_gather of the sizes, logged as ``size_exchange``).
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        ``(sum(recv_sizes), *x.shape[1:])``, varying over ``axis``.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = torch.arange(3.0) + 10 * mesh.rank  # rank 0: [0, 1, 2], rank 1: [10, 11, 12]
+        >>> sizes = [1, 2] if mesh.rank == 0 else [2, 1]  # rank 0 keeps 1 row, sends 2
+        >>> y = fs.lax.ragged_all_to_all(x, "x", sizes, mesh=mesh)
+        >>> y.tolist() == ([0.0, 10.0, 11.0] if mesh.rank == 0 else [1.0, 2.0, 12.0])
+        True
+    """
+    _tensor(x, "ragged_all_to_all")
+    g = _group(axis, mesh)
+    send = tuple(operator.index(s) for s in send_sizes)
+    if len(send) != g.size or sum(send) != (x.shape[0] if x.dim() else -1) or min(send) < 0:
+        raise ValueError(
+            f"ragged_all_to_all: send_sizes must be {g.size} non-negative ints (one per rank of "
+            f"{g.axes}) summing to x.shape[0]; got {list(send_sizes)} for x of shape "
+            f"{tuple(x.shape)}"
+        )
+    if recv_sizes is None:
+        recv = tuple(row[g.index] for row in _comm.size_exchange(send, g, x.device))
+    else:
+        recv = tuple(operator.index(s) for s in recv_sizes)
+        if len(recv) != g.size or min(recv) < 0:
+            raise ValueError(
+                f"ragged_all_to_all: recv_sizes must be {g.size} non-negative ints, got "
+                f"{list(recv_sizes)}"
+            )
+    return _one(x, g, mesh, AllToAll(g.axes, 0, 0, send, recv), varies=True)
 
 
 def ppermute(

@@ -8,16 +8,18 @@ call puts values into the module through the one swap of :mod:`fshard._swap`).
 | tensor (:mod:`fshard.parallel.tensor`) | ``megatron_plan``, ``hf_tp_plan`` | ``fs.nn.functional_call`` |
 | sequence (:mod:`fshard.parallel.sequence`) | ``sequence_parallel_plan`` | ``fs.nn.functional_call`` |
 | FSDP / ZeRO-3 (:mod:`fshard.parallel.fsdp`) | ``fsdp_plan`` (over any base plan) | ``fsdp_call`` |
+| expert (:mod:`fshard.parallel.expert`) | ``expert_parallel_plan`` | ``expert_parallel_call`` (``moe_experts`` for your own MoE layer) |
 
 The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
 ``fs.parallel.megatron_plan``).
 
 Example:
     >>> import fshard as fs
-    >>> sorted(fs.parallel.__all__)[:3]
-    ['fsdp_call', 'fsdp_gather', 'fsdp_plan']
+    >>> fs.parallel.megatron_plan is fs.nn.megatron_plan
+    True
 """
 
+from .expert import expert_parallel_call, expert_parallel_plan, moe_experts
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units
 from .sequence import megatron_sp_comm, sequence_parallel_plan
 from .tensor import hf_tp_plan, megatron_plan
@@ -31,4 +33,7 @@ __all__ = [
     "fsdp_units",
     "fsdp_gather",
     "fsdp_call",
+    "expert_parallel_plan",
+    "expert_parallel_call",
+    "moe_experts",
 ]
