@@ -73,6 +73,8 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 4
     ctx: int = 64
+    n_experts: int = 0  # > 0: each block's MLP is a top-k routed mixture of experts
+    top_k: int = 2
 
 
 # -- the model (dense definition; also the source of parameter names and init) ---------------
@@ -103,13 +105,53 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class MoE(nn.Module):
+    """Top-k routed experts (``--experts E``): a router, and ``E`` GELU MLPs stored stacked
+    (``gate_up`` ``(E, 2 I, d)``, ``down`` ``(E, d, I)``, transformers' layout).
+
+    With the experts sharded over a mesh axis (``--ep``) the tokens go to their experts' ranks
+    and back (``fs.parallel.moe_experts``: ragged all_to_alls of the routed rows only);
+    otherwise (dense, or experts replicated) every expert runs on every token and is weighted
+    by its routing weight, zero where the token is not routed to it: the same sum.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d, inner = cfg.d_model, 2 * cfg.d_model
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(d, cfg.n_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * inner, d))
+        self.down = nn.Parameter(torch.empty(cfg.n_experts, d, inner))
+        nn.init.normal_(self.gate_up, std=0.02)
+        nn.init.normal_(self.down, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = x.reshape(b * t, d)
+        w, idx = torch.softmax(self.router(h), -1).topk(self.top_k, -1)
+        if isinstance(self.gate_up, fs.ShardedArray) and self.gate_up.spec.padded(3)[0]:
+            y = fs.parallel.moe_experts(h, idx, w, self.gate_up, self.down, apply_gate=_gelu_gate)
+        else:
+            y = 0
+            for e in range(self.gate_up.shape[0]):
+                weight = (w * (idx == e)).sum(-1, keepdim=True)
+                out = F.linear(_gelu_gate(F.linear(h, self.gate_up[e])), self.down[e])
+                y = y + weight * out
+        return y.reshape(b, t, d)
+
+
+def _gelu_gate(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -149,14 +191,19 @@ def _attend(qkv):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
-def gpt_plan(axis: str = "tp") -> dict:
-    """The Megatron plan of :class:`GPT` for :func:`fshard.nn.shard_params`."""
+def gpt_plan(axis: str = "tp", experts: str | None = None) -> dict:
+    """The Megatron plan of :class:`GPT` for :func:`fshard.nn.shard_params`; with ``experts``
+    (a mesh axis, :class:`MoE` blocks) the experts split over it (expert parallelism) and the
+    routers replicated."""
+    mlp = ([], []) if experts else (["blocks.*.mlp.fc1"], ["blocks.*.mlp.fc2"])
     plan = fs.nn.megatron_plan(
-        column=["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
-        row=["blocks.*.attn.proj", "blocks.*.mlp.fc2"],
+        column=["blocks.*.attn.qkv", *mlp[0]],
+        row=["blocks.*.attn.proj", *mlp[1]],
         axis=axis,
     )
     plan.update(fs.nn.megatron_plan(column=["head"], axis=axis, bias=False))
+    if experts:
+        plan.update({"blocks.*.mlp.gate_up": fs.P(experts), "blocks.*.mlp.down": fs.P(experts)})
     return plan
 
 
@@ -365,13 +412,14 @@ def make_train_step(
 def train(args: dict) -> dict:
     """One rank of the training run; returns losses (and timing) for rank 0."""
     cfg = GPTConfig(**args["model"])
-    dp, tp = args["dp"], args["tp"]
-    if dist.get_world_size() != dp * tp:
-        raise ValueError(f"world size {dist.get_world_size()} != dp * tp = {dp * tp}")
-    mesh = fs.Mesh.create((dp, tp), ("dp", "tp"), device_type=args.get("device"))
+    dp, ep, tp = args["dp"], args.get("ep", 1), args["tp"]
+    if dist.get_world_size() != dp * ep * tp:
+        raise ValueError(f"world size {dist.get_world_size()} != dp * ep * tp = {dp * ep * tp}")
+    # the batch is split over dp x ep (expert parallelism carves its ranks out of the data)
+    mesh = fs.Mesh.create((dp, ep, tp), ("dp", "ep", "tp"), device_type=args.get("device"))
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
-    plan = gpt_plan("tp")
+    plan = gpt_plan("tp", experts="ep" if cfg.n_experts else None)
     if args.get("fsdp"):
         plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
     dtype = torch.bfloat16 if args.get("bf16") else None
@@ -405,7 +453,9 @@ def train(args: dict) -> dict:
         for _ in range(args["steps"]):
             t0 = time.perf_counter()
             batch = fs.shard(
-                get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device()), mesh, fs.P("dp")
+                get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device()),
+                mesh,
+                fs.P(("dp", "ep")),
             )
             params, opt_state, loss = step(params, opt_state, batch)
             loss = float(loss)
@@ -480,6 +530,20 @@ def parse_args(argv=None) -> dict:
         action="store_true",
         help="compute in bfloat16 from float32 master params (fs.nn.MixedPrecisionPolicy)",
     )
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="MoE: each block's MLP is E top-k routed experts (global view)",
+    )
+    ap.add_argument("--topk", type=int, default=2, help="experts per token (with --experts)")
+    ap.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: the experts split over them, tokens dispatched with "
+        "ragged all_to_alls (with --experts; the batch is split over dp x ep)",
+    )
     add_device_flag(ap, "params, optimizer state and batches")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
@@ -490,24 +554,37 @@ def parse_args(argv=None) -> dict:
         if a.view != "local":
             raise SystemExit("--fsdp runs the local view (explicit collectives); drop --view")
         a.dp = a.fsdp
+    if a.ep > 1 and not a.experts:
+        raise SystemExit("--ep splits the experts: add --experts E")
+    if a.experts:
+        if a.view != "global" or a.fsdp:
+            raise SystemExit(
+                "--experts runs the global view (fs.parallel.moe_experts in the module's "
+                "forward): add --view global (without --fsdp)"
+            )
+        if a.experts % a.ep or not 1 <= a.topk <= a.experts:
+            raise SystemExit(
+                f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
+            )
     if a.remat and a.view != "local":
         raise SystemExit("--remat runs the local view (each block under fs.remat); drop --view")
-    for name in ("dp", "tp", "steps", "batch", "layers", "heads", "ctx"):
+    for name in ("dp", "ep", "tp", "steps", "batch", "layers", "heads", "ctx"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name} must be >= 1")
-    if a.batch % a.dp:
-        raise SystemExit(f"--batch ({a.batch}) must be divisible by --dp ({a.dp})")
+    if a.batch % (a.dp * a.ep):
+        raise SystemExit(f"--batch ({a.batch}) must be divisible by --dp x --ep ({a.dp * a.ep})")
     if a.heads % a.tp:
         raise SystemExit(f"--heads ({a.heads}) must be divisible by --tp ({a.tp})")
     if a.d_model % a.heads:
         raise SystemExit(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
     checked_device(a.device)
-    model = {"d_model": a.d_model, "n_heads": a.heads, "n_layers": a.layers, "ctx": a.ctx}
+    model = {"d_model": a.d_model, "n_heads": a.heads, "n_layers": a.layers, "ctx": a.ctx,
+             "n_experts": a.experts, "top_k": a.topk}  # fmt: skip
     return {
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
         "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
-        "device": a.device, "remat": a.remat, "bf16": a.bf16,
+        "device": a.device, "remat": a.remat, "bf16": a.bf16, "ep": a.ep,
     }  # fmt: skip
 
 
@@ -536,7 +613,7 @@ def save_plot(losses: list, path: str, title: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    world = args["dp"] * args["tp"]
+    world = args["dp"] * args.get("ep", 1) * args["tp"]
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     out = launch_run(train, world, (args,), timeout=3600)[0]
     if under_torchrun and int(os.environ["RANK"]) != 0:  # run() closed its group
@@ -544,7 +621,8 @@ def main(argv=None) -> dict:
     losses = out["losses"]
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     print(
-        f"dp={args['dp']} tp={args['tp']} view={args['view']} fsdp={args.get('fsdp', False)} "
+        f"dp={args['dp']} ep={args.get('ep', 1)} tp={args['tp']} view={args['view']} "
+        f"fsdp={args.get('fsdp', False)} experts={args['model'].get('n_experts', 0)} "
         f"remat={args.get('remat', False)} bf16={args.get('bf16', False)} "
         f"steps={args['steps']}: "
         f"loss {first:.3f} (first 10) -> {last:.3f} (last 10), "

@@ -143,6 +143,52 @@ def test_bf16_training_matches_dense_bf16(world2, dp, tp, view):
         torch.testing.assert_close(snaps[-1][k], ref, rtol=0, atol=3e-2, msg=k)
 
 
+MOE = demo.GPTConfig(d_model=32, n_heads=4, n_layers=2, ctx=16, n_experts=4, top_k=2)
+
+
+def moe_dense_run():
+    torch.manual_seed(SEED)
+    model = demo.GPT(MOE)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx = demo.make_optimizer(**OPT)
+    state = tx.init(params)
+    losses = []
+    for batch in _batches():
+        grads, loss = torch.func.grad_and_value(demo.dense_loss)(params, model, batch)
+        updates, state = tx.update(grads, state, params)
+        params = fs.optim.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses, params
+
+
+def moe_rank_fn(shape):
+    mesh = fs.Mesh.create(shape, ("dp", "ep", "tp"))
+    torch.manual_seed(SEED)
+    model = demo.GPT(MOE)
+    params = fs.nn.shard_params(model, mesh, demo.gpt_plan("tp", experts="ep"))
+    assert params["blocks.0.mlp.gate_up"].spec == fs.P("ep")
+    tx = demo.make_optimizer(**OPT)
+    state = tx.init(params)
+    step = demo.make_train_step(MOE, mesh, tx, model=model)
+    losses = []
+    for batch in _batches():
+        params, state, loss = step(params, state, fs.shard(batch, mesh, fs.P(("dp", "ep"))))
+        losses.append(float(loss))
+    return losses, {k: fs.gather(v).clone() for k, v in params.items()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shape", [(1, 2, 1), (2, 1, 1)])
+def test_moe_training_matches_dense(world2, shape):
+    """``--experts 4``: ep=2 (experts split, tokens dispatched with ragged all_to_alls) and
+    dp=2 (experts replicated, every expert weighted per token) train like the dense MoE."""
+    ref_losses, ref_params = moe_dense_run()
+    for losses, params in world2.run(moe_rank_fn, shape):
+        assert losses == pytest.approx(ref_losses, rel=1e-4)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_parse_args_validation():
     with pytest.raises(SystemExit, match="divisible"):
         demo.parse_args(["--batch", "5", "--dp", "2"])
@@ -155,3 +201,9 @@ def test_parse_args_validation():
     with pytest.raises(SystemExit, match="--remat runs the local view"):
         demo.parse_args(["--remat", "--view", "global"])
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
+    with pytest.raises(SystemExit, match="--ep splits the experts"):
+        demo.parse_args(["--ep", "2"])
+    with pytest.raises(SystemExit, match="--experts runs the global view"):
+        demo.parse_args(["--experts", "4"])
+    with pytest.raises(SystemExit, match="must split over --ep"):
+        demo.parse_args(["--experts", "3", "--ep", "2", "--view", "global"])
