@@ -1,0 +1,113 @@
+"""Collectives and bytes of one training step of the example GPT under each parallelism, from
+``fs.debug.comm_log`` (the README's "Parallelism" table).
+
+    python benchmarks/parallelism_comm.py [--d-model 64] [--layers 2] [--batch 4] [--ctx 32]
+
+Each strategy runs ``examples/train_gpt.py``'s step (forward, backward, AdamW) once on 2 local
+Gloo ranks, fp32, and prints per rank: each collective with its mesh axes, how many ran and the
+input bytes they moved (``comm_log``'s ``nbytes``, this rank's). The model: GPT with ``--layers``
+blocks, ``d = --d-model``, vocab 256, ``--batch`` sequences of ``--ctx`` tokens (global);
+``--experts`` gives the MoE run 4 experts, top-2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import fshard as fs  # noqa: E402
+from fshard.launch import World  # noqa: E402
+
+#: name -> (mesh (dp, ep, tp), what it splits, step options)
+STRATEGIES = {
+    "dp": ((2, 1, 1), "the batch", {}),
+    "tp": ((1, 1, 2), "weights: column/row (Megatron)", {}),
+    "fsdp": ((2, 1, 1), "the batch; params, grads, AdamW state", {"fsdp": True}),
+    "tp+sp": ((1, 1, 2), "weights; activations between blocks on the sequence", {"sp": True}),
+    "ep": ((1, 2, 1), "the batch; the experts (MoE)", {"experts": 4}),
+}
+
+
+def rank_fn(name: str, d: int, layers: int, batch: int, ctx: int) -> list:
+    import train_gpt as tg
+
+    shape, _, opts = STRATEGIES[name]
+    mesh = fs.Mesh.create(shape, ("dp", "ep", "tp"))
+    cfg = tg.GPTConfig(
+        d_model=d, n_heads=4, n_layers=layers, ctx=ctx, n_experts=opts.get("experts", 0)
+    )
+    torch.manual_seed(0)
+    model = tg.GPT(cfg)
+    plan = tg.gpt_plan("tp", experts="ep" if cfg.n_experts else None)
+    if opts.get("fsdp"):
+        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
+    if opts.get("sp"):
+        plan = fs.parallel.sequence_parallel_plan(
+            column=["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
+            row=["blocks.*.attn.proj", "blocks.*.mlp.fc2"],
+            scatter=["tok"],
+        )
+        plan.update(fs.nn.megatron_plan(column=["head"], bias=False))
+    params = fs.nn.shard_params(model, mesh, plan)
+    tx = tg.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
+    state = tx.init(params)
+    step = tg.make_train_step(
+        cfg,
+        mesh,
+        tx,
+        model=model if (cfg.n_experts or opts.get("sp")) else None,
+        fsdp_units=fs.nn.fsdp_units(model) if opts.get("fsdp") else None,
+    )
+    ids = torch.randint(0, 256, (batch, ctx + 1), generator=torch.Generator().manual_seed(1))
+    x = fs.shard(ids, mesh, fs.P(("dp", "ep")))
+    params, state, _ = step(params, state, x)  # warm (lazily built programs)
+    with fs.debug.comm_log() as log:
+        step(params, state, x)
+    return [(r.op, r.axes, r.nbytes) for r in log]
+
+
+def summarize(log: list) -> tuple[Counter, Counter]:
+    counts, nbytes = Counter(), Counter()
+    for op, axes, n in log:
+        counts[op, axes] += 1
+        nbytes[op, axes] += n
+    return counts, nbytes
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=32)
+    a = ap.parse_args(argv)
+    out = {}
+    with World(2, timeout=900) as world:
+        for name in STRATEGIES:
+            logs = world.run(rank_fn, name, a.d_model, a.layers, a.batch, a.ctx)
+            out[name] = summarize(logs[0])
+    act = a.batch * a.ctx * a.d_model * 4
+    print(
+        f"GPT {a.layers} layers, d={a.d_model}, batch {a.batch} x ctx {a.ctx}, fp32, 2 ranks; "
+        f"one activation (batch x ctx x d) = {act / 1024:.0f} KiB; rank 0's input bytes per step"
+    )
+    print("| strategy | splits | collectives per step (count x op over axes: KiB) | total KiB |")
+    print("|---|---|---|---|")
+    for name, (counts, nbytes) in out.items():
+        parts = [
+            f"{counts[k]} x {k[0]} over {'/'.join(k[1])}: {nbytes[k] / 1024:.1f}"
+            for k in sorted(counts, key=lambda k: -nbytes[k])
+        ]
+        total = sum(nbytes.values()) / 1024
+        print(f"| {name} | {STRATEGIES[name][1]} | {'; '.join(parts)} | {total:.1f} |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
