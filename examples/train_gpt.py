@@ -191,15 +191,17 @@ def _attend(qkv):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
-def gpt_plan(axis: str = "tp", experts: str | None = None) -> dict:
+def gpt_plan(axis: str = "tp", experts: str | None = None, sp: bool = False) -> dict:
     """The Megatron plan of :class:`GPT` for :func:`fshard.nn.shard_params`; with ``experts``
     (a mesh axis, :class:`MoE` blocks) the experts split over it (expert parallelism) and the
-    routers replicated."""
+    routers replicated; with ``sp`` Megatron sequence parallelism (``--sp``: norms and residuals
+    on sequence-split activations, ``fs.parallel.sequence_parallel_plan``)."""
     mlp = ([], []) if experts else (["blocks.*.mlp.fc1"], ["blocks.*.mlp.fc2"])
-    plan = fs.nn.megatron_plan(
+    plan = (fs.parallel.sequence_parallel_plan if sp else fs.nn.megatron_plan)(
         column=["blocks.*.attn.qkv", *mlp[0]],
         row=["blocks.*.attn.proj", *mlp[1]],
         axis=axis,
+        **({"scatter": ["tok"]} if sp else {}),
     )
     plan.update(fs.nn.megatron_plan(column=["head"], axis=axis, bias=False))
     if experts:
@@ -419,7 +421,7 @@ def train(args: dict) -> dict:
     mesh = fs.Mesh.create((dp, ep, tp), ("dp", "ep", "tp"), device_type=args.get("device"))
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
-    plan = gpt_plan("tp", experts="ep" if cfg.n_experts else None)
+    plan = gpt_plan("tp", experts="ep" if cfg.n_experts else None, sp=args.get("sp", False))
     if args.get("fsdp"):
         plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
     dtype = torch.bfloat16 if args.get("bf16") else None
@@ -538,6 +540,12 @@ def parse_args(argv=None) -> dict:
     )
     ap.add_argument("--topk", type=int, default=2, help="experts per token (with --experts)")
     ap.add_argument(
+        "--sp",
+        action="store_true",
+        help="Megatron sequence parallelism over tp (global view): activations between the "
+        "tensor-parallel layers split on the sequence",
+    )
+    ap.add_argument(
         "--ep",
         type=int,
         default=1,
@@ -566,6 +574,10 @@ def parse_args(argv=None) -> dict:
             raise SystemExit(
                 f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
             )
+    if a.sp and (a.view != "global" or a.fsdp):
+        raise SystemExit(
+            "--sp runs the global view (a plan, the module's forward): add --view global"
+        )
     if a.remat and a.view != "local":
         raise SystemExit("--remat runs the local view (each block under fs.remat); drop --view")
     for name in ("dp", "ep", "tp", "steps", "batch", "layers", "heads", "ctx"):
@@ -584,7 +596,7 @@ def parse_args(argv=None) -> dict:
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
         "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
-        "device": a.device, "remat": a.remat, "bf16": a.bf16, "ep": a.ep,
+        "device": a.device, "remat": a.remat, "bf16": a.bf16, "ep": a.ep, "sp": a.sp,
     }  # fmt: skip
 
 
@@ -622,7 +634,8 @@ def main(argv=None) -> dict:
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     print(
         f"dp={args['dp']} ep={args.get('ep', 1)} tp={args['tp']} view={args['view']} "
-        f"fsdp={args.get('fsdp', False)} experts={args['model'].get('n_experts', 0)} "
+        f"fsdp={args.get('fsdp', False)} sp={args.get('sp', False)} "
+        f"experts={args['model'].get('n_experts', 0)} "
         f"remat={args.get('remat', False)} bf16={args.get('bf16', False)} "
         f"steps={args['steps']}: "
         f"loss {first:.3f} (first 10) -> {last:.3f} (last 10), "

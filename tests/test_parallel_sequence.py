@@ -88,7 +88,7 @@ def _check(log, want, rows):
     assert sum(n * c for (_, n), c in extra.items()) <= 3 * rows * 4, extra
 
 
-def gpt_rank_fn():
+def gpt_rank_fn(batch=3):
     import train_gpt as tg
 
     mesh = fs.Mesh.create((2,), ("tp",))
@@ -102,8 +102,9 @@ def gpt_rank_fn():
     )
     plan.update(fs.nn.megatron_plan(column=["head"], bias=False))
     params = fs.nn.shard_params(model, mesh, plan)
-    ids = torch.randint(0, cfg.vocab, (3, cfg.ctx + 1), generator=torch.Generator().manual_seed(1))
-    b, t, h = 3, cfg.ctx, cfg.d_model
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.ctx + 1), generator=gen)
+    b, t, h = batch, cfg.ctx, cfg.d_model
     act = b * t * h * 4
     ln = [n for n in params if ".ln" in n or n.startswith("ln_f")]
     want = fs.parallel.megatron_sp_comm(
@@ -123,8 +124,11 @@ def gpt_rank_fn():
     return _adamw_steps(loss_fn, dense_loss, params, dense, x, ids, check_log)
 
 
-def test_gpt_sequence_parallel_two_ranks(world2):
-    assert world2.run(gpt_rank_fn) == [True, True]
+@pytest.mark.parametrize("batch", [3, 16])
+def test_gpt_sequence_parallel_two_ranks(world2, batch):
+    """Batch 16 x ctx 16 = 256 tokens, more than any layer's out-features (at most 128): a
+    linear still all-gathers its sequence-split activation, never its weight (Megatron)."""
+    assert world2.run(gpt_rank_fn, batch) == [True, True]
 
 
 def llama_rank_fn(attn):

@@ -51,11 +51,11 @@ def dense_run(dtype=None):
     return losses, snaps
 
 
-def sharded_rank_fn(dp, tp, view, remat=False, bf16=False, fsdp=False):
+def sharded_rank_fn(dp, tp, view, remat=False, bf16=False, fsdp=False, sp=False):
     mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
     torch.manual_seed(SEED)
     model = demo.GPT(CFG)
-    plan = demo.gpt_plan("tp")
+    plan = demo.gpt_plan("tp", sp=sp)
     if fsdp:
         plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
     dtype = torch.bfloat16 if bf16 else None
@@ -120,6 +120,17 @@ def test_remat_training_matches_dense(world2, dense, dp, tp, view, fsdp):
     FSDP units too), the same training as dense."""
     ref_losses, ref_snaps = dense
     losses, snaps = world2.run(sharded_rank_fn, dp, tp, view, True, False, fsdp)[0]
+    for i in range(STEPS):
+        assert losses[i] == pytest.approx(ref_losses[i], rel=1e-4), (i, losses, ref_losses)
+        for k, ref in ref_snaps[i].items():
+            torch.testing.assert_close(snaps[i][k], ref, rtol=1e-4, atol=1e-5, msg=f"step {i} {k}")
+
+
+@pytest.mark.timeout(600)
+def test_sp_training_matches_dense(world2, dense):
+    """``--sp``: Megatron sequence parallelism over tp=2 (global view) trains like dense."""
+    ref_losses, ref_snaps = dense
+    losses, snaps = world2.run(sharded_rank_fn, 1, 2, "global", False, False, False, True)[0]
     for i in range(STEPS):
         assert losses[i] == pytest.approx(ref_losses[i], rel=1e-4), (i, losses, ref_losses)
         for k, ref in ref_snaps[i].items():
@@ -201,6 +212,8 @@ def test_parse_args_validation():
     with pytest.raises(SystemExit, match="--remat runs the local view"):
         demo.parse_args(["--remat", "--view", "global"])
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
+    with pytest.raises(SystemExit, match="--sp runs the global view"):
+        demo.parse_args(["--sp"])
     with pytest.raises(SystemExit, match="--ep splits the experts"):
         demo.parse_args(["--ep", "2"])
     with pytest.raises(SystemExit, match="--experts runs the global view"):

@@ -31,7 +31,7 @@ from .whole import batched_rule, register_table
 __all__ = ["contract", "matmul_letters"]
 
 
-def contract(operands: list[Layout], letters, out_letters):
+def contract(operands: list[Layout], letters, out_letters, first: int | None = None):
     """Assign mesh axes to index letters.
 
     Returns ``(in_specs, out_dims, out_partial)`` for ``operands`` with per-dim ``letters``
@@ -40,27 +40,32 @@ def contract(operands: list[Layout], letters, out_letters):
     weight split over them) or reduce it first (every operand keeps its axes). The one that
     moves fewer bytes wins, counting the all_reduce a pending output needs later; ties keep
     the pending sum.
+
+    Where two operands split different letters over one mesh axis, one keeps its split and the
+    other is gathered: ``operands[first]`` keeps it when given (a linear layer's weight: the
+    activation moves, as in Megatron), else the larger one.
     """
     # by position: equal layouts are one interned object, so identity cannot tell operands apart
     kept = next((i for i, x in enumerate(operands) if x.partial), None)
-    best = _assign(operands, letters, out_letters, kept)
+    best = _assign(operands, letters, out_letters, kept, first)
     if kept is None:
         return best
-    reduced = _assign(operands, letters, out_letters, None)
+    reduced = _assign(operands, letters, out_letters, None, first)
     if _cost(operands, letters, out_letters, reduced) < _cost(operands, letters, out_letters, best):
         return reduced
     return best
 
 
-def _assign(operands, letters, out_letters, kept):
-    """Axes per letter, keeping the pending sum of ``operands[kept]`` (``None``: reduce all)."""
+def _assign(operands, letters, out_letters, kept, first=None):
+    """Axes per letter, keeping the pending sum of ``operands[kept]`` (``None``: reduce all);
+    ``operands[first]`` (else the largest) picks its axes first."""
     reserved = set(operands[kept].partial) if kept is not None else set()
     # A letter repeated within one operand (einsum "ii->i": a diagonal) pairs two dims of the
     # same tensor: it stays unsplit, since one mesh axis cannot split two dims of a tensor.
     repeated = {c for ls in letters for c in ls if c is not None and ls.count(c) > 1}
     assign: dict[str, tuple[str, ...]] = {c: () for c in repeated}
     used = set(reserved)
-    order = sorted(range(len(operands)), key=lambda i: -operands[i].nbytes)
+    order = sorted(range(len(operands)), key=lambda i: (i != first, -operands[i].nbytes))
     for i in order:
         x = operands[i]
         for d, letter in enumerate(letters[i]):
@@ -157,7 +162,9 @@ def linear_rule(op, args, kwargs):
     lx = [f"b{i}" for i in range(x.ndim - 1)] + ["k"]
     lw = ["m", "k"] if w.ndim == 2 else ["k"]
     lo = lx[:-1] + (["m"] if w.ndim == 2 else [])
-    (sx, sw), out_dims, partial = contract([x, w], [lx, lw], lo)
+    # the weight keeps the split its plan gave it; the activation moves (Megatron, and
+    # sequence parallelism's all_gather of a sequence-split input before a column layer)
+    (sx, sw), out_dims, partial = contract([x, w], [lx, lw], lo, first=1)
     meta = meta_call(op, args, kwargs)
     specs = {"input": sx, "weight": sw}
     if isinstance(bias, BaseLayout):

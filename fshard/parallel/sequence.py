@@ -10,13 +10,13 @@ Megatron-SP's 4 all_gathers + 4 reduce_scatters (forward and backward) in place 
 
 The call is :func:`fshard.nn.functional_call`: nothing runs differently, only layouts differ.
 
-Limits (today): the linear rule picks the cheaper operand to gather, so a column-parallel
-layer gathers its *activation* only while ``batch * seq`` is below its out-features; beyond
-that it all-gathers the weight instead (the output stays sequence-split and attention then
-needs an all_to_all). Sibling projections reading one input (separate q/k/v, gate/up) each
-gather it (one all_gather and one reduce_scatter per projection, not per region as Megatron's
-fused qkv/fc1). Both need an input-layout plan entry with a varying replicated value (one
-gather and one reduce_scatter shared by the siblings); not built yet.
+Limits (today): a linear layer keeps its weight's split and all-gathers its sequence-split
+input at any size (the linear rule moves the activation, never the weight: Megatron's choice).
+Sibling projections reading one input (separate q/k/v, gate/up) each gather it (one all_gather
+and one reduce_scatter per projection, not per region as Megatron's fused qkv/fc1), and each
+column-parallel layer keeps its gathered input for the backward where Megatron re-gathers it;
+both need a shared "replicated but varying" value (a plan entry like DTensor's
+``PrepareModuleInput`` whose every use is a pcast), not built yet.
 """
 
 from __future__ import annotations
