@@ -42,7 +42,7 @@ __all__ = ["remat"]
 #: The collectives the "collectives" policy saves: every op that communicates and is linear
 #: (its backward is its transpose, which needs no residual). pmax/pmin are recomputed.
 _SAVED_OPS = (AllGather, AllToAll, Ppermute, Psum, PsumScatter)
-POLICIES = (None, "nothing", "collectives")
+POLICIES = (None, "nothing", "collectives", "dots")
 _FUNCTORCH = torch._C._functorch
 
 
@@ -65,6 +65,99 @@ class _Saved(torch.autograd.Function):
         return None, lax.apply(ctx.b.transpose(), g), None
 
 
+#: The matmuls the "dots" policy saves (jax.checkpoint_policies.dots_saveable), on plain tensors.
+_DOTS = (
+    torch.nn.functional.linear,
+    torch.matmul,
+    torch.Tensor.__matmul__,
+    torch.Tensor.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.Tensor.mm,
+    torch.Tensor.bmm,
+)
+
+
+def _unbroadcast(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` summed down to ``shape`` (the inverse of matmul's batch broadcasting)."""
+    extra = t.dim() - len(shape)
+    if extra:
+        t = t.sum(tuple(range(extra)))
+    dims = tuple(i for i, (a, b) in enumerate(zip(t.shape, shape)) if b == 1 and a != 1)
+    return t.sum(dims, keepdim=True) if dims else t
+
+
+class _SavedDot(torch.autograd.Function):
+    """A saved matmul output standing in for the matmul during the recompute; its backward is
+    the matmul's (``linear``: ``g W``, ``g^T x``, ``sum g``; ``a @ b``: ``g b^T``, ``a^T g``),
+    which needs the operands (recomputed) but not the product."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(saved, linear, a, b, bias):
+        return saved.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.linear, a, b, bias = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        if ctx.linear:  # a: (..., in), b: weight (out, in)
+            ga = g @ b
+            gb = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+            gbias = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+            return None, None, ga, gb, gbias
+        ga = _unbroadcast(g @ b.mT, a.shape)
+        gb = _unbroadcast(a.mT @ g, b.shape)
+        return None, None, ga, gb, None
+
+
+class _DotsMode(torch.overrides.TorchFunctionMode):
+    """Records (``saved`` a list) or replays (``saved`` an iterator) the outputs of the matmuls
+    on plain tensors that run while it is active."""
+
+    def __init__(self, saved):
+        super().__init__()
+        self.saved = saved
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        operands = _dot_operands(func, args, kwargs)
+        if operands is None:
+            return func(*args, **kwargs)
+        if isinstance(self.saved, list):
+            out = func(*args, **kwargs)
+            self.saved.append(out.detach())
+            return out
+        return _SavedDot.apply(next(self.saved), *operands)
+
+
+def _dot_operands(func, args, kwargs):
+    """``(linear, a, b, bias)`` of a matmul the "dots" policy saves, else ``None``: plain tensors
+    only (a ShardedArray's matmul runs inside its op rule), matrices (no vector operands)."""
+    if func not in _DOTS:
+        return None
+    if func is torch.nn.functional.linear:
+        x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        operands = (True, x, w, bias)
+    else:
+        if kwargs or len(args) != 2:
+            return None
+        operands = (False, args[0], args[1], None)
+    tensors = [t for t in operands[1:] if t is not None]
+    if any(type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in tensors):
+        return None
+    if operands[1].dim() < (1 if operands[0] else 2) or operands[2].dim() < 2:
+        return None
+    return operands
+
+
 def _batched(t: torch.Tensor) -> bool:
     """Whether ``t`` is batched by a ``vmap`` (the forward then runs once per level: the
     "collectives" policy recomputes there instead of saving, see :func:`remat`)."""
@@ -83,9 +176,13 @@ class _Remat(torch.autograd.Function):
 
     @staticmethod
     def forward(run, policy, *tensors):
-        if policy != "collectives" or any(map(_batched, tensors)):
+        if policy not in ("collectives", "dots") or any(map(_batched, tensors)):
             return run(*tensors)
         saved: list = []
+        if policy == "dots":
+            with _DotsMode(saved):
+                outs = run(*tensors)
+            return (*outs, *saved)
 
         def record(b, x, done):
             out = lax._apply(b, x, done)
@@ -105,6 +202,7 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.run = inputs[0]
+        ctx.policy = inputs[1]
         ctx.n_inputs = len(inputs) - 2
         residuals = output[ctx.run.n_out :]
         ctx.replays = bool(residuals)
@@ -130,13 +228,14 @@ class _Remat(torch.autograd.Function):
                 return _Saved.apply(next(residuals), x, b)
             return lax._apply(b, x, done)
 
-        if ctx.replays:
+        dots = ctx.replays and ctx.policy == "dots"
+        if ctx.replays and not dots:
             lax.REMAT_HOOK.append(replay)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _DotsMode(residuals) if dots else contextlib.nullcontext():
                 outs, vjp = torch.func.vjp(of_wanted, *(primals[i] for i in wanted))
         finally:
-            if ctx.replays:
+            if ctx.replays and not dots:
                 lax.REMAT_HOOK.pop()
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cotangents))
         grads = [None] * len(primals)
@@ -160,9 +259,14 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
             linear collectives (all_reduce, all_gather, reduce_scatter, all_to_all, ppermute;
             those of op rules and reshards included) are saved and stand in for them in the
             recompute, so the backward runs only their transposes (``pmax``/``pmin`` are
-            recomputed). Under ``vmap`` (the generated batching rule runs the forward on
-            batched values) they are recomputed instead: the same values, the ``None`` cost.
-            Saving per op kind (JAX's ``dots_saveable``) is not offered yet.
+            recomputed). ``"dots"`` (JAX's ``dots_saveable``): the outputs of the matmuls
+            (``F.linear``, ``@`` / ``torch.matmul``, ``mm``, ``bmm``) on plain tensors (the local
+            view: shard_map bodies, local-view losses) are saved; the backward recomputes the
+            rest and differentiates each saved matmul from its recomputed operands without
+            recomputing the product. A ShardedArray's matmul runs inside its op rule and is
+            recomputed. Under ``vmap`` (the generated batching rule runs the forward on
+            batched values) the saved outputs are recomputed instead: the same values, the
+            ``None`` cost.
 
     Returns:
         A function with ``fn``'s signature and values. Differentiated (``torch.func.grad``,
@@ -185,7 +289,8 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
     if policy not in POLICIES:
         raise ValueError(
             f"remat: policy must be one of {POLICIES} (None / 'nothing': save only the inputs; "
-            f"'collectives': also the outputs of fn's collectives), got {policy!r}"
+            f"'collectives': also the outputs of fn's collectives; 'dots': also the outputs of "
+            f"its matmuls on plain tensors), got {policy!r}"
         )
 
     @functools.wraps(fn)
