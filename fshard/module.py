@@ -366,6 +366,7 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
 
 #: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults
 _CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+_CHECKPOINT_MODULE = torch.utils.checkpoint
 
 
 @contextlib.contextmanager
@@ -374,22 +375,58 @@ def _recompute_swapped(enter):
     ``gradient_checkpointing_enable()``) recomputes a part of the forward in the backward,
     after the call has put the module's own tensors back: it would recompute with those
     (stale, or full where the values are sharded) and give wrong gradients. For the block,
-    ``checkpoint``'s default ``context_fn`` is one whose recompute context is ``enter()`` (the
-    values swapped in again), so every non-reentrant checkpoint made inside the call recomputes
-    with them. A reentrant one (``use_reentrant=True``) has no recompute hook: torch refuses
-    it then ("Passing `context_fn` ... only supported when use_reentrant=False"). A
-    ``context_fn`` passed explicitly is used as given, and its recompute does not see the
-    values (not detected)."""
+    every non-reentrant checkpoint made inside the call recomputes inside ``enter()`` (the
+    values swapped in again): ``checkpoint``'s default ``context_fn`` becomes one whose
+    recompute context is ``enter()``, and a ``context_fn`` the caller passes (selective
+    activation checkpointing) gets ``enter()`` around its own recompute context (torch's
+    non-reentrant generator, which ``checkpoint`` looks up at each call, is wrapped). A
+    reentrant one (``use_reentrant=True``) has no recompute hook: the non-default
+    ``context_fn`` makes torch refuse it ("Passing `context_fn` ... only supported when
+    use_reentrant=False")."""
     if torch.compiler.is_dynamo_compiling():  # dynamo traces checkpoint, recompute included
         yield
         return
+
+    def ours():
+        return contextlib.nullcontext(), enter()
+
+    prev = _CHECKPOINT_MODULE._checkpoint_without_reentrant_generator
+
+    def generator(fn, preserve_rng_state=True, context_fn=ours, *args, **kwargs):
+        if context_fn is not ours:
+            given = context_fn
+
+            def context_fn():
+                forward, recompute = given()
+                return forward, _Entered(recompute, enter())
+
+        return prev(fn, preserve_rng_state, context_fn, *args, **kwargs)
+
     defaults = _CHECKPOINT.__kwdefaults__
-    given = defaults["context_fn"]
-    defaults["context_fn"] = lambda: (contextlib.nullcontext(), enter())
+    default = defaults["context_fn"]
+    defaults["context_fn"] = ours
+    _CHECKPOINT_MODULE._checkpoint_without_reentrant_generator = generator
     try:
         yield
     finally:
-        defaults["context_fn"] = given
+        defaults["context_fn"] = default
+        _CHECKPOINT_MODULE._checkpoint_without_reentrant_generator = prev
+
+
+class _Entered:
+    """Context managers entered in order when this one is (not before), exited in reverse."""
+
+    def __init__(self, *managers):
+        self.managers, self.stack = managers, None
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        for m in self.managers:
+            self.stack.enter_context(m)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
 
 
 def _one_rank_mesh(params: Mapping) -> Mesh | None:

@@ -14,6 +14,7 @@ per rank process and reset to their initial weights after each configuration. A 
 missing is marked ``xfail(strict=True)`` naming the op, so it flips when the op lands.
 """
 
+import functools
 import re
 import traceback
 import warnings
@@ -743,18 +744,30 @@ def test_architecture_refused_clearly(world2, config):
 class _Checkpointed(torch.nn.Module):
     """A module calling torch.utils.checkpoint itself (not transformers' mechanism)."""
 
-    def __init__(self):
+    def __init__(self, selective=False):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
+        self.selective = selective
 
     def forward(self, x):
         run = lambda t: torch.tanh(self.lin(t))  # noqa: E731
-        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+        if not self.selective:
+            return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+        # selective activation checkpointing: the matmul saved, tanh recomputed
+        policy = lambda ctx, op, *a, **k: (  # noqa: E731
+            torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+            if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+        )
+        contexts = functools.partial(
+            torch.utils.checkpoint.create_selective_checkpoint_contexts, policy
+        )
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False, context_fn=contexts)
 
 
-def checkpointed_rank_fn(mode):
+def checkpointed_rank_fn(mode, selective=False):
     torch.manual_seed(0)
-    model = _Checkpointed()
+    model = _Checkpointed(selective)
     mesh = fs.Mesh.create((2,), (mode,))
     plan = {"lin.weight": fs.P(mode, None), "lin.bias": fs.P(mode)} if mode == "tp" else {}
     params = fs.nn.shard_params(model, mesh, plan)
@@ -767,12 +780,14 @@ def checkpointed_rank_fn(mode):
     return values, x, {k: fs.gather(g) for k, g in grads.items()}
 
 
+@pytest.mark.parametrize("selective", [False, True], ids=["default", "context_fn"])
 @pytest.mark.parametrize("mode", ["dp", "tp"])
-def test_own_activation_checkpointing_recomputes_with_the_values(world2, mode):
+def test_own_activation_checkpointing_recomputes_with_the_values(world2, mode, selective):
     """The recompute in the backward runs after functional_call restored the module's own
     tensors: it used them (dp: gradients silently wrong, off by 8 here; tp: a shape error).
-    Now it runs with the values swapped in again."""
-    values, x, grads = world2.run(checkpointed_rank_fn, mode)[0]
+    Now it runs with the values swapped in again, also with a ``context_fn`` of the caller's
+    (selective activation checkpointing), whose recompute context is kept."""
+    values, x, grads = world2.run(checkpointed_rank_fn, mode, selective)[0]
     dense = _Checkpointed()
     with torch.no_grad():
         for k, v in dense.named_parameters():
