@@ -119,10 +119,12 @@ class OpRef:
 
 
 def _from_fshard(exc: BaseException) -> bool:
+    """Raised by fshard itself (the raising frame is fshard's), not a torch error passing
+    through an op rule."""
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    return any("/fshard/" in f.filename for f in frames[-3:])
+    return bool(frames) and "/fshard/" in frames[-1].filename
 
 
 def split_dims(tree, how):
