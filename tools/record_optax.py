@@ -29,7 +29,22 @@ if optax.__version__ != "0.2.8":
     sys.exit(f"record_optax.py is pinned to optax 0.2.8, found {optax.__version__}")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from optax_cases import CASES, NAMES, NAN_CASES, NAN_STEPS, SCHEDULES, SHAPES, STEPS, Lib  # noqa: E402
+from optax_cases import (  # noqa: E402
+    CASES,
+    NAMES,
+    NAN_CASES,
+    NAN_STEPS,
+    OBJECTIVE_CASES,
+    OBJECTIVE_STEPS,
+    PER_EXAMPLE,
+    PER_EXAMPLE_CLIP,
+    SCHEDULES,
+    SHAPES,
+    STEPS,
+    VALUE_CASES,
+    Lib,
+    objective,
+)
 
 #: optax's side of the shared table (tests/optax_cases.py)
 OPTAX = Lib(
@@ -39,6 +54,7 @@ OPTAX = Lib(
     multi_steps=lambda tx, k: optax.MultiSteps(
         tx, every_k_schedule=k, accumulator_dtype=jnp.float64
     ),
+    np=jnp,
 )
 
 
@@ -53,16 +69,41 @@ def _inputs():
     return params, grads, nan_grads
 
 
+def _values() -> np.ndarray:
+    """The losses fed to the ``value=`` cases (drawn after the inputs: those stay as before)."""
+    return np.random.RandomState(1).uniform(0.5, 3.0, STEPS)
+
+
 def _flat(params) -> np.ndarray:
     return np.concatenate([np.asarray(params[k]).reshape(-1) for k in NAMES])
 
 
-def _trajectory(tx, params, grads) -> np.ndarray:
+def _trajectory(tx, params, grads, values=None) -> np.ndarray:
     params = {k: jnp.asarray(v) for k, v in params.items()}
     state = tx.init(params)
     rows = []
-    for g in grads:
-        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+    for i, g in enumerate(grads):
+        extra = {} if values is None else {"value": values[i]}
+        g = {k: jnp.asarray(v) for k, v in g.items()}
+        updates, state = tx.update(g, state, params, **extra)
+        params = optax.apply_updates(params, updates)
+        rows.append(_flat(params))
+    return np.stack(rows)
+
+
+def _objective_trajectory(tx, params) -> np.ndarray:
+    """Steps driven by the objective, as optax's L-BFGS examples run them."""
+    f = lambda p: objective(OPTAX, p)  # noqa: E731
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    state = tx.init(params)
+    from_state = optax.value_and_grad_from_state(f)
+    rows = []
+    for _ in range(OBJECTIVE_STEPS):
+        try:
+            value, grad = from_state(params, state=state)
+        except ValueError:  # no line search in the state
+            value, grad = jax.value_and_grad(f)(params)
+        updates, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=f)
         params = optax.apply_updates(params, updates)
         rows.append(_flat(params))
     return np.stack(rows)
@@ -74,11 +115,21 @@ def main() -> None:
         "params": _flat(params),
         "grads": np.stack([_flat(g) for g in grads]),
         "grads_nan": np.stack([_flat(g) for g in nan_grads]),
+        "values": _values(),
     }
     for name, make in CASES.items():
         out[f"traj/{name}"] = _trajectory(
-            make(OPTAX), params, nan_grads if name in NAN_CASES else grads
+            make(OPTAX),
+            params,
+            nan_grads if name in NAN_CASES else grads,
+            out["values"] if name in VALUE_CASES else None,
         )
+    for name, make in OBJECTIVE_CASES.items():
+        out[f"objective/{name}"] = _objective_trajectory(make(OPTAX), params)
+    batch = {k: jnp.stack([jnp.asarray(g[k]) for g in grads[:PER_EXAMPLE]]) for k in NAMES}
+    clipped, n = optax.per_example_global_norm_clip(batch, PER_EXAMPLE_CLIP)
+    out["per_example_clip"] = _flat(clipped)
+    out["per_example_clipped"] = np.asarray(n)
     for name, make in SCHEDULES.items():
         s = make(OPTAX)
         out[f"schedule/{name}"] = np.array([float(s(jnp.asarray(i))) for i in range(30)])

@@ -44,12 +44,24 @@ Example:
     True
 """
 
-from . import _muon, alias, base, clipping, combine, schedule, transform, update, wrappers
+from . import (
+    _muon,
+    alias,
+    base,
+    clipping,
+    combine,
+    linesearch,
+    schedule,
+    transform,
+    update,
+    wrappers,
+)
 from ._muon import *  # noqa: F403
 from .alias import *  # noqa: F403
 from .base import *  # noqa: F403
 from .clipping import *  # noqa: F403
 from .combine import *  # noqa: F403
+from .linesearch import *  # noqa: F403
 from .schedule import *  # noqa: F403
 from .transform import *  # noqa: F403
 from .update import *  # noqa: F403
@@ -61,6 +73,7 @@ __all__ = [
     *alias.__all__,
     *_muon.__all__,
     *combine.__all__,
+    *linesearch.__all__,
     *clipping.__all__,
     *schedule.__all__,
     *wrappers.__all__,
