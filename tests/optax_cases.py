@@ -172,3 +172,28 @@ OBJECTIVE_CASES: dict[str, Callable[[Lib], Any]] = {
         L.o.scale_by_zoom_linesearch(15, max_learning_rate=2.0, curv_rtol=0.5),
     ),
 }
+
+#: fs.optim.losses against optax.losses on the recorded "loss_inputs/*" (``x``): logits and
+#: predictions (5, 7), integer labels, probabilities, binary labels and targets
+LOSS_BATCH, LOSS_CLASSES = 5, 7
+LOSSES: dict[str, Callable[[Lib, dict], Any]] = {
+    "softmax_cross_entropy": lambda L, x: L.o.losses.softmax_cross_entropy(x["logits"], x["probs"]),
+    "softmax_cross_entropy_axis0": lambda L, x: L.o.losses.softmax_cross_entropy(
+        x["logits"].T, x["probs"].T, axis=0
+    ),
+    "softmax_cross_entropy_with_integer_labels": lambda L, x: (
+        L.o.losses.softmax_cross_entropy_with_integer_labels(x["logits"], x["labels"])
+    ),
+    "sigmoid_binary_cross_entropy": lambda L, x: L.o.losses.sigmoid_binary_cross_entropy(
+        x["logits"], x["binary"]
+    ),
+    "squared_error": lambda L, x: L.o.losses.squared_error(x["logits"], x["targets"]),
+    "l2_loss": lambda L, x: L.o.losses.l2_loss(x["logits"], x["targets"]),
+    "l2_loss_no_targets": lambda L, x: L.o.losses.l2_loss(x["logits"]),
+    "huber_loss": lambda L, x: L.o.losses.huber_loss(x["logits"], x["targets"], delta=0.7),
+    "cosine_similarity": lambda L, x: L.o.losses.cosine_similarity(
+        x["logits"], x["targets"], epsilon=1e-3
+    ),
+    "cosine_distance": lambda L, x: L.o.losses.cosine_distance(x["logits"], x["targets"]),
+    "smooth_labels": lambda L, x: L.o.losses.smooth_labels(x["probs"], 0.1),
+}

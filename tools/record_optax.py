@@ -31,6 +31,9 @@ if optax.__version__ != "0.2.8":
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from optax_cases import (  # noqa: E402
     CASES,
+    LOSS_BATCH,
+    LOSS_CLASSES,
+    LOSSES,
     NAMES,
     NAN_CASES,
     NAN_STEPS,
@@ -109,6 +112,19 @@ def _objective_trajectory(tx, params) -> np.ndarray:
     return np.stack(rows)
 
 
+def _loss_inputs() -> dict:
+    rng = np.random.RandomState(2)
+    shape = (LOSS_BATCH, LOSS_CLASSES)
+    z = rng.standard_normal(shape)
+    return {
+        "logits": 2 * rng.standard_normal(shape),
+        "labels": rng.randint(0, LOSS_CLASSES, LOSS_BATCH),
+        "probs": np.exp(z) / np.exp(z).sum(-1, keepdims=True),
+        "binary": (rng.uniform(size=shape) > 0.5).astype(np.float64),
+        "targets": rng.standard_normal(shape),
+    }
+
+
 def main() -> None:
     params, grads, nan_grads = _inputs()
     out = {
@@ -126,6 +142,12 @@ def main() -> None:
         )
     for name, make in OBJECTIVE_CASES.items():
         out[f"objective/{name}"] = _objective_trajectory(make(OPTAX), params)
+    inputs = _loss_inputs()
+    out.update({f"loss_inputs/{k}": v for k, v in inputs.items()})
+    for name, loss in LOSSES.items():
+        out[f"loss/{name}"] = np.asarray(
+            loss(OPTAX, {k: jnp.asarray(v) for k, v in inputs.items()})
+        )
     batch = {k: jnp.stack([jnp.asarray(g[k]) for g in grads[:PER_EXAMPLE]]) for k in NAMES}
     clipped, n = optax.per_example_global_norm_clip(batch, PER_EXAMPLE_CLIP)
     out["per_example_clip"] = _flat(clipped)

@@ -12,7 +12,8 @@ Laid out as optax: :mod:`~fshard.optim.base` (the interface and the states),
 :mod:`~fshard.optim.combine` (``chain``, ``masked``, ``multi_transform``),
 :mod:`~fshard.optim.clipping`, :mod:`~fshard.optim.schedule`,
 :mod:`~fshard.optim.wrappers` (``MultiSteps``, ``apply_if_finite``, ``inject_hyperparams``)
-and :mod:`~fshard.optim.update` (``apply_updates``, ``step``).
+and :mod:`~fshard.optim.update` (``apply_updates``, ``step``); losses as ``optax.losses`` in
+:mod:`fs.optim.losses <fshard.optim.losses>`.
 
 Nothing is ever mutated: every ``update`` returns new tensors, computed leaf by leaf on the
 *local* shards with plain torch ops, so the step can be differentiated (meta-learning: the
@@ -51,6 +52,7 @@ from . import (
     clipping,
     combine,
     linesearch,
+    losses,  # noqa: F401  (the namespace fs.optim.losses, as optax.losses)
     schedule,
     transform,
     update,
