@@ -35,6 +35,8 @@ class Lib(NamedTuple):
     multi_steps: Callable[[Any, int], Any]
     #: the array module (``jax.numpy`` or ``torch``) the objective is written with
     np: ModuleType
+    #: where ``schedule_free_*`` and ``prodigy`` live (``optax.contrib``, ``fshard.optim``)
+    contrib: ModuleType
 
 
 #: steps of the OBJECTIVE_CASES (driven by the objective's own gradients, not the recorded ones)
@@ -120,6 +122,17 @@ CASES: dict[str, Callable[[Lib], Any]] = {
     "selective_transform": lambda L: L.o.selective_transform(L.o.adam(1e-2), freeze_mask=MASK),
     "apply_every": lambda L: L.o.chain(L.o.adam(1e-2), L.o.apply_every(3)),
     "keep_params_nonnegative": lambda L: L.o.chain(L.o.sgd(0.5), L.o.keep_params_nonnegative()),
+    "adan": lambda L: L.o.adan(1e-2, weight_decay=0.01),
+    "adan_eps_root0": lambda L: L.o.adan(1e-2, b1=0.9, b2=0.8, b3=0.95, eps_root=0.0),
+    "schedule_free_adamw": lambda L: L.contrib.schedule_free_adamw(1e-2, weight_decay=1e-3),
+    "schedule_free_adamw_warmup": lambda L: L.contrib.schedule_free_adamw(
+        2e-2, warmup_steps=5, b1=0.8, weight_lr_power=1.0
+    ),
+    "schedule_free_sgd": lambda L: L.contrib.schedule_free_sgd(0.1, weight_decay=1e-3),
+    "prodigy": lambda L: L.contrib.prodigy(),
+    "prodigy_safeguard": lambda L: L.contrib.prodigy(
+        0.5, betas=(0.8, 0.99), weight_decay=0.01, safeguard_warmup=True, estim_lr0=1e-3
+    ),
 }
 #: cases fed the gradients with NaNs/infs ("grads_nan")
 NAN_CASES = {"apply_if_finite", "zero_nans_sgd"}

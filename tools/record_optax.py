@@ -58,6 +58,7 @@ OPTAX = Lib(
         tx, every_k_schedule=k, accumulator_dtype=jnp.float64
     ),
     np=jnp,
+    contrib=optax.contrib,
 )
 
 
@@ -92,6 +93,16 @@ def _trajectory(tx, params, grads, values=None) -> np.ndarray:
         params = optax.apply_updates(params, updates)
         rows.append(_flat(params))
     return np.stack(rows)
+
+
+def _eval_params(tx, params, grads) -> np.ndarray:
+    """``schedule_free_eval_params`` after the whole trajectory."""
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+        params = optax.apply_updates(params, updates)
+    return _flat(optax.contrib.schedule_free_eval_params(state, params))
 
 
 def _objective_trajectory(tx, params) -> np.ndarray:
@@ -144,6 +155,9 @@ def main() -> None:
         out[f"objective/{name}"] = _objective_trajectory(make(OPTAX), params)
     inputs = _loss_inputs()
     out.update({f"loss_inputs/{k}": v for k, v in inputs.items()})
+    for name, case in CASES.items():  # the evaluation params of the schedule-free cases
+        if name.startswith("schedule_free"):
+            out[f"eval/{name}"] = _eval_params(case(OPTAX), params, grads)
     for name, loss in LOSSES.items():
         out[f"loss/{name}"] = np.asarray(
             loss(OPTAX, {k: jnp.asarray(v) for k, v in inputs.items()})

@@ -51,6 +51,7 @@ from . import (
     base,
     clipping,
     combine,
+    contrib,
     linesearch,
     losses,  # noqa: F401  (the namespace fs.optim.losses, as optax.losses)
     schedule,
@@ -63,6 +64,7 @@ from .alias import *  # noqa: F403
 from .base import *  # noqa: F403
 from .clipping import *  # noqa: F403
 from .combine import *  # noqa: F403
+from .contrib import *  # noqa: F403
 from .linesearch import *  # noqa: F403
 from .schedule import *  # noqa: F403
 from .transform import *  # noqa: F403
@@ -75,6 +77,7 @@ __all__ = [
     *alias.__all__,
     *_muon.__all__,
     *combine.__all__,
+    *contrib.__all__,
     *linesearch.__all__,
     *clipping.__all__,
     *schedule.__all__,

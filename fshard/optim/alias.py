@@ -39,6 +39,7 @@ from .transform import (
     scale_by_adadelta,
     scale_by_adam,
     scale_by_adamax,
+    scale_by_adan,
     scale_by_amsgrad,
     scale_by_belief,
     scale_by_factored_rms,
@@ -90,6 +91,7 @@ __all__ = [
     "polyak_sgd",
     "optimistic_gradient_descent",
     "lbfgs",
+    "adan",
 ]
 
 
@@ -790,3 +792,23 @@ def lbfgs(
         linesearch = identity()
     scaling = scale(-1.0) if learning_rate is None else scale_by_learning_rate(check_schedule(learning_rate))  # fmt: skip
     return chain(scale_by_lbfgs(memory_size, scale_init_precond), scaling, linesearch)
+
+
+def adan(
+    learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8, weight_decay=0.0, mask=None
+) -> GradientTransformation:
+    """Adan: ``chain(scale_by_adan, add_decayed_weights, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adan(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u = tx.update({"w": torch.tensor([2.0])}, tx.init(p), p)[0]
+        >>> round(u["w"].item(), 6)
+        -0.1
+    """
+    return chain(
+        scale_by_adan(b1, b2, b3, eps, eps_root),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(check_schedule(learning_rate)),
+    )

@@ -41,6 +41,7 @@ __all__ = [
     "AddNoiseState",
     "ApplyEveryState",
     "ScaleByLBFGSState",
+    "ScaleByAdanState",
     "FactoredState",
     "ZeroNansState",
     "MaskedState",
@@ -452,6 +453,23 @@ class ScaleByLBFGSState(NamedTuple):
     diff_params_memory: Any
     diff_updates_memory: Any
     weights_memory: torch.Tensor
+
+
+class ScaleByAdanState(NamedTuple):
+    """Adan's moments (of the gradient, of its difference, of the squared corrected gradient),
+    the last gradient and the step count (optax's field names).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_adan().init({"w": torch.zeros(1)}).t
+        tensor(0)
+    """
+
+    m: Any
+    v: Any
+    n: Any
+    g: Any
+    t: torch.Tensor
 
 
 class FactoredState(NamedTuple):

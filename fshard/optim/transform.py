@@ -39,6 +39,7 @@ from .base import (
     GradientTransformation,
     ScaleByAdaDeltaState,
     ScaleByAdamState,
+    ScaleByAdanState,
     ScaleByAmsgradState,
     ScaleByBeliefState,
     ScaleByLBFGSState,
@@ -93,6 +94,7 @@ __all__ = [
     "apply_every",
     "keep_params_nonnegative",
     "scale_by_lbfgs",
+    "scale_by_adan",
 ]
 
 
@@ -1500,5 +1502,49 @@ def scale_by_lbfgs(
         return unflat(vec), ScaleByLBFGSState(
             count + 1, params, updates, unflat(dw_mem), unflat(du_mem), rhos
         )
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adan(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0) -> GradientTransformation:
+    """Adan's direction (Xie et al. 2022), as optax: moments of the gradient ``m`` (``b1``),
+    of its change ``v`` (``b2``) and of ``(g + (1 - b2) * (g - g_prev))**2`` ``n`` (``b3``),
+    bias-corrected; the update ``(m_hat + (1 - b2) * v_hat) / (sqrt(n_hat + eps_root) + eps)``.
+    Element-wise: no communication.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_adan()
+        >>> u = tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        >>> round(u["w"].item(), 6)
+        1.0
+    """
+    b1 = check_scalar(b1, "b1", 0.0, 1.0, open_hi=True)
+    b2 = check_scalar(b2, "b2", 0.0, 1.0, open_hi=True)
+    b3 = check_scalar(b3, "b3", 0.0, 1.0, open_hi=True)
+    eps = check_scalar(eps, "eps", 0.0)
+    eps_root = check_scalar(eps_root, "eps_root", 0.0)
+
+    def init(params):
+        z = _tree.zeros_like
+        return ScaleByAdanState(z(params), z(params), z(params), z(params), _tree.count0())
+
+    def update(updates, state, params=None):
+        first = state.t == 0
+        t = state.t + 1
+        bc1, bc2, bc3 = _bias(b1, t), _bias(b2, t), _bias(b3, t)
+
+        def leaf(g, m, v, n, g_prev):
+            diff = torch.where(first, 0.0, g - g_prev)
+            m, v = _moment(g, m, b1), _moment(diff, v, b2)
+            n = _sq_moment(g + (1 - b2) * diff, n, b3)
+            u = m / bc1.to(m.dtype) + (1 - b2) * (v / bc2.to(v.dtype))
+            return u / (torch.sqrt(n / bc3.to(n.dtype) + eps_root) + eps), m, v, n
+
+        names = ["state.m", "state.v", "state.n", "state.g"]
+        u, m, v, n = _tree.tree_map(
+            leaf, updates, state.m, state.v, state.n, state.g, names=names, n_out=4
+        )
+        return u, ScaleByAdanState(m, v, n, updates, t)
 
     return GradientTransformation(init, update)

@@ -27,8 +27,14 @@ SPECS = {"w": fs.P("x"), "v": fs.P(None, "x"), "u": fs.P("x"), "b": fs.P()}  # 3
 #: float64 agreement, except: adafactor's decay ``1 - t**-0.8`` is float32 in both libraries
 #: (the two float32 pows may differ by an ulp); optax evaluates a schedule on its int32 step
 #: counter, which JAX promotes to float32 (fshard: float64), so scheduled runs agree to ~1e-7.
-RTOL = {"adafactor": 1e-6, "adafactor_momentum": 1e-6, "adamw_schedule": 2e-6, "inject_adamw": 2e-6}
-ATOL = {"adafactor": 1e-9, "adafactor_momentum": 1e-9}
+RTOL = {
+    "adafactor": 1e-6,
+    "adafactor_momentum": 1e-6,
+    "adamw_schedule": 2e-6,
+    "inject_adamw": 2e-6,
+    "schedule_free_adamw_warmup": 1e-5,  # its warmup schedule, float32 in optax, also weights x
+}
+ATOL = {"adafactor": 1e-9, "adafactor_momentum": 1e-9, "schedule_free_adamw_warmup": 1e-8}
 #: fshard's side of the shared table: clip_by_global_norm's torch-style eps set to 0 (optax
 #: clips by max_norm / norm); MultiSteps as optax's GradientTransformation
 FSHARD = Lib(
@@ -37,6 +43,7 @@ FSHARD = Lib(
     adafactor={},
     multi_steps=lambda tx, k: optim.MultiSteps(tx, k).gradient_transformation(),
     np=torch,
+    contrib=optim,
 )
 CASES = {name: functools.partial(make, FSHARD) for name, make in optax_cases.CASES.items()}
 OBJECTIVE_CASES = {
@@ -72,6 +79,11 @@ SHARDED = [
     "keep_params_nonnegative",
     "rprop",
     "optimistic_gd",
+    "prodigy",
+    "prodigy_safeguard",
+    "schedule_free_adamw",
+    "schedule_free_adamw_warmup",
+    "adan",
 ]
 
 
@@ -287,3 +299,16 @@ def test_linesearch_cases_match_optax_sharded_two_ranks(world2):
     errs, errs1 = world2.run(objective_rank_fn)
     assert errs == errs1
     assert max(errs.values()) < 1e-8, errs
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n.startswith("schedule_free")))
+def test_schedule_free_eval_params_match_optax(name):
+    ref = _load()
+    tx = CASES[name]()
+    params = _unflat(ref["params"])
+    state = tx.init(params)
+    for g in ref["grads"]:
+        params, state = optim.step(tx, _unflat(g), state, params)
+    got = _flat(optim.schedule_free_eval_params(state, params))
+    rtol, atol = RTOL.get(name, 1e-10), ATOL.get(name, 1e-12)
+    np.testing.assert_allclose(got, ref[f"eval/{name}"], rtol=rtol, atol=atol)
