@@ -47,6 +47,7 @@ Example:
 
 from . import (
     _muon,
+    _shampoo,
     alias,
     base,
     clipping,
@@ -60,6 +61,7 @@ from . import (
     wrappers,
 )
 from ._muon import *  # noqa: F403
+from ._shampoo import *  # noqa: F403
 from .alias import *  # noqa: F403
 from .base import *  # noqa: F403
 from .clipping import *  # noqa: F403
@@ -81,6 +83,7 @@ __all__ = [
     *linesearch.__all__,
     *clipping.__all__,
     *schedule.__all__,
+    *_shampoo.__all__,
     *wrappers.__all__,
     *update.__all__,
 ]
