@@ -155,7 +155,8 @@ def test_matches_optax_dense_float64(name):
 
 def test_float32_close_to_optax_float64():
     ref = _load()
-    for name in ("adamw", "lamb", "adafactor", "lion", "rmsprop"):
+    for name in ("adamw", "lamb", "adafactor", "lion", "rmsprop", "novograd", "sm3", "adan",
+                 "prodigy", "schedule_free_adamw", "adaptive_grad_clip", "centralize"):  # fmt: skip
         got = _run(CASES[name], ref, "grads", wrap=lambda k, t: t.float(), unwrap=lambda t: t)
         want = ref[f"traj/{name}"]
         assert _max_rel_err(got, want) < 1e-4, name
