@@ -8,8 +8,12 @@ Run with a separate environment that has JAX (CPU) and optax, never the test env
 
 It writes ``tests/data/optax_reference.npz``: the initial params and 20 gradient steps (float64,
 JAX x64), each case's params after every step (the params flattened and concatenated in
-``NAMES`` order, one row per step) and schedule values for steps 0..29. The cases are the table
-in ``tests/optax_cases.py``, which ``tests/optim/test_optax.py`` builds with fshard.optim.
+``NAMES`` order, one row per step) and schedule values for steps 0..29; the losses fed to the
+``value=`` cases; the objective-driven line-search trajectories (``objective/*``); the
+schedule-free cases' evaluation params (``eval/*``); ``per_example_global_norm_clip``'s output;
+and ``optax.losses`` values on recorded inputs (``loss/*``, ``loss_inputs/*``). The cases are the
+tables in ``tests/optax_cases.py``, which ``tests/optim/test_optax.py`` and
+``tests/optim/test_losses.py`` build with fshard.optim.
 """
 
 from __future__ import annotations
