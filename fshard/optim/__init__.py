@@ -12,7 +12,8 @@ Laid out as optax: :mod:`~fshard.optim.base` (the interface and the states),
 :mod:`~fshard.optim.combine` (``chain``, ``masked``, ``multi_transform``),
 :mod:`~fshard.optim.clipping`, :mod:`~fshard.optim.schedule`,
 :mod:`~fshard.optim.wrappers` (``MultiSteps``, ``apply_if_finite``, ``inject_hyperparams``)
-and :mod:`~fshard.optim.update` (``apply_updates``, ``step``).
+and :mod:`~fshard.optim.update` (``apply_updates``, ``step``); losses as ``optax.losses`` in
+:mod:`fs.optim.losses <fshard.optim.losses>`.
 
 Nothing is ever mutated: every ``update`` returns new tensors, computed leaf by leaf on the
 *local* shards with plain torch ops, so the step can be differentiated (meta-learning: the
@@ -44,12 +45,29 @@ Example:
     True
 """
 
-from . import _muon, alias, base, clipping, combine, schedule, transform, update, wrappers
+from . import (
+    _muon,
+    _shampoo,
+    alias,
+    base,
+    clipping,
+    combine,
+    contrib,
+    linesearch,
+    losses,  # noqa: F401  (the namespace fs.optim.losses, as optax.losses)
+    schedule,
+    transform,
+    update,
+    wrappers,
+)
 from ._muon import *  # noqa: F403
+from ._shampoo import *  # noqa: F403
 from .alias import *  # noqa: F403
 from .base import *  # noqa: F403
 from .clipping import *  # noqa: F403
 from .combine import *  # noqa: F403
+from .contrib import *  # noqa: F403
+from .linesearch import *  # noqa: F403
 from .schedule import *  # noqa: F403
 from .transform import *  # noqa: F403
 from .update import *  # noqa: F403
@@ -61,8 +79,11 @@ __all__ = [
     *alias.__all__,
     *_muon.__all__,
     *combine.__all__,
+    *contrib.__all__,
+    *linesearch.__all__,
     *clipping.__all__,
     *schedule.__all__,
+    *_shampoo.__all__,
     *wrappers.__all__,
     *update.__all__,
 ]

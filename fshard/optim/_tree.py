@@ -299,3 +299,64 @@ def count0() -> torch.Tensor:
 def as_float(count: torch.Tensor) -> torch.Tensor:
     """The counter as float64, for bias corrections and schedules computed at full precision."""
     return count.to(torch.float64)
+
+
+def _dims_axes(x, dims) -> tuple:
+    """The mesh axes that shard any of ``dims`` of leaf ``x`` (none for a plain tensor)."""
+    if not isinstance(x, ShardedArray):
+        return ()
+    return tuple(a for d in dims for a in x.layout.dim_axes[d])
+
+
+def dims_sum(x, t: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
+    """Sum of the local shard ``t`` of leaf ``x`` over the global ``dims``: a local sum and one
+    psum over the mesh axes that shard them (uneven shards included)."""
+    s = t.sum(dim=tuple(dims), keepdim=keepdim)
+    axes = _dims_axes(x, dims)
+    return lax.psum(s, axes, mesh=x.mesh) if axes else s
+
+
+def dims_max(x, t: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
+    """Max of the local shard ``t`` of leaf ``x`` over the global ``dims`` (local amax, one pmax
+    over the mesh axes that shard them)."""
+    m = t.amax(dim=tuple(dims), keepdim=keepdim)
+    axes = _dims_axes(x, dims)
+    return lax.pmax(m, axes, mesh=x.mesh) if axes else m
+
+
+def dim_leaf(x, dim: int, like_local: torch.Tensor):
+    """``like_local`` (a 1-D local tensor) as a leaf laid out like dim ``dim`` of ``x``."""
+    if not isinstance(x, ShardedArray):
+        return like_local
+    lay = x.layout
+    a = lay.dim_axes[dim]
+    spec = P(None if not a else a[0] if len(a) == 1 else a)
+    return ShardedArray._raw(
+        like_local, Layout(lay.mesh, spec, (lay.shape[dim],), like_local.dtype)
+    )
+
+
+def global_slice(x, full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``full``, a tensor with leaf ``x``'s global shape."""
+    if not isinstance(x, ShardedArray):
+        return full
+    return full[x.layout.shard_metadata(x.mesh.rank).slices()]
+
+
+def stacked(x, m: int, like_local: torch.Tensor):
+    """``like_local`` (``(m, *local shape)``) as a leaf laid out like ``x`` with a leading
+    whole dim of size ``m`` (a stack of ``m`` tensors like ``x``)."""
+    if not isinstance(x, ShardedArray):
+        return like_local
+    lay = x.layout
+    spec = P(None, *[None if not a else a[0] if len(a) == 1 else a for a in lay.dim_axes])
+    return ShardedArray._raw(like_local, Layout(lay.mesh, spec, (m, *lay.shape), like_local.dtype))
+
+
+def vdot(a_leaves: list, b_leaves: list) -> torch.Tensor:
+    """``sum_i <a_i, b_i>`` over matching leaves and every shard, a 0-d tensor equal on every
+    rank (one psum per group of leaves sharded alike)."""
+    prods = [rebuild(a, local(a) * local(b)) for a, b in zip(a_leaves, b_leaves)]
+    dtype = promoted_dtype(prods)
+    sums = per_leaf_sums(prods, lambda t: t.sum(dtype=dtype))
+    return torch.stack(sums).sum() if sums else torch.zeros((), dtype=dtype)

@@ -30,22 +30,32 @@ from ._tree import check_bool, check_scalar, check_schedule
 from .base import GradientTransformation, ScaleByAdamState, ScaleByScheduleState, identity
 from .clipping import clip_by_block_rms
 from .combine import _mask_flags, chain, masked
+from .linesearch import scale_by_zoom_linesearch
 from .transform import (
     add_decayed_weights,
+    add_noise,
     ema,
     scale,
     scale_by_adadelta,
     scale_by_adam,
     scale_by_adamax,
+    scale_by_adan,
     scale_by_amsgrad,
     scale_by_belief,
     scale_by_factored_rms,
+    scale_by_lbfgs,
     scale_by_learning_rate,
     scale_by_lion,
+    scale_by_novograd,
+    scale_by_optimistic_gradient,
     scale_by_param_block_rms,
+    scale_by_polyak,
     scale_by_radam,
     scale_by_rms,
+    scale_by_rprop,
     scale_by_rss,
+    scale_by_sign,
+    scale_by_sm3,
     scale_by_stddev,
     scale_by_trust_ratio,
     scale_by_yogi,
@@ -73,6 +83,15 @@ __all__ = [
     "adabelief",
     "yogi",
     "adadelta",
+    "novograd",
+    "sm3",
+    "rprop",
+    "sign_sgd",
+    "noisy_sgd",
+    "polyak_sgd",
+    "optimistic_gradient_descent",
+    "lbfgs",
+    "adan",
 ]
 
 
@@ -630,4 +649,166 @@ def adadelta(
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_adadelta(rho, eps),
         scale_by_learning_rate(lr),
+    )
+
+
+def novograd(
+    learning_rate, b1=0.9, b2=0.25, eps=1e-6, eps_root=0.0, weight_decay=0.0
+) -> GradientTransformation:
+    """NovoGrad: ``chain(scale_by_novograd, scale_by_learning_rate)``, as optax (layer-wise
+    second moments: one all_reduce per group of sharded leaves per step).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.novograd(0.1, eps=0.0)
+        >>> p = {"w": torch.zeros(2)}
+        >>> tx.update({"w": torch.tensor([3.0, 4.0])}, tx.init(p), p)[0]
+        {'w': tensor([-0.0600, -0.0800])}
+    """
+    return chain(
+        scale_by_novograd(b1, b2, eps, eps_root, weight_decay),
+        scale_by_learning_rate(check_schedule(learning_rate)),
+    )
+
+
+def sm3(learning_rate, momentum=0.9) -> GradientTransformation:
+    """SM3: ``chain(scale_by_sm3(momentum), scale(-learning_rate))``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.sm3(0.1, momentum=0.0)
+        >>> p = {"w": torch.zeros(2, 2)}
+        >>> tx.update({"w": torch.full((2, 2), 4.0)}, tx.init(p), p)[0]["w"][0]
+        tensor([-0.1000, -0.1000])
+    """
+    return chain(scale_by_sm3(momentum), scale(-check_scalar(learning_rate, "learning_rate")))
+
+
+def rprop(
+    learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0
+) -> GradientTransformation:
+    """Rprop: ``chain(scale_by_rprop, scale(-1))``, as optax (``learning_rate`` is the
+    initial step size).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.rprop(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u, s = tx.update({"w": torch.tensor([2.0])}, tx.init(p), p)
+        >>> tx.update({"w": torch.tensor([1.0])}, s, p)[0]
+        {'w': tensor([-0.1000])}
+    """
+    return chain(
+        scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
+        scale(-1.0),
+    )
+
+
+def sign_sgd(learning_rate) -> GradientTransformation:
+    """signSGD: ``chain(scale_by_sign, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.sign_sgd(0.1)
+        >>> tx.update({"w": torch.tensor([3.0, -0.5])}, tx.init(None))[0]
+        {'w': tensor([-0.1000,  0.1000])}
+    """
+    return chain(scale_by_sign(), scale_by_learning_rate(check_schedule(learning_rate)))
+
+
+def noisy_sgd(learning_rate, eta=0.01, gamma=0.55, key: int = 0) -> GradientTransformation:
+    """Noisy SGD: ``chain(add_noise(eta, gamma, key), scale_by_learning_rate)``, as optax
+    (the noise is torch's, the same for every layout: see :func:`add_noise`).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.noisy_sgd(0.1, eta=0.0)
+        >>> tx.update({"w": torch.ones(1)}, tx.init(None))[0]
+        {'w': tensor([-0.1000])}
+    """
+    return chain(add_noise(eta, gamma, key), scale_by_learning_rate(check_schedule(learning_rate)))
+
+
+def polyak_sgd(
+    max_learning_rate=1.0, scaling=1.0, f_min=0.0, eps=0.0, variant: str = "sps"
+) -> GradientTransformation:
+    """SGD with Polyak's step size: ``chain(sgd(scaling), scale_by_polyak)``, as optax;
+    ``update`` takes the loss as ``value=``.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.polyak_sgd()
+        >>> p = {"w": torch.zeros(1)}
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init(p), p, value=1.0)[0]
+        {'w': tensor([-0.5000])}
+    """
+    return chain(sgd(scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant))
+
+
+def optimistic_gradient_descent(learning_rate, alpha=1.0, beta=1.0) -> GradientTransformation:
+    """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient,
+    scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.optimistic_gradient_descent(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> tx.update({"w": torch.ones(1)}, tx.init(p), p)[0]
+        {'w': tensor([-0.1000])}
+    """
+    return chain(
+        scale_by_optimistic_gradient(alpha, beta),
+        scale_by_learning_rate(check_schedule(learning_rate)),
+    )
+
+
+_DEFAULT_LINESEARCH = object()
+
+
+def lbfgs(
+    learning_rate=None,
+    memory_size: int = 10,
+    scale_init_precond: bool = True,
+    linesearch=_DEFAULT_LINESEARCH,
+) -> GradientTransformation:
+    """L-BFGS: ``chain(scale_by_lbfgs, scale(-1) | scale_by_learning_rate, linesearch)``, as
+    optax; the default line search is ``scale_by_zoom_linesearch(max_linesearch_steps=20,
+    initial_guess_strategy="one")`` (None: no line search). With the line search, ``update``
+    takes ``value=``, ``grad=`` and ``value_fn=`` (see :mod:`fshard.optim.linesearch`);
+    on sharded params every inner product is over every leaf and shard.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> f = lambda p: ((p["w"] - 2.0) ** 2).sum()
+        >>> tx, p = fs.optim.lbfgs(), {"w": torch.zeros(3, dtype=torch.float64)}
+        >>> value, grad = fs.value_and_grad(f)(p)
+        >>> u, s = tx.update(grad, tx.init(p), p, value=value, grad=grad, value_fn=f)
+        >>> fs.optim.apply_updates(p, u)["w"]  # first step: along -g / ||g||, Wolfe at 1
+        tensor([0.5774, 0.5774, 0.5774], dtype=torch.float64)
+    """
+    if linesearch is _DEFAULT_LINESEARCH:
+        linesearch = scale_by_zoom_linesearch(20, initial_guess_strategy="one")
+    if linesearch is None:
+        linesearch = identity()
+    scaling = scale(-1.0) if learning_rate is None else scale_by_learning_rate(check_schedule(learning_rate))  # fmt: skip
+    return chain(scale_by_lbfgs(memory_size, scale_init_precond), scaling, linesearch)
+
+
+def adan(
+    learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8, weight_decay=0.0, mask=None
+) -> GradientTransformation:
+    """Adan: ``chain(scale_by_adan, add_decayed_weights, scale_by_learning_rate)``, as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adan(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u = tx.update({"w": torch.tensor([2.0])}, tx.init(p), p)[0]
+        >>> round(u["w"].item(), 6)
+        -0.1
+    """
+    return chain(
+        scale_by_adan(b1, b2, b3, eps, eps_root),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(check_schedule(learning_rate)),
     )

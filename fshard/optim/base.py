@@ -34,6 +34,14 @@ __all__ = [
     "ScaleByRStdDevWithCountState",
     "ScaleByRssState",
     "ScaleByLionState",
+    "ScaleByNovogradState",
+    "ScaleBySM3State",
+    "ScaleByRpropState",
+    "ScaleByOptimisticGradientState",
+    "AddNoiseState",
+    "ApplyEveryState",
+    "ScaleByLBFGSState",
+    "ScaleByAdanState",
     "FactoredState",
     "ZeroNansState",
     "MaskedState",
@@ -343,6 +351,125 @@ class ScaleByLionState(NamedTuple):
 
     count: torch.Tensor
     mu: Any
+
+
+class ScaleByNovogradState(NamedTuple):
+    """Step count, first moment (the params' layouts) and the per-leaf moving average of the
+    squared gradient norm (0-d) of :func:`scale_by_novograd`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_novograd().init({"w": torch.zeros(2)})
+        ScaleByNovogradState(count=tensor(0), mu={'w': tensor([0., 0.])}, nu={'w': tensor(0.)})
+    """
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleBySM3State(NamedTuple):
+    """SM3's accumulators: per leaf, one vector per dim (laid out like that dim), and the
+    momentum of the scaled updates.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_sm3().init({"w": torch.zeros(2, 3)}).mu
+        {'w': [tensor([0., 0.]), tensor([0., 0., 0.])]}
+    """
+
+    mu: Any
+    nu: Any
+
+
+class ScaleByRpropState(NamedTuple):
+    """Per-element step sizes and the previous updates of :func:`scale_by_rprop`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_rprop(0.1).init({"w": torch.zeros(2)}).step_sizes
+        {'w': tensor([0.1000, 0.1000])}
+    """
+
+    step_sizes: Any
+    prev_updates: Any
+
+
+class ScaleByOptimisticGradientState(NamedTuple):
+    """Whether no step was taken yet, and the previous gradient, of
+    :func:`scale_by_optimistic_gradient`.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_optimistic_gradient().init({"w": torch.zeros(1)})
+        ScaleByOptimisticGradientState(is_initial_step=tensor(True), previous_gradient={'w': tensor([0.])})
+    """
+
+    is_initial_step: torch.Tensor
+    previous_gradient: Any
+
+
+class AddNoiseState(NamedTuple):
+    """Step count and the integer key of :func:`add_noise` (0-d int64 tensors).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.add_noise(0.01, 0.55, key=3).init({"w": torch.zeros(1)})
+        AddNoiseState(count=tensor(0), rng_key=tensor(3))
+    """
+
+    count: torch.Tensor
+    rng_key: torch.Tensor
+
+
+class ApplyEveryState(NamedTuple):
+    """Counter and gradient accumulator of :func:`apply_every` (optax's ``ApplyEvery``).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.apply_every(2).init({"w": torch.zeros(1)})
+        ApplyEveryState(count=tensor(0), grad_acc={'w': tensor([0.])})
+    """
+
+    count: torch.Tensor
+    grad_acc: Any
+
+
+class ScaleByLBFGSState(NamedTuple):
+    """L-BFGS memory of :func:`scale_by_lbfgs`, optax's fields: step count, the last params and
+    updates, the last ``memory_size`` differences of each (stacked on a leading dim, so a
+    sharded leaf's memory is sharded like it on the other dims) and their weights.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> s = fs.optim.scale_by_lbfgs(memory_size=3).init({"w": torch.zeros(2)})
+        >>> s.diff_params_memory["w"].shape, s.weights_memory
+        (torch.Size([3, 2]), tensor([0., 0., 0.]))
+    """
+
+    count: torch.Tensor
+    params: Any
+    updates: Any
+    diff_params_memory: Any
+    diff_updates_memory: Any
+    weights_memory: torch.Tensor
+
+
+class ScaleByAdanState(NamedTuple):
+    """Adan's moments (of the gradient, of its difference, of the squared corrected gradient),
+    the last gradient and the step count (optax's field names).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> fs.optim.scale_by_adan().init({"w": torch.zeros(1)}).t
+        tensor(0)
+    """
+
+    m: Any
+    v: Any
+    n: Any
+    g: Any
+    t: torch.Tensor
 
 
 class FactoredState(NamedTuple):

@@ -13,14 +13,28 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
+import optree
 import torch
 
+from .. import lax
+from ..api import reshard
+from ..array import ShardedArray
+from ..spec import P
 from . import _tree
 from ._tree import check_scalar
 from .base import GradientTransformation, init_empty_state
 from .transform import _block_rms
 
-__all__ = ["global_norm", "clip_by_global_norm", "clip_by_block_rms", "clip"]
+__all__ = [
+    "global_norm",
+    "clip_by_global_norm",
+    "clip_by_block_rms",
+    "clip",
+    "adaptive_grad_clip",
+    "per_example_global_norm_clip",
+]
 
 
 def global_norm(tree) -> torch.Tensor:
@@ -123,3 +137,119 @@ def clip(max_delta) -> GradientTransformation:
         return _tree.tree_map(lambda u: torch.clamp(u, -max_delta, max_delta), updates), state
 
     return GradientTransformation(init_empty_state, update)
+
+
+def _unit_dims(shape: tuple, axis) -> tuple:
+    """The dims optax's ``unitwise_norm`` reduces over for a leaf of ``shape``."""
+    if axis is not None:
+        return tuple(a % len(shape) for a in ((axis,) if isinstance(axis, int) else axis))
+    if sum(s != 1 for s in shape) <= 1:  # scalars and vectors (after squeezing)
+        return tuple(range(len(shape)))
+    by_rank = {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
+    if len(shape) not in by_rank:
+        raise ValueError(
+            f"adaptive_grad_clip: a leaf of shape {shape} needs axis= (the reduced dims); "
+            "without it leaves of 1 to 5 dims are handled"
+        )
+    return by_rank[len(shape)]
+
+
+def adaptive_grad_clip(clipping, eps=1e-3, axis=None) -> GradientTransformation:
+    """Adaptive gradient clipping (NFNets), as optax: each unit of an update (a column of a
+    2-D ``(in, out)`` leaf: the norm is over dim 0; over the first 3 dims of a 4-D HWIO
+    kernel; the whole of a vector) is scaled to at most ``clipping * max(||param unit||,
+    eps)``. The unit norms of a sharded leaf are over every shard (one all_reduce over the
+    mesh axes that split the reduced dims).
+
+    Args:
+        clipping: the maximum ratio of update norm to param norm.
+        eps: floor of the param norm.
+        axis: the reduced dims, overriding the rank-based default.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.adaptive_grad_clip(0.5)
+        >>> p = {"w": torch.tensor([3.0, 4.0])}
+        >>> tx.update({"w": torch.tensor([30.0, 40.0])}, tx.init(p), p)[0]
+        {'w': tensor([1.5000, 2.0000])}
+    """
+    clipping = check_scalar(clipping, "clipping", 0.0)
+    eps = check_scalar(eps, "eps", 0.0)
+
+    def update(updates, state, params=None):
+        _tree.needs_params(params, "adaptive_grad_clip")
+        leaves, spec = _tree.flatten(updates, "updates")
+        pleaves = _tree.flatten_like(params, spec, leaves, "params")
+        out = []
+        for x, p in zip(leaves, pleaves):
+            g, w = _tree.local(x), _tree.local(p)
+            dims = _unit_dims(_tree.global_shape(x), axis)
+            g_norm = torch.sqrt(_tree.dims_sum(x, g * g, dims, keepdim=True))
+            p_norm = torch.sqrt(_tree.dims_sum(p, w * w, dims, keepdim=True))
+            max_norm = clipping * torch.clamp(p_norm, min=eps)
+            clipped = g * (max_norm / torch.clamp(g_norm, min=1e-6))
+            out.append(_tree.rebuild(x, torch.where(g_norm < max_norm, g, clipped)))
+        return spec.unflatten(out), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def _replicated(x, t: torch.Tensor) -> torch.Tensor:
+    """The whole of a small 1-D per-example vector laid out like dim 0 of leaf ``x``."""
+    if not isinstance(x, ShardedArray) or not x.layout.dim_axes[0]:
+        return t
+    return reshard(_tree.dim_leaf(x, 0, t), P()).local
+
+
+def per_example_global_norm_clip(grads, l2_norm_clip):
+    """Clips each example's gradient (leading dim of every leaf) to global norm
+    ``l2_norm_clip`` and sums over the examples; returns ``(clipped_sum, num_clipped)``, as
+    optax (DP-SGD).
+
+    The per-example norms are over every leaf and shard: per leaf a local sum over the other
+    dims and one all_reduce over the mesh axes that split them; a leaf whose batch dim is
+    sharded gathers its ``batch``-long vector of norms (a few bytes). The sum over examples of
+    such a leaf is an all_reduce over the axes that split the batch; the result is laid out
+    like the leaf minus its batch dim.
+
+    Args:
+        grads: a pytree of per-example gradients, every leaf with the same leading dim.
+        l2_norm_clip: the maximum norm of an example's gradient.
+
+    Returns:
+        ``(clipped_sum, num_clipped)``: the summed clipped gradients and how many examples
+        were clipped (a 0-d tensor).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> g = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}
+        >>> s, n = fs.optim.per_example_global_norm_clip(g, 1.0)
+        >>> s["w"], int(n)
+        (tensor([0.9000, 1.2000]), 1)
+    """
+    l2_norm_clip = check_scalar(l2_norm_clip, "l2_norm_clip", 0.0)
+    leaves, spec = _tree.flatten(grads, "grads")
+    shapes = [_tree.global_shape(x) for x in leaves]
+    if not leaves or any(len(s) < 1 or s[0] != shapes[0][0] for s in shapes):
+        raise ValueError(
+            "per_example_global_norm_clip: every leaf of grads needs the same leading (batch) "
+            f"dim; got shapes {shapes}"
+        )
+    sq = []
+    for x in leaves:
+        t = _tree.local(x)
+        per = _tree.dims_sum(x, t * t, range(1, t.ndim)) if t.ndim > 1 else t * t
+        sq.append(_replicated(x, per))
+    norms = torch.sqrt(functools.reduce(torch.add, sq))
+    mult = torch.nan_to_num(torch.clamp(l2_norm_clip / norms, max=1.0), nan=1.0)
+    out = []
+    for x in leaves:
+        t = _tree.local(x)
+        sharded = isinstance(x, ShardedArray)
+        m = mult[x.layout.shard_metadata(x.mesh.rank).slices()[0]] if sharded else mult
+        s = torch.tensordot(m.to(t.dtype), t, dims=1)
+        axes = x.layout.dim_axes[0] if isinstance(x, ShardedArray) else ()
+        if axes:
+            s = lax.psum(s, axes, mesh=x.mesh)
+        out.append(_tree.drop_dim(x, 0, s))
+    return optree.tree_unflatten(spec, out), (mult < 1.0).sum()

@@ -10,18 +10,34 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+
 from .._leaf_errors import LeafErrors, paths
 from . import _tree
-from .base import GradientTransformation, MaskedState, MultiTransformState
+from .base import GradientTransformation, MaskedState, MultiTransformState, set_to_zero
 
-__all__ = ["chain", "masked", "multi_transform", "partition"]
+
+def _takes_extra_args(update) -> bool:
+    """Whether ``update`` accepts keyword arguments beyond ``(updates, state, params)``
+    (optax's ``GradientTransformationExtraArgs``: ``value=``, ``grad=``, ``value_fn=``)."""
+    try:
+        params = inspect.signature(update).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+
+
+__all__ = ["chain", "masked", "multi_transform", "partition", "freeze", "selective_transform"]
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order; the state is the tuple of their states.
 
     The chain has a ``donated_step`` when its last transformation has one: the others run
-    their (pure) ``update`` on the grads first.
+    their (pure) ``update`` on the grads first. Extra keyword arguments of ``update``
+    (``value=``, ``grad=``, ``value_fn=``, as optax's ``GradientTransformationExtraArgs``)
+    reach the transformations whose ``update`` takes keywords (:func:`scale_by_polyak`, the
+    line searches) and no others.
 
     Args:
         *transforms: :class:`GradientTransformation` objects.
@@ -53,14 +69,18 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"init), got {type(state).__name__}"
             )
 
-    def update(updates, state, params=None):
+    extra = [_takes_extra_args(t.update) for t in transforms]
+
+    def update(updates, state, params=None, **extra_args):
         check_state(state)
         if params is not None:  # the gradients against the params before any transform runs
             pleaves, pspec = _tree.flatten(params, "params")
             _tree.flatten_like(updates, pspec, pleaves, "updates", "params")
         new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+        for t, s, e in zip(transforms, state, extra):
+            updates, s = (
+                t.update(updates, s, params, **extra_args) if e else t.update(updates, s, params)
+            )
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -225,3 +245,44 @@ def multi_transform(transforms: dict, param_labels) -> GradientTransformation:
 
 #: optax's newer name for :func:`multi_transform`.
 partition = multi_transform
+
+
+def freeze(mask) -> GradientTransformation:
+    """Zeroes the updates of the leaves where ``mask`` is True (``masked(set_to_zero(),
+    mask)``), as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.chain(fs.optim.freeze({"w": True, "b": False}), fs.optim.sgd(1.0))
+        >>> p = {"w": torch.zeros(1), "b": torch.zeros(1)}
+        >>> tx.update({"w": torch.ones(1), "b": torch.ones(1)}, tx.init(p), p)[0]
+        {'w': tensor([-0.]), 'b': tensor([-1.])}
+    """
+    return masked(set_to_zero(), mask)
+
+
+def selective_transform(
+    optimizer: GradientTransformation, *, freeze_mask
+) -> GradientTransformation:
+    """Runs ``optimizer`` on the leaves where ``freeze_mask`` is False and zeroes the others
+    (which then keep no optimizer state), as optax: ``multi_transform({"train": optimizer,
+    "freeze": set_to_zero()}, labels)``.
+
+    Args:
+        optimizer: the transformation of the trained leaves.
+        freeze_mask: a bool pytree with the params' structure (True: frozen), or a bool.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.selective_transform(fs.optim.adam(0.1), freeze_mask={"w": False, "emb": True})
+        >>> p = {"w": torch.zeros(1), "emb": torch.zeros(1)}
+        >>> tx.update({"w": torch.ones(1), "emb": torch.ones(1)}, tx.init(p), p)[0]
+        {'w': tensor([-0.1000]), 'emb': tensor([0.])}
+    """
+
+    def labels(params):
+        leaves, spec = _tree.flatten(params, "params")
+        flags = _mask_flags(freeze_mask, params, spec, len(leaves), "freeze_mask")
+        return spec.unflatten(["freeze" if f else "train" for f in flags])
+
+    return multi_transform({"train": optimizer, "freeze": set_to_zero()}, labels)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import optree
@@ -30,21 +31,29 @@ import torch
 from . import _tree
 from ._tree import check_bool, check_scalar, check_schedule
 from .base import (
+    AddNoiseState,
+    ApplyEveryState,
     EmaState,
     EmptyState,
     FactoredState,
     GradientTransformation,
     ScaleByAdaDeltaState,
     ScaleByAdamState,
+    ScaleByAdanState,
     ScaleByAmsgradState,
     ScaleByBeliefState,
+    ScaleByLBFGSState,
     ScaleByLionState,
+    ScaleByNovogradState,
+    ScaleByOptimisticGradientState,
     ScaleByRmsState,
     ScaleByRmsWithCountState,
+    ScaleByRpropState,
     ScaleByRssState,
     ScaleByRStdDevState,
     ScaleByRStdDevWithCountState,
     ScaleByScheduleState,
+    ScaleBySM3State,
     TraceState,
     ZeroNansState,
     identity,
@@ -75,6 +84,17 @@ __all__ = [
     "scale_by_param_block_rms",
     "scale_by_factored_rms",
     "zero_nans",
+    "scale_by_novograd",
+    "scale_by_sm3",
+    "scale_by_rprop",
+    "scale_by_optimistic_gradient",
+    "scale_by_polyak",
+    "add_noise",
+    "centralize",
+    "apply_every",
+    "keep_params_nonnegative",
+    "scale_by_lbfgs",
+    "scale_by_adan",
 ]
 
 
@@ -1015,5 +1035,516 @@ def zero_nans() -> GradientTransformation:
         found = optree.tree_unflatten(spec, [c > 0 for c in counts])
         out = _tree.tree_map(lambda u: torch.where(torch.isnan(u), 0.0, u), updates)
         return out, ZeroNansState(found)
+
+    return GradientTransformation(init, update)
+
+
+# -- optax's remaining building blocks ------------------------------------------------------------
+
+
+def scale_by_novograd(
+    b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0
+) -> GradientTransformation:
+    """NovoGrad's direction, as optax: per leaf, ``nu`` the moving average (``b2``) of the
+    squared norm of the whole leaf's gradient (the first step: that norm), and
+    ``mu = b1 * mu + g / (sqrt(nu + eps_root) + eps) + weight_decay * param``. A sharded
+    leaf's norm is over every shard (one all_reduce per group of leaves sharded alike).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_novograd(eps=0.0)
+        >>> p = {"w": torch.zeros(2)}
+        >>> tx.update({"w": torch.tensor([3.0, 4.0])}, tx.init(p), p)[0]
+        {'w': tensor([0.6000, 0.8000])}
+    """
+    b1, b2, eps, eps_root = _adam_checks(b1, b2, eps, eps_root)
+    weight_decay = check_scalar(weight_decay, "weight_decay", 0.0)
+
+    def init(params):
+        leaves, spec = _tree.flatten(params, "params")
+        nu = [torch.zeros((), dtype=_tree.local(x).dtype) for x in leaves]
+        return ScaleByNovogradState(_tree.count0(), _tree.zeros_like(params), spec.unflatten(nu))
+
+    def update(updates, state, params=None):
+        _tree.needs_params(params, "scale_by_novograd")
+        count = state.count + 1
+        leaves, spec = _tree.flatten(updates, "updates")
+        pleaves = _tree.flatten_like(params, spec, leaves, "params")
+        mus = _tree.flatten_like(state.mu, spec, leaves, "state.mu", "updates")
+        sq = _tree.per_leaf_sums(leaves, lambda t: (t * t).sum())
+        first = count == 1
+        out, nus = [], []
+        for x, p, m, n, s in zip(leaves, pleaves, mus, spec.flatten_up_to(state.nu), sq):
+            n = torch.where(first, s.to(n.dtype), _moment(s.to(n.dtype), n, b2))
+            g = _tree.local(x)
+            add = g / (torch.sqrt(n + eps_root) + eps).to(g.dtype) + weight_decay * _tree.local(p)
+            out.append(_tree.rebuild(x, torch.where(first, add, b1 * _tree.local(m) + add)))
+            nus.append(n)
+        mu = spec.unflatten(out)
+        return mu, ScaleByNovogradState(count, mu, spec.unflatten(nus))
+
+    return GradientTransformation(init, update)
+
+
+def _others(d: int, ndim: int) -> list[int]:
+    return [e for e in range(ndim) if e != d]
+
+
+def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8) -> GradientTransformation:
+    """SM3's direction, as optax: per leaf one accumulator vector per dim; the accumulator of
+    an element is ``c * g**2 + b2 * min`` over its dims' vectors (``c = 1 - b2``, or 1 when
+    ``b2 == 1``), the update ``g / sqrt(acc + eps)`` (0 where ``acc == 0``) averaged with
+    momentum ``b1``, and each dim's vector becomes the max of ``acc`` over the other dims.
+    A sharded leaf's vectors are laid out like their dim; the max over dims split across the
+    mesh is one pmax per vector. 1-D leaves keep ``acc`` whole.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_sm3(b1=0.0, eps=0.0)
+        >>> p = {"w": torch.zeros(1, 2)}
+        >>> tx.update({"w": torch.tensor([[2.0, -3.0]])}, tx.init(p))[0]
+        {'w': tensor([[ 1., -1.]])}
+    """
+    b1 = check_scalar(b1, "b1", 0.0, 1.0)
+    b2 = check_scalar(b2, "b2", 0.0, 1.0)
+    eps = check_scalar(eps, "eps", 0.0)
+    c0 = (
+        torch.where(b2 == 1.0, 1.0, 1 - b2)
+        if isinstance(b2, torch.Tensor)
+        else (1.0 if b2 == 1.0 else 1 - b2)
+    )
+
+    def vectors(x, t):
+        return [_tree.dim_leaf(x, d, torch.zeros_like(t.sum(_others(d, t.ndim))))
+                for d in range(t.ndim)]  # fmt: skip
+
+    def init(params):
+        leaves, spec = _tree.flatten(params, "params")
+        mu = spec.unflatten([vectors(x, _tree.local(x)) for x in leaves])
+        return ScaleBySM3State(mu, _tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        leaves, spec = _tree.flatten(updates, "updates")
+        nus = _tree.flatten_like(state.nu, spec, leaves, "state.nu")
+        out, new_mu = [], []
+        for x, vs, nu in zip(leaves, spec.flatten_up_to(state.mu), nus):
+            g = _tree.local(x)
+            vs = [_tree.local(v) for v in vs]
+            if g.ndim < 2:
+                prior = vs[0]
+            else:
+                shaped = [v.reshape([-1 if e == d else 1 for e in range(g.ndim)])
+                          for d, v in enumerate(vs)]  # fmt: skip
+                prior = functools.reduce(torch.minimum, shaped)
+            acc = c0 * g * g + b2 * prior
+            up = g * torch.where(acc > 0, torch.rsqrt(acc + eps), 0.0)
+            out.append(_tree.rebuild(x, _moment(up, _tree.local(nu), b1)))
+            if g.ndim < 2:
+                new_mu.append([_tree.rebuild(x, acc)] if g.ndim else [])
+            else:
+                new_mu.append([_tree.dim_leaf(x, d, _tree.dims_max(x, acc, _others(d, g.ndim)))
+                               for d in range(g.ndim)])  # fmt: skip
+        nu = spec.unflatten(out)
+        return nu, ScaleBySM3State(spec.unflatten(new_mu), nu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_rprop(
+    learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0
+) -> GradientTransformation:
+    """Rprop's direction, as optax: each element's step size grows by ``eta_plus`` while its
+    gradient keeps its sign and shrinks by ``eta_minus`` when it flips (clamped to
+    ``[min_step_size, max_step_size]``). As optax, the update is the *previous* step's
+    ``size * sign(g)`` (so the first update is 0), and 0 after a flip.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_rprop(0.1)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u, s = tx.update({"w": torch.tensor([2.0])}, tx.init(p))
+        >>> tx.update({"w": torch.tensor([1.0])}, s)[0]
+        {'w': tensor([0.1000])}
+    """
+    learning_rate = check_scalar(learning_rate, "learning_rate", 0.0)
+    eta_minus = check_scalar(eta_minus, "eta_minus", 0.0)
+    eta_plus = check_scalar(eta_plus, "eta_plus", 0.0)
+    min_step_size = check_scalar(min_step_size, "min_step_size", 0.0)
+    max_step_size = check_scalar(max_step_size, "max_step_size", 0.0)
+
+    def init(params):
+        return ScaleByRpropState(_tree.full_like(params, learning_rate), _tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        def leaf(g, size, prev):
+            s = g * prev
+            grown = torch.where(s > 0, size * eta_plus, size * eta_minus)  # scalars stay exact
+            size = torch.where(s == 0, size, torch.clamp(grown, min_step_size, max_step_size))
+            new_prev = torch.where(s < 0, 0.0, size * torch.sign(g))
+            return torch.where(s < 0, 0.0, prev), size, new_prev
+
+        names = ["state.step_sizes", "state.prev_updates"]
+        u, sizes, prev = _tree.tree_map(
+            leaf, updates, state.step_sizes, state.prev_updates, names=names, n_out=3
+        )
+        return u, ScaleByRpropState(sizes, prev)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_optimistic_gradient(alpha=1.0, beta=1.0) -> GradientTransformation:
+    """Optimistic gradient, as optax: ``(alpha + beta) * g - beta * g_prev`` (``g_prev = g`` on
+    the first step).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_optimistic_gradient()
+        >>> p = {"w": torch.zeros(1)}
+        >>> u, s = tx.update({"w": torch.tensor([1.0])}, tx.init(p))
+        >>> tx.update({"w": torch.tensor([3.0])}, s)[0]
+        {'w': tensor([5.])}
+    """
+    alpha = check_scalar(alpha, "alpha")
+    beta = check_scalar(beta, "beta")
+
+    def init(params):
+        return ScaleByOptimisticGradientState(
+            torch.ones((), dtype=torch.bool), _tree.zeros_like(params)
+        )
+
+    def update(updates, state, params=None):
+        first = state.is_initial_step
+
+        def leaf(g, prev):
+            return (alpha + beta) * g - beta * torch.where(first, g, prev)
+
+        u = _tree.tree_map(
+            leaf, updates, state.previous_gradient, names=["state.previous_gradient"]
+        )
+        return u, ScaleByOptimisticGradientState(torch.zeros((), dtype=torch.bool), updates)
+
+    return GradientTransformation(init, update)
+
+
+_F64_EPS = torch.finfo(torch.float64).eps  # optax's jnp.finfo(float).eps
+
+
+def scale_by_polyak(
+    f_min=0.0, max_learning_rate=1.0, eps=0.0, variant: str = "sps"
+) -> GradientTransformation:
+    """Polyak's step size, as optax: updates times ``min((value - f_min) / (||g||^2 + eps),
+    max_learning_rate)`` (``relu`` of the gap with ``variant="sps+"``; 0 when the norm is 0).
+    ``update`` takes the loss as ``value=``; ``||g||`` is the global norm over every leaf and
+    shard.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_polyak()
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init(None), value=1.0)[0]
+        {'w': tensor([0.5000])}
+    """
+    f_min = check_scalar(f_min, "f_min")
+    max_learning_rate = check_scalar(max_learning_rate, "max_learning_rate", 0.0)
+    eps = check_scalar(eps, "eps", 0.0)
+    if variant not in ("sps", "sps+"):
+        raise ValueError(f"scale_by_polyak: variant must be 'sps' or 'sps+', got {variant!r}")
+
+    def update(updates, state, params=None, *, value, **extra_args):
+        leaves, spec = _tree.flatten(updates, "updates")
+        sq = torch.stack(_tree.sq_sums(leaves)).sum() if leaves else torch.zeros(())
+        gap = torch.as_tensor(value, dtype=sq.dtype) - f_min  # a float loss: not via float32
+        if variant == "sps+":
+            gap = torch.relu(gap)
+        step = torch.where(
+            sq + eps <= _F64_EPS, 0.0, torch.clamp(gap / (sq + eps), max=max_learning_rate)
+        )
+        return _tree.tree_map(lambda u: u * step.to(u.dtype), updates), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+_MIX = 0x9E3779B97F4A7C15  # splitmix64's increment: decorrelates nearby (key, step, leaf) seeds
+
+
+def _noise_seed(key: int, count: int, leaf: int) -> int:
+    return ((key * _MIX + count) * _MIX + leaf) % (1 << 63)
+
+
+def add_noise(eta, gamma, key: int = 0) -> GradientTransformation:
+    """Adds Gaussian noise of variance ``eta / t**gamma`` at step ``t`` (from 1), as optax.
+
+    The noise of leaf ``i`` at step ``t`` is drawn from a ``torch.Generator`` seeded with a
+    hash of ``(key, t, i)``, over the leaf's *global* shape; each rank keeps its block. So the
+    noise is the same for every layout of the params (sharded equals dense, bit for bit) and
+    for every run with the same key; it is not JAX's stream (optax splits a PRNG key). Each
+    rank draws the whole leaf (no communication; ``numel`` random numbers per rank), and the
+    step reads the counter and key as Python ints (a graph break under ``torch.compile``).
+
+    Args:
+        eta: base variance (>= 0).
+        gamma: decay exponent of the variance.
+        key: an int seed.
+
+    Returns:
+        A :class:`GradientTransformation` (state: :class:`AddNoiseState`).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.add_noise(0.0, 0.55)
+        >>> tx.update({"w": torch.ones(2)}, tx.init(None))[0]
+        {'w': tensor([1., 1.])}
+    """
+    eta = check_scalar(eta, "eta", 0.0)
+    gamma = check_scalar(gamma, "gamma")
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise TypeError(f"add_noise: key must be an int, got {key!r}")
+
+    def init(params):
+        return AddNoiseState(_tree.count0(), torch.tensor(key, dtype=torch.int64))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        std = torch.sqrt(eta / _tree.as_float(count) ** gamma)
+        leaves, spec = _tree.flatten(updates, "updates")
+        k, c = int(state.rng_key), int(count)
+        out = []
+        for i, x in enumerate(leaves):
+            t = _tree.local(x)
+            gen = torch.Generator(device=t.device).manual_seed(_noise_seed(k, c, i))
+            full = torch.randn(_tree.global_shape(x), generator=gen, device=t.device, dtype=t.dtype)
+            out.append(_tree.rebuild(x, _axpy(t, std.to(t.dtype), _tree.global_slice(x, full))))
+        return spec.unflatten(out), AddNoiseState(count, state.rng_key)
+
+    return GradientTransformation(init, update)
+
+
+def centralize() -> GradientTransformation:
+    """Gradient centralization, as optax: each leaf of 2 or more dims minus its mean over all
+    dims but the first (a sharded leaf's mean over every shard: one all_reduce when those dims
+    are split across the mesh).
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.centralize()
+        >>> tx.update({"w": torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])}, tx.init(None))[0]
+        {'w': tensor([[-1.,  0.,  1.],
+                [-1.,  0.,  1.]])}
+    """
+
+    def update(updates, state, params=None):
+        leaves, spec = _tree.flatten(updates, "updates")
+        out = []
+        for x in leaves:
+            t = _tree.local(x)
+            if t.ndim > 1:
+                dims = range(1, t.ndim)
+                n = math.prod(_tree.global_shape(x)[1:])
+                t = t - _tree.dims_sum(x, t, dims, keepdim=True) / n
+            out.append(_tree.rebuild(x, t))
+        return spec.unflatten(out), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def apply_every(k: int = 1) -> GradientTransformation:
+    """Accumulates updates and emits their sum every ``k`` steps (zeros in between), as optax.
+    Unlike :class:`MultiSteps`, the transformations before it in a chain still step every time.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.apply_every(2)
+        >>> u, s = tx.update({"w": torch.ones(1)}, tx.init({"w": torch.zeros(1)}))
+        >>> u["w"], tx.update({"w": torch.ones(1)}, s)[0]["w"]
+        (tensor([0.]), tensor([2.]))
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"apply_every: k must be an int >= 1, got {k!r}")
+
+    def init(params):
+        return ApplyEveryState(_tree.count0(), _tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        c = state.count % k
+        acc = _tree.tree_map(
+            lambda g, a: torch.where(c != 0, a, 0.0) + g, updates, state.grad_acc,
+            names=["state.grad_acc"],
+        )  # fmt: skip
+        emit = c == k - 1
+        out = _tree.tree_map(lambda a: torch.where(emit, a, 0.0), acc)
+        return out, ApplyEveryState((state.count + 1) % k, acc)
+
+    return GradientTransformation(init, update)
+
+
+def keep_params_nonnegative() -> GradientTransformation:
+    """Clips updates so that no param goes below 0 (``-param`` where ``param + update < 0``),
+    as optax.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.keep_params_nonnegative()
+        >>> p = {"w": torch.tensor([1.0, 1.0])}
+        >>> tx.update({"w": torch.tensor([-2.0, 0.5])}, tx.init(p), p)[0]
+        {'w': tensor([-1.0000,  0.5000])}
+    """
+
+    def update(updates, state, params=None):
+        _tree.needs_params(params, "keep_params_nonnegative")
+        u = _tree.tree_map(
+            lambda u, p: torch.where(p + u < 0.0, -p, u), updates, params, names=["params"]
+        )
+        return u, state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def _at(mem: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``mem[idx]`` for a 0-d index tensor (no Python int: traceable)."""
+    return mem.index_select(0, idx.reshape(1)).squeeze(0)
+
+
+def _set_at(mem: torch.Tensor, idx: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``mem`` with ``mem[idx] = value``, out of place."""
+    return mem.index_copy(0, idx.reshape(1), value.unsqueeze(0).to(mem.dtype))
+
+
+def scale_by_lbfgs(
+    memory_size: int = 10, scale_init_precond: bool = True
+) -> GradientTransformation:
+    """L-BFGS's direction, as optax: the updates times the inverse-Hessian approximation built
+    from the last ``memory_size`` differences of params and updates (Nocedal & Wright's
+    two-loop recursion), scaled by ``<dw, du> / <du, du>`` of the last pair
+    (``scale_init_precond``; the first step: ``min(1, 1 / ||g||)``).
+
+    The memory stacks ``memory_size`` copies of each leaf on a new leading dim, laid out like
+    the leaf (sharded params: sharded memory). Every inner product is over every leaf and
+    shard: the recursion's ``2 * memory_size`` dot products each end in one scalar all_reduce
+    per group of leaves sharded alike (they depend on each other, so they cannot be batched),
+    plus three for the new pair and the scale. Chain it with a line search
+    (:func:`scale_by_zoom_linesearch`) or use :func:`lbfgs`.
+
+    Args:
+        memory_size: pairs kept (>= 1).
+        scale_init_precond: scale the initial inverse Hessian as above (else identity).
+
+    Returns:
+        A :class:`GradientTransformation` (state: :class:`ScaleByLBFGSState`); ``update``
+        needs ``params``.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_lbfgs()
+        >>> p = {"w": torch.zeros(2)}
+        >>> tx.update({"w": torch.tensor([3.0, 4.0])}, tx.init(p), p)[0]  # first: g / ||g||
+        {'w': tensor([0.6000, 0.8000])}
+    """
+    if isinstance(memory_size, bool) or not isinstance(memory_size, int) or memory_size < 1:
+        raise ValueError(f"scale_by_lbfgs: memory_size must be an int >= 1, got {memory_size!r}")
+    check_bool(scale_init_precond, "scale_init_precond")
+    m = memory_size
+
+    def init(params):
+        leaves, spec = _tree.flatten(params, "params")
+        mem = [_tree.stacked(x, m, _tree.local(x).new_zeros((m, *_tree.local(x).shape))) for x in leaves]  # fmt: skip
+        dtype = _tree.promoted_dtype(leaves)
+        return ScaleByLBFGSState(
+            _tree.count0(),
+            _tree.zeros_like(params),
+            _tree.zeros_like(params),
+            spec.unflatten(mem),
+            spec.unflatten(list(mem)),
+            torch.zeros(m, dtype=dtype),
+        )
+
+    def update(updates, state, params=None):
+        _tree.needs_params(params, "scale_by_lbfgs")
+        leaves, spec = _tree.flatten(updates, "updates")
+        like = lambda tree, name: _tree.flatten_like(tree, spec, leaves, name)  # noqa: E731
+        pleaves, old_p, old_u = like(params, "params"), like(state.params, "state.params"), like(state.updates, "state.updates")  # fmt: skip
+        dw_mem = spec.flatten_up_to(state.diff_params_memory)
+        du_mem = spec.flatten_up_to(state.diff_updates_memory)
+        count = state.count
+        started = count > 0
+        idx, prev_idx = count % m, (count - 1) % m
+        dw = [_tree.rebuild(p, torch.where(started, _tree.local(p) - _tree.local(q), 0.0)) for p, q in zip(pleaves, old_p)]  # fmt: skip
+        du = [_tree.rebuild(u, torch.where(started, _tree.local(u) - _tree.local(q), 0.0)) for u, q in zip(leaves, old_u)]  # fmt: skip
+        dot = _tree.vdot(du, dw)
+        weight = torch.where(started & (dot != 0), 1 / torch.where(dot == 0, 1.0, dot), 0.0)
+        dw_mem = [_tree.rebuild(x, _set_at(_tree.local(x), prev_idx, _tree.local(d))) for x, d in zip(dw_mem, dw)]  # fmt: skip
+        du_mem = [_tree.rebuild(x, _set_at(_tree.local(x), prev_idx, _tree.local(d))) for x, d in zip(du_mem, du)]  # fmt: skip
+        rhos = _set_at(state.weights_memory, prev_idx, weight)
+        if scale_init_precond:
+            den = _tree.vdot(du, du)
+            gamma = torch.where(den > 0, dot / torch.where(den > 0, den, 1.0), 1.0)
+            norm = torch.sqrt(_tree.vdot(leaves, leaves)).detach()
+            gamma = torch.where(started, gamma, torch.clamp(1 / norm, max=1.0))
+        else:
+            gamma = torch.ones((), dtype=rhos.dtype)
+
+        def at(mem, i):
+            return [_tree.rebuild(x, _at(_tree.local(x), i)) for x in mem]
+
+        def axpy(vec, a, d):
+            return [_tree.rebuild(v, _tree.local(v) + a.to(_tree.local(v).dtype) * _tree.local(e)) for v, e in zip(vec, d)]  # fmt: skip
+
+        order = [(idx + k) % m for k in range(m)]
+        vec, alphas = list(leaves), {}
+        for k in reversed(range(m)):
+            i = order[k]
+            alphas[k] = _at(rhos, i) * _tree.vdot(at(dw_mem, i), vec)
+            vec = axpy(vec, -alphas[k], at(du_mem, i))
+        vec = [_tree.rebuild(v, _tree.local(v) * gamma.to(_tree.local(v).dtype)) for v in vec]
+        for k in range(m):
+            i = order[k]
+            beta = _at(rhos, i) * _tree.vdot(at(du_mem, i), vec)
+            vec = axpy(vec, alphas[k] - beta, at(dw_mem, i))
+        unflat = spec.unflatten
+        return unflat(vec), ScaleByLBFGSState(
+            count + 1, params, updates, unflat(dw_mem), unflat(du_mem), rhos
+        )
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adan(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0) -> GradientTransformation:
+    """Adan's direction (Xie et al. 2022), as optax: moments of the gradient ``m`` (``b1``),
+    of its change ``v`` (``b2``) and of ``(g + (1 - b2) * (g - g_prev))**2`` ``n`` (``b3``),
+    bias-corrected; the update ``(m_hat + (1 - b2) * v_hat) / (sqrt(n_hat + eps_root) + eps)``.
+    Element-wise: no communication.
+
+    Example:
+        >>> import torch, fshard as fs
+        >>> tx = fs.optim.scale_by_adan()
+        >>> u = tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))[0]
+        >>> round(u["w"].item(), 6)
+        1.0
+    """
+    b1 = check_scalar(b1, "b1", 0.0, 1.0, open_hi=True)
+    b2 = check_scalar(b2, "b2", 0.0, 1.0, open_hi=True)
+    b3 = check_scalar(b3, "b3", 0.0, 1.0, open_hi=True)
+    eps = check_scalar(eps, "eps", 0.0)
+    eps_root = check_scalar(eps_root, "eps_root", 0.0)
+
+    def init(params):
+        z = _tree.zeros_like
+        return ScaleByAdanState(z(params), z(params), z(params), z(params), _tree.count0())
+
+    def update(updates, state, params=None):
+        first = state.t == 0
+        t = state.t + 1
+        bc1, bc2, bc3 = _bias(b1, t), _bias(b2, t), _bias(b3, t)
+
+        def leaf(g, m, v, n, g_prev):
+            diff = torch.where(first, 0.0, g - g_prev)
+            m, v = _moment(g, m, b1), _moment(diff, v, b2)
+            n = _sq_moment(g + (1 - b2) * diff, n, b3)
+            u = m / bc1.to(m.dtype) + (1 - b2) * (v / bc2.to(v.dtype))
+            return u / (torch.sqrt(n / bc3.to(n.dtype) + eps_root) + eps), m, v, n
+
+        names = ["state.m", "state.v", "state.n", "state.g"]
+        u, m, v, n = _tree.tree_map(
+            leaf, updates, state.m, state.v, state.n, state.g, names=names, n_out=4
+        )
+        return u, ScaleByAdanState(m, v, n, updates, t)
 
     return GradientTransformation(init, update)

@@ -127,7 +127,7 @@ def _mesh_of(tree):
     return None
 
 
-def step(tx: GradientTransformation, grads, state, params, *, donate: bool = False):
+def step(tx: GradientTransformation, grads, state, params, *, donate: bool = False, **extra_args):
     """One optimizer step: ``tx.update`` then :func:`apply_updates`, returning
     ``(new_params, new_state)``.
 
@@ -150,6 +150,8 @@ def step(tx: GradientTransformation, grads, state, params, *, donate: bool = Fal
         donate: reuse ``params``' and ``state``'s buffers; do not use them afterwards (and
             note that tensors they alias, e.g. module parameters that ``fs.nn.shard_params``
             viewed, are overwritten too).
+        **extra_args: passed to ``tx.update`` (``value=``, ``grad=``, ``value_fn=`` of
+            :func:`polyak_sgd` and :func:`lbfgs`); the ``donated_step`` kernels take none.
 
     Returns:
         ``(new_params, new_state)``.
@@ -171,11 +173,11 @@ def step(tx: GradientTransformation, grads, state, params, *, donate: bool = Fal
         if mesh is not None:
             consistency.boundary(mesh, "fs.optim.step")
     if donate and donatable(_tensors(params), _tensors(state), _tensors(grads)):
-        if tx.donated_step is not None:
+        if tx.donated_step is not None and not extra_args:
             res = tx.donated_step(grads, state, params)
             if res is not None:
                 return res
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(grads, state, params, **extra_args)
         return apply_updates(params, updates, donate=True), state
-    updates, state = tx.update(grads, state, params)
+    updates, state = tx.update(grads, state, params, **extra_args)
     return apply_updates(params, updates), state

@@ -39,7 +39,24 @@ PURE = {
     "multisteps": lambda: optim.MultiSteps(optim.adam(1e-2), 2).gradient_transformation(),
     "apply_if_finite": lambda: optim.apply_if_finite(optim.sgd(0.1), 2),
     "zero_nans": lambda: optim.chain(optim.zero_nans(), optim.sgd(0.1)),
+    "novograd": lambda: optim.novograd(1e-2, weight_decay=0.01),
+    "sm3": lambda: optim.sm3(0.1),
+    "rprop": lambda: optim.rprop(1e-2),
+    "optimistic_gd": lambda: optim.optimistic_gradient_descent(1e-2),
+    "adan": lambda: optim.adan(1e-2, weight_decay=0.01),
+    "prodigy": lambda: optim.prodigy(),
+    "schedule_free_adamw": lambda: optim.schedule_free_adamw(1e-2),
+    "lbfgs_no_linesearch": lambda: optim.lbfgs(0.1, memory_size=3, linesearch=None),
+    "agc_centralize_nonneg": lambda: optim.chain(
+        optim.adaptive_grad_clip(0.1),
+        optim.centralize(),
+        optim.sgd(0.1),
+        optim.apply_every(2),
+        optim.keep_params_nonnegative(),
+    ),
 }
+#: the new transformations whose update reads no tensor as a Python value: compiled whole
+COMPILED = ["novograd", "sm3", "adan", "prodigy", "schedule_free_adamw", "lbfgs_no_linesearch"]
 
 
 def _step(tx):
@@ -126,6 +143,21 @@ def test_compile_fullgraph_matches_eager():
     for k in params:
         torch.testing.assert_close(p_c[k], p_e[k], rtol=1e-5, atol=1e-7)
     assert not torch.equal(p_e["w"], params["w"])
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compile_fullgraph_new_optimizers(name):
+    torch._dynamo.reset()
+    tx = PURE[name]()
+    params, grads = _problem(4)
+    compiled = torch.compile(_step(tx), fullgraph=True, backend="aot_eager")
+    p_c, s_c = params, tx.init(params)
+    p_e, s_e = params, tx.init(params)
+    for g in grads[:3]:
+        p_c, s_c = compiled(p_c, g, s_c)
+        p_e, s_e = _step(tx)(p_e, g, s_e)
+    for k in params:
+        torch.testing.assert_close(p_c[k], p_e[k], rtol=1e-5, atol=1e-7)
 
 
 def test_integer_params_refused():
