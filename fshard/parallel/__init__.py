@@ -3,13 +3,25 @@ layouts (``{glob: fs.P | fs.nn.Output}`` for :func:`fshard.nn.shard_params`) and
 runs the module (:func:`fshard.nn.functional_call` unless the strategy needs its own).
 
 - :mod:`fshard.parallel.sequence`: Megatron sequence parallelism over the tensor-parallel axis.
+- :mod:`fshard.parallel.pipeline`: pipeline parallelism over a ``pp`` axis (GPipe, 1F1B,
+  interleaved 1F1B, ZB-H1): :func:`pipeline_schedule` is the plan (the tick table),
+  :func:`pipeline` the call (its own executor: stages run in schedule order).
 
 Example:
     >>> import fshard as fs
     >>> fs.parallel.__all__
-    ['megatron_sp_comm', 'sequence_parallel_plan']
+    ['megatron_sp_comm', 'sequence_parallel_plan', 'Action', 'PipelineSchedule', 'pipeline', 'pipeline_schedule', 'stage_order']
 """
 
+from .pipeline import Action, PipelineSchedule, pipeline, pipeline_schedule, stage_order
 from .sequence import megatron_sp_comm, sequence_parallel_plan
 
-__all__ = ["megatron_sp_comm", "sequence_parallel_plan"]
+__all__ = [
+    "megatron_sp_comm",
+    "sequence_parallel_plan",
+    "Action",
+    "PipelineSchedule",
+    "pipeline",
+    "pipeline_schedule",
+    "stage_order",
+]
