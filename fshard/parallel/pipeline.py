@@ -396,7 +396,7 @@ class _Run:
                         target = optree.tree_unflatten(
                             t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
                         )
-                        loss = _scalar(self.loss_fn(lp_tree, out, target)) / m
+                        loss = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target)) / m
                         total = total + loss.detach().double()
                         out = loss
                     else:
@@ -408,12 +408,8 @@ class _Run:
                 inp, out = saved.pop((s, mb))
                 ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
                 ins = [inp] if inp.requires_grad else []
-                if zb and ins:  # input gradient now; the weights' from saved intermediates at W
-                    with torch.enable_grad():  # (it finds the weights' grad accumulators)
-                        _, groups = _bw.stage_backward_input([out], [ct], ins, iter(weights(s)))
-                    saved[(s, mb)] = groups
-                elif zb:  # no input gradient wanted: W is the whole backward
-                    saved[(s, mb)] = (out, ct)
+                if zb:  # the input gradient now, the weights' at W
+                    saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
                 else:
                     torch.autograd.backward(out, ct, inputs=ins + weights(s))
                 if ins:
@@ -423,12 +419,7 @@ class _Run:
                         x_grad[mb] = inp.grad
             elif a is not None and grad_on:  # W
                 s, mb = a.stage, a.microbatch
-                held = saved.pop((s, mb))
-                if isinstance(held, tuple):
-                    torch.autograd.backward(held[0], held[1], inputs=weights(s))
-                else:
-                    with torch.enable_grad():
-                        _bw.stage_backward_weight(iter(weights(s)), held)
+                saved.pop((s, mb))()
             self._exchange(t, "F", sent_f, zero, inbox)
             if grad_on:
                 self._exchange(t, "B", sent_b, zero, inbox)
@@ -474,6 +465,29 @@ class _Run:
         got = lax.apply(Bound(Ppermute(g.axes, tuple(pairs)), g), buf.contiguous())
         if recv is not None:
             inbox[recv] = got
+
+
+def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
+    """ZB-H1's B: the input gradient (into ``ins[0].grad``) now, keeping the cotangents of the
+    intermediates that feed the weights (torch.distributed.pipelining's ``_backward``); returns
+    W, which finishes the weights' gradients from those (a weight that those intermediates
+    miss, e.g. with no input gradient wanted, gets a backward from the output)."""
+    with torch.enable_grad():  # (it finds the weights' grad accumulators through views)
+        # a copy (not a view): stage_backward_input detaches what it is given in place
+        _, groups = _bw.stage_backward_input([out.clone()], [ct], ins, iter(weights))
+        covered = set().union(*(g["params"] for g in groups)) if groups else set()
+        rest = [w for w in weights if _bw._get_grad_fn_or_grad_acc(w) not in covered]
+
+    def weight_pass():
+        # retain_graph: the groups share nodes (each group's pass would free the others'); the
+        # graph goes with the last reference to ``out`` and the groups, after this pass
+        with torch.enable_grad():
+            if groups:
+                _bw.stage_backward_weight(iter(weights), groups, retain_graph=True)
+            if rest:
+                torch.autograd.backward(out, ct, inputs=rest)
+
+    return weight_pass
 
 
 def _as_layout(out, meta: _Leaf, what: str) -> torch.Tensor:
