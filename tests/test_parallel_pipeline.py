@@ -350,3 +350,41 @@ def test_gpt_pp2_composes_on_4_ranks(world4, other, schedule, virtual):
     results = world4.run(pipeline_rank_fn, ("pp", other), schedule, virtual)
     for r in results:
         _assert_dense(r)
+
+
+def transforms_rank_fn():
+    """y = w1 * w0 * x per microbatch, loss mean(y^2): every schedule, no grad / grad /
+    .backward() against the closed form; higher derivatives, jvp and vmap refused."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w = torch.tensor([[2.0], [3.0]])
+    x = torch.arange(4.0).reshape(4, 1)
+    xs = (x**2).mean()
+
+    def run(w, schedule="1f1b"):
+        loss = pipeline(lambda w, x: w * x, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
+                        schedule=schedule)  # fmt: skip
+        return fs.gather(loss)
+
+    want_g = torch.tensor([[2 * w[0, 0] * w[1, 0] ** 2], [2 * w[1, 0] * w[0, 0] ** 2]]) * xs
+    for schedule in ("gpipe", "1f1b", "zb"):
+        assert torch.allclose(run(w, schedule), (w.prod() ** 2) * xs)
+        assert torch.allclose(torch.func.grad(run)(w, schedule), want_g)
+        leaf = w.clone().requires_grad_()
+        run(leaf, schedule).backward()
+        assert torch.allclose(leaf.grad, want_g)
+    refused = []
+    for f in (
+        lambda: torch.func.grad(lambda w: torch.func.grad(run)(w).sum())(w),
+        lambda: torch.func.jvp(run, (w,), (torch.ones_like(w),)),
+        lambda: torch.func.vmap(run)(torch.stack([w, w])),
+        lambda: torch.func.hessian(run)(w),
+    ):
+        with pytest.raises(NotImplementedError, match="differentiable once in reverse mode"):
+            f()
+        refused.append(True)
+    return refused
+
+
+@pytest.mark.timeout(300)
+def test_transforms_compose_or_refuse(world2):
+    assert world2.run(transforms_rank_fn) == [[True] * 4] * 2

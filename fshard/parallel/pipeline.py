@@ -61,6 +61,7 @@ from typing import NamedTuple
 
 import optree
 import torch
+from torch._C._functorch import TransformType as _TransformType
 from torch.distributed.pipelining import _backward as _bw
 
 from .. import axis_env, lax
@@ -611,6 +612,24 @@ def _needs_grad(tree) -> bool:
     )
 
 
+def _refuse_transforms() -> None:
+    """The Function's backward returns gradients its forward computed: correct for one reverse
+    pass, constants (a silent zero) to a second one, and it has no jvp or vmap rule."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    kinds = [ci.key() for ci in stack]
+    grads = sum(k == _TransformType.Grad for k in kinds)
+    other = [k.name for k in kinds if k not in (_TransformType.Grad, _TransformType.Functionalize)]
+    if grads > 1 or other:
+        what = "nested torch.func.grad / vjp (higher derivatives)" if grads > 1 else other[0]
+        raise NotImplementedError(
+            f"pipeline under {what}: the pipelined loss is differentiable once in reverse mode "
+            "(fs.value_and_grad, torch.func.grad / vjp, .backward()); its backward hands back "
+            "gradients its forward computed in schedule order, so higher derivatives, forward "
+            "mode (jvp, jacfwd, hessian) and vmap are not available. vmap inside stage_fn "
+            "instead, or differentiate the stages without the pipeline"
+        )
+
+
 def pipeline(
     stage_fn: Callable,
     stage_params,
@@ -679,6 +698,7 @@ def pipeline(
         raise TypeError(f"pipeline: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(mesh, Mesh) or axis not in mesh.axis_names:
         raise ValueError(f"pipeline: mesh must be a fshard.Mesh with axis {axis!r}, got {mesh!r}")
+    _refuse_transforms()
     pp = mesh.size(axis)
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
