@@ -12,9 +12,12 @@ blocks stacked over ``pp`` (``fs.parallel.stage_order``), the embedding computed
 pipeline on both ranks, the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
 of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
 (``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer. Each
-configuration runs in its own pair of rank processes (peak memory is the process's RSS
-high-water mark, ``ru_maxrss``, so nothing of another configuration is in it); the step time is
-the median over ``--reps`` of the slowest rank's mean over ``--steps`` steps.
+configuration runs in its own pair of rank processes (peak RSS is the process's high-water
+mark, ``ru_maxrss``, so nothing of another configuration is in it); *peak saved* is the most
+bytes autograd held for the backward at once during one more step, counted by saved-tensor
+hooks per storage (the activations a schedule stashes, plus the weights the matmuls save, and
+for fshard the stage gradients its Function keeps for its backward); the step time is the
+median over ``--reps`` of the slowest rank's mean over ``--steps`` steps.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import resource
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -67,6 +71,44 @@ class _Last(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))
+
+
+class _Saved:
+    """Saved-tensor hooks counting the bytes autograd holds for the backward (each storage once,
+    released when the graph that saved it goes): the activation memory a schedule stashes."""
+
+    class _Handle:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def __init__(self):
+        self.cur = self.peak = 0
+        self.refs: dict = {}
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        n, c = self.refs.get(key, (t.untyped_storage().nbytes(), 0))
+        if c == 0:
+            self.cur += n
+            self.peak = max(self.peak, self.cur)
+        self.refs[key] = (n, c + 1)
+        h = self._Handle(t)
+        weakref.finalize(h, self._release, key)
+        return h
+
+    def _release(self, key):
+        n, c = self.refs[key]
+        if c == 1:
+            del self.refs[key]
+            self.cur -= n
+        else:
+            self.refs[key] = (n, c - 1)
+
+    @staticmethod
+    def unpack(h):
+        return h.t
 
 
 def _ce(logits, target):
@@ -148,7 +190,6 @@ def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
         step = _torch_step(gpt, schedule, tokens, targets, mb)
     else:
         step = _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for _ in range(2):
         step()
     times = []
@@ -161,7 +202,10 @@ def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(float(dt))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return statistics.median(times), peak / 1024, (peak - before) / 1024
+    saved = _Saved()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        step()
+    return statistics.median(times), peak / 1024, saved.peak / 2**20
 
 
 def main(argv=None):
@@ -191,10 +235,10 @@ def main(argv=None):
     print(f"pp=2 (2 Gloo ranks, CPU, 1 thread each): GPT layers={a.layers} d_model={a.dim} "
           f"ctx={a.ctx}, batch {a.batch} in {a.mb} microbatches")  # fmt: skip
     print(f"{'schedule':26s} {'step ms':>9s} {'x torch GPipe':>14s} "
-          f"{'peak RSS MiB (r0, r1)':>24s} {'growth in steps MiB':>22s}")  # fmt: skip
-    for name, t, peak, grow in rows:
+          f"{'peak RSS MiB (r0, r1)':>24s} {'peak saved MiB (r0, r1)':>24s}")  # fmt: skip
+    for name, t, peak, saved in rows:
         print(f"{name:26s} {t * 1e3:9.1f} {t / base:14.2f} "
-              f"{peak[0]:11.0f} {peak[1]:11.0f} {grow[0]:10.1f} {grow[1]:10.1f}")  # fmt: skip
+              f"{peak[0]:11.0f} {peak[1]:11.0f} {saved[0]:11.2f} {saved[1]:11.2f}")  # fmt: skip
     for name, (sched, v) in {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1),
                              "interleaved": ("interleaved", 2), "zb": ("zb", 1)}.items():  # fmt: skip
         s = fs.parallel.pipeline_schedule(sched, 2, a.mb, v)

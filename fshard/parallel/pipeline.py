@@ -709,15 +709,10 @@ def pipeline(
         sched = pipeline_schedule(schedule, pp, m, virtual)
     except ValueError as e:
         raise ValueError(f"pipeline: {e}") from None
-    need = None
-    if _needs_grad((stage_params, microbatches, loss_params)) or (
-        torch._C._are_functorch_transforms_active()
-    ):
-        need = (
-            _needs_grad(stage_params) or torch._C._are_functorch_transforms_active(),
-            _needs_grad(microbatches) or torch._C._are_functorch_transforms_active(),
-            _needs_grad(loss_params) or torch._C._are_functorch_transforms_active(),
-        )
+    # which gradients the backward actions compute (None: a forward-only schedule); under
+    # torch.func.grad the differentiated inputs' wrappers require grad, closed-over ones not
+    need = tuple(map(_needs_grad, (stage_params, microbatches, loss_params)))
+    need = need if any(need) else None
 
     def body(params, x, lparams, tgts):
         g = axis_env.current_mesh().group((axis,))
