@@ -368,7 +368,15 @@ def transforms_rank_fn():
     want_g = torch.tensor([[2 * w[0, 0] * w[1, 0] ** 2], [2 * w[1, 0] * w[0, 0] ** 2]]) * xs
     for schedule in ("gpipe", "1f1b", "zb"):
         assert torch.allclose(run(w, schedule), (w.prod() ** 2) * xs)
-        assert torch.allclose(torch.func.grad(run)(w, schedule), want_g)
+        with fs.debug.comm_log() as log:
+            assert torch.allclose(torch.func.grad(run)(w, schedule), want_g)
+        # one ppermute per tick and direction that sends (activations forward, cotangents back)
+        moves = pipeline_schedule(schedule, 2, 4).transfers
+        ticks = zip(moves["F"], moves["B"])
+        pairs = [p for tick in ticks for p, _ in tick if p]  # in tick order, F before B
+        sends = [4 if any(src == mesh.rank for src, _ in p) else 0 for p in pairs]
+        assert [r.nbytes for r in log if r.op == "ppermute"] == sends
+        assert sum(sends) == 4 * 4  # 4 microbatches, one float each way
         leaf = w.clone().requires_grad_()
         run(leaf, schedule).backward()
         assert torch.allclose(leaf.grad, want_g)
@@ -388,3 +396,32 @@ def transforms_rank_fn():
 @pytest.mark.timeout(300)
 def test_transforms_compose_or_refuse(world2):
     assert world2.run(transforms_rank_fn) == [[True] * 4] * 2
+
+
+def one_rank_fn():
+    """pp=1: every stage on the one rank (handed over locally, no ppermute)."""
+    mesh = fs.Mesh.create((1,), ("pp",))
+    w, x = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1)
+    xs = (x**2).mean()
+    out = []
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)):
+        sp = w[:virtual]
+
+        def run(w, schedule=schedule, virtual=virtual):
+            loss = pipeline(lambda w, x: w * x, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
+                            schedule=schedule, virtual=virtual)  # fmt: skip
+            return fs.gather(loss)
+
+        with fs.debug.comm_log() as log:
+            value, g = float(run(sp)), torch.func.grad(run)(sp)
+        assert not [r for r in log if r.op == "ppermute"]
+        want = sp.prod() ** 2 * xs
+        assert value == pytest.approx(float(want))
+        torch.testing.assert_close(g, 2 * want / sp)  # d/dw_i of (prod w)^2 * mean(x^2)
+        out.append(schedule)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_one_pipeline_rank(world1):
+    assert world1.run(one_rank_fn) == [["gpipe", "1f1b", "zb", "interleaved"]]

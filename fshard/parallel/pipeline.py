@@ -233,6 +233,26 @@ class PipelineSchedule:
             peaks.append(peak)
         return tuple(peaks)
 
+    @functools.cached_property
+    def transfers(self) -> dict[str, tuple]:
+        """Per kind (``'F'``: activations, ``'B'``: cotangents) and tick, what moves after the
+        tick: ``(pairs, dests)``, the ``(src, dst)`` rank pairs of its ppermute and ``{dst
+        rank: (kind, stage, microbatch)}`` of what each rank receives (with ``pp == 1`` no
+        pairs: the next stage is on the same rank)."""
+        out: dict[str, list] = {"F": [], "B": []}
+        for kind, step in (("F", 1), ("B", -1)):
+            for row in self.table:
+                pairs, dests = [], {}
+                for src, a in enumerate(row):
+                    if a is None or a.kind != kind or not 0 <= a.stage + step < self.stages:
+                        continue
+                    dst = (a.stage + step) % self.pp
+                    dests[dst] = (kind, a.stage + step, a.microbatch)
+                    if dst != src:
+                        pairs.append((src, dst))
+                out[kind].append((tuple(pairs), dests))
+        return {k: tuple(v) for k, v in out.items()}
+
     def __str__(self) -> str:
         def cell(a):
             return "." if a is None else f"{a.kind}{a.stage}.{a.microbatch}"
@@ -443,29 +463,17 @@ class _Run:
     def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
         """The ppermute of tick ``t``'s activations (``F``) or cotangents (``B``): every rank
         knows from the table who sends, so all issue the same collective (or none)."""
-        pp, r = self.sched.pp, self.group.index
-        pairs, recv = [], None
-        for src, a in enumerate(self.sched.table[t]):
-            if a is None or a.kind != kind:
-                continue
-            s = a.stage + (1 if kind == "F" else -1)
-            if not 0 <= s < self.sched.stages:
-                continue
-            dst = s % pp
-            if dst == src:  # pp == 1: the next stage is on this rank
-                if src == r:
-                    inbox[(kind, s, a.microbatch)] = sent
-                continue
-            pairs.append((src, dst))
-            if dst == r:
-                recv = (kind, s, a.microbatch)
+        pairs, dests = self.sched.transfers[kind][t]
+        r = self.group.index
         if not pairs:
+            if r in dests:  # pp == 1: the next stage is on this rank
+                inbox[dests[r]] = sent
             return
         buf = sent if sent is not None and any(src == r for src, _ in pairs) else zero
         g = self.group
-        got = lax.apply(Bound(Ppermute(g.axes, tuple(pairs)), g), buf.contiguous())
-        if recv is not None:
-            inbox[recv] = got
+        got = lax.apply(Bound(Ppermute(g.axes, pairs), g), buf.contiguous())
+        if r in dests:
+            inbox[dests[r]] = got
 
 
 def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
