@@ -29,9 +29,12 @@ Design decisions (issue 22 item 2):
   pairs that send; ranks that receive nothing get zeros), inside a ``shard_map`` manual over
   ``axis`` only (``axis_names={axis}``), so op rules run the dp / tp / fsdp collectives of the
   other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
-  backward (B) is ``torch.autograd.grad`` of it with the cotangent received, in schedule order,
-  accumulating the parameter gradients; ZB-H1 splits B into the input gradient (B) and the
-  weight gradient (W, ``retain_graph`` until then) and defers W into the bubbles. The Function's
+  backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
+  order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
+  weight gradient (W) and defers W into the bubbles: B keeps the cotangents of the
+  intermediates that feed the weights and W starts from them (torch.distributed.pipelining's
+  split backward, imported on first use; where its private API differs, W runs the backward
+  from the output again, the graph kept until then: the same numbers, more compute). The Function's
   backward returns those gradients times the incoming cotangent. GPipe runs through the same
   executor (all F, then all B), so every schedule gives the same numbers.
 * **Ticks.** One action (F, B or W) per rank and tick; the bubble fraction is a rank's idle
@@ -41,20 +44,22 @@ Design decisions (issue 22 item 2):
   ``p - r`` on rank ``r`` (at most ``p``), ZB-H1 ``min(p, m)``, interleaved
   ``min(2(p-1-r) + (v-1)p + 1, v*m)`` chunk activations (each ``1/v`` of a stage).
 
-What composes: ``fs.value_and_grad`` (top level and under transforms), ``torch.func.grad`` /
-``vjp`` / ``grad_and_value``, eager ``.backward()``, dp / tp / fsdp layouts on the other mesh
-axes. What does not, and why: higher-order derivatives (grad of grad, ``hessian``) and forward
-mode (``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward,
-which are constants to an outer derivative (refused: ``once_differentiable`` / no jvp rule);
-``vmap``: the forward runs per-rank schedules of ``autograd.grad`` calls and collectives with
-no batching rule (vmap each stage inside ``stage_fn`` instead). The parameter gradient of a
-dp-replicated stage weight is reduced over dp once per microbatch (the op rules' ``pcast``
-inside each stage's backward), not once per step.
+What composes: ``fs.value_and_grad``, ``torch.func.grad`` / ``vjp`` / ``grad_and_value`` (one
+level), eager ``.backward()``, dp and tp layouts on the other mesh axes (tested; an FSDP-style
+stage weight split over dp goes through the op rules' gathers, untested), ``fs.remat`` or
+``vmap`` inside ``stage_fn``. What does not, and why (``NotImplementedError`` before any
+communication): higher-order derivatives (grad of grad, ``hessian``) and forward mode
+(``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward, which
+an outer derivative would take for constants (a silent zero); ``vmap`` of the pipeline: its
+forward is per-rank schedules of backward passes and point-to-point collectives, with no
+batching rule. Cost: the gradient of a dp-replicated stage weight is all-reduced over dp once
+per microbatch (the op rules' ``pcast`` inside each stage's backward), not once per step.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,7 +67,6 @@ from typing import NamedTuple
 import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
-from torch.distributed.pipelining import _backward as _bw
 
 from .. import axis_env, lax
 from ..array import ShardedArray, is_sharded
@@ -476,23 +480,42 @@ class _Run:
             inbox[dests[r]] = got
 
 
+@functools.cache
+def _torch_split():
+    """torch.distributed.pipelining's split backward (private: used where its signature is the
+    one this code calls, else None and W re-runs the backward from the output). Imported on
+    first use: importing torch.distributed.pipelining takes seconds."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError:  # pragma: no cover (a torch without pipelining)
+        return None
+    ok = "retain_graph" in inspect.signature(_backward.stage_backward_weight).parameters
+    return _backward if ok and hasattr(_backward, "_get_grad_fn_or_grad_acc") else None
+
+
 def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
-    """ZB-H1's B: the input gradient (into ``ins[0].grad``) now, keeping the cotangents of the
-    intermediates that feed the weights (torch.distributed.pipelining's ``_backward``); returns
-    W, which finishes the weights' gradients from those (a weight that those intermediates
-    miss, e.g. with no input gradient wanted, gets a backward from the output)."""
+    """ZB-H1's B: the input gradient (into ``ins[0].grad``) now; returns W, which adds the
+    weights' gradients (into their ``.grad``). With torch.distributed.pipelining's ``_backward``
+    (:func:`_torch_split`) B keeps the cotangents of the intermediates that feed the weights and W
+    starts from those; a weight they miss (e.g. no input gradient wanted), or without it, W
+    runs the backward from the output again, keeping the graph until then."""
+    bw = _torch_split()
+    if bw is None or not ins:
+        if ins:
+            torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
+        return lambda: torch.autograd.backward(out, ct, inputs=weights)
     with torch.enable_grad():  # (it finds the weights' grad accumulators through views)
         # a copy (not a view): stage_backward_input detaches what it is given in place
-        _, groups = _bw.stage_backward_input([out.clone()], [ct], ins, iter(weights))
+        _, groups = bw.stage_backward_input([out.clone()], [ct], ins, iter(weights))
         covered = set().union(*(g["params"] for g in groups)) if groups else set()
-        rest = [w for w in weights if _bw._get_grad_fn_or_grad_acc(w) not in covered]
+        rest = [w for w in weights if bw._get_grad_fn_or_grad_acc(w) not in covered]
 
     def weight_pass():
         # retain_graph: the groups share nodes (each group's pass would free the others'); the
         # graph goes with the last reference to ``out`` and the groups, after this pass
         with torch.enable_grad():
             if groups:
-                _bw.stage_backward_weight(iter(weights), groups, retain_graph=True)
+                bw.stage_backward_weight(iter(weights), groups, retain_graph=True)
             if rest:
                 torch.autograd.backward(out, ct, inputs=rest)
 
