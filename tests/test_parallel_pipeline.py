@@ -360,8 +360,8 @@ def transforms_rank_fn():
     x = torch.arange(4.0).reshape(4, 1)
     xs = (x**2).mean()
 
-    def run(w, schedule="1f1b"):
-        loss = pipeline(lambda w, x: w * x, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
+    def run(w, schedule="1f1b", stage=lambda w, x: w * x):
+        loss = pipeline(stage, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
                         schedule=schedule)  # fmt: skip
         return fs.gather(loss)
 
@@ -380,6 +380,12 @@ def transforms_rank_fn():
         leaf = w.clone().requires_grad_()
         run(leaf, schedule).backward()
         assert torch.allclose(leaf.grad, want_g)
+    # remat and vmap inside a stage
+    remat = fs.remat(lambda w, x: w * x)
+    mapped = lambda w, x: torch.vmap(lambda xi: w[0] * xi)(x)  # noqa: E731
+    for stage in (remat, mapped):
+        for schedule in ("1f1b", "zb"):
+            assert torch.allclose(torch.func.grad(run)(w, schedule, stage), want_g)
     # ZB-H1 without torch's split backward (W runs the backward from the output again)
     module = sys.modules["fshard.parallel.pipeline"]  # (fs.parallel.pipeline is the function)
     split, module._torch_split = module._torch_split, lambda: None
@@ -429,6 +435,8 @@ def one_rank_fn():
         assert value == pytest.approx(float(want))
         torch.testing.assert_close(g, 2 * want / sp)  # d/dw_i of (prod w)^2 * mean(x^2)
         out.append(schedule)
+    with pytest.raises(ValueError, match=r"stage_fn must return its input's shape .*\(1,\)"):
+        pipeline(lambda w, x: torch.cat([x, x]), w[:1], x, mesh, loss_fn=lambda _, y, t: y.sum())
     return out
 
 

@@ -526,14 +526,22 @@ def _as_layout(out, meta: _Leaf, what: str) -> torch.Tensor:
     """A stage's output as a local tensor in the activation's layout (resharded over the auto
     axes if the op rules left it in another, e.g. partial after a row-parallel layer)."""
     if isinstance(out, ShardedArray):
-        if meta.layout is None or out.layout.shape != meta.layout.shape:
+        if meta.layout is None or (out.layout.shape, out.dtype) != (
+            meta.layout.shape,
+            meta.layout.dtype,
+        ):
             raise ValueError(
-                f"{what} must return its input's shape {tuple(meta.local.shape[1:])}, got "
-                f"{tuple(out.shape)}"
+                f"{what} must return its input's shape and dtype {tuple(meta.local.shape[1:])} "
+                f"{meta.local.dtype}, got {tuple(out.shape)} {out.dtype}"
             )
         return reshard_one(out, meta.layout.spec).local
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{what} must return a tensor or ShardedArray, got {type(out).__name__}")
+    if out.shape != meta.local.shape[1:] or out.dtype != meta.local.dtype:
+        raise ValueError(
+            f"{what} must return its input's shape and dtype {tuple(meta.local.shape[1:])} "
+            f"{meta.local.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
     return out
 
 
