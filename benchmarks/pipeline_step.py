@@ -8,7 +8,7 @@ same microbatches.
 The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
 head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stages are the
-blocks stacked over ``pp`` (``fs.parallel.stage_order``), the embedding computed before the
+blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embedding computed before the
 pipeline on both ranks, the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
 of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
 (``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer. Each
@@ -138,18 +138,11 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
     mesh = fs.Mesh.create((2,), ("pp",))
     stages = 2 * virtual
     per = len(gpt.blocks) // stages
-    names = [n for n, _ in gpt.blocks[0].named_parameters()]
-    named = dict(gpt.named_parameters())
-
-    def stage(s, n):
-        return torch.stack([named[f"blocks.{s * per + i}.{n}"] for i in range(per)]).detach()
-
-    order = fs.parallel.stage_order(2, virtual)
-    stacked = {n: torch.stack([stage(s, n) for s in order]) for n in names}
+    named = {k: v.detach() for k, v in gpt.named_parameters()}
     params = {
-        "emb": {n: named[n].detach() for n in ("tok.weight", "pos.weight")},
-        "stages": {n: fs.shard(t, mesh, fs.P("pp")) for n, t in stacked.items()},
-        "head": {n: named[n].detach() for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
+        "emb": {n: named[n] for n in ("tok.weight", "pos.weight")},
+        "stages": fs.parallel.stack_stages(named, mesh, prefix="blocks", virtual=virtual),
+        "head": {n: named[n] for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
     }
     block = gpt.blocks[0]
 

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import schedules as tsched
 
 import fshard as fs
-from fshard.parallel import Action, pipeline, pipeline_schedule, stage_order
+from fshard.parallel import (
+    Action,
+    pipeline,
+    pipeline_schedule,
+    stack_stages,
+    stage_order,
+    unstack_stages,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt as demo  # noqa: E402
@@ -133,6 +140,16 @@ def test_stage_order_is_rank_major():
     assert stage_order(2) == [0, 1]
     assert stage_order(2, virtual=2) == [0, 2, 1, 3]
     assert stage_order(3, virtual=2) == [0, 3, 1, 4, 2, 5]
+
+
+@pytest.mark.parametrize("stages,pp", [(2, 2), (4, 2), (4, 1)])
+def test_unstack_stages_inverts_the_stacking(stages, pp):
+    named = {k: v.detach() for k, v in demo.GPT(CFG).named_parameters()}
+    tree = _to_tree(named, stages, pp)
+    blocks = {k: v for k, v in named.items() if k.startswith("blocks.")}
+    got = unstack_stages(tree["stages"], prefix="blocks", pp=pp, virtual=stages // pp)
+    assert list(got) == list(blocks)  # the module's order
+    assert all(torch.equal(got[k], blocks[k]) for k in blocks)
 
 
 def test_bad_arguments_raise_before_any_collective():
@@ -294,6 +311,13 @@ def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False):
     tree = _to_tree(named, stages, 2)
     specs = _specs(tree, tp="tp" in axes)
     params = {g: {n: fs.shard(t, mesh, specs[g][n]) for n, t in d.items()} for g, d in tree.items()}
+    # fs.parallel.stack_stages lays the module's blocks out the same way
+    plan = demo.gpt_plan("tp") if "tp" in axes else None
+    stacked = stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
+    assert {n: v.layout for n, v in stacked.items()} == _layouts(params)["stages"]
+    for n, v in stacked.items():
+        assert torch.equal(v.local, params["stages"][n].local), n
+    params["stages"] = stacked
     layouts = _layouts(params)
     loss_fn = _pp_loss(mesh, model.blocks[0], schedule, virtual)
     tx = _tx()

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,14 +69,24 @@ import torch
 from torch._C._functorch import TransformType as _TransformType
 
 from .. import axis_env, lax
+from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute
 from ..executor import reshard_one
 from ..mesh import Mesh
+from ..nn import match_plan
 from ..shard_map import shard_map
 from ..spec import Layout, P
 
-__all__ = ["Action", "PipelineSchedule", "pipeline", "pipeline_schedule", "stage_order"]
+__all__ = [
+    "Action",
+    "PipelineSchedule",
+    "pipeline",
+    "pipeline_schedule",
+    "stack_stages",
+    "stage_order",
+    "unstack_stages",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
@@ -333,6 +343,98 @@ def stage_order(pp: int, virtual: int = 1) -> list[int]:
         [0, 2, 1, 3]
     """
     return [j * pp + r for r in range(pp) for j in range(virtual)]
+
+
+def stack_stages(
+    params: Mapping[str, torch.Tensor],
+    mesh: Mesh,
+    *,
+    prefix: str,
+    plan: Mapping | None = None,
+    axis: str = "pp",
+    virtual: int = 1,
+) -> dict[str, ShardedArray]:
+    """A module's repeated blocks as :func:`pipeline`'s ``stage_params``: the params named
+    ``{prefix}.{i}.{name}`` (a ``ModuleList``'s, e.g. ``dict(model.named_parameters())``),
+    stacked to ``{name: (stages, blocks per stage, ...)}`` in :func:`stage_order` and sharded
+    ``P(axis, None, *spec)``, ``spec`` the layout ``plan`` gives the blocks' param (a
+    :func:`fshard.nn.megatron_plan`, for tp); other names are ignored. The layout half of the
+    strategy: what ``fs.nn.shard_params`` is to a module.
+
+    Args:
+        params: full tensors by name (the same on every rank).
+        mesh: the mesh, with ``axis``.
+        prefix: the blocks' ``ModuleList`` name (``"blocks"``, ``"transformer.h"``).
+        plan: ``{glob: P}`` over ``params``' names (:func:`fshard.nn.match_plan`); every
+            block must get the same spec. Default: replicated over the other axes.
+        axis, virtual: as in :func:`pipeline` (``pp * virtual`` stages must divide the blocks).
+
+    Returns:
+        ``{name: ShardedArray}``, ``name`` relative to a block (``"attn.qkv.weight"``).
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("pp",))
+        >>> named = {f"blocks.{i}.w": torch.full((3,), float(i)) for i in range(4)}
+        >>> st = stack_stages(named, mesh, prefix="blocks")
+        >>> tuple(st["w"].shape), st["w"].spec, fs.gather(st["w"])[:, :, 0].tolist()
+        ((2, 2, 3), P('pp', None), [[0.0, 1.0], [2.0, 3.0]])
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"stack_stages: mesh {mesh!r} has no axis {axis!r}")
+    lead = f"{prefix}."
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in params.items():
+        if key.startswith(lead) and (head := key[len(lead) :].split(".", 1))[0].isdigit():
+            layers.setdefault(int(head[0]), {})[head[1]] = t
+    n, stages = len(layers), mesh.size(axis) * virtual
+    if not n or sorted(layers) != list(range(n)) or n % stages:
+        raise ValueError(
+            f"stack_stages: params has blocks {sorted(layers)} under prefix={prefix!r}; need "
+            f"blocks 0..n-1 with n a multiple of the {stages} stages (pp x virtual)"
+        )
+    names = list(layers[0])
+    if any(list(layers[i]) != names for i in layers):
+        raise ValueError(f"stack_stages: the blocks under {prefix!r} hold different params")
+    specs = match_plan(list(params), plan or {})
+    per = n // stages
+    out = {}
+    for name in names:
+        block = {specs[f"{lead}{i}.{name}"] for i in range(n)}
+        if len(block) != 1:
+            raise ValueError(f"stack_stages: plan gives the blocks' {name!r} different specs")
+        spec = block.pop()
+        if axis in spec.axes:
+            raise ValueError(f"stack_stages: plan splits {name!r} over the pipeline axis {axis!r}")
+        full = torch.stack(
+            [
+                torch.stack([layers[s * per + i][name] for i in range(per)])
+                for s in stage_order(mesh.size(axis), virtual)
+            ]
+        )
+        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
+    return out
+
+
+def unstack_stages(
+    stages: Mapping[str, torch.Tensor], *, prefix: str, pp: int, virtual: int = 1
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_stages` on full tensors (``fs.gather`` them first):
+    ``{f"{prefix}.{i}.{name}": block i's tensor}``, e.g. to load the trained stages back into
+    the module.
+
+    Example:
+        >>> w = torch.arange(4.0).reshape(2, 2, 1)  # 2 stages of 2 blocks
+        >>> unstack_stages({"w": w}, prefix="blocks", pp=2)
+        {'blocks.0.w': tensor([0.]), 'blocks.1.w': tensor([1.]), 'blocks.2.w': tensor([2.]), 'blocks.3.w': tensor([3.])}
+    """
+    order = stage_order(pp, virtual)
+    blocks: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in stages.items():  # in the blocks' param order
+        per = t.shape[1]
+        for row, s in enumerate(order):
+            for i in range(per):
+                blocks.setdefault(s * per + i, {})[name] = t[row, i]
+    return {f"{prefix}.{b}.{n}": v for b in sorted(blocks) for n, v in blocks[b].items()}
 
 
 # -- the call -------------------------------------------------------------------------------
