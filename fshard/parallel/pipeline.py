@@ -59,7 +59,6 @@ per microbatch (the op rules' ``pcast`` inside each stage's backward), not once 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -68,7 +67,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import axis_env, lax
+from .. import _compat, axis_env, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute
@@ -582,42 +581,31 @@ class _Run:
             inbox[dests[r]] = got
 
 
-@functools.cache
-def _torch_split():
-    """torch.distributed.pipelining's split backward (private: used where its signature is the
-    one this code calls, else None and W re-runs the backward from the output). Imported on
-    first use: importing torch.distributed.pipelining takes seconds."""
-    try:
-        from torch.distributed.pipelining import _backward
-    except ImportError:  # pragma: no cover (a torch without pipelining)
-        return None
-    ok = "retain_graph" in inspect.signature(_backward.stage_backward_weight).parameters
-    return _backward if ok and hasattr(_backward, "_get_grad_fn_or_grad_acc") else None
-
-
 def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     """ZB-H1's B: the input gradient (into ``ins[0].grad``) now; returns W, which adds the
-    weights' gradients (into their ``.grad``). With torch.distributed.pipelining's ``_backward``
-    (:func:`_torch_split`) B keeps the cotangents of the intermediates that feed the weights and W
-    starts from those; a weight they miss (e.g. no input gradient wanted), or without it, W
-    runs the backward from the output again, keeping the graph until then."""
-    bw = _torch_split()
-    if bw is None or not ins:
+    weights' gradients (into their ``.grad``). With torch.distributed.pipelining's split
+    backward (:func:`fshard._compat.split_backward`) B keeps the cotangents of the
+    intermediates that feed the weights and W starts from those; a weight they miss (e.g. no
+    input gradient wanted), or without it, W runs the backward from the output again, keeping
+    the graph until then."""
+    split = _compat.split_backward()
+    if split is None or not ins:
         if ins:
             torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
         return lambda: torch.autograd.backward(out, ct, inputs=weights)
+    backward_input, backward_weight, grad_acc = split
     with torch.enable_grad():  # (it finds the weights' grad accumulators through views)
-        # a copy (not a view): stage_backward_input detaches what it is given in place
-        _, groups = bw.stage_backward_input([out.clone()], [ct], ins, iter(weights))
+        # a copy (not a view): backward_input detaches what it is given in place
+        _, groups = backward_input([out.clone()], [ct], ins, iter(weights))
         covered = set().union(*(g["params"] for g in groups)) if groups else set()
-        rest = [w for w in weights if bw._get_grad_fn_or_grad_acc(w) not in covered]
+        rest = [w for w in weights if grad_acc(w) not in covered]
 
     def weight_pass():
         # retain_graph: the groups share nodes (each group's pass would free the others'); the
         # graph goes with the last reference to ``out`` and the groups, after this pass
         with torch.enable_grad():
             if groups:
-                bw.stage_backward_weight(iter(weights), groups, retain_graph=True)
+                backward_weight(iter(weights), groups, retain_graph=True)
             if rest:
                 torch.autograd.backward(out, ct, inputs=rest)
 
