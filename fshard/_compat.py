@@ -17,6 +17,7 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :data:`TRACES_TUPLE_HASH` | dynamo hashes tuples: a ``shard_map`` body compiles | it cannot: ``shard_map`` under ``torch.compile`` is refused, naming torch 2.13 |
 | :data:`TRACES_ATTRIBUTE_DELETE` | dynamo traces deleting a module attribute it saw set | it cannot: ``functional_call`` rebinds ``forward`` under dynamo |
 | :func:`nccl_reduces_float8` | NCCL 2.24+: float8 reductions | older NCCL: float8 moves only |
+| :func:`split_backward` | ``torch.distributed.pipelining._backward``'s input / weight passes (private) | the same where the signature fits; else ``None``: ZB-H1's weight pass re-runs the backward |
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
 | :func:`trace_matmul_operator` | (2.14+) dynamo traces ``a @ b`` of a Python class through its ``__matmul__``; ``a @ tensor`` (2.11-2.14) is traced as ``tensor @ a``: fixed | 2.11-2.13 cannot ("builtin operator matmul"): 2.14's handler is installed for ShardedArray operands when dynamo is imported |
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import operator
 import sys
 import types
@@ -65,6 +67,24 @@ def funcol():
     from torch.distributed import _functional_collectives
 
     return _functional_collectives
+
+
+@functools.cache
+def split_backward():
+    """torch.distributed.pipelining's private split backward, ``(stage_backward_input,
+    stage_backward_weight, grad_acc)``, where its signature is the one
+    ``fshard/parallel/pipeline.py`` calls (``retain_graph=`` on the weight pass), else None.
+    Imported on first use (torch.distributed.pipelining takes seconds to import)."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError:  # pragma: no cover (a torch without pipelining)
+        return None
+    fns = ("stage_backward_input", "stage_backward_weight", "_get_grad_fn_or_grad_acc")
+    if not all(hasattr(_backward, f) for f in fns):
+        return None
+    if "retain_graph" not in inspect.signature(_backward.stage_backward_weight).parameters:
+        return None
+    return tuple(getattr(_backward, f) for f in fns)
 
 
 def funcol_all_gather(x: torch.Tensor, group) -> torch.Tensor:

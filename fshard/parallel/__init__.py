@@ -9,6 +9,7 @@ call puts values into the module through the one swap of :mod:`fshard._swap`).
 | sequence (:mod:`fshard.parallel.sequence`) | ``sequence_parallel_plan`` | ``fs.nn.functional_call`` |
 | FSDP / ZeRO-3 (:mod:`fshard.parallel.fsdp`) | ``fsdp_plan`` (over any base plan) | ``fsdp_call`` |
 | expert (:mod:`fshard.parallel.expert`) | ``expert_parallel_plan`` | ``expert_parallel_call`` (``moe_experts`` for your own MoE layer) |
+| pipeline (:mod:`fshard.parallel.pipeline`) | ``stack_stages`` (a module's blocks as stages over ``pp``), ``pipeline_schedule`` (the tick table) | ``pipeline`` (its own executor: GPipe, 1F1B, interleaved, ZB-H1) |
 
 The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
 ``fs.parallel.megatron_plan``).
@@ -21,6 +22,15 @@ Example:
 
 from .expert import expert_parallel_call, expert_parallel_plan, moe_experts
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units
+from .pipeline import (
+    Action,
+    PipelineSchedule,
+    pipeline,
+    pipeline_schedule,
+    stack_stages,
+    stage_order,
+    unstack_stages,
+)
 from .sequence import megatron_sp_comm, sequence_parallel_plan
 from .tensor import hf_tp_plan, megatron_plan
 
@@ -36,4 +46,11 @@ __all__ = [
     "expert_parallel_plan",
     "expert_parallel_call",
     "moe_experts",
+    "pipeline",
+    "pipeline_schedule",
+    "PipelineSchedule",
+    "Action",
+    "stack_stages",
+    "unstack_stages",
+    "stage_order",
 ]

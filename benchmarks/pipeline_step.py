@@ -1,0 +1,243 @@
+"""Pipeline schedules on 2 local Gloo ranks (pp=2, CPU): step time and peak memory of
+``fs.parallel.pipeline``'s GPipe, 1F1B, interleaved 1F1B and ZB-H1 next to
+``torch.distributed.pipelining``'s ScheduleGPipe and Schedule1F1B, on the same model and the
+same microbatches.
+
+    python benchmarks/pipeline_step.py [--layers 4] [--dim 64] [--ctx 32] [--batch 8] [--mb 4]
+
+The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
+embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
+head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stages are the
+blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embedding computed before the
+pipeline on both ranks, the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
+of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
+(``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer. Each
+configuration runs in its own pair of rank processes (peak RSS is the process's high-water
+mark, ``ru_maxrss``, so nothing of another configuration is in it); *peak saved* is the most
+bytes autograd held for the backward at once during one more step, counted by saved-tensor
+hooks per storage (the activations a schedule stashes, plus the weights the matmuls save, and
+for fshard the stage gradients its Function keeps for its backward); the step time is the
+median over ``--reps`` of the slowest rank's mean over ``--steps`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import fshard as fs  # noqa: E402
+from fshard.launch import World  # noqa: E402
+
+CONFIGS = [
+    ("torch GPipe", "torch", "gpipe", 1),
+    ("torch 1F1B", "torch", "1f1b", 1),
+    ("fshard gpipe", "fshard", "gpipe", 1),
+    ("fshard 1f1b", "fshard", "1f1b", 1),
+    ("fshard interleaved v=2", "fshard", "interleaved", 2),
+    ("fshard zb (ZB-H1)", "fshard", "zb", 1),
+]
+
+
+class _First(nn.Module):
+    def __init__(self, gpt, blocks):
+        super().__init__()
+        self.tok, self.pos, self.blocks = gpt.tok, gpt.pos, nn.ModuleList(blocks)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos.weight[: tokens.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _Last(nn.Module):
+    def __init__(self, gpt, blocks):
+        super().__init__()
+        self.blocks, self.ln_f, self.head = nn.ModuleList(blocks), gpt.ln_f, gpt.head
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+class _Saved:
+    """Saved-tensor hooks counting the bytes autograd holds for the backward (each storage once,
+    released when the graph that saved it goes): the activation memory a schedule stashes."""
+
+    class _Handle:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def __init__(self):
+        self.cur = self.peak = 0
+        self.refs: dict = {}
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        n, c = self.refs.get(key, (t.untyped_storage().nbytes(), 0))
+        if c == 0:
+            self.cur += n
+            self.peak = max(self.peak, self.cur)
+        self.refs[key] = (n, c + 1)
+        h = self._Handle(t)
+        weakref.finalize(h, self._release, key)
+        return h
+
+    def _release(self, key):
+        n, c = self.refs[key]
+        if c == 1:
+            del self.refs[key]
+            self.cur -= n
+        else:
+            self.refs[key] = (n, c - 1)
+
+    @staticmethod
+    def unpack(h):
+        return h.t
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _torch_step(gpt, schedule, tokens, targets, mb):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, half = dist.get_rank(), len(gpt.blocks) // 2
+    module = _First(gpt, gpt.blocks[:half]) if rank == 0 else _Last(gpt, gpt.blocks[half:])
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(stage, n_microbatches=mb, loss_fn=_ce)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(tokens)
+        else:
+            sched.step(target=targets, losses=[])
+
+    return step
+
+
+def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
+    mesh = fs.Mesh.create((2,), ("pp",))
+    stages = 2 * virtual
+    per = len(gpt.blocks) // stages
+    named = {k: v.detach() for k, v in gpt.named_parameters()}
+    params = {
+        "emb": {n: named[n] for n in ("tok.weight", "pos.weight")},
+        "stages": fs.parallel.stack_stages(named, mesh, prefix="blocks", virtual=virtual),
+        "head": {n: named[n] for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
+    }
+    block = gpt.blocks[0]
+
+    def stage_fn(p, x):
+        for i in range(per):
+            x = torch.func.functional_call(block, {n: v[i] for n, v in p.items()}, (x,))
+        return x
+
+    def loss_fn(hp, y, target):
+        h = F.layer_norm(y, y.shape[-1:], hp["ln_f.weight"], hp["ln_f.bias"])
+        return _ce(F.linear(h, hp["head.weight"]), target)
+
+    def loss(params, tokens, targets):
+        x = F.embedding(tokens, params["emb"]["tok.weight"])
+        x = x + params["emb"]["pos.weight"][: tokens.shape[-1]]
+        return fs.parallel.pipeline(
+            stage_fn, params["stages"], x, mesh, loss_fn=loss_fn, loss_params=params["head"],
+            targets=targets, schedule=schedule, virtual=virtual,
+        )  # fmt: skip
+
+    vg = fs.value_and_grad(loss)
+    b, t = tokens.shape
+    tok_mb = tokens.reshape(mb, b // mb, t)
+    tgt_mb = targets.reshape(mb, b // mb, t)
+    return lambda: vg(params, tok_mb, tgt_mb)
+
+
+def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
+    import train_gpt as tg
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    gpt = tg.GPT(tg.GPTConfig(vocab=256, d_model=dim, n_heads=4, n_layers=layers, ctx=ctx))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (batch, ctx + 1), generator=gen)
+    tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    if lib == "torch":
+        step = _torch_step(gpt, schedule, tokens, targets, mb)
+    else:
+        step = _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dt = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(float(dt))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    saved = _Saved()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        step()
+    return statistics.median(times), peak / 1024, saved.peak / 2**20
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--mb", type=int, default=4, help="microbatches")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args(argv)
+    if a.layers % 4 or a.batch % a.mb or a.mb % 2:
+        ap.error("--layers must divide by 4, --batch by --mb, --mb by 2")
+    rows = []
+    for name, lib, schedule, virtual in CONFIGS:
+        args = (lib, schedule, virtual, a.layers, a.dim, a.ctx, a.batch, a.mb, a.steps, a.reps)
+        world = World(2, timeout=600)
+        try:
+            res = world.run(rank_fn, *args)
+        finally:
+            world.close()
+        t = max(r[0] for r in res)
+        rows.append((name, t, [r[1] for r in res], [r[2] for r in res]))
+        print(f"  done: {name}", file=sys.stderr)
+    base = rows[0][1]
+    print(f"pp=2 (2 Gloo ranks, CPU, 1 thread each): GPT layers={a.layers} d_model={a.dim} "
+          f"ctx={a.ctx}, batch {a.batch} in {a.mb} microbatches")  # fmt: skip
+    print(f"{'schedule':26s} {'step ms':>9s} {'x torch GPipe':>14s} "
+          f"{'peak RSS MiB (r0, r1)':>24s} {'peak saved MiB (r0, r1)':>24s}")  # fmt: skip
+    for name, t, peak, saved in rows:
+        print(f"{name:26s} {t * 1e3:9.1f} {t / base:14.2f} "
+              f"{peak[0]:11.0f} {peak[1]:11.0f} {saved[0]:11.2f} {saved[1]:11.2f}")  # fmt: skip
+    for name, (sched, v) in {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1),
+                             "interleaved": ("interleaved", 2), "zb": ("zb", 1)}.items():  # fmt: skip
+        s = fs.parallel.pipeline_schedule(sched, 2, a.mb, v)
+        print(f"table {name:12s} ticks {s.ticks:3d}  bubble {s.bubble_fraction[0]:.3f} "
+              f"(theory {s.theory_bubble:.3f})  peak stash per rank {s.peak_stash}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

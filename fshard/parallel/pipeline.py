@@ -1,0 +1,879 @@
+"""Pipeline parallelism over a ``pp`` mesh axis: GPipe, 1F1B, interleaved 1F1B and ZB-H1.
+
+Shape of the strategy (as :mod:`fshard.parallel.sequence`): a *plan*, :func:`pipeline_schedule`
+(the static tick table of a schedule, its bubble fraction and stash counts, next to theory),
+and a *call*, :func:`pipeline`, which runs stacked stages over microbatches on the mesh and
+returns the mean loss, differentiable with ``fs.value_and_grad`` / ``torch.func.grad``.
+
+Design decisions (issue 22 item 2):
+
+* **Stacked stages.** A stage is ``stage_fn(params, x) -> x`` with the same ``params``
+  structure for every stage (MaxText's repeated layers, JAX pipelines' stacked weights): every
+  leaf of ``stage_params`` carries the stages on dim 0, split over ``axis`` (``P('pp', ...)``),
+  so each rank holds only its own stages, and the other dims keep any dp / tp / fsdp layout.
+  What differs per model end (embedding, final norm + head + loss) runs outside the stages: the
+  inputs (``microbatches``) are computed before the pipeline on every ``pp`` rank (replicated
+  over ``pp``, cheap next to the blocks), the loss is ``loss_fn(loss_params, y, target)`` on
+  the last stage. Virtual stages (``virtual=v``): stage ``s`` lives on rank ``s % pp`` (Megatron's
+  interleaved assignment), so rank ``r``'s dim-0 block lists stages ``r, r + pp, ...``: dim 0 of
+  a leaf is ordered *rank-major* (row ``r * v + j`` is stage ``j * pp + r``);
+  :func:`stage_order` gives the permutation.
+* **The loss is inside the pipeline.** 1F1B-family schedules start a microbatch's backward as
+  soon as its loss exists, so the pipeline returns the (mean over microbatches) loss, not the
+  outputs.
+* **One executor for every schedule.** The schedule's forward runs as one
+  ``torch.autograd.Function`` (JAX's ``custom_vjp`` pipelines): its forward walks the tick
+  table; at each tick every rank runs its action, then the activations (forward) and
+  cotangents (backward) produced that tick move to the neighbouring stage's rank with
+  :func:`fshard.lax.ppermute` over ``axis`` (one ppermute per direction and tick, only the
+  pairs that send; ranks that receive nothing get zeros), inside a ``shard_map`` manual over
+  ``axis`` only (``axis_names={axis}``), so op rules run the dp / tp / fsdp collectives of the
+  other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
+  backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
+  order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
+  weight gradient (W) and defers W into the bubbles: B keeps the cotangents of the
+  intermediates that feed the weights and W starts from them (torch.distributed.pipelining's
+  split backward, imported on first use; where its private API differs, W runs the backward
+  from the output again, the graph kept until then: the same numbers, more compute). The Function's
+  backward returns those gradients times the incoming cotangent. GPipe runs through the same
+  executor (all F, then all B), so every schedule gives the same numbers.
+* **Ticks.** One action (F, B or W) per rank and tick; the bubble fraction is a rank's idle
+  ticks over all ticks: GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v*m+p-1)``,
+  ZB-H1 ``(p-1)/(3m+p-1)`` (its B and W are one tick each). The stash is the number of
+  (stage, microbatch) activations a rank holds (F done, B or W not yet): GPipe ``m``, 1F1B
+  ``p - r`` on rank ``r`` (at most ``p``), ZB-H1 ``min(p, m)``, interleaved
+  ``min(2(p-1-r) + (v-1)p + 1, v*m)`` chunk activations (each ``1/v`` of a stage).
+
+What composes: ``fs.value_and_grad``, ``torch.func.grad`` / ``vjp`` / ``grad_and_value`` (one
+level), eager ``.backward()``, dp and tp layouts on the other mesh axes (tested; an FSDP-style
+stage weight split over dp goes through the op rules' gathers, untested), ``fs.remat`` or
+``vmap`` inside ``stage_fn``. What does not, and why (``NotImplementedError`` before any
+communication): higher-order derivatives (grad of grad, ``hessian``) and forward mode
+(``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward, which
+an outer derivative would take for constants (a silent zero); ``vmap`` of the pipeline: its
+forward is per-rank schedules of backward passes and point-to-point collectives, with no
+batching rule. Cost: the gradient of a dp-replicated stage weight is all-reduced over dp once
+per microbatch (the op rules' ``pcast`` inside each stage's backward), not once per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import optree
+import torch
+from torch._C._functorch import TransformType as _TransformType
+
+from .. import _compat, axis_env, lax
+from ..api import shard
+from ..array import ShardedArray, is_sharded
+from ..collectives import Bound, Ppermute
+from ..executor import reshard_one
+from ..mesh import Mesh
+from ..nn_plan import match_plan
+from ..shard_map import shard_map
+from ..spec import Layout, P
+
+__all__ = [
+    "Action",
+    "PipelineSchedule",
+    "pipeline",
+    "pipeline_schedule",
+    "stack_stages",
+    "stage_order",
+    "unstack_stages",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+class Action(NamedTuple):
+    """One tick of one rank: ``kind`` ``'F'`` (forward), ``'B'`` (backward; ZB-H1: input
+    gradient only) or ``'W'`` (ZB-H1's weight gradient) of ``stage`` on ``microbatch``.
+
+    Example:
+        >>> Action("F", 0, 3)
+        Action(kind='F', stage=0, microbatch=3)
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+
+
+# -- the plan: schedules as tick tables ------------------------------------------------------
+
+
+def _rank_orders(name: str, p: int, m: int, v: int) -> list[list[Action]]:
+    """Each rank's actions in its execution order (torch.distributed.pipelining's and
+    Megatron's orders)."""
+    orders = []
+    for r in range(p):
+        if name == "interleaved":
+            total = m * v
+            warmup = min(2 * (p - 1 - r) + (v - 1) * p, total)
+
+            def fwd(k, r=r):
+                return Action("F", (k // p) % v * p + r, k // (p * v) * p + k % p)
+
+            def bwd(k, r=r):
+                return Action("B", (v - 1 - (k // p) % v) * p + r, k // (p * v) * p + k % p)
+
+        else:
+            total, warmup = m, (m if name == "gpipe" else min(p - 1 - r, m))
+
+            def fwd(k, r=r):
+                return Action("F", r, k)
+
+            def bwd(k, r=r):
+                return Action("B", r, k)
+
+        ops = [fwd(k) for k in range(warmup)]
+        for i in range(total - warmup):  # steady state: one forward, one backward
+            ops += [fwd(warmup + i), bwd(i)]
+        ops += [bwd(k) for k in range(total - warmup, total)]
+        if name == "zb":  # ZB-H1: rank r defers its weight gradients by r backwards
+            split, pending = [], []
+            for a in ops:
+                split.append(a)
+                if a.kind == "B":
+                    pending.append(Action("W", a.stage, a.microbatch))
+                    if len(pending) > r:
+                        split.append(pending.pop(0))
+            ops = split + pending
+        orders.append(ops)
+    return orders
+
+
+def _simulate(orders: list[list[Action]], stages: int) -> tuple[tuple[Action | None, ...], ...]:
+    """The tick table: each rank runs its next action as soon as what it needs arrived (a
+    value sent at tick ``t`` is there at ``t + 1``)."""
+    p = len(orders)
+    done: dict = {}
+    pos = [0] * p
+    left = sum(map(len, orders))
+    never = float("inf")
+    table = []
+    t = 0
+    while left:
+        row = []
+        for r in range(p):
+            a = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
+            if a is not None:
+                s, mb = a.stage, a.microbatch
+                if a.kind == "F":
+                    ready = s == 0 or done.get(("F", s - 1, mb), never) < t
+                elif a.kind == "B":
+                    ready = done.get(("F", s, mb), never) < t and (
+                        s == stages - 1 or done.get(("B", s + 1, mb), never) < t
+                    )
+                else:
+                    ready = done.get(("B", s, mb), never) < t
+                a = a if ready else None
+            row.append(a)
+        for r, a in enumerate(row):
+            if a is not None:
+                done[a] = t
+                pos[r] += 1
+                left -= 1
+        table.append(tuple(row))
+        t += 1
+    return tuple(table)
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A schedule's static plan: ``table[t][r]`` is the :class:`Action` rank ``r`` runs at tick
+    ``t`` (``None``: idle), from each rank's order run as early as its inputs arrive.
+
+    Attributes:
+        name, pp, microbatches, virtual: what it was built for (``stages = pp * virtual``).
+        table: the tick table.
+
+    Example:
+        >>> s = pipeline_schedule("1f1b", pp=2, microbatches=3)
+        >>> print(s)
+        rank 0: F0.0 F0.1 .    B0.0 F0.2 B0.1 .    B0.2
+        rank 1: .    F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 .
+        >>> s.bubble_fraction, s.theory_bubble, s.peak_stash
+        ((0.25, 0.25), 0.25, (2, 1))
+    """
+
+    name: str
+    pp: int
+    microbatches: int
+    virtual: int
+    table: tuple
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def ticks(self) -> int:
+        return len(self.table)
+
+    @functools.cached_property
+    def bubble_fraction(self) -> tuple[float, ...]:
+        """Per rank: idle ticks / ticks."""
+        n = self.ticks
+        return tuple(sum(row[r] is None for row in self.table) / n for r in range(self.pp))
+
+    @property
+    def theory_bubble(self) -> float:
+        """The published bubble of the schedule in this tick model: GPipe and 1F1B
+        ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v*m+p-1)``, ZB-H1 ``(p-1)/(3m+p-1)``."""
+        p, m, v = self.pp, self.microbatches, self.virtual
+        work = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb": 3 * m}[self.name]
+        return (p - 1) / (work + p - 1)
+
+    @functools.cached_property
+    def peak_stash(self) -> tuple[int, ...]:
+        """Per rank: the most (stage, microbatch) activations held at once (forward done, its
+        backward, or ZB-H1's weight gradient, not yet)."""
+        last = "W" if self.name == "zb" else "B"
+        peaks = []
+        for r in range(self.pp):
+            live = peak = 0
+            for row in self.table:
+                a = row[r]
+                live += a is not None and a.kind == "F"
+                live -= a is not None and a.kind == last
+                peak = max(peak, live)
+            peaks.append(peak)
+        return tuple(peaks)
+
+    @functools.cached_property
+    def transfers(self) -> dict[str, tuple]:
+        """Per kind (``'F'``: activations, ``'B'``: cotangents) and tick, what moves after the
+        tick: ``(pairs, dests)``, the ``(src, dst)`` rank pairs of its ppermute and ``{dst
+        rank: (kind, stage, microbatch)}`` of what each rank receives (with ``pp == 1`` no
+        pairs: the next stage is on the same rank)."""
+        out: dict[str, list] = {"F": [], "B": []}
+        for kind, step in (("F", 1), ("B", -1)):
+            for row in self.table:
+                pairs, dests = [], {}
+                for src, a in enumerate(row):
+                    if a is None or a.kind != kind or not 0 <= a.stage + step < self.stages:
+                        continue
+                    dst = (a.stage + step) % self.pp
+                    dests[dst] = (kind, a.stage + step, a.microbatch)
+                    if dst != src:
+                        pairs.append((src, dst))
+                out[kind].append((tuple(pairs), dests))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def __str__(self) -> str:
+        def cell(a):
+            return "." if a is None else f"{a.kind}{a.stage}.{a.microbatch}"
+
+        cells = [[cell(row[r]) for row in self.table] for r in range(self.pp)]
+        width = max(len(c) for line in cells for c in line)
+        return "\n".join(
+            f"rank {r}: " + " ".join(c.ljust(width) for c in line).rstrip()
+            for r, line in enumerate(cells)
+        )
+
+
+def _check_schedule(name, pp, microbatches, virtual) -> None:
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    for what, n in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{what} must be a positive int, got {n!r}")
+    if name == "interleaved":
+        if virtual < 2:
+            raise ValueError(
+                f"virtual={virtual}: the interleaved schedule needs virtual >= 2 stages per rank"
+            )
+        if microbatches % pp:
+            raise ValueError(
+                f"microbatches={microbatches}: the interleaved schedule runs the microbatches "
+                f"in rounds of pp={pp}; give a multiple of {pp}"
+            )
+    elif virtual != 1:
+        raise ValueError(
+            f"virtual={virtual}: schedule {name!r} has one stage per rank; virtual stages need "
+            "schedule='interleaved'"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, microbatches: int, virtual: int) -> PipelineSchedule:
+    orders = _rank_orders(name, pp, microbatches, virtual)
+    table = _simulate(orders, pp * virtual)
+    return PipelineSchedule(name, pp, microbatches, virtual, table)
+
+
+def pipeline_schedule(
+    schedule: str, pp: int, microbatches: int, virtual: int = 1
+) -> PipelineSchedule:
+    """The tick table of ``schedule`` on ``pp`` ranks for ``microbatches`` microbatches (cached).
+
+    Args:
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` (``virtual >= 2`` stages per rank,
+            ``microbatches`` a multiple of ``pp``) or ``'zb'`` (ZB-H1).
+        pp: the pipeline ranks.
+        microbatches: ``m``.
+        virtual: stages per rank (``'interleaved'`` only).
+
+    Returns:
+        A :class:`PipelineSchedule` (table, bubble fraction next to theory, peak stash).
+
+    Example:
+        >>> s = pipeline_schedule("gpipe", pp=4, microbatches=8)
+        >>> s.ticks, s.bubble_fraction[0], s.theory_bubble, s.peak_stash
+        (22, 0.2727272727272727, 0.2727272727272727, (8, 8, 8, 8))
+    """
+    _check_schedule(schedule, pp, microbatches, virtual)
+    return _schedule(schedule, pp, microbatches, virtual)
+
+
+def stage_order(pp: int, virtual: int = 1) -> list[int]:
+    """Which stage each row of a stacked ``stage_params`` leaf holds (rank-major: row
+    ``r * virtual + j`` is stage ``j * pp + r``, so ``P('pp')`` gives rank ``r`` its stages
+    ``r, r + pp, ...``). Stack per-stage params as ``torch.stack([w[s] for s in order])``.
+
+    Example:
+        >>> stage_order(2, virtual=2)
+        [0, 2, 1, 3]
+    """
+    return [j * pp + r for r in range(pp) for j in range(virtual)]
+
+
+def stack_stages(
+    params: Mapping[str, torch.Tensor],
+    mesh: Mesh,
+    *,
+    prefix: str,
+    plan: Mapping | None = None,
+    axis: str = "pp",
+    virtual: int = 1,
+) -> dict[str, ShardedArray]:
+    """A module's repeated blocks as :func:`pipeline`'s ``stage_params``: the params named
+    ``{prefix}.{i}.{name}`` (a ``ModuleList``'s, e.g. ``dict(model.named_parameters())``),
+    stacked to ``{name: (stages, blocks per stage, ...)}`` in :func:`stage_order` and sharded
+    ``P(axis, None, *spec)``, ``spec`` the layout ``plan`` gives the blocks' param (a
+    :func:`fshard.nn.megatron_plan`, for tp); other names are ignored. The layout half of the
+    strategy: what ``fs.nn.shard_params`` is to a module.
+
+    Args:
+        params: full tensors by name (the same on every rank).
+        mesh: the mesh, with ``axis``.
+        prefix: the blocks' ``ModuleList`` name (``"blocks"``, ``"transformer.h"``).
+        plan: ``{glob: P}`` over ``params``' names (:func:`fshard.nn.match_plan`); every
+            block must get the same spec. Default: replicated over the other axes.
+        axis, virtual: as in :func:`pipeline` (``pp * virtual`` stages must divide the blocks).
+
+    Returns:
+        ``{name: ShardedArray}``, ``name`` relative to a block (``"attn.qkv.weight"``).
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("pp",))
+        >>> named = {f"blocks.{i}.w": torch.full((3,), float(i)) for i in range(4)}
+        >>> st = stack_stages(named, mesh, prefix="blocks")
+        >>> tuple(st["w"].shape), st["w"].spec, fs.gather(st["w"])[:, :, 0].tolist()
+        ((2, 2, 3), P('pp', None), [[0.0, 1.0], [2.0, 3.0]])
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"stack_stages: mesh {mesh!r} has no axis {axis!r}")
+    lead = f"{prefix}."
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in params.items():
+        if key.startswith(lead) and (head := key[len(lead) :].split(".", 1))[0].isdigit():
+            layers.setdefault(int(head[0]), {})[head[1]] = t
+    n, stages = len(layers), mesh.size(axis) * virtual
+    if not n or sorted(layers) != list(range(n)) or n % stages:
+        raise ValueError(
+            f"stack_stages: params has blocks {sorted(layers)} under prefix={prefix!r}; need "
+            f"blocks 0..n-1 with n a multiple of the {stages} stages (pp x virtual)"
+        )
+    names = list(layers[0])
+    if any(list(layers[i]) != names for i in layers):
+        raise ValueError(f"stack_stages: the blocks under {prefix!r} hold different params")
+    specs = match_plan(list(params), plan or {})
+    per = n // stages
+    out = {}
+    for name in names:
+        block = {specs[f"{lead}{i}.{name}"] for i in range(n)}
+        if len(block) != 1:
+            raise ValueError(f"stack_stages: plan gives the blocks' {name!r} different specs")
+        spec = block.pop()
+        if axis in spec.axes:
+            raise ValueError(f"stack_stages: plan splits {name!r} over the pipeline axis {axis!r}")
+        full = torch.stack(
+            [
+                torch.stack([layers[s * per + i][name] for i in range(per)])
+                for s in stage_order(mesh.size(axis), virtual)
+            ]
+        )
+        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
+    return out
+
+
+def unstack_stages(
+    stages: Mapping[str, torch.Tensor], *, prefix: str, pp: int, virtual: int = 1
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_stages` on full tensors (``fs.gather`` them first):
+    ``{f"{prefix}.{i}.{name}": block i's tensor}``, e.g. to load the trained stages back into
+    the module.
+
+    Example:
+        >>> w = torch.arange(4.0).reshape(2, 2, 1)  # 2 stages of 2 blocks
+        >>> unstack_stages({"w": w}, prefix="blocks", pp=2)
+        {'blocks.0.w': tensor([0.]), 'blocks.1.w': tensor([1.]), 'blocks.2.w': tensor([2.]), 'blocks.3.w': tensor([3.])}
+    """
+    order = stage_order(pp, virtual)
+    blocks: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in stages.items():  # in the blocks' param order
+        per = t.shape[1]
+        for row, s in enumerate(order):
+            for i in range(per):
+                blocks.setdefault(s * per + i, {})[name] = t[row, i]
+    return {f"{prefix}.{b}.{n}": v for b in sorted(blocks) for n, v in blocks[b].items()}
+
+
+# -- the call -------------------------------------------------------------------------------
+
+
+class _Leaf:
+    """A body input's local block and how to rebuild a value from a local tensor."""
+
+    __slots__ = ("local", "layout")
+
+    def __init__(self, value, drop_dim0: bool):
+        self.local = value.local if isinstance(value, ShardedArray) else value
+        lay = value.layout if isinstance(value, ShardedArray) else None
+        if lay is not None and drop_dim0:
+            spec = P(*lay.spec.dims[1:], partial=lay.spec.partial)
+            lay = Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
+        self.layout = lay
+
+    def wrap(self, t: torch.Tensor):
+        return t if self.layout is None else ShardedArray._raw(t, self.layout)
+
+
+def _block(v) -> torch.Tensor:
+    return v.local if isinstance(v, ShardedArray) else v
+
+
+def _leaf_tensor(t: torch.Tensor, need: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.requires_grad_() if need else t
+
+
+class _Run:
+    """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
+
+    def __init__(self, sched, group, stage_fn, loss_fn, defs, metas, need):
+        self.sched, self.group = sched, group
+        self.stage_fn, self.loss_fn = stage_fn, loss_fn
+        self.defs, self.metas, self.need = defs, metas, need  # per input group
+
+    def __call__(self, tensors: tuple) -> tuple:
+        p_def, x_def, lp_def, t_def = self.defs
+        n_p, n_lp = p_def.num_leaves, lp_def.num_leaves
+        params, x, lparams = tensors[:n_p], tensors[n_p], tensors[n_p + 1 : n_p + 1 + n_lp]
+        targets = tensors[n_p + 1 + n_lp :]
+        p_meta, x_meta, lp_meta, t_meta = self.metas
+        grad_on = self.need is not None
+        need_p, need_x, need_lp = self.need if grad_on else (False, False, False)
+        sched, r, pp = self.sched, self.group.index, self.sched.pp
+        v, m, last = sched.virtual, sched.microbatches, sched.stages - 1
+        zb = sched.name == "zb"
+
+        # this rank's stages: chunk j is stage j * pp + r
+        chunks = []
+        for j in range(v):
+            leaves = [
+                meta.wrap(_leaf_tensor(t[j], need_p))
+                for meta, t in zip(p_meta, params, strict=True)
+            ]
+            chunks.append((leaves, optree.tree_unflatten(p_def, leaves)))
+        lp_leaves = [meta.wrap(_leaf_tensor(t, need_lp)) for meta, t in zip(lp_meta, lparams)]
+        lp_tree = optree.tree_unflatten(lp_def, lp_leaves)
+        x_grad = torch.zeros_like(x) if need_x else None
+        act_meta = x_meta[0]
+        zero = torch.zeros_like(x[0])
+
+        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor
+        saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
+        total = torch.zeros((), dtype=torch.float64)
+
+        def weights(s: int) -> list:
+            """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``)."""
+            ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
+            return ws + ([_block(lf) for lf in lp_leaves] if s == last and need_lp else [])
+
+        for t, row in enumerate(sched.table):
+            a = row[r]
+            sent_f = sent_b = None
+            if a is not None and a.kind == "F":
+                s, mb = a.stage, a.microbatch
+                src = x[mb] if s == 0 else inbox.pop(("F", s, mb))
+                inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
+                with torch.set_grad_enabled(grad_on):
+                    out = self.stage_fn(chunks[s // pp][1], act_meta.wrap(inp))
+                    out = _as_layout(out, act_meta, "stage_fn")
+                    if s == last:
+                        target = optree.tree_unflatten(
+                            t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
+                        )
+                        loss = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target)) / m
+                        total = total + loss.detach().double()
+                        out = loss
+                    else:
+                        sent_f = out.detach()
+                if grad_on:
+                    saved[(s, mb)] = (inp, out)
+            elif a is not None and a.kind == "B" and grad_on:
+                s, mb = a.stage, a.microbatch
+                inp, out = saved.pop((s, mb))
+                ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
+                ins = [inp] if inp.requires_grad else []
+                if zb:  # the input gradient now, the weights' at W
+                    saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
+                else:
+                    torch.autograd.backward(out, ct, inputs=ins + weights(s))
+                if ins:
+                    if s > 0:
+                        sent_b = inp.grad
+                    else:
+                        x_grad[mb] = inp.grad
+            elif a is not None and grad_on:  # W
+                s, mb = a.stage, a.microbatch
+                saved.pop((s, mb))()
+            self._exchange(t, "F", sent_f, zero, inbox)
+            if grad_on:
+                self._exchange(t, "B", sent_b, zero, inbox)
+
+        loss = total.to(x.dtype)
+        if not grad_on:
+            return (loss,)
+        grads = []
+        if need_p:
+            for i, t in enumerate(params):
+                per = [_block(chunks[j][0][i]).grad for j in range(v)]
+                grads.append(torch.stack([torch.zeros_like(t[0]) if g is None else g for g in per]))
+        grads += [x_grad] if need_x else []
+        if need_lp:
+            for t, lf in zip(lparams, lp_leaves):
+                g = _block(lf).grad
+                grads.append(torch.zeros_like(t) if g is None else g)
+        return (loss, *grads)
+
+    def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
+        """The ppermute of tick ``t``'s activations (``F``) or cotangents (``B``): every rank
+        knows from the table who sends, so all issue the same collective (or none)."""
+        pairs, dests = self.sched.transfers[kind][t]
+        r = self.group.index
+        if not pairs:
+            if r in dests:  # pp == 1: the next stage is on this rank
+                inbox[dests[r]] = sent
+            return
+        buf = sent if sent is not None and any(src == r for src, _ in pairs) else zero
+        g = self.group
+        got = lax.apply(Bound(Ppermute(g.axes, pairs), g), buf.contiguous())
+        if r in dests:
+            inbox[dests[r]] = got
+
+
+def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
+    """ZB-H1's B: the input gradient (into ``ins[0].grad``) now; returns W, which adds the
+    weights' gradients (into their ``.grad``). With torch.distributed.pipelining's split
+    backward (:func:`fshard._compat.split_backward`) B keeps the cotangents of the
+    intermediates that feed the weights and W starts from those; a weight they miss (e.g. no
+    input gradient wanted), or without it, W runs the backward from the output again, keeping
+    the graph until then."""
+    split = _compat.split_backward()
+    if split is None or not ins:
+        if ins:
+            torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
+        return lambda: torch.autograd.backward(out, ct, inputs=weights)
+    backward_input, backward_weight, grad_acc = split
+    with torch.enable_grad():  # (it finds the weights' grad accumulators through views)
+        # a copy (not a view): backward_input detaches what it is given in place
+        _, groups = backward_input([out.clone()], [ct], ins, iter(weights))
+        covered = set().union(*(g["params"] for g in groups)) if groups else set()
+        rest = [w for w in weights if grad_acc(w) not in covered]
+
+    def weight_pass():
+        # retain_graph: the groups share nodes (each group's pass would free the others'); the
+        # graph goes with the last reference to ``out`` and the groups, after this pass
+        with torch.enable_grad():
+            if groups:
+                backward_weight(iter(weights), groups, retain_graph=True)
+            if rest:
+                torch.autograd.backward(out, ct, inputs=rest)
+
+    return weight_pass
+
+
+def _as_layout(out, meta: _Leaf, what: str) -> torch.Tensor:
+    """A stage's output as a local tensor in the activation's layout (resharded over the auto
+    axes if the op rules left it in another, e.g. partial after a row-parallel layer)."""
+    if isinstance(out, ShardedArray):
+        if meta.layout is None or (out.layout.shape, out.dtype) != (
+            meta.layout.shape,
+            meta.layout.dtype,
+        ):
+            raise ValueError(
+                f"{what} must return its input's shape and dtype {tuple(meta.local.shape[1:])} "
+                f"{meta.local.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
+        return reshard_one(out, meta.layout.spec).local
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what} must return a tensor or ShardedArray, got {type(out).__name__}")
+    if out.shape != meta.local.shape[1:] or out.dtype != meta.local.dtype:
+        raise ValueError(
+            f"{what} must return its input's shape and dtype {tuple(meta.local.shape[1:])} "
+            f"{meta.local.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    return out
+
+
+def _scalar(loss) -> torch.Tensor:
+    if isinstance(loss, ShardedArray):
+        loss = reshard_one(loss, P()).local
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("loss_fn must return a scalar (tensor or one-element ShardedArray)")
+    return loss.reshape(())
+
+
+class _Pipeline(torch.autograd.Function):
+    """Forward: the whole schedule (``run``), returning the loss and, when differentiated, the
+    gradients its backward actions accumulated; backward: those times the loss cotangent."""
+
+    @staticmethod
+    def forward(run, *tensors):
+        token = lax.PCAST_HOOK.set(None)  # value_and_grad's hook is for the outer graph
+        try:
+            return run(tensors)
+        finally:
+            lax.PCAST_HOOK.reset(token)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        run = inputs[0]
+        grads = output[1:]
+        ctx.mark_non_differentiable(*grads)
+        ctx.save_for_backward(*grads)
+        n_p = run.defs[0].num_leaves
+        n_lp = run.defs[2].num_leaves
+        n = len(inputs) - 1
+        need_p, need_x, need_lp = run.need if run.need is not None else (False,) * 3
+        ctx.slots = [need_p] * n_p + [need_x] + [need_lp] * n_lp + [False] * (n - n_p - 1 - n_lp)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, *_):
+        saved = iter(ctx.saved_tensors)
+        return (None, *[g * next(saved) if has else None for has in ctx.slots])
+
+
+def _leaves(tree, what: str) -> tuple[list, object]:
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, (torch.Tensor, ShardedArray)):
+            raise TypeError(
+                f"pipeline: {what} leaf {i} is a {type(leaf).__name__}; give tensors or "
+                "ShardedArrays"
+            )
+    return leaves, treedef
+
+
+def _check_inputs(stage_params, microbatches, loss_params, targets, mesh, axis, stages):
+    p_leaves, _ = _leaves(stage_params, "stage_params")
+    if not p_leaves:
+        raise ValueError("pipeline: stage_params has no tensors")
+    for i, leaf in enumerate(p_leaves):
+        if leaf.ndim == 0 or leaf.shape[0] != stages:
+            raise ValueError(
+                f"pipeline: stage_params leaf {i} has shape {tuple(leaf.shape)}; its dim 0 must "
+                f"hold the {stages} stages (pp={mesh.size(axis)} x virtual), got "
+                f"{leaf.shape[0] if leaf.ndim else 'no dim 0'}"
+            )
+        if isinstance(leaf, ShardedArray):
+            dims = leaf.spec.padded(leaf.ndim)
+            if dims[0] != (axis,) or any(axis in d for d in dims[1:]) or leaf.spec.partial:
+                raise ValueError(
+                    f"pipeline: stage_params leaf {i} has layout {leaf.spec}; dim 0 (the "
+                    f"stages) must be split over {axis!r} alone (P({axis!r}, ...)), the other "
+                    f"dims not over {axis!r}, and no pending sum"
+                )
+    x_leaves, _ = _leaves(microbatches, "microbatches")
+    if len(x_leaves) != 1 or x_leaves[0].ndim < 1:
+        raise ValueError(
+            "pipeline: microbatches must be one tensor / ShardedArray of shape (M, ...)"
+        )
+    m = x_leaves[0].shape[0]
+    for what, tree in (("microbatches", microbatches), ("targets", targets)):
+        for i, leaf in enumerate(_leaves(tree, what)[0]):
+            if leaf.ndim < 1 or leaf.shape[0] != m:
+                raise ValueError(
+                    f"pipeline: {what} leaf {i} has shape {tuple(leaf.shape)}; dim 0 must be "
+                    f"the {m} microbatches"
+                )
+            if isinstance(leaf, ShardedArray) and (
+                leaf.spec.padded(1)[0] or axis in leaf.spec.axes
+            ):
+                raise ValueError(
+                    f"pipeline: {what} leaf {i} has layout {leaf.spec}; dim 0 (the "
+                    f"microbatches) must not be split, and nothing over {axis!r}"
+                )
+    for i, leaf in enumerate(_leaves(loss_params, "loss_params")[0]):
+        if isinstance(leaf, ShardedArray) and axis in leaf.spec.axes:
+            raise ValueError(
+                f"pipeline: loss_params leaf {i} has layout {leaf.spec}; it must be "
+                f"replicated over {axis!r} (the last stage uses it)"
+            )
+    return m
+
+
+def _needs_grad(tree) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad
+        for t in optree.tree_leaves(tree, is_leaf=is_sharded, none_is_leaf=False)
+        for t in ([t.local] if isinstance(t, ShardedArray) else [t])
+    )
+
+
+def _refuse_transforms() -> None:
+    """The Function's backward returns gradients its forward computed: correct for one reverse
+    pass, constants (a silent zero) to a second one, and it has no jvp or vmap rule."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    kinds = [ci.key() for ci in stack]
+    grads = sum(k == _TransformType.Grad for k in kinds)
+    other = [k.name for k in kinds if k not in (_TransformType.Grad, _TransformType.Functionalize)]
+    if grads > 1 or other:
+        what = "nested torch.func.grad / vjp (higher derivatives)" if grads > 1 else other[0]
+        raise NotImplementedError(
+            f"pipeline under {what}: the pipelined loss is differentiable once in reverse mode "
+            "(fs.value_and_grad, torch.func.grad / vjp, .backward()); its backward hands back "
+            "gradients its forward computed in schedule order, so higher derivatives, forward "
+            "mode (jvp, jacfwd, hessian) and vmap are not available. vmap inside stage_fn "
+            "instead, or differentiate the stages without the pipeline"
+        )
+
+
+def pipeline(
+    stage_fn: Callable,
+    stage_params,
+    microbatches,
+    mesh: Mesh,
+    *,
+    loss_fn: Callable,
+    loss_params=None,
+    targets=None,
+    axis: str = "pp",
+    schedule: str = "gpipe",
+    virtual: int = 1,
+):
+    """The mean over microbatches of ``loss_fn(loss_params, stage_S-1(...stage_0(x_m)), t_m)``,
+    run as a pipeline over mesh axis ``axis`` with ``schedule``.
+
+    Args:
+        stage_fn: ``(params, x) -> y``, one stage; ``params`` one stage's slice of
+            ``stage_params`` (dim 0 dropped), ``x`` one microbatch; ``y`` has ``x``'s shape
+            (the op rules' collectives over the other mesh axes run inside as usual).
+        stage_params: a pytree whose leaves hold the ``pp * virtual`` stages on dim 0 (in
+            :func:`stage_order`), ShardedArrays split over ``axis`` on dim 0 (``P('pp',
+            ...)``; other dims may be split over other axes) or full tensors (split here).
+        microbatches: ``(M, ...)``, microbatch ``m`` is ``microbatches[m]``; replicated over
+            ``axis`` (e.g. the embedding's output, computed on every pipeline rank); dim 0 not
+            split (other dims may be, e.g. the batch over ``dp``).
+        mesh: a real mesh with ``axis``.
+        loss_fn: ``(loss_params, y, target) -> scalar`` on the last stage's output.
+        loss_params: a pytree used by ``loss_fn`` (e.g. the final norm and the head),
+            replicated over ``axis``.
+        targets: a pytree of ``(M, ...)`` values; ``target`` is its ``[m]`` slice.
+        axis: the pipeline axis.
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` (with ``virtual >= 2``, ``M`` a
+            multiple of the axis size) or ``'zb'`` (ZB-H1). See :func:`pipeline_schedule`.
+        virtual: stages per rank (``'interleaved'``).
+
+    Returns:
+        The loss, a scalar ShardedArray replicated over ``mesh``. Differentiating it
+        (``fs.value_and_grad``, ``torch.func.grad`` of ``fs.gather(loss)``) gives
+        ``stage_params``, ``microbatches`` and ``loss_params`` their dense gradients with their
+        layouts. Higher-order and forward-mode derivatives and ``vmap`` are refused (see the
+        module docstring).
+
+    Raises:
+        ValueError: naming the argument, before any communication: an unknown ``schedule``,
+            ``virtual`` not fitting it, ``M`` not a multiple of the axis size
+            (interleaved), a ``stage_params`` leaf whose dim 0 is not the ``pp * virtual``
+            stages split over ``axis``, inputs split over ``axis`` or on the microbatch dim.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("pp",))
+        >>> w = torch.tensor([[2.0], [3.0]])  # stage 0 multiplies by 2, stage 1 by 3
+        >>> x = torch.arange(4.0).reshape(4, 1)  # 4 microbatches of one value
+        >>> def loss(_, y, target):
+        ...     return (y * target).sum()
+        >>> run = lambda w: fs.gather(fs.parallel.pipeline(lambda w, x: w * x, w, x, mesh,
+        ...     loss_fn=loss, targets=torch.ones(4, 1), schedule="1f1b"))
+        >>> float(run(w))  # mean over microbatches of 6 * x
+        9.0
+        >>> torch.func.grad(run)(w).flatten()  # d/dw0 = w1 * mean(x), d/dw1 = w0 * mean(x)
+        tensor([4.5000, 3.0000])
+    """
+    if not callable(stage_fn):
+        raise TypeError(f"pipeline: stage_fn must be callable, got {type(stage_fn).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"pipeline: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(mesh, Mesh) or axis not in mesh.axis_names:
+        raise ValueError(f"pipeline: mesh must be a fshard.Mesh with axis {axis!r}, got {mesh!r}")
+    _refuse_transforms()
+    pp = mesh.size(axis)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"pipeline: virtual must be a positive int, got {virtual!r}")
+    m = _check_inputs(stage_params, microbatches, loss_params, targets, mesh, axis, pp * virtual)
+    try:
+        sched = pipeline_schedule(schedule, pp, m, virtual)
+    except ValueError as e:
+        raise ValueError(f"pipeline: {e}") from None
+    # which gradients the backward actions compute (None: a forward-only schedule); under
+    # torch.func.grad the differentiated inputs' wrappers require grad, closed-over ones not
+    need = tuple(map(_needs_grad, (stage_params, microbatches, loss_params)))
+    need = need if any(need) else None
+
+    def body(params, x, lparams, tgts):
+        g = axis_env.current_mesh().group((axis,))
+        tracker = axis_env.tracker()
+        p_leaves, p_def = optree.tree_flatten(params, is_leaf=is_sharded)
+        lp_leaves, lp_def = optree.tree_flatten(lparams, is_leaf=is_sharded)
+        t_leaves, t_def = optree.tree_flatten(tgts, is_leaf=is_sharded)
+        metas = (
+            [_Leaf(v, True) for v in p_leaves],
+            [_Leaf(x, True)],
+            [_Leaf(v, False) for v in lp_leaves],
+            [_Leaf(v, True) for v in t_leaves],
+        )
+        x_def = optree.tree_structure(0)
+        run = _Run(sched, g, stage_fn, loss_fn, (p_def, x_def, lp_def, t_def), metas, need)
+        # Values replicated over the axis are used by one stage's rank only: pcast them, so
+        # their gradient (zero on the other ranks) is summed over the axis once.
+        x_local = lax.pcast(metas[1][0].local, axis)
+        lp_locals = [lax.pcast(mt.local, axis) for mt in metas[2]]
+        tensors = (*[mt.local for mt in metas[0]], x_local, *lp_locals)
+        tensors += tuple(mt.local for mt in metas[3])
+        if tracker is not None:
+            tracker.paused += 1
+        try:
+            out = _Pipeline.apply(run, *tensors)
+        finally:
+            if tracker is not None:
+                tracker.paused -= 1
+        loss = out[0] if isinstance(out, tuple) else out
+        if tracker is not None:
+            tracker.tag(loss, frozenset({axis}) | tracker.vma(metas[1][0].local))
+        return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
+
+    mapped = shard_map(body, mesh, (P(axis), P(), P(), P()), P(), axis_names={axis})
+    return mapped(stage_params, microbatches, loss_params, targets)

@@ -1,0 +1,469 @@
+"""Pipeline parallelism (issue 22 item 2): ``fs.parallel.pipeline`` / ``pipeline_schedule``.
+
+Oracles: the schedules' per-rank orders against torch.distributed.pipelining's own order
+generators; bubble fraction and stash against the published formulas; a 4-block GPT trained
+3 AdamW steps on pp=2 (and pp=2 x dp=2, pp=2 x tp=2) against the dense module trained in one
+process (losses, first-step gradients, trained weights)."""
+
+import fnmatch
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.pipelining import schedules as tsched
+
+import fshard as fs
+from fshard import _compat
+from fshard.parallel import (
+    Action,
+    pipeline,
+    pipeline_schedule,
+    stack_stages,
+    stage_order,
+    unstack_stages,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import train_gpt as demo  # noqa: E402
+
+CFG = demo.GPTConfig(d_model=32, n_heads=4, n_layers=4, ctx=16)
+STEPS, BATCH, M, SEED = 3, 8, 4, 0
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+# -- the plan: tick tables -------------------------------------------------------------------
+
+
+def _orders(s):
+    """Each rank's actions in execution order (the table without its idle ticks)."""
+    return [[row[r] for row in s.table if row[r] is not None] for r in range(s.pp)]
+
+
+def _torch_orders(p, m, v, zero_bubble):
+    """torch.distributed.pipelining's per-rank orders (ScheduleInterleaved1F1B's and, with
+    ``zero_bubble``, ScheduleInterleavedZeroBubble's calculation), as fshard Actions."""
+    kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
+    out = []
+    for r in range(p):
+        warmup = tsched._get_warmup_ops(r, v, p, p, m, multiply_factor=1 if zero_bubble else 2)
+        ops = v * m
+
+        def fwd(step, r=r):
+            return (step // p) % v * p + r
+
+        def bwd(step, r=r, warmup=warmup):
+            return (v - 1 - ((step - warmup) // p) % v) * p + r
+
+        got = tsched._get_1f1b_rank_ops(
+            v, p, warmup, ops - warmup, warmup, r, fwd, bwd,
+            num_1f1b_microbatches=r if zero_bubble else 0, enable_zero_bubble=zero_bubble,
+        )  # fmt: skip
+        out.append(
+            [
+                Action(kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
+                for a in got
+                if a is not None
+            ]
+        )
+    return out
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6), (4, 4)])
+def test_orders_are_torch_pipelinings(p, m):
+    # 1F1B is the interleaved order with one stage per rank and one warmup forward per hop
+    # (Schedule1F1B: p - r forwards, then 1B1F); torch's interleaved warms up 2 per hop.
+    f1b1 = _orders(pipeline_schedule("1f1b", p, m))
+    for r, ops in enumerate(f1b1):
+        fwd = [Action("F", r, i) for i in range(m)]
+        bwd = [Action("B", r, i) for i in range(m)]
+        w = p - r
+        want = fwd[:w] + [a for i in range(m - w) for a in (bwd[i], fwd[w + i])] + bwd[m - w :]
+        assert ops == want, r
+    assert _orders(pipeline_schedule("zb", p, m)) == _torch_orders(p, m, 1, zero_bubble=True)
+    for v in (2, 3):
+        got = _orders(pipeline_schedule("interleaved", p, m, virtual=v))
+        assert got == _torch_orders(p, m, v, zero_bubble=False), v
+    gpipe = _orders(pipeline_schedule("gpipe", p, m))  # ScheduleGPipe: every F, then every B
+    assert gpipe == [
+        [Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+        for r in range(p)
+    ]
+
+
+def _dependencies_hold(s):
+    done = {}
+    for t, row in enumerate(s.table):
+        for a in row:
+            if a is None:
+                continue
+            if a.kind == "F" and a.stage > 0:
+                assert done[("F", a.stage - 1, a.microbatch)] < t
+            if a.kind == "B":
+                assert done[("F", a.stage, a.microbatch)] < t
+                if a.stage < s.stages - 1:
+                    assert done[("B", a.stage + 1, a.microbatch)] < t
+            if a.kind == "W":
+                assert done[("B", a.stage, a.microbatch)] < t
+        for r, a in enumerate(row):
+            if a is not None:
+                assert a.stage % s.pp == r  # stage s lives on rank s % pp
+                done[tuple(a)] = t
+    kinds = "FBW" if s.name == "zb" else "FB"
+    assert len(done) == len(kinds) * s.stages * s.microbatches
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (3, 6), (4, 12)])
+def test_bubble_and_stash_are_theory(p, m, capsys):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3)):
+        s = pipeline_schedule(name, p, m, virtual=v)
+        _dependencies_hold(s)
+        work = {"gpipe": m, "1f1b": m, "zb": 3 * m, "interleaved": v * m}[name]
+        theory = (p - 1) / (work + p - 1)
+        print(f"{name:12s} v={v} p={p} m={m}: bubble {s.bubble_fraction[0]:.4f}, theory "
+              f"{theory:.4f}, peak stash per rank {s.peak_stash}")  # fmt: skip
+        assert s.theory_bubble == pytest.approx(theory)
+        assert s.bubble_fraction == pytest.approx((theory,) * p)
+        stash = {
+            "gpipe": [m] * p,
+            "1f1b": [min(p - r, m) for r in range(p)],  # <= p, against GPipe's m
+            "zb": [min(p, m)] * p,
+            "interleaved": [min(2 * (p - 1 - r) + (v - 1) * p + 1, v * m) for r in range(p)],
+        }[name]
+        assert list(s.peak_stash) == stash
+    with capsys.disabled():
+        print(capsys.readouterr().out, end="")
+
+
+def test_stage_order_is_rank_major():
+    assert stage_order(2) == [0, 1]
+    assert stage_order(2, virtual=2) == [0, 2, 1, 3]
+    assert stage_order(3, virtual=2) == [0, 3, 1, 4, 2, 5]
+
+
+@pytest.mark.parametrize("stages,pp", [(2, 2), (4, 2), (4, 1)])
+def test_unstack_stages_inverts_the_stacking(stages, pp):
+    named = {k: v.detach() for k, v in demo.GPT(CFG).named_parameters()}
+    tree = _to_tree(named, stages, pp)
+    blocks = {k: v for k, v in named.items() if k.startswith("blocks.")}
+    got = unstack_stages(tree["stages"], prefix="blocks", pp=pp, virtual=stages // pp)
+    assert list(got) == list(blocks)  # the module's order
+    assert all(torch.equal(got[k], blocks[k]) for k in blocks)
+
+
+def test_bad_arguments_raise_before_any_collective():
+    """On an abstract mesh (no process group): every check runs before communication."""
+    mesh = fs.Mesh.abstract((2,), ("pp",))
+    w, x = torch.ones(2, 3), torch.ones(4, 3)
+
+    def call(**kw):
+        args = {"stage_params": w, "microbatches": x, "loss_fn": lambda _, y, t: y.sum()}
+        args.update(kw)
+        sp, mb = args.pop("stage_params"), args.pop("microbatches")
+        return pipeline(lambda p, x: p * x, sp, mb, mesh, **args)
+
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        call(schedule="dualpipe")
+    with pytest.raises(ValueError, match="microbatches=3.*multiple of 2"):
+        call(schedule="interleaved", virtual=2, stage_params=torch.ones(4, 3), microbatches=x[:3])
+    with pytest.raises(ValueError, match="stage_params leaf 0 .* 2 stages"):
+        call(stage_params=torch.ones(3, 3))
+    with pytest.raises(ValueError, match="stage_params leaf 0 .* 4 stages"):
+        call(schedule="interleaved", virtual=2)
+    with pytest.raises(ValueError, match="virtual=2.*interleaved"):
+        call(virtual=2, stage_params=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="virtual=1.*virtual >= 2"):
+        call(schedule="interleaved")
+    with pytest.raises(ValueError, match="targets leaf 0 .* 4 microbatches"):
+        call(targets=torch.ones(3))
+    with pytest.raises(ValueError, match="mesh .* axis 'pp'"):
+        pipeline(lambda p, x: x, w, x, fs.Mesh.abstract((2,), ("dp",)), loss_fn=lambda *a: 0)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        pipeline_schedule("GPipe", 2, 4)
+
+
+# -- the call: a GPT trained on pp=2 ------------------------------------------------------------
+
+_BLOCK = [n for n, _ in demo.Block(CFG).named_parameters()]
+_HEAD = ["ln_f.weight", "ln_f.bias", "head.weight"]
+
+
+def _to_tree(named: dict, stages: int, pp: int) -> dict:
+    """The module's named params as the pipeline's pytree: embeddings, the blocks stacked
+    ``(stages, blocks per stage, ...)`` in :func:`stage_order`, final norm and head."""
+    per = CFG.n_layers // stages
+    order = stage_order(pp, stages // pp)
+
+    def stage(s, n):
+        return torch.stack([named[f"blocks.{s * per + i}.{n}"] for i in range(per)])
+
+    return {
+        "emb": {n: named[n] for n in ("tok.weight", "pos.weight")},
+        "stages": {n: torch.stack([stage(s, n) for s in order]) for n in _BLOCK},
+        "head": {n: named[n] for n in _HEAD},
+    }
+
+
+def _from_tree(tree: dict, stages: int, pp: int) -> dict:
+    per = CFG.n_layers // stages
+    named = {**tree["emb"], **tree["head"]}
+    for row, s in enumerate(stage_order(pp, stages // pp)):
+        for n in _BLOCK:
+            for i in range(per):
+                named[f"blocks.{s * per + i}.{n}"] = tree["stages"][n][row][i]
+    return named
+
+
+def _stage_fn(block):
+    def stage(params, x):
+        for i in range(next(iter(params.values())).shape[0]):
+            x = fs.nn.functional_call(block, {n: v[i] for n, v in params.items()}, (x,))
+        return x
+
+    return stage
+
+
+def _head_loss(hp, y, target):
+    h = F.layer_norm(y, (CFG.d_model,), hp["ln_f.weight"], hp["ln_f.bias"])
+    logits = F.linear(h, hp["head.weight"])
+    return F.cross_entropy(logits.reshape(-1, CFG.vocab), target.reshape(-1))
+
+
+def _pp_loss(mesh, block, schedule, virtual):
+    def loss(params, tokens, targets):
+        t = tokens.shape[-1]
+        x = F.embedding(tokens, params["emb"]["tok.weight"]) + params["emb"]["pos.weight"][:t]
+        return pipeline(
+            _stage_fn(block), params["stages"], x, mesh, loss_fn=_head_loss,
+            loss_params=params["head"], targets=targets, schedule=schedule, virtual=virtual,
+        )  # fmt: skip
+
+    return loss
+
+
+def _batches():
+    data = demo.load_corpus()
+    gen = torch.Generator().manual_seed(SEED + 1)
+    return [demo.get_batch(data, BATCH, CFG.ctx, gen) for _ in range(STEPS)]
+
+
+def _microbatches(batch):
+    mb = batch.reshape(M, BATCH // M, CFG.ctx + 1)
+    return mb[..., :-1], mb[..., 1:]
+
+
+def _tx():
+    # eps 1e-6, not 1e-8: some gradient entries are ~1e-10, where summation-order rounding
+    # (1e-9 here) would otherwise turn into updates of size lr (Adam divides by |g|)
+    return fs.optim.adamw(1e-2, eps=1e-6, weight_decay=0.1)
+
+
+@functools.cache
+def dense_run():
+    """The dense module, 3 AdamW steps on the whole batch, in one process."""
+    torch.manual_seed(SEED)
+    model = demo.GPT(CFG)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx = _tx()
+    state = tx.init(params)
+    gv = torch.func.grad_and_value(demo.dense_loss)
+    losses, first = [], None
+    for batch in _batches():
+        grads, loss = gv(params, model, batch)
+        first = grads if first is None else first
+        updates, state = tx.update(grads, state, params)
+        params = fs.optim.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses, first, params
+
+
+def _specs(tree: dict, tp: bool) -> dict:
+    """Each leaf's layout: stages over pp on dim 0 (then Megatron's tp plan), the rest
+    replicated (the head column-parallel with tp)."""
+    plan = demo.gpt_plan("tp") if tp else {}
+
+    def tp_spec(name):
+        hit = [s for g, s in plan.items() if fnmatch.fnmatchcase(name, g)]
+        return tuple(hit[0].dims) if hit else ()
+
+    out = {"emb": {n: fs.P() for n in tree["emb"]}}
+    out["stages"] = {n: fs.P("pp", None, *tp_spec(f"blocks.0.{n}")) for n in tree["stages"]}
+    out["head"] = {n: fs.P(*tp_spec(n)) for n in tree["head"]}
+    return out
+
+
+def _map(fn, tree: dict) -> dict:
+    return {g: {n: fn(v) for n, v in d.items()} for g, d in tree.items()}
+
+
+def _layouts(tree: dict) -> dict:
+    return _map(lambda v: v.layout, tree)
+
+
+def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False):
+    shape = (2,) if len(axes) == 1 else (2, 2)
+    mesh = fs.Mesh.create(shape, axes)
+    stages = 2 * virtual
+    torch.manual_seed(SEED)
+    model = demo.GPT(CFG)
+    named = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tree = _to_tree(named, stages, 2)
+    specs = _specs(tree, tp="tp" in axes)
+    params = {g: {n: fs.shard(t, mesh, specs[g][n]) for n, t in d.items()} for g, d in tree.items()}
+    # fs.parallel.stack_stages lays the module's blocks out the same way
+    plan = demo.gpt_plan("tp") if "tp" in axes else None
+    stacked = stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
+    assert {n: v.layout for n, v in stacked.items()} == _layouts(params)["stages"]
+    for n, v in stacked.items():
+        assert torch.equal(v.local, params["stages"][n].local), n
+    params["stages"] = stacked
+    layouts = _layouts(params)
+    loss_fn = _pp_loss(mesh, model.blocks[0], schedule, virtual)
+    tx = _tx()
+    state = tx.init(params)
+    batch_spec = fs.P(None, "dp") if "dp" in axes else fs.P()
+    losses, first = [], None
+    for batch in _batches():
+        tokens, targets = (fs.shard(t, mesh, batch_spec) for t in _microbatches(batch))
+        if use_func_grad:
+            grads, loss = torch.func.grad_and_value(
+                lambda p, x=tokens, y=targets: fs.gather(loss_fn(p, x, y))
+            )(params)
+        else:
+            loss, grads = fs.value_and_grad(loss_fn)(params, tokens, targets)
+        assert _layouts(grads) == layouts  # the params' layouts kept
+        first = _map(fs.gather, grads) if first is None else first
+        updates, state = tx.update(grads, state, params)
+        params = fs.optim.apply_updates(params, updates)
+        assert _layouts(params) == layouts
+        losses.append(float(loss))
+    trained = _from_tree(_map(fs.gather, params), stages, 2)
+    return losses, _from_tree(first, stages, 2), trained
+
+
+def _assert_dense(result):
+    want_losses, want_grads, want_params = dense_run()
+    losses, grads, params = result
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert want_losses[-1] < want_losses[0]  # it trains
+    for k in want_params:
+        torch.testing.assert_close(grads[k], want_grads[k], **TOL, msg=k)
+        torch.testing.assert_close(params[k], want_params[k], **TOL, msg=k)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+)
+def test_gpt_pp2_trains_as_dense(world2, schedule, virtual):
+    results = world2.run(pipeline_rank_fn, ("pp",), schedule, virtual)
+    assert results[0][0] == results[1][0]  # every rank returns the same loss
+    _assert_dense(results[0])
+
+
+@pytest.mark.timeout(600)
+def test_gpt_pp2_under_torch_func_grad(world2):
+    results = world2.run(pipeline_rank_fn, ("pp",), "1f1b", 1, True)
+    _assert_dense(results[0])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("other,schedule,virtual", [("dp", "zb", 1), ("tp", "interleaved", 2)])
+def test_gpt_pp2_composes_on_4_ranks(world4, other, schedule, virtual):
+    results = world4.run(pipeline_rank_fn, ("pp", other), schedule, virtual)
+    for r in results:
+        _assert_dense(r)
+
+
+def transforms_rank_fn():
+    """y = w1 * w0 * x per microbatch, loss mean(y^2): every schedule, no grad / grad /
+    .backward() against the closed form; higher derivatives, jvp and vmap refused."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w = torch.tensor([[2.0], [3.0]])
+    x = torch.arange(4.0).reshape(4, 1)
+    xs = (x**2).mean()
+
+    def run(w, schedule="1f1b", stage=lambda w, x: w * x):
+        loss = pipeline(stage, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
+                        schedule=schedule)  # fmt: skip
+        return fs.gather(loss)
+
+    want_g = torch.tensor([[2 * w[0, 0] * w[1, 0] ** 2], [2 * w[1, 0] * w[0, 0] ** 2]]) * xs
+    for schedule in ("gpipe", "1f1b", "zb"):
+        assert torch.allclose(run(w, schedule), (w.prod() ** 2) * xs)
+        with fs.debug.comm_log() as log:
+            assert torch.allclose(torch.func.grad(run)(w, schedule), want_g)
+        # one ppermute per tick and direction that sends (activations forward, cotangents back)
+        moves = pipeline_schedule(schedule, 2, 4).transfers
+        ticks = zip(moves["F"], moves["B"])
+        pairs = [p for tick in ticks for p, _ in tick if p]  # in tick order, F before B
+        sends = [4 if any(src == mesh.rank for src, _ in p) else 0 for p in pairs]
+        assert [r.nbytes for r in log if r.op == "ppermute"] == sends
+        assert sum(sends) == 4 * 4  # 4 microbatches, one float each way
+        leaf = w.clone().requires_grad_()
+        run(leaf, schedule).backward()
+        assert torch.allclose(leaf.grad, want_g)
+    # remat and vmap inside a stage
+    remat = fs.remat(lambda w, x: w * x)
+    mapped = lambda w, x: torch.vmap(lambda xi: w[0] * xi)(x)  # noqa: E731
+    for stage in (remat, mapped):
+        for schedule in ("1f1b", "zb"):
+            assert torch.allclose(torch.func.grad(run)(w, schedule, stage), want_g)
+    # ZB-H1 without torch's split backward (W runs the backward from the output again)
+    split, _compat.split_backward = _compat.split_backward, lambda: None
+    try:
+        assert torch.allclose(torch.func.grad(run)(w, "zb"), want_g)
+        leaf = w.clone().requires_grad_()
+        run(leaf, "zb").backward()
+        assert torch.allclose(leaf.grad, want_g)
+    finally:
+        _compat.split_backward = split
+    refused = []
+    for f in (
+        lambda: torch.func.grad(lambda w: torch.func.grad(run)(w).sum())(w),
+        lambda: torch.func.jvp(run, (w,), (torch.ones_like(w),)),
+        lambda: torch.func.vmap(run)(torch.stack([w, w])),
+        lambda: torch.func.hessian(run)(w),
+    ):
+        with pytest.raises(NotImplementedError, match="differentiable once in reverse mode"):
+            f()
+        refused.append(True)
+    return refused
+
+
+@pytest.mark.timeout(300)
+def test_transforms_compose_or_refuse(world2):
+    assert world2.run(transforms_rank_fn) == [[True] * 4] * 2
+
+
+def one_rank_fn():
+    """pp=1: every stage on the one rank (handed over locally, no ppermute)."""
+    mesh = fs.Mesh.create((1,), ("pp",))
+    w, x = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1)
+    xs = (x**2).mean()
+    out = []
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)):
+        sp = w[:virtual]
+
+        def run(w, schedule=schedule, virtual=virtual):
+            loss = pipeline(lambda w, x: w * x, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
+                            schedule=schedule, virtual=virtual)  # fmt: skip
+            return fs.gather(loss)
+
+        with fs.debug.comm_log() as log:
+            value, g = float(run(sp)), torch.func.grad(run)(sp)
+        assert not [r for r in log if r.op == "ppermute"]
+        want = sp.prod() ** 2 * xs
+        assert value == pytest.approx(float(want))
+        torch.testing.assert_close(g, 2 * want / sp)  # d/dw_i of (prod w)^2 * mean(x^2)
+        out.append(schedule)
+    with pytest.raises(ValueError, match=r"stage_fn must return its input's shape .*\(1,\)"):
+        pipeline(lambda w, x: torch.cat([x, x]), w[:1], x, mesh, loss_fn=lambda _, y, t: y.sum())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_one_pipeline_rank(world1):
+    assert world1.run(one_rank_fn) == [["gpipe", "1f1b", "zb", "interleaved"]]
