@@ -330,6 +330,64 @@ def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray) -> torch.Tens
     return fs.gather(loss)
 
 
+def pipeline_params(model: GPT, mesh: fs.Mesh, virtual: int = 1) -> dict:
+    """The params for ``--pp``: ``{"emb": tok/pos, "stages": the blocks stacked as pipeline
+    stages over ``pp`` (``fs.parallel.stack_stages``, with the Megatron plan over ``tp``),
+    "head": ln_f + head}``."""
+    named = {k: v.detach() for k, v in model.named_parameters()}
+    plan = gpt_plan("tp")
+    specs = fs.nn.match_plan(named, plan)
+    shard = lambda n: fs.shard(named[n], mesh, specs[n])  # noqa: E731
+    stages = fs.parallel.stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
+    return {
+        "emb": {n: shard(n) for n in ("tok.weight", "pos.weight")},
+        "stages": stages,
+        "head": {n: shard(n) for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
+    }
+
+
+def pipeline_loss(
+    params: dict,
+    tokens: fs.ShardedArray,
+    model: GPT,
+    mesh: fs.Mesh,
+    schedule: str,
+    virtual: int = 1,
+    remat: bool = False,
+) -> torch.Tensor:
+    """Mean next-byte cross entropy with the blocks pipelined over ``pp`` (``--pp``):
+    ``tokens`` is ``(microbatches, batch / microbatches, ctx + 1)``, split over dp x ep on dim
+    1. The embedding runs before the pipeline (on every pp rank), each stage runs its blocks
+    (the module's own ``Block.forward`` through ``fs.nn.functional_call``, under ``fs.remat``
+    with ``remat``), the final norm, head and loss run on the last stage.
+    ``fs.parallel.pipeline`` is differentiable: ``fs.value_and_grad`` of this gives the
+    params' gradients in their layouts."""
+    block = model.blocks[0]
+    cfg = model.cfg
+
+    def run(p, x):
+        return fs.nn.functional_call(block, p, (x,))
+
+    def stage(p, x):
+        for i in range(next(iter(p.values())).shape[0]):
+            one = {n: v[i] for n, v in p.items()}
+            x = fs.remat(run)(one, x) if remat else run(one, x)
+        return x
+
+    def head(hp, y, target):
+        h = F.layer_norm(y, (cfg.d_model,), hp["ln_f.weight"], hp["ln_f.bias"])
+        logits = F.linear(h, hp["head.weight"])
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab), target.reshape(-1))
+
+    x_tok, y = tokens[..., :-1], tokens[..., 1:]
+    t = x_tok.shape[-1]
+    x = F.embedding(x_tok, params["emb"]["tok.weight"]) + params["emb"]["pos.weight"][:t]
+    return fs.parallel.pipeline(
+        stage, params["stages"], x, mesh, loss_fn=head, loss_params=params["head"],
+        targets=y, schedule=schedule, virtual=virtual,
+    )  # fmt: skip
+
+
 # -- training --------------------------------------------------------------------------------
 
 
@@ -345,6 +403,16 @@ def get_batch(data: torch.Tensor, batch: int, ctx: int, gen: torch.Generator) ->
     return torch.stack([data[s : s + ctx + 1] for s in starts.tolist()]).long()
 
 
+def _decays(params) -> dict:
+    """Weight decay on matrices only: a flat ``{name: value}`` (a param's ndim), or the
+    pipeline's ``{"emb", "stages", "head"}`` tree (a stage param's ndim without its two leading
+    stage dims)."""
+    if "stages" not in params:
+        return {k: v.ndim >= 2 for k, v in params.items()}
+    lead = {"stages": 2}
+    return {g: {k: v.ndim - lead.get(g, 0) >= 2 for k, v in d.items()} for g, d in params.items()}
+
+
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
     """AdamW with linear warmup + cosine decay, global-norm clipping, no decay on vectors."""
     schedule = fs.optim.warmup_cosine_decay_schedule(
@@ -356,7 +424,7 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
             schedule,
             b2=0.95,
             weight_decay=weight_decay,
-            mask=lambda ps: {k: v.ndim >= 2 for k, v in ps.items()},
+            mask=_decays,
         ),
     )
 
@@ -370,6 +438,7 @@ def make_train_step(
     fsdp_units: dict | None = None,
     remat: bool = False,
     dtype: torch.dtype | None = None,
+    pipeline: dict | None = None,
 ):
     """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -377,9 +446,20 @@ def make_train_step(
     with ``fsdp_units`` (params sharded by ``fs.nn.fsdp_plan``) :func:`fsdp_loss` through
     ``fs.value_and_grad``; otherwise the local-view :func:`tp_loss`. ``remat`` and ``dtype``
     as in :func:`tp_loss` (``dtype`` of the global view: the policy ``shard_params`` recorded).
+    With ``pipeline`` (``{"schedule", "virtual", "microbatches"}``, params from
+    :func:`pipeline_params`) :func:`pipeline_loss` through ``fs.value_and_grad``.
     """
     dp = mesh.size("dp")
-    if fsdp_units is not None:
+    if pipeline is not None:
+        pp_grad = fs.value_and_grad(pipeline_loss)
+
+        def loss_and_grads(params, batch):  # batch: (microbatches, rows, ctx + 1)
+            loss, grads = pp_grad(
+                params, batch, model, mesh, pipeline["schedule"], pipeline["virtual"], remat
+            )
+            return grads, loss
+
+    elif fsdp_units is not None:
         fsdp_grad = fs.value_and_grad(fsdp_loss)
 
         def loss_and_grads(params, batch):  # grads arrive reduce-scattered over dp
@@ -414,11 +494,13 @@ def make_train_step(
 def train(args: dict) -> dict:
     """One rank of the training run; returns losses (and timing) for rank 0."""
     cfg = GPTConfig(**args["model"])
-    dp, ep, tp = args["dp"], args.get("ep", 1), args["tp"]
-    if dist.get_world_size() != dp * ep * tp:
-        raise ValueError(f"world size {dist.get_world_size()} != dp * ep * tp = {dp * ep * tp}")
+    pp, dp, ep, tp = args.get("pp", 1), args["dp"], args.get("ep", 1), args["tp"]
+    if dist.get_world_size() != pp * dp * ep * tp:
+        raise ValueError(f"world size {dist.get_world_size()} != pp * dp * ep * tp")
     # the batch is split over dp x ep (expert parallelism carves its ranks out of the data)
-    mesh = fs.Mesh.create((dp, ep, tp), ("dp", "ep", "tp"), device_type=args.get("device"))
+    mesh = fs.Mesh.create(
+        (pp, dp, ep, tp), ("pp", "dp", "ep", "tp"), device_type=args.get("device")
+    )
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
     plan = gpt_plan("tp", experts="ep" if cfg.n_experts else None, sp=args.get("sp", False))
@@ -428,7 +510,12 @@ def train(args: dict) -> dict:
     policy = None  # the global view's: bf16 compute, fp32 gradient reductions and logits
     if dtype is not None and args["view"] == "global":
         policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
-    params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
+    pipe = None
+    if pp > 1:
+        pipe = {k: args[k] for k in ("schedule", "virtual", "microbatches")}
+        params = pipeline_params(model, mesh, pipe["virtual"])
+    else:
+        params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
     tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
     opt_state = tx.init(params)  # same layouts as the params: sharded over dp with --fsdp
     step = make_train_step(
@@ -439,6 +526,7 @@ def train(args: dict) -> dict:
         fsdp_units=fs.nn.fsdp_units(model) if args.get("fsdp") else None,
         remat=args.get("remat", False),
         dtype=dtype,
+        pipeline=pipe,
     )
     data = load_corpus(Path(args["data"]))
     gen = torch.Generator().manual_seed(args["seed"] + 1)
@@ -454,11 +542,12 @@ def train(args: dict) -> dict:
     try:
         for _ in range(args["steps"]):
             t0 = time.perf_counter()
-            batch = fs.shard(
-                get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device()),
-                mesh,
-                fs.P(("dp", "ep")),
-            )
+            batch = get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device())
+            if pipe is None:
+                batch = fs.shard(batch, mesh, fs.P(("dp", "ep")))
+            else:  # microbatches, each split over dp x ep
+                batch = batch.reshape(pipe["microbatches"], -1, cfg.ctx + 1)
+                batch = fs.shard(batch, mesh, fs.P(None, ("dp", "ep")))
             params, opt_state, loss = step(params, opt_state, batch)
             loss = float(loss)
             dt = time.perf_counter() - t0
@@ -475,7 +564,7 @@ def train(args: dict) -> dict:
     steady = times[min(5, len(times) - 1) :]
     out = {"losses": losses, "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
     if args.get("return_params"):
-        out["params"] = {k: fs.gather(v) for k, v in params.items()}
+        out["params"] = fs.tree_map(fs.gather, params)
     return out if rank0 else {}
 
 
@@ -540,6 +629,22 @@ def parse_args(argv=None) -> dict:
     )
     ap.add_argument("--topk", type=int, default=2, help="experts per token (with --experts)")
     ap.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel ranks: the blocks as stages over pp (global view)",
+    )
+    ap.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved", "zb"),
+        default="1f1b",
+        help="pipeline schedule (with --pp)",
+    )
+    ap.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches")
+    ap.add_argument(
+        "--virtual", type=int, default=2, help="stages per rank with --schedule interleaved"
+    )
+    ap.add_argument(
         "--sp",
         action="store_true",
         help="Megatron sequence parallelism over tp (global view): activations between the "
@@ -574,13 +679,28 @@ def parse_args(argv=None) -> dict:
             raise SystemExit(
                 f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
             )
+    if a.pp > 1:
+        if a.view != "global" or a.fsdp or a.sp or a.experts or a.bf16:
+            raise SystemExit(
+                "--pp runs the global view's blocks as stages: add --view global (without "
+                "--fsdp, --sp, --experts, --bf16)"
+            )
+        virtual = a.virtual if a.schedule == "interleaved" else 1
+        if a.layers % (a.pp * virtual) or a.batch % (a.microbatches * a.dp * a.ep):
+            raise SystemExit(
+                f"--pp: --layers ({a.layers}) must split into pp x virtual ({a.pp * virtual}) "
+                f"stages and --batch ({a.batch}) into --microbatches ({a.microbatches}) of "
+                "dp x ep"
+            )
     if a.sp and (a.view != "global" or a.fsdp):
         raise SystemExit(
             "--sp runs the global view (a plan, the module's forward): add --view global"
         )
-    if a.remat and a.view != "local":
-        raise SystemExit("--remat runs the local view (each block under fs.remat); drop --view")
-    for name in ("dp", "ep", "tp", "steps", "batch", "layers", "heads", "ctx"):
+    if a.remat and a.view != "local" and a.pp == 1:
+        raise SystemExit(
+            "--remat runs the local view or the pipeline's stages (each block under fs.remat)"
+        )
+    for name in ("pp", "dp", "ep", "tp", "microbatches", "virtual", "steps", "batch", "layers", "heads", "ctx"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name} must be >= 1")
     if a.batch % (a.dp * a.ep):
@@ -597,6 +717,8 @@ def parse_args(argv=None) -> dict:
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
         "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
         "device": a.device, "remat": a.remat, "bf16": a.bf16, "ep": a.ep, "sp": a.sp,
+        "pp": a.pp, "schedule": a.schedule, "microbatches": a.microbatches,
+        "virtual": a.virtual if a.schedule == "interleaved" else 1,
     }  # fmt: skip
 
 
@@ -625,7 +747,7 @@ def save_plot(losses: list, path: str, title: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    world = args["dp"] * args.get("ep", 1) * args["tp"]
+    world = args.get("pp", 1) * args["dp"] * args.get("ep", 1) * args["tp"]
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     out = launch_run(train, world, (args,), timeout=3600)[0]
     if under_torchrun and int(os.environ["RANK"]) != 0:  # run() closed its group
@@ -634,7 +756,7 @@ def main(argv=None) -> dict:
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     print(
         f"dp={args['dp']} ep={args.get('ep', 1)} tp={args['tp']} view={args['view']} "
-        f"fsdp={args.get('fsdp', False)} sp={args.get('sp', False)} "
+        f"fsdp={args.get('fsdp', False)} sp={args.get('sp', False)} pp={args.get('pp', 1)} "
         f"experts={args['model'].get('n_experts', 0)} "
         f"remat={args.get('remat', False)} bf16={args.get('bf16', False)} "
         f"steps={args['steps']}: "

@@ -405,6 +405,27 @@ def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
     _recurring(g, what, fields, _site())
 
 
+def settle(group: Mesh | AxisGroup, what: str) -> None:
+    """Compare now, over ``group``, the running digests of the groups inside its ranks, and
+    clear them (default mode; one small all_reduce). For programs that are the same only within
+    sub-groups of a mesh (MPMD: a pipeline's stages issue their own tensor-parallel collectives):
+    each sub-group settles its history where it ends, so a later boundary over the whole mesh
+    compares only what every rank ran since. No-op in the other modes (``"every"`` checked each
+    collective already) and on one rank.
+
+    Example:
+        >>> consistency.settle(mesh, "fs.parallel.pipeline")  # doctest: +SKIP
+    """
+    if _active_mode() != "default" or not dist.is_initialized():
+        return
+    g = _as_group(group)
+    if g.size > 1:
+        _boundary(g, what, {}, _site())
+        settled = {id(r) for r in _within(g)}  # agreed: forgotten, so later checks over
+        for pg in [pg for pg, r in _RUNNING.items() if id(r) in settled]:  # bigger groups
+            del _RUNNING[pg]  # compare only what every rank ran since
+
+
 def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> None:
     """Raise :class:`ConsistencyError` on every rank unless ``obj`` is equal on all of them.
 

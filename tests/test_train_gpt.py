@@ -200,6 +200,50 @@ def test_moe_training_matches_dense(world2, shape):
             torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
+def pipeline_rank_fn(shape, schedule):
+    """``--pp``: the example's step (``fs.optim.step`` included, whose consistency check spans
+    the whole mesh while each pipeline stage ran its own collectives)."""
+    mesh = fs.Mesh.create(shape, ("pp", "dp", "ep", "tp"))
+    torch.manual_seed(SEED)
+    model = demo.GPT(CFG)
+    virtual = 1  # CFG has 2 blocks: one stage per rank
+    params = demo.pipeline_params(model, mesh, virtual)
+    tx = demo.make_optimizer(**OPT)
+    state = tx.init(params)
+    pipe = {"schedule": schedule, "virtual": virtual, "microbatches": 2}
+    step = demo.make_train_step(CFG, mesh, tx, model=model, pipeline=pipe)
+    losses = []
+    for batch in _batches():
+        mb = fs.shard(batch.reshape(2, -1, CFG.ctx + 1), mesh, fs.P(None, ("dp", "ep")))
+        params, state, loss = step(params, state, mb)
+        losses.append(float(loss))
+    named = {**params["emb"], **params["head"]}
+    for n, v in params["stages"].items():
+        full = fs.gather(v)  # (stages, blocks per stage, ...)
+        for s in range(full.shape[0]):
+            for i in range(full.shape[1]):
+                named[f"blocks.{s * full.shape[1] + i}.{n}"] = full[s, i]
+    return losses, {
+        k: fs.gather(v) if isinstance(v, fs.ShardedArray) else v for k, v in named.items()
+    }
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "shape,schedule",
+    [((2, 1, 1, 1), "gpipe"), ((2, 1, 1, 1), "1f1b"), ((2, 1, 1, 1), "zb"), ((2, 2, 1, 1), "1f1b")],
+)
+def test_pipeline_training_matches_dense(shape, schedule, dense, request):
+    """``--pp 2``: the blocks as pipeline stages, each schedule, 3 steps of the example's
+    optimizer like dense; pp x dp on 4 ranks."""
+    world = request.getfixturevalue("world4" if shape[1] > 1 else "world2")
+    ref_losses, ref_snaps = dense
+    losses, params = world.run(pipeline_rank_fn, shape, schedule)[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for k, ref in ref_snaps[-1].items():
+        torch.testing.assert_close(params[k], ref, rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_parse_args_validation():
     with pytest.raises(SystemExit, match="divisible"):
         demo.parse_args(["--batch", "5", "--dp", "2"])
@@ -214,6 +258,10 @@ def test_parse_args_validation():
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
     with pytest.raises(SystemExit, match="--sp runs the global view"):
         demo.parse_args(["--sp"])
+    with pytest.raises(SystemExit, match="--pp runs the global view"):
+        demo.parse_args(["--pp", "2"])
+    with pytest.raises(SystemExit, match="must split into pp x virtual"):
+        demo.parse_args(["--pp", "2", "--view", "global", "--layers", "3"])
     with pytest.raises(SystemExit, match="--ep splits the experts"):
         demo.parse_args(["--ep", "2"])
     with pytest.raises(SystemExit, match="--experts runs the global view"):

@@ -67,7 +67,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import _compat, axis_env, lax
+from .. import _compat, axis_env, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute
@@ -876,4 +876,10 @@ def pipeline(
         return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
 
     mapped = shard_map(body, mesh, (P(axis), P(), P(), P()), P(), axis_names={axis})
-    return mapped(stage_params, microbatches, loss_params, targets)
+    loss = mapped(stage_params, microbatches, loss_params, targets)
+    # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
+    # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
+    others = tuple(a for a in mesh.axis_names if a != axis and mesh.size(a) > 1)
+    if others:
+        consistency.settle(mesh.group(others), "fs.parallel.pipeline")
+    return loss
