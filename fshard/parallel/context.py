@@ -524,7 +524,7 @@ def context_parallel_loss(
     ignore = labels.new_full((b, 1), -100)
     targets = torch.cat([labels[:, 1:], ignore], 1)
     count = int((targets != -100).sum())
-    positions = load_balance(torch.arange(s, device=input_ids.device), cp, 0).expand(b, s)
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)  # split as the ids
 
     def split(t):
         return None if t is None else load_balance(t, cp, 1)
