@@ -1,8 +1,8 @@
 """Every public name has a docstring with an example that runs (issue 24 item 3).
 
 The public names are ``fshard.__all__`` and the ``__all__`` of ``fs.lax``, ``fs.nn``,
-``fs.optim``, ``fs.checkpoint``, ``fs.debug``, ``fs.launch`` and ``fs.data``. Each needs its own
-docstring with a ``>>>`` example, none skipped. The examples run as doctests, with the globals of
+``fs.optim``, ``fs.checkpoint``, ``fs.debug``, ``fs.launch``, ``fs.data``, ``fs.parallel``. Each
+needs its own docstring with a ``>>>`` example, none skipped. The examples run as doctests, with the globals of
 the module that defines the name plus ``fs`` and ``torch``, on 2 ranks (the suite's ``world2``:
 an example's output must be the same on both), except ``fs.launch``'s, which start their own
 ranks and so run in this process. The reference site (``mkdocs build --strict``)
@@ -28,6 +28,7 @@ MODULES = {
     "fshard.debug": fs.debug,
     "fshard.launch": fs.launch,
     "fshard.data": fs.data,
+    "fshard.parallel": fs.parallel,
 }
 
 

@@ -493,7 +493,7 @@ def context_parallel_loss(
     Example:
         >>> import transformers
         >>> transformers.logging.set_verbosity_error()
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
         ...     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         ...     vocab_size=64, attn_implementation="sdpa")
