@@ -279,10 +279,20 @@ def _llama(seed=0):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def llama_rank_fn(attention, pad, steps):
+def llama_rank_fn(attention, pad, steps, tp=1):
     model = _llama()
-    mesh = fs.Mesh.create((2,), ("cp",))
-    params = fs.nn.shard_params(model, mesh, {})  # replicated over cp: the plan names no cp
+    if tp == 1:
+        mesh = fs.Mesh.create((2,), ("cp",))
+        plan = {}  # replicated over cp: the plan names no cp
+    else:  # Megatron over tp; the attention maps the tp blocks (heads) inside the cp body
+        mesh = fs.Mesh.create((2, tp), ("cp", "tp"))
+        plan = fs.nn.megatron_plan(
+            column=["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
+            row=["*.o_proj", "*.down_proj"],
+            vocab=["model.embed_tokens"],
+            model=model,
+        )
+    params = fs.nn.shard_params(model, mesh, plan)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     mask, labels = None, ids
     if pad:
@@ -326,3 +336,10 @@ def llama_rank_fn(attention, pad, steps):
 def test_hf_llama_context_parallel_two_ranks(world2, attention, pad, steps):
     pytest.importorskip("transformers")
     assert world2.run(llama_rank_fn, attention, pad, steps) == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_hf_llama_context_parallel_times_tensor_parallel_four_ranks(world4):
+    """cp=2 x tp=2: partial-manual over cp, Megatron's op rules over tp."""
+    pytest.importorskip("transformers")
+    assert world4.run(llama_rank_fn, "ring", False, 1, 2) == [True] * 4

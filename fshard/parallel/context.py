@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from .. import lax
 from ..api import gather
+from ..array import ShardedArray
 from ..axis_env import current_mesh
 from ..mesh import Mesh
 from ..nn import functional_call
@@ -399,7 +400,7 @@ def ulysses_attention(
 #: The attention implementation registered with transformers (``AttentionInterface``).
 HF_ATTENTION = "fshard_context_parallel"
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
-#: ``(axis, attention function)`` while :func:`context_parallel_loss` runs its model.
+#: ``(axis, attention function, mesh)`` while :func:`context_parallel_loss` runs its model.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_context_parallel", default=None)
 
 
@@ -414,10 +415,20 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         )
     if dropout:
         raise ValueError(f"{HF_ATTENTION}: attention dropout is not supported, got {dropout}")
-    axis, attend = active
+    axis, attend, mesh = active
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    out = attend(query, key, value, axis, causal=causal, padding_mask=attention_mask, scale=scaling)
+
+    def local(q, k, v, mask):
+        return attend(q, k, v, axis, causal=causal, padding_mask=mask, scale=scaling)
+
+    if isinstance(query, ShardedArray):
+        # partial-manual body (cp x tp): map the blocks of the other axes (heads over tp)
+        mask = attention_mask
+        specs = [t.spec for t in (query, key, value)]
+        specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
+        local = shard_map(local, mesh, tuple(specs), query.spec)
+    out = local(query, key, value, attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -437,12 +448,12 @@ def _register_hf() -> None:
 
 
 @contextlib.contextmanager
-def _attention_of(module: torch.nn.Module, axis: str, attend):
+def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
     """``module.config``'s attention implementation is :data:`HF_ATTENTION` while inside."""
     _register_hf()
     config = module.config
     before = config._attn_implementation
-    token = _ACTIVE.set((axis, attend))
+    token = _ACTIVE.set((axis, attend, mesh))
     config._attn_implementation = HF_ATTENTION
     try:
         yield
@@ -533,7 +544,7 @@ def context_parallel_loss(
     attend = _ATTENTION[attention]
 
     def body(ps, ids, pos, tgt, keep):
-        with _attention_of(module, axis, attend):
+        with _attention_of(module, mesh, axis, attend):
             out = _call(module, ps, ids, pos, keep)
         logits = out.logits
         ce = F.cross_entropy(
