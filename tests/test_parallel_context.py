@@ -51,10 +51,10 @@ def test_ring_plan_covers_the_causal_pairs_once(cp, balanced):
         mine = (i, 2 * cp - 1 - i) if balanced else (i,)
         seen = []
         for _src, groups in C._ring_plan(cp, i, True, balanced):
-            for q0, q1, k0, k1, diag, qchunks, kchunks in groups:
-                assert qchunks == mine[q0:q1]
-                pairs = [(qc, kc) for qc in qchunks for kc in kchunks[k0:k1]]
-                assert diag == any(qc == kc for qc, kc in pairs)
+            for g in groups:
+                assert g.qchunks == mine[g.q0 : g.q1]
+                pairs = [(qc, kc) for qc in g.qchunks for kc in g.kchunks]
+                assert g.diagonal == any(qc == kc for qc, kc in pairs)
                 assert all(kc <= qc for qc, kc in pairs)
                 seen += pairs
         theirs = [c for r in range(cp) for c in ((r, 2 * cp - 1 - r) if balanced else (r,))]

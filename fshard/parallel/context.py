@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +118,26 @@ def load_balance_inverse(x: torch.Tensor, cp: int, dim: int = -2) -> torch.Tenso
 # -- ring attention -------------------------------------------------------------------------
 
 
+class _Group(NamedTuple):
+    """Query pieces ``q0:q1`` of this rank attend key pieces ``k0:k1`` of the block held at a
+    ring step; ``qchunks`` / ``kchunks`` are their global chunk indices; ``diagonal``: a query
+    chunk meets itself, and the causal mask applies."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    qchunks: tuple[int, ...]
+    kchunks: tuple[int, ...]
+    diagonal: bool
+
+
 @functools.cache
 def _ring_plan(cp: int, index: int, causal: bool, balanced: bool) -> tuple:
-    """Per ring step: the groups of this rank's query pieces that attend the block held then,
-    as ``(q0, q1, k0, k1, masked)`` in units of pieces (``masked``: a diagonal chunk is in the
-    group and its causal mask applies). Pieces are chunks: two per rank when ``balanced``."""
+    """Per ring step ``t``: ``(src, groups)``, the rank whose key/value block this rank holds
+    (``index - t``) and the :class:`_Group` s computed on it. A piece is a chunk (two per rank
+    when ``balanced``); causal, a query chunk attends key chunks at or before it, and
+    consecutive pieces attending the same keys form one group (one matmul)."""
 
     def chunks(r):
         return (r, 2 * cp - 1 - r) if balanced else (r,)
@@ -129,28 +146,29 @@ def _ring_plan(cp: int, index: int, causal: bool, balanced: bool) -> tuple:
     for t in range(cp):
         src = (index - t) % cp
         qs, ks = chunks(index), chunks(src)
-        sigs = []
-        for qc in qs:
-            keys = [j for j, kc in enumerate(ks) if not causal or kc <= qc]
-            diag = any(ks[j] == qc for j in keys) if causal else False
-            sigs.append((tuple(keys), diag))
+        attends = [tuple(j for j, kc in enumerate(ks) if not causal or kc <= qc) for qc in qs]
         groups = []
-        p = 0
-        while p < len(qs):
-            e = p + 1
-            while e < len(qs) and sigs[e] == sigs[p]:
-                e += 1
-            keys, diag = sigs[p]
-            if keys:
-                assert list(keys) == list(range(keys[0], keys[-1] + 1)), keys  # contiguous
-                groups.append((p, e, keys[0], keys[-1] + 1, diag, tuple(qs[p:e]), ks))
-            p = e
+        for keys, run in itertools.groupby(range(len(qs)), key=attends.__getitem__):
+            run = list(run)
+            if not keys:
+                continue
+            assert keys == tuple(range(keys[0], keys[-1] + 1)), keys  # one slice of the block
+            q0, q1, k0, k1 = run[0], run[-1] + 1, keys[0], keys[-1] + 1
+            diagonal = causal and bool(set(qs[q0:q1]) & set(ks[k0:k1]))
+            groups.append(_Group(q0, q1, k0, k1, qs[q0:q1], ks[k0:k1], diagonal))
         steps.append((src, tuple(groups)))
     return tuple(steps)
 
 
-def _positions(chunks, c: int, device) -> torch.Tensor:
-    return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in chunks])
+def _causal_mask(qchunks: tuple, kchunks: tuple, c: int, device: torch.device) -> torch.Tensor:
+    """``[query, key]`` True where the key's global position is at or before the query's.
+    Built per call, not cached: a tensor made under a torch.func level or a fake mode would be
+    that level's."""
+
+    def positions(chunks):
+        return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in chunks])
+
+    return positions(qchunks)[:, None] >= positions(kchunks)[None, :]
 
 
 def _block(q, k, v, scale: float, mask):
@@ -281,12 +299,8 @@ def ring_attention(
     for t, (src, groups) in enumerate(_ring_plan(cp, index, bool(causal), load_balanced)):
         pending = lax.ppermute_start(kv, axis, ring, mesh=mesh) if t < cp - 1 else None
         kt, vt = kv.to(acc_dtype).unsqueeze(-3).unbind(0)
-        for q0, q1, k0, k1, diag, qchunks, kchunks in groups:
-            mask = None
-            if diag:
-                pq = _positions(qchunks, c, q.device)
-                pk = _positions(kchunks[k0:k1], c, q.device)
-                mask = pq[:, None] >= pk[None, :]
+        for q0, q1, k0, k1, qchunks, kchunks, diagonal in groups:
+            mask = _causal_mask(qchunks, kchunks, c, q.device) if diagonal else None
             if keep is not None:
                 kmask = keep[..., src * s_loc + k0 * c : src * s_loc + k1 * c]
                 kmask = kmask[..., None, None, None, :]
@@ -415,6 +429,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         )
     if dropout:
         raise ValueError(f"{HF_ATTENTION}: attention dropout is not supported, got {dropout}")
+    if kw.get("sliding_window") is not None:
+        raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
     axis, attend, mesh = active
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
