@@ -865,7 +865,8 @@ def ppermute_start(
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
-        >>> pending = fs.lax.ppermute_start(torch.tensor([float(mesh.rank)]), "x", [(0, 1), (1, 0)], mesh=mesh)
+        >>> x = torch.tensor([float(mesh.rank)])
+        >>> pending = fs.lax.ppermute_start(x, "x", [(0, 1), (1, 0)], mesh=mesh)
         >>> busy = torch.ones(64, 64) @ torch.ones(64, 64)  # overlaps the transfer
         >>> float(pending.wait()) == 1 - mesh.rank
         True
