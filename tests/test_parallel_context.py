@@ -343,3 +343,35 @@ def test_hf_llama_context_parallel_times_tensor_parallel_four_ranks(world4):
     """cp=2 x tp=2: partial-manual over cp, Megatron's op rules over tp."""
     pytest.importorskip("transformers")
     assert world4.run(llama_rank_fn, "ring", False, 1, 2) == [True] * 4
+
+
+def ppermute_start_rank_fn():
+    """``fs.lax.ppermute_start(...).wait()`` is ``fs.lax.ppermute``: values, ``grad`` (sent
+    ahead: the cotangent comes back by the inverse rotation), ``jvp`` and ``vmap`` (run in
+    place), each against the same transform of ``ppermute``."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    ring = [(0, 1), (1, 0)]
+    x = torch.arange(6.0).reshape(2, 3) + 10 * mesh.rank
+    w = torch.tensor([1.0, 2.0, 3.0]) * (mesh.rank + 1)
+
+    def started(x):
+        return fs.lax.ppermute_start(x, "cp", ring, mesh=mesh).wait()
+
+    def plain(x):
+        return fs.lax.ppermute(x, "cp", ring, mesh=mesh)
+
+    for fn in (started, plain):
+        assert torch.equal(fn(x), torch.arange(6.0).reshape(2, 3) + 10 * (1 - mesh.rank))
+    grads = [torch.func.grad(lambda x, fn=fn: (fn(x) * w).sum())(x) for fn in (started, plain)]
+    other_w = torch.tensor([1.0, 2.0, 3.0]) * (2 - mesh.rank)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], other_w.expand(2, 3))
+    jvps = [torch.func.jvp(fn, (x,), (torch.ones_like(x),))[1] for fn in (started, plain)]
+    assert torch.equal(jvps[0], jvps[1])
+    maps = [torch.func.vmap(fn)(x) for fn in (started, plain)]
+    assert torch.equal(maps[0], maps[1])
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_ppermute_start_is_ppermute_under_transforms(world2):
+    assert world2.run(ppermute_start_rank_fn) == [True, True]
