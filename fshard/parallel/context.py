@@ -15,9 +15,11 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
 
 Causal attention uses the *load-balanced* layout (:func:`load_balance`): the sequence is cut
 into ``2 * cp`` chunks and rank ``i`` holds chunks ``i`` and ``2*cp - 1 - i``, so every rank
-does the same causal work. Ring attention then skips whole blocks by chunk arithmetic: after the
-first step each block is half the queries against half the keys' work, unmasked; only the
-diagonal chunks are masked. ``load_balanced=False`` takes plain contiguous chunks (rank ``i``
+does the same causal work. Ring attention then skips whole chunk pairs by chunk arithmetic:
+after the first step every rank computes half a block, unmasked (all its queries against the
+first key chunk when the block comes from a lower rank, its second query chunk against both key
+chunks otherwise); only the first step's diagonal chunks are masked. The backward's transfers
+are not overlapped (each ppermute's transpose runs where autograd reaches it). ``load_balanced=False`` takes plain contiguous chunks (rank ``i``
 holds chunk ``i``; causal work is then unbalanced).
 
 Supported: key padding masks (``padding_mask``: True where a key is a real token), grouped
