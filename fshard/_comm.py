@@ -615,9 +615,20 @@ def ppermute(
     out_shape: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Send to and receive from chunk indices per ``perm`` (pairs ``(src, dst)``); others get 0."""
+    return ppermute_start(t, g, perm, out_shape).wait()
+
+
+def ppermute_start(
+    t: torch.Tensor,
+    g: AxisGroup,
+    perm: Sequence[tuple[int, int]],
+    out_shape: Sequence[int] | None = None,
+) -> Pending:
+    """:func:`ppermute` launched asynchronously (ring attention's next block): ``.wait()``
+    returns what :func:`ppermute` returns. Checks and the comm-log record happen at launch."""
     out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
     if tracing():
-        return _ppermute_traced(t, g, perm, out_shape)
+        return Pending(_ppermute_traced(t, g, perm, out_shape))
     if g.size > 1:
         _wire(t, g, "ppermute")
     # Gloo's send/recv read host pointers: a CUDA tensor goes through host memory (a copy each
@@ -627,23 +638,18 @@ def ppermute(
     out = wire.new_zeros(out_shape)
     me = g.index
     ops = []
-    moved = False
     for src, dst in perm:
         if src == me and dst == me:
             out = wire.clone()
         elif src == me:
             ops.append(dist.P2POp(dist.isend, wire.contiguous(), g.ranks[dst], group=g.pg))
-            moved = True
         elif dst == me:
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[src], group=g.pg))
-            moved = True
     if g.size > 1:
         _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
-    if moved:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-    return out.to(t.device) if host else out
+    works = dist.batch_isend_irecv(ops) if ops else ()
+    return Pending(out, works, (lambda o: o.to(t.device)) if host else None)
 
 
 def _ppermute_traced(t, g: AxisGroup, perm, out_shape: tuple) -> torch.Tensor:

@@ -63,7 +63,13 @@ from typing import NamedTuple
 
 import optree
 import torch
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+from torch._C._functorch import (
+    TransformType,
+    get_interpreter_stack,
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
+)
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad as _forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -98,6 +104,7 @@ __all__ = [
     "all_to_all",
     "ragged_all_to_all",
     "ppermute",
+    "ppermute_start",
     "pcast",
     "axis_index",
     "axis_size",
@@ -879,20 +886,84 @@ def ppermute(
     """
     if isinstance(x, ShardedArray):
         return _blockwise(x, "ppermute", lambda t: ppermute(t, axis, perm, mesh=mesh))
-    _tensor(x, "ppermute")
+    g, op = _ppermute_op(x, axis, perm, mesh, "ppermute")
+    return _one(x, g, mesh, op, varies=True)
+
+
+def _ppermute_op(x, axis, perm, mesh: Mesh | None, fn: str) -> tuple[AxisGroup, Ppermute]:
+    _tensor(x, fn)
     g = _group(axis, mesh)
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
     except (TypeError, ValueError):
         raise TypeError(
-            f"ppermute: perm must be a sequence of (src, dst) int pairs, got {perm!r}"
+            f"{fn}: perm must be a sequence of (src, dst) int pairs, got {perm!r}"
         ) from None
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(f"ppermute: perm {list(pairs)} must use each source and destination once")
+        raise ValueError(f"{fn}: perm {list(pairs)} must use each source and destination once")
     if any(not 0 <= i < g.size for i in srcs + dsts):
-        raise ValueError(f"ppermute: perm {list(pairs)} has indices outside [0, {g.size})")
-    return _one(x, g, mesh, Ppermute(g.axes, pairs), varies=True)
+        raise ValueError(f"{fn}: perm {list(pairs)} has indices outside [0, {g.size})")
+    return g, Ppermute(g.axes, pairs)
+
+
+def ppermute_start(
+    x: torch.Tensor,
+    axis: str | Sequence[str],
+    perm: Sequence[tuple[int, int]],
+    *,
+    mesh: Mesh | None = None,
+) -> _comm.Pending:
+    """:func:`ppermute` put on the wire now, its result taken later: ``.wait()`` returns what
+    ``ppermute(x, axis, perm)`` returns (differentiable: the backward is the inverse
+    permutation, run when the backward reaches it). Compute issued between the two overlaps the
+    transfer (ring attention sends the next key/value block while it computes on this one).
+
+    The transfer is asynchronous under no transform, autograd and ``torch.func.grad`` levels
+    (the plain data under them is sent). Under ``vmap``, ``jvp``, ``torch.compile``, tracing
+    or :func:`fshard.remat`, whose collectives must run where the transform sees them, it runs
+    here as :func:`ppermute` and ``.wait()`` returns its result.
+
+    Args:
+        x, axis, perm, mesh: as in :func:`ppermute` (a local tensor, not a ShardedArray).
+
+    Returns:
+        A pending transfer; ``.wait()`` gives what this rank received (zeros if nothing).
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> x = torch.tensor([float(mesh.rank)])
+        >>> pending = fs.lax.ppermute_start(x, "x", [(0, 1), (1, 0)], mesh=mesh)
+        >>> busy = torch.ones(64, 64) @ torch.ones(64, 64)  # overlaps the transfer
+        >>> float(pending.wait()) == 1 - mesh.rank
+        True
+    """
+    g, op = _ppermute_op(x, axis, perm, mesh, "ppermute_start")
+    if not _computable_ahead():
+        return _comm.Pending(_one(x, g, mesh, op, varies=True))
+    data = x
+    while is_functorch_wrapped_tensor(data):
+        data = get_unwrapped(data)
+    with temporarily_clear_interpreter_stack():  # plain tensors stay plain under grad levels
+        sent = _comm.ppermute_start(data.detach(), g, op.perm)
+    b = Bound(op, g)
+
+    def finish(_):
+        with temporarily_clear_interpreter_stack():
+            got = sent.wait()
+        return _tracked([x], g, mesh, lambda xs: [apply(b, xs[0], done=got)], True)[0]
+
+    return _comm.Pending(None, (), finish)
+
+
+def _computable_ahead() -> bool:
+    """Whether a collective's result may be computed ahead of the Function that records it
+    (``apply(..., done=)``) on the plain data: no transform but autograd and
+    ``torch.func.grad`` levels, no tracing, no remat policy."""
+    if REMAT_HOOK or _forward_ad._current_level >= 0 or _dynamo_compiling() or _comm.tracing():
+        return False
+    stack = get_interpreter_stack() or ()
+    return all(ci.key() == TransformType.Grad for ci in stack)
 
 
 def pcast(

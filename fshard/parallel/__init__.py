@@ -9,6 +9,7 @@ call puts values into the module through the one swap of :mod:`fshard._swap`).
 | sequence (:mod:`fshard.parallel.sequence`) | ``sequence_parallel_plan`` | ``fs.nn.functional_call`` |
 | FSDP / ZeRO-3 (:mod:`fshard.parallel.fsdp`) | ``fsdp_plan`` (over any base plan) | ``fsdp_call`` |
 | expert (:mod:`fshard.parallel.expert`) | ``expert_parallel_plan`` | ``expert_parallel_call`` (``moe_experts`` for your own MoE layer) |
+| context (:mod:`fshard.parallel.context`) | ``load_balance`` (the sequence's chunks per rank) | ``context_parallel_loss`` (an HF causal LM); ``ring_attention`` / ``ulysses_attention`` for your own attention |
 | pipeline (:mod:`fshard.parallel.pipeline`) | ``stack_stages`` (a module's blocks as stages over ``pp``), ``pipeline_schedule`` (the tick table) | ``pipeline`` (its own executor: GPipe, 1F1B, interleaved, ZB-H1) |
 
 The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
@@ -20,6 +21,13 @@ Example:
     True
 """
 
+from .context import (
+    context_parallel_loss,
+    load_balance,
+    load_balance_inverse,
+    ring_attention,
+    ulysses_attention,
+)
 from .expert import expert_parallel_call, expert_parallel_plan, moe_experts
 from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units
 from .pipeline import (
@@ -53,4 +61,9 @@ __all__ = [
     "stack_stages",
     "unstack_stages",
     "stage_order",
+    "context_parallel_loss",
+    "ring_attention",
+    "ulysses_attention",
+    "load_balance",
+    "load_balance_inverse",
 ]

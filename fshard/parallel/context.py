@@ -1,0 +1,587 @@
+"""Context parallelism: attention over q/k/v split on the sequence dim across a mesh axis.
+
+Two forms, pure functions of this rank's local blocks ``(batch..., heads, seq/cp, head_dim)``,
+called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manual axis):
+
+- :func:`ring_attention` (Liu et al. 2023, Brandon et al. 2023's striped/zigzag balance): the
+  key/value block travels round the ring with :func:`fshard.lax.ppermute_start` (the next
+  block's transfer is on the wire while this block is computed); each block gives an
+  ``(out, lse)`` pair merged by log-sum-exp (online softmax). Its backward is autograd's: the
+  transpose of each ppermute is the inverse rotation, so ``torch.func.grad``, ``vmap`` and
+  :func:`fshard.value_and_grad` compose.
+- :func:`ulysses_attention` (DeepSpeed-Ulysses): one all_to_all turns heads-split-sequence-
+  whole into sequence-split-heads-whole (needs ``heads % cp == 0``), dense sdpa, one all_to_all
+  back.
+
+Causal attention uses the *load-balanced* layout (:func:`load_balance`): the sequence is cut
+into ``2 * cp`` chunks and rank ``i`` holds chunks ``i`` and ``2*cp - 1 - i``, so every rank
+does the same causal work. Ring attention then skips whole chunk pairs by chunk arithmetic:
+after the first step every rank computes half a block, unmasked (all its queries against the
+first key chunk when the block comes from a lower rank, its second query chunk against both key
+chunks otherwise); only the first step's diagonal chunks are masked. The backward's transfers
+are not overlapped (each ppermute's transpose runs where autograd reaches it). ``load_balanced=False`` takes plain contiguous chunks (rank ``i``
+holds chunk ``i``; causal work is then unbalanced).
+
+Supported: key padding masks (``padding_mask``: True where a key is a real token), grouped
+query attention (``k``/``v`` with fewer heads dividing ``q``'s; ring attention rotates the
+unrepeated blocks), any leading batch dims. Not supported: local sequence lengths that differ
+between ranks (the load-balanced layout needs the global length divisible by ``2 * cp``, the
+contiguous one by ``cp``), dropout, arbitrary (non-causal, non-padding) masks.
+
+:func:`context_parallel_loss` runs a transformers causal LM with no model edits: its attention
+implementation is switched to this module's (registered with ``transformers.AttentionInterface``)
+and its position ids are the global positions of the load-balanced chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import itertools
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import lax
+from ..api import gather
+from ..array import ShardedArray
+from ..axis_env import current_mesh
+from ..mesh import Mesh
+from ..module import functional_call
+from ..shard_map import shard_map
+from ..spec import P
+
+__all__ = [
+    "context_parallel_loss",
+    "load_balance",
+    "load_balance_inverse",
+    "ring_attention",
+    "ulysses_attention",
+]
+
+
+# -- layout ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _chunk_order(cp: int) -> tuple[int, ...]:
+    """The global chunk indices in load-balanced order: rank i's chunks i and 2cp-1-i."""
+    return tuple(c for i in range(cp) for c in (i, 2 * cp - 1 - i))
+
+
+def _order(n: int, cp: int, what: str) -> torch.Tensor:
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"{what}: cp must be a positive int, got {cp!r}")
+    if n % (2 * cp):
+        raise ValueError(
+            f"{what}: the sequence length {n} must be divisible by 2 * cp = {2 * cp} (two "
+            "chunks per rank); pad the sequence"
+        )
+    c = n // (2 * cp)
+    return torch.cat([torch.arange(k * c, (k + 1) * c) for k in _chunk_order(cp)])
+
+
+def load_balance(x: torch.Tensor, cp: int, dim: int = -2) -> torch.Tensor:
+    """Reorder ``x``'s sequence ``dim`` into the load-balanced layout: cut into ``2 * cp``
+    chunks, put in the order ``0, 2cp-1, 1, 2cp-2, ...``, so that splitting the result evenly
+    over ``cp`` ranks (``fs.P`` naming the axis on ``dim``) gives rank ``i`` chunks ``i`` and
+    ``2cp-1-i``. ``load_balance(torch.arange(n), cp, 0)`` is the global position of each token.
+
+    Args:
+        x: a full tensor.
+        cp: the context-parallel axis size.
+        dim: the sequence dim (default ``-2``: ``(batch, heads, seq, head_dim)``).
+
+    Returns:
+        ``x`` reordered along ``dim`` (differentiable; :func:`load_balance_inverse` undoes it).
+
+    Example:
+        >>> load_balance(torch.arange(8), 2, dim=0)
+        tensor([0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    return x.index_select(dim, _order(x.shape[dim], cp, "load_balance").to(x.device))
+
+
+def load_balance_inverse(x: torch.Tensor, cp: int, dim: int = -2) -> torch.Tensor:
+    """The inverse of :func:`load_balance`: the natural sequence order back.
+
+    Example:
+        >>> x = torch.arange(8)
+        >>> torch.equal(load_balance_inverse(load_balance(x, 2, 0), 2, 0), x)
+        True
+    """
+    order = _order(x.shape[dim], cp, "load_balance_inverse")
+    return x.index_select(dim, torch.argsort(order).to(x.device))
+
+
+# -- ring attention -------------------------------------------------------------------------
+
+
+class _Group(NamedTuple):
+    """Query pieces ``q0:q1`` of this rank attend key pieces ``k0:k1`` of the block held at a
+    ring step; ``qchunks`` / ``kchunks`` are their global chunk indices; ``diagonal``: a query
+    chunk meets itself, and the causal mask applies."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    qchunks: tuple[int, ...]
+    kchunks: tuple[int, ...]
+    diagonal: bool
+
+
+@functools.cache
+def _ring_plan(cp: int, index: int, causal: bool, balanced: bool) -> tuple:
+    """Per ring step ``t``: ``(src, groups)``, the rank whose key/value block this rank holds
+    (``index - t``) and the :class:`_Group` s computed on it. A piece is a chunk (two per rank
+    when ``balanced``); causal, a query chunk attends key chunks at or before it, and
+    consecutive pieces attending the same keys form one group (one matmul)."""
+
+    def chunks(r):
+        return (r, 2 * cp - 1 - r) if balanced else (r,)
+
+    steps = []
+    for t in range(cp):
+        src = (index - t) % cp
+        qs, ks = chunks(index), chunks(src)
+        attends = [tuple(j for j, kc in enumerate(ks) if not causal or kc <= qc) for qc in qs]
+        groups = []
+        for keys, run in itertools.groupby(range(len(qs)), key=attends.__getitem__):
+            run = list(run)
+            if not keys:
+                continue
+            assert keys == tuple(range(keys[0], keys[-1] + 1)), keys  # one slice of the block
+            q0, q1, k0, k1 = run[0], run[-1] + 1, keys[0], keys[-1] + 1
+            diagonal = causal and bool(set(qs[q0:q1]) & set(ks[k0:k1]))
+            groups.append(_Group(q0, q1, k0, k1, qs[q0:q1], ks[k0:k1], diagonal))
+        steps.append((src, tuple(groups)))
+    return tuple(steps)
+
+
+def _causal_mask(qchunks: tuple, kchunks: tuple, c: int, device: torch.device) -> torch.Tensor:
+    """``[query, key]`` True where the key's global position is at or before the query's.
+    Built per call, not cached: a tensor made under a torch.func level or a fake mode would be
+    that level's."""
+
+    def positions(chunks):
+        return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in chunks])
+
+    return positions(qchunks)[:, None] >= positions(kchunks)[None, :]
+
+
+def _block(q, k, v, scale: float, mask):
+    """Attention of ``q`` (..., hkv, g, sq, d) on one key block (..., hkv, 1, sk, d): the
+    output and the rows' log-sum-exp. Masked scores are the dtype's lowest finite value, not
+    -inf, so a row with no key in this block weighs zero in the merge without a nan."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    return torch.matmul(torch.exp(s - lse), v), lse
+
+
+def _merge(acc, new):
+    if acc is None:
+        return new
+    (oa, la), (ob, lb) = acc, new
+    lse = torch.logaddexp(la, lb)
+    return oa * torch.exp(la - lse) + ob * torch.exp(lb - lse), lse
+
+
+def _check_qkv(fn: str, q, k, v) -> tuple[int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 3:
+            raise TypeError(
+                f"{fn}: {name} must be a local torch.Tensor (..., heads, seq, head_dim), got "
+                f"{type(t).__name__} {getattr(t, 'shape', '')}"
+            )
+    if k.shape != v.shape or q.shape[:-3] != k.shape[:-3] or q.shape[-2:] != k.shape[-2:]:
+        raise ValueError(
+            f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree "
+            "on batch, local sequence and head dims (k and v equal)"
+        )
+    h, hkv = q.shape[-3], k.shape[-3]
+    if h % hkv:
+        raise ValueError(f"{fn}: q's {h} heads must be a multiple of k's and v's {hkv}")
+    return h, hkv
+
+
+def _check_mask(fn: str, mask, q) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(
+            f"{fn}: padding_mask must be a bool tensor (True = a real key), got "
+            f"{getattr(mask, 'dtype', type(mask).__name__)}"
+        )
+    if tuple(mask.shape) != (*q.shape[:-3], q.shape[-2]):
+        raise ValueError(
+            f"{fn}: padding_mask has shape {tuple(mask.shape)}, expected (batch..., local seq) "
+            f"= {(*q.shape[:-3], q.shape[-2])}"
+        )
+
+
+def _gathered_mask(mask: torch.Tensor, axis, mesh) -> torch.Tensor:
+    """Every rank's local padding mask, concatenated in rank order (one small all_gather)."""
+    full = lax.all_gather(mask.to(torch.uint8), axis, dim=mask.dim() - 1, to="invariant", mesh=mesh)
+    return full.bool()
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    load_balanced: bool = True,
+    mesh: Mesh | None = None,
+) -> torch.Tensor:
+    """Ring attention over ``axis``: this rank's queries against every rank's keys and values.
+
+    Equals ``F.scaled_dot_product_attention`` of the full q, k, v (``is_causal=causal``, the
+    padding mask as a boolean ``attn_mask`` over keys) restricted to this rank's queries.
+    ``cp - 1`` steps each send this rank's key/value block (stacked: one message) to the next
+    rank with :func:`fshard.lax.ppermute_start` before computing on the current one.
+
+    Args:
+        q: local queries ``(batch..., heads, seq/cp, head_dim)``.
+        k, v: local keys and values ``(batch..., kv_heads, seq/cp, head_dim)``; ``kv_heads``
+            divides ``heads`` (grouped-query attention, as transformers' ``repeat_kv``).
+        axis: the context-parallel mesh axis.
+        causal: causal attention over global positions (the layout says which: see
+            ``load_balanced``).
+        padding_mask: local bool ``(batch..., seq/cp)``, True for a real key token.
+        scale: the score scale; default ``head_dim ** -0.5``.
+        load_balanced: the local sequence is chunks ``i`` and ``2cp-1-i`` (:func:`load_balance`);
+            ``False``: contiguous chunk ``i``.
+        mesh: the mesh; default the enclosing shard_map's.
+
+    Returns:
+        This rank's attention output, shaped as ``q``.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("cp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+        >>> lb = lambda t: load_balance(t, 2)
+        >>> ring = fs.shard_map(
+        ...     lambda q, k, v: ring_attention(q, k, v, "cp", causal=True),
+        ...     mesh, fs.P(None, None, "cp"), fs.P(None, None, "cp"))
+        >>> out = load_balance_inverse(fs.gather(ring(lb(q), lb(k), lb(v))), 2)
+        >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+        True
+    """
+    h, hkv = _check_qkv("ring_attention", q, k, v)
+    _check_mask("ring_attention", padding_mask, q)
+    m = current_mesh(mesh)
+    cp = m.size(axis)
+    index = m.axis_index(axis)
+    pieces = 2 if load_balanced else 1
+    s_loc, d = q.shape[-2], q.shape[-1]
+    if s_loc % pieces:
+        raise ValueError(
+            f"ring_attention: the local sequence length {s_loc} must be even with "
+            "load_balanced=True (chunks i and 2cp-1-i)"
+        )
+    c = s_loc // pieces
+    scale = d**-0.5 if scale is None else float(scale)
+    acc_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    qg = q.to(acc_dtype).unflatten(-3, (hkv, h // hkv))
+    keep = None if padding_mask is None else _gathered_mask(padding_mask, axis, mesh)
+    ring = [(r, (r + 1) % cp) for r in range(cp)]
+    kv = torch.stack([k, v])
+    acc = [None] * pieces
+    for t, (src, groups) in enumerate(_ring_plan(cp, index, bool(causal), load_balanced)):
+        pending = lax.ppermute_start(kv, axis, ring, mesh=mesh) if t < cp - 1 else None
+        kt, vt = kv.to(acc_dtype).unsqueeze(-3).unbind(0)
+        for q0, q1, k0, k1, qchunks, kchunks, diagonal in groups:
+            mask = _causal_mask(qchunks, kchunks, c, q.device) if diagonal else None
+            if keep is not None:
+                kmask = keep[..., src * s_loc + k0 * c : src * s_loc + k1 * c]
+                kmask = kmask[..., None, None, None, :]
+                mask = kmask if mask is None else mask & kmask
+            out, lse = _block(
+                qg[..., q0 * c : q1 * c, :],
+                kt[..., k0 * c : k1 * c, :],
+                vt[..., k0 * c : k1 * c, :],
+                scale,
+                mask,
+            )
+            for p in range(q0, q1):
+                rows = slice((p - q0) * c, (p - q0 + 1) * c)
+                acc[p] = _merge(acc[p], (out[..., rows, :], lse[..., rows, :]))
+        if not groups:
+            # no query here attends this block (contiguous causal layout), yet its ppermute must
+            # be in this rank's graph: the backward runs the same collectives on every rank
+            o0, l0 = acc[0]
+            acc[0] = (o0 + kv[..., :0, :].sum(), l0)
+        if pending is not None:
+            kv = pending.wait()
+    out = torch.cat([o for o, _ in acc], -2) if pieces > 1 else acc[0][0]
+    return out.flatten(-4, -3).to(q.dtype)
+
+
+# -- Ulysses --------------------------------------------------------------------------------
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    load_balanced: bool = True,
+    mesh: Mesh | None = None,
+) -> torch.Tensor:
+    """All-to-all (DeepSpeed-Ulysses) attention over ``axis``: an all_to_all gives each rank
+    ``heads / cp`` heads of the whole sequence, dense ``F.scaled_dot_product_attention`` runs on
+    them, and an all_to_all gives the sequence split back. Arguments and result as
+    :func:`ring_attention`; ``heads`` (and ``kv_heads``, else k and v are repeated to
+    ``heads`` first) must be divisible by the axis size.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("cp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+        >>> lb = lambda t: load_balance(t, 2)
+        >>> uly = fs.shard_map(
+        ...     lambda q, k, v: ulysses_attention(q, k, v, "cp", causal=True),
+        ...     mesh, fs.P(None, None, "cp"), fs.P(None, None, "cp"))
+        >>> out = load_balance_inverse(fs.gather(uly(lb(q), lb(k), lb(v))), 2)
+        >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+        True
+    """
+    h, hkv = _check_qkv("ulysses_attention", q, k, v)
+    _check_mask("ulysses_attention", padding_mask, q)
+    cp = current_mesh(mesh).size(axis)
+    if h % cp:
+        raise ValueError(
+            f"ulysses_attention: q has {h} heads, not divisible by the size {cp} of axis "
+            f"{axis!r}; use ring_attention"
+        )
+    if hkv % cp:
+        k, v = (t.repeat_interleave(h // hkv, dim=-3) for t in (k, v))
+        hkv = h
+    hd, sd = q.dim() - 3, q.dim() - 2
+
+    def to_heads(t):
+        return lax.all_to_all(t, axis, split_dim=hd, concat_dim=sd, mesh=mesh)
+
+    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    s = qh.shape[-2]
+    nat = back = None
+    if load_balanced and cp > 1:
+        if s % (2 * cp):
+            raise ValueError(
+                f"ulysses_attention: the local sequence length {s // cp} must be even with "
+                "load_balanced=True (chunks i and 2cp-1-i)"
+            )
+        back = _order(s, cp, "ulysses_attention").to(q.device)
+        nat = torch.argsort(back)
+        qh, kh, vh = (t.index_select(-2, nat) for t in (qh, kh, vh))
+    mask = None
+    if padding_mask is not None:
+        keep = _gathered_mask(padding_mask, axis, mesh)
+        if nat is not None:
+            keep = keep.index_select(-1, nat)
+        mask = keep[..., None, None, :]
+        if causal:
+            mask = mask & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(
+        qh,
+        kh,
+        vh,
+        attn_mask=mask,
+        is_causal=bool(causal) and mask is None,
+        scale=scale,
+        enable_gqa=hkv != h,
+    )
+    if back is not None:
+        out = out.index_select(-2, back)
+    return lax.all_to_all(out, axis, split_dim=sd, concat_dim=hd, mesh=mesh)
+
+
+# -- transformers models --------------------------------------------------------------------
+
+#: The attention implementation registered with transformers (``AttentionInterface``).
+HF_ATTENTION = "fshard_context_parallel"
+_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+#: ``(axis, attention function, mesh)`` while :func:`context_parallel_loss` runs its model.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_context_parallel", default=None)
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+    """transformers' attention-interface signature (as ``sdpa_attention_forward``): q, k, v
+    ``(batch, heads, local seq, head_dim)``; returns ``(batch, local seq, heads, head_dim)``."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise RuntimeError(
+            f"attn_implementation {HF_ATTENTION!r} runs only inside "
+            "fs.parallel.context_parallel_loss (it needs the context-parallel axis)"
+        )
+    if dropout:
+        raise ValueError(f"{HF_ATTENTION}: attention dropout is not supported, got {dropout}")
+    if kw.get("sliding_window") is not None:
+        raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
+    axis, attend, mesh = active
+    causal = kw.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+
+    def local(q, k, v, mask):
+        return attend(q, k, v, axis, causal=causal, padding_mask=mask, scale=scaling)
+
+    if isinstance(query, ShardedArray):
+        # partial-manual body (cp x tp): map the blocks of the other axes (heads over tp)
+        mask = attention_mask
+        specs = [t.spec for t in (query, key, value)]
+        specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
+        local = shard_map(local, mesh, tuple(specs), query.spec)
+    out = local(query, key, value, attention_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _hf_mask(*args, attention_mask=None, **kwargs):
+    """The mask transformers builds for :data:`HF_ATTENTION`: the 2-D padding mask itself (the
+    attention applies it per key block, and causality by chunk arithmetic)."""
+    return attention_mask
+
+
+@functools.cache
+def _register_hf() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
+
+
+@contextlib.contextmanager
+def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
+    """``module.config``'s attention implementation is :data:`HF_ATTENTION` while inside."""
+    _register_hf()
+    config = module.config
+    before = config._attn_implementation
+    token = _ACTIVE.set((axis, attend, mesh))
+    config._attn_implementation = HF_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _ACTIVE.reset(token)
+
+
+def context_parallel_loss(
+    module: torch.nn.Module,
+    params: Mapping,
+    mesh: Mesh,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    axis: str = "cp",
+    attention: str = "ring",
+) -> torch.Tensor:
+    """The causal-LM loss of a transformers model (``LlamaForCausalLM`` and the like) with the
+    sequence split over ``axis``: transformers' ``model(input_ids, labels=labels).loss``.
+
+    The model runs unedited inside :func:`fshard.shard_map` over ``axis`` (partial-manual: the
+    params keep their layouts over the other mesh axes, e.g. a Megatron plan over ``tp``). The
+    sequence is load-balanced (:func:`load_balance`), the position ids are the global positions
+    of each rank's chunks (so rotary embeddings are the dense model's), the attention
+    implementation is :func:`ring_attention` or :func:`ulysses_attention` (the config's
+    ``_attn_implementation`` is switched for the call and restored), and the next-token targets
+    are shifted on the full sequence before it is split. The loss is each rank's summed cross
+    entropy, ``psum``-ed over ``axis``, over the number of targets.
+
+    Args:
+        module: the causal LM (its params are replicated over ``axis``).
+        params: ``{name: ShardedArray}`` from :func:`fshard.nn.shard_params` (a plan that does
+            not name ``axis``: ``{}`` replicates everything).
+        mesh: the mesh.
+        input_ids: the full ``(batch, seq)`` token ids, the same on every rank; ``seq``
+            divisible by ``2 * cp``.
+        labels: as transformers' (default ``input_ids``); -100 is ignored.
+        attention_mask: ``(batch, seq)``, 1 for real tokens (key padding), or ``None``.
+        axis: the context-parallel mesh axis.
+        attention: ``"ring"`` or ``"ulysses"``.
+
+    Returns:
+        The mean loss, a 0-d tensor equal on every rank (differentiable in ``params``: use
+        ``torch.func.grad`` or :func:`fshard.value_and_grad`).
+
+    Example:
+        >>> import transformers
+        >>> transformers.logging.set_verbosity_error()
+        >>> _ = torch.manual_seed(0)
+        >>> cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        ...     vocab_size=64, attn_implementation="sdpa")
+        >>> model = transformers.LlamaForCausalLM(cfg)
+        >>> mesh = fs.Mesh.create((2,), ("cp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> params = fs.nn.shard_params(model, mesh, {})  # replicated over cp
+        >>> ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        >>> loss = context_parallel_loss(model, params, mesh, ids)
+        >>> torch.allclose(loss, model(ids, labels=ids).loss, atol=1e-5)
+        True
+    """
+    if attention not in _ATTENTION:
+        raise ValueError(f"attention must be one of {sorted(_ATTENTION)}, got {attention!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise TypeError(
+            f"input_ids must be a full (batch, seq) tensor, got {type(input_ids).__name__} "
+            f"{getattr(input_ids, 'shape', '')}"
+        )
+    cp = mesh.size(axis)
+    b, s = input_ids.shape
+    labels = input_ids if labels is None else labels
+    if tuple(labels.shape) != (b, s):
+        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(b, s)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (b, s):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, s)}"
+        )
+    ignore = labels.new_full((b, 1), -100)
+    targets = torch.cat([labels[:, 1:], ignore], 1)
+    count = int((targets != -100).sum())
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)  # split as the ids
+
+    def split(t):
+        return None if t is None else load_balance(t, cp, 1)
+
+    mask = None if attention_mask is None else attention_mask.bool()
+    attend = _ATTENTION[attention]
+
+    def body(ps, ids, pos, tgt, keep):
+        with _attention_of(module, mesh, axis, attend):
+            out = _call(module, ps, ids, pos, keep)
+        logits = out.logits
+        ce = F.cross_entropy(
+            logits.flatten(0, -2).float(), tgt.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return lax.psum(ce, axis) / count
+
+    seq = P(None, axis)
+    run = shard_map(
+        body,
+        mesh,
+        (P(), seq, seq, seq, None if mask is None else seq),
+        P(),
+        axis_names={axis},
+    )
+    loss = run(params, split(input_ids), split(positions), split(targets), split(mask))
+    return gather(loss)
+
+
+def _call(module, params, ids, positions, mask):
+    kwargs = {"position_ids": positions, "attention_mask": mask, "use_cache": False}
+    return functional_call(module, params, (ids,), kwargs)

@@ -1,0 +1,377 @@
+"""Context parallelism (issue 23 item 2): ``fs.parallel.ring_attention`` and
+``ulysses_attention`` over a sequence-split ``cp`` axis equal dense
+``F.scaled_dot_product_attention`` (values and gradients, through ``torch.func.grad``, plain
+``.backward()``, ``vmap`` and ``fs.value_and_grad``), causal with the load-balanced layout or
+not, with a key padding mask, grouped-query heads; an HF Llama runs unedited under cp=2 through
+``fs.parallel.context_parallel_loss`` (loss and gradients equal dense, 3 AdamW steps)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fshard as fs
+from fshard.parallel import context as C
+
+RTOL, ATOL = 2e-5, 2e-6
+SPEC = fs.P(None, None, "cp")
+
+
+def _close(got, want, what):
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL + RTOL * scale, msg=what)
+
+
+# -- layout and the ring's block arithmetic (one process) -----------------------------------
+
+
+def test_load_balance_layout():
+    x = torch.arange(12)
+    # 6 chunks of 2: rank 0 holds chunks 0 and 5, rank 1 chunks 1 and 4, rank 2 chunks 2 and 3
+    assert C.load_balance(x, 3, 0).tolist() == [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]
+    assert torch.equal(C.load_balance_inverse(C.load_balance(x, 3, 0), 3, 0), x)
+    t = torch.randn(2, 3, 8, 4)
+    assert torch.equal(C.load_balance_inverse(C.load_balance(t, 2), 2), t)
+    assert torch.equal(C.load_balance(t, 1), t)
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp = 4"):
+        C.load_balance(torch.arange(6), 2, 0)
+    with pytest.raises(ValueError, match="cp must be a positive int"):
+        C.load_balance(x, 0, 0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("balanced", [True, False])
+def test_ring_plan_covers_the_causal_pairs_once(cp, balanced):
+    """Over the ring's steps each rank attends exactly the (query chunk, key chunk) pairs of
+    dense causal attention (key chunk <= query chunk), each once, masked only on the diagonal;
+    load-balanced, every rank does the same work."""
+    work = []
+    for i in range(cp):
+        mine = (i, 2 * cp - 1 - i) if balanced else (i,)
+        seen = []
+        for _src, groups in C._ring_plan(cp, i, True, balanced):
+            for g in groups:
+                assert g.qchunks == mine[g.q0 : g.q1]
+                pairs = [(qc, kc) for qc in g.qchunks for kc in g.kchunks]
+                assert g.diagonal == any(qc == kc for qc, kc in pairs)
+                assert all(kc <= qc for qc, kc in pairs)
+                seen += pairs
+        theirs = [c for r in range(cp) for c in ((r, 2 * cp - 1 - r) if balanced else (r,))]
+        want = [(qc, kc) for qc in mine for kc in theirs if kc <= qc]
+        assert sorted(seen) == sorted(want)
+        work.append(len(seen))
+    if balanced:
+        assert len(set(work)) == 1, work
+    full = C._ring_plan(cp, 0, False, balanced)
+    assert all(len(groups) == 1 for _, groups in full)  # non-causal: one unmasked block a step
+
+
+# -- attention against dense sdpa -----------------------------------------------------------
+
+
+def _qkv(b=2, h=4, hkv=2, s=16, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g)
+    k = torch.randn(b, hkv, s, d, generator=g)
+    v = torch.randn(b, hkv, s, d, generator=g)
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[0, s - 5 :] = False  # right padding: every query keeps a key
+    keep[-1, s // 3 :] = False
+    return q, k, v, keep
+
+
+def _dense(q, k, v, keep, causal, pad):
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    s = q.shape[-2]
+    mask = keep[..., None, None, :] if pad else torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        mask = mask & torch.ones(s, s, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _objective(o):
+    return (o * torch.cos(o)).sum()
+
+
+def _sharded(which, cp, causal, pad, balanced, mesh):
+    attend = C.ring_attention if which == "ring" else C.ulysses_attention
+
+    def body(q, k, v, keep):
+        mask = keep if pad else None
+        return attend(q, k, v, "cp", causal=causal, padding_mask=mask, load_balanced=balanced)
+
+    run = fs.shard_map(body, mesh, (SPEC, SPEC, SPEC, fs.P(None, "cp")), SPEC)
+    lb = (lambda t, d: C.load_balance(t, cp, d)) if balanced else (lambda t, d: t)
+    ilb = (lambda t: C.load_balance_inverse(t, cp)) if balanced else (lambda t: t)
+
+    def attention(q, k, v, keep):
+        return ilb(fs.gather(run(lb(q, -2), lb(k, -2), lb(v, -2), lb(keep, -1))))
+
+    return attention
+
+
+def dense_equal_rank_fn(which, cp, cases):
+    mesh = fs.Mesh.create((cp,), ("cp",))
+    for causal, pad, gqa, balanced in cases:
+        what = f"{which} causal={causal} pad={pad} gqa={gqa} balanced={balanced}"
+        q, k, v, keep = _qkv(hkv=2 if gqa else 4, s=8 * cp)
+        attention = _sharded(which, cp, causal, pad, balanced, mesh)
+        want = _dense(q, k, v, keep, causal, pad)
+
+        def dense_loss(q, k, v, keep=keep, causal=causal, pad=pad):
+            return _objective(_dense(q, k, v, keep, causal, pad))
+
+        def loss(q, k, v, keep=keep, attention=attention):
+            return _objective(attention(q, k, v, keep))
+
+        dgrads = torch.func.grad(dense_loss, (0, 1, 2))(q, k, v)
+        _close(attention(q, k, v, keep), want, f"{what}: value")
+        # torch.func.grad: ring attention's transfers stay asynchronous (plain data sent)
+        grads = torch.func.grad(loss, (0, 1, 2))(q, k, v)
+        for name, g, dg in zip("qkv", grads, dgrads):
+            _close(g, dg, f"{what}: grad {name}")
+        # plain autograd
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        _objective(attention(*leaves, keep)).backward()
+        for name, t, dg in zip("qkv", leaves, dgrads):
+            _close(t.grad, dg, f"{what}: .backward() grad {name}")
+    return True
+
+
+CASES = list(itertools.product([True, False], [True, False], [True, False], [True, False]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("which", ["ring", "ulysses"])
+def test_attention_equals_dense_sdpa_two_ranks(world2, which):
+    assert world2.run(dense_equal_rank_fn, which, 2, CASES) == [True, True]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("which", ["ring", "ulysses"])
+def test_attention_equals_dense_sdpa_four_ranks(world4, which):
+    cases = [(True, True, True, True), (True, False, False, False)]
+    assert world4.run(dense_equal_rank_fn, which, 4, cases) == [True] * 4
+
+
+def transforms_rank_fn(which):
+    """``vmap`` over a leading batch of examples (ring attention's ppermute then runs
+    synchronously, batched), ``vmap(grad)`` per-example gradients, and ``fs.value_and_grad``
+    over ShardedArray inputs."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    q, k, v, keep = _qkv()
+    attention = _sharded(which, 2, True, True, True, mesh)
+    dense = lambda q, k, v: _dense(q, k, v, keep, True, True)  # noqa: E731
+    examples = [t[:, None] for t in (q, k, v, keep)]  # a batch of 2 examples of batch 1
+    got = torch.func.vmap(attention)(*examples)
+    want = torch.func.vmap(lambda q, k, v, m: _dense(q, k, v, m, True, True))(*examples)
+    _close(got, want, f"{which}: vmap value")
+
+    def per_example(fn):
+        def loss(q, k, v):
+            return _objective(fn(q[None], k[None], v[None]))
+
+        return torch.func.vmap(torch.func.grad(loss, (0, 1, 2)))(q, k, v)
+
+    def sharded_one(q, k, v):
+        return _sharded(which, 2, True, True, True, mesh)(q, k, v, keep[:1])
+
+    got = per_example(sharded_one)
+    want = per_example(lambda q, k, v: _dense(q, k, v, keep[:1], True, True))
+    for name, g, w in zip("qkv", got, want):
+        _close(g, w, f"{which}: vmap(grad) {name}")
+
+    # fs.value_and_grad over inputs already laid out on the sequence
+    attend = C.ring_attention if which == "ring" else C.ulysses_attention
+    lbq, lbk, lbv = (C.load_balance(t, 2) for t in (q, k, v))
+    lbkeep = C.load_balance(keep, 2, -1)
+
+    def body(q, k, v, m):
+        return fs.lax.psum(_objective(attend(q, k, v, "cp", causal=True, padding_mask=m)), "cp")
+
+    run = fs.shard_map(body, mesh, (SPEC, SPEC, SPEC, fs.P(None, "cp")), fs.P())
+    xs = [fs.shard(t, mesh, SPEC) for t in (lbq, lbk, lbv)]
+    loss, grads = fs.value_and_grad(
+        lambda q, k, v: fs.gather(run(q, k, v, lbkeep)), argnums=(0, 1, 2)
+    )(*xs)
+    dloss, dgrads = torch.func.grad_and_value(
+        lambda q, k, v: _objective(dense(q, k, v)), (0, 1, 2)
+    )(q, k, v)[::-1]
+    _close(loss, dloss, f"{which}: value_and_grad loss")
+    for name, g, x, dg in zip("qkv", grads, xs, dgrads):
+        assert g.layout == x.layout, (name, g.layout)
+        _close(C.load_balance_inverse(fs.gather(g), 2), dg, f"{which}: value_and_grad {name}")
+    return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("which", ["ring", "ulysses"])
+def test_attention_under_vmap_and_value_and_grad(world2, which):
+    assert world2.run(transforms_rank_fn, which) == [True, True]
+
+
+def comm_rank_fn():
+    """Ring attention moves the stacked k/v block cp - 1 times forward and its cotangent back
+    (the inverse rotation); the padding mask costs one all_gather (no backward)."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    q, k, v, keep = _qkv()
+    # local blocks outside a shard_map body (mesh=): nothing but the attention communicates
+    q, k, v = (C.load_balance(t, 2).chunk(2, -2)[mesh.rank].requires_grad_() for t in (q, k, v))
+    m = C.load_balance(keep, 2, -1).chunk(2, -1)[mesh.rank]
+    with fs.debug.comm_log() as log:
+        out = C.ring_attention(q, k, v, "cp", causal=True, padding_mask=m, mesh=mesh)
+        out.sum().backward()
+    records = [(r.op, r.nbytes) for r in log]
+    b, hkv, s_local, d = k.shape
+    kv_bytes = 2 * b * hkv * s_local * d * 4  # k and v stacked, float32
+    want = [("all_gather", b * s_local), ("ppermute", kv_bytes), ("ppermute", kv_bytes)]
+    assert records == want, records
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_ring_attention_comm(world2):
+    assert world2.run(comm_rank_fn) == [True, True]
+
+
+def errors_rank_fn():
+    mesh = fs.Mesh.create((2,), ("cp",))
+    q, k, v, keep = _qkv(h=3, hkv=3)
+
+    def call(fn, *args, **kw):
+        return fs.shard_map(lambda q, k, v: fn(q, k, v, "cp", *args, **kw), mesh, SPEC, SPEC)(
+            q, k, v
+        )
+
+    with pytest.raises(ValueError, match="q has 3 heads, not divisible by the size 2"):
+        call(C.ulysses_attention)
+    with pytest.raises(TypeError, match="padding_mask must be a bool tensor"):
+        call(C.ring_attention, padding_mask=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="padding_mask has shape"):
+        call(C.ring_attention, padding_mask=torch.ones(2, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must be even with load_balanced=True"):
+        fs.shard_map(lambda q: C.ring_attention(q, q, q, "cp"), mesh, SPEC, SPEC)(q[:, :, :6])
+    with pytest.raises(ValueError, match="must agree"):
+        fs.shard_map(lambda q, k: C.ring_attention(q, k, k, "cp"), mesh, SPEC, SPEC)(q, k[..., :4])
+    with pytest.raises(ValueError, match="ppermute_start: perm"):
+        fs.lax.ppermute_start(torch.ones(2), "cp", [(0, 1), (1, 1)], mesh=mesh)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_errors_before_any_collective(world2):
+    assert world2.run(errors_rank_fn) == [True, True]
+
+
+# -- an HF Llama under cp=2 -----------------------------------------------------------------
+
+
+def _llama(seed=0):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def llama_rank_fn(attention, pad, steps, tp=1):
+    model = _llama()
+    if tp == 1:
+        mesh = fs.Mesh.create((2,), ("cp",))
+        plan = {}  # replicated over cp: the plan names no cp
+    else:  # Megatron over tp; the attention maps the tp blocks (heads) inside the cp body
+        mesh = fs.Mesh.create((2, tp), ("cp", "tp"))
+        plan = fs.nn.megatron_plan(
+            column=["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
+            row=["*.o_proj", "*.down_proj"],
+            vocab=["model.embed_tokens"],
+            model=model,
+        )
+    params = fs.nn.shard_params(model, mesh, plan)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask, labels = None, ids
+    if pad:
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 10:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+
+    def loss_fn(ps):
+        return fs.parallel.context_parallel_loss(
+            model, ps, mesh, ids, labels, mask, attention=attention
+        )
+
+    def dense_loss(ps):
+        kw = {"labels": labels, "attention_mask": mask}
+        return torch.func.functional_call(model, ps, (ids,), kw).loss
+
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx = fs.optim.adamw(1e-2, eps=1e-4, weight_decay=0.1)
+    state, dstate = tx.init(params), tx.init(dense)
+    for step in range(steps):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params)
+        dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense)
+        _close(loss, dloss, f"loss, step {step}")
+        assert set(grads) == set(dgrads)
+        for k, g in grads.items():
+            assert g.layout == params[k].layout
+            _close(fs.gather(g), dgrads[k], f"grad {k}, step {step}")
+        params, state = fs.optim.step(tx, grads, state, params)
+        updates, dstate = tx.update(dgrads, dstate, dense)
+        dense = fs.optim.apply_updates(dense, updates)
+    for k, v in params.items():
+        _close(fs.gather(v), dense[k], f"trained {k}")
+    assert model.config._attn_implementation == "sdpa"  # restored after each call
+    return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "attention, pad, steps", [("ring", False, 3), ("ring", True, 1), ("ulysses", True, 1)]
+)
+def test_hf_llama_context_parallel_two_ranks(world2, attention, pad, steps):
+    pytest.importorskip("transformers")
+    assert world2.run(llama_rank_fn, attention, pad, steps) == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_hf_llama_context_parallel_times_tensor_parallel_four_ranks(world4):
+    """cp=2 x tp=2: partial-manual over cp, Megatron's op rules over tp."""
+    pytest.importorskip("transformers")
+    assert world4.run(llama_rank_fn, "ring", False, 1, 2) == [True] * 4
+
+
+def ppermute_start_rank_fn():
+    """``fs.lax.ppermute_start(...).wait()`` is ``fs.lax.ppermute``: values, ``grad`` (sent
+    ahead: the cotangent comes back by the inverse rotation), ``jvp`` and ``vmap`` (run in
+    place), each against the same transform of ``ppermute``."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    ring = [(0, 1), (1, 0)]
+    x = torch.arange(6.0).reshape(2, 3) + 10 * mesh.rank
+    w = torch.tensor([1.0, 2.0, 3.0]) * (mesh.rank + 1)
+
+    def started(x):
+        return fs.lax.ppermute_start(x, "cp", ring, mesh=mesh).wait()
+
+    def plain(x):
+        return fs.lax.ppermute(x, "cp", ring, mesh=mesh)
+
+    for fn in (started, plain):
+        assert torch.equal(fn(x), torch.arange(6.0).reshape(2, 3) + 10 * (1 - mesh.rank))
+    grads = [torch.func.grad(lambda x, fn=fn: (fn(x) * w).sum())(x) for fn in (started, plain)]
+    other_w = torch.tensor([1.0, 2.0, 3.0]) * (2 - mesh.rank)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], other_w.expand(2, 3))
+    jvps = [torch.func.jvp(fn, (x,), (torch.ones_like(x),))[1] for fn in (started, plain)]
+    assert torch.equal(jvps[0], jvps[1])
+    maps = [torch.func.vmap(fn)(x) for fn in (started, plain)]
+    assert torch.equal(maps[0], maps[1])
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_ppermute_start_is_ppermute_under_transforms(world2):
+    assert world2.run(ppermute_start_rank_fn) == [True, True]
