@@ -24,13 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import fshard as fs  # noqa: E402
 from fshard.launch import World  # noqa: E402
 
-#: name -> (mesh (dp, ep, tp), what it splits, step options)
+#: name -> (mesh (pp, dp, ep, cp, tp), what it splits, step options)
 STRATEGIES = {
-    "dp": ((2, 1, 1), "the batch", {}),
-    "tp": ((1, 1, 2), "weights: column/row (Megatron)", {}),
-    "fsdp": ((2, 1, 1), "the batch; params, grads, AdamW state", {"fsdp": True}),
-    "tp+sp": ((1, 1, 2), "weights; activations between blocks on the sequence", {"sp": True}),
-    "ep": ((1, 2, 1), "the batch; the experts (MoE)", {"experts": 4}),
+    "dp": ((1, 2, 1, 1, 1), "the batch", {}),
+    "fsdp": ((1, 2, 1, 1, 1), "the batch; params, grads, AdamW state", {"fsdp": True}),
+    "tp": ((1, 1, 1, 1, 2), "weights: column/row (Megatron)", {}),
+    "tp+sp": ((1, 1, 1, 1, 2), "weights; activations between blocks on the sequence", {"sp": True}),
+    "cp": ((1, 1, 1, 2, 1), "the sequence (ring attention)", {"cp": True}),
+    "pp": ((2, 1, 1, 1, 1), "the blocks, as stages (1F1B, 4 microbatches)", {"pp": True}),
+    "ep": ((1, 1, 2, 1, 1), "the batch; the experts (MoE)", {"experts": 4}),
 }
 
 
@@ -38,7 +40,7 @@ def rank_fn(name: str, d: int, layers: int, batch: int, ctx: int) -> list:
     import train_gpt as tg
 
     shape, _, opts = STRATEGIES[name]
-    mesh = fs.Mesh.create(shape, ("dp", "ep", "tp"))
+    mesh = fs.Mesh.create(shape, ("pp", "dp", "ep", "cp", "tp"))
     cfg = tg.GPTConfig(
         d_model=d, n_heads=4, n_layers=layers, ctx=ctx, n_experts=opts.get("experts", 0)
     )
@@ -54,18 +56,29 @@ def rank_fn(name: str, d: int, layers: int, batch: int, ctx: int) -> list:
             scatter=["tok"],
         )
         plan.update(fs.nn.megatron_plan(column=["head"], bias=False))
-    params = fs.nn.shard_params(model, mesh, plan)
+    pipe = {"schedule": "1f1b", "virtual": 1, "microbatches": 4} if opts.get("pp") else None
+    if pipe:
+        params = tg.pipeline_params(model, mesh)
+    else:
+        params = fs.nn.shard_params(model, mesh, plan)
     tx = tg.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
     state = tx.init(params)
     step = tg.make_train_step(
         cfg,
         mesh,
         tx,
-        model=model if (cfg.n_experts or opts.get("sp")) else None,
+        model=model if (cfg.n_experts or opts.get("sp") or opts.get("cp") or pipe) else None,
         fsdp_units=fs.nn.fsdp_units(model) if opts.get("fsdp") else None,
+        pipeline=pipe,
+        context=bool(opts.get("cp")),
     )
     ids = torch.randint(0, 256, (batch, ctx + 1), generator=torch.Generator().manual_seed(1))
-    x = fs.shard(ids, mesh, fs.P(("dp", "ep")))
+    if opts.get("cp"):
+        x = tg.context_batch(ids, mesh)
+    elif pipe:
+        x = fs.shard(ids.reshape(4, -1, ctx + 1), mesh, fs.P(None, ("dp", "ep")))
+    else:
+        x = fs.shard(ids, mesh, fs.P(("dp", "ep")))
     params, state, _ = step(params, state, x)  # warm (lazily built programs)
     with fs.debug.comm_log() as log:
         step(params, state, x)

@@ -177,18 +177,36 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens):
+    def forward(self, tokens, positions=None):
+        """``positions``: each token's position (``--cp``: a rank's load-balanced chunks);
+        default ``0 .. t-1``."""
         t = tokens.shape[1]
-        x = self.tok(tokens) + self.pos.weight[:t]
+        pos = self.pos.weight[:t] if positions is None else F.embedding(positions, self.pos.weight)
+        x = self.tok(tokens) + pos
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
 
 
+#: ``(axis, mesh)`` while :func:`context_loss` runs the model on a rank's sequence chunks
+_CONTEXT: list = []
+
+
 def _attend(qkv):
-    """Causal attention on ``(b, t, heads, 3, hd)``: returns ``(b, t, heads, hd)``."""
+    """Causal attention on ``(b, t, heads, 3, hd)``: returns ``(b, t, heads, hd)``. Under
+    :func:`context_loss` (``--cp``) the sequence is split over the context-parallel axis and
+    the attention is ``fs.parallel.ring_attention`` (k/v blocks passed around the ring)."""
     q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    if not _CONTEXT:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    axis, mesh = _CONTEXT[-1]
+
+    def ring(q, k, v):
+        return fs.parallel.ring_attention(q, k, v, axis, causal=True, mesh=mesh)
+
+    if isinstance(q, fs.ShardedArray):  # the blocks of the other axes (heads over tp)
+        ring = fs.shard_map(ring, mesh, (q.spec, k.spec, v.spec), q.spec)
+    return ring(q, k, v).transpose(1, 2)
 
 
 def gpt_plan(axis: str = "tp", experts: str | None = None, sp: bool = False) -> dict:
@@ -330,6 +348,43 @@ def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray) -> torch.Tens
     return fs.gather(loss)
 
 
+def context_batch(batch: torch.Tensor, mesh: fs.Mesh) -> dict:
+    """The ``--cp`` inputs of a full ``(batch, ctx + 1)`` batch: ids, positions and next-byte
+    targets in the load-balanced order (``fs.parallel.load_balance``: rank i of ``cp`` holds
+    chunks i and 2cp-1-i), split over dp x ep on the batch and over cp on the sequence."""
+    cp = mesh.size("cp")
+    ids, targets = batch[:, :-1], batch[:, 1:]
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    spec = fs.P(("dp", "ep"), "cp")
+    return {
+        k: fs.shard(fs.parallel.load_balance(t, cp, 1), mesh, spec)
+        for k, t in (("ids", ids), ("positions", positions), ("targets", targets))
+    }
+
+
+def context_loss(params: dict, model: GPT, batch: dict, mesh: fs.Mesh) -> torch.Tensor:
+    """:func:`global_loss` with the sequence split over ``cp`` (``--cp``): a ``shard_map``
+    manual over ``cp`` (the params keep their layouts over dp and tp) runs the module's own
+    forward on each rank's chunks at their global positions, with ring attention; the
+    cross-entropy sums are added over ``cp``."""
+    count = batch["targets"].numel()
+
+    def body(ps, ids, positions, targets):
+        _CONTEXT.append(("cp", mesh))
+        try:
+            logits = fs.nn.functional_call(model, ps, (ids,), {"positions": positions})
+        finally:
+            _CONTEXT.pop()
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        )
+        return fs.lax.psum(ce, "cp") / count
+
+    seq = fs.P(None, "cp")
+    run = fs.shard_map(body, mesh, (fs.P(), seq, seq, seq), fs.P(), axis_names={"cp"})
+    return fs.gather(run(params, batch["ids"], batch["positions"], batch["targets"]))
+
+
 def pipeline_params(model: GPT, mesh: fs.Mesh, virtual: int = 1) -> dict:
     """The params for ``--pp``: ``{"emb": tok/pos, "stages": the blocks stacked as pipeline
     stages over ``pp`` (``fs.parallel.stack_stages``, with the Megatron plan over ``tp``),
@@ -439,6 +494,7 @@ def make_train_step(
     remat: bool = False,
     dtype: torch.dtype | None = None,
     pipeline: dict | None = None,
+    context: bool = False,
 ):
     """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -447,10 +503,18 @@ def make_train_step(
     ``fs.value_and_grad``; otherwise the local-view :func:`tp_loss`. ``remat`` and ``dtype``
     as in :func:`tp_loss` (``dtype`` of the global view: the policy ``shard_params`` recorded).
     With ``pipeline`` (``{"schedule", "virtual", "microbatches"}``, params from
-    :func:`pipeline_params`) :func:`pipeline_loss` through ``fs.value_and_grad``.
+    :func:`pipeline_params`) :func:`pipeline_loss` through ``fs.value_and_grad``; with
+    ``context`` (the batch from :func:`context_batch`) :func:`context_loss`.
     """
     dp = mesh.size("dp")
-    if pipeline is not None:
+    if context:
+        cp_grad = fs.value_and_grad(context_loss)
+
+        def loss_and_grads(params, batch):  # batch: context_batch's ids/positions/targets
+            loss, grads = cp_grad(params, model, batch, mesh)
+            return grads, loss
+
+    elif pipeline is not None:
         pp_grad = fs.value_and_grad(pipeline_loss)
 
         def loss_and_grads(params, batch):  # batch: (microbatches, rows, ctx + 1)
@@ -495,11 +559,13 @@ def train(args: dict) -> dict:
     """One rank of the training run; returns losses (and timing) for rank 0."""
     cfg = GPTConfig(**args["model"])
     pp, dp, ep, tp = args.get("pp", 1), args["dp"], args.get("ep", 1), args["tp"]
-    if dist.get_world_size() != pp * dp * ep * tp:
-        raise ValueError(f"world size {dist.get_world_size()} != pp * dp * ep * tp")
-    # the batch is split over dp x ep (expert parallelism carves its ranks out of the data)
+    cp = args.get("cp", 1)
+    if dist.get_world_size() != pp * dp * ep * cp * tp:
+        raise ValueError(f"world size {dist.get_world_size()} != pp * dp * ep * cp * tp")
+    # the batch is split over dp x ep (expert parallelism carves its ranks out of the data),
+    # the sequence over cp
     mesh = fs.Mesh.create(
-        (pp, dp, ep, tp), ("pp", "dp", "ep", "tp"), device_type=args.get("device")
+        (pp, dp, ep, cp, tp), ("pp", "dp", "ep", "cp", "tp"), device_type=args.get("device")
     )
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
@@ -527,6 +593,7 @@ def train(args: dict) -> dict:
         remat=args.get("remat", False),
         dtype=dtype,
         pipeline=pipe,
+        context=cp > 1,
     )
     data = load_corpus(Path(args["data"]))
     gen = torch.Generator().manual_seed(args["seed"] + 1)
@@ -543,7 +610,9 @@ def train(args: dict) -> dict:
         for _ in range(args["steps"]):
             t0 = time.perf_counter()
             batch = get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device())
-            if pipe is None:
+            if cp > 1:
+                batch = context_batch(batch, mesh)
+            elif pipe is None:
                 batch = fs.shard(batch, mesh, fs.P(("dp", "ep")))
             else:  # microbatches, each split over dp x ep
                 batch = batch.reshape(pipe["microbatches"], -1, cfg.ctx + 1)
@@ -629,6 +698,12 @@ def parse_args(argv=None) -> dict:
     )
     ap.add_argument("--topk", type=int, default=2, help="experts per token (with --experts)")
     ap.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks: the sequence split over them, ring attention (global view)",
+    )
+    ap.add_argument(
         "--pp",
         type=int,
         default=1,
@@ -692,6 +767,14 @@ def parse_args(argv=None) -> dict:
                 f"stages and --batch ({a.batch}) into --microbatches ({a.microbatches}) of "
                 "dp x ep"
             )
+    if a.cp > 1:
+        if a.view != "global" or a.fsdp or a.experts or a.pp > 1:
+            raise SystemExit(
+                "--cp runs the global view's forward on sequence chunks: add --view global "
+                "(without --fsdp, --experts, --pp)"
+            )
+        if a.ctx % (2 * a.cp):
+            raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
     if a.sp and (a.view != "global" or a.fsdp):
         raise SystemExit(
             "--sp runs the global view (a plan, the module's forward): add --view global"
@@ -700,7 +783,20 @@ def parse_args(argv=None) -> dict:
         raise SystemExit(
             "--remat runs the local view or the pipeline's stages (each block under fs.remat)"
         )
-    for name in ("pp", "dp", "ep", "tp", "microbatches", "virtual", "steps", "batch", "layers", "heads", "ctx"):
+    for name in (
+        "pp",
+        "dp",
+        "ep",
+        "cp",
+        "tp",
+        "microbatches",
+        "virtual",
+        "steps",
+        "batch",
+        "layers",
+        "heads",
+        "ctx",
+    ):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name} must be >= 1")
     if a.batch % (a.dp * a.ep):
@@ -717,7 +813,7 @@ def parse_args(argv=None) -> dict:
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
         "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
         "device": a.device, "remat": a.remat, "bf16": a.bf16, "ep": a.ep, "sp": a.sp,
-        "pp": a.pp, "schedule": a.schedule, "microbatches": a.microbatches,
+        "pp": a.pp, "cp": a.cp, "schedule": a.schedule, "microbatches": a.microbatches,
         "virtual": a.virtual if a.schedule == "interleaved" else 1,
     }  # fmt: skip
 
@@ -747,7 +843,7 @@ def save_plot(losses: list, path: str, title: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    world = args.get("pp", 1) * args["dp"] * args.get("ep", 1) * args["tp"]
+    world = args.get("pp", 1) * args["dp"] * args.get("ep", 1) * args.get("cp", 1) * args["tp"]
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     out = launch_run(train, world, (args,), timeout=3600)[0]
     if under_torchrun and int(os.environ["RANK"]) != 0:  # run() closed its group
@@ -757,6 +853,7 @@ def main(argv=None) -> dict:
     print(
         f"dp={args['dp']} ep={args.get('ep', 1)} tp={args['tp']} view={args['view']} "
         f"fsdp={args.get('fsdp', False)} sp={args.get('sp', False)} pp={args.get('pp', 1)} "
+        f"cp={args.get('cp', 1)} "
         f"experts={args['model'].get('n_experts', 0)} "
         f"remat={args.get('remat', False)} bf16={args.get('bf16', False)} "
         f"steps={args['steps']}: "

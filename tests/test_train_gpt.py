@@ -244,6 +244,45 @@ def test_pipeline_training_matches_dense(shape, schedule, dense, request):
         torch.testing.assert_close(params[k], ref, rtol=1e-4, atol=1e-5, msg=k)
 
 
+def context_rank_fn(shape, sp):
+    """``--cp``: the sequence split over cp (load-balanced chunks, ring attention), with the
+    other axes of ``shape`` (pp, dp, ep, cp, tp)."""
+    mesh = fs.Mesh.create(shape, ("pp", "dp", "ep", "cp", "tp"))
+    torch.manual_seed(SEED)
+    model = demo.GPT(CFG)
+    params = fs.nn.shard_params(model, mesh, demo.gpt_plan("tp", sp=sp))
+    tx = demo.make_optimizer(**OPT)
+    state = tx.init(params)
+    step = demo.make_train_step(CFG, mesh, tx, model=model, context=True)
+    losses = []
+    for batch in _batches():
+        params, state, loss = step(params, state, demo.context_batch(batch, mesh))
+        losses.append(float(loss))
+    return losses, {k: fs.gather(v) for k, v in params.items()}
+
+
+def _check_context(out, dense):
+    ref_losses, ref_snaps = dense
+    losses, params = out[0]
+    assert all(o[0] == losses for o in out)  # every rank reports the same loss
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for k, ref in ref_snaps[-1].items():
+        torch.testing.assert_close(params[k], ref, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(600)
+def test_cp_training_matches_dense(world2, dense):
+    """``--cp 2``: 3 steps like dense."""
+    _check_context(world2.run(context_rank_fn, (1, 1, 1, 2, 1), False), dense)
+
+
+@pytest.mark.timeout(900)
+def test_dp_tp_sp_cp_on_eight_ranks(dense):
+    """Every axis at once on 8 local ranks (issue 23 item 4): dp=2 x cp=2 x tp=2 with sequence
+    parallelism, 3 steps of the example's step equal to dense."""
+    _check_context(fs.launch.run(context_rank_fn, 8, ((1, 2, 1, 2, 2), True), timeout=900), dense)
+
+
 def test_parse_args_validation():
     with pytest.raises(SystemExit, match="divisible"):
         demo.parse_args(["--batch", "5", "--dp", "2"])
@@ -262,6 +301,10 @@ def test_parse_args_validation():
         demo.parse_args(["--pp", "2"])
     with pytest.raises(SystemExit, match="must split into pp x virtual"):
         demo.parse_args(["--pp", "2", "--view", "global", "--layers", "3"])
+    with pytest.raises(SystemExit, match="--cp runs the global view"):
+        demo.parse_args(["--cp", "2"])
+    with pytest.raises(SystemExit, match="must split into 2 x --cp"):
+        demo.parse_args(["--cp", "3", "--view", "global", "--ctx", "8"])
     with pytest.raises(SystemExit, match="--ep splits the experts"):
         demo.parse_args(["--ep", "2"])
     with pytest.raises(SystemExit, match="--experts runs the global view"):
