@@ -6,6 +6,15 @@
     python examples/train_gpt.py --device cuda      # the local ranks' blocks on the GPU(s)
     torchrun --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2   # NCCL with 4 GPUs
 
+Every axis (the global view runs the module's own forward; float32 without ``--experts``
+prints the losses of ``--dp 1 --tp 2`` in every combination):
+
+    python examples/train_gpt.py --view global --sp             # + Megatron sequence parallel
+    python examples/train_gpt.py --view global --cp 2 --tp 1    # the sequence over cp, ring attention
+    python examples/train_gpt.py --view global --pp 2 --tp 1 --schedule zb   # pipeline stages
+    python examples/train_gpt.py --view global --experts 4 --ep 2 --tp 1     # MoE, experts over ep
+    python examples/train_gpt.py --remat --bf16                 # activation checkpointing, bf16
+
 ``--device`` (``cpu`` or ``cuda``) is where the params, optimizer state and batches live; by
 default ``cuda`` when the process group is NCCL (torchrun with a GPU per rank, see
 ``fs.launch.default_backend``) and ``cpu`` otherwise (Gloo: the local ranks, or torchrun with
