@@ -302,7 +302,7 @@ def _layouts(tree: dict) -> dict:
     return _map(lambda v: v.layout, tree)
 
 
-def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False):
+def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False, fsdp=False):
     shape = (2,) if len(axes) == 1 else (2, 2)
     mesh = fs.Mesh.create(shape, axes)
     stages = 2 * virtual
@@ -314,10 +314,15 @@ def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False):
     params = {g: {n: fs.shard(t, mesh, specs[g][n]) for n, t in d.items()} for g, d in tree.items()}
     # fs.parallel.stack_stages lays the module's blocks out the same way
     plan = demo.gpt_plan("tp") if "tp" in axes else None
+    if fsdp:  # ZeRO-3 stage weights: each block's params split over dp on their dim 0 too
+        plan = {"blocks.*": fs.P("dp")}
     stacked = stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
-    assert {n: v.layout for n, v in stacked.items()} == _layouts(params)["stages"]
-    for n, v in stacked.items():
-        assert torch.equal(v.local, params["stages"][n].local), n
+    if fsdp:
+        assert all(v.spec == fs.P("pp", None, "dp") for v in stacked.values())
+    else:
+        assert {n: v.layout for n, v in stacked.items()} == _layouts(params)["stages"]
+        for n, v in stacked.items():
+            assert torch.equal(v.local, params["stages"][n].local), n
     params["stages"] = stacked
     layouts = _layouts(params)
     loss_fn = _pp_loss(mesh, model.blocks[0], schedule, virtual)
@@ -370,9 +375,14 @@ def test_gpt_pp2_under_torch_func_grad(world2):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("other,schedule,virtual", [("dp", "zb", 1), ("tp", "interleaved", 2)])
-def test_gpt_pp2_composes_on_4_ranks(world4, other, schedule, virtual):
-    results = world4.run(pipeline_rank_fn, ("pp", other), schedule, virtual)
+@pytest.mark.parametrize(
+    "other,schedule,virtual,fsdp",
+    [("dp", "zb", 1, False), ("tp", "interleaved", 2, False), ("dp", "1f1b", 1, True)],
+)
+def test_gpt_pp2_composes_on_4_ranks(world4, other, schedule, virtual, fsdp):
+    """pp x dp, pp x tp, and pp x FSDP (stage weights split over dp too: the op rules gather
+    them per use and reduce-scatter their gradients)."""
+    results = world4.run(pipeline_rank_fn, ("pp", other), schedule, virtual, False, fsdp)
     for r in results:
         _assert_dense(r)
 
