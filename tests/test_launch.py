@@ -286,7 +286,8 @@ _AGENT_STORE_RACE = "RendezvousConnectionError: The connection to the C10d store
 
 
 def _two_node_run(cmd, env):
-    """``[(returncode, output)]`` of the two "nodes" running ``cmd``."""
+    """``[(returncode, output)]`` of the two "nodes" running ``cmd``; ``None`` for a node still
+    running after 110 s (killed then, with its worker)."""
     nodes = [
         subprocess.Popen(
             cmd,
@@ -298,27 +299,29 @@ def _two_node_run(cmd, env):
         )
         for _ in range(2)
     ]
+    deadline = time.monotonic() + 110
+    outs, hung = [], []
     try:
-        outs = [node.communicate(timeout=110)[0] for node in nodes]
-    except subprocess.TimeoutExpired:
         for node in nodes:
-            os.killpg(node.pid, signal.SIGKILL)  # the agent and its worker
-        outs = [node.communicate()[0] for node in nodes]
-        pytest.fail(
-            "a node did not finish in 110 s; their output:\n"
-            + "\n---\n".join(o[-3000:] for o in outs)
-        )
+            try:
+                outs.append(node.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+                hung.append(False)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)  # the agent and its worker
+                outs.append(node.communicate()[0] + "\n[still running after 110 s: killed]")
+                hung.append(True)
     finally:
         for node in nodes:
             node.kill()
-    return [(node.returncode, out) for node, out in zip(nodes, outs)]
+    return [(None if h else node.returncode, out) for node, out, h in zip(nodes, outs, hung)]
 
 
 @pytest.mark.timeout(250)
 def test_readme_multinode_torchrun_command(tmp_path):
     """The README's multi-node torchrun command on two loopback "nodes": each worker's block and
-    the gather. One rerun is allowed only for torchrun's agent-side store race at shutdown
-    (:data:`_AGENT_STORE_RACE`, after both workers printed correct results); a worker failure
+    the gather. One rerun is allowed only for torchrun's agent-side shutdown after both workers
+    printed correct results (its store race, :data:`_AGENT_STORE_RACE`, or an agent still
+    waiting on the store 110 s later, seen once on the loaded 2-core machine); a worker failure
     or a wrong result fails at once."""
     root = Path(__file__).resolve().parent.parent
     line = next(
@@ -355,7 +358,8 @@ def test_readme_multinode_torchrun_command(tmp_path):
         if not failed:
             assert results == [[want], [want]]
             return
-        raced = all(_AGENT_STORE_RACE in out for out in failed) and results == [[want], [want]]
+        shutdown = [out for rc, out in runs if rc is None or (rc != 0 and _AGENT_STORE_RACE in out)]
+        raced = len(shutdown) == len(failed) and results == [[want], [want]]
         if not raced or attempt == 1:
             raise AssertionError(failed[0][-3000:])
 
