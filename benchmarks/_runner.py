@@ -66,6 +66,23 @@ _SECTIONS: dict = {}  # section (all configs) -> (configs, base), built once per
 _STEP: dict = {}  # the step this process times, and its RSS high-water mark before building it
 
 
+def saved_bytes(fn: Callable[[], object], params) -> int:
+    """Bytes autograd saves for the backward while ``fn()`` runs (its activation memory):
+    every saved tensor's storage counted once, the storages of ``params`` (tensors) not."""
+    skip = {t.untyped_storage().data_ptr() for t in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values())
+
+
 def _function(section: str, name: str | None = None) -> Callable:
     """The section's function, or its module's function ``name`` (the module as imported by
     name: a script's own ``__main__`` copy is another module with other globals)."""

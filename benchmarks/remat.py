@@ -30,6 +30,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+from _runner import saved_bytes  # noqa: E402
+
 import fshard as fs  # noqa: E402
 from fshard.launch import World  # noqa: E402
 
@@ -57,25 +59,9 @@ def rank_fn(remat: bool, layers: int, dim: int, batch: int, ctx: int, reps: int)
     ids = torch.randint(0, 256, (batch, ctx + 1), generator=torch.Generator().manual_seed(1))
     vg = fs.value_and_grad(lambda ps: tg.tp_loss(ps, ids, cfg, mesh, remat=remat))
 
-    param_ptrs = {v.local.untyped_storage().data_ptr() for v in params.values()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
     leaves = {k: v.local.detach().requires_grad_() for k, v in params.items()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = tg.tp_loss(
-            {k: fs.ShardedArray._raw(leaves[k], v.layout) for k, v in params.items()},
-            ids,
-            cfg,
-            mesh,
-            remat=remat,
-        )
-    del loss
+    live = {k: fs.ShardedArray._raw(leaves[k], v.layout) for k, v in params.items()}
+    saved = saved_bytes(lambda: tg.tp_loss(live, ids, cfg, mesh, remat=remat), leaves.values())
     vg(params)  # warm
     peak = _peak_bytes(lambda: vg(params))
     with fs.debug.comm_log() as log:
@@ -87,7 +73,7 @@ def rank_fn(remat: bool, layers: int, dim: int, batch: int, ctx: int, reps: int)
         times.append(time.perf_counter() - t0)
     return {
         "loss": float(loss),
-        "saved": sum(saved.values()),
+        "saved": saved,
         "peak": peak,
         "comm": sum(r.nbytes for r in log),
         "time": statistics.median(times),

@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+from _runner import saved_bytes  # noqa: E402
+
 import fshard as fs  # noqa: E402
 from fshard.launch import World  # noqa: E402
 
@@ -58,19 +60,8 @@ def rank_fn(sp: bool, layers: int, dim: int, batch: int, ctx: int, reps: int) ->
     ids = torch.randint(0, 256, (batch, ctx + 1), generator=torch.Generator().manual_seed(1))
     x = fs.shard(ids, mesh, fs.P())
     leaves = [v.local for v in params.values()]
-    param_ptrs = {t.untyped_storage().data_ptr() for t in leaves}
-
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = tg.global_loss(params, model, x)
-    torch.autograd.grad(loss, leaves)
+    saved = saved_bytes(lambda: tg.global_loss(params, model, x), leaves)
+    torch.autograd.grad(tg.global_loss(params, model, x), leaves)
     with fs.debug.comm_log() as log:
         torch.autograd.grad(tg.global_loss(params, model, x), leaves)
     times = []
@@ -79,7 +70,7 @@ def rank_fn(sp: bool, layers: int, dim: int, batch: int, ctx: int, reps: int) ->
         torch.autograd.grad(tg.global_loss(params, model, x), leaves)
         times.append(time.perf_counter() - t0)
     return {
-        "saved": sum(saved.values()),
+        "saved": saved,
         "comm": sum(r.nbytes for r in log),
         "wire": sum(r.nbytes * _RECEIVED[r.op] for r in log),
         "ops": sorted({r.op for r in log}),

@@ -84,17 +84,10 @@ POLICIES = {
 }
 
 
-def dp_rank_fn(which: str, how: str):
-    policy = POLICIES[which]
-    mesh = fs.Mesh.create((2,), ("dp",))
-    model = _model()
-    params = fs.nn.shard_params(model, mesh, {}, mp_policy=policy)  # replicated
-
-    def loss(ps, x, c):
-        out = fs.nn.functional_call(model, ps, (x,))  # the recorded policy
-        assert out.dtype == F32 and out.spec == fs.P("dp")
-        return fs.gather((out * c).sum())  # a pending sum: all-reduced (4 B)
-
+def _train(loss, params, mesh, how: str, local: bool):
+    """3 AdamW steps of ``loss`` under ``fs.value_and_grad`` or ``torch.func``: each step's
+    gradients (gathered) and comm log, and the trained params. ``local``: the batch as this
+    rank's block (the FSDP loss's local view)."""
     if how == "value_and_grad":
         vg = fs.value_and_grad(loss)
     else:
@@ -107,8 +100,9 @@ def dp_rank_fn(which: str, how: str):
     state = tx.init(params)
     grads, logs = [], []
     for s in range(3):
-        x, c = _data(s)
-        xs, cs = fs.shard(x, mesh, fs.P("dp")), fs.shard(c, mesh, fs.P("dp"))
+        xs, cs = (fs.shard(t, mesh, fs.P("dp")) for t in _data(s))
+        if local:
+            xs, cs = xs.local, cs.local
         with fs.debug.comm_log() as log:
             _, g = vg(params, xs, cs)
         logs.append([(r.op, r.nbytes) for r in log])
@@ -116,6 +110,20 @@ def dp_rank_fn(which: str, how: str):
         grads.append({k: fs.gather(v) for k, v in g.items()})
         params, state = fs.optim.step(tx, g, state, params)
     return grads, {k: fs.gather(v) for k, v in params.items()}, logs
+
+
+def dp_rank_fn(which: str, how: str):
+    policy = POLICIES[which]
+    mesh = fs.Mesh.create((2,), ("dp",))
+    model = _model()
+    params = fs.nn.shard_params(model, mesh, {}, mp_policy=policy)  # replicated
+
+    def loss(ps, x, c):
+        out = fs.nn.functional_call(model, ps, (x,))  # the recorded policy
+        assert out.dtype == F32 and out.spec == fs.P("dp")
+        return fs.gather((out * c).sum())  # a pending sum: all-reduced (4 B)
+
+    return _train(loss, params, mesh, how, local=False)
 
 
 def fsdp_rank_fn(which: str, how: str):
@@ -131,27 +139,7 @@ def fsdp_rank_fn(which: str, how: str):
         assert out.dtype == F32
         return fs.lax.psum((out * c).sum(), "dp", mesh=mesh)
 
-    if how == "value_and_grad":
-        vg = fs.value_and_grad(loss)
-    else:
-
-        def vg(ps, x, c):
-            g, v = torch.func.grad_and_value(loss)(ps, x, c)
-            return v, g
-
-    tx = fs.optim.adamw(1e-2, weight_decay=0.1)
-    state = tx.init(params)
-    grads, logs = [], []
-    for s in range(3):
-        x, c = _data(s)
-        xs, cs = fs.shard(x, mesh, fs.P("dp")).local, fs.shard(c, mesh, fs.P("dp")).local
-        with fs.debug.comm_log() as log:
-            _, g = vg(params, xs, cs)
-        logs.append([(r.op, r.nbytes) for r in log])
-        assert all(g[k].dtype == F32 and g[k].layout == params[k].layout for k in g)
-        grads.append({k: fs.gather(v) for k, v in g.items()})
-        params, state = fs.optim.step(tx, g, state, params)
-    return grads, {k: fs.gather(v) for k, v in params.items()}, logs
+    return _train(loss, params, mesh, how, local=True)
 
 
 def _check(results, which):

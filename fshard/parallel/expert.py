@@ -84,22 +84,14 @@ def _dispatch_local(x, idx, w, gate_up, down, *, axis, mesh, apply_gate, capacit
     send = [sum(counts_l[j * e_local : (j + 1) * e_local]) for j in range(ep)]
     recv = [sum(r) for r in mine]
     got = ragged_all_to_all(x[order // k], axis, send, recv, mesh=mesh)  # source-major
-    # source-major (source, expert) segments -> expert-major, sources in order within
-    offsets, off = {}, 0
-    for s in range(ep):
-        for e in range(e_local):
-            offsets[s, e] = off
-            off += mine[s][e]
-    perm = [
-        i
-        for e in range(e_local)
-        for s in range(ep)
-        for i in range(offsets[s, e], offsets[s, e] + mine[s][e])
-    ]
-    perm_t = torch.tensor(perm, dtype=torch.long, device=x.device)
+    # source-major (source, expert) segments -> expert-major, sources in order within: a
+    # stable sort of each received row's local expert
+    segment_sizes = torch.tensor([n for row in mine for n in row], device=x.device)
+    expert_of_row = torch.arange(e_local, device=x.device).repeat(ep)
+    perm = torch.argsort(torch.repeat_interleave(expert_of_row, segment_sizes), stable=True)
     per_expert = [sum(mine[s][e] for s in range(ep)) for e in range(e_local)]
-    y = _expert_rows(got[perm_t], gate_up, down, per_expert, apply_gate)
-    back = torch.empty_like(y).index_copy(0, perm_t, y) if perm else y  # source-major again
+    y = _expert_rows(got[perm], gate_up, down, per_expert, apply_gate)
+    back = torch.empty_like(y).index_copy(0, perm, y)  # source-major again
     out_rows = ragged_all_to_all(back, axis, recv, send, mesh=mesh)  # rows in `order` order
     out_rows = out_rows * w.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
     return torch.zeros_like(x).index_add(0, order // k, out_rows.to(x.dtype))
