@@ -27,13 +27,14 @@ from .mesh import Mesh
 from .planner import Step, plan
 from .remat import remat
 from .shard_map import shard_map
-from .spec import Layout, P, PartitionSpec, ShardMetadata
+from .spec import Layout, P, PartitionSpec, Parts, ShardMetadata
 from .tree import tree_flatten, tree_leaves, tree_map, tree_structure, tree_unflatten
 
 __all__ = [
     "Mesh",
     "P",
     "PartitionSpec",
+    "Parts",
     "Layout",
     "ShardMetadata",
     "ShardedArray",

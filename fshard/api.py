@@ -29,7 +29,7 @@ from .array import ShardedArray, is_sharded
 from .executor import check_plain_tensor, reshard_one
 from .mesh import Mesh
 from .planner import plan
-from .spec import Layout, P, _layout
+from .spec import Layout, P, Parts, PartsLayout, _layout
 
 __all__ = [
     "shard",
@@ -70,10 +70,13 @@ def _differentiated(t: torch.Tensor) -> bool:
     return t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-def _check_spec(spec, name="spec") -> P:
-    if not isinstance(spec, P):
+def _check_spec(spec, name="spec", parts: bool = False) -> P | Parts:
+    """``spec`` if it is a :class:`P` (or, with ``parts``, a :class:`Parts`)."""
+    if not isinstance(spec, (P, Parts) if parts else P):
+        also = " or a fshard.Parts (a per-part split)" if parts else ""
         raise TypeError(
-            f"{name} must be a fshard.P (e.g. fs.P('x', None)), got {type(spec).__name__} {spec!r}"
+            f"{name} must be a fshard.P (e.g. fs.P('x', None)){also}, got "
+            f"{type(spec).__name__} {spec!r}"
         )
     return spec
 
@@ -97,12 +100,14 @@ def reshard(x, spec):
         (P(None, 'x'), torch.Size([3, 2]), True)
     """
     if isinstance(x, ShardedArray):
-        return reshard_one(x, _check_spec(spec))
+        spec = _check_spec(spec, parts=True)
+        x.layout.with_spec(spec)  # a Parts that does not fit raises here, naming the sizes
+        return reshard_one(x, spec)
     leaves, treedef = optree.tree_flatten(x, is_leaf=is_sharded, none_is_leaf=False)
-    if isinstance(spec, P):
+    if isinstance(spec, (P, Parts)):
         specs = [spec] * len(leaves)
     else:
-        is_spec = lambda s: isinstance(s, (P, ShardedArray)) or s is None  # noqa: E731
+        is_spec = lambda s: isinstance(s, (P, Parts, ShardedArray)) or s is None  # noqa: E731
         specs = treedef.flatten_up_to(optree.tree_broadcast_prefix(spec, x, is_leaf=is_spec))
     errors = LeafErrors("reshard: leaves that cannot take their spec", "x")
     for key, v, s in zip(paths(treedef), leaves, specs):  # all checked before any collective
@@ -110,7 +115,7 @@ def reshard(x, spec):
             errors.add(
                 key, f"got {type(v).__name__}; expected a ShardedArray (fs.shard it)", TypeError
             )
-        elif not isinstance(s, P):
+        elif not isinstance(s, (P, Parts)):
             errors.add(key, f"spec {s!r}; expected a fshard.P (e.g. fs.P('x', None))", TypeError)
         else:
             try:
@@ -159,7 +164,7 @@ def shard(
         >>> x.shape, [m.shard_sizes for m in x.shards_metadata()]  # 5 rows: 3 | 2
         (torch.Size([5, 2]), [(3, 2), (2, 2)])
     """
-    mesh, spec = _check_mesh(mesh), _check_spec(spec)
+    mesh, spec = _check_mesh(mesh), _check_spec(spec, parts=True)
     if src is not None:
         return _scatter(t, mesh, spec, src, shape, dtype)
     if not isinstance(t, torch.Tensor):
@@ -168,7 +173,7 @@ def shard(
         raise TypeError("shard: t is already a ShardedArray; use fs.reshard to change its layout")
     check_plain_tensor(t, "shard: t")
     full = _layout(mesh, P(), tuple(t.shape), t.dtype)
-    layout = Layout(mesh, spec, tuple(t.shape), t.dtype)
+    layout = Layout.of(mesh, spec, tuple(t.shape), t.dtype)
     if consistency.enabled():
         _agree(layout, "shard (every rank must pass the same full tensor)", values=t)
     moved = _on_mesh_device(t, mesh)
@@ -184,7 +189,7 @@ def shard(
     return ShardedArray._raw(_on_mesh_device(out.local, mesh).contiguous(), out.layout)
 
 
-def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
+def _scatter(t, mesh: Mesh, spec: P | Parts, src: int, shape, dtype) -> ShardedArray:
     if isinstance(src, bool) or not isinstance(src, int) or src not in mesh.ranks:
         raise ValueError(f"shard: src must be a rank of the mesh {mesh.ranks}, got {src!r}")
     me = mesh.rank
@@ -202,13 +207,16 @@ def _scatter(t, mesh: Mesh, spec: P, src: int, shape, dtype) -> ShardedArray:
     g = mesh.group(mesh.axis_names)
     if shape is None or dtype is None:
         meta = _comm.broadcast_object(meta, g, g.ranks.index(src))
-    layout = Layout(mesh, spec.__class__(*spec.dims), meta[0], meta[1])
-    _agree(layout, f"shard(src={src}) (the shape and dtype passed must be rank {src}'s tensor's)")
+    target = Layout.of(mesh, spec, meta[0], meta[1])
+    _agree(target, f"shard(src={src}) (the shape and dtype passed must be rank {src}'s tensor's)")
+    # one box per rank: the per-part dim is scattered whole, then sliced (no communication)
+    layout = target.made_whole()
+    layout = layout.with_spec(P(*layout.spec.dims))  # pending sums are made after the scatter
     blocks = [layout.shard_metadata(r).slices() for r in g.ranks]
     like = t if me == src else torch.empty(0, dtype=meta[1], device=mesh.device())
     local = _comm.scatter_from(t, g, g.ranks.index(src), blocks, like)
     out = ShardedArray._raw(local, layout)
-    return reshard_one(out, spec) if spec.partial else out
+    return reshard_one(out, spec) if layout != target else out
 
 
 def from_local(
@@ -238,18 +246,18 @@ def from_local(
         >>> x.shape, float(fs.gather(x).sum())
         (torch.Size([5, 4]), 20.0)
     """
-    mesh, spec = _check_mesh(mesh), _check_spec(spec)
+    mesh, spec = _check_mesh(mesh), _check_spec(spec, parts=True)
     if isinstance(local, ShardedArray) or not isinstance(local, torch.Tensor):
         raise TypeError(f"from_local: local must be a torch.Tensor, got {type(local).__name__}")
     check_plain_tensor(local, "from_local: local")
     if shape is None:
-        if any(spec.dims):
+        if isinstance(spec, Parts) or any(spec.dims):
             raise ValueError(
                 f"from_local: spec {spec} splits a dim, so shape= (the global shape) is required; "
                 "fshard never infers it from local sizes"
             )
         shape = tuple(local.shape)
-    layout = Layout(mesh, spec, shape, local.dtype)
+    layout = Layout.of(mesh, spec, shape, local.dtype)
     want = layout.local_shape(mesh.rank)
     if tuple(local.shape) != want:
         raise ValueError(
@@ -287,6 +295,8 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     consistency.boundary(mesh, f"fs.gather(dst={dst})")
     if isinstance(dst, bool) or not isinstance(dst, int) or dst not in mesh.ranks:
         raise ValueError(f"gather: dst must be a rank of the mesh {mesh.ranks}, got {dst!r}")
+    if isinstance(x.layout, PartsLayout):  # one box per rank: the parts dim gathered
+        x = reshard_one(x, x.layout.made_whole().spec)
     if x.layout.partial:
         x = reshard_one(x, P(*x.layout.dim_axes))
     g = mesh.group(mesh.axis_names)

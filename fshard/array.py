@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from . import _compat
-from .spec import BaseLayout, Layout, P, ShardMetadata, _layout
+from .spec import BaseLayout, Layout, P, Parts, PartsLayout, ShardMetadata, _layout
 
 __all__ = ["ShardedArray"]
 
@@ -421,6 +421,8 @@ def _unflatten(layout: Layout, children) -> ShardedArray:
 
 
 def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -> Layout:
+    if isinstance(layout, PartsLayout):
+        return _relayout_parts(layout, local, extra)
     if extra > 0:
         # vmap outputs (batch dims in front): unsharded leading dims, sizes from the local.
         lead = tuple(local.shape[:extra])
@@ -463,6 +465,37 @@ def _relayout_for_rank_change(layout: Layout, local: torch.Tensor, extra: int) -
         "one unsharded dim removed. vmap can only map over an unsharded dim of a ShardedArray; "
         "reshard it so that the mapped dim is not split (e.g. fs.reshard(x, fs.P(None, ...)))"
     )
+
+
+def _relayout_parts(layout: PartsLayout, local: torch.Tensor, extra: int) -> PartsLayout:
+    """:func:`_relayout_for_rank_change` of a per-part layout: dims come and go as for its base
+    (the parts dim is split, so it is never the one taken off) and the parts dim moves with
+    them."""
+    base, axes = layout.base, layout.base.dim_axes
+    if extra > 0:
+        lead = tuple(local.shape[:extra])
+        spec = P(*([None] * extra), *axes, partial=base.partial)
+        parts = Parts(spec, layout.dim + extra, layout.sizes)
+        return _layout(layout.mesh, parts, lead + layout.shape, layout.dtype)
+    want, full = tuple(local.shape), layout.local_shape(layout.mesh.rank)
+    bdim = None
+    if extra == -1 and torch._C._functorch.is_batchedtensor(local):
+        bdim = torch._C._functorch.maybe_get_bdim(local)
+    for d in range(layout.ndim) if bdim is None else (bdim,):
+        if not axes[d] and (extra < -1 or full[:d] + full[d + 1 :] == want):
+            break
+    else:
+        raise ValueError(
+            f"cannot map over this ShardedArray: its local shape {want} does not match {layout} "
+            "with one unsharded dim removed. vmap can only map over an unsharded dim; the "
+            f"per-part dim {layout.dim} is split"
+        )
+    spec = P(*(axes[:d] + axes[d + 1 :]), partial=base.partial)
+    shape = layout.shape[:d] + layout.shape[d + 1 :]
+    out = _layout(
+        layout.mesh, Parts(spec, layout.dim - (d < layout.dim), layout.sizes), shape, layout.dtype
+    )
+    return out if extra == -1 else _relayout_for_rank_change(out, local, extra + 1)
 
 
 try:

@@ -114,9 +114,9 @@ from . import consistency
 from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray, _rebuild_sharded
 from .executor import reshard_one
-from .interop import _distinct_boxes, _quiet, _sharded_tensor
+from .interop import _distinct_boxes, _quiet, _sharded_tensor, local_pieces, rank_boxes
 from .mesh import _restore as _rebuild_mesh
-from .spec import BaseLayout, ExplicitLayout, Layout, P, PartitionSpec, _make_spec
+from .spec import BaseLayout, ExplicitLayout, Layout, P, PartitionSpec, Parts, _make_spec
 
 __all__ = ["save", "load", "CheckpointError"]
 
@@ -219,6 +219,13 @@ def _flatten(tree, fn: str) -> tuple[list[str], list[Any], Any]:
 # -- ShardedArray <-> ShardedTensor for DCP ----------------------------------------------------
 
 
+def _unreduced(spec: PartitionSpec | Parts) -> PartitionSpec | Parts:
+    """``spec`` without its pending sums (a :class:`Parts` keeps its parts)."""
+    if isinstance(spec, Parts):
+        return Parts(P(*spec.spec.dims), spec.dim, spec.sizes)
+    return P(*spec.dims)
+
+
 def _fully_replicated(layout: Layout) -> bool:
     boxes = _distinct_boxes(layout)
     return len(boxes) == 1 and boxes[0][2] == tuple(layout.shape)
@@ -235,12 +242,12 @@ def _to_saveable(key: str, leaf: Any, me: int) -> Any:
         if layout.mesh.is_abstract:
             raise ValueError(f"save: the ShardedArray at key {key!r} has an abstract mesh")
         if layout.partial:
-            leaf = reshard_one(leaf, P(*layout.dim_axes))
+            leaf = reshard_one(leaf, layout.with_spec(_unreduced(layout.spec)).spec)
             layout = leaf.layout
         local = leaf.local.detach().contiguous()
         if math.prod(layout.shape) == 0 or _fully_replicated(layout):
             return local
-        return _sharded_tensor(layout, local, me, prefer_me=False)
+        return _sharded_tensor(layout, local_pieces(layout, local), me, prefer_me=False)
     if isinstance(leaf, torch.Tensor):
         return leaf.detach()
     return leaf
@@ -818,12 +825,13 @@ def _load_target(leaf: Any, me: int):
             )
         final = layout
         if layout.partial:
-            layout = layout.with_spec(P(*layout.dim_axes))
+            layout = layout.with_spec(_unreduced(layout.spec))
         device = layout.mesh.device()
-        mine = layout.shard_metadata(me)
-        local = torch.empty(mine.shard_sizes, dtype=layout.dtype, device=device)
+        boxes = rank_boxes(layout, me)  # one, or one per part (read apart, joined after)
+        pieces = [torch.empty(m.shard_sizes, dtype=layout.dtype, device=device) for m in boxes]
 
-        def finish(_obj, local=local, layout=layout, final=final):
+        def finish(_obj, pieces=pieces, layout=layout, final=final):
+            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, layout.dim)
             out = ShardedArray._raw(local, layout)
             if final is not layout:
                 out = reshard_one(out, final.spec)
@@ -832,8 +840,9 @@ def _load_target(leaf: Any, me: int):
         if math.prod(layout.shape) == 0:
             return None, finish
         if _fully_replicated(layout):
-            return local, finish
-        st = _sharded_tensor(layout, local if mine.numel else None, me, prefer_me=True)
+            return pieces[0], finish
+        held = pieces if any(m.numel for m in boxes) else None
+        st = _sharded_tensor(layout, held, me, prefer_me=True)
         return st, finish
     if isinstance(leaf, torch.Tensor):
         t = torch.empty_like(leaf)

@@ -44,6 +44,7 @@ __all__ = [
     "Bound",
     "Claim",
     "GatherBlocks",
+    "GatherParts",
     "KeepBlock",
     "KeepFirst",
     "LocalSlice",
@@ -55,6 +56,7 @@ __all__ = [
     "PsumScatter",
     "RUN",
     "ScaleBySize",
+    "SliceParts",
     "Unvary",
     "ZeroOthers",
     "norm_dim",
@@ -405,6 +407,62 @@ class KeepBlock(_Op):
         return replace(self, batch=self.batch + 1)
 
 
+@dataclass(frozen=True)
+class GatherParts(_OnDim):
+    """A per-part layout's ``dim`` -> whole (:class:`~fshard.spec.PartsLayout`): every rank's
+    block ``[its chunk of part 0 | of part 1 | ...]`` is all-gathered along ``dim``, then the
+    chunks are put back in part order (a local permutation). Bytes as one all_gather of the
+    dim; the result is invariant, so the backward is :class:`SliceParts` (no communication).
+
+    ``sizes``: the parts' global sizes along ``dim``."""
+
+    axes: tuple[str, ...]
+    dim: int
+    sizes: tuple[int, ...]
+    name: ClassVar[str] = "gather_parts"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return n - 1
+
+    def transpose(self):
+        return SliceParts(self.axes, self.dim, self.sizes)
+
+
+@dataclass(frozen=True)
+class SliceParts(_OnDim):
+    """Keep this rank's chunk of each part of ``dim`` (``sizes``), concatenated in part order
+    (no communication). The backward of :class:`GatherParts` and the step into a per-part
+    layout from one whose ``dim`` is whole."""
+
+    axes: tuple[str, ...]
+    dim: int
+    sizes: tuple[int, ...]
+    name: ClassVar[str] = "slice_parts"
+
+    def transpose(self):
+        return GatherParts(self.axes, self.dim, self.sizes)
+
+
+def part_pieces(sizes: tuple[int, ...], k: int) -> list[list[tuple[int, int]]]:
+    """``pieces[j][i]``: ``(start, size)`` along the dim of chunk ``j`` of part ``i`` in the
+    whole dim (parts of ``sizes`` each split into ``k`` ceil-div chunks).
+
+    Example:
+        >>> part_pieces((4, 2), 2)
+        [[(0, 2), (4, 1)], [(2, 2), (5, 1)]]
+    """
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    out = []
+    for j in range(k):
+        row = []
+        for s, n in zip(starts, sizes):
+            a, b = chunk_bounds(n, k, j)
+            row.append((s + a, b - a))
+        out.append(row)
+    return out
+
+
 class Bound(NamedTuple):
     """An op with the process group it runs over (``group.axes`` are the op's axes)."""
 
@@ -458,6 +516,25 @@ def _gather_blocks(op: GatherBlocks, g: AxisGroup, x):
     return out
 
 
+def _gather_parts(op: GatherParts, g: AxisGroup, x):
+    pieces = part_pieces(op.sizes, g.size)
+    blocks = [sum(n for _, n in row) for row in pieces]
+    flat = _comm.all_gather(x, g, op.dim, blocks)
+    at, where = 0, []  # where each (chunk, part) piece sits in the gathered blocks
+    for row in pieces:
+        for _, n in row:
+            where.append((at, n))
+            at += n
+    m = len(op.sizes)
+    order = [where[j * m + i] for i in range(m) for j in range(g.size)]
+    return torch.cat([flat.narrow(op.dim, a, n) for a, n in order if n], op.dim)
+
+
+def _slice_parts(op: SliceParts, g: AxisGroup, x):
+    row = part_pieces(op.sizes, g.size)[g.index]
+    return torch.cat([x.narrow(op.dim, a, n) for a, n in row], op.dim)
+
+
 def _keep_block(op: KeepBlock, g: AxisGroup, x):
     return x[(..., *op.layout.shard_metadata(g.ranks[g.index]).slices())].clone()
 
@@ -482,6 +559,8 @@ RUN: dict[type, Callable] = {
     ),
     Ppermute: _ppermute,
     GatherBlocks: _gather_blocks,
+    GatherParts: _gather_parts,
+    SliceParts: _slice_parts,
     LocalSlice: _local_slice,
     KeepBlock: _keep_block,
     Pcast: _identity,

@@ -24,7 +24,7 @@ from .array import ShardedArray
 from .collectives import AllGather, Bound
 from .lax import apply, claim, claim_of
 from .planner import Step, steps
-from .spec import LAYOUT_OF_ID, Layout, P
+from .spec import LAYOUT_OF_ID, Layout, P, Parts
 
 __all__ = [
     "Program",
@@ -108,9 +108,11 @@ def gather_varying(prog: Program, pcast_axes: tuple[str, ...]) -> tuple[Program,
     return prog._replace(steps=steps, ops=ops), rest
 
 
-def _program_of(layout_id: str, entries: tuple, partial: tuple) -> Program:
-    """:func:`program` from constants (see :func:`fshard._traced.constant`)."""
-    return program(LAYOUT_OF_ID[layout_id], P(*entries, partial=partial))
+def _program_of(layout_id: str, entries: tuple, partial: tuple, parts=None) -> Program:
+    """:func:`program` from constants (see :func:`fshard._traced.constant`); ``parts``:
+    ``(dim, sizes)`` of a :class:`~fshard.spec.Parts` target."""
+    spec = P(*entries, partial=partial)
+    return program(LAYOUT_OF_ID[layout_id], spec if parts is None else Parts(spec, *parts))
 
 
 def run(local: torch.Tensor, prog: Program) -> torch.Tensor:
@@ -139,12 +141,17 @@ def claimed_local(x: ShardedArray) -> torch.Tensor:
     return claim(x.local, claim_of(layout.mesh.group(layout.partial)))
 
 
-def reshard_one(x: ShardedArray, spec: P) -> ShardedArray:
-    """``x`` moved to layout ``spec`` (differentiable; no checks: ``spec`` is a valid P)."""
+def reshard_one(x: ShardedArray, spec: P | Parts) -> ShardedArray:
+    """``x`` moved to layout ``spec`` (differentiable; no checks: ``spec`` is a valid P or
+    Parts)."""
     if x.layout.spec == spec:
         return x
     if _dynamo_compiling():  # planned at trace time, not traced
-        prog = constant(_program_of, x.layout._id, spec._entries, spec.partial)
+        if isinstance(spec, Parts):
+            inner, parts = spec.spec, (spec.dim, spec.sizes)
+            prog = constant(_program_of, x.layout._id, inner._entries, inner.partial, parts)
+        else:
+            prog = constant(_program_of, x.layout._id, spec._entries, spec.partial)
     else:
         prog = program(x.layout, spec)
     return ShardedArray._raw(run(claim(x.local, prog.claim), prog), prog.out)

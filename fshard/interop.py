@@ -42,7 +42,7 @@ import torch
 
 from .array import ShardedArray
 from .mesh import Mesh
-from .spec import Layout, P, _layout
+from .spec import Layout, P, PartsLayout, _layout
 
 __all__ = ["to_dtensor", "from_dtensor", "to_sharded_tensor", "from_sharded_tensor"]
 
@@ -249,24 +249,42 @@ def from_dtensor(d, mesh: Mesh | None = None) -> ShardedArray:
 # -- ShardedTensor ----------------------------------------------------------------------------
 
 
+def rank_boxes(layout: Layout, rank: int) -> tuple:
+    """``rank``'s boxes of the global tensor: one, or one per part of a per-part layout (in the
+    order its local block concatenates them)."""
+    if isinstance(layout, PartsLayout):
+        return layout.blocks(rank)
+    return (layout.shard_metadata(rank),)
+
+
+def local_pieces(layout: Layout, local: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's ``local`` cut into its boxes (:func:`rank_boxes`, in order)."""
+    if not isinstance(layout, PartsLayout):
+        return [local]
+    sizes = [m.shard_sizes[layout.dim] for m in layout.blocks(layout.mesh.rank)]
+    return list(local.split(sizes, layout.dim))
+
+
 def _distinct_boxes(layout: Layout) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """``(owner rank, offsets, sizes)`` per distinct non-empty block; the first holder owns it."""
     out, seen = [], set()
     for r in layout.mesh.ranks:
-        m = layout.shard_metadata(r)
-        box = (m.shard_offsets, m.shard_sizes)
-        if m.numel and box not in seen:
-            seen.add(box)
-            out.append((r, *box))
+        for m in rank_boxes(layout, r):
+            box = (m.shard_offsets, m.shard_sizes)
+            if m.numel and box not in seen:
+                seen.add(box)
+                out.append((r, *box))
     return out
 
 
-def _sharded_tensor(layout: Layout, local: torch.Tensor | None, me: int, prefer_me: bool):
+def _sharded_tensor(layout: Layout, pieces: list | None, me: int, prefer_me: bool):
     """A ShardedTensor over ``layout``'s distinct non-empty blocks (one owner each).
 
-    This rank holds ``local`` when it owns its block. With ``prefer_me`` (checkpoint load),
-    this rank's own block is assigned to this rank in the (per-rank) global metadata, so every
-    replica gets a local shard. A zero-element tensor gets one empty shard on the first rank.
+    ``pieces``: this rank's tensor for each of its boxes (:func:`rank_boxes`; one for a
+    :class:`Layout`), or None when it holds nothing. This rank holds a piece when it owns its
+    box. With ``prefer_me`` (checkpoint load), this rank's own boxes are assigned to this rank
+    in the (per-rank) global metadata, so every replica gets a local shard. A zero-element
+    tensor gets one empty shard on the first rank.
     """
     from torch.distributed._shard.metadata import ShardMetadata as TShardMetadata
     from torch.distributed._shard.sharded_tensor import (
@@ -276,23 +294,22 @@ def _sharded_tensor(layout: Layout, local: torch.Tensor | None, me: int, prefer_
     )
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    mine = layout.shard_metadata(me)
-    my_box = (mine.shard_offsets, mine.shard_sizes)
+    mine = {(m.shard_offsets, m.shard_sizes): i for i, m in enumerate(rank_boxes(layout, me))}
     boxes = _distinct_boxes(layout)
     if not boxes:
         first = layout.mesh.ranks[0]
         boxes = [(first, (0,) * layout.ndim, tuple(layout.shape))]
-        if me == first and local is not None:
-            local = local.new_empty(layout.shape)
-            my_box = boxes[0][1:]
+        if me == first and pieces is not None:
+            pieces = [pieces[0].new_empty(layout.shape)]
+            mine = {boxes[0][1:]: 0}
     metas, local_shards = [], []
     for owner, offsets, sizes in boxes:
-        if prefer_me and (offsets, sizes) == my_box:
+        if prefer_me and (offsets, sizes) in mine:
             owner = me
         md = TShardMetadata(list(offsets), list(sizes), layout.mesh.placement(owner))
         metas.append(md)
-        if owner == me and local is not None:
-            local_shards.append(Shard(local.contiguous(), md))
+        if owner == me and pieces is not None:
+            local_shards.append(Shard(pieces[mine[(offsets, sizes)]].contiguous(), md))
     props = TensorProperties(dtype=layout.dtype, requires_grad=False)
     st_md = ShardedTensorMetadata(metas, torch.Size(layout.shape), props)
     with _quiet():
@@ -330,7 +347,8 @@ def to_sharded_tensor(x: ShardedArray):
         )
     if x.mesh.is_abstract:
         raise ValueError(f"to_sharded_tensor: x is on an abstract mesh ({x.mesh!r})")
-    return _sharded_tensor(x.layout, x.local.detach(), x.mesh.rank, prefer_me=False)
+    pieces = local_pieces(x.layout, x.local.detach())
+    return _sharded_tensor(x.layout, pieces, x.mesh.rank, prefer_me=False)
 
 
 def from_sharded_tensor(st, mesh: Mesh) -> ShardedArray:

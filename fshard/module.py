@@ -130,7 +130,7 @@ def shard_params(
     errors = LeafErrors("shard_params: parameters the plan's specs do not fit", "params")
     for name, p in named.items():  # every layout checked before any parameter is sharded
         try:
-            Layout(mesh, specs[name], tuple(p.shape), p.dtype)
+            Layout.of(mesh, specs[name], tuple(p.shape), p.dtype)
         except (TypeError, ValueError) as e:
             errors.add(f"[{name!r}]", f"shape {tuple(p.shape)}, spec {specs[name]}: {e}")
     errors.raise_if_any(fix="fix the plan's pattern or spec for these parameters")

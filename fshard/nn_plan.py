@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from .spec import P
+from .spec import P, Parts
 
 __all__ = ["Output", "match_plan"]
 
@@ -77,11 +77,11 @@ def _split_plan(plan) -> tuple[dict[str, P], dict[str, P]]:
     for pattern, value in plan.items():
         if isinstance(value, Output) and isinstance(value.spec, P):
             outputs[pattern] = value.spec
-        elif isinstance(value, P):
+        elif isinstance(value, (P, Parts)):
             params[pattern] = value
         else:
             raise TypeError(
-                f"plan[{pattern!r}] must be a fs.P (a parameter's layout) or a "
+                f"plan[{pattern!r}] must be a fs.P or fs.Parts (a parameter's layout) or a "
                 f"fs.nn.Output(fs.P(...)) (a module's output layout), got "
                 f"{type(value).__name__} {value!r}"
             )

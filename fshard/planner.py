@@ -13,6 +13,8 @@ cached per ``(layout, dst_spec)``. Lowering, per mesh axis (DESIGN §5, n ranks,
     Replicate -> Partial     zero (local)     0
     any block permutation    ppermute         L           (e.g. P('x','y') -> P('y','x'))
     Layout.explicit -> any   gather_blocks    (N-1)·max block   (then local slices)
+    Parts -> any             gather_parts     (n-1)·L     (the parts dim; then as from P)
+    any -> Parts             slice_parts      0           (after making the parts dim whole)
 
 Order: partial axes are reduced first (as a reduce_scatter where the target shards a dim over
 exactly those axes, else an all_reduce), then dims move (one all_to_all, a ppermute, or
@@ -29,13 +31,15 @@ from .collectives import (
     AllGather,
     AllToAll,
     GatherBlocks,
+    GatherParts,
     LocalSlice,
     Ppermute,
     Psum,
     PsumScatter,
+    SliceParts,
     ZeroOthers,
 )
-from .spec import BaseLayout, Layout, P, chunk_bounds
+from .spec import BaseLayout, Layout, P, Parts, PartsLayout, chunk_bounds
 
 __all__ = ["Step", "plan"]
 
@@ -123,12 +127,12 @@ def in_mesh_order(mesh, axes) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in axes)
 
 
-def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
+def plan(layout: Layout, dst_spec: P | Parts, rank: int | None = None) -> list[Step]:
     """The steps ``reshard`` takes from ``layout`` to ``dst_spec``, with this rank's bytes.
 
     Args:
         layout: the source layout (``x.layout``); its mesh may be abstract.
-        dst_spec: the target :class:`P`.
+        dst_spec: the target :class:`P` (or :class:`Parts`).
         rank: whose input bytes to report; default this process's rank (rank 0 on an abstract
             mesh).
 
@@ -148,8 +152,10 @@ def plan(layout: Layout, dst_spec: P, rank: int | None = None) -> list[Step]:
     """
     if not isinstance(layout, BaseLayout):
         raise TypeError(f"plan: layout must be a fshard.Layout, got {type(layout).__name__}")
-    if not isinstance(dst_spec, P):
-        raise TypeError(f"plan: dst_spec must be a fshard.P, got {type(dst_spec).__name__}")
+    if not isinstance(dst_spec, (P, Parts)):
+        raise TypeError(
+            f"plan: dst_spec must be a fshard.P or fshard.Parts, got {type(dst_spec).__name__}"
+        )
     if rank is None:
         rank = layout.mesh.ranks[0] if layout.mesh.is_abstract else layout.mesh.rank
     return [_with_bytes(s, rank) for s in steps(layout, layout.with_spec(dst_spec))]
@@ -175,6 +181,24 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
     """The steps from ``src`` to ``dst`` (no byte counts). Not cached: the decision is cached
     once, bound to process groups, by ``fshard.executor.program``; an op rule's compiled plan
     holds those programs."""
+    if src == dst:
+        return ()
+    if isinstance(src, PartsLayout):
+        if _parts_stay(src, dst):  # the parts dim stays: the other dims and sums move
+            inner = steps(src.base, dst.base)
+            # a ppermute's shapes are the base's blocks; the parts dim must not move
+            if not any(
+                s.dim == src.dim or s.concat_dim == src.dim or isinstance(s.op, Ppermute)
+                for s in inner
+            ):
+                return tuple(_per_part(s, src) for s in inner)
+        whole = src.made_whole()
+        op = GatherParts(src.axes, src.dim, src.sizes)
+        return (Step(op, src, whole),) + steps(whole, dst)
+    if isinstance(dst, PartsLayout):
+        whole = dst.made_whole()
+        op = SliceParts(dst.axes, dst.dim, dst.sizes)
+        return steps(src, whole) + (Step(op, whole, dst),)
     if src.is_explicit:
         # Explicit boxes: gather every block over the whole mesh (padded flat blocks,
         # assembled by offsets), then plan from the replicated value.
@@ -270,6 +294,21 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
         cur = dst
     assert cur == dst, (cur, dst)
     return tuple(out)
+
+
+def _parts_stay(src: PartsLayout, dst) -> bool:
+    return isinstance(dst, PartsLayout) and (src.dim, src.sizes, src.axes) == (
+        dst.dim,
+        dst.sizes,
+        dst.axes,
+    )
+
+
+def _per_part(step: Step, like: PartsLayout) -> Step:
+    """A step between two base layouts that leaves the parts dim alone, as the same step
+    between the per-part layouts (the parts dim's blocks ride along)."""
+    wrap = lambda lay: lay.with_spec(Parts(lay.spec, like.dim, like.sizes))  # noqa: E731
+    return Step(step.op, wrap(step.src), wrap(step.dst), step.nbytes)
 
 
 def _block_permutation(src: Layout, dst: Layout):

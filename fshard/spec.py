@@ -30,9 +30,11 @@ AxisEntry = None | str | tuple[str, ...]
 __all__ = [
     "P",
     "PartitionSpec",
+    "Parts",
     "BaseLayout",
     "Layout",
     "ExplicitLayout",
+    "PartsLayout",
     "ShardMetadata",
     "chunk_bounds",
     "chunk_index",
@@ -148,6 +150,84 @@ P = PartitionSpec
 
 def _make_spec(entries, partial) -> PartitionSpec:
     return PartitionSpec(*entries, partial=partial)
+
+
+class Parts:
+    """A per-part split: dim ``dim`` is the concatenation of parts of ``sizes``, and *each part*
+    is split on its own over the mesh axes ``spec`` gives that dim (DTensor's ``_StridedShard``,
+    for parts of any sizes). ``spec`` lays out every other dim and the pending sums as usual.
+
+    This is the layout of a fused projection: a ``[q | k | v]`` weight with fewer kv heads,
+    ``[gate | up]``, GPT-2's ``c_attn``. With ``Parts(P("tp", None), 0, (q, k, v))`` rank ``r``
+    holds ``[q_r | k_r | v_r]`` (its chunk of each part, by the ceil-div convention of DESIGN §2),
+    so a linear layer's output holds whole heads of each part and slicing or splitting it at the
+    part boundaries needs no communication. Op rules that take it: pointwise ops, casts and
+    reductions, ``F.linear``/``matmul``/``addmm`` with the parts on the weight's out-features,
+    reshapes that keep the parts dim, and ``split``/``chunk``/slices at part boundaries (which
+    give a ``P`` split); any other op first gathers the parts dim (one all_gather, in the comm
+    log).
+
+    Args:
+        spec: a :class:`P` that splits ``dim`` (each part is split over those axes).
+        dim: the dim made of parts (negative counts from the end).
+        sizes: the parts' sizes along ``dim`` (two or more; they sum to the dim's size).
+
+    Example:
+        >>> from fshard import Layout, Mesh
+        >>> fused = Parts(P("tp", None), 0, (4, 2, 2))  # [q | k | v] with half the kv heads
+        >>> lay = Layout.of(Mesh.abstract((2,), ("tp",)), fused, (8, 3))
+        >>> [[(m.shard_offsets[0], m.shard_sizes[0]) for m in lay.blocks(r)] for r in (0, 1)]
+        [[(0, 2), (4, 1), (6, 1)], [(2, 2), (5, 1), (7, 1)]]
+    """
+
+    __slots__ = ("spec", "dim", "sizes", "_key")
+
+    def __init__(self, spec: PartitionSpec, dim: int, sizes: Sequence[int]):
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(f"Parts: spec must be a fshard.P, got {type(spec).__name__} {spec!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"Parts: dim must be an int, got {dim!r}")
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise TypeError(f"Parts: sizes must be a sequence of ints, got {sizes!r}")
+        if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
+            raise ValueError(
+                f"Parts: sizes must be two or more ints (one per part), got {tuple(sizes)!r}"
+            )
+        if any(s <= 0 for s in sizes):
+            raise ValueError(f"Parts: every part must have a positive size, got {tuple(sizes)!r}")
+        if dim >= 0 and not (spec.padded(dim + 1)[dim]):
+            raise ValueError(
+                f"Parts: {spec} does not split dim {dim}; name the axes each part is split over "
+                f"in that dim's entry (e.g. P('tp', None) for dim 0), or use the P alone"
+            )
+        set_ = object.__setattr__
+        set_(self, "spec", spec)
+        set_(self, "dim", dim)
+        set_(self, "sizes", tuple(sizes))
+        set_(self, "_key", (spec, dim, tuple(sizes)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Parts is immutable")
+
+    def __reduce__(self):
+        return (Parts, self._key)
+
+    def __repr__(self) -> str:
+        return f"Parts({self.spec}, dim={self.dim}, sizes={self.sizes})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Parts) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    @property
+    def partial(self) -> tuple[str, ...]:
+        return self.spec.partial
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.spec.axes
 
 
 def chunk_bounds(n: int, num_chunks: int, index: int) -> tuple[int, int]:
@@ -288,6 +368,9 @@ class BaseLayout:
 
     #: True for an :class:`ExplicitLayout` (arbitrary per-rank boxes, no partition spec).
     is_explicit: bool = False
+    #: The attribute an op rule sets to say it takes this kind of layout as it is (a rule
+    #: without it sees :meth:`made_whole` instead); ``None``: every rule takes it.
+    rule_flag: str | None = None
 
     def _set_value(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, value: tuple) -> None:
         """Set the fields every layout has; ``value`` is the tuple equality and hash use."""
@@ -325,9 +408,17 @@ class BaseLayout:
         """Shape of ``rank``'s local tensor (default: this process's rank)."""
         return self.shard_metadata(self.mesh.rank if rank is None else rank).shard_sizes
 
-    def with_spec(self, spec: PartitionSpec) -> Layout:
-        """The same value (mesh, shape, dtype) laid out by ``spec``."""
+    def with_spec(self, spec: PartitionSpec | Parts) -> Layout:
+        """The same value (mesh, shape, dtype) laid out by ``spec`` (a :class:`P` or a
+        :class:`Parts`)."""
         return _layout(self.mesh, spec, self.shape, self.dtype)
+
+    def made_whole(self) -> Layout:
+        """The :class:`Layout` an op rule that does not take this kind of layout sees instead
+        (the dispatcher reshards the value to it first): the layout itself for a
+        :class:`Layout`, the replicated value for an :class:`ExplicitLayout`, the parts dim
+        gathered for a :class:`PartsLayout`."""
+        return self.with_spec(P())
 
 
 class Layout(BaseLayout):
@@ -392,6 +483,24 @@ class Layout(BaseLayout):
 
     def __reduce__(self):
         return (Layout, (self.mesh, self.spec, self.shape, self.dtype))
+
+    def made_whole(self) -> Layout:
+        return self
+
+    @staticmethod
+    def of(mesh, spec: PartitionSpec | Parts, shape, dtype: torch.dtype = torch.float32):
+        """The layout ``spec`` gives ``shape`` on ``mesh``: a :class:`Layout` for a :class:`P`,
+        a :class:`PartsLayout` for a :class:`Parts`.
+
+        Example:
+            >>> from fshard import Mesh
+            >>> m = Mesh.abstract((2,), ("tp",))
+            >>> type(Layout.of(m, P("tp"), (6,))).__name__, Layout.of(m, Parts(P("tp"), 0, (4, 2)), (6,)).local_shape(0)
+            ('Layout', (3,))
+        """
+        if isinstance(spec, Parts):
+            return PartsLayout(mesh, spec, shape, dtype)
+        return Layout(mesh, spec, shape, dtype)
 
     @property
     def partial(self) -> tuple[str, ...]:
@@ -460,7 +569,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _layout(mesh, spec, shape, dtype) -> Layout:
-    return Layout(mesh, spec, shape, dtype)
+    return Layout.of(mesh, spec, shape, dtype)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -529,6 +638,7 @@ class ExplicitLayout(BaseLayout):
     __slots__ = ("chunks",)
 
     is_explicit = True
+    rule_flag = "explicit_layouts"
     spec = None
 
     def __init__(self, mesh, chunks, shape, dtype: torch.dtype = torch.float32):
@@ -637,3 +747,129 @@ class ExplicitLayout(BaseLayout):
                 seen.add(box)
                 out.append(r)
         return out
+
+
+class PartsLayout(BaseLayout):
+    """A value laid out by a :class:`Parts`: dim ``dim`` is made of parts of ``sizes``, each split
+    on its own over ``axes`` (ceil-div chunks, DESIGN §2); every other dim and the pending sums
+    follow ``base``, the :class:`Layout` of the same :class:`P` (as if the dim were one part).
+
+    A rank's block is the concatenation, along ``dim``, of its chunk of each part: several
+    boxes of the global tensor (:meth:`blocks`), so :meth:`shard_metadata` (one box) refuses.
+    Not a :class:`Layout`: only op rules marked ``parts_layouts`` see one (:mod:`fshard.ops.parts`);
+    for the others the dispatcher gathers the parts dim first (:meth:`made_whole`), and the
+    planner moves it with ``gather_parts`` / ``slice_parts`` (:mod:`fshard.planner`).
+
+    Example:
+        >>> from fshard import Mesh
+        >>> lay = Layout.of(Mesh.abstract((2,), ("tp",)), Parts(P(None, "tp"), 1, (6, 3)), (2, 9))
+        >>> lay.local_shape(0), lay.local_shape(1), lay.made_whole().spec
+        ((2, 5), (2, 4), P())
+    """
+
+    __slots__ = ("base", "dim", "sizes", "axes", "spec")
+
+    rule_flag = "parts_layouts"
+
+    def __init__(self, mesh, parts: Parts, shape, dtype: torch.dtype = torch.float32):
+        if not isinstance(parts, Parts):
+            raise TypeError(f"spec must be a fshard.Parts, got {type(parts).__name__} {parts!r}")
+        base = _layout(mesh, parts.spec, _check_shape(shape), dtype)
+        dim = parts.dim + base.ndim if parts.dim < 0 else parts.dim
+        if not 0 <= dim < base.ndim:
+            raise ValueError(
+                f"{parts}: dim {parts.dim} is out of range for a tensor of shape {base.shape}"
+            )
+        if sum(parts.sizes) != base.shape[dim]:
+            raise ValueError(
+                f"{parts}: the parts sum to {sum(parts.sizes)} but dim {dim} of the tensor has "
+                f"size {base.shape[dim]} (shape {base.shape}); the sizes must add up to it"
+            )
+        axes = base.dim_axes[dim]
+        if not axes:
+            raise ValueError(f"{parts}: the spec does not split dim {dim}; use the P alone")
+        set_ = object.__setattr__
+        canonical = parts if parts.dim == dim else Parts(parts.spec, dim, parts.sizes)
+        set_(self, "base", base)
+        set_(self, "dim", dim)
+        set_(self, "sizes", parts.sizes)
+        set_(self, "axes", axes)
+        set_(self, "spec", canonical)
+        self._set_value(mesh, base.shape, dtype, ("parts", mesh, canonical, base.shape, dtype))
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, PartsLayout)
+            and self._hash == other._hash
+            and self.spec == other.spec
+            and self.base == other.base
+        )
+
+    __hash__ = BaseLayout.__hash__
+
+    def __repr__(self) -> str:
+        return f"Layout({self.mesh!r}, {self.spec}, shape={self.shape}, dtype={self.dtype})"
+
+    def __reduce__(self):
+        return (PartsLayout, (self.mesh, self.spec, self.shape, self.dtype))
+
+    @property
+    def partial(self) -> tuple[str, ...]:
+        return self.base.partial
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        return self.base.sharded_axes
+
+    @property
+    def varying_axes(self) -> frozenset[str]:
+        return self.base.varying_axes
+
+    def with_dtype(self, dtype: torch.dtype) -> PartsLayout:
+        return _layout(self.mesh, self.spec, self.shape, dtype)
+
+    def made_whole(self) -> Layout:
+        dims = list(self.base.dim_axes)
+        dims[self.dim] = ()
+        entries = [None if not a else a[0] if len(a) == 1 else a for a in dims]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return _layout(self.mesh, P(*entries, partial=self.partial), self.shape, self.dtype)
+
+    def part_chunks(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """``(global start, size)`` along ``dim`` of ``rank``'s chunk of each part, in order."""
+        return _part_chunks(self, rank)
+
+    def blocks(self, rank: int) -> tuple[ShardMetadata, ...]:
+        """``rank``'s boxes of the global tensor, one per part, in the order its local block
+        concatenates them along ``dim``."""
+        meta = _shard_metadata(self.base, rank)
+        out = []
+        for start, size in _part_chunks(self, rank):
+            offsets, sizes = list(meta.shard_offsets), list(meta.shard_sizes)
+            offsets[self.dim], sizes[self.dim] = start, size
+            out.append(ShardMetadata(tuple(offsets), tuple(sizes), meta.placement))
+        return tuple(out)
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        rank = self.mesh.rank if rank is None else rank
+        sizes = list(_shard_metadata(self.base, rank).shard_sizes)
+        sizes[self.dim] = sum(n for _, n in _part_chunks(self, rank))
+        return tuple(sizes)
+
+    def shard_metadata(self, rank: int) -> ShardMetadata:
+        raise TypeError(
+            f"{self}: a per-part layout holds several boxes per rank (one per part); use "
+            "layout.blocks(rank), or reshard to a P layout first"
+        )
+
+
+@functools.lru_cache(maxsize=65536)
+def _part_chunks(layout: PartsLayout, rank: int) -> tuple[tuple[int, int], ...]:
+    index, count = chunk_index(layout.mesh, layout.axes, layout.mesh.coords(rank))
+    out, start = [], 0
+    for n in layout.sizes:
+        a, b = chunk_bounds(n, count, index)
+        out.append((start + a, b - a))
+        start += n
+    return tuple(out)

@@ -149,27 +149,36 @@ def _plan_warnings(model, column, **kw):
     return plan, [str(w.message) for w in caught if "megatron_plan" in str(w.message)]
 
 
-def test_fused_projections_are_named_with_their_cost():
-    """Issue 21 item 7: a column split of a fused projection whose parts differ in size warns
-    with the cost (one warning per glob); a head-major fused qkv that the model's own plan
-    declares colwise (GPT-NeoX), separate q/k/v, gate/up projections and LM heads do not."""
-    phi3 = _llama("Phi3ForCausalLM", "Phi3Config", pad_token_id=0)
-    _, got = _plan_warnings(phi3, ["*.qkv_proj", "*.gate_up_proj", "lm_head"])
-    assert len(got) == 2, got
-    assert "fused [q | k | v] with 4 query and 2 key/value heads" in got[0], got
-    assert "fused [gate | up] of 64 features each" in got[1], got
-    assert all("all-gathers and re-splits" in g for g in got), got
+def test_fused_projections_are_split_per_part():
+    """Issue 21 item 7: a fused projection whose parts differ in size (GQA ``[q | k | v]``,
+    multi-query, ``[gate | up]``) and GPT-2's ``Conv1D`` ``c_attn`` get a per-part layout with
+    the parts read from the config, weight and bias alike, with no warning; a head-major fused
+    qkv that the model's own plan declares colwise (GPT-NeoX) stays a contiguous split; an
+    ``nn.Linear`` of 3 x in features whose order nothing declares warns."""
+    phi3 = _llama("Phi3ForCausalLM", "Phi3Config", pad_token_id=0)  # 4 heads of 8, 2 kv heads
+    plan, got = _plan_warnings(phi3, ["*.qkv_proj", "*.gate_up_proj", "lm_head"])
+    assert not got, got
+    assert plan["*.qkv_proj.weight"] == fs.Parts(fs.P("tp", None), 0, (32, 16, 16))
+    assert plan["*.gate_up_proj.weight"] == fs.Parts(fs.P("tp", None), 0, (64, 64))
+    assert plan["lm_head.weight"] == fs.P("tp", None)
     torch.manual_seed(0)
     neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         vocab_size=VOCAB, max_position_embeddings=SEQ))  # fmt: skip
     plan, got = _plan_warnings(neox, ["*.query_key_value", "*.dense_h_to_4h", "lm_head"])
     assert not got and plan["*.query_key_value.weight"] == fs.P("tp", None)
+    assert plan["*.query_key_value.bias"] == fs.P("tp")
     falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB,
         multi_query=True))  # fmt: skip
-    _, got = _plan_warnings(falcon, ["*.query_key_value"])
-    assert len(got) == 1 and "4 query and 1 key/value heads" in got[0], got
+    plan, got = _plan_warnings(falcon, ["*.query_key_value"])
+    assert not got and plan["*.query_key_value.weight"] == fs.Parts(fs.P("tp", None), 0, (32, 8, 8))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ))  # fmt: skip
+    plan, got = _plan_warnings(gpt2, ["*.attn.c_attn"])
+    assert not got
+    assert plan["*.attn.c_attn.weight"] == fs.Parts(fs.P(None, "tp"), 1, (32, 32, 32))
+    assert plan["*.attn.c_attn.bias"] == fs.Parts(fs.P("tp"), 0, (32, 32, 32))
     llama = _llama()
     _, got = _plan_warnings(llama, ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "lm_head"])
     assert not got, got
@@ -177,6 +186,10 @@ def test_fused_projections_are_named_with_their_cost():
                  shared_expert_intermediate_size=32)  # fmt: skip
     _, got = _plan_warnings(moe, ["*.shared_expert.gate_proj", "*.shared_expert.up_proj"])
     assert not got, got
+    qkv = torch.nn.Sequential(torch.nn.Linear(8, 24))  # 3 x in, no config: order unknown
+    plan, got = _plan_warnings(qkv, ["0"])
+    assert len(got) == 1 and "head-major" in got[0] and "fs.Parts" in got[0], got
+    assert plan["0.weight"] == fs.P("tp", None)
 
 
 def test_conv_layers_split_on_channels():

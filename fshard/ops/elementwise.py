@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import BaseLayout, Layout
-from . import rows
+from . import parts, rows
 from ._common import meta_call, out_layout, spec
 from .registry import SCALAR, SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
 
@@ -106,7 +106,7 @@ def elementwise_rule(kind: str):
         return OpSharding(specs, out_layout(ins[0].mesh, dims, partial, meta))
 
     rule.explicit_layouts = True
-    return rule
+    return parts.aligned(rule, parts.pointwise_groups)
 
 
 def _several(rule, op, args, kwargs, metas):
@@ -397,12 +397,13 @@ def _register():
         register_rule(op, elementwise_rule(DIVIDE))
     for n in CAST_METHODS:
         register_rule(getattr(torch.Tensor, n), elementwise_rule(CAST))
-    register_rule(torch.Tensor.to, cast_rule, aliases=(torch.Tensor.type, torch.Tensor.type_as))
     cast_rule.explicit_layouts = True
+    cast = parts.aligned(cast_rule, parts.pointwise_groups)
+    register_rule(torch.Tensor.to, cast, aliases=(torch.Tensor.type, torch.Tensor.type_as))
     for n in INT_CASTS:
         register_rule(getattr(torch.Tensor, n), elementwise_rule(NONLINEAR))
     for n in LIKE:
-        register_rule(getattr(torch, n), like_rule)
+        register_rule(getattr(torch, n), parts.aligned(like_rule, parts.pointwise_groups))
 
 
 _register()

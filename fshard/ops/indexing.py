@@ -28,6 +28,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..array import ShardedArray
 from ..spec import BaseLayout, Layout, P, _layout
+from . import parts
 from ._common import meta_call, out_layout, spec
 from .binding import bind
 from .elementwise import own_dims
@@ -322,7 +323,7 @@ def _where_rule(elementwise):
 
 def _register():
     register_rule(torch.where, _where_rule(rule_for(torch.where)))
-    register_rule(torch.Tensor.__getitem__, getitem_rule)
+    register_rule(torch.Tensor.__getitem__, parts.cuts(getitem_rule, parts.getitem_range))
     register_rule(index_update, index_update_rule)
     register_rule(torch.nonzero, nonzero_rule, aliases=(torch.Tensor.nonzero,))
     register_rule(torch.argwhere, nonzero_rule, aliases=(torch.Tensor.argwhere,))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import BaseLayout, Layout
-from . import rows
+from . import parts, rows
 from ._common import in_mesh_order, meta_call, out_layout, reshard_cost, spec
 from .binding import bind
 from .registry import OpSharding, register_rule, tensor_inputs
@@ -266,13 +266,17 @@ def einsum_rule(op, args, kwargs):
 
 
 def _register():
+    for rule in (matmul_rule, linear_rule, addmm_rule):
+        rule.explicit_layouts = True
+    matmul = parts.aligned(matmul_rule, parts.linear_groups)
     for op in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
-        register_rule(op, matmul_rule)
+        register_rule(op, matmul)
     register_rule(torch.Tensor.__rmatmul__, matmul_rule)
     for op in (torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm):
-        register_rule(op, matmul_rule)
-    register_rule(F.linear, linear_rule)
-    register_rule(torch.addmm, addmm_rule, aliases=(torch.Tensor.addmm,))
+        register_rule(op, matmul)
+    register_rule(F.linear, parts.aligned(linear_rule, parts.linear_groups))
+    addmm = parts.aligned(addmm_rule, parts.linear_groups)
+    register_rule(torch.addmm, addmm, aliases=(torch.Tensor.addmm,))
     register_rule(torch.einsum, einsum_rule)
     register_rule(torch.baddbmm, baddbmm_rule, aliases=(torch.Tensor.baddbmm,))
     for op in (torch.outer, torch.Tensor.outer, torch.ger, torch.Tensor.ger):
@@ -280,8 +284,6 @@ def _register():
     for op in (torch.mv, torch.Tensor.mv, torch.dot, torch.Tensor.dot, torch.vdot):
         register_rule(op, matmul_rule)
     register_rule(torch.Tensor.vdot, matmul_rule)
-    for rule in (matmul_rule, linear_rule, addmm_rule):
-        rule.explicit_layouts = True
     register_table({batched_rule(2): MATRIX_FUNCTIONS, batched_rule(1): "linalg.vander"})
 
 

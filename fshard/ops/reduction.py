@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from . import rows
+from ..spec import BaseLayout
+from . import parts, rows
 from ._common import (
     group_of,
     group_pcast,
@@ -114,7 +115,31 @@ def reduction_rule(kind: str):
         return OpSharding([in_spec], out, local)
 
     rule.explicit_layouts = True
-    return rule
+    return parts.aligned(rule, _groups(kind))
+
+
+def _groups(kind: str):
+    """The reduction's dim correspondences for per-part inputs (:mod:`.parts`): each kept dim
+    with its output dim, each reduced dim alone (a reduction is order-free along it)."""
+
+    def groups(op, args, kwargs, ins, outs):
+        if len(ins) != 1:
+            return parts.pointwise_groups(op, args, kwargs, ins, outs)  # torch.max(x, other)
+        x = ins[0]
+        dims = norm_dims(_dim_arg(kind, args, kwargs), x.ndim) if x.ndim else ()
+        out = outs if isinstance(outs, BaseLayout) else outs[0]
+        keepdim = out.ndim == x.ndim and x.ndim > 0
+        kept = [d for d in range(x.ndim) if keepdim or d not in dims]
+        result = [[(("in", 0), d)] for d in dims if not keepdim]
+        for o, d in enumerate(kept):
+            result.append([(("in", 0), d)] + [(("out", k), o) for k in range(len(_outs(outs)))])
+        return result
+
+    return groups
+
+
+def _outs(outs):
+    return [outs] if isinstance(outs, BaseLayout) else list(outs)
 
 
 def _rows_rule(kind, op, x, dims, keepdim, meta):

@@ -544,13 +544,15 @@ def _compile(func, leaves, tree) -> _Compiled:
                 f"{name}: inputs live on different meshes ({mesh!r} and {a.layout.mesh!r}); "
                 "move them to one mesh first"
             )
-    # An explicit layout (row blocks of an uneven batch, fshard.ops.rows) reaching a rule that
-    # does not take it (one marked explicit_layouts does) is made whole: the rule sees it
-    # replicated and the compiled op gathers its blocks first (gather_blocks, in the comm log).
+    # An explicit layout (row blocks of an uneven batch, fshard.ops.rows) or a per-part one
+    # (fshard.ops.parts) reaching a rule that does not take it (one marked explicit_layouts /
+    # parts_layouts does) is made whole: the rule sees made_whole() and the compiled op gathers
+    # the blocks first (gather_blocks / gather_parts, in the comm log).
     whole = set()
     for i, a in enumerate(leaves):
         if type(a) is ShardedArray:
-            if a.layout.is_explicit and not getattr(_RULES.get(func), "explicit_layouts", False):
+            flag = a.layout.rule_flag
+            if flag is not None and not getattr(_RULES.get(func), flag, False):
                 whole.add(i)
         elif isinstance(a, torch.Tensor):
             check_plain_tensor(a, f"{name}: input {i}")
@@ -569,7 +571,7 @@ def _compile(func, leaves, tree) -> _Compiled:
     casts = _autocast.input_casts(func, view, _filled(tree), mesh.device_type)
     if casts:
         view = [v.with_dtype(casts[i]) if i in casts else v for i, v in enumerate(view)]
-    seen = [v.with_spec(P()) if i in whole else v for i, v in enumerate(view)]
+    seen = [v.made_whole() if i in whole else v for i, v in enumerate(view)]
     args, kwargs = _unflatten(tree, seen)
     if kwargs.get("inplace") is True and kwargs.get("out") is None:  # F.relu(x, inplace=True)
         return _inplace.InplaceCall(
@@ -584,10 +586,12 @@ def _compile(func, leaves, tree) -> _Compiled:
         raise NotImplementedError(unsupported_message(name, view))
     try:
         sharding = rule(func, args, kwargs)
-    except ExplicitRefused:  # the rule takes explicit layouts, but not this combination
-        whole = {i for i, v in enumerate(view) if isinstance(v, BaseLayout) and v.is_explicit}
+    except ExplicitRefused:  # the rule takes the layout kind, but not this combination
+        whole = {
+            i for i, v in enumerate(view) if isinstance(v, BaseLayout) and v.rule_flag is not None
+        }
         args, kwargs = _unflatten(
-            tree, [v.with_spec(P()) if i in whole else v for i, v in enumerate(view)]
+            tree, [v.made_whole() if i in whole else v for i, v in enumerate(view)]
         )
         sharding = rule(func, args, kwargs)
     if not isinstance(sharding, OpSharding):
@@ -599,7 +603,10 @@ def _compile(func, leaves, tree) -> _Compiled:
         specs = [specs.get(n) for n in _tensor_names(func, args, kwargs)]
     if whole:
         tensor_idx = [i for i, v in enumerate(view) if isinstance(v, BaseLayout)]
-        specs = [P() if s is None and i in whole else s for i, s in zip(tensor_idx, specs)]
+        specs = [
+            view[i].made_whole().spec if s is None and i in whole else s
+            for i, s in zip(tensor_idx, specs)
+        ]
     fn = sharding.local or func
     if sharding.by_name:
         fn = _by_name(sharding.local, resolve(func, args, kwargs))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import BaseLayout, Layout
-from . import rows
+from . import parts, rows
 from ._common import meta_call, norm_dim, out_layout, spec
 from .binding import bind
 from .elementwise import align, own_dims
@@ -295,11 +295,12 @@ def _register():
         register_rule(op, permutation_rule, aliases=(getattr(torch.Tensor, op.__name__),))
     for name in ("T", "mT", "H", "mH"):
         register_rule(getattr(torch.Tensor, name).__get__, permutation_rule)
-    for n in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
-        register_rule(getattr(torch, n), reshape_rule, aliases=(getattr(torch.Tensor, n),))
-    for n in ("view", "view_as", "reshape_as"):
-        register_rule(getattr(torch.Tensor, n), reshape_rule)
     reshape_rule.explicit_layouts = True
+    reshape = parts.aligned(reshape_rule, parts.reshape_groups)
+    for n in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
+        register_rule(getattr(torch, n), reshape, aliases=(getattr(torch.Tensor, n),))
+    for n in ("view", "view_as", "reshape_as"):
+        register_rule(getattr(torch.Tensor, n), reshape)
     for n in ("atleast_1d", "atleast_2d", "atleast_3d"):
         register_rule(getattr(torch, n), atleast_rule)
     register_rule(torch.broadcast_tensors, broadcast_rule)
@@ -308,9 +309,12 @@ def _register():
     register_rule(torch.broadcast_to, expand_rule, aliases=(torch.Tensor.broadcast_to,))
     for op in (torch.cat, torch.concat, torch.concatenate, torch.stack):
         register_rule(op, cat_rule)
-    register_rule(torch.split, split_rule(), aliases=(torch.Tensor.split,))
-    register_rule(torch.chunk, split_rule(), aliases=(torch.Tensor.chunk,))
-    register_rule(torch.narrow, narrow_rule, aliases=(torch.Tensor.narrow,))
+    split = parts.cuts(split_rule(), parts.split_ranges)
+    register_rule(torch.split, split, aliases=(torch.Tensor.split,))
+    register_rule(torch.chunk, split, aliases=(torch.Tensor.chunk,))
+    register_rule(
+        torch.narrow, parts.cuts(narrow_rule, parts.narrow_range), aliases=(torch.Tensor.narrow,)
+    )
     register_rule(F.pad, pad_rule)
     register_rule(torch.view_as_real, complex_view_rule)
     register_rule(torch.view_as_complex, complex_view_rule)

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..nn_plan import Output, _matcher
-from ..spec import P
+from ..spec import P, Parts
 
 __all__ = ["megatron_plan", "hf_tp_plan"]
 
@@ -86,10 +86,12 @@ def _features(mod, kind: str) -> tuple[int, int]:
     return mod.out_features, mod.in_features
 
 
-def _fused_parts(model: torch.nn.Module, name: str, out_f: int, in_f: int, column) -> str | None:
-    """What column projection ``name`` (of ``out_f`` features) looks like from the model's
-    config: a fused ``[q | k | v]`` with fewer kv heads, or a fused ``[gate | up]``; ``None``
-    otherwise. Only a projection of the hidden state that is the one column projection of its
+def _fused_parts(
+    model: torch.nn.Module, name: str, out_f: int, in_f: int, column
+) -> tuple[int, ...] | None:
+    """The parts of column projection ``name`` (of ``out_f`` features) read from the model's
+    config: a fused ``[q | k | v]`` with fewer kv heads (multi-query included) or a fused
+    ``[gate | up]``; ``None`` otherwise. Only a projection of the hidden state that is the one column projection of its
     parent module (a Llama ``q_proj`` has the siblings ``k_proj``, ``v_proj``) and not the
     output embedding is taken for fused."""
     cfg = getattr(model, "config", None)
@@ -105,10 +107,10 @@ def _fused_parts(model: torch.nn.Module, name: str, out_f: int, in_f: int, colum
         head_dim = get("head_dim") or in_f // heads
         for kv in (get("num_key_value_heads", "num_kv_heads"), 1 if get("multi_query") else None):
             if kv and kv != heads and out_f == (heads + 2 * kv) * head_dim:
-                return f"[q | k | v] with {heads} query and {kv} key/value heads"
+                return (heads * head_dim, kv * head_dim, kv * head_dim)
     inter = get("intermediate_size", "ffn_dim", "n_inner")
     if isinstance(inter, int) and out_f == 2 * inter:
-        return f"[gate | up] of {inter} features each"
+        return (inter, inter)
     return None
 
 
@@ -124,49 +126,39 @@ def _shipped_style(model: torch.nn.Module, name: str) -> str | None:
     return None
 
 
-def _check_fused(name: str, mod, kind: str, axis: str, model, column) -> None:
-    """Refuse or warn about a column split of a fused projection that is not head-aligned.
+def _column_weight(name: str, mod, kind: str, axis: str, model, column) -> P | Parts:
+    """The layout of column projection ``name``'s weight: its out-features split over ``axis``,
+    per part for a fused projection.
 
     A contiguous split of the out-features gives each rank whole heads only when the features
     are head-major (GPT-NeoX's ``[h0: q k v | h1: q k v | ...]``): the model's own plan says so
-    (style ``colwise``), and that split is taken without a warning. Parts of different sizes
-    (``[q | k | v]`` with fewer kv heads, ``[gate | up]``) need a per-part split, which a
-    contiguous ``fs.P`` block cannot express: values stay correct, but every step gathers
-    and re-splits the parts (Phi-3 on 2 ranks: 6 all_gathers per layer and step), so it warns
-    with that cost."""
+    (style ``colwise``), and that split is taken. Fused parts read from the config (``[q | k |
+    v]`` with fewer kv heads, ``[gate | up]``) and GPT-2's ``Conv1D`` ``c_attn`` (``[q | k |
+    v]``, split by ``n_embd``) are split per part (:class:`~fshard.Parts`): each rank holds its
+    heads of q, k and v, so the model's cut of the output into q, k, v (or gate, up) is local.
+    An ``nn.Linear`` with out = 3 x in whose order nothing declares warns that a contiguous
+    split is head-aligned only if it is head-major."""
     out_f, in_f = _features(mod, kind)
+    contiguous = _split_dim(kind, axis, 0)
     if _shipped_style(model, name) in _HF_ALIGNED:
-        return
+        return contiguous
     parts = _fused_parts(model, name, out_f, in_f, column)
-    if out_f != 3 * in_f and parts is None:
-        return
-    msg = f"megatron_plan: column split of {name!r} (and the modules its glob matches) over {axis!r}: its {out_f} out-features "
-    if kind == "conv1d" and out_f == 3 * in_f:  # HF GPT-2 family: [q | k | v], split(n_embd)
-        raise ValueError(
-            f"{msg}look like a fused [q | k | v] projection stored [q | k | v] (transformers' "
-            "Conv1D, GPT-2's c_attn); a contiguous split is not head-aligned (rank 0 would get "
-            "all of q and part of k, so the attention would reshuffle heads across ranks every "
-            "step). Leave it out of column= (replicated; the row-parallel c_proj after the "
-            "attention then slices its input for free), or permute its out-features head-major "
-            "and split by hand"
-        )
+    if parts is None and kind == "conv1d" and out_f == 3 * in_f:  # GPT-2: split(n_embd, dim=2)
+        parts = (in_f,) * 3
     if parts is not None:
+        return Parts(contiguous, _WEIGHT_DIMS[kind][0], parts)
+    if out_f == 3 * in_f:
         warnings.warn(
-            f"{msg}are a fused {parts}; a contiguous split gives rank 0 other parts than rank "
-            "1, so every step all-gathers and re-splits them (values stay correct). Leave it "
-            "out of column= (replicated: the row-parallel layer after it slices its input for "
-            "free), or use separate projections",
+            f"megatron_plan: column split of {name!r} (and the modules its glob matches) over "
+            f"{axis!r}: its {out_f} out-features = 3 x {in_f} look like a fused q|k|v "
+            "projection and the model's plan does not say how they are ordered: a contiguous "
+            "split is head-aligned if they are head-major ([h0: q k v | h1: q k v | ...], "
+            "GPT-NeoX, Falcon); if they are [q | k | v] concatenated, split it per part "
+            f"(fs.Parts(fs.P({axis!r}, None), 0, (q, k, v))) or leave it out of column= "
+            "(values stay correct, but heads move across ranks every step)",
             stacklevel=4,
         )
-        return
-    warnings.warn(
-        f"{msg}= 3 x {in_f} look like a fused q|k|v projection and the model's plan does not "
-        "say how they are ordered: a contiguous split is head-aligned if they are head-major "
-        "([h0: q k v | h1: q k v | ...], GPT-NeoX, Falcon); if they are [q | k | v] "
-        "concatenated, leave it out of column= (values stay correct, but heads move across "
-        "ranks every step)",
-        stacklevel=4,
-    )
+    return contiguous
 
 
 def megatron_plan(
@@ -179,7 +171,7 @@ def megatron_plan(
     row_output: P | None = _REPLICATED,
     model: torch.nn.Module | None = None,
     sequence_parallel: bool = False,
-) -> dict[str, P | Output]:
+) -> dict[str, P | Parts | Output]:
     """A Megatron tensor-parallel plan for ``nn.Linear`` / ``Conv1D`` / ``nn.Conv1d/2d/3d`` /
     ``nn.Embedding``.
 
@@ -205,15 +197,15 @@ def megatron_plan(
             rules.
         model: the model. When given, each glob must match modules of the model, the weight
             dim is chosen by module type (``Conv1D`` stores its weight transposed), biases are
-            detected, and fused projections in ``column`` are checked: a head-major fused
-            q|k|v (GPT-NeoX; the model's own plan gives it the style ``colwise``) is split
-            contiguously without a warning; GPT-2's ``Conv1D`` ``[q | k | v]`` is refused (never
-            head-aligned); fused parts of different sizes read from the config (``[q | k | v]``
-            with fewer kv heads, multi-query, ``[gate | up]``: Phi-3, Falcon) warn with their
-            cost, since a contiguous ``fs.P`` block cannot give each rank a slice of every part
-            (leave them out of ``column=``: replicated, and the row-parallel layer after them
-            slices its input for free); an ``nn.Linear`` with out = 3 x in whose order the
-            model does not declare warns that it must be head-major.
+            detected, and fused projections in ``column`` are split per part: a head-major
+            fused q|k|v (GPT-NeoX; the model's own plan gives it the style ``colwise``) is
+            split contiguously; GPT-2's ``Conv1D`` ``[q | k | v]`` and fused parts read from
+            the config (``[q | k | v]`` with fewer kv heads, multi-query, ``[gate | up]``:
+            Phi-3, Falcon) get a :class:`~fshard.Parts` layout (each rank holds its chunk of
+            every part, so cutting the output into q, k, v is local; with fewer kv heads than
+            ranks, or multi-query, the k/v heads are cut and the attention gathers them); an
+            ``nn.Linear`` with out = 3 x in whose order the model does not declare warns that
+            it must be head-major.
         sequence_parallel: Megatron-SP (batch-first activations): ``row_output`` becomes
             ``P(None, axis)``, so norms, dropout and residual adds run on sequence-split
             activations; each column-parallel layer's input is all-gathered (reduce-scattered
@@ -243,7 +235,7 @@ def megatron_plan(
         raise TypeError(f"row_output must be a fs.P or None, got {row_output!r}")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-    plan: dict[str, P | Output] = {}
+    plan: dict[str, P | Parts | Output] = {}
     column = list(column)
     if model is not None:
         found = {m: _kind_of(model, m, "column") for m in column}
@@ -253,10 +245,13 @@ def megatron_plan(
         if model is not None:
             kind, mods = found[m]
             has_bias = any(getattr(mod, "bias", None) is not None for _, mod in mods)
-            _check_fused(*mods[0], kind, axis, model, names)  # one check (and warning) per glob
-        plan[f"{m}.weight"] = _split_dim(kind, axis, 0)
+            weight = _column_weight(*mods[0], kind, axis, model, names)  # one check per glob
+        else:
+            weight = _split_dim(kind, axis, 0)
+        plan[f"{m}.weight"] = weight
         if has_bias:
-            plan[f"{m}.bias"] = P(axis)
+            parts = weight.sizes if isinstance(weight, Parts) else None
+            plan[f"{m}.bias"] = P(axis) if parts is None else Parts(P(axis), 0, parts)
     for m in row:
         kind = _kind_of(model, m, "row")[0] if model is not None else "linear"
         plan[f"{m}.weight"] = _split_dim(kind, axis, 1)

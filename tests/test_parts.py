@@ -1,0 +1,295 @@
+"""Per-part layouts (issue 21 item 7): ``fs.Parts`` splits each part of a fused dim on its own.
+
+Oracles: the layout math against per-part ceil-div chunks computed here with Python slicing;
+values and gradients against the same computation on dense tensors (torch.func); the
+communication against exact comm-log records (an all_gather is what a contiguous split of a
+fused projection costs, so none may appear where the cut is at part boundaries).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fshard as fs
+from fshard.planner import plan
+from fshard.spec import Layout, P, Parts, PartsLayout
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _oracle_rows(sizes, k, j):
+    """Rows of the whole dim that chunk ``j`` of ``k`` holds, part by part (ceil-div)."""
+    rows, start = [], 0
+    for n in sizes:
+        c = -(-n // k)
+        rows += list(range(start, start + n))[j * c : (j + 1) * c]
+        start += n
+    return rows
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, names, entry, sizes",
+    [
+        ((2,), ("tp",), "tp", (4, 2, 2)),
+        ((2,), ("tp",), "tp", (5, 3, 3)),  # uneven parts
+        ((4,), ("tp",), "tp", (6, 2, 2)),  # kv parts of 2 over 4: chunks 1, 1, 0, 0
+        ((2, 3), ("dp", "tp"), ("tp", "dp"), (7, 6)),  # two axes, tp most significant
+    ],
+)
+def test_blocks_are_each_parts_ceil_div_chunk(mesh_shape, names, entry, sizes):
+    mesh = fs.Mesh.abstract(mesh_shape, names)
+    n = sum(sizes)
+    lay = Layout.of(mesh, Parts(P(None, entry), 1, sizes), (3, n))
+    axes = (entry,) if isinstance(entry, str) else entry
+    k = math.prod(mesh_shape[names.index(a)] for a in axes)
+    for r in mesh.ranks:
+        coords = dict(zip(names, mesh.coords(r)))
+        j = 0
+        for a in axes:
+            j = j * mesh_shape[names.index(a)] + coords[a]
+        rows = [
+            c
+            for m in lay.blocks(r)
+            for c in range(m.shard_offsets[1], m.shard_offsets[1] + m.shard_sizes[1])
+        ]
+        assert rows == _oracle_rows(sizes, k, j), (r, rows)
+        assert lay.local_shape(r) == (3, len(rows))
+    with pytest.raises(TypeError, match="several boxes per rank.*blocks"):
+        lay.shard_metadata(0)
+
+
+def test_parts_are_checked_before_anything_runs():
+    mesh = fs.Mesh.abstract((2,), ("tp",))
+    with pytest.raises(ValueError, match="sum to 7 but dim 0 .* size 8"):
+        Layout.of(mesh, Parts(P("tp"), 0, (4, 3)), (8,))
+    with pytest.raises(ValueError, match="does not split dim 0"):
+        Parts(P(None, "tp"), 0, (4, 4))
+    with pytest.raises(ValueError, match="two or more"):
+        Parts(P("tp"), 0, (8,))
+    with pytest.raises(ValueError, match="positive"):
+        Parts(P("tp"), 0, (8, 0))
+    with pytest.raises(TypeError, match="spec must be a fshard.P"):
+        Parts(("tp",), 0, (4, 4))
+    with pytest.raises(TypeError, match="spec must be a fshard.P"):
+        Layout(mesh, Parts(P("tp"), 0, (4, 4)), (8,))  # a Parts makes a PartsLayout: Layout.of
+    assert isinstance(Layout.of(mesh, Parts(P("tp"), -1, (4, 4)), (8,)), PartsLayout)
+    assert Layout.of(mesh, Parts(P("tp"), -1, (4, 4)), (8,)).spec == Parts(P("tp"), 0, (4, 4))
+
+
+def test_plan_gathers_parts_then_moves_as_from_p():
+    mesh = fs.Mesh.abstract((2, 2), ("dp", "tp"))
+    fused = Parts(P("tp", None), 0, (4, 2, 2))
+    lay = Layout.of(mesh, fused, (8, 6))  # a (4 + 2 + 2) x 6 float32 weight: 4 rows per rank
+    steps = plan(lay, P())
+    assert [(s.op.name, s.axes, s.nbytes) for s in steps] == [("gather_parts", ("tp",), 96)]
+    assert [s.op.name for s in plan(lay.made_whole(), fused)] == ["slice_parts"]
+    assert plan(lay.made_whole(), fused)[0].nbytes == 0
+    steps = plan(Layout(mesh, P("tp"), (8, 6)), fused)  # contiguous -> per part: via whole
+    assert [s.op.name for s in steps] == ["all_gather", "slice_parts"]
+    pending = Layout.of(mesh, Parts(P("tp", None, partial="dp"), 0, (4, 2, 2)), (8, 6))
+    steps = plan(pending, fused)  # other axes move with the parts in place
+    assert [(s.op.name, s.axes) for s in steps] == [("all_reduce", ("dp",))]
+    steps = plan(pending, Parts(P("tp", "dp"), 0, (4, 2, 2)))
+    assert [(s.op.name, s.axes, s.dim) for s in steps] == [("reduce_scatter", ("dp",), 1)]
+
+
+SIZES = {"even": (8, 4, 4), "uneven": (5, 3, 3)}
+
+
+def round_trip(sizes):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    t = torch.arange(sum(sizes) * 3.0).reshape(-1, 3)
+    fused = Parts(P("tp", None), 0, sizes)
+    x = fs.shard(t, mesh, fused)
+    rows = _oracle_rows(sizes, 2, mesh.rank)
+    out = [torch.equal(x.local, t[rows]), torch.equal(fs.gather(x), t)]
+    y = fs.reshard(x, P(None, "tp"))  # per part -> another dim: gather_parts, then a slice
+    out.append(torch.equal(fs.gather(y), t))
+    out.append(torch.equal(fs.reshard(y, fused).local, t[rows]))
+    scattered = fs.shard(t if mesh.rank == 0 else None, mesh, fused, src=0)
+    out.append(torch.equal(scattered.local, t[rows]))
+    local = fs.from_local(t[rows], mesh, fused, shape=t.shape)
+    out.append(torch.equal(fs.gather(local), t))
+    full = fs.gather(x, dst=0)
+    out.append(torch.equal(full, t) if mesh.rank == 0 else full is None)
+    g = torch.func.grad(lambda a: (fs.gather(a) ** 2).sum())(x)  # gather's backward: the block
+    out.append(g.layout == x.layout and torch.equal(g.local, 2 * t[rows]))
+    return out
+
+
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+def test_shard_gather_reshard_round_trip_exactly(world2, sizes):
+    for got in world2.run(round_trip, sizes):
+        assert got == [True] * len(got), got
+
+
+H = 6
+
+
+def fused_block(w, b, w2, x, sizes, cut):
+    """A fused projection, cut into its parts, attention-free mixing of them, a row-parallel
+    projection: every op a fused q|k|v or gate|up meets in a model."""
+    y = F.linear(x, w, b)
+    q, k, v = {
+        "split": lambda: y.split(sizes, -1),
+        "index": lambda: (y[..., : sizes[0]], y[..., sizes[0] : -sizes[2]], y[..., -sizes[2] :]),
+        "narrow": lambda: tuple(y.narrow(-1, sum(sizes[:i]), n) for i, n in enumerate(sizes)),
+    }[cut]()
+    kv = y[..., sizes[0] :]  # two parts: a per-part value again
+    z = F.silu(q) * q.sum(-1, keepdim=True) + 0.5 * q
+    o = F.linear(z, w2)
+    return (o**2).sum() + (k * v).sum() + (kv * 0.25).exp().sum()
+
+
+def _dense(sizes, batch=3):
+    g = torch.Generator().manual_seed(0)
+    n = sum(sizes)
+    w, b = torch.randn(n, H, generator=g), torch.randn(n, generator=g)
+    w2, x = torch.randn(H, sizes[0], generator=g), torch.randn(batch, 5, H, generator=g)
+    return w, b, w2, x
+
+
+def fused_rank_fn(sizes, cut):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    w, b, w2, x = _dense(sizes)
+    ws = fs.shard(w, mesh, Parts(P("tp", None), 0, sizes))
+    bs = fs.shard(b, mesh, Parts(P("tp"), 0, sizes))
+    w2s, xs = fs.shard(w2, mesh, P(None, "tp")), fs.shard(x, mesh, P())
+    loss = lambda *a: fs.gather(fused_block(*a, sizes, cut))  # noqa: E731
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss, argnums=(0, 1, 2))(ws, bs, w2s, xs)
+    comm = sorted({(r.op, r.axes) for r in log})
+    tgrads = torch.func.grad(loss, argnums=(0, 1, 2))(ws, bs, w2s, xs)
+    layouts = [g.layout == p.layout for g, p in zip(grads + tgrads, (ws, bs, w2s) * 2)]
+    return value, [fs.gather(g) for g in grads], [fs.gather(g) for g in tgrads], comm, layouts
+
+
+@pytest.mark.parametrize("cut", ["split", "index", "narrow"])
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+def test_fused_projection_cut_at_parts_is_local_and_equals_dense(world2, sizes, cut):
+    w, b, w2, x = _dense(sizes)
+    loss = lambda *a: fused_block(*a, x, sizes, cut)  # noqa: E731
+    want_grads = torch.func.grad(loss, argnums=(0, 1, 2))(w, b, w2)
+    want = loss(w, b, w2)
+    for value, grads, tgrads, comm, layouts in world2.run(fused_rank_fn, sizes, cut):
+        torch.testing.assert_close(value, want)
+        for g, tg, d in zip(grads, tgrads, want_grads):
+            torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tg, d, rtol=1e-5, atol=1e-5)
+        assert all(layouts), layouts  # gradients keep the per-part layouts
+        # the row projection's sum, the pending sums of the reductions, the loss: never a gather
+        assert all(op == "all_reduce" for op, _ in comm), comm
+
+
+def vmap_rank_fn(sizes):
+    """Per-example gradients (vmap of grad) over a batch, and a vmapped forward."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    w, b, w2, x = _dense(sizes, batch=4)
+    ws = fs.shard(w, mesh, Parts(P("tp", None), 0, sizes))
+    bs = fs.shard(b, mesh, Parts(P("tp"), 0, sizes))
+    w2s = fs.shard(w2, mesh, P(None, "tp"))
+
+    def one(w, b, xi):
+        return fs.gather(fused_block(w, b, w2s, xi, sizes, "split"))
+
+    per_example = torch.func.vmap(torch.func.grad(one), in_dims=(None, None, 0))(ws, bs, x)
+    want = Parts(P(None, "tp", None), 1, sizes)  # the batch dim in front, whole
+    return fs.gather(per_example), per_example.layout.spec == want
+
+
+def test_per_example_gradients_through_parts(world2):
+    sizes = SIZES["uneven"]
+    w, b, w2, x = _dense(sizes, batch=4)
+    want = torch.func.vmap(
+        torch.func.grad(lambda w, xi: fused_block(w, b, w2, xi, sizes, "split")),
+        in_dims=(None, 0),
+    )(w, x)
+    for got, same_layout in world2.run(vmap_rank_fn, sizes):
+        assert same_layout
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def other_ops_rank_fn():
+    """Ops that read positions along the parts dim (a cut inside a part, a cumsum) gather the
+    parts dim first: one all_gather each, and the dense value."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    sizes = (4, 2, 2)
+    t = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    x = fs.shard(t, mesh, Parts(P(None, "tp"), 1, sizes))
+    out = []
+    for fn in (lambda a: a[:, 1:5], lambda a: a.cumsum(-1), lambda a: a.split((3, 5), -1)[0]):
+        with fs.debug.comm_log() as log:
+            y = fn(x)
+        out.append((torch.equal(fs.gather(y), fn(t)), [r.op for r in log]))
+    with fs.debug.comm_log() as log:  # pointwise and a reshape keeping the last dim: local
+        y = (x * 2 + 1).reshape(1, 3, 8).sigmoid()
+    out.append(
+        (torch.equal(fs.gather(y), (t * 2 + 1).reshape(1, 3, 8).sigmoid()), [r.op for r in log])
+    )
+    out.append((type(y.layout) is PartsLayout, []))
+    return out
+
+
+def test_ops_that_read_positions_gather_the_parts_first(world2):
+    for got in world2.run(other_ops_rank_fn):
+        assert got[:3] == [(True, ["all_gather"])] * 3, got
+        assert got[3:] == [(True, []), (True, [])], got
+
+
+def dp_tp_rank_fn():
+    """dp x tp: the batch split over dp, the fused weight per part over tp; 3 AdamW steps."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    sizes = SIZES["uneven"]
+    w, b, w2, x = _dense(sizes, batch=4)
+    params = {
+        "w": fs.shard(w, mesh, Parts(P("tp", None), 0, sizes)),
+        "b": fs.shard(b, mesh, Parts(P("tp"), 0, sizes)),
+        "w2": fs.shard(w2, mesh, P(None, "tp")),
+    }
+    xs = fs.shard(x, mesh, P("dp"))
+    tx = fs.optim.adamw(1e-2)
+    state = tx.init(params)
+    for _ in range(3):
+        loss, grads = fs.value_and_grad(
+            lambda p: fs.gather(fused_block(p["w"], p["b"], p["w2"], xs, sizes, "split"))
+        )(params)
+        params, state = fs.optim.step(tx, grads, state, params)
+    return {k: fs.gather(v) for k, v in params.items()}, params["w"].layout.spec
+
+
+def test_dp_x_tp_adamw_steps_equal_dense(world4):
+    sizes = SIZES["uneven"]
+    w, b, w2, x = _dense(sizes, batch=4)
+    params = {"w": w, "b": b, "w2": w2}
+    tx = fs.optim.adamw(1e-2)
+    state = tx.init(params)
+    for _ in range(3):
+        grads = torch.func.grad(lambda p: fused_block(p["w"], p["b"], p["w2"], x, sizes, "split"))(
+            params
+        )
+        updates, state = tx.update(grads, state, params)
+        params = fs.optim.apply_updates(params, updates)
+    for got, spec in world4.run(dp_tp_rank_fn):
+        assert spec == Parts(P("tp", None), 0, sizes)
+        for k in params:
+            torch.testing.assert_close(got[k], params[k], rtol=1e-5, atol=1e-5)
+
+
+def checkpoint_rank_fn(path):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    sizes = SIZES["uneven"]
+    t = torch.arange(sum(sizes) * 2.0).reshape(-1, 2)
+    x = fs.shard(t, mesh, Parts(P("tp", None), 0, sizes))
+    fs.checkpoint.save(path, {"w": x})
+    back = fs.checkpoint.load(path, {"w": x})["w"]  # the same layout
+    other = fs.checkpoint.load(path, {"w": fs.shard(t * 0, mesh, P(None, "tp"))})["w"]
+    return back.layout == x.layout and torch.equal(back.local, x.local), torch.equal(
+        fs.gather(other), t
+    )
+
+
+def test_checkpoint_round_trip_and_reshard_on_load(world2, tmp_path):
+    for same, resharded in world2.run(checkpoint_rank_fn, str(tmp_path / "ckpt")):
+        assert same and resharded
