@@ -49,12 +49,15 @@ def comm_log():
 
 
 def _blocks(layout: BaseLayout):
-    """{(dim0 range, dim1 range): [ranks]} for the first two dims."""
+    """{(dim0 range, dim1 range): [ranks]} for the first two dims (a per-part layout: one cell
+    per part a rank holds)."""
+    from .interop import rank_boxes
+
     cells: dict = {}
     for r in layout.mesh.ranks:
-        m = layout.shard_metadata(r)
-        key = tuple((o, o + s) for o, s in zip(m.shard_offsets[:2], m.shard_sizes[:2]))
-        cells.setdefault(key, []).append(r)
+        for m in rank_boxes(layout, r):
+            key = tuple((o, o + s) for o, s in zip(m.shard_offsets[:2], m.shard_sizes[:2]))
+            cells.setdefault(key, []).append(r)
     return cells
 
 

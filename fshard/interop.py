@@ -81,6 +81,13 @@ def _placements(layout: Layout) -> list:
             "cannot express; reshard it to a fs.P layout first (fs.reshard(x, fs.P(...))) or use "
             "fs.interop.to_sharded_tensor"
         )
+    if isinstance(layout, PartsLayout):
+        raise ValueError(
+            f"to_dtensor: x is split per part ({layout.spec}); DTensor's placements have no "
+            "per-part split of parts of different sizes (its private _StridedShard takes equal "
+            "ones only). Reshard it to a fs.P layout first (fs.reshard(x, fs.P(...))) or use "
+            "fs.interop.to_sharded_tensor (one shard per part)"
+        )
     mesh = layout.mesh
     out: list = [Replicate()] * mesh.ndim
     for a in layout.partial:

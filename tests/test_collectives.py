@@ -17,6 +17,7 @@ from fshard import executor, lax
 _BYTES = {
     "all_gather": lambda n: n - 1,
     "gather_blocks": lambda n: n - 1,
+    "gather_parts": lambda n: n - 1,
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
@@ -49,6 +50,8 @@ def _one_of_each():
         C.KeepFirst(xy),
         C.GatherBlocks(_EXPLICIT),
         C.KeepBlock(_EXPLICIT),
+        C.GatherParts(xy, 1, (4, 2, 2)),
+        C.SliceParts(xy, 0, (5, 3, 3)),
     ]
 
 

@@ -256,7 +256,12 @@ def dp_tp_rank_fn():
             lambda p: fs.gather(fused_block(p["w"], p["b"], p["w2"], xs, sizes, "split"))
         )(params)
         params, state = fs.optim.step(tx, grads, state, params)
-    return {k: fs.gather(v) for k, v in params.items()}, params["w"].layout.spec
+    t = torch.arange(11.0 * 2).reshape(11, 2)  # parts split over two axes, tp most significant
+    y = fs.shard(t, mesh, Parts(P(("tp", "dp")), 0, sizes))
+    tp, dp = mesh.coords(mesh.rank)[1], mesh.coords(mesh.rank)[0]
+    two_axes = torch.equal(y.local, t[_oracle_rows(sizes, 4, tp * 2 + dp)])
+    two_axes &= torch.equal(fs.gather(y), t)
+    return {k: fs.gather(v) for k, v in params.items()}, params["w"].layout.spec, two_axes
 
 
 def test_dp_x_tp_adamw_steps_equal_dense(world4):
@@ -271,8 +276,8 @@ def test_dp_x_tp_adamw_steps_equal_dense(world4):
         )
         updates, state = tx.update(grads, state, params)
         params = fs.optim.apply_updates(params, updates)
-    for got, spec in world4.run(dp_tp_rank_fn):
-        assert spec == Parts(P("tp", None), 0, sizes)
+    for got, spec, two_axes in world4.run(dp_tp_rank_fn):
+        assert spec == Parts(P("tp", None), 0, sizes) and two_axes
         for k in params:
             torch.testing.assert_close(got[k], params[k], rtol=1e-5, atol=1e-5)
 
@@ -293,3 +298,35 @@ def checkpoint_rank_fn(path):
 def test_checkpoint_round_trip_and_reshard_on_load(world2, tmp_path):
     for same, resharded in world2.run(checkpoint_rank_fn, str(tmp_path / "ckpt")):
         assert same and resharded
+
+
+def transforms_rank_fn():
+    """A compiled fs.value_and_grad step equals the eager one (layouts too), and forward mode
+    (jvp) of the per-part block equals dense."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    sizes = SIZES["uneven"]
+    w, b, w2, x = _dense(sizes)
+    ws = fs.shard(w, mesh, Parts(P("tp", None), 0, sizes))
+    bs = fs.shard(b, mesh, Parts(P("tp"), 0, sizes))
+    w2s, xs = fs.shard(w2, mesh, P(None, "tp")), fs.shard(x, mesh, P())
+    loss = lambda *a: fs.gather(fused_block(*a, sizes, "split"))  # noqa: E731
+    eager = fs.value_and_grad(loss, argnums=(0, 1, 2))
+    (v, g), (v2, g2) = torch.compile(eager)(ws, bs, w2s, xs), eager(ws, bs, w2s, xs)
+    same = [a.layout == c.layout for a, c in zip(g, g2)]
+    close = [
+        torch.allclose(fs.gather(a), fs.gather(c), rtol=1e-5, atol=1e-5) for a, c in zip(g, g2)
+    ]
+    t = torch.randn(w.shape, generator=torch.Generator().manual_seed(5))
+    _, tangent = torch.func.jvp(
+        lambda a: loss(a, bs, w2s, xs), (ws,), (fs.shard(t, mesh, ws.spec),)
+    )
+    return torch.allclose(v, v2), same, close, tangent, t
+
+
+def test_compiled_step_and_forward_mode(world2):
+    sizes = SIZES["uneven"]
+    w, b, w2, x = _dense(sizes)
+    for values, same, close, tangent, t in world2.run(transforms_rank_fn):
+        assert values and all(same) and all(close), (values, same, close)
+        _, want = torch.func.jvp(lambda a: fused_block(a, b, w2, x, sizes, "split"), (w,), (t,))
+        torch.testing.assert_close(tangent, want, rtol=1e-4, atol=1e-4)

@@ -56,7 +56,7 @@ from ..mesh import Mesh
 from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
 from ..precision import MixedPrecisionPolicy
-from ..spec import P
+from ..spec import P, Parts
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
 
@@ -73,8 +73,9 @@ def fsdp_plan(
     ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``; a tuple of axes is appended as a whole), so
     all-gathering this rank's block over ``axis`` along dim 0 gives exactly its block under the
     base plan. A param whose dim 0 does not split
-    evenly over those axes (or a 0-d one) keeps its base spec: it stays whole over ``axis``
-    and its gradient is all-reduced like DDP's.
+    evenly over those axes (or a 0-d one), or whose base splits it per part (a fused projection,
+    :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its block), keeps
+    its base spec: it stays whole over ``axis`` and its gradient is all-reduced like DDP's.
 
     Args:
         module: the module.
@@ -106,7 +107,7 @@ def fsdp_plan(
     out = {}
     for name, p in named.items():
         spec = specs[name]
-        if p.dim() == 0:
+        if p.dim() == 0 or isinstance(spec, Parts):
             out[name] = spec
             continue
         dims = spec.padded(p.dim())
@@ -199,8 +200,10 @@ class _Session:
         self.cache: dict[str, dict] = {}  # backward: unit -> {name: full}
 
     def sharded(self, name: str) -> bool:
-        dims = self.params[name].spec.dims
-        return bool(dims) and all(a in dims[0] for a in self.axes)
+        spec = self.params[name].spec
+        if isinstance(spec, Parts):  # fsdp_plan leaves per-part params whole over the axis
+            return False
+        return bool(spec.dims) and all(a in spec.dims[0] for a in self.axes)
 
     def _launch(self, unit: str) -> None:
         if unit not in self.launched:

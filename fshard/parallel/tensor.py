@@ -103,6 +103,8 @@ def _fused_parts(
     if in_f != get("hidden_size", "n_embd", "d_model") or model.get_submodule(name) is head:
         return None
     heads = get("num_attention_heads", "n_head", "num_heads")
+    if get("new_decoder_architecture"):  # Falcon's grouped [g0: q.. k v | g1: ...]: contiguous
+        heads = None
     if heads and isinstance(heads, int):
         head_dim = get("head_dim") or in_f // heads
         for kv in (get("num_key_value_heads", "num_kv_heads"), 1 if get("multi_query") else None):
