@@ -229,13 +229,18 @@ def other_ops_rank_fn():
         (torch.equal(fs.gather(y), (t * 2 + 1).reshape(1, 3, 8).sigmoid()), [r.op for r in log])
     )
     out.append((type(y.layout) is PartsLayout, []))
+    u = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(4))  # uneven: 7 | 4 local
+    z = fs.shard(u, mesh, Parts(P(None, None, "tp"), 2, (5, 3, 3)))
+    with fs.debug.comm_log() as log:
+        y = z.reshape(6, 11).view(3, 2, 11)
+    out.append((torch.equal(fs.gather(y), u.reshape(3, 2, 11)), [r.op for r in log]))
     return out
 
 
 def test_ops_that_read_positions_gather_the_parts_first(world2):
     for got in world2.run(other_ops_rank_fn):
         assert got[:3] == [(True, ["all_gather"])] * 3, got
-        assert got[3:] == [(True, []), (True, [])], got
+        assert got[3:] == [(True, []), (True, []), (True, [])], got
 
 
 def dp_tp_rank_fn():
@@ -330,3 +335,50 @@ def test_compiled_step_and_forward_mode(world2):
         assert values and all(same) and all(close), (values, same, close)
         _, want = torch.func.jvp(lambda a: fused_block(a, b, w2, x, sizes, "split"), (w,), (t,))
         torch.testing.assert_close(tangent, want, rtol=1e-4, atol=1e-4)
+
+
+OPTIMIZERS = {
+    "adamw": lambda: fs.optim.adamw(1e-2),
+    "adafactor": lambda: fs.optim.adafactor(1e-2, min_dim_size_to_factor=2),  # factored
+    "muon": lambda: fs.optim.muon(1e-2),  # the whole matrix orthogonalized
+    "sm3": lambda: fs.optim.sm3(1e-2),  # per-dim accumulators (one along the parts)
+    "lamb": lambda: fs.optim.lamb(1e-2),  # per-leaf norms
+}
+
+
+def optimizer_rank_fn(name):
+    """Two updates of a per-part leaf and the dense one; the state's leaves keep the layouts
+    of what they describe (the per-dim ones along the parts dim are per part too)."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    g = torch.Generator().manual_seed(3)
+    w, grads = torch.randn(11, 6, generator=g), [torch.randn(11, 6, generator=g) for _ in range(2)]
+    fused = Parts(P("tp", None), 0, (5, 3, 3))
+    tx = OPTIMIZERS[name]()
+    params, state = {"w": fs.shard(w, mesh, fused)}, None
+    state = tx.init(params)
+    dense, dstate = {"w": w}, tx.init({"w": w})
+    for gr in grads:
+        u, state = tx.update({"w": fs.shard(gr, mesh, fused)}, state, params)
+        params = fs.optim.apply_updates(params, u)
+        du, dstate = tx.update({"w": gr}, dstate, dense)
+        dense = fs.optim.apply_updates(dense, du)
+    leaves = [x for x in fs.tree_leaves(state) if isinstance(x, fs.ShardedArray)]
+    dleaves = [x for x in fs.tree_leaves(dstate) if isinstance(x, torch.Tensor)]
+    gathered = [fs.gather(x) for x in leaves]
+    return fs.gather(params["w"]), dense["w"], gathered, [x for x in dleaves if x.ndim]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizers_update_per_part_leaves_as_dense(world2, name):
+    for got, want, state, dstate in world2.run(optimizer_rank_fn, name):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # every sharded state leaf gathers to the dense state's value (right order per part)
+        dense_by_shape = {}
+        for t in dstate:
+            dense_by_shape.setdefault(tuple(t.shape), []).append(t)
+        for s in state:
+            if s.ndim:
+                assert any(
+                    torch.allclose(s, t, rtol=1e-5, atol=1e-6)
+                    for t in dense_by_shape.get(tuple(s.shape), [])
+                ), (name, tuple(s.shape))

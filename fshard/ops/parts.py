@@ -71,11 +71,13 @@ def _has_parts(ins) -> bool:
     return any(type(x) is PartsLayout for x in ins)
 
 
-def aligned(rule: Callable, groups: Callable) -> Callable:
+def aligned(rule: Callable, groups: Callable, local_of: Callable | None = None) -> Callable:
     """``rule`` taking per-part inputs of an aligned op. ``groups(op, args, kwargs, ins, outs)``
     lists the op's dim correspondences: each group a list of :data:`Member` that the op lines up
     element by element (an output dim and the input dims it comes from, or two contracted
-    dims)."""
+    dims). ``local_of(out)``: the local function for the per-part output ``out``, for a rule
+    whose own local function bakes in its output's local shape (a reshape: per part, the local
+    sizes of an uneven split differ from the base's)."""
 
     @functools.wraps(rule)
     def parts_rule(op, args, kwargs):
@@ -90,7 +92,10 @@ def aligned(rule: Callable, groups: Callable) -> Callable:
             sharding = dataclasses.replace(
                 sharding, in_specs=[sharding.in_specs.get(n) for n in names]
             )
-        return _per_part(op, sharding, ins, groups(op, args, kwargs, ins, sharding.out))
+        sharding = _per_part(op, sharding, ins, groups(op, args, kwargs, ins, sharding.out))
+        if local_of is not None and not sharding.out.mesh.is_abstract:
+            sharding = dataclasses.replace(sharding, local=local_of(sharding.out))
+        return sharding
 
     parts_rule.parts_layouts = True
     return parts_rule

@@ -296,7 +296,8 @@ def _register():
     for name in ("T", "mT", "H", "mH"):
         register_rule(getattr(torch.Tensor, name).__get__, permutation_rule)
     reshape_rule.explicit_layouts = True
-    reshape = parts.aligned(reshape_rule, parts.reshape_groups)
+    local = lambda out: lambda t, *a, **k: t.reshape(out.local_shape())  # noqa: E731
+    reshape = parts.aligned(reshape_rule, parts.reshape_groups, local)
     for n in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
         register_rule(getattr(torch, n), reshape, aliases=(getattr(torch.Tensor, n),))
     for n in ("view", "view_as", "reshape_as"):

@@ -88,7 +88,7 @@ def _whole_orthogonalized(u, ns_coefficients, ns_steps, eps):
     half = ShardedArray._raw(u.local.bfloat16(), lay.with_dtype(torch.bfloat16))
     full = reshard(half, P()).local if lay.sharded_axes or lay.partial else half.local
     o = orthogonalize(full, ns_coefficients, ns_steps, eps)
-    return o[lay.shard_metadata(lay.mesh.rank).slices()]
+    return _tree.global_slice(u, o)
 
 
 def scale_by_muon(

@@ -21,7 +21,7 @@ from .._function import untracked
 from .._leaf_errors import LeafErrors, paths
 from ..api import reshard
 from ..array import ShardedArray
-from ..spec import Layout, P
+from ..spec import Layout, P, Parts, PartsLayout
 
 
 def is_leaf(x) -> bool:
@@ -167,10 +167,32 @@ def needs_params(params, who: str):
 # -- global reductions over sharded leaves ------------------------------------------------------
 
 
+def dim_axes(x) -> tuple:
+    """The mesh axes of each dim of leaf ``x`` (of a per-part layout: each part's, on its
+    parts dim); ``()`` per dim for a plain tensor."""
+    if not isinstance(x, ShardedArray):
+        return ((),) * x.ndim
+    lay = x.layout
+    return lay.base.dim_axes if isinstance(lay, PartsLayout) else lay.dim_axes
+
+
+def _relaid(x, dims, shape, like_local, parts_dim=None):
+    """``like_local`` as a leaf on ``x``'s mesh with per-dim axes ``dims`` and global ``shape``;
+    per part on ``parts_dim`` (the dim of ``x``'s parts, where it is kept) when ``x`` is."""
+    lay = x.layout
+    spec = P(*[None if not a else a[0] if len(a) == 1 else a for a in dims])
+    if isinstance(lay, PartsLayout) and parts_dim is not None:
+        spec = Parts(spec, parts_dim, lay.sizes)
+    return ShardedArray._raw(like_local, Layout.of(lay.mesh, spec, shape, like_local.dtype))
+
+
 def _unpartial(x):
     """A partial ShardedArray reduced to its value (other leaves unchanged)."""
     if isinstance(x, ShardedArray) and x.layout.partial:
-        return reshard(x, P(*x.layout.dim_axes))
+        spec = P(*dim_axes(x))
+        if isinstance(x.layout, PartsLayout):
+            spec = Parts(spec, x.layout.dim, x.layout.sizes)
+        return reshard(x, spec)
     return x
 
 
@@ -218,8 +240,8 @@ def dim_mean(x, t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tenso
     """Mean of the local shard ``t`` of leaf ``x`` over global dim ``dim``: local sum, psum over
     the mesh axes that shard ``dim`` (uneven shards included), divided by the global size."""
     s = t.sum(dim=dim, keepdim=keepdim)
-    if isinstance(x, ShardedArray) and x.layout.dim_axes[dim]:
-        s = lax.psum(s, x.layout.dim_axes[dim], mesh=x.mesh)
+    if isinstance(x, ShardedArray) and dim_axes(x)[dim]:
+        s = lax.psum(s, dim_axes(x)[dim], mesh=x.mesh)
     size = x.layout.shape[dim] if isinstance(x, ShardedArray) else t.shape[dim]
     return s / size
 
@@ -230,10 +252,11 @@ def drop_dim(x, dim: int, like_local: torch.Tensor):
     if not isinstance(x, ShardedArray):
         return like_local
     lay = x.layout
-    axes = [a for d, a in enumerate(lay.dim_axes) if d != dim]
+    axes = [a for d, a in enumerate(dim_axes(x)) if d != dim]
     shape = tuple(s for d, s in enumerate(lay.shape) if d != dim)
-    spec = P(*[None if not a else a[0] if len(a) == 1 else a for a in axes])
-    return ShardedArray._raw(like_local, Layout(lay.mesh, spec, shape, like_local.dtype))
+    parts = getattr(lay, "dim", None) if isinstance(lay, PartsLayout) else None
+    parts = None if parts is None or parts == dim else parts - (dim < parts)
+    return _relaid(x, axes, shape, like_local, parts)
 
 
 def global_shape(x) -> tuple:
@@ -305,7 +328,7 @@ def _dims_axes(x, dims) -> tuple:
     """The mesh axes that shard any of ``dims`` of leaf ``x`` (none for a plain tensor)."""
     if not isinstance(x, ShardedArray):
         return ()
-    return tuple(a for d in dims for a in x.layout.dim_axes[d])
+    return tuple(a for d in dims for a in dim_axes(x)[d])
 
 
 def dims_sum(x, t: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
@@ -328,19 +351,30 @@ def dim_leaf(x, dim: int, like_local: torch.Tensor):
     """``like_local`` (a 1-D local tensor) as a leaf laid out like dim ``dim`` of ``x``."""
     if not isinstance(x, ShardedArray):
         return like_local
-    lay = x.layout
-    a = lay.dim_axes[dim]
-    spec = P(None if not a else a[0] if len(a) == 1 else a)
-    return ShardedArray._raw(
-        like_local, Layout(lay.mesh, spec, (lay.shape[dim],), like_local.dtype)
-    )
+    parts = 0 if isinstance(x.layout, PartsLayout) and x.layout.dim == dim else None
+    return _relaid(x, [dim_axes(x)[dim]], (x.layout.shape[dim],), like_local, parts)
 
 
 def global_slice(x, full: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``full``, a tensor with leaf ``x``'s global shape."""
     if not isinstance(x, ShardedArray):
         return full
-    return full[x.layout.shard_metadata(x.mesh.rank).slices()]
+    from ..interop import rank_boxes
+
+    boxes = rank_boxes(x.layout, x.mesh.rank)  # one, or one per part
+    if len(boxes) == 1:
+        return full[boxes[0].slices()]
+    return torch.cat([full[m.slices()] for m in boxes], x.layout.dim)
+
+
+def dim_block(x, dim: int) -> slice:
+    """This rank's range of dim ``dim`` of leaf ``x`` (not its per-part dim)."""
+    lay = x.layout
+    if isinstance(lay, PartsLayout):
+        if dim == lay.dim:
+            raise ValueError(f"dim {dim} of {lay} is split per part: it is not one range")
+        lay = lay.base
+    return lay.shard_metadata(x.mesh.rank).slices()[dim]
 
 
 def stacked(x, m: int, like_local: torch.Tensor):
@@ -349,8 +383,8 @@ def stacked(x, m: int, like_local: torch.Tensor):
     if not isinstance(x, ShardedArray):
         return like_local
     lay = x.layout
-    spec = P(None, *[None if not a else a[0] if len(a) == 1 else a for a in lay.dim_axes])
-    return ShardedArray._raw(like_local, Layout(lay.mesh, spec, (m, *lay.shape), like_local.dtype))
+    parts = lay.dim + 1 if isinstance(lay, PartsLayout) else None
+    return _relaid(x, [(), *dim_axes(x)], (m, *lay.shape), like_local, parts)
 
 
 def vdot(a_leaves: list, b_leaves: list) -> torch.Tensor:

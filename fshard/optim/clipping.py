@@ -196,7 +196,7 @@ def adaptive_grad_clip(clipping, eps=1e-3, axis=None) -> GradientTransformation:
 
 def _replicated(x, t: torch.Tensor) -> torch.Tensor:
     """The whole of a small 1-D per-example vector laid out like dim 0 of leaf ``x``."""
-    if not isinstance(x, ShardedArray) or not x.layout.dim_axes[0]:
+    if not isinstance(x, ShardedArray) or not _tree.dim_axes(x)[0]:
         return t
     return reshard(_tree.dim_leaf(x, 0, t), P()).local
 
@@ -246,9 +246,9 @@ def per_example_global_norm_clip(grads, l2_norm_clip):
     for x in leaves:
         t = _tree.local(x)
         sharded = isinstance(x, ShardedArray)
-        m = mult[x.layout.shard_metadata(x.mesh.rank).slices()[0]] if sharded else mult
+        m = mult[_tree.dim_block(x, 0)] if sharded else mult
         s = torch.tensordot(m.to(t.dtype), t, dims=1)
-        axes = x.layout.dim_axes[0] if isinstance(x, ShardedArray) else ()
+        axes = _tree.dim_axes(x)[0] if isinstance(x, ShardedArray) else ()
         if axes:
             s = lax.psum(s, axes, mesh=x.mesh)
         out.append(_tree.drop_dim(x, 0, s))
