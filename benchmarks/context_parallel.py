@@ -10,7 +10,8 @@ heap), one thread per rank, fp32, batch 1, load-balanced layout:
 - ``ring cp=1``: :func:`fshard.parallel.ring_attention` on a 1-rank mesh (one masked block).
 - ``ring cp=2``: ring attention over 2 ranks; the next k/v block's transfer
   (``fs.lax.ppermute_start``) overlaps the current block's compute.
-- ``ring cp=2 no overlap``: the same with a synchronous ``fs.lax.ppermute`` (the overlap's worth).
+- ``ring cp=2 no overlap``: the same with a synchronous ``fs.lax.ppermute`` in the forward and
+  the backward (the overlap's worth).
 - ``ulysses cp=2``: :func:`fshard.parallel.ulysses_attention` (all_to_all, dense sdpa on half the
   heads).
 - ``torch cp=2``: ``torch.distributed.tensor.experimental.context_parallel`` on the same

@@ -236,6 +236,90 @@ def test_ring_attention_comm(world2):
     assert world2.run(comm_rank_fn) == [True, True]
 
 
+def overlap_rank_fn():
+    """The order of ring attention's transfers and block computations, from spies on
+    ``fs.lax.ppermute_start`` (issue, wait) and the forward's and backward's block functions:
+    every transfer is issued before a block is computed and taken after it, in the forward (the
+    next k/v block) and in the backward (a block's k/v gradient on its way back), through
+    ``.backward()``, ``torch.func.grad`` and ``fs.value_and_grad``; the gradients equal dense
+    sdpa's. Under ``vmap`` the ring is differentiated op by op (no backward spy)."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    q, k, v, keep = _qkv()
+    local = [C.load_balance(t, 2).chunk(2, -2)[mesh.rank] for t in (q, k, v)]
+    m = C.load_balance(keep, 2, -1).chunk(2, -1)[mesh.rank]
+    events = []
+    real = fs.lax.ppermute_start, C._block, C._block_grads
+
+    class Spied:
+        def __init__(self, pending):
+            self.pending = pending
+
+        def wait(self):
+            events.append("wait")
+            return self.pending.wait()
+
+    def start(*args, **kwargs):
+        events.append("issue")
+        return Spied(real[0](*args, **kwargs))
+
+    def spy(name, fn):
+        def run(*args):
+            if not events or events[-1] != name:  # a step's blocks: one entry
+                events.append(name)
+            return fn(*args)
+
+        return run
+
+    def attend(q, k, v, mask=m):
+        return C.ring_attention(q, k, v, "cp", causal=True, padding_mask=mask, mesh=mesh)
+
+    fs.lax.ppermute_start = start
+    C._block, C._block_grads = spy("block", real[1]), spy("grad", real[2])
+    try:
+        leaves = [t.clone().requires_grad_() for t in local]
+        out = attend(*leaves)
+        forward, events[:] = list(events), []
+        _objective(out).backward()
+        backward, events[:] = list(events), []
+        grads = torch.func.grad(lambda *a: _objective(attend(*a)), (0, 1, 2))(*local)
+        under_grad, events[:] = list(events), []
+        _, vgrads = fs.value_and_grad(lambda *a: _objective(attend(*a)), argnums=(0, 1, 2))(*local)
+        under_vg, events[:] = list(events), []
+        torch.func.vmap(attend)(*(t[:, None] for t in (*local, m)))
+        under_vmap = list(events)
+    finally:
+        fs.lax.ppermute_start, C._block, C._block_grads = real
+    # cp = 2: one transfer each way
+    assert forward == ["issue", "block", "wait", "block"], forward
+    assert backward == ["grad", "issue", "grad", "wait"], backward
+    assert under_grad == under_vg == forward + backward, (under_grad, under_vg)
+    assert under_vmap == forward, under_vmap  # run in place under vmap: no Function
+    full = [t.requires_grad_() for t in (q, k, v)]
+    _objective(_dense(*full, keep, True, True)).backward()
+    for got in ([t.grad for t in leaves], grads, vgrads):
+        for name, g, t in zip("qkv", got, full):
+            want = C.load_balance(t.grad, 2).chunk(2, -2)[mesh.rank]
+            _close(g, want, f"overlapped ring: grad {name}")
+    # an eager create_graph backward (differentiated op by op): a second derivative
+    second = []
+    sdpa = torch.nn.attention
+    for attention, xs in ((attend, local), (None, (q, k, v))):
+        xs = [t.detach().clone().requires_grad_() for t in xs]
+        with sdpa.sdpa_kernel(sdpa.SDPBackend.MATH):  # twice differentiable
+            o = attention(*xs) if attention else _dense(*xs, keep, True, True)
+        (gq,) = torch.autograd.grad(_objective(o), xs[0], create_graph=True)
+        (gq**2).sum().backward()
+        second.append([t.grad for t in xs])
+    for name, g, t in zip("qkv", *second):
+        _close(g, C.load_balance(t, 2).chunk(2, -2)[mesh.rank], f"second derivative {name}")
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_ring_attention_backward_overlaps_its_transfers(world2):
+    assert world2.run(overlap_rank_fn) == [True, True]
+
+
 def errors_rank_fn():
     mesh = fs.Mesh.create((2,), ("cp",))
     q, k, v, keep = _qkv(h=3, hkv=3)

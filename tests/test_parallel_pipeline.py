@@ -477,3 +477,78 @@ def one_rank_fn():
 @pytest.mark.timeout(120)
 def test_one_pipeline_rank(world1):
     assert world1.run(one_rank_fn) == [["gpipe", "1f1b", "zb", "interleaved"]]
+
+
+def dp_reduction_rank_fn():
+    """pp=2 x dp=2, a 4-block residual MLP (rows split over dp, every weight replicated over
+    dp): every schedule, 2 and 4 microbatches, against the dense loss and gradients, and the
+    dp all_reduces of one step: the loss value's (4 bytes, one per microbatch, on the last
+    stage) and one coalesced all_reduce of every stage weight's (and the head's) gradient."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "dp"))
+    d = 8
+    gen = torch.Generator().manual_seed(SEED)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen) / d**0.5
+
+    blocks = {"w": rnd(4, d, d), "b": rnd(4, d), "ln": 1 + rnd(4, d)}
+    head, xs, ts = rnd(d, d), rnd(4, 4, d), rnd(4, 4, d)
+
+    def block(p, x):
+        return x + torch.tanh(F.linear(F.layer_norm(x, (d,), p["ln"]), p["w"], p["b"]))
+
+    def stage(p, x):
+        for i in range(p["w"].shape[0]):
+            x = block({n: v[i] for n, v in p.items()}, x)
+        return x
+
+    def head_loss(h, y, t):
+        return ((F.linear(y, h) - t) ** 2).mean()
+
+    def dense(params, m):
+        losses = [
+            head_loss(params["head"], stage(params["blocks"], xs[k]), ts[k]) for k in range(m)
+        ]
+        return sum(losses) / m
+
+    last = mesh.group("pp").index == 1
+    out = []
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        stages = 2 * virtual
+        order = stage_order(2, virtual)
+
+        def stacked(t, stages=stages, order=order):  # (stages, blocks per stage, ...)
+            return torch.stack([t.reshape(stages, 4 // stages, *t.shape[1:])[s] for s in order])
+
+        params = {
+            "blocks": {n: fs.shard(stacked(t), mesh, fs.P("pp")) for n, t in blocks.items()},
+            "head": fs.shard(head, mesh, fs.P()),
+        }
+        for m in (2, 4):
+            x, t = (fs.shard(v[:m], mesh, fs.P(None, "dp")) for v in (xs, ts))
+
+            def loss(p, x=x, t=t, schedule=schedule, virtual=virtual):
+                return pipeline(stage, p["blocks"], x, mesh, loss_fn=head_loss, loss_params=p["head"],
+                                targets=t, schedule=schedule, virtual=virtual)  # fmt: skip
+
+            with fs.debug.comm_log() as log:
+                value, grads = fs.value_and_grad(loss)(params)
+            want = {"blocks": blocks, "head": head}
+            want_g, want_v = torch.func.grad_and_value(dense)(want, m)
+            assert float(value) == pytest.approx(float(want_v), rel=1e-5)
+            for n in blocks:
+                got = fs.gather(grads["blocks"][n])
+                torch.testing.assert_close(got, stacked(want_g["blocks"][n]), **TOL, msg=n)
+            torch.testing.assert_close(fs.gather(grads["head"]), want_g["head"], **TOL)
+            # this rank's 2 blocks of (d x d + 2 d) floats, and on the last stage the head's
+            weight_bytes = 4 * (2 * (d * d + 2 * d) + (d * d if last else 0))
+            dp = [r.nbytes for r in log if r.op == "all_reduce" and r.axes == ("dp",)]
+            assert dp == [4] * (m if last else 0) + [weight_bytes], (schedule, m, dp)
+            out.append((schedule, m))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_dp_weight_gradients_reduce_once_per_step(world4):
+    want = [(s, m) for s in ("gpipe", "1f1b", "interleaved", "zb") for m in (2, 4)]
+    assert world4.run(dp_reduction_rank_fn) == [want] * 4

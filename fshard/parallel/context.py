@@ -6,9 +6,15 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
 - :func:`ring_attention` (Liu et al. 2023, Brandon et al. 2023's striped/zigzag balance): the
   key/value block travels round the ring with :func:`fshard.lax.ppermute_start` (the next
   block's transfer is on the wire while this block is computed); each block gives an
-  ``(out, lse)`` pair merged by log-sum-exp (online softmax). Its backward is autograd's: the
-  transpose of each ppermute is the inverse rotation, so ``torch.func.grad``, ``vmap`` and
-  :func:`fshard.value_and_grad` compose.
+  ``(out, lse)`` pair merged by log-sum-exp (online softmax). Differentiated once in reverse
+  mode (``.backward()``, ``torch.func.grad``, :func:`fshard.value_and_grad`) it is one
+  autograd Function whose backward overlaps its transfers too (flash attention's backward per
+  block against the merged log-sum-exp; a block's key/value gradient travels back round the
+  ring, each step's sum put on the wire before the next block's gradients are computed), and
+  keeps the received blocks instead of each block's probabilities. Under other transforms
+  (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, and
+  for an eager ``create_graph=True`` backward, the ring is differentiated op by op (each
+  ppermute's transpose is the inverse rotation): every composition of the plain ops holds.
 - :func:`ulysses_attention` (DeepSpeed-Ulysses): one all_to_all turns heads-split-sequence-
   whole into sequence-split-heads-whole (needs ``heads % cp == 0``), dense sdpa, one all_to_all
   back.
@@ -18,9 +24,8 @@ into ``2 * cp`` chunks and rank ``i`` holds chunks ``i`` and ``2*cp - 1 - i``, s
 does the same causal work. Ring attention then skips whole chunk pairs by chunk arithmetic:
 after the first step every rank computes half a block, unmasked (all its queries against the
 first key chunk when the block comes from a lower rank, its second query chunk against both key
-chunks otherwise); only the first step's diagonal chunks are masked. The backward's transfers
-are not overlapped (each ppermute's transpose runs where autograd reaches it). ``load_balanced=False`` takes plain contiguous chunks (rank ``i``
-holds chunk ``i``; causal work is then unbalanced).
+chunks otherwise); only the first step's diagonal chunks are masked. ``load_balanced=False``
+takes plain contiguous chunks (rank ``i`` holds chunk ``i``; causal work is then unbalanced).
 
 Supported: key padding masks (``padding_mask``: True where a key is a real token), grouped
 query attention (``k``/``v`` with fewer heads dividing ``q``'s; ring attention rotates the
@@ -44,8 +49,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import get_interpreter_stack
 
-from .. import lax
+from .. import axis_env, lax
 from ..api import gather
 from ..array import ShardedArray
 from ..axis_env import current_mesh
@@ -248,7 +254,9 @@ def ring_attention(
     Equals ``F.scaled_dot_product_attention`` of the full q, k, v (``is_causal=causal``, the
     padding mask as a boolean ``attn_mask`` over keys) restricted to this rank's queries.
     ``cp - 1`` steps each send this rank's key/value block (stacked: one message) to the next
-    rank with :func:`fshard.lax.ppermute_start` before computing on the current one.
+    rank with :func:`fshard.lax.ppermute_start` before computing on the current one; the
+    backward sends the blocks' gradients back the same way (``cp - 1`` messages of the
+    block's size, in the accumulation dtype), each overlapped with a block's gradients.
 
     Args:
         q: local queries ``(batch..., heads, seq/cp, head_dim)``.
@@ -295,27 +303,92 @@ def ring_attention(
     acc_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     qg = q.to(acc_dtype).unflatten(-3, (hkv, h // hkv))
     keep = None if padding_mask is None else _gathered_mask(padding_mask, axis, mesh)
-    ring = [(r, (r + 1) % cp) for r in range(cp)]
     kv = torch.stack([k, v])
+    call = _RingCall(axis, m, cp, index, bool(causal), load_balanced, c, scale)
+    if not _overlappable():  # autograd (or the transform) differentiates the ring op by op
+        return _ring_forward(call, qg, kv, keep)[0].flatten(-4, -3).to(q.dtype)
+    tracker = axis_env.tracker(m)
+    if tracker is not None:  # as the ops would: an operand invariant where another varies
+        vary = tracker.vma(qg) | tracker.vma(kv) | {axis}
+        qg, kv = tracker.pcast(qg, tuple(vary)), tracker.pcast(kv, tuple(vary))
+    with _paused(tracker):
+        out = _Ring.apply(call, qg, kv, keep)[0]
+    if tracker is not None:
+        tracker.tag(out, frozenset(vary))
+    return out.flatten(-4, -3).to(q.dtype)
+
+
+class _RingCall(NamedTuple):
+    """One ring attention call's static parts (what its forward and backward both need)."""
+
+    axis: str
+    mesh: Mesh
+    cp: int
+    index: int
+    causal: bool
+    balanced: bool
+    c: int  # the tokens of a chunk
+    scale: float
+
+
+def _overlappable() -> bool:
+    """Whether the ring runs as :class:`_Ring` (its backward's transfers overlapped): where
+    ``fs.lax.ppermute_start`` is asynchronous (no transform but autograd and ``torch.func``
+    grad levels, no tracing, no remat) and at most one grad level is open (the Function's
+    backward is differentiated once). Elsewhere (vmap, jvp, grad of grad, compile) the ring's
+    ops are differentiated one by one, where each ppermute's transpose runs."""
+    return lax._computable_ahead() and len(get_interpreter_stack() or ()) <= 1
+
+
+@contextlib.contextmanager
+def _paused(tracker):
+    """The body's varying-axes tracker off: inside :class:`_Ring` the transfers and ops act on
+    local data whose axes the call as a whole declares (as ``fs.parallel.pipeline``'s)."""
+    if tracker is None:
+        yield
+        return
+    tracker.paused += 1
+    try:
+        yield
+    finally:
+        tracker.paused -= 1
+
+
+def _mask(call: _RingCall, group: _Group, src: int, keep, device) -> torch.Tensor | None:
+    """The mask of ``group`` on the block of rank ``src``: causal on a diagonal, the gathered
+    padding mask's keys; ``None``: nothing masked."""
+    c, s_loc = call.c, call.c * (2 if call.balanced else 1)
+    mask = _causal_mask(group.qchunks, group.kchunks, c, device) if group.diagonal else None
+    if keep is not None:
+        kmask = keep[..., src * s_loc + group.k0 * c : src * s_loc + group.k1 * c]
+        kmask = kmask[..., None, None, None, :]
+        mask = kmask if mask is None else mask & kmask
+    return mask
+
+
+def _ring_forward(call: _RingCall, qg, kv, keep) -> tuple:
+    """The ring: ``(out, lse, blocks)``, the output ``(..., hkv, group, seq/cp, head_dim)`` and
+    its rows' log-sum-exp in the accumulation dtype, and the key/value blocks received (ring
+    steps ``1..cp-1``). Differentiable by autograd (each ppermute's transpose) or run as
+    :class:`_Ring`'s forward."""
+    cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
+    ring = [(r, (r + 1) % cp) for r in range(cp)]
     acc = [None] * pieces
-    for t, (src, groups) in enumerate(_ring_plan(cp, index, bool(causal), load_balanced)):
-        pending = lax.ppermute_start(kv, axis, ring, mesh=mesh) if t < cp - 1 else None
-        kt, vt = kv.to(acc_dtype).unsqueeze(-3).unbind(0)
-        for q0, q1, k0, k1, qchunks, kchunks, diagonal in groups:
-            mask = _causal_mask(qchunks, kchunks, c, q.device) if diagonal else None
-            if keep is not None:
-                kmask = keep[..., src * s_loc + k0 * c : src * s_loc + k1 * c]
-                kmask = kmask[..., None, None, None, :]
-                mask = kmask if mask is None else mask & kmask
+    blocks = []
+    plan = _ring_plan(cp, call.index, call.causal, call.balanced)
+    for t, (src, groups) in enumerate(plan):
+        pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
+        kt, vt = kv.to(qg.dtype).unsqueeze(-3).unbind(0)
+        for g in groups:
             out, lse = _block(
-                qg[..., q0 * c : q1 * c, :],
-                kt[..., k0 * c : k1 * c, :],
-                vt[..., k0 * c : k1 * c, :],
-                scale,
-                mask,
+                qg[..., g.q0 * c : g.q1 * c, :],
+                kt[..., g.k0 * c : g.k1 * c, :],
+                vt[..., g.k0 * c : g.k1 * c, :],
+                call.scale,
+                _mask(call, g, src, keep, qg.device),
             )
-            for p in range(q0, q1):
-                rows = slice((p - q0) * c, (p - q0 + 1) * c)
+            for p in range(g.q0, g.q1):
+                rows = slice((p - g.q0) * c, (p - g.q0 + 1) * c)
                 acc[p] = _merge(acc[p], (out[..., rows, :], lse[..., rows, :]))
         if not groups:
             # no query here attends this block (contiguous causal layout), yet its ppermute must
@@ -324,8 +397,124 @@ def ring_attention(
             acc[0] = (o0 + kv[..., :0, :].sum(), l0)
         if pending is not None:
             kv = pending.wait()
-    out = torch.cat([o for o, _ in acc], -2) if pieces > 1 else acc[0][0]
-    return out.flatten(-4, -3).to(q.dtype)
+            blocks.append(kv)
+    return torch.cat([o for o, _ in acc], -2), torch.cat([lse for _, lse in acc], -2), blocks
+
+
+def _block_grads(q, k, v, scale: float, mask, lse, delta, do):
+    """The backward of :func:`_block` against the *merged* rows' ``lse`` (flash attention's:
+    ``p = exp(s - lse)``, ``ds = p (do v^T - delta)``, ``delta`` the rows' ``do . out``):
+    ``(dq, dk, dv)``, ``dk`` and ``dv`` summed over the query heads sharing a key head."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    p = torch.exp(s - lse)
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(-3)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(-3) * scale
+    return dq, dk, dv
+
+
+def _add(acc, x):
+    return x if acc is None else acc + x
+
+
+def _ring_backward(call: _RingCall, qg, kv, keep, out, lse, blocks, dout) -> tuple:
+    """``(dq, dkv)`` of :func:`_ring_forward`, the ring steps in reverse: a block's key/value
+    gradient accumulates on its way back to its rank (step ``t``'s sum goes to the rank that
+    held the same block at step ``t - 1``, by the inverse rotation), and each step's sum is put
+    on the wire with ``fs.lax.ppermute_start`` before the next step's block is computed, taken
+    only after it (ring-flash-attention's and torch context_parallel's overlap)."""
+    cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
+    back = [(r, (r - 1) % cp) for r in range(cp)]
+    dout = dout.to(out.dtype)
+    delta = (dout * out).sum(-1, keepdim=True)
+    dq = [None] * pieces
+    pending = dkv = None
+    plan = _ring_plan(cp, call.index, call.causal, call.balanced)
+    for t in reversed(range(cp)):
+        src, groups = plan[t]
+        kt, vt = (kv if t == 0 else blocks[t - 1]).to(qg.dtype).unsqueeze(-3).unbind(0)
+        dk, dv = [None] * pieces, [None] * pieces
+        for g in groups:
+            rows, cols = slice(g.q0 * c, g.q1 * c), slice(g.k0 * c, g.k1 * c)
+            gq, gk, gv = _block_grads(
+                qg[..., rows, :],
+                kt[..., cols, :],
+                vt[..., cols, :],
+                call.scale,
+                _mask(call, g, src, keep, qg.device),
+                lse[..., rows, :],
+                delta[..., rows, :],
+                dout[..., rows, :],
+            )
+            for p in range(g.q0, g.q1):
+                dq[p] = _add(dq[p], gq[..., (p - g.q0) * c : (p - g.q0 + 1) * c, :])
+            for j in range(g.k0, g.k1):
+                piece = slice((j - g.k0) * c, (j - g.k0 + 1) * c)
+                dk[j], dv[j] = _add(dk[j], gk[..., piece, :]), _add(dv[j], gv[..., piece, :])
+        zero = torch.zeros_like(kt[..., :c, :].squeeze(-3))
+        dkv = torch.stack(
+            [torch.cat([zero if d is None else d for d in ds], -2) for ds in (dk, dv)]
+        )
+        if pending is not None:
+            dkv = dkv + pending.wait()
+        if t > 0:
+            pending = lax.ppermute_start(dkv, call.axis, back, mesh=call.mesh)
+    zero = torch.zeros_like(qg[..., :c, :])
+    return torch.cat([zero if d is None else d for d in dq], -2), dkv.to(kv.dtype)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention as one Function: forward :func:`_ring_forward` (returning the output,
+    its log-sum-exp and the received blocks, kept for the backward), backward
+    :func:`_ring_backward`, whose transfers overlap its block computations as the forward's
+    do (autograd through the ring runs each ppermute's transpose where it reaches it, after
+    that step's block gradients and before the previous step's). The blocks are kept, not
+    received again: the backward moves only the key/value gradients (as autograd's), holding
+    the cp blocks (the global keys and values) instead of each block's probabilities."""
+
+    @staticmethod
+    def forward(call, qg, kv, keep):
+        out, lse, blocks = _ring_forward(call, qg, kv, keep)
+        return (out, lse, *blocks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        call, qg, kv, keep = inputs
+        ctx.call, ctx.has_keep = call, keep is not None
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(qg, kv, *([keep] if keep is not None else []), *output)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if torch.is_grad_enabled() and not get_interpreter_stack():
+            return _Ring.differentiable_backward(ctx, dout)
+        return _Ring.overlapped_backward(ctx, dout)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def overlapped_backward(ctx, dout):
+        qg, kv, *rest = ctx.saved_tensors
+        keep = rest.pop(0) if ctx.has_keep else None
+        out, lse, *blocks = rest
+        with _paused(axis_env.tracker(ctx.call.mesh)):
+            dq, dkv = _ring_backward(ctx.call, qg, kv, keep, out, lse, blocks, dout)
+        return None, dq, dkv, None
+
+    @staticmethod
+    def differentiable_backward(ctx, dout):
+        """Eager ``create_graph=True`` (a derivative of the gradient to come): the ring's ops
+        again under autograd and their vjp, itself differentiable (each ppermute's transpose)."""
+        qg, kv, *rest = ctx.saved_tensors
+        keep = rest[0] if ctx.has_keep else None
+        need = ctx.needs_input_grad[1:3]
+        wanted = [t for t, n in zip((qg, kv), need) if n]
+        with torch.enable_grad():
+            out = _ring_forward(ctx.call, qg, kv, keep)[0]
+        grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True))
+        return None, *(next(grads) if n else None for n in need), None
 
 
 # -- Ulysses --------------------------------------------------------------------------------

@@ -52,8 +52,20 @@ communication): higher-order derivatives (grad of grad, ``hessian``) and forward
 (``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward, which
 an outer derivative would take for constants (a silent zero); ``vmap`` of the pipeline: its
 forward is per-rank schedules of backward passes and point-to-point collectives, with no
-batching rule. Cost: the gradient of a dp-replicated stage weight is all-reduced over dp once
-per microbatch (the op rules' ``pcast`` inside each stage's backward), not once per step.
+batching rule.
+
+Data-parallel gradients: once per step (torchtitan's and Megatron's local accumulation, DDP's
+``no_sync``). The op rules pcast a dp-replicated weight where it meets dp-split activations,
+and that pcast's backward would all-reduce the weight's gradient over dp in every microbatch's
+backward. The executor takes those pcasts over (``fs.lax.PCAST_HOOK``, :class:`_DeferredPcasts`):
+a pcast of a stage weight or loss param (or of a view of one, e.g. a block's slice of the
+stack) reads a per-step stand-in leaf, whose gradient accumulates the unreduced cotangents of
+every microbatch; after the schedule one bucketed all_reduce per group sums them (the weights of
+one stage, whatever the microbatch count: ``fs.debug.comm_log`` shows one all_reduce over dp of
+the rank's weight bytes where it showed ``m`` per weight use). A pcast of anything else (a cast
+or computed value, one under ``fs.remat``) keeps its reduction in its backward. The loss value
+of each microbatch is still summed over dp in the forward (one scalar all_reduce per microbatch
+on the last stage).
 """
 
 from __future__ import annotations
@@ -465,6 +477,56 @@ def _leaf_tensor(t: torch.Tensor, need: bool) -> torch.Tensor:
     return t.requires_grad_() if need else t
 
 
+class _DeferredPcasts:
+    """The executor's pcast hook (``fs.lax.PCAST_HOOK``): the dp reduction of a step's weight
+    gradients, once per step instead of once per microbatch (DDP's ``no_sync``).
+
+    An op rule pcasts a weight replicated over an axis its other operand varies on (a
+    dp-replicated weight meeting dp-split activations); the pcast's backward sums the
+    weight's cotangent over the axis, in every microbatch's backward. Here a pcast over
+    ``group`` of one of ``leaves`` (or of a view of one: a block's slice of a stacked stage
+    weight) instead returns the same values read from a *stand-in*: a leaf sharing the weight's
+    storage, one per (weight, group) for the whole step, which the pcast of every microbatch
+    reuses. Its ``.grad`` accumulates the unreduced (varying) cotangents over the microbatches,
+    and :meth:`reduce` sums them over ``group`` once, into the weight's own ``.grad`` (which
+    keeps the weight's other uses, reduced or not as the op rules decided). Any other pcast
+    (of a cast or a computed value, or under ``fs.remat``, whose recompute differentiates its
+    own inputs only) keeps ``fshard.lax``'s, reduced in its backward: the same sum, earlier.
+    """
+
+    def __init__(self, leaves: list[torch.Tensor]):
+        self.leaves = {id(t): t for t in leaves if t.requires_grad}
+        self.entries: dict = {}  # (id(weight), axes, id(pg)) -> (weight, group, stand-in)
+
+    def pcast(self, x: torch.Tensor, group) -> torch.Tensor | None:
+        base = x if x._base is None else x._base
+        if self.leaves.get(id(base)) is not base or lax.REMAT_HOOK or not torch.is_grad_enabled():
+            return None
+        key = (id(base), group.axes, id(group.pg))
+        if key not in self.entries:
+            self.entries[key] = (base, group, base.detach().requires_grad_())
+        stand_in = self.entries[key][2]
+        return stand_in if x is base else x._view_func(stand_in)
+
+    def stand_ins(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The stand-ins of ``weights`` made so far (the leaves a backward must reach)."""
+        ids = {id(w) for w in weights}
+        return [v for w, _, v in self.entries.values() if id(w) in ids]
+
+    def reduce(self) -> None:
+        """Sum each stand-in's gradient over its group (bucketed: one all_reduce per group and
+        dtype up to ``fs.lax.PSUM_BUCKET_BYTES``) into its weight's ``.grad``. The entries and
+        their order are the same on every rank of a group (one stage program, SPMD over it)."""
+        by_group: dict = {}
+        for w, g, v in self.entries.values():
+            by_group.setdefault((g.axes, id(g.pg)), (g, []))[1].append((w, v))
+        for g, pairs in by_group.values():
+            grads = [torch.zeros_like(v) if v.grad is None else v.grad for _, v in pairs]
+            for (w, _), s in zip(pairs, lax._psum_bucketed(grads, g, donate=True)):
+                w.grad = s if w.grad is None else w.grad + s
+        self.entries = {}
+
+
 class _Run:
     """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
 
@@ -503,52 +565,62 @@ class _Run:
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
         total = torch.zeros((), dtype=torch.float64)
 
-        def weights(s: int) -> list:
-            """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``)."""
-            ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
-            return ws + ([_block(lf) for lf in lp_leaves] if s == last and need_lp else [])
+        own = [_block(lf) for c in chunks for lf in c[0]] if need_p else []
+        deferred = _DeferredPcasts(own + ([_block(lf) for lf in lp_leaves] if need_lp else []))
 
-        for t, row in enumerate(sched.table):
-            a = row[r]
-            sent_f = sent_b = None
-            if a is not None and a.kind == "F":
-                s, mb = a.stage, a.microbatch
-                src = x[mb] if s == 0 else inbox.pop(("F", s, mb))
-                inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
-                with torch.set_grad_enabled(grad_on):
-                    out = self.stage_fn(chunks[s // pp][1], act_meta.wrap(inp))
-                    out = _as_layout(out, act_meta, "stage_fn")
-                    if s == last:
-                        target = optree.tree_unflatten(
-                            t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
-                        )
-                        loss = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target)) / m
-                        total = total + loss.detach().double()
-                        out = loss
+        def weights(s: int) -> list:
+            """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``): its
+            weights and their pcasts' stand-ins."""
+            ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
+            ws += [_block(lf) for lf in lp_leaves] if s == last and need_lp else []
+            return ws + deferred.stand_ins(ws)
+
+        hook = lax.PCAST_HOOK.set(deferred.pcast if grad_on else None)
+        try:
+            for t, row in enumerate(sched.table):
+                a = row[r]
+                sent_f = sent_b = None
+                if a is not None and a.kind == "F":
+                    s, mb = a.stage, a.microbatch
+                    src = x[mb] if s == 0 else inbox.pop(("F", s, mb))
+                    inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
+                    with torch.set_grad_enabled(grad_on):
+                        out = self.stage_fn(chunks[s // pp][1], act_meta.wrap(inp))
+                        out = _as_layout(out, act_meta, "stage_fn")
+                        if s == last:
+                            target = optree.tree_unflatten(
+                                t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
+                            )
+                            loss = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target)) / m
+                            total = total + loss.detach().double()
+                            out = loss
+                        else:
+                            sent_f = out.detach()
+                    if grad_on:
+                        saved[(s, mb)] = (inp, out)
+                elif a is not None and a.kind == "B" and grad_on:
+                    s, mb = a.stage, a.microbatch
+                    inp, out = saved.pop((s, mb))
+                    ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
+                    ins = [inp] if inp.requires_grad else []
+                    if zb:  # the input gradient now, the weights' at W
+                        saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
                     else:
-                        sent_f = out.detach()
+                        torch.autograd.backward(out, ct, inputs=ins + weights(s))
+                    if ins:
+                        if s > 0:
+                            sent_b = inp.grad
+                        else:
+                            x_grad[mb] = inp.grad
+                elif a is not None and grad_on:  # W
+                    s, mb = a.stage, a.microbatch
+                    saved.pop((s, mb))()
+                self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
-                    saved[(s, mb)] = (inp, out)
-            elif a is not None and a.kind == "B" and grad_on:
-                s, mb = a.stage, a.microbatch
-                inp, out = saved.pop((s, mb))
-                ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
-                ins = [inp] if inp.requires_grad else []
-                if zb:  # the input gradient now, the weights' at W
-                    saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
-                else:
-                    torch.autograd.backward(out, ct, inputs=ins + weights(s))
-                if ins:
-                    if s > 0:
-                        sent_b = inp.grad
-                    else:
-                        x_grad[mb] = inp.grad
-            elif a is not None and grad_on:  # W
-                s, mb = a.stage, a.microbatch
-                saved.pop((s, mb))()
-            self._exchange(t, "F", sent_f, zero, inbox)
-            if grad_on:
-                self._exchange(t, "B", sent_b, zero, inbox)
+                    self._exchange(t, "B", sent_b, zero, inbox)
+        finally:
+            lax.PCAST_HOOK.reset(hook)
+        deferred.reduce()  # once per step, whatever the microbatch count
 
         loss = total.to(x.dtype)
         if not grad_on:
