@@ -101,7 +101,8 @@ def reshard(x, spec):
     """
     if isinstance(x, ShardedArray):
         spec = _check_spec(spec, parts=True)
-        x.layout.with_spec(spec)  # a Parts that does not fit raises here, naming the sizes
+        if isinstance(spec, Parts) and not torch.compiler.is_dynamo_compiling():
+            x.layout.with_spec(spec)  # sizes that do not fit raise here, before any collective
         return reshard_one(x, spec)
     leaves, treedef = optree.tree_flatten(x, is_leaf=is_sharded, none_is_leaf=False)
     if isinstance(spec, (P, Parts)):

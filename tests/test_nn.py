@@ -400,8 +400,11 @@ def test_megatron_plan_reads_module_types():
         "c_proj": fs.nn.Output(fs.P()),
     }
     assert transformers is not None
-    with pytest.raises(ValueError, match="head-aligned"):
-        fs.nn.megatron_plan(column=["c_attn"], model=blk)
+    fused = fs.nn.megatron_plan(column=["c_attn"], model=blk)  # [q | k | v]: split per part
+    assert fused == {
+        "c_attn.weight": fs.Parts(fs.P(None, "tp"), 1, (8, 8, 8)),
+        "c_attn.bias": fs.Parts(fs.P("tp"), 0, (8, 8, 8)),
+    }
     with pytest.warns(UserWarning, match="fused q\\|k\\|v"):
         fs.nn.megatron_plan(column=["qkv"], model=blk)
     with pytest.raises(ValueError, match=r"kinds \[.conv1d., .linear.\]"):

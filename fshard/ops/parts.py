@@ -169,16 +169,12 @@ def linear_groups(op, args, kwargs, ins, outs) -> list[list[Member]]:
         if x is None or w is None or x == w:
             return []
     out_f, in_f = (0, 1) if transposed else (1, 0)
-    nx = ins[x].ndim
-    groups = [
-        [(("in", w), out_f), (("out", 0), outs.ndim - 1)]
-        + ([(("in", b), ins[b].ndim - 1)] if b is not None and ins[b].ndim else []),
-        [(("in", x), nx - 1), (("in", w), in_f)],
-    ]
-    for d in range(nx - 1):
-        g = [(("in", x), d), (("out", 0), d)]
-        if b is not None and ins[b].ndim - 2 + d - (nx - 2) >= 0 and ins[b].ndim == 2:
-            g.append((("in", b), d))
+    nd, nx = outs.ndim, ins[x].ndim
+    groups = [[(("in", x), nx - 1), (("in", w), in_f)]]  # the contracted dim
+    for o in range(nd):  # the output's dims: x's leading ones, then the weight's out-features
+        g = [(("out", 0), o), (("in", w), out_f) if o == nd - 1 else (("in", x), o)]
+        if b is not None and o - nd + ins[b].ndim >= 0:  # the bias broadcasts from the right
+            g.append((("in", b), o - nd + ins[b].ndim))
         groups.append(g)
     return groups
 
