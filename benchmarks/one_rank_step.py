@@ -15,7 +15,8 @@ CUDA, fp32 on CPU), step = forward + next-token cross entropy + backward + AdamW
   (per-parameter: its foreach and fused kernels refuse DTensors beside plain tensors).
 * FSDP2: ``fully_shard`` per layer and the root + ``torch.optim.AdamW``.
 * with ``--compile``: ``torch.compile(model)`` + the eager optimizer, and the fshard TP step
-  under ``torch.compile``.
+  (grad + AdamW) under ``torch.compile(fullgraph=True)``: one graph, so a graph break is an
+  error row, never a step left to eager (on a one-rank mesh the module traces as the plain one).
 
 Columns: the median step time over ``--steps`` timed steps (after ``--warmup``), the ratio to
 eager, and (CUDA) the peak memory above the parameters, ``torch.cuda.max_memory_allocated``
@@ -120,7 +121,7 @@ def fshard_tp(model, ids, device, *, form="fs", compiled=False):
         ps, opt_state = fs.optim.step(tx, grads, opt_state, ps, donate=True)
         return ps, opt_state, loss
 
-    run = torch.compile(pure) if compiled else pure
+    run = torch.compile(pure, fullgraph=True) if compiled else pure
 
     def step():
         state["params"], state["opt"], loss = run(state["params"], state["opt"], x)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import weakref
 from collections.abc import Mapping
 
@@ -32,12 +33,13 @@ import torch.utils.checkpoint
 
 from . import _compat, _swap, lax
 from ._leaf_errors import LeafErrors
+from ._traced import constant
 from .api import gather, reshard, shard
 from .array import ShardedArray, is_sharded
 from .mesh import Mesh
 from .nn_plan import Output, _match, _split_plan, match_plan
 from .precision import MixedPrecisionPolicy
-from .spec import Layout, P, _layout
+from .spec import LAYOUT_OF_ID, Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
@@ -432,15 +434,13 @@ class _Entered:
 def _one_rank_mesh(params: Mapping) -> Mesh | None:
     """The params' mesh when it has one rank (every axis of size 1) and every ShardedArray
     value lives on it; ``None`` otherwise, decided at the first ShardedArray on a bigger mesh.
-    Not while dynamo traces: a compiled step's plans are constants already."""
-    if torch.compiler.is_dynamo_compiling():
-        return None
+    Also while dynamo traces (the checks are on static metadata, constants of the trace)."""
     mesh = None
     for v in params.values():
         if type(v) is ShardedArray:
             m = v.layout.mesh
             if mesh is None:
-                if m.size(m.axis_names) != 1:
+                if m.size_total != 1:
                     return None
                 mesh = m
             elif m is not mesh and m != mesh:
@@ -448,11 +448,18 @@ def _one_rank_mesh(params: Mapping) -> Mesh | None:
     return mesh
 
 
+def _replicated(mesh_of: str, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+    """The replicated layout of ``shape`` and ``dtype`` on the mesh of the layout whose token
+    is ``mesh_of`` (arguments dynamo converts: see :func:`fshard._traced.constant`)."""
+    return _layout(LAYOUT_OF_ID[mesh_of].mesh, _REPLICATED, shape, dtype)
+
+
 def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
     """:func:`functional_call` on a one-rank mesh: every block is the whole value, so the module
     runs on the plain local tensors (no per-op dispatch: a one-GPU step costs what the plain
-    step costs), and each tensor in the output comes back as a replicated ShardedArray of the
-    mesh. Output entries of the plan reshard nothing here."""
+    step costs, and a compiled one traces the plain module, as ``torch.compile(model)`` does),
+    and each tensor in the output comes back as a replicated ShardedArray of the mesh. Output
+    entries of the plan reshard nothing here."""
 
     def unwrap(v):
         return v.local if type(v) is ShardedArray else v
@@ -461,11 +468,21 @@ def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
     args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=is_sharded)
     with _called(module, local, {}):
         out = module(*args, **kwargs)
+    if torch.compiler.is_dynamo_compiling():
+        # a layout built while dynamo traces is not interned (its registry write is deferred):
+        # the output layouts are constants of the trace, keyed by a param's layout token
+        token = next(v.layout._id for v in params.values() if type(v) is ShardedArray)
+
+        def layout(t):
+            return constant(_replicated, token, tuple(map(operator.index, t.shape)), t.dtype)
+
+    else:
+
+        def layout(t):
+            return _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype)
 
     def wrap(t):
-        if isinstance(t, torch.Tensor):
-            return ShardedArray._raw(t, _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype))
-        return t
+        return ShardedArray._raw(t, layout(t)) if isinstance(t, torch.Tensor) else t
 
     return pytree.tree_map(wrap, out, is_leaf=is_sharded)
 
