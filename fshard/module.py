@@ -55,10 +55,26 @@ __all__ = [
 
 _REPLICATED = P()
 
-# module -> {submodule name: output spec}, recorded by the last shard_params on it
-_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# module -> the MixedPrecisionPolicy the last shard_params on it was given
-_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# What the last shard_params on a module recorded, by id(module) and dropped when the module
+# dies (weakref.finalize). Plain dicts, not WeakKeyDictionaries: a compiled functional_call
+# reads them, and dynamo guards a WeakKeyDictionary entry by its position among the keys, so
+# any other module dying recompiled the step, or, in the middle of a trace, failed it
+# ("IndexError" creating the guard); a plain dict entry is guarded by its key.
+# id(module) -> {submodule name: output spec}
+_OUTPUTS: dict[int, dict] = {}
+# id(module) -> the MixedPrecisionPolicy the last shard_params on it was given
+_POLICIES: dict[int, MixedPrecisionPolicy] = {}
+
+
+def _record(table: dict, module: torch.nn.Module, value) -> None:
+    """``table[id(module)] = value`` (``None``: no entry) until ``module`` dies."""
+    key = id(module)
+    if value is None:
+        table.pop(key, None)
+        return
+    if key not in table:
+        weakref.finalize(module, table.pop, key, None)
+    table[key] = value
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,11 +166,8 @@ def shard_params(
         out[name] = x
     if src is not None:
         _broadcast_buffers(module, mesh, src)
-    _OUTPUTS[module] = outputs
-    if mp_policy is None:
-        _POLICIES.pop(module, None)
-    else:
-        _POLICIES[module] = mp_policy
+    _record(_OUTPUTS, module, outputs)
+    _record(_POLICIES, module, mp_policy)
     _swap.hold_elsewhere(module)
     if not _compat.TRACES_ATTRIBUTE_DELETE:
         # functional_call leaves these modules' ``forward`` bound on the instance under an
@@ -265,7 +278,7 @@ def functional_call(
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
     if outputs is None:
-        outputs = _OUTPUTS.get(module, {})
+        outputs = _OUTPUTS.get(id(module), {})
     else:
         if not isinstance(outputs, Mapping):
             raise TypeError(f"outputs must be a mapping glob -> fs.P, got {outputs!r}")
@@ -289,7 +302,7 @@ def functional_call(
 def policy_of(module, given) -> MixedPrecisionPolicy | None:
     """``given`` checked, or (``None``) the policy :func:`shard_params` recorded for ``module``."""
     if given is None:
-        return _POLICIES.get(module)
+        return _POLICIES.get(id(module))
     if not isinstance(given, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got {type(given).__name__}"

@@ -112,8 +112,6 @@ class _Graphs:
 
 
 def _data():
-    gc.collect()  # a model of an earlier test dying in the middle of a trace: see the report
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Block()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -220,3 +218,38 @@ def test_compiled_one_rank_adamw_step_is_one_graph_equal_to_torch(world1):
     assert layouts_kept
     for k, w in want.items():
         torch.testing.assert_close(got[k], w, rtol=1e-4, atol=1e-5)
+
+
+def unrelated_module_dies_rank_fn():
+    """Frames compiled for a functional_call of ``b`` over two calls, when another sharded
+    module ``a`` dies between them."""
+    mesh = fs.Mesh.create((1,), ("tp",))
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        return m, fs.nn.shard_params(m, mesh, {"0.weight": fs.P("tp")})
+
+    a, pa = build()
+    b, pb = build()
+    graphs = _Graphs()
+    f = torch.compile(
+        lambda ps, x: fs.nn.functional_call(b, ps, (x,)).local.sum(), fullgraph=True, backend=graphs
+    )
+    x = torch.ones(3, 4)
+    first = f(pb, x)
+    del a, pa
+    gc.collect()
+    second = f(pb, x)
+    return len(graphs.graphs["dynamo"]), first, second, b(x).sum().detach()
+
+
+def test_compiled_functional_call_survives_other_modules_dying(world1):
+    """``shard_params``' per-module records (output layouts, precision policy) are read by a
+    compiled functional_call: another module dying between two calls recompiled it (dynamo
+    guarded a WeakKeyDictionary entry by its position), and dying during a trace failed the
+    compile with an IndexError from guard creation (seen in the benchmark)."""
+    frames, first, second, dense = world1.run(unrelated_module_dies_rank_fn)[0]
+    assert frames == 1
+    torch.testing.assert_close(first, dense)
+    torch.testing.assert_close(second, dense)
