@@ -14,8 +14,12 @@ CUDA, fp32 on CPU), step = forward + next-token cross entropy + backward + AdamW
 * DTensor: ``parallelize_module`` (colwise q/k/v/gate/up, rowwise o/down) + ``torch.optim.AdamW``
   (per-parameter: its foreach and fused kernels refuse DTensors beside plain tensors).
 * FSDP2: ``fully_shard`` per layer and the root + ``torch.optim.AdamW``.
-* with ``--compile``: ``torch.compile(model)`` + the eager optimizer, and the fshard TP step
-  under ``torch.compile``.
+* with ``--compile``: ``torch.compile(model)`` + the eager optimizer; the same whole step as
+  fshard's on plain tensors (``torch.func.grad_and_value`` + ``fs.optim.adamw``) under one
+  ``torch.compile(fullgraph=True)``; and the fshard TP step (grad + AdamW) under
+  ``torch.compile(fullgraph=True)``: one graph, so a graph break is an error row, never a step
+  left to eager (on a one-rank mesh the module traces as the plain one: the same aten program
+  as the plain-tensor row).
 
 Columns: the median step time over ``--steps`` timed steps (after ``--warmup``), the ratio to
 eager, and (CUDA) the peak memory above the parameters, ``torch.cuda.max_memory_allocated``
@@ -120,7 +124,7 @@ def fshard_tp(model, ids, device, *, form="fs", compiled=False):
         ps, opt_state = fs.optim.step(tx, grads, opt_state, ps, donate=True)
         return ps, opt_state, loss
 
-    run = torch.compile(pure) if compiled else pure
+    run = torch.compile(pure, fullgraph=True) if compiled else pure
 
     def step():
         state["params"], state["opt"], loss = run(state["params"], state["opt"], x)
@@ -186,6 +190,32 @@ def compiled_model(model, ids, device):
     return eager(torch.compile(model), ids, device)
 
 
+def compiled_plain_step(model, ids, device):
+    """The compiled fshard step's program on plain tensors: ``torch.func.functional_call`` +
+    ``torch.func.grad_and_value`` + ``fs.optim.adamw`` on a dict of tensors, one
+    ``torch.compile(fullgraph=True)``. What the fshard step should cost; its distance to
+    ``torch.compile(model)`` is the whole-step form's (one joint graph), not fshard's."""
+    tx = fs.optim.adamw(LR, weight_decay=0.1)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = {"opt": tx.init(params), "params": params}
+
+    def loss_fn(ps, x):
+        return lm_loss(torch.func.functional_call(model, ps, (x,), {"use_cache": False}).logits, x)
+
+    def pure(ps, opt_state, x):
+        grads, loss = torch.func.grad_and_value(loss_fn)(ps, x)
+        ps, opt_state = fs.optim.step(tx, grads, opt_state, ps, donate=True)
+        return ps, opt_state, loss
+
+    run = torch.compile(pure, fullgraph=True)
+
+    def step():
+        state["params"], state["opt"], loss = run(state["params"], state["opt"], ids)
+        return loss.detach()
+
+    return step
+
+
 CONFIGS = {
     "eager torch + AdamW": eager,
     "fshard TP, fs.value_and_grad": fshard_tp,
@@ -196,6 +226,7 @@ CONFIGS = {
 }
 COMPILED = {
     "torch.compile(model) + AdamW": compiled_model,
+    "compiled torch.func step, plain tensors": compiled_plain_step,
     "fshard TP compiled": lambda m, i, d: fshard_tp(m, i, d, compiled=True),
 }
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import weakref
 from collections.abc import Mapping
 
@@ -32,12 +33,13 @@ import torch.utils.checkpoint
 
 from . import _compat, _swap, lax
 from ._leaf_errors import LeafErrors
+from ._traced import constant
 from .api import gather, reshard, shard
 from .array import ShardedArray, is_sharded
 from .mesh import Mesh
 from .nn_plan import Output, _match, _split_plan, match_plan
 from .precision import MixedPrecisionPolicy
-from .spec import Layout, P, _layout
+from .spec import LAYOUT_OF_ID, Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
@@ -53,10 +55,26 @@ __all__ = [
 
 _REPLICATED = P()
 
-# module -> {submodule name: output spec}, recorded by the last shard_params on it
-_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# module -> the MixedPrecisionPolicy the last shard_params on it was given
-_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# What the last shard_params on a module recorded, by id(module) and dropped when the module
+# dies (weakref.finalize). Plain dicts, not WeakKeyDictionaries: a compiled functional_call
+# reads them, and dynamo guards a WeakKeyDictionary entry by its position among the keys, so
+# any other module dying recompiled the step, or, in the middle of a trace, failed it
+# ("IndexError" creating the guard); a plain dict entry is guarded by its key.
+# id(module) -> {submodule name: output spec}
+_OUTPUTS: dict[int, dict] = {}
+# id(module) -> the MixedPrecisionPolicy the last shard_params on it was given
+_POLICIES: dict[int, MixedPrecisionPolicy] = {}
+
+
+def _record(table: dict, module: torch.nn.Module, value) -> None:
+    """``table[id(module)] = value`` (``None``: no entry) until ``module`` dies."""
+    key = id(module)
+    if value is None:
+        table.pop(key, None)
+        return
+    if key not in table:
+        weakref.finalize(module, table.pop, key, None)
+    table[key] = value
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -148,11 +166,8 @@ def shard_params(
         out[name] = x
     if src is not None:
         _broadcast_buffers(module, mesh, src)
-    _OUTPUTS[module] = outputs
-    if mp_policy is None:
-        _POLICIES.pop(module, None)
-    else:
-        _POLICIES[module] = mp_policy
+    _record(_OUTPUTS, module, outputs)
+    _record(_POLICIES, module, mp_policy)
     _swap.hold_elsewhere(module)
     if not _compat.TRACES_ATTRIBUTE_DELETE:
         # functional_call leaves these modules' ``forward`` bound on the instance under an
@@ -263,7 +278,7 @@ def functional_call(
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
     if outputs is None:
-        outputs = _OUTPUTS.get(module, {})
+        outputs = _OUTPUTS.get(id(module), {})
     else:
         if not isinstance(outputs, Mapping):
             raise TypeError(f"outputs must be a mapping glob -> fs.P, got {outputs!r}")
@@ -287,7 +302,7 @@ def functional_call(
 def policy_of(module, given) -> MixedPrecisionPolicy | None:
     """``given`` checked, or (``None``) the policy :func:`shard_params` recorded for ``module``."""
     if given is None:
-        return _POLICIES.get(module)
+        return _POLICIES.get(id(module))
     if not isinstance(given, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got {type(given).__name__}"
@@ -432,15 +447,13 @@ class _Entered:
 def _one_rank_mesh(params: Mapping) -> Mesh | None:
     """The params' mesh when it has one rank (every axis of size 1) and every ShardedArray
     value lives on it; ``None`` otherwise, decided at the first ShardedArray on a bigger mesh.
-    Not while dynamo traces: a compiled step's plans are constants already."""
-    if torch.compiler.is_dynamo_compiling():
-        return None
+    Also while dynamo traces (the checks are on static metadata, constants of the trace)."""
     mesh = None
     for v in params.values():
         if type(v) is ShardedArray:
             m = v.layout.mesh
             if mesh is None:
-                if m.size(m.axis_names) != 1:
+                if m.size_total != 1:
                     return None
                 mesh = m
             elif m is not mesh and m != mesh:
@@ -448,11 +461,18 @@ def _one_rank_mesh(params: Mapping) -> Mesh | None:
     return mesh
 
 
+def _replicated(mesh_of: str, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+    """The replicated layout of ``shape`` and ``dtype`` on the mesh of the layout whose token
+    is ``mesh_of`` (arguments dynamo converts: see :func:`fshard._traced.constant`)."""
+    return _layout(LAYOUT_OF_ID[mesh_of].mesh, _REPLICATED, shape, dtype)
+
+
 def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
     """:func:`functional_call` on a one-rank mesh: every block is the whole value, so the module
     runs on the plain local tensors (no per-op dispatch: a one-GPU step costs what the plain
-    step costs), and each tensor in the output comes back as a replicated ShardedArray of the
-    mesh. Output entries of the plan reshard nothing here."""
+    step costs, and a compiled one traces the plain module, as ``torch.compile(model)`` does),
+    and each tensor in the output comes back as a replicated ShardedArray of the mesh. Output
+    entries of the plan reshard nothing here."""
 
     def unwrap(v):
         return v.local if type(v) is ShardedArray else v
@@ -461,11 +481,21 @@ def _run_local(module, params: Mapping, args: tuple, kwargs: dict, mesh: Mesh):
     args, kwargs = pytree.tree_map(unwrap, (args, kwargs), is_leaf=is_sharded)
     with _called(module, local, {}):
         out = module(*args, **kwargs)
+    if torch.compiler.is_dynamo_compiling():
+        # a layout built while dynamo traces is not interned (its registry write is deferred):
+        # the output layouts are constants of the trace, keyed by a param's layout token
+        token = next(v.layout._id for v in params.values() if type(v) is ShardedArray)
+
+        def layout(t):
+            return constant(_replicated, token, tuple(map(operator.index, t.shape)), t.dtype)
+
+    else:
+
+        def layout(t):
+            return _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype)
 
     def wrap(t):
-        if isinstance(t, torch.Tensor):
-            return ShardedArray._raw(t, _layout(mesh, _REPLICATED, tuple(t.shape), t.dtype))
-        return t
+        return ShardedArray._raw(t, layout(t)) if isinstance(t, torch.Tensor) else t
 
     return pytree.tree_map(wrap, out, is_leaf=is_sharded)
 
