@@ -20,6 +20,7 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :func:`split_backward` | (2.13+) ``torch.distributed.pipelining._backward``'s input / weight passes (private) | 2.11-2.12: ``None`` (there its weight pass gave other weight gradients: ZB-H1's losses off by 5e-4 after one step); ZB-H1's weight pass re-runs the backward |
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
 | :func:`trace_matmul_operator` | (2.14+) dynamo traces ``a @ b`` of a Python class through its ``__matmul__``; ``a @ tensor`` (2.11-2.14) is traced as ``tensor @ a``: fixed | 2.11-2.13 cannot ("builtin operator matmul"): 2.14's handler is installed for ShardedArray operands when dynamo is imported |
+| :func:`trace_torch_function_in_tuples` | (2.11-2.14.1, every version so far) dynamo looks for ``__torch_function__`` inside list and dict arguments, not tuples: ``torch.cat((a, b))`` of ShardedArrays breaks the graph (eager looks inside both) | the same; its argument flattening gains tuples when dynamo is imported |
 
 The older names still exist in 2.13 but warn (deprecated), so the new ones are preferred where
 they exist.
@@ -27,6 +28,7 @@ they exist.
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.abc
 import importlib.util
@@ -252,6 +254,49 @@ def _after_import(name: str, fn) -> None:
         fn(module)
     else:
         sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+_DYNAMO_TORCH_FUNCTION = "torch._dynamo.variables.torch_function"
+
+
+def trace_torch_function_in_tuples() -> None:
+    """Let ``torch.compile`` dispatch ``torch.cat((a, b))`` (a tuple holding ShardedArrays) to
+    ``__torch_function__``, as eager does. dynamo decides whether a call has a torch-function
+    override from its arguments flattened by ``_flatten_vts``, which opens lists and dicts but
+    not tuples (torch 2.11 through 2.14.1), so a tuple of ShardedArrays reached torch's own
+    ``cat`` and broke the graph: HF Llama's ``rotate_half`` (``torch.cat((-x2, x1), -1)``) on
+    2+ ranks, inside ``fs.value_and_grad``'s ``torch.func.grad``, where dynamo cannot resume,
+    ran the whole gradient eagerly. Installed when dynamo's module is imported; the flattening
+    is dynamo's, with tuples opened too.
+
+    Example:
+        >>> trace_torch_function_in_tuples()  # fshard.array calls it once  # doctest: +SKIP
+    """
+
+    def install(module) -> None:
+        if getattr(module._flatten_vts, "_fshard", False):
+            return
+        from torch._dynamo.variables.dicts import ConstDictVariable
+        from torch._dynamo.variables.lists import ListVariable, TupleVariable
+
+        def flatten_vts(vts):
+            todo, out = collections.deque(vts), []
+            while todo:
+                vt = todo.popleft()
+                if not vt.is_realized() and vt.peek_type() in (dict, list, tuple):
+                    vt.realize()
+                if vt.is_realized() and isinstance(vt, (ListVariable, TupleVariable)):
+                    todo.extend(vt.items)
+                elif vt.is_realized() and isinstance(vt, ConstDictVariable):
+                    todo.extend(vt.items.values())
+                else:
+                    out.append(vt)
+            return out
+
+        flatten_vts._fshard = True
+        module._flatten_vts = flatten_vts
+
+    _after_import(_DYNAMO_TORCH_FUNCTION, install)
 
 
 def trace_matmul_operator(cls: type) -> None:

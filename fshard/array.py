@@ -527,3 +527,4 @@ def _rebuild_sharded(local: torch.Tensor, layout: Layout) -> ShardedArray:
 
 
 _compat.trace_matmul_operator(ShardedArray)  # `x @ w` under torch.compile (torch < 2.14)
+_compat.trace_torch_function_in_tuples()  # `torch.cat((a, b))` under torch.compile

@@ -5,6 +5,7 @@ The suite compiles with ``backend="aot_eager"`` (dynamo + AOTAutograd, no C++ co
 takes minutes on this machine); ``benchmarks/compile_step.py`` uses inductor.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -601,3 +602,68 @@ def test_shard_map_body_compiles_fullgraph(world2):
         assert frames == 1 and err < 1e-9 and gerr < 1e-9, (frames, err, gerr)
         # fullgraph: dynamo reports the body's ValueError as an "Observed exception"
         assert "ValueError('shard_map: outputs that do not fit their out_specs" in refused, refused
+
+
+def _cat_of_a_tuple():
+    """HF Llama's ``rotate_half`` (``torch.cat((-x2, x1), -1)``: a *tuple* of ShardedArrays)
+    inside ``fs.value_and_grad``, compiled with fullgraph=True on 2 ranks: one graph, and the
+    value and gradient of the eager step."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    x = fs.shard(_gen(7, 4, 8), mesh, fs.P("tp"))
+
+    def rotate_half(t):
+        return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+
+    def loss(t):
+        return fs.gather((rotate_half(t) * t + torch.cat([t, t], 0).sum(0)).pow(2).sum())
+
+    step = fs.value_and_grad(loss)
+    compiled, ops = _graph_ops(step)
+    (v, g), (ve, ge) = compiled(x), step(x)
+    return ops["graphs"], float(v - ve), (fs.gather(g) - fs.gather(ge)).abs().max().item()
+
+
+def test_cat_of_a_tuple_compiles_fullgraph(world2):
+    """dynamo (2.11-2.14.1) looked for __torch_function__ inside lists but not tuples, so a
+    tuple of ShardedArrays broke the graph (``_compat.trace_torch_function_in_tuples``)."""
+    for graphs, dv, dg in world2.run(_cat_of_a_tuple):
+        assert graphs == 1 and abs(dv) < 1e-6 and dg < 1e-6, (graphs, dv, dg)
+
+
+def _hf_llama_tp_step():
+    """A tensor-parallel HF Llama step (``fs.value_and_grad`` of the model's loss, the plan it
+    ships) on 2 ranks, compiled with fullgraph=True: value and gradients of the eager step."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    warnings.filterwarnings("ignore", module="transformers")
+    mesh = fs.Mesh.create((2,), ("tp",))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
+        attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model))
+    x = fs.shard(
+        torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)), mesh, fs.P()
+    )
+
+    def loss_fn(ps, x):
+        logits = fs.nn.functional_call(model, ps, (x,), {"use_cache": False}).logits
+        return fs.gather(F.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1)))
+
+    step = fs.value_and_grad(loss_fn)
+    (v, g), (ve, ge) = (
+        torch.compile(step, fullgraph=True, backend="aot_eager")(params, x),
+        step(params, x),
+    )
+    return float(v - ve), max((fs.gather(g[k]) - fs.gather(ge[k])).abs().max().item() for k in g)
+
+
+def test_hf_llama_tp_step_compiles_fullgraph(world2):
+    """Issue 27: the compiled multi-rank HF step is one graph (rotate_half's torch.cat of a tuple
+    broke it, and the break inside torch.func.grad ran the whole gradient eagerly)."""
+    for dv, dg in world2.run(_hf_llama_tp_step):
+        assert abs(dv) < 1e-6 and dg < 1e-6, (dv, dg)
