@@ -339,7 +339,12 @@ def _intern(value: tuple, layout: Layout) -> str:
     function sees every equal layout as the same constant."""
     token = _IDS.get(value)
     if token is None:
-        token = _IDS.setdefault(value, f"\0layout{len(_IDS)}")
+        n = len(LAYOUT_OF_ID)
+        # a number no layout holds: a layout built while dynamo traced (shard_map's outputs)
+        # was interned by the trace's replay, which can leave LAYOUT_OF_ID a token _IDS lacks
+        while f"\0layout{n}" in LAYOUT_OF_ID:
+            n += 1
+        token = _IDS.setdefault(value, f"\0layout{n}")
         LAYOUT_OF_ID.setdefault(token, layout)
     return token
 

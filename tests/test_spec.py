@@ -238,3 +238,21 @@ def test_chunk_index_is_the_one_mixed_radix(mesh_shape, names):
                 want = int(np.ravel_multi_index([coords[d] for d in dims], sizes)) if axes else 0
                 assert chunk_index(m, axes, m.coords(rank)) == (want, int(np.prod(sizes))), axes
                 assert m.axis_index(axes, rank) == want
+
+
+def test_layout_tokens_are_never_reused():
+    """A layout built while dynamo traces (shard_map's outputs) is interned by the trace's
+    replay, which can leave a token in LAYOUT_OF_ID that _IDS lacks; a later layout must not
+    get that token (its plans would be made for the other layout: test_compile.py's order
+    showed an IndexError planning x[..., 4:] on a 0-d stand-in)."""
+    from fshard import spec
+
+    m = fs.Mesh.abstract((3,), ("tokens",))
+    a = fs.Layout(m, fs.P("tokens"), (6, 1))
+    stray = f"\0layout{len(spec.LAYOUT_OF_ID)}"
+    spec.LAYOUT_OF_ID[stray] = a  # what such a replay leaves
+    try:
+        b = fs.Layout(m, fs.P("tokens"), (6, 2))
+        assert b._id != stray and spec.LAYOUT_OF_ID[b._id] is b
+    finally:
+        del spec.LAYOUT_OF_ID[stray]
