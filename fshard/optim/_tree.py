@@ -254,8 +254,8 @@ def drop_dim(x, dim: int, like_local: torch.Tensor):
     lay = x.layout
     axes = [a for d, a in enumerate(dim_axes(x)) if d != dim]
     shape = tuple(s for d, s in enumerate(lay.shape) if d != dim)
-    parts = getattr(lay, "dim", None) if isinstance(lay, PartsLayout) else None
-    parts = None if parts is None or parts == dim else parts - (dim < parts)
+    parts = lay.dim if isinstance(lay, PartsLayout) and lay.dim != dim else None
+    parts = None if parts is None else parts - (dim < parts)
     return _relaid(x, axes, shape, like_local, parts)
 
 
