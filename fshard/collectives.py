@@ -157,9 +157,12 @@ class PsumScatter(_OnDim):
 
 @dataclass(frozen=True)
 class Psum(_Op):
-    """Sum over the group (all_reduce): varying in, invariant out."""
+    """Sum over the group (all_reduce): varying in, invariant out. ``dtype``: the sum runs in
+    that dtype (the input cast to it, the result cast back; mixed precision's
+    ``reduce_dtype``), ``None``: in the input's own."""
 
     axes: tuple[str, ...]
+    dtype: torch.dtype | None = None
     name: ClassVar[str] = "all_reduce"
     local: ClassVar[bool] = False
 
@@ -167,18 +170,20 @@ class Psum(_Op):
         return 2 * (n - 1) / n
 
     def transpose(self):
-        return Pcast(self.axes)
+        return Pcast(self.axes, self.dtype)
 
 
 @dataclass(frozen=True)
 class Pcast(_Op):
-    """Invariant -> varying: identity forward, psum backward."""
+    """Invariant -> varying: identity forward, psum backward (in ``reduce_dtype`` when given:
+    the dtype of the gradient reduction travels on the op, see :mod:`fshard.precision`)."""
 
     axes: tuple[str, ...]
+    reduce_dtype: torch.dtype | None = None
     name: ClassVar[str] = "pcast"
 
     def transpose(self):
-        return Psum(self.axes)
+        return Psum(self.axes, self.reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -499,6 +504,12 @@ def _ppermute(op: Ppermute, g: AxisGroup, x):
     return _comm.ppermute(x, g, op.perm, out)
 
 
+def _psum(op: Psum, g: AxisGroup, x):
+    if op.dtype is None or op.dtype == x.dtype:
+        return _comm.all_reduce(x, g, "sum")
+    return _comm.all_reduce(x.to(op.dtype), g, "sum", inplace=True).to(x.dtype)
+
+
 def _gather_blocks(op: GatherBlocks, g: AxisGroup, x):
     layout, lead = op.layout, tuple(x.shape[: op.batch])
     metas = [layout.shard_metadata(r) for r in g.ranks]
@@ -552,7 +563,7 @@ def no_addend(x: torch.Tensor) -> torch.Tensor:
 RUN: dict[type, Callable] = {
     AllGather: lambda op, g, x: _comm.all_gather(x, g, op.dim, op.sizes),
     PsumScatter: lambda op, g, x: _comm.reduce_scatter(x, g, op.dim, op.sizes),
-    Psum: lambda op, g, x: _comm.all_reduce(x, g, "sum"),
+    Psum: _psum,
     Pmax: lambda op, g, x: _comm.all_reduce(x[..., 0] if op.ties else x, g, op.how),
     AllToAll: lambda op, g, x: _comm.all_to_all(
         x, g, op.split_dim, op.concat_dim, op.split_sizes, op.concat_sizes

@@ -55,10 +55,11 @@ Example:
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
+import functools
 import operator
 import os
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import NamedTuple
 
 import optree
@@ -72,7 +73,6 @@ from torch._C._functorch import (
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad as _forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _comm, axis_env
 from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
@@ -95,6 +95,8 @@ from .mesh import AxisGroup, Mesh
 from .spec import Layout
 
 __all__ = [
+    "Handler",
+    "handling",
     "psum",
     "pmean",
     "pmax",
@@ -202,8 +204,87 @@ def _traced_backward(ctx, g):
 _CollectiveTraced = traced(_Collective, backward=_traced_backward)
 
 
+class Handler:
+    """One feature's say where a collective is applied: the one place every feature meets a
+    collective, as every JAX transform meets a primitive in ``Trace.process_primitive``.
+
+    :func:`apply` consults the active handlers innermost first (the last pushed with
+    :func:`handling`); each gets the bound op, its input and ``done`` (the op's result when it
+    was computed ahead) and ``proceed(b, x, done)``, which hands the op on to the next handler
+    out and finally to the Function that runs it. A handler may change the op (mixed
+    precision's reduce dtype), its input (the master param behind a cast), take it over
+    (gradient sync's stand-in leaf, remat's saved result) or look at the result (shard_map's
+    manual axes). The handlers, each living with its feature:
+
+    ===============================================  ==========================================
+    handler                                          what it does with a collective
+    ===============================================  ==========================================
+    ``fshard.remat``'s record / replay               saves the outputs its policy keeps, then
+                                                     stands them in for the op in the recompute
+    ``fshard.shard_map``'s manual axes               tags a partial-manual body's result with
+                                                     the manual axes its input varies over
+    ``fshard.module``'s mixed precision              a pcast of a cast param is taken on the
+                                                     master, carrying the policy's reduce dtype
+    ``fshard.gradsync.GradSync``                     a pcast of a differentiated param reads a
+                                                     stand-in leaf whose gradient it reduces
+                                                     once (bucketed, overlapped or per step)
+    ===============================================  ==========================================
+
+    With no handler active, :func:`apply` is one list test away from the Function.
+    """
+
+    #: Whether it must see every collective's result as :func:`apply` makes it: nothing may be
+    #: computed ahead (an FSDP prefetch, ``ppermute_start``) while it is active.
+    sees_every_result: bool = False
+    #: Whether a recompute of the code it saw runs under it again (``fs.remat``'s backward:
+    #: shard_map's manual axes are part of the body's environment).
+    recompute: bool = False
+
+    def process(self, b: Bound, x: torch.Tensor, done, proceed) -> torch.Tensor:
+        return proceed(b, x, done)
+
+
+#: The active handlers, innermost last. A list, not a ContextVar, as ``axis_env``'s stack:
+#: dynamo traces a global list's reads (a compiled step with no handler pays nothing).
+_HANDLERS: list[Handler] = []
+
+
+@contextlib.contextmanager
+def handling(*handlers: Handler) -> Iterator[None]:
+    """Make ``handlers`` active (the last innermost) for the block's collectives.
+
+    Example:
+        >>> class Count(fs.lax.Handler):
+        ...     seen = 0
+        ...     def process(self, b, x, done, proceed):
+        ...         Count.seen += 1
+        ...         return proceed(b, x, done)
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> with fs.lax.handling(Count()):
+        ...     _ = fs.lax.psum(torch.ones(2), "x", mesh=mesh)
+        >>> Count.seen
+        1
+    """
+    for h in handlers:
+        if not isinstance(h, Handler):
+            raise TypeError(f"handling: expected fs.lax.Handler objects, got {type(h).__name__}")
+    depth = len(_HANDLERS)
+    _HANDLERS.extend(handlers)
+    try:
+        yield
+    finally:
+        del _HANDLERS[depth:]
+
+
+def active_handlers() -> tuple[Handler, ...]:
+    """The active handlers, outermost first (what :func:`handling` re-enters elsewhere: remat's
+    recompute runs under the handlers its forward ran under)."""
+    return tuple(_HANDLERS)
+
+
 def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
-    """Run bound collective op ``b`` on local tensor ``x`` (differentiable, vmappable).
+    """Run bound collective op ``b`` on local tensor ``x`` (differentiable, vmappable), through
+    the active :class:`Handler` s.
 
     ``done``: the op's result on ``x``, computed already (FSDP's prefetched gathers); the
     Function then only records the op for the backward.
@@ -214,24 +295,15 @@ def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.
     through :func:`fshard._function.call`, which under ``torch.func.grad``/``jvp`` costs a
     fraction of ``Function.apply``'s per-call class building.
     """
-    out = REMAT_HOOK[-1](b, x, done) if REMAT_HOOK else _apply(b, x, done)
-    if axis_env._STACK:
-        _keep_manual_axes(x, out)
-    return out
+    if not _HANDLERS:
+        return _apply(b, x, done)
+    return _process(len(_HANDLERS) - 1, b, x, done)
 
 
-#: :func:`fshard.remat`'s save policy while its function runs: ``(bound, x, done) -> tensor``
-#: records (forward) or substitutes (backward's recompute) the collectives it saves. A stack, as
-#: the axis environment (innermost last).
-REMAT_HOOK: list = []
-
-
-def _keep_manual_axes(x: torch.Tensor, out: torch.Tensor) -> None:
-    """In a partial-manual ``shard_map`` body, a collective its tracker does not run (an op
-    rule's or ``fs.reshard``'s, over auto axes) leaves the manual axes its input varies over."""
-    t = axis_env.tracker()
-    if t is not None and not t.paused and t.auto is not None:
-        t.tag(out, t.vma(x))
+def _process(level: int, b: Bound, x: torch.Tensor, done) -> torch.Tensor:
+    if level < 0:
+        return _apply(b, x, done)
+    return _HANDLERS[level].process(b, x, done, functools.partial(_process, level - 1))
 
 
 def _apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor:
@@ -243,29 +315,7 @@ def _apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor
     plain = untracked(x)
     if plain is not None:
         return run(b, plain) if done is None else done
-    if type(b.op) is Pcast:
-        if MP_SOURCES and (src := MP_SOURCES.get(x)) is not None:
-            master, dtype = src  # reduce in the policy's dtype: pcast before the cast
-            return _apply(b, master.to(dtype), None).to(x.dtype)
-        hook = PCAST_HOOK.get()
-        if hook is not None:
-            out = hook(x, b.group)
-            if out is not None:
-                return out
     return call(_Collective, x, b, boxed)
-
-
-#: Mixed precision (:mod:`fshard.precision`): ``{param cast to param_dtype: (its master value,
-#: reduce_dtype)}``, filled by the calls that cast. A ``pcast`` of such a value is taken on the
-#: master cast to ``reduce_dtype`` and then cast to ``param_dtype`` (same forward values), so
-#: its backward all-reduces in ``reduce_dtype``; when that is the master's own dtype the pcast
-#: sees the master itself, which :func:`fshard.value_and_grad` reduces in its buckets.
-MP_SOURCES = WeakIdKeyDictionary()
-
-#: Set by :func:`fshard.value_and_grad` on its top-level path: ``(x, group) -> tensor | None``.
-#: It takes over ``pcast`` of a leaf it differentiates (a new leaf whose gradient it reduces in
-#: overlapped buckets) and returns ``None`` for anything else. See :mod:`fshard.autodiff`.
-PCAST_HOOK: contextvars.ContextVar = contextvars.ContextVar("fshard_pcast_hook", default=None)
 
 
 def _refuse_linearize() -> None:
@@ -939,7 +989,7 @@ def ppermute_start(
         True
     """
     g, op = _ppermute_op(x, axis, perm, mesh, "ppermute_start")
-    if not _computable_ahead():
+    if not computable_ahead():
         return _comm.Pending(_one(x, g, mesh, op, varies=True))
     data = x
     while is_functorch_wrapped_tensor(data):
@@ -956,11 +1006,22 @@ def ppermute_start(
     return _comm.Pending(None, (), finish)
 
 
-def _computable_ahead() -> bool:
+def computable_ahead() -> bool:
     """Whether a collective's result may be computed ahead of the Function that records it
     (``apply(..., done=)``) on the plain data: no transform but autograd and
-    ``torch.func.grad`` levels, no tracing, no remat policy."""
-    if REMAT_HOOK or _forward_ad._current_level >= 0 or _dynamo_compiling() or _comm.tracing():
+    ``torch.func.grad`` levels, no tracing, no active :class:`Handler` that must see every
+    result (remat's policies).
+
+    Example:
+        >>> fs.lax.computable_ahead()  # eager, no transform
+        True
+    """
+    if (
+        any(h.sees_every_result for h in _HANDLERS)
+        or _forward_ad._current_level >= 0
+        or _dynamo_compiling()
+        or _comm.tracing()
+    ):
         return False
     stack = get_interpreter_stack() or ()
     return all(ci.key() == TransformType.Grad for ci in stack)

@@ -36,6 +36,7 @@ from ._leaf_errors import LeafErrors
 from ._traced import constant
 from .api import gather, reshard, shard
 from .array import ShardedArray, is_sharded
+from .collectives import Bound, Pcast
 from .mesh import Mesh
 from .nn_plan import Output, _match, _split_plan, match_plan
 from .precision import MixedPrecisionPolicy
@@ -287,14 +288,16 @@ def functional_call(
     if not isinstance(args, tuple):
         args = (args,)
     policy = policy_of(module, mp_policy)
+    handlers = ()
     if policy is not None:
-        params = _cast_params(policy, module, params)
+        params, cast = _cast_params(policy, module, params)
         args, kwargs = cast_inputs(policy, args, kwargs)
+        handlers = (cast,) if cast.sources else ()
     mesh = _one_rank_mesh(params)
     if mesh is not None:
         out = _run_local(module, params, args, kwargs or {}, mesh)
     else:
-        with _called(module, params, outputs):
+        with lax.handling(*handlers), _called(module, params, outputs):
             out = module(*args, **(kwargs or {}))
     return cast_outputs(policy, out)
 
@@ -310,23 +313,41 @@ def policy_of(module, given) -> MixedPrecisionPolicy | None:
     return given.check()
 
 
-def _cast_params(policy: MixedPrecisionPolicy, module, params: Mapping) -> dict:
+class ReduceInPolicyDtype(lax.Handler):
+    """Mixed precision's say where a collective is applied (:mod:`fshard.precision`): a
+    ``pcast`` of a param cast to ``param_dtype`` is taken on its master instead, carrying the
+    policy's reduce dtype (``Pcast.reduce_dtype``), then cast: the same forward values, and the
+    backward all-reduces in ``reduce_dtype`` (bucketed by ``fs.value_and_grad``'s gradient sync,
+    which sees the master) with the sum flowing into the master's dtype unrounded.
+    ``sources``: ``{id(cast local): (cast local, master local, reduce dtype)}`` of one call."""
+
+    def __init__(self):
+        self.sources: dict[int, tuple] = {}
+
+    def process(self, b, x, done, proceed):
+        src = self.sources.get(id(x)) if type(b.op) is Pcast else None
+        if src is None or src[0] is not x:
+            return proceed(b, x, done)
+        _, master, dtype = src
+        return proceed(Bound(Pcast(b.op.axes, dtype), b.group), master, None).to(x.dtype)
+
+
+def _cast_params(policy: MixedPrecisionPolicy, module, params: Mapping):
     """``params``, the module's parameters among them (not its buffers) cast to
-    ``policy.param_dtype``; each cast whose reduction dtype differs from ``param_dtype`` is
-    registered in ``fs.lax.MP_SOURCES`` (see :mod:`fshard.precision`)."""
+    ``policy.param_dtype``, and the call's :class:`ReduceInPolicyDtype` knowing each cast (see
+    :mod:`fshard.precision`)."""
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     out = dict(params)
+    cast = ReduceInPolicyDtype()
     for name, v in params.items():
         if name not in names or not isinstance(v, (torch.Tensor, ShardedArray)):
             continue
         low = policy.cast_param(v)
         if low is v:
             continue
-        reduce = policy.reduce_in(v.dtype)
-        if reduce != low.dtype:
-            lax.MP_SOURCES[_local(low)] = (_local(v), reduce)
+        cast.sources[id(_local(low))] = (_local(low), _local(v), policy.reduce_in(v.dtype))
         out[name] = low
-    return out
+    return out, cast
 
 
 def _cast(fn):

@@ -19,10 +19,11 @@ FSDP-sharded (``fsdp_call``)    cast, then all_gather in            cotangent ca
                                                                     reduce_scatter, cast to
                                                                     the master dtype
 replicated over the data axis   cast (no comm)                      the data-parallel all_reduce
-(dp; ``functional_call``)                                           in ``reduce_dtype``
+(dp; ``functional_call``)                                           in ``reduce_dtype``, carried
+                                                                    on the ``pcast`` op as data
                                                                     (bucketed by
-                                                                    ``fs.value_and_grad`` when
-                                                                    that is the master dtype)
+                                                                    ``fs.value_and_grad`` in
+                                                                    that dtype)
 ==============================  ==================================  ============================
 
 ``reduce_dtype=None`` reduces in ``param_dtype`` (FSDP2's default). Under a ``torch.func``
@@ -33,8 +34,11 @@ edge carries its forward dtype's gradient), so there, when ``reduce_dtype`` diff
 collectives inside op rules move activations and run in the dtype of the values they move
 (``param_dtype``). The data-parallel reduction of a replicated param honours ``reduce_dtype``
 where the param meets the data as it was passed in (the op rule's ``pcast`` of the cast value
-itself, which is every ``nn.Linear`` / ``nn.Embedding`` / norm weight); a param an op rule
-reshards first (a sequence-parallel gather) is reduced in ``param_dtype``.
+itself, which is every ``nn.Linear`` / ``nn.Embedding`` / norm weight): the call's
+``fshard.module.ReduceInPolicyDtype`` handler (a ``fs.lax.Handler``) takes that pcast on the
+master, with ``Pcast(axes, reduce_dtype)``, so the sum runs in ``reduce_dtype`` and flows into
+the master's dtype unrounded; a param an op rule reshards first (a sequence-parallel gather) is
+reduced in ``param_dtype``.
 
 Example:
     >>> import torch, fshard as fs

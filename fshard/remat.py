@@ -65,6 +65,39 @@ class _Saved(torch.autograd.Function):
         return None, lax.apply(ctx.b.transpose(), g), None
 
 
+class _Record(lax.Handler):
+    """The "collectives" policy in the forward: the outputs of the ops it saves are kept in
+    ``saved`` (the collectives still run)."""
+
+    sees_every_result = True
+
+    def __init__(self, saved: list):
+        self.saved = saved
+
+    def process(self, b, x, done, proceed):
+        out = proceed(b, x, done)
+        if isinstance(b.op, _SAVED_OPS):
+            # an alias, not the object: fn may return this very tensor, which must stay
+            # differentiable while the residual is marked non-differentiable
+            self.saved.append(out.detach())
+        return out
+
+
+class _Replay(lax.Handler):
+    """The "collectives" policy in the backward's recompute: each saved op is replaced by its
+    saved output (:class:`_Saved`, whose backward is the op's transpose)."""
+
+    sees_every_result = True
+
+    def __init__(self, residuals):
+        self.residuals = residuals
+
+    def process(self, b, x, done, proceed):
+        if isinstance(b.op, _SAVED_OPS):
+            return _Saved.apply(next(self.residuals), x, b)
+        return proceed(b, x, done)
+
+
 #: The matmuls the "dots" policy saves (jax.checkpoint_policies.dots_saveable), on plain tensors.
 _DOTS = (
     torch.nn.functional.linear,
@@ -184,19 +217,8 @@ class _Remat(torch.autograd.Function):
                 outs = run(*tensors)
             return (*outs, *saved)
 
-        def record(b, x, done):
-            out = lax._apply(b, x, done)
-            if isinstance(b.op, _SAVED_OPS):
-                # an alias, not the object: fn may return this very tensor, which must stay
-                # differentiable while the residual is marked non-differentiable
-                saved.append(out.detach())
-            return out
-
-        lax.REMAT_HOOK.append(record)
-        try:
+        with lax.handling(_Record(saved)):
             outs = run(*tensors)
-        finally:
-            lax.REMAT_HOOK.pop()
         return (*outs, *saved)
 
     @staticmethod
@@ -223,20 +245,14 @@ class _Remat(torch.autograd.Function):
                 filled[i] = t
             return ctx.run(*filled)
 
-        def replay(b, x, done):
-            if isinstance(b.op, _SAVED_OPS):
-                return _Saved.apply(next(residuals), x, b)
-            return lax._apply(b, x, done)
-
         dots = ctx.replays and ctx.policy == "dots"
-        if ctx.replays and not dots:
-            lax.REMAT_HOOK.append(replay)
-        try:
-            with torch.enable_grad(), _DotsMode(residuals) if dots else contextlib.nullcontext():
-                outs, vjp = torch.func.vjp(of_wanted, *(primals[i] for i in wanted))
-        finally:
-            if ctx.replays and not dots:
-                lax.REMAT_HOOK.pop()
+        replay = (_Replay(residuals),) if ctx.replays and not dots else ()
+        with (
+            lax.handling(*replay),
+            torch.enable_grad(),
+            _DotsMode(residuals) if dots else contextlib.nullcontext(),
+        ):
+            outs, vjp = torch.func.vjp(of_wanted, *(primals[i] for i in wanted))
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cotangents))
         grads = [None] * len(primals)
         for i, g in zip(wanted, vjp(cts[: len(outs)])):
@@ -308,6 +324,7 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         # environment again (its mesh for fs.lax, its varying-axes tracker for the pcasts).
         env = axis_env._STACK[-1] if axis_env._STACK else None
         tracker = env[1] if env is not None else None
+        again = tuple(h for h in lax.active_handlers() if h.recompute)
         out_vma: list = []  # the varying axes of the outputs, as fn computed them
 
         def run(*tensors):
@@ -319,6 +336,8 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                     stack.enter_context(axis_env.enter(*env))
                     if env[1] is not None:
                         stack.enter_context(env[1])
+                if again and not set(map(id, again)) <= set(map(id, lax.active_handlers())):
+                    stack.enter_context(lax.handling(*again))
                 out = fn(*optree.tree_unflatten(treedef, filled))
             out_leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
             bad = [type(v).__name__ for v in out_leaves if not isinstance(v, torch.Tensor)]

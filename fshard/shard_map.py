@@ -58,7 +58,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _compat, axis_env, consistency
+from . import _comm, _compat, axis_env, consistency, lax
 from . import array as _array
 from ._leaf_errors import LeafErrors, paths
 from .api import shard
@@ -957,12 +957,30 @@ def shard_map(
                 stack.callback(_resume, body.outer)
             if body.auto is not None:
                 stack.enter_context(_TrackedDispatch())
+                stack.enter_context(lax.handling(_MANUAL_AXES))
             stack.enter_context(axis_env.enter(body.root, tracker))
             stack.enter_context(tracker)
             out = f(*local_args)
         return _outputs(out, out_specs, body, tracker, out_shapes, check_replication, check_vma)
 
     return mapped
+
+
+class _ManualAxes(lax.Handler):
+    """In a partial-manual body, a collective its tracker does not run (an op rule's or
+    ``fs.reshard``'s, over auto axes) leaves the manual axes its input varies over."""
+
+    recompute = True
+
+    def process(self, b, x, done, proceed):
+        out = proceed(b, x, done)
+        t = axis_env.tracker()
+        if t is not None and not t.paused and t.auto is not None:
+            t.tag(out, t.vma(x))
+        return out
+
+
+_MANUAL_AXES = _ManualAxes()
 
 
 def _resume(t: _Tracker) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 import fshard as fs
 from fshard import lax
+from fshard.gradsync import GradSync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt as demo  # noqa: E402
@@ -306,7 +307,6 @@ def dp_in_place_rank_fn():
     overwritten by step 2, and two param sets never share a buffer."""
     import gc
 
-    from fshard import autodiff
 
     mesh, model, xs, ys, loss = _dp_setup()
     params = fs.nn.shard_params(model, mesh)
@@ -341,7 +341,7 @@ def dp_in_place_rank_fn():
             left = [
                 (len(o.leaves), len(o.entries), len(o.buckets), len(o.slot))
                 for o in gc.get_objects()
-                if isinstance(o, autodiff._Reducer)
+                if isinstance(o, GradSync)
             ]
         finally:
             gc.enable()

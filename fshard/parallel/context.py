@@ -337,7 +337,7 @@ def _overlappable() -> bool:
     grad levels, no tracing, no remat) and at most one grad level is open (the Function's
     backward is differentiated once). Elsewhere (vmap, jvp, grad of grad, compile) the ring's
     ops are differentiated one by one, where each ppermute's transpose runs."""
-    return lax._computable_ahead() and len(get_interpreter_stack() or ()) <= 1
+    return lax.computable_ahead() and len(get_interpreter_stack() or ()) <= 1
 
 
 @contextlib.contextmanager

@@ -57,13 +57,15 @@ batching rule.
 Data-parallel gradients: once per step (torchtitan's and Megatron's local accumulation, DDP's
 ``no_sync``). The op rules pcast a dp-replicated weight where it meets dp-split activations,
 and that pcast's backward would all-reduce the weight's gradient over dp in every microbatch's
-backward. The executor takes those pcasts over (``fs.lax.PCAST_HOOK``, :class:`_DeferredPcasts`):
-a pcast of a stage weight or loss param (or of a view of one, e.g. a block's slice of the
-stack) reads a per-step stand-in leaf, whose gradient accumulates the unreduced cotangents of
-every microbatch; after the schedule one bucketed all_reduce per group sums them (the weights of
-one stage, whatever the microbatch count: ``fs.debug.comm_log`` shows one all_reduce over dp of
-the rank's weight bytes where it showed ``m`` per weight use). A pcast of anything else (a cast
-or computed value, one under ``fs.remat``) keeps its reduction in its backward. The loss value
+backward. The executor takes those pcasts over with the one gradient reducer,
+:class:`fshard.gradsync.GradSync` in ``"step"`` mode (the handler ``fs.value_and_grad`` uses,
+overlapped, at top level): a pcast of a stage weight or loss param (or of a view of one, e.g. a
+block's slice of the stack) reads a per-step stand-in leaf, whose gradient accumulates the
+unreduced cotangents of every microbatch; after the schedule one bucketed all_reduce per group
+sums them (the weights of one stage, whatever the microbatch count: ``fs.debug.comm_log`` shows
+one all_reduce over dp of the rank's weight bytes where it showed ``m`` per weight use). A
+pcast of anything else (a cast or computed value, one under ``fs.remat``) keeps its reduction
+in its backward. The loss value
 of each microbatch is still summed over dp in the forward (one scalar all_reduce per microbatch
 on the last stage).
 """
@@ -84,6 +86,7 @@ from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute
 from ..executor import reshard_one
+from ..gradsync import GradSync
 from ..mesh import Mesh
 from ..nn_plan import match_plan
 from ..shard_map import shard_map
@@ -477,56 +480,6 @@ def _leaf_tensor(t: torch.Tensor, need: bool) -> torch.Tensor:
     return t.requires_grad_() if need else t
 
 
-class _DeferredPcasts:
-    """The executor's pcast hook (``fs.lax.PCAST_HOOK``): the dp reduction of a step's weight
-    gradients, once per step instead of once per microbatch (DDP's ``no_sync``).
-
-    An op rule pcasts a weight replicated over an axis its other operand varies on (a
-    dp-replicated weight meeting dp-split activations); the pcast's backward sums the
-    weight's cotangent over the axis, in every microbatch's backward. Here a pcast over
-    ``group`` of one of ``leaves`` (or of a view of one: a block's slice of a stacked stage
-    weight) instead returns the same values read from a *stand-in*: a leaf sharing the weight's
-    storage, one per (weight, group) for the whole step, which the pcast of every microbatch
-    reuses. Its ``.grad`` accumulates the unreduced (varying) cotangents over the microbatches,
-    and :meth:`reduce` sums them over ``group`` once, into the weight's own ``.grad`` (which
-    keeps the weight's other uses, reduced or not as the op rules decided). Any other pcast
-    (of a cast or a computed value, or under ``fs.remat``, whose recompute differentiates its
-    own inputs only) keeps ``fshard.lax``'s, reduced in its backward: the same sum, earlier.
-    """
-
-    def __init__(self, leaves: list[torch.Tensor]):
-        self.leaves = {id(t): t for t in leaves if t.requires_grad}
-        self.entries: dict = {}  # (id(weight), axes, id(pg)) -> (weight, group, stand-in)
-
-    def pcast(self, x: torch.Tensor, group) -> torch.Tensor | None:
-        base = x if x._base is None else x._base
-        if self.leaves.get(id(base)) is not base or lax.REMAT_HOOK or not torch.is_grad_enabled():
-            return None
-        key = (id(base), group.axes, id(group.pg))
-        if key not in self.entries:
-            self.entries[key] = (base, group, base.detach().requires_grad_())
-        stand_in = self.entries[key][2]
-        return stand_in if x is base else x._view_func(stand_in)
-
-    def stand_ins(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The stand-ins of ``weights`` made so far (the leaves a backward must reach)."""
-        ids = {id(w) for w in weights}
-        return [v for w, _, v in self.entries.values() if id(w) in ids]
-
-    def reduce(self) -> None:
-        """Sum each stand-in's gradient over its group (bucketed: one all_reduce per group and
-        dtype up to ``fs.lax.PSUM_BUCKET_BYTES``) into its weight's ``.grad``. The entries and
-        their order are the same on every rank of a group (one stage program, SPMD over it)."""
-        by_group: dict = {}
-        for w, g, v in self.entries.values():
-            by_group.setdefault((g.axes, id(g.pg)), (g, []))[1].append((w, v))
-        for g, pairs in by_group.values():
-            grads = [torch.zeros_like(v) if v.grad is None else v.grad for _, v in pairs]
-            for (w, _), s in zip(pairs, lax._psum_bucketed(grads, g, donate=True)):
-                w.grad = s if w.grad is None else w.grad + s
-        self.entries = {}
-
-
 class _Run:
     """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
 
@@ -566,17 +519,18 @@ class _Run:
         total = torch.zeros((), dtype=torch.float64)
 
         own = [_block(lf) for c in chunks for lf in c[0]] if need_p else []
-        deferred = _DeferredPcasts(own + ([_block(lf) for lf in lp_leaves] if need_lp else []))
+        own += [_block(lf) for lf in lp_leaves] if need_lp else []
+        own = [t for t in own if t.requires_grad]
+        sync = GradSync(own, mode="step")  # the dp reduction, once per step
 
         def weights(s: int) -> list:
             """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``): its
             weights and their pcasts' stand-ins."""
             ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
             ws += [_block(lf) for lf in lp_leaves] if s == last and need_lp else []
-            return ws + deferred.stand_ins(ws)
+            return ws + sync.stand_ins(ws)
 
-        hook = lax.PCAST_HOOK.set(deferred.pcast if grad_on else None)
-        try:
+        with lax.handling(*((sync,) if grad_on else ())):
             for t, row in enumerate(sched.table):
                 a = row[r]
                 sent_f = sent_b = None
@@ -618,9 +572,10 @@ class _Run:
                 self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox)
-        finally:
-            lax.PCAST_HOOK.reset(hook)
-        deferred.reduce()  # once per step, whatever the microbatch count
+        if grad_on:  # once per step, whatever the microbatch count
+            for t, g in zip(own, sync.finish([t.grad for t in own])):
+                t.grad = g
+        sync.close()
 
         loss = total.to(x.dtype)
         if not grad_on:
@@ -721,11 +676,7 @@ class _Pipeline(torch.autograd.Function):
 
     @staticmethod
     def forward(run, *tensors):
-        token = lax.PCAST_HOOK.set(None)  # value_and_grad's hook is for the outer graph
-        try:
-            return run(tensors)
-        finally:
-            lax.PCAST_HOOK.reset(token)
+        return run(tensors)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

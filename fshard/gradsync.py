@@ -1,0 +1,323 @@
+"""Gradient sync: the one reducer of data-parallel gradients (DDP's reducer, FSDP2's
+``set_requires_gradient_sync``, JAX's unreduced gradients).
+
+Where the data-parallel reduction happens. A replicated value's gradient is summed over an
+axis exactly once, at the ``pcast`` where it met varying data (DESIGN §4); through
+``fshard.lax``'s Function that is one all_reduce per ``pcast`` in its backward, run late (the
+Function's node was created early in the forward, and the engine runs low sequence numbers
+last) and unbucketed. :class:`GradSync` is the :class:`fshard.lax.Handler` that takes those
+pcasts over for the params a call differentiates (``fs.value_and_grad`` at top level, the
+pipeline executor for a step's stage weights):
+
+* A ``pcast`` over ``group`` of one of its leaves, or of a view of one (a block's slice of a
+  stacked stage weight), reads a **stand-in**: a leaf sharing the param's storage, one per
+  (param, group, reduce dtype) for the whole call, whatever the number of uses. Its gradient is
+  the varying cotangent of every such use (summed by autograd), and nothing else: the param's
+  uses outside a pcast (weight decay in the loss, an invariant branch) reach the param itself,
+  never a stand-in, so they are not summed over ranks. A param used ``k`` times (tied weights,
+  ``m`` microbatches in one loss) is reduced **once**.
+* ``mode="overlap"`` (``fs.value_and_grad``): a post-accumulate-grad hook on each stand-in
+  (the engine runs it as soon as its last use is back-propagated, like DDP's AccumulateGrad
+  hooks) puts its gradient, a tensor no one else holds (AccumulateGrad steals an unshared
+  cotangent and clones a shared one), in its bucket; a full bucket is all-reduced
+  asynchronously while the rest of the backward runs.
+* ``mode="step"`` (the pipeline, several backward passes per step): the stand-ins'
+  gradients accumulate over the passes, and :meth:`GradSync.finish` reduces them once, every
+  bucket launched before the first is waited on.
+* ``mode="unreduced"`` (``fs.value_and_grad(..., sync=False)``): nothing is sent;
+  :meth:`GradSync.finish` returns each param's gradient as the addends of a pending sum over the
+  pcasts' axes (a partial layout), for accumulation over microbatches and one reduction per
+  optimizer step (``fs.reshard`` of the accumulated tree to the params' specs).
+
+Buckets: ``fs.lax.buckets`` (the bucketing ``fs.lax.psum`` of a pytree uses), cut in reverse
+registration order (the order gradients are expected) per (group, reduce dtype, device): a
+gradient of at least ``fs.lax.PSUM_INPLACE_MIN_BYTES`` is a bucket of its own, reduced in place
+in the tensor autograd made; smaller ones are copied into a packed buffer of up to
+``fs.lax.PSUM_BUCKET_BYTES``, reused across calls once the gradients returned from it (views)
+are gone. The reduce dtype is the ``pcast``'s (``Pcast.reduce_dtype``, mixed precision's
+``reduce_dtype``): the bucket holds that dtype and the sum is cast back to the param's.
+
+Example:
+    >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+    >>> w = torch.ones(3)
+    >>> sync = GradSync([w], mode="step")
+    >>> with fs.lax.handling(sync), torch.enable_grad():
+    ...     v = fs.lax.pcast(w, "x", mesh=mesh)  # a stand-in leaf, reduced once per step
+    ...     (v * (mesh.rank + 1)).sum().backward()
+    ...     (v * (mesh.rank + 1)).sum().backward()  # a second microbatch: no reduction yet
+    >>> sync.finish([None])[0]  # (1 + 2) summed over x, twice
+    tensor([6., 6., 6.])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from . import _comm, lax
+from .collectives import Pcast
+from .mesh import AxisGroup
+
+__all__ = ["GradSync", "MODES"]
+
+MODES = ("overlap", "step", "unreduced")
+
+#: Packed-bucket buffers kept between calls, per (numel, dtype, device), as DDP keeps its
+#: buckets: on CPU a fresh multi-MiB buffer is fresh pages every step (the faults cost more than
+#: the copy). A buffer is reused only once nothing else references its storage (the gradients
+#: returned from it, which are views, are gone), so returned gradients are never overwritten.
+_POOL: dict[tuple, list[torch.Tensor]] = {}
+_POOL_DEPTH = 2
+
+
+def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    free = _POOL.setdefault((numel, dtype, device), [])
+    for buf in free:
+        # 2: the pool's tensor and the temporary storage object of this call
+        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
+            return buf.view(numel)  # a new tensor: it holds the storage while in use
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    if len(free) < _POOL_DEPTH:
+        free.append(buf)
+    return buf.view(numel)
+
+
+class _Entry:
+    """One stand-in: leaf ``leaf`` read through ``pcast`` over ``group``, reduced in
+    ``dtype``."""
+
+    __slots__ = ("leaf", "group", "dtype", "v")
+
+    def __init__(self, leaf: int, group: AxisGroup, dtype: torch.dtype, v: torch.Tensor):
+        self.leaf, self.group, self.dtype, self.v = leaf, group, dtype, v
+
+
+class _Bucket:
+    """One all_reduce: ``entries`` = ``[(entry, offset, numel)]``. ``own``: a single large
+    gradient reduced in place in the tensor autograd accumulated (no copy); otherwise the
+    entries are packed into a pooled buffer."""
+
+    __slots__ = ("group", "dtype", "entries", "numel", "own", "flat", "pending", "work")
+
+    def __init__(self, group: AxisGroup, dtype: torch.dtype, own: bool):
+        self.group, self.dtype, self.own, self.entries, self.numel = group, dtype, own, [], 0
+        self.flat, self.pending, self.work = None, 0, None
+
+    def add(self, k: int, numel: int) -> None:
+        self.entries.append((k, self.numel, numel))
+        self.numel += numel
+        self.pending += 1
+
+
+class GradSync(lax.Handler):
+    """The reducer of one call's data-parallel gradients (see the module docstring).
+
+    Args:
+        leaves: the differentiated tensors (params' local blocks) whose pcasts it takes over.
+        mode: ``"overlap"`` (buckets launched as the backward fills them), ``"step"`` (once,
+            in :meth:`finish`, after any number of backward passes) or ``"unreduced"`` (no
+            communication: :meth:`finish` returns the addends).
+
+    Example:
+        >>> GradSync([torch.ones(2)], mode="overlap").mode
+        'overlap'
+    """
+
+    def __init__(self, leaves: Sequence[torch.Tensor], mode: str = "overlap"):
+        if mode not in MODES:
+            raise ValueError(f"GradSync: mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.leaves = list(leaves)
+        self.index = {id(t): i for i, t in enumerate(self.leaves)}
+        self.entries: list[_Entry] = []
+        self.keys: dict[tuple, int] = {}  # (leaf, axes, id(pg), dtype) -> entry
+        self.buckets: list[_Bucket] | None = None
+        self.slot: dict[int, tuple[_Bucket, int]] = {}  # entry -> (its bucket, offset)
+        self.next = 0  # the first bucket not launched yet
+        self.arrived: set[int] = set()
+
+    # -- the handler ------------------------------------------------------------------------
+
+    def process(self, b, x, done, proceed):
+        if type(b.op) is not Pcast:
+            return proceed(b, x, done)
+        v = self._stand_in(x, b.group, b.op.reduce_dtype)
+        return proceed(b, x, done) if v is None else v
+
+    def _stand_in(self, x: torch.Tensor, group: AxisGroup, dtype) -> torch.Tensor | None:
+        base = x if x._base is None else x._base
+        i = self.index.get(id(base))
+        if (
+            i is None
+            or self.leaves[i] is not base
+            or self.buckets is not None
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        dtype = dtype or base.dtype
+        key = (i, group.axes, id(group.pg), dtype)
+        k = self.keys.get(key)
+        if k is None:
+            k = self.keys[key] = len(self.entries)
+            v = base.detach().requires_grad_()
+            self.entries.append(_Entry(i, group, dtype, v))
+            if self.mode == "overlap":
+                # After AccumulateGrad: v.grad is then a tensor no one else holds (the engine
+                # steals an unshared gradient or clones a shared one), so it may be reduced in
+                # place.
+                v.register_post_accumulate_grad_hook(functools.partial(self._ready, k))
+        v = self.entries[k].v
+        return v if x is base else x._view_func(v)
+
+    def stand_ins(self, leaves: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The stand-ins made so far (of ``leaves`` only, when given): the leaves a backward
+        must reach besides the params.
+
+        Example:
+            >>> GradSync([torch.ones(2)]).stand_ins()
+            []
+        """
+        if leaves is None:
+            return [e.v for e in self.entries]
+        ids = {id(t) for t in leaves}
+        return [e.v for e in self.entries if id(self.leaves[e.leaf]) in ids]
+
+    # -- buckets ----------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        """Cut the entries, last registered first (the order their gradients are expected),
+        with ``fs.lax.buckets``; launched in the order they are expected to fill (by their last
+        entry): static, so the same on every rank."""
+        ks = list(reversed(range(len(self.entries))))
+        shapes = [
+            torch.empty(self.entries[k].v.shape, dtype=self.entries[k].dtype, device="meta")
+            for k in ks
+        ]
+        groups = [self.entries[k].group for k in ks]
+        in_place = {
+            pos for pos, k in enumerate(ks) if self.entries[k].dtype == self.entries[k].v.dtype
+        }
+        self.buckets = []
+        for cut in lax.buckets(shapes, groups, in_place=in_place, order="filled"):
+            first = self.entries[ks[cut.idx[0]]]
+            b = _Bucket(first.group, first.dtype, own=cut.own)
+            for pos in cut.idx:
+                self.slot[ks[pos]] = (b, b.numel)
+                b.add(ks[pos], self.entries[ks[pos]].v.numel())
+            self.buckets.append(b)
+
+    def _ready(self, k: int, v: torch.Tensor) -> None:
+        if self.buckets is None:
+            self._plan()
+        g, v.grad = v.grad, None
+        self._put(k, g)
+        self._launch_ready()
+
+    def _put(self, k: int, g: torch.Tensor) -> None:
+        b, off = self.slot[k]
+        if b.own:
+            b.flat = g.contiguous().view(-1)
+        else:
+            if b.flat is None:
+                b.flat = _buffer(b.numel, b.dtype, g.device)
+            b.flat[off : off + g.numel()].view_as(g).copy_(g)
+        self.arrived.add(k)
+        b.pending -= 1
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self.next < len(self.buckets):
+            b = self.buckets[self.next]
+            if b.pending:
+                if not flush:
+                    return
+                # cotangents that never arrived (the pcast did not reach the loss): zeros
+                if b.flat is None:
+                    like = self.entries[b.entries[0][0]].v
+                    b.flat = (
+                        like.new_empty(b.numel)
+                        if b.own
+                        else _buffer(b.numel, b.dtype, like.device)
+                    ).zero_()
+                else:
+                    for k, off, size in b.entries:
+                        if k not in self.arrived:
+                            b.flat[off : off + size].zero_()
+                b.pending = 0
+            _, b.work = _comm.all_reduce_start(b.flat, b.group, inplace=True)
+            self.next += 1
+
+    def finish(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Every leaf's gradient: its own ``grads[i]`` (which this call owns: accumulated by
+        autograd into a fresh leaf) plus its stand-ins' reduced gradients. In
+        ``"unreduced"`` mode see :meth:`unreduced` instead.
+
+        Example:
+            >>> GradSync([torch.ones(2)], mode="step").finish([torch.ones(2)])
+            [tensor([1., 1.])]
+        """
+        if self.mode == "unreduced":
+            raise ValueError("GradSync.finish: an 'unreduced' reducer is read with unreduced()")
+        if not self.entries:
+            return list(grads)
+        if self.buckets is None:  # no gradient arrived through a hook (mode "step")
+            self._plan()
+        if self.mode == "step":
+            for k, e in enumerate(self.entries):
+                if e.v.grad is not None:
+                    self._put(k, e.v.grad)
+                    e.v.grad = None
+        self._launch_ready(flush=True)
+        out = list(grads)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            for k, off, size in b.entries:
+                e = self.entries[k]
+                piece = b.flat[off : off + size].view(e.v.shape)
+                if piece.dtype != e.v.dtype:
+                    piece = piece.to(e.v.dtype)
+                i = e.leaf
+                out[i] = piece if out[i] is None else piece.add_(out[i])
+        return out
+
+    def unreduced(self, grads: list[torch.Tensor | None], keep_own) -> list:
+        """``"unreduced"`` mode: per leaf ``(addend, axes)``: this rank's addend of the leaf's
+        gradient as a pending sum over ``axes`` (the union of its pcasts' axes; ``()`` where
+        nothing is pending). ``keep_own(i, axes)``: whether this rank keeps an addend that is
+        the same on every rank of ``axes`` (the first rank of them does: each pcast's
+        cotangent over a smaller group, and the leaf's own gradient).
+
+        Example:
+            >>> GradSync([torch.ones(2)], mode="unreduced").unreduced([None], None)
+            [(None, ())]
+        """
+        axes_of: dict[int, tuple[str, ...]] = {}
+        for e in self.entries:
+            have = axes_of.get(e.leaf, ())
+            axes_of[e.leaf] = have + tuple(a for a in e.group.axes if a not in have)
+        out = []
+        for i, own in enumerate(grads):
+            axes = axes_of.get(i, ())
+            total = None
+            if own is not None:
+                total = own if not axes or keep_own(i, axes) else torch.zeros_like(own)
+            for e in self.entries:
+                if e.leaf != i or e.v.grad is None:
+                    continue
+                g = e.v.grad
+                rest = tuple(a for a in axes if a not in e.group.axes)
+                if rest and not keep_own(i, rest):
+                    g = torch.zeros_like(g)
+                total = g if total is None else total + g
+            out.append((total, axes))
+        return out
+
+    def close(self) -> None:
+        """Drop every tensor this call held. The reducer object itself may outlive the call for
+        a moment (a reference released after the call returns): what it held must not, or
+        each step's gradients stay alive into the next one (fresh pages)."""
+        self.leaves, self.index, self.entries, self.keys = [], {}, [], {}
+        self.buckets, self.slot = [], {}

@@ -1,0 +1,226 @@
+"""fshard.gradsync (the one reducer of data-parallel gradients) and fshard.lax's handler stack:
+one reduction per param per step however often it is used (tied weights, microbatches in one
+loss), unreduced gradients accumulated over microbatches and reduced once, the reduce dtype
+carried on the pcast, handlers consulted innermost first. Oracle: the dense gradient in one
+process; exact comm-log byte counts."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fshard as fs
+from fshard import lax
+
+D, H, B = 6, 10, 8
+PARAM_BYTES = 8 * (H * D + H + D * H + D)  # float64
+
+
+class Tied(nn.Module):
+    """An MLP whose first weight is used twice (tied: ``fc1`` then ``fc1.weight.T``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h) + h @ self.fc1.weight
+
+
+def _data():
+    torch.manual_seed(0)
+    return Tied().double(), torch.randn(B, D, dtype=torch.float64), torch.randn(B, D).double()
+
+
+def _dense(model, x, y, chunks: int):
+    ps = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(ps):
+        out = 0
+        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+            out = out + F.mse_loss(torch.func.functional_call(model, ps, (xc,)), yc)
+        return out
+
+    g, v = torch.func.grad_and_value(loss)(ps)
+    return v, g
+
+
+def _loss(model):
+    def loss(ps, xs, ys):
+        # microbatches (each split over dp), all in one differentiated call
+        total = 0
+        for x, y in zip(xs, ys):
+            out = fs.nn.functional_call(model, ps, (x,))
+            total = total + ((out - y) ** 2).mean()
+        return fs.gather(total)
+
+    return loss
+
+
+def _split(t, mesh, chunks):
+    return [fs.shard(c, mesh, fs.P("dp")) for c in t.chunk(chunks)]
+
+
+def once_rank_fn():
+    mesh = fs.Mesh.create((2,), ("dp",))
+    model, x, y = _data()
+    params = fs.nn.shard_params(model, mesh)
+    with fs.debug.comm_log() as log:
+        v, g = fs.value_and_grad(_loss(model))(params, _split(x, mesh, 2), _split(y, mesh, 2))
+    big = [(r.op, r.nbytes) for r in log if r.nbytes > 8]
+    return float(v), {k: t.local for k, t in g.items()}, {k: t.spec for k, t in g.items()}, big
+
+
+def test_one_reduction_per_param_however_often_used(world2):
+    """Two microbatches in one loss and a tied weight: each param's gradient is all-reduced
+    once (before: one pcast leaf per use, twice the parameter bytes or more)."""
+    model, x, y = _data()
+    v_dense, g_dense = _dense(model, x, y, 2)
+    for v, g, specs, big in world2.run(once_rank_fn):
+        torch.testing.assert_close(torch.tensor(v, dtype=torch.float64), v_dense)
+        for k in g_dense:
+            assert specs[k] == fs.P()
+            torch.testing.assert_close(g[k], g_dense[k])
+        assert {op for op, _ in big} == {"all_reduce"}
+        assert sum(n for _, n in big) == PARAM_BYTES  # each param's bytes exactly once
+
+
+def unreduced_rank_fn():
+    mesh = fs.Mesh.create((2,), ("dp",))
+    model, x, y = _data()
+    params = fs.nn.shard_params(model, mesh)
+    specs = {k: p.spec for k, p in params.items()}
+    vg = fs.value_and_grad(_loss(model), sync=False)
+    acc, losses = None, []
+    with fs.debug.comm_log() as during:
+        for xc, yc in zip(x.chunk(2), y.chunk(2)):  # two optimizer-level microbatches
+            v, g = vg(params, _split(xc, mesh, 1), _split(yc, mesh, 1))
+            losses.append(float(v))
+            acc = g if acc is None else fs.tree_map(torch.add, acc, g)
+    pending = {k: t.spec for k, t in acc.items()}
+    with fs.debug.comm_log() as at_step:
+        reduced = fs.reshard(acc, specs)  # the one reduction of the step
+    out = {k: fs.gather(t) for k, t in reduced.items()}
+    return (
+        losses,
+        out,
+        pending,
+        {k: t.spec for k, t in reduced.items()},
+        [(r.op, r.nbytes) for r in during if r.nbytes > 8],
+        [(r.op, r.nbytes) for r in at_step],
+    )
+
+
+def test_unreduced_gradients_accumulate_then_reduce_once(world2):
+    """``sync=False`` (DDP's no_sync, JAX's unreduced gradients): no gradient bytes move in the
+    microbatches; the accumulated pending sums reduce in one resharding of the tree."""
+    model, x, y = _data()
+    g_dense = {}
+    for xc, yc in zip(x.chunk(2), y.chunk(2)):
+        _, g = _dense(model, xc, yc, 1)
+        g_dense = {k: g[k] + g_dense.get(k, 0) for k in g}
+    for losses, out, pending, final, during, at_step in world2.run(unreduced_rank_fn):
+        for k in g_dense:
+            assert pending[k].partial == ("dp",), (k, pending[k])
+            assert final[k] == fs.P()
+            torch.testing.assert_close(out[k], g_dense[k])
+        assert during == []  # nothing but the loss scalars moved
+        assert {op for op, _ in at_step} == {"all_reduce"}
+        assert sum(n for _, n in at_step) == PARAM_BYTES
+
+
+def reduce_dtype_rank_fn(reduce: torch.dtype):
+    mesh = fs.Mesh.create((2,), ("dp",))
+    torch.manual_seed(0)
+    model = Tied()
+    x, y = torch.randn(B, D), torch.randn(B, D)
+    policy = fs.nn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    params = fs.nn.shard_params(model, mesh)
+    xs, ys = fs.shard(x, mesh, fs.P("dp")), fs.shard(y, mesh, fs.P("dp"))
+
+    def loss(ps, x, y):
+        out = fs.nn.functional_call(model, ps, (x,), mp_policy=policy)
+        return fs.gather(((out.float() - y) ** 2).mean())
+
+    with fs.debug.comm_log() as log:
+        _, g = fs.value_and_grad(loss)(params, xs, ys)
+    ref = torch.func.grad(loss)(params, xs, ys)  # lax's Function: one all_reduce per pcast
+    return (
+        [(r.op, r.nbytes) for r in log if r.nbytes > 4],
+        {k: (t.dtype, t.local) for k, t in g.items()},
+        {k: t.local for k, t in ref.items()},
+    )
+
+
+@pytest.mark.parametrize("reduce", [torch.float32, torch.bfloat16])
+def test_reduce_dtype_travels_on_the_pcast(world2, reduce):
+    """Mixed precision's reduce dtype is data on the pcast: fs.value_and_grad buckets the
+    reduction in that dtype (bf16: half the bytes) and returns fp32 gradients equal to the
+    Function's per-pcast reduction."""
+    size = torch.empty((), dtype=reduce).element_size()
+    for big, g, ref in world2.run(reduce_dtype_rank_fn, reduce):
+        n_params = PARAM_BYTES // 8
+        assert sum(n for _, n in big) == size * n_params, big
+        assert len(big) == 1  # one bucket: every gradient in one all_reduce
+        for k, (dtype, local) in g.items():
+            assert dtype == torch.float32
+            torch.testing.assert_close(local, ref[k], rtol=1e-2, atol=1e-3)
+
+
+class _Order(lax.Handler):
+    def __init__(self, name, seen):
+        self.name, self.seen = name, seen
+
+    def process(self, b, x, done, proceed):
+        self.seen.append(self.name)
+        return proceed(b, x, done)
+
+
+def handlers_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    seen = []
+    with lax.handling(_Order("outer", seen)), lax.handling(_Order("inner", seen)):
+        got = fs.lax.psum(torch.ones(2), "x", mesh=mesh)
+        inside = len(lax.active_handlers())
+    return seen, got, inside, len(lax.active_handlers())
+
+
+def test_handlers_are_consulted_innermost_first(world2):
+    for seen, got, inside, after in world2.run(handlers_rank_fn):
+        assert seen == ["inner", "outer"]
+        assert torch.equal(got, torch.full((2,), 2.0))
+        assert (inside, after) == (2, 0)
+
+
+def test_handling_refuses_what_is_not_a_handler():
+    with pytest.raises(TypeError, match="fs.lax.Handler"), lax.handling(object()):
+        pass
+
+
+def test_sync_is_checked():
+    with pytest.raises(TypeError, match="sync must be a bool"):
+        fs.value_and_grad(lambda w: w.sum(), sync="no")
+
+
+def test_one_application_path():
+    """The interception channels the handler stack replaced are gone, and no module reaches
+    into fshard.lax's private names."""
+    root = pathlib.Path(fs.__file__).parent
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        for name in ("REMAT_HOOK", "PCAST_HOOK", "MP_SOURCES", "_DeferredPcasts"):
+            assert name not in text, (path, name)
+        private = [
+            node.attr
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "lax"
+            and node.attr.startswith("_")
+        ]
+        assert not private, (path, private)
