@@ -120,11 +120,13 @@ def test_unreduced_gradients_accumulate_then_reduce_once(world2):
     """``sync=False`` (DDP's no_sync, JAX's unreduced gradients): no gradient bytes move in the
     microbatches; the accumulated pending sums reduce in one resharding of the tree."""
     model, x, y = _data()
-    g_dense = {}
+    g_dense, v_dense = {}, []
     for xc, yc in zip(x.chunk(2), y.chunk(2)):
-        _, g = _dense(model, xc, yc, 1)
+        v, g = _dense(model, xc, yc, 1)
         g_dense = {k: g[k] + g_dense.get(k, 0) for k in g}
+        v_dense.append(float(v))
     for losses, out, pending, final, during, at_step in world2.run(unreduced_rank_fn):
+        assert losses == pytest.approx(v_dense, rel=1e-12)
         for k in g_dense:
             assert pending[k].partial == ("dp",), (k, pending[k])
             assert final[k] == fs.P()
