@@ -303,3 +303,82 @@ def test_fsdp_call_checks_units_up_front():
     with pytest.raises(ValueError, match="blocks.9.weight"):
         fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units={"": ["blocks.9.weight"]})
     assert module_state(model) == before
+
+
+def hsdp_rank_fn(traced):
+    """HSDP on a (2, 2) mesh: params sharded over "shard", replicated over "rep"; the batch
+    split over both."""
+    mesh = fs.Mesh.create((2, 2), ("rep", "shard"))
+    model, data = _setup()
+    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh, "shard"))
+    tx = fs.optim.adamw(**TX)
+    state = tx.init(params)
+
+    def loss(ps, x, y):
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh, axis="shard", replicate="rep")
+        return fs.lax.pmean(F.mse_loss(out, y), ("rep", "shard"), mesh=mesh)
+
+    if traced:
+
+        def vg(ps, x, y):
+            g, v = torch.func.grad_and_value(loss)(ps, x, y)
+            return v, g
+    else:
+        vg = fs.value_and_grad(loss)
+    losses, logs = [], []
+    batch = fs.P(("rep", "shard"))
+    for x, y in data:
+        xs, ys = fs.shard(x, mesh, batch).local, fs.shard(y, mesh, batch).local
+        with fs.debug.comm_log() as log:
+            v, g = vg(params, xs, ys)
+        logs.append([(r.op, r.axes, r.nbytes) for r in log])
+        assert all(g[k].layout == params[k].layout for k in g)
+        params, state = fs.optim.step(tx, g, state, params)
+        losses.append(float(v))
+    return losses, {k: fs.gather(v) for k, v in params.items()}, logs
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_hsdp_matches_dense(world4, dense, traced):
+    """HSDP (FSDP2's 2-D mesh): reduce_scatter over the shard axis, then the shard's gradient
+    all-reduced over the replicate axis (half the bytes of the full gradient), equal to dense."""
+    ref_losses, ref_params = dense
+    model, _ = _setup()
+    sizes = {k: p.numel() * 8 for k, p in model.named_parameters()}
+    sharded = [k for k in sizes if k != "gain"]
+    for losses, params, logs in world4.run(hsdp_rank_fn, traced):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for k in params:
+            torch.testing.assert_close(params[k], ref_params[k])
+        for log in logs:
+            gathers = [n for op, axes, n in log if op == "all_gather"]
+            assert sorted(gathers) == sorted(
+                [sizes[k] // 2 for k in sharded] * (1 if traced else 2)
+            )
+            rs = [(axes, n) for op, axes, n in log if op == "reduce_scatter"]
+            assert sorted(rs) == sorted((("shard",), sizes[k]) for k in sharded)
+            reduced = [(axes, n) for op, axes, n in log if op == "all_reduce" and n > 8]
+            # the shards' gradients over "rep" (bucketed at top level), gain's over both
+            assert sum(n for axes, n in reduced if axes == ("rep",)) == sum(
+                sizes[k] // 2 for k in sharded
+            )
+            assert [n for axes, n in reduced if axes == ("rep", "shard")] == [sizes["gain"]]
+            if not traced:
+                assert len([a for a, _ in reduced if a == ("rep",)]) == 1  # one bucket
+
+
+def test_hsdp_replicate_is_checked(world1):
+    world1.run(_hsdp_errors)
+
+
+def _hsdp_errors():
+    mesh = fs.Mesh.create((1, 1), ("rep", "shard"))
+    model, _ = _setup()
+    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh, "shard"))
+    x = torch.ones(2, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="share"):
+        fs.nn.fsdp_call(model, params, (x,), mesh=mesh, axis="shard", replicate="shard")
+    with pytest.raises(ValueError, match="not a mesh axis"):
+        fs.nn.fsdp_call(model, params, (x,), mesh=mesh, axis="shard", replicate="dp")
+    with pytest.raises(TypeError, match="replicate"):
+        fs.nn.fsdp_call(model, params, (x,), mesh=mesh, axis="shard", replicate=3)

@@ -51,7 +51,7 @@ import torch
 from .. import _comm, _swap, lax
 from .._leaf_errors import LeafErrors
 from ..array import ShardedArray
-from ..collectives import AllGather, Bound
+from ..collectives import AllGather, Bound, Pcast
 from ..mesh import Mesh
 from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
@@ -142,6 +142,26 @@ def _axes(axis, mesh: Mesh, where: str) -> tuple[str, ...]:
     return tuple(axes)
 
 
+def _replicate_axes(replicate, axes: tuple[str, ...], mesh: Mesh, where: str) -> tuple:
+    """HSDP's ``replicate`` axes (``None``: none) as a tuple, disjoint from the shard axes."""
+    if replicate is None:
+        return ()
+    try:
+        rep = _axes(replicate, mesh, where)
+    except TypeError:
+        raise TypeError(
+            f"{where}: replicate must be a mesh axis name, a tuple of names or None, got "
+            f"{replicate!r}"
+        ) from None
+    if set(rep) & set(axes):
+        raise ValueError(
+            f"{where}: replicate={replicate!r} and axis={axes!r} share "
+            f"{sorted(set(rep) & set(axes))}; HSDP shards over axis and replicates over the "
+            "other data-parallel axes"
+        )
+    return rep
+
+
 def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
     """Default FSDP units: each element of every ``nn.ModuleList`` (e.g. ``"blocks.3"``), and
     the root unit ``""`` holding every other param (embeddings, final norm, head). A tied
@@ -183,10 +203,14 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
 class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
-    def __init__(self, params, units, axis, mesh, prefetch, policy=None):
+    def __init__(self, params, units, axis, mesh, prefetch, policy=None, replicate=None):
         self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
+        self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
+        # HSDP: the shard's gradient is all-reduced over the replicate axes after the
+        # reduce_scatter (FSDP2's order: 1/n of the bytes), bucketed by fs.value_and_grad
+        self.rep_group = mesh.group(self.replicate) if self.replicate else None
         self.order = list(units)
         self.prefetch = prefetch
         self.group = mesh.group(axis)
@@ -243,35 +267,50 @@ class _Session:
         """Param ``n``'s block in the policy's ``param_dtype``: what is gathered."""
         return self.policy.cast_param(self.params[n].local)
 
+    def _replicated(self, x: torch.Tensor, reduce: torch.dtype) -> torch.Tensor:
+        """HSDP: ``x`` (a param's shard) pcast over the replicate axes, its gradient
+        all-reduced over them in ``reduce``; ``x`` itself without them."""
+        if self.rep_group is None:
+            return x
+        if reduce == x.dtype:
+            return lax.pcast(x, self.replicate, mesh=self.mesh)
+        return lax.apply(Bound(Pcast(self.rep_group.axes, reduce), self.rep_group), x)
+
     def _varying(self, n: str, full: torch.Tensor) -> torch.Tensor:
         """The gathered ``full`` (of :meth:`_low`) as the differentiable gather of param ``n``:
-        the backward reduce-scatters in the policy's reduce dtype, then casts to the param's."""
+        the backward reduce-scatters in the policy's reduce dtype (then, with HSDP,
+        all-reduces the shard over the replicate axes), then casts to the param's."""
         x = self.params[n].local
         if not x.requires_grad:
             return full
         reduce = self.policy.reduce_in(x.dtype)
+        src = self._replicated(x, reduce)
         if reduce == full.dtype:
-            return lax.apply(self.gathered, self._low(n), done=full)
-        return lax.apply(self.gathered, x.to(reduce), done=full.to(reduce)).to(full.dtype)
+            return lax.apply(self.gathered, self.policy.cast_param(src), done=full)
+        return lax.apply(self.gathered, src.to(reduce), done=full.to(reduce)).to(full.dtype)
 
     def _pcast(self, n: str) -> torch.Tensor:
-        """Param ``n``, left whole over the axis: a pcast (the backward all-reduces) in the
-        policy's reduce dtype, then the cast to ``param_dtype``."""
+        """Param ``n``, left whole over the axis: a pcast over the axis (and the replicate
+        axes) whose backward all-reduces in the policy's reduce dtype, then the cast to
+        ``param_dtype``."""
         x = self.params[n].local
-        y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), self.axis, mesh=self.mesh)
+        axes = self.replicate + self.axes
+        y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
 
     def _traced(self, n: str) -> torch.Tensor:
         if not self.sharded(n):
             return self._pcast(n)
-        x, low = self.params[n].local, self._low(n)
+        x = self.params[n].local
         reduce = self.policy.reduce_in(x.dtype)
+        src = self._replicated(x, reduce)
+        low = self.policy.cast_param(src)
         if reduce == low.dtype:
             return lax.all_gather(low, self.axis, dim=0, to="varying", mesh=self.mesh)
         # Under a transform an edge carries its forward dtype's gradient, so a gather of
         # param_dtype values cannot reduce-scatter in another dtype: gather in the reduce dtype
         # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
-        y = lax.all_gather(x.to(reduce), self.axis, dim=0, to="varying", mesh=self.mesh)
+        y = lax.all_gather(src.to(reduce), self.axis, dim=0, to="varying", mesh=self.mesh)
         return y.to(low.dtype)
 
     # -- saved-tensor hooks: a gathered weight is re-gathered in the backward, not kept --------
@@ -310,6 +349,7 @@ def fsdp_gather(
     axis: str | Sequence[str] = "dp",
     prefetch: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    replicate: str | Sequence[str] | None = None,
 ) -> Iterator[Callable[[str], dict[str, torch.Tensor]]]:
     """Gather FSDP units just before use; yields ``get(unit) -> {param name: local tensor}``.
 
@@ -327,6 +367,11 @@ def fsdp_gather(
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy`: blocks are cast to its
             ``param_dtype`` before the all_gather (its bytes), gradients reduce-scattered in
             its ``reduce_dtype`` and returned in the params' own dtype.
+        replicate: HSDP (FSDP2's 2-D mesh, torchtitan's ``dp_replicate``): data-parallel
+            mesh axes the params are *replicated* over (not sharded): each shard's gradient
+            is reduce-scattered over ``axis`` and then all-reduced over ``replicate`` (on the
+            shard: ``1/n`` of the bytes; bucketed under :func:`fshard.value_and_grad`). The
+            batch is split over both; average the loss over both.
 
     Yields:
         ``get(unit)``.
@@ -356,7 +401,9 @@ def fsdp_gather(
             f"fsdp_gather: mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}"
         )
-    session = _Session(params, units, axis, mesh, prefetch, mp_policy and mp_policy.check())
+    session = _Session(
+        params, units, axis, mesh, prefetch, mp_policy and mp_policy.check(), replicate
+    )
     if not session.eager:
         yield session.gather
         return
@@ -420,6 +467,7 @@ def fsdp_call(
     units: Mapping[str, Sequence[str]] | None = None,
     prefetch: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    replicate: str | Sequence[str] | None = None,
 ):
     """Run ``module(*args)`` on local tensors with each FSDP unit gathered just before its
     forward (a forward pre-hook), the next one prefetched, and released after.
@@ -448,6 +496,7 @@ def fsdp_call(
             in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``, floating
             arguments cast to ``param_dtype`` (``cast_forward_inputs``), floating outputs to
             ``output_dtype``.
+        replicate: HSDP's replicate axes, as in :func:`fsdp_gather`.
 
     Returns:
         What ``module.forward`` returns (local, varying over ``axis``).
@@ -484,8 +533,9 @@ def fsdp_call(
         )
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
     with fsdp_gather(
-        params, units, mesh=mesh, axis=axis, prefetch=prefetch, mp_policy=policy
-    ) as get:
+        params, units, mesh=mesh, axis=axis, prefetch=prefetch, mp_policy=policy,
+        replicate=replicate,
+    ) as get:  # fmt: skip
         try:
             for unit in units:
                 if unit == "":
