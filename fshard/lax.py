@@ -231,6 +231,20 @@ class Handler:
     ===============================================  ==========================================
 
     With no handler active, :func:`apply` is one list test away from the Function.
+
+    Example:
+        >>> class Log(fs.lax.Handler):  # sees every collective the block applies
+        ...     def __init__(self):
+        ...         self.ops = []
+        ...     def process(self, b, x, done, proceed):
+        ...         self.ops.append(b.op.name)
+        ...         return proceed(b, x, done)
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> log = Log()
+        >>> with fs.lax.handling(log):
+        ...     _ = fs.lax.all_gather(torch.ones(2), "x", mesh=mesh)
+        >>> log.ops
+        ['all_gather']
     """
 
     #: Whether it must see every collective's result as :func:`apply` makes it: nothing may be

@@ -57,6 +57,7 @@ from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
 from ..precision import MixedPrecisionPolicy
 from ..spec import P, Parts
+from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
 
@@ -203,8 +204,15 @@ def fsdp_units(module: torch.nn.Module) -> dict[str, list[str]]:
 class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
-    def __init__(self, params, units, axis, mesh, prefetch, policy=None, replicate=None):
+    def __init__(
+        self, params, units, axis, mesh, prefetch, policy=None, replicate=None, typed=False
+    ):
         self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
+        # typed (the global view): get(unit) gives ShardedArrays in the base layouts, whose
+        # locals are invariant gathers; _Pcasts turns their pcasts into the varying gather
+        self.typed = typed
+        self.pcasts = _Pcasts(self) if typed else None
+        self.unit_of = {n: u for u, names in units.items() for n in names}
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
@@ -245,6 +253,8 @@ class _Session:
         if unit not in self.units:
             raise ValueError(f"fsdp_gather: unknown unit {unit!r}; the units are {self.order}")
         if not self.eager:
+            if self.typed:
+                return {n: self._typed(n, None) for n in self.units[unit]}
             return {n: self._traced(n) for n in self.units[unit]}
         fulls = self._wait(unit)
         if self.prefetch:
@@ -255,13 +265,49 @@ class _Session:
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
-            if n in fulls:
+            if self.typed:
+                y = self._typed(n, fulls.get(n))
+                if n in fulls:
+                    self.active[y.local.untyped_storage().data_ptr()] = (unit, n, y.local)
+            elif n in fulls:
                 y = self._varying(n, fulls[n])
                 self.active[y.untyped_storage().data_ptr()] = (unit, n, y)
             else:
                 y = self._pcast(n)
             out[n] = y
         return out
+
+    def base_layout(self, n: str):
+        """Param ``n``'s layout with the FSDP axes gathered away (its base plan's)."""
+        layout = self.params[n].layout
+        dims = list(layout.spec.padded(len(layout.shape)))
+        dims[0] = tuple(a for a in dims[0] if a not in self.axes)
+        entries = [d[0] if len(d) == 1 else (d or None) for d in dims]
+        return layout.with_spec(P(*entries, partial=layout.spec.partial))
+
+    def _typed(self, n: str, full: torch.Tensor | None) -> ShardedArray:
+        """The global view's value of param ``n`` for its unit: sharded over the FSDP axes,
+        the invariant gather of its blocks (``full``: gathered already; ``None``: gathered now)
+        in the base layout; a param left whole, itself (cast to ``param_dtype``)."""
+        x = self.params[n]
+        if not self.sharded(n):
+            low = self.policy.cast_param(x)
+            if low is not x:
+                self.pcasts.casts[id(low.local)] = (low.local, x.local, x.dtype)
+            return low
+        local, low = x.local, self._low(n)
+        if not local.requires_grad and full is not None:
+            inv = full
+        else:
+            invariant = Bound(AllGather(self.group.axes, 0, None, invariant=True), self.group)
+            reduce = self.policy.reduce_in(local.dtype)
+            if reduce == low.dtype:
+                inv = lax.apply(invariant, low, done=full)
+            else:
+                done = None if full is None else full.to(reduce)
+                inv = lax.apply(invariant, local.to(reduce), done=done).to(low.dtype)
+        self.pcasts.fulls[id(inv)] = (inv, n)
+        return ShardedArray._raw(inv, self.base_layout(n).with_dtype(inv.dtype))
 
     def _low(self, n: str) -> torch.Tensor:
         """Param ``n``'s block in the policy's ``param_dtype``: what is gathered."""
@@ -340,6 +386,49 @@ class _Session:
         return self.cache[unit]
 
 
+class _Pcasts(lax.Handler):
+    """FSDP in the global view: where an op rule pcasts a gathered param over the FSDP axes
+    (it met data split over them), the value becomes the *varying* gather of the param's
+    blocks instead (same data, no new communication when the gather ran ahead), whose backward
+    is a reduce_scatter (then, with HSDP, an all_reduce of the shard over the replicate axes);
+    other axes of the pcast stay a pcast. A use that meets no such data keeps the invariant
+    gather (backward: this rank's block of the cotangent, no communication), so every use is
+    differentiated correctly. A param left whole (cast to ``param_dtype``) is pcast on its
+    master in the policy's reduce dtype, as ``fs.nn.functional_call`` does."""
+
+    def __init__(self, session: _Session):
+        self.session = session
+        self.fulls: dict[int, tuple] = {}  # id(invariant gather) -> (it, param name)
+        self.casts: dict[int, tuple] = {}  # id(cast local) -> (it, master local, master dtype)
+
+    def process(self, b, x, done, proceed):
+        if type(b.op) is not Pcast:
+            return proceed(b, x, done)
+        s = self.session
+        cast = self.casts.get(id(x))
+        if cast is not None and cast[0] is x:
+            op = Pcast(b.op.axes, s.policy.reduce_in(cast[2]))
+            return proceed(Bound(op, b.group), cast[1], None).to(x.dtype)
+        base = x  # the gathered value itself, or a view of it (a slice, a transpose)
+        hit = self.fulls.get(id(x))
+        if hit is None and x._base is not None:
+            base, hit = x._base, self.fulls.get(id(x._base))
+        if hit is None or hit[0] is not base or not set(s.axes) <= set(b.op.axes):
+            return proceed(b, x, done)
+        n = hit[1]
+        if s.eager:
+            y = s._varying(n, base.detach())
+            s.active[y.untyped_storage().data_ptr()] = (s.unit_of[n], n, y)
+        else:
+            y = s._traced(n)
+        y = y if x is base else x._view_func(y)
+        rest = tuple(a for a in b.op.axes if a not in s.axes + s.replicate)
+        if not rest:
+            return y
+        g = s.mesh.group(rest)
+        return proceed(Bound(Pcast(rest, b.op.reduce_dtype), g), y, None)
+
+
 @contextlib.contextmanager
 def fsdp_gather(
     params: Mapping[str, ShardedArray],
@@ -386,6 +475,19 @@ def fsdp_gather(
         ...     torch.equal(get("")["weight"], model.weight)
         True
     """
+    _check_gather(params, units, mesh, mp_policy)
+    session = _Session(
+        params, units, axis, mesh, prefetch, mp_policy and mp_policy.check(), replicate
+    )
+    with _gathering(session) as get:
+        yield get
+
+
+def _sharded(v) -> bool:
+    return isinstance(v, ShardedArray)
+
+
+def _check_gather(params, units, mesh, mp_policy) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"fsdp_gather: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
     missing = sorted({n for names in units.values() for n in names} - set(params))
@@ -401,17 +503,21 @@ def fsdp_gather(
             f"fsdp_gather: mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}"
         )
-    session = _Session(
-        params, units, axis, mesh, prefetch, mp_policy and mp_policy.check(), replicate
-    )
-    if not session.eager:
-        yield session.gather
-        return
-    with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
-        yield session.gather
-    for unit in list(session.launched):  # prefetched but never used: finish the collective
-        session._wait(unit)
-    session.active = {}
+
+
+@contextlib.contextmanager
+def _gathering(session: _Session) -> Iterator[Callable]:
+    """``session.gather`` for the block, with its saved-tensor hooks (eager) and, in the global
+    view, its pcast handler."""
+    with lax.handling(*((session.pcasts,) if session.typed else ())):
+        if not session.eager:
+            yield session.gather
+            return
+        with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+            yield session.gather
+        for unit in list(session.launched):  # prefetched but never used: finish the collective
+            session._wait(unit)
+        session.active = {}
 
 
 def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
@@ -532,10 +638,10 @@ def fsdp_call(
             "tp), which swaps the values in again for the recompute"
         )
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
-    with fsdp_gather(
-        params, units, mesh=mesh, axis=axis, prefetch=prefetch, mp_policy=policy,
-        replicate=replicate,
-    ) as get:  # fmt: skip
+    typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
+    _check_gather(params, units, mesh, policy)
+    session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed)
+    with _gathering(session) as get:
         try:
             for unit in units:
                 if unit == "":
