@@ -345,14 +345,25 @@ def fsdp_loss(
     return fs.lax.pmean(loss, "dp", mesh=mesh)
 
 
-def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray) -> torch.Tensor:
+def run_model(module: nn.Module, params: dict, args: tuple, kwargs=None, *, fsdp=False):
+    """The module's own forward on sharded params (the global view): ``fs.nn.functional_call``,
+    or, with ``fsdp`` (params from ``fs.nn.fsdp_plan``), ``fs.nn.fsdp_call``, which gathers
+    each block's weights over ``dp`` just before its forward (their gradients are
+    reduce-scattered). The op rules insert every other collective (tp, sp, ep, cp)."""
+    if fsdp:
+        mesh = next(iter(params.values())).mesh  # inside a shard_map body: its auto axes'
+        return fs.nn.fsdp_call(module, params, args, kwargs, mesh=mesh, axis="dp")
+    return fs.nn.functional_call(module, params, args, kwargs)
+
+
+def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray, fsdp=False) -> torch.Tensor:
     """Mean next-byte cross entropy of the global batch: the module's own forward on sharded
-    params (``fs.nn.functional_call``), collectives inserted by the op rules.
+    params (:func:`run_model`), collectives inserted by the op rules.
 
     ``tokens`` is the ``(batch, ctx + 1)`` batch sharded over ``dp``. The loss is replicated,
     and :func:`fshard.gather` of a replicated value is its local tensor (no communication).
     """
-    logits = fs.nn.functional_call(model, params, (tokens[:, :-1],))
+    logits = run_model(model, params, (tokens[:, :-1],), fsdp=fsdp)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     return fs.gather(loss)
 
@@ -371,7 +382,9 @@ def context_batch(batch: torch.Tensor, mesh: fs.Mesh) -> dict:
     }
 
 
-def context_loss(params: dict, model: GPT, batch: dict, mesh: fs.Mesh) -> torch.Tensor:
+def context_loss(
+    params: dict, model: GPT, batch: dict, mesh: fs.Mesh, fsdp: bool = False
+) -> torch.Tensor:
     """:func:`global_loss` with the sequence split over ``cp`` (``--cp``): a ``shard_map``
     manual over ``cp`` (the params keep their layouts over dp and tp) runs the module's own
     forward on each rank's chunks at their global positions, with ring attention; the
@@ -381,7 +394,7 @@ def context_loss(params: dict, model: GPT, batch: dict, mesh: fs.Mesh) -> torch.
     def body(ps, ids, positions, targets):
         _CONTEXT.append(("cp", mesh))
         try:
-            logits = fs.nn.functional_call(model, ps, (ids,), {"positions": positions})
+            logits = run_model(model, ps, (ids,), {"positions": positions}, fsdp=fsdp)
         finally:
             _CONTEXT.pop()
         ce = F.cross_entropy(
@@ -504,6 +517,7 @@ def make_train_step(
     dtype: torch.dtype | None = None,
     pipeline: dict | None = None,
     context: bool = False,
+    fsdp: bool = False,
 ):
     """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -513,14 +527,16 @@ def make_train_step(
     as in :func:`tp_loss` (``dtype`` of the global view: the policy ``shard_params`` recorded).
     With ``pipeline`` (``{"schedule", "virtual", "microbatches"}``, params from
     :func:`pipeline_params`) :func:`pipeline_loss` through ``fs.value_and_grad``; with
-    ``context`` (the batch from :func:`context_batch`) :func:`context_loss`.
+    ``context`` (the batch from :func:`context_batch`) :func:`context_loss`. ``fsdp``: the
+    global view's params are sharded over ``dp`` too (``fs.nn.fsdp_plan``), run by
+    ``fs.nn.fsdp_call`` (:func:`run_model`).
     """
     dp = mesh.size("dp")
     if context:
         cp_grad = fs.value_and_grad(context_loss)
 
         def loss_and_grads(params, batch):  # batch: context_batch's ids/positions/targets
-            loss, grads = cp_grad(params, model, batch, mesh)
+            loss, grads = cp_grad(params, model, batch, mesh, fsdp)
             return grads, loss
 
     elif pipeline is not None:
@@ -537,6 +553,13 @@ def make_train_step(
 
         def loss_and_grads(params, batch):  # grads arrive reduce-scattered over dp
             loss, grads = fsdp_grad(params, batch.local, model_cfg, mesh, fsdp_units, remat, dtype)
+            return grads, loss
+
+    elif model is not None and fsdp:
+        fsdp_global_grad = fs.value_and_grad(global_loss)
+
+        def loss_and_grads(params, batch):  # gathered per block; grads reduce-scattered
+            loss, grads = fsdp_global_grad(params, model, batch, True)
             return grads, loss
 
     elif model is not None:
@@ -598,7 +621,10 @@ def train(args: dict) -> dict:
         mesh,
         tx,
         model=model if args["view"] == "global" else None,
-        fsdp_units=fs.nn.fsdp_units(model) if args.get("fsdp") else None,
+        fsdp_units=fs.nn.fsdp_units(model)
+        if args.get("fsdp") and args["view"] == "local"
+        else None,
+        fsdp=bool(args.get("fsdp")) and args["view"] == "global",
         remat=args.get("remat", False),
         dtype=dtype,
         pipeline=pipe,
@@ -642,7 +668,9 @@ def train(args: dict) -> dict:
     steady = times[min(5, len(times) - 1) :]
     out = {"losses": losses, "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
     if args.get("return_params"):
-        out["params"] = fs.tree_map(fs.gather, params)
+        out["params"] = fs.tree_map(
+            fs.gather, params, is_leaf=lambda v: isinstance(v, fs.ShardedArray)
+        )
     return out if rank0 else {}
 
 
@@ -748,16 +776,14 @@ def parse_args(argv=None) -> dict:
     if a.fsdp:
         if a.dp not in (1, a.fsdp):
             raise SystemExit(f"--fsdp {a.fsdp} sets the dp size; drop --dp {a.dp}")
-        if a.view != "local":
-            raise SystemExit("--fsdp runs the local view (explicit collectives); drop --view")
         a.dp = a.fsdp
     if a.ep > 1 and not a.experts:
         raise SystemExit("--ep splits the experts: add --experts E")
     if a.experts:
-        if a.view != "global" or a.fsdp:
+        if a.view != "global":
             raise SystemExit(
                 "--experts runs the global view (fs.parallel.moe_experts in the module's "
-                "forward): add --view global (without --fsdp)"
+                "forward): add --view global"
             )
         if a.experts % a.ep or not 1 <= a.topk <= a.experts:
             raise SystemExit(
@@ -777,14 +803,14 @@ def parse_args(argv=None) -> dict:
                 "dp x ep"
             )
     if a.cp > 1:
-        if a.view != "global" or a.fsdp or a.experts or a.pp > 1:
+        if a.view != "global" or a.experts or a.pp > 1:
             raise SystemExit(
                 "--cp runs the global view's forward on sequence chunks: add --view global "
-                "(without --fsdp, --experts, --pp)"
+                "(without --experts, --pp)"
             )
         if a.ctx % (2 * a.cp):
             raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
-    if a.sp and (a.view != "global" or a.fsdp):
+    if a.sp and a.view != "global":
         raise SystemExit(
             "--sp runs the global view (a plan, the module's forward): add --view global"
         )
