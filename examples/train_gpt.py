@@ -407,12 +407,17 @@ def context_loss(
     return fs.gather(run(params, batch["ids"], batch["positions"], batch["targets"]))
 
 
-def pipeline_params(model: GPT, mesh: fs.Mesh, virtual: int = 1) -> dict:
+def pipeline_params(
+    model: GPT, mesh: fs.Mesh, virtual: int = 1, *, sp: bool = False, fsdp: bool = False
+) -> dict:
     """The params for ``--pp``: ``{"emb": tok/pos, "stages": the blocks stacked as pipeline
-    stages over ``pp`` (``fs.parallel.stack_stages``, with the Megatron plan over ``tp``),
-    "head": ln_f + head}``."""
+    stages over ``pp`` (``fs.parallel.stack_stages``, with the Megatron plan over ``tp``,
+    sequence-parallel with ``sp``, sharded over ``dp`` too with ``fsdp``), "head": ln_f +
+    head}``."""
     named = {k: v.detach() for k, v in model.named_parameters()}
-    plan = gpt_plan("tp")
+    plan = gpt_plan("tp", sp=sp)
+    if fsdp:
+        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
     specs = fs.nn.match_plan(named, plan)
     shard = lambda n: fs.shard(named[n], mesh, specs[n])  # noqa: E731
     stages = fs.parallel.stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
@@ -431,6 +436,7 @@ def pipeline_loss(
     schedule: str,
     virtual: int = 1,
     remat: bool = False,
+    fsdp: bool = False,
 ) -> torch.Tensor:
     """Mean next-byte cross entropy with the blocks pipelined over ``pp`` (``--pp``):
     ``tokens`` is ``(microbatches, batch / microbatches, ctx + 1)``, split over dp x ep on dim
@@ -443,7 +449,7 @@ def pipeline_loss(
     cfg = model.cfg
 
     def run(p, x):
-        return fs.nn.functional_call(block, p, (x,))
+        return run_model(block, p, (x,), fsdp=fsdp)
 
     def stage(p, x):
         for i in range(next(iter(p.values())).shape[0]):
@@ -544,8 +550,9 @@ def make_train_step(
 
         def loss_and_grads(params, batch):  # batch: (microbatches, rows, ctx + 1)
             loss, grads = pp_grad(
-                params, batch, model, mesh, pipeline["schedule"], pipeline["virtual"], remat
-            )
+                params, batch, model, mesh, pipeline["schedule"], pipeline["virtual"], remat,
+                fsdp,
+            )  # fmt: skip
             return grads, loss
 
     elif fsdp_units is not None:
@@ -611,7 +618,9 @@ def train(args: dict) -> dict:
     pipe = None
     if pp > 1:
         pipe = {k: args[k] for k in ("schedule", "virtual", "microbatches")}
-        params = pipeline_params(model, mesh, pipe["virtual"])
+        params = pipeline_params(
+            model, mesh, pipe["virtual"], sp=args.get("sp", False), fsdp=args.get("fsdp", False)
+        )
     else:
         params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
     tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
@@ -790,10 +799,10 @@ def parse_args(argv=None) -> dict:
                 f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
             )
     if a.pp > 1:
-        if a.view != "global" or a.fsdp or a.sp or a.experts or a.bf16:
+        if a.view != "global" or a.experts or a.bf16:
             raise SystemExit(
                 "--pp runs the global view's blocks as stages: add --view global (without "
-                "--fsdp, --sp, --experts, --bf16)"
+                "--experts, --bf16)"
             )
         virtual = a.virtual if a.schedule == "interleaved" else 1
         if a.layers % (a.pp * virtual) or a.batch % (a.microbatches * a.dp * a.ep):
