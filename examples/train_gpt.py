@@ -345,15 +345,19 @@ def fsdp_loss(
     return fs.lax.pmean(loss, "dp", mesh=mesh)
 
 
-def run_model(module: nn.Module, params: dict, args: tuple, kwargs=None, *, fsdp=False):
+def run_model(
+    module: nn.Module, params: dict, args: tuple, kwargs=None, *, fsdp=False, mp_policy=None
+):
     """The module's own forward on sharded params (the global view): ``fs.nn.functional_call``,
     or, with ``fsdp`` (params from ``fs.nn.fsdp_plan``), ``fs.nn.fsdp_call``, which gathers
     each block's weights over ``dp`` just before its forward (their gradients are
     reduce-scattered). The op rules insert every other collective (tp, sp, ep, cp)."""
     if fsdp:
         mesh = next(iter(params.values())).mesh  # inside a shard_map body: its auto axes'
-        return fs.nn.fsdp_call(module, params, args, kwargs, mesh=mesh, axis="dp")
-    return fs.nn.functional_call(module, params, args, kwargs)
+        return fs.nn.fsdp_call(
+            module, params, args, kwargs, mesh=mesh, axis="dp", mp_policy=mp_policy
+        )
+    return fs.nn.functional_call(module, params, args, kwargs, mp_policy=mp_policy)
 
 
 def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray, fsdp=False) -> torch.Tensor:
@@ -415,7 +419,7 @@ def pipeline_params(
     sequence-parallel with ``sp``, sharded over ``dp`` too with ``fsdp``), "head": ln_f +
     head}``."""
     named = {k: v.detach() for k, v in model.named_parameters()}
-    plan = gpt_plan("tp", sp=sp)
+    plan = gpt_plan("tp", experts="ep" if model.cfg.n_experts else None, sp=sp)
     if fsdp:
         plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
     specs = fs.nn.match_plan(named, plan)
@@ -437,6 +441,7 @@ def pipeline_loss(
     virtual: int = 1,
     remat: bool = False,
     fsdp: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Mean next-byte cross entropy with the blocks pipelined over ``pp`` (``--pp``):
     ``tokens`` is ``(microbatches, batch / microbatches, ctx + 1)``, split over dp x ep on dim
@@ -447,9 +452,13 @@ def pipeline_loss(
     params' gradients in their layouts."""
     block = model.blocks[0]
     cfg = model.cfg
+    # --bf16: every weight cast where read, activations in bf16 between the stages, the logits
+    # in float32 (the global view's policy, written out for the pieces around the pipeline)
+    policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else None
+    cast = policy.cast_param if policy is not None else (lambda t: t)
 
     def run(p, x):
-        return run_model(block, p, (x,), fsdp=fsdp)
+        return run_model(block, p, (x,), fsdp=fsdp, mp_policy=policy)
 
     def stage(p, x):
         for i in range(next(iter(p.values())).shape[0]):
@@ -458,13 +467,15 @@ def pipeline_loss(
         return x
 
     def head(hp, y, target):
+        hp = {k: cast(v) for k, v in hp.items()}
         h = F.layer_norm(y, (cfg.d_model,), hp["ln_f.weight"], hp["ln_f.bias"])
-        logits = F.linear(h, hp["head.weight"])
+        logits = F.linear(h, hp["head.weight"]).float()
         return F.cross_entropy(logits.reshape(-1, cfg.vocab), target.reshape(-1))
 
     x_tok, y = tokens[..., :-1], tokens[..., 1:]
     t = x_tok.shape[-1]
-    x = F.embedding(x_tok, params["emb"]["tok.weight"]) + params["emb"]["pos.weight"][:t]
+    emb = {k: cast(v) for k, v in params["emb"].items()}
+    x = F.embedding(x_tok, emb["tok.weight"]) + emb["pos.weight"][:t]
     return fs.parallel.pipeline(
         stage, params["stages"], x, mesh, loss_fn=head, loss_params=params["head"],
         targets=y, schedule=schedule, virtual=virtual,
@@ -551,7 +562,7 @@ def make_train_step(
         def loss_and_grads(params, batch):  # batch: (microbatches, rows, ctx + 1)
             loss, grads = pp_grad(
                 params, batch, model, mesh, pipeline["schedule"], pipeline["virtual"], remat,
-                fsdp,
+                fsdp, dtype,
             )  # fmt: skip
             return grads, loss
 
@@ -799,11 +810,8 @@ def parse_args(argv=None) -> dict:
                 f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
             )
     if a.pp > 1:
-        if a.view != "global" or a.experts or a.bf16:
-            raise SystemExit(
-                "--pp runs the global view's blocks as stages: add --view global (without "
-                "--experts, --bf16)"
-            )
+        if a.view != "global":
+            raise SystemExit("--pp runs the global view's blocks as stages: add --view global")
         virtual = a.virtual if a.schedule == "interleaved" else 1
         if a.layers % (a.pp * virtual) or a.batch % (a.microbatches * a.dp * a.ep):
             raise SystemExit(
@@ -812,10 +820,10 @@ def parse_args(argv=None) -> dict:
                 "dp x ep"
             )
     if a.cp > 1:
-        if a.view != "global" or a.experts or a.pp > 1:
+        if a.view != "global" or a.pp > 1:
             raise SystemExit(
                 "--cp runs the global view's forward on sequence chunks: add --view global "
-                "(without --experts, --pp)"
+                "(without --pp)"
             )
         if a.ctx % (2 * a.cp):
             raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")

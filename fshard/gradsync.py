@@ -237,9 +237,7 @@ class GradSync(lax.Handler):
                 if b.flat is None:
                     like = self.entries[b.entries[0][0]].v
                     b.flat = (
-                        like.new_empty(b.numel)
-                        if b.own
-                        else _buffer(b.numel, b.dtype, like.device)
+                        like.new_empty(b.numel) if b.own else _buffer(b.numel, b.dtype, like.device)
                     ).zero_()
                 else:
                     for k, off, size in b.entries:

@@ -213,6 +213,7 @@ class _Session:
         self.typed = typed
         self.pcasts = _Pcasts(self) if typed else None
         self.unit_of = {n: u for u, names in units.items() for n in names}
+        self.whole: dict[str, torch.Tensor] = {}  # typed, eager: each param's gathered value
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
@@ -262,6 +263,7 @@ class _Session:
             if i + 1 < len(self.order):
                 self._launch(self.order[i + 1])
         self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
+        self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
@@ -306,7 +308,9 @@ class _Session:
             else:
                 done = None if full is None else full.to(reduce)
                 inv = lax.apply(invariant, local.to(reduce), done=done).to(low.dtype)
-        self.pcasts.fulls[id(inv)] = (inv, n)
+        self.pcasts.track(inv, n)
+        if full is not None:
+            self.whole[n] = full  # what the varying gather reads (no new communication)
         return ShardedArray._raw(inv, self.base_layout(n).with_dtype(inv.dtype))
 
     def _low(self, n: str) -> torch.Tensor:
@@ -394,34 +398,57 @@ class _Pcasts(lax.Handler):
     other axes of the pcast stay a pcast. A use that meets no such data keeps the invariant
     gather (backward: this rank's block of the cotangent, no communication), so every use is
     differentiated correctly. A param left whole (cast to ``param_dtype``) is pcast on its
-    master in the policy's reduce dtype, as ``fs.nn.functional_call`` does."""
+    master in the policy's reduce dtype, as ``fs.nn.functional_call`` does.
+
+    What is tracked: each gathered value, views of it, and the results of communication-free
+    collectives applied to those (an op rule's ``zero`` step, R -> P, keeps the value on one
+    rank and gives fresh zeros on the others: tracking its result keeps the decision, and so
+    the collectives issued, the same on every rank). ``tracked[id(t)] = (t, name, f)``: ``f``
+    maps the varying gather of param ``name`` to the value ``t`` stands for."""
 
     def __init__(self, session: _Session):
         self.session = session
-        self.fulls: dict[int, tuple] = {}  # id(invariant gather) -> (it, param name)
+        self.tracked: dict[int, tuple] = {}
         self.casts: dict[int, tuple] = {}  # id(cast local) -> (it, master local, master dtype)
 
+    def track(self, t: torch.Tensor, name: str, f=None) -> None:
+        self.tracked[id(t)] = (t, name, f)
+
+    def _find(self, x: torch.Tensor):
+        hit = self.tracked.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1], hit[2]
+        if x._base is not None:
+            hit = self.tracked.get(id(x._base))
+            if hit is not None and hit[0] is x._base:
+                f, view = hit[2], x._view_func
+                return hit[1], (lambda y: view(y if f is None else f(y)))
+        return None
+
     def process(self, b, x, done, proceed):
-        if type(b.op) is not Pcast:
-            return proceed(b, x, done)
         s = self.session
+        if type(b.op) is not Pcast:
+            out = proceed(b, x, done)
+            if b.op.local:  # no communication: the result stays tracked
+                found = self._find(x)
+                if found is not None:
+                    name, f = found
+                    self.track(out, name, lambda y: lax.apply(b, y if f is None else f(y)))
+            return out
         cast = self.casts.get(id(x))
         if cast is not None and cast[0] is x:
             op = Pcast(b.op.axes, s.policy.reduce_in(cast[2]))
             return proceed(Bound(op, b.group), cast[1], None).to(x.dtype)
-        base = x  # the gathered value itself, or a view of it (a slice, a transpose)
-        hit = self.fulls.get(id(x))
-        if hit is None and x._base is not None:
-            base, hit = x._base, self.fulls.get(id(x._base))
-        if hit is None or hit[0] is not base or not set(s.axes) <= set(b.op.axes):
+        found = self._find(x) if set(s.axes) <= set(b.op.axes) else None
+        if found is None:
             return proceed(b, x, done)
-        n = hit[1]
+        name, f = found
         if s.eager:
-            y = s._varying(n, base.detach())
-            s.active[y.untyped_storage().data_ptr()] = (s.unit_of[n], n, y)
+            y = s._varying(name, s.whole[name])
+            s.active[y.untyped_storage().data_ptr()] = (s.unit_of[name], name, y)
         else:
-            y = s._traced(n)
-        y = y if x is base else x._view_func(y)
+            y = s._traced(name)
+        y = y if f is None else f(y)
         rest = tuple(a for a in b.op.axes if a not in s.axes + s.replicate)
         if not rest:
             return y

@@ -577,7 +577,8 @@ class _Run:
                 t.grad = g
         sync.close()
 
-        loss = total.to(x.dtype)
+        # at least float32: a bf16 pipeline's loss is not rounded to 8 bits of mantissa
+        loss = total.to(torch.promote_types(x.dtype, torch.float32))
         if not grad_on:
             return (loss,)
         grads = []
@@ -819,7 +820,8 @@ def pipeline(
         virtual: stages per rank (``'interleaved'``).
 
     Returns:
-        The loss, a scalar ShardedArray replicated over ``mesh``. Differentiating it
+        The loss, a scalar ShardedArray replicated over ``mesh``, in the microbatches'
+        dtype promoted to at least ``float32``. Differentiating it
         (``fs.value_and_grad``, ``torch.func.grad`` of ``fs.gather(loss)``) gives
         ``stage_params``, ``microbatches`` and ``loss_params`` their dense gradients with their
         layouts. Higher-order and forward-mode derivatives and ``vmap`` are refused (see the
