@@ -634,7 +634,8 @@ def train(args: dict) -> dict:
         )
     else:
         params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
-    tx = make_optimizer(args["lr"], args["steps"], args["warmup"], args["wd"], args["clip"])
+    schedule_steps = args.get("schedule_steps", args["steps"])  # the LR schedule's length
+    tx = make_optimizer(args["lr"], schedule_steps, args["warmup"], args["wd"], args["clip"])
     opt_state = tx.init(params)  # same layouts as the params: sharded over dp with --fsdp
     step = make_train_step(
         cfg,
