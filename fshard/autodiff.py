@@ -173,11 +173,16 @@ def _unreduced(reducer: GradSync, got: list, layouts: list) -> tuple[list, list]
                 "sync=True"
             )
     out, lays = [], []
-    for (g, axes), layout in zip(reducer.unreduced(got, keep_own), layouts):
+    for (g, axes, *gathered), layout in zip(reducer.unreduced(got, keep_own), layouts):
         out.append(g)
         if axes:
             s = layout.spec
-            layout = layout.with_spec(P(*s.padded(len(layout.shape)), partial=s.partial + axes))
+            dims = list(s.padded(len(layout.shape)))
+            if gathered:  # FSDP's gathered dim: whole, the addends of the whole param
+                dim, over = gathered[0]
+                dims[dim] = tuple(a for a in dims[dim] if a not in over)
+            dims = [d[0] if isinstance(d, tuple) and len(d) == 1 else (d or None) for d in dims]
+            layout = layout.with_spec(P(*dims, partial=s.partial + axes))
         lays.append(layout)
     return out, lays
 

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _comm, lax
-from .collectives import Pcast
+from .collectives import AllGather, Pcast
 from .mesh import AxisGroup
 
 __all__ = ["GradSync", "MODES"]
@@ -86,12 +86,15 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 class _Entry:
     """One stand-in: leaf ``leaf`` read through ``pcast`` over ``group``, reduced in
-    ``dtype``."""
+    ``dtype``; or (``gather``, ``"unreduced"`` mode) through FSDP's varying all_gather, the
+    stand-in then holding the gathered value."""
 
-    __slots__ = ("leaf", "group", "dtype", "v")
+    __slots__ = ("leaf", "group", "dtype", "v", "gather")
 
-    def __init__(self, leaf: int, group: AxisGroup, dtype: torch.dtype, v: torch.Tensor):
-        self.leaf, self.group, self.dtype, self.v = leaf, group, dtype, v
+    def __init__(
+        self, leaf: int, group: AxisGroup, dtype: torch.dtype, v: torch.Tensor, gather=None
+    ):
+        self.leaf, self.group, self.dtype, self.v, self.gather = leaf, group, dtype, v, gather
 
 
 class _Bucket:
@@ -141,10 +144,36 @@ class GradSync(lax.Handler):
     # -- the handler ------------------------------------------------------------------------
 
     def process(self, b, x, done, proceed):
-        if type(b.op) is not Pcast:
-            return proceed(b, x, done)
-        v = self._stand_in(x, b.group, b.op.reduce_dtype)
-        return proceed(b, x, done) if v is None else v
+        if type(b.op) is Pcast:
+            v = self._stand_in(x, b.group, b.op.reduce_dtype)
+            return proceed(b, x, done) if v is None else v
+        if self.mode == "unreduced" and type(b.op) is AllGather and not b.op.invariant:
+            v = self._gathered(b, x, done, proceed)
+            return proceed(b, x, done) if v is None else v
+        return proceed(b, x, done)
+
+    def _gathered(self, b, x, done, proceed) -> torch.Tensor | None:
+        """FSDP's varying gather of a leaf, unreduced: a stand-in holding the gathered value,
+        whose gradient (the whole param's addend) is returned as a pending sum, not
+        reduce-scattered."""
+        i = self.index.get(id(x))
+        if (
+            i is None
+            or self.leaves[i] is not x
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        key = (i, "gather", b.op)
+        k = self.keys.get(key)
+        if k is None:
+            if done is None:
+                with torch.no_grad():
+                    done = proceed(b, x.detach(), None)
+            k = self.keys[key] = len(self.entries)
+            v = done.detach().requires_grad_()
+            self.entries.append(_Entry(i, b.group, x.dtype, v, gather=b.op))
+        return self.entries[k].v
 
     def _stand_in(self, x: torch.Tensor, group: AxisGroup, dtype) -> torch.Tensor | None:
         base = x if x._base is None else x._base
@@ -298,6 +327,10 @@ class GradSync(lax.Handler):
             axes_of[e.leaf] = have + tuple(a for a in e.group.axes if a not in have)
         out = []
         for i, own in enumerate(grads):
+            gathers = [e for e in self.entries if e.leaf == i and e.gather is not None]
+            if gathers:
+                out.append(self._unreduced_gather(i, own, gathers))
+                continue
             axes = axes_of.get(i, ())
             total = None
             if own is not None:
@@ -312,6 +345,31 @@ class GradSync(lax.Handler):
                 total = g if total is None else total + g
             out.append((total, axes))
         return out
+
+    def _unreduced_gather(self, i: int, own, gathers: list) -> tuple:
+        """A leaf FSDP gathered: ``(addend, axes, (dim, axes))``, the addend the whole param's
+        (its gathered dim whole): the stand-in's gradient plus, at this rank's block, the
+        leaf's own gradient (already complete for the block)."""
+        others = [e for e in self.entries if e.leaf == i and e.gather is None]
+        if len(gathers) > 1 or others:
+            raise NotImplementedError(
+                "value_and_grad(sync=False): a parameter both all-gathered by FSDP and pcast "
+                "over other axes (HSDP's replicate axes) or gathered twice cannot be returned "
+                "unreduced yet; use sync=True (one reduction per microbatch)"
+            )
+        e = gathers[0]
+        op, g = e.gather, e.group
+        total = torch.zeros_like(e.v) if e.v.grad is None else e.v.grad
+        if own is not None:
+            n = total.shape[op.dim]
+            if op.sizes is None:
+                size = n // g.size
+                start = g.index * size
+            else:
+                size, start = op.sizes[g.index], sum(op.sizes[: g.index])
+            total = total.clone() if total is e.v.grad else total
+            total.narrow(op.dim, start, size).add_(own)
+        return total, tuple(g.axes), (op.dim, tuple(g.axes))
 
     def close(self) -> None:
         """Drop every tensor this call held. The reducer object itself may outlive the call for

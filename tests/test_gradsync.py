@@ -226,3 +226,55 @@ def test_one_application_path():
             and node.attr.startswith("_")
         ]
         assert not private, (path, private)
+
+
+def fsdp_unreduced_rank_fn(view: str):
+    """FSDP (local and global view) with sync=False: no reduce_scatter in the microbatches;
+    each gradient the whole param's addends, reduce-scattered once per step by fs.reshard."""
+    mesh = fs.Mesh.create((2,), ("dp",))
+    model, x, y = _data()
+    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+    specs = {k: p.spec for k, p in params.items()}
+
+    def loss(ps, x, y):
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)
+        if view == "global":
+            return fs.gather(((out - y) ** 2).mean())
+        return fs.lax.pmean(((out - y) ** 2).mean(), "dp", mesh=mesh)
+
+    vg = fs.value_and_grad(loss, sync=False)
+    acc = None
+    with fs.debug.comm_log() as during:
+        for xc, yc in zip(x.chunk(2), y.chunk(2)):
+            xs, ys = fs.shard(xc, mesh, fs.P("dp")), fs.shard(yc, mesh, fs.P("dp"))
+            if view == "local":
+                xs, ys = xs.local, ys.local
+            _, g = vg(params, xs, ys)
+            acc = g if acc is None else fs.tree_map(torch.add, acc, g)
+    pending = {k: t.spec for k, t in acc.items()}
+    with fs.debug.comm_log() as at_step:
+        reduced = fs.reshard(acc, specs)
+    return (
+        {k: fs.gather(t) for k, t in reduced.items()},
+        pending,
+        {k: t.spec for k, t in reduced.items()},
+        sorted({r.op for r in during}),
+        [(r.op, r.nbytes) for r in at_step],
+    )
+
+
+@pytest.mark.parametrize("view", ["local", "global"])
+def test_fsdp_unreduced_gradients_reduce_scatter_once(world2, view):
+    model, x, y = _data()
+    g_dense = {}
+    for xc, yc in zip(x.chunk(2), y.chunk(2)):
+        _, g = _dense(model, xc, yc, 1)
+        g_dense = {k: g[k] + g_dense.get(k, 0) for k in g}
+    sizes = {k: 8 * p.numel() for k, p in model.named_parameters()}
+    for out, pending, final, during, at_step in world2.run(fsdp_unreduced_rank_fn, view):
+        for k in g_dense:
+            assert pending[k] == fs.P(partial=("dp",)), (k, pending[k])
+            assert final[k] == fs.nn.fsdp_plan(model, fs.Mesh.abstract((2,), ("dp",)))[k]
+            torch.testing.assert_close(out[k], g_dense[k])
+        assert "reduce_scatter" not in during and "all_reduce" in during  # the loss scalars
+        assert sorted(at_step) == sorted(("reduce_scatter", n) for n in sizes.values())
