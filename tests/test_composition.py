@@ -104,3 +104,99 @@ def test_three_strategies_on_eight_ranks(references):
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-4), flags
         for k, want in ref_snaps[-1].items():
             torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=f"{flags} {k}")
+
+
+def _hf_train(model, mesh, plan, batch_spec, loss_call):
+    """3 AdamW steps of ``loss_call`` (the sharded model's logits) on ``plan`` under
+    fs.value_and_grad, against dense torch.func on the same weights: the worst difference of
+    the loss and every gradient (relative to its largest entry), and the gradients' layouts."""
+    from tests import test_hf as th
+
+    ids = torch.randint(0, th.VOCAB, (4, th.SEQ), generator=torch.Generator().manual_seed(1))
+    params = fs.nn.shard_params(model, mesh, plan)
+    x = fs.shard(ids, mesh, batch_spec)
+
+    def loss_fn(ps, x):
+        return th.lm_loss(loss_call(ps, x).logits, x)
+
+    def dense_loss(ps, ids):
+        out = torch.func.functional_call(model, ps, (ids,), {"use_cache": False})
+        return th.lm_loss(out.logits, ids)
+
+    tx = fs.optim.adamw(1e-2, eps=1e-4, weight_decay=0.1)
+    dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state, dstate = tx.init(params), tx.init(dense)
+    worst, layouts = 0.0, True
+    for _ in range(3):
+        loss, grads = fs.value_and_grad(loss_fn)(params, x)
+        dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense, ids)
+        worst = max(worst, abs(float(loss) - float(dloss)))
+        for k, g in grads.items():
+            layouts &= g.layout == params[k].layout
+            scale = float(dgrads[k].abs().max()) + 1e-6  # relative to the gradient's size
+            worst = max(worst, float((fs.gather(g) - dgrads[k]).abs().max()) / scale)
+        params, state = fs.optim.step(tx, grads, state, params)
+        updates, dstate = tx.update(dgrads, dstate, dense)
+        dense = fs.optim.apply_updates(dense, updates)
+    return worst, layouts
+
+
+def hf_llama_fsdp_tp_rank_fn():
+    """FSDP x TP on a transformers Llama with one kv head (kv heads do not divide tp x dp)."""
+    import transformers
+
+    from tests import test_hf as th
+
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, vocab_size=th.VOCAB, max_position_embeddings=th.SEQ,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=th.tp_plan("llama", model))
+
+    def call(ps, x):
+        return fs.nn.fsdp_call(model, ps, (x,), {"use_cache": False}, mesh=mesh, axis="dp")
+
+    return _hf_train(model, mesh, plan, fs.P("dp"), call)
+
+
+def hf_mixtral_fsdp_ep_rank_fn():
+    """FSDP x EP on a transformers Mixtral: experts over ("ep", "dp"), gathered over dp per
+    block and dispatched over ep (expert_parallel_call with fsdp_call as its call)."""
+    import functools
+
+    import transformers
+
+    from tests import test_hf as th
+
+    mesh = fs.Mesh.create((2, 2), ("dp", "ep"))
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=th.VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        max_position_embeddings=th.SEQ,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(cfg)
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=fs.parallel.expert_parallel_plan(model, mesh))
+    assert plan["model.layers.0.mlp.experts.gate_up_proj"] == fs.P(("ep", "dp"))
+    fsdp = functools.partial(fs.nn.fsdp_call, mesh=mesh, axis="dp")
+
+    def call(ps, x):
+        return fs.parallel.expert_parallel_call(model, ps, (x,), {"use_cache": False}, call=fsdp)
+
+    return _hf_train(model, mesh, plan, fs.P(("dp", "ep")), call)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank_fn", [hf_llama_fsdp_tp_rank_fn, hf_mixtral_fsdp_ep_rank_fn])
+def test_transformers_models_compose(world4, rank_fn):
+    """A transformers Llama (FSDP x TP) and Mixtral (FSDP x EP), unedited: 3 AdamW steps with
+    every gradient equal to dense and in its parameter's layout."""
+    pytest.importorskip("transformers")
+    for worst, layouts in world4.run(rank_fn):
+        assert layouts
+        assert worst < 1e-4, worst

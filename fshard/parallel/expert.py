@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -321,6 +321,7 @@ def expert_parallel_call(
     kwargs=None,
     *,
     capacity_factor: float | None = None,
+    call: Callable | None = None,
 ):
     """Run a transformers MoE ``model`` on sharded ``params`` with expert parallelism.
 
@@ -336,6 +337,10 @@ def expert_parallel_call(
         kwargs: keyword arguments (``labels=``, ``output_router_logits=`` for the
             load-balancing loss, ...).
         capacity_factor: as in :func:`moe_experts` (``None``: dropless).
+        call: what runs the model, ``call(model, params, args, kwargs)``:
+            :func:`fshard.nn.functional_call` (``None``), or another strategy's call, e.g.
+            ``functools.partial(fs.nn.fsdp_call, mesh=mesh, axis="dp")`` for FSDP x EP
+            (params from ``fs.nn.fsdp_plan(model, mesh, "dp", base=expert_parallel_plan(...))``).
 
     Returns:
         What the model returns.
@@ -354,5 +359,7 @@ def expert_parallel_call(
         >>> torch.allclose(fs.gather(out.logits), model(ids).logits, atol=1e-5)
         True
     """
+    if call is not None and not callable(call):
+        raise TypeError(f"expert_parallel_call: call must be callable, got {type(call).__name__}")
     with _experts_implementation(model, capacity_factor):
-        return functional_call(model, params, args, kwargs)
+        return (call or functional_call)(model, params, args, kwargs)
