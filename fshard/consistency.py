@@ -208,7 +208,7 @@ def _exchange(g: AxisGroup, h: int, seq: int, device: torch.device | None) -> bo
 def _raise(what: str, g: AxisGroup, mine: dict, note: str = "") -> None:
     views: list = [None] * g.size
     dist.all_gather_object(views, (dist.get_rank(), {"check": what, **mine}), group=g.pg)
-    raise ConsistencyError(_message(g, views, note))
+    raise ConsistencyError(_message(views, note))
 
 
 def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = None) -> None:
@@ -221,7 +221,7 @@ def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = 
     _raise(what, g, mine, "no data collective ran")
 
 
-def _message(g: AxisGroup, views: list, note: str) -> str:
+def _message(views: list, note: str) -> str:
     views = sorted(views)
     whats = {v["check"] for _, v in views}
     what = whats.pop() if len(whats) == 1 else "different checks on different ranks"
@@ -262,12 +262,15 @@ def _describe(entry: tuple) -> str:
 
 
 def _history_views(states: list) -> dict:
-    """Readable history of each group since its last exchange (sent only on a mismatch)."""
+    """Readable history of each group since its last exchange (sent only on a mismatch), and
+    its running digest: ranks whose histories since then look alike still differ there (the
+    difference is older than the last exchange that saw it)."""
     out = {}
     for r in sorted(states, key=_Running.key):
         for entry in r.history:
             out[f"collective #{entry[0]} over {r.axes}"] = _describe(entry)
         out[f"collectives issued over {r.axes}"] = str(r.seq)
+        out[f"running digest over {r.axes}"] = f"{r.digest:016x}"
     return out
 
 
@@ -292,21 +295,84 @@ def _check_running(
     g: AxisGroup, what: str, states: list, h: int, fields: dict, device=None
 ) -> None:
     """Exchange ``h`` (the boundary's own arguments) with the running digests of ``states``
-    over ``g``; on success they are settled (history cleared)."""
+    over ``g``; on success they are settled (history cleared).
+
+    Ranks compare what they must agree on: the digests of the groups spanning all of ``g`` in
+    one exchange (with the set of sub-group kinds every rank used), then, when there are
+    sub-groups (the ``x`` groups of an ``("x", "y")`` mesh), each sub-group's digest among its
+    own members only: two sub-groups of a correct SPMD program legitimately differ (an uneven
+    split gives their blocks different shapes)."""
     states = sorted(states, key=_Running.key)
-    total = h
+    whole = frozenset(g.ranks)
+    subs = [r for r in states if r.ranks != whole]
+    kinds = sorted({(r.axes, len(r.ranks)) for r in subs})
+    total = _fold(h, _cached_hash(tuple(kinds)))
     for r in states:
-        total = _fold(total, _cached_hash(r.key()))
+        if r.ranks == whole:
+            total = _fold(total, _cached_hash(r.key()))
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    if _exchange(g, total, seq, device):
-        for r in states:
-            r.exchanged, r.history = True, []
+    if not _exchange(g, total, seq, device):
+        mine = {k: _show(v) for k, v in fields.items()}
+        mine.update(_history_views([r for r in states if r.ranks == whole]))
+        mine["sub-group kinds used"] = str(kinds)
+        mine["checks on the group"] = str(seq)
+        _raise(what, g, mine, "the first line that differs is where the ranks parted")
+    if subs:
+        _check_subgroups(g, what, subs, kinds, fields, device)
+    for r in states:
+        r.exchanged, r.history = True, []
+
+
+_ABSENT = -(1 << 63)  # a slot this rank is not a member of (below every digest word)
+
+
+def _slot(g: AxisGroup, kinds: list, r: _Running) -> int:
+    """The word pair of sub-group ``r`` in the exchange over ``g``: by its kind and its
+    lowest rank's position in ``g`` (the same on every member, distinct for its siblings)."""
+    return kinds.index((r.axes, len(r.ranks))) * g.size + g.ranks.index(min(r.ranks))
+
+
+def _check_subgroups(g: AxisGroup, what: str, subs: list, kinds: list, fields: dict, device):
+    """One ``all_reduce(MAX)`` over ``g`` of a ``(d, -d)`` pair per sub-group: every member
+    writes its digest ``d`` in its group's pair, the others a word below every digest; a pair
+    whose maximum is not ``(d, -d)`` is a sub-group whose members disagree."""
+    words = torch.full((2 * len(kinds) * g.size,), _ABSENT, dtype=torch.int64)
+    mine: dict = {}
+    for r in subs:
+        i = _slot(g, kinds, r)
+        mine.setdefault(i, []).append(r)
+    for i, rs in mine.items():
+        d = 0
+        for r in rs:
+            d = _fold(d, _cached_hash(r.key()))
+        words[2 * i], words[2 * i + 1] = d, -d
+    words = words.to(device or _device(g))
+    dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
+    top = words.tolist()
+    pairs = range(len(top) // 2)
+    bad = [i for i in pairs if top[2 * i] != _ABSENT and top[2 * i] != -top[2 * i + 1]]
+    if not bad:
         return
-    mine = {k: _show(v) for k, v in fields.items()}
-    mine.update(_history_views(states))
-    mine["checks on the group"] = str(seq)
-    _raise(what, g, mine, "the first line that differs is where the ranks parted")
+    first = bad[0]
+    view = {k: _show(v) for k, v in fields.items()}
+    view.update(_history_views(mine.get(first, [])))
+    view["sub-group"] = str(first) if first in mine else "-"
+    views: list = [None] * g.size
+    dist.all_gather_object(views, (dist.get_rank(), {"check": what, **view}), group=g.pg)
+    members = [
+        (rank, {k: v for k, v in view.items() if k != "sub-group"})
+        for rank, view in views
+        if view.get("sub-group") == str(first)
+    ]
+    axes = kinds[first // g.size][0]
+    raise ConsistencyError(
+        _message(
+            members,
+            f"compared within the group over mesh axes {axes} (its sibling groups may "
+            "legitimately differ); the first line that differs is where the ranks parted",
+        )
+    )
 
 
 def _as_group(group) -> AxisGroup:

@@ -231,3 +231,51 @@ def test_default_agreeing_ranks_pass_across_periodic_exchanges(world_default):
     (k0, (m0, g0)), (k1, (m1, g1)) = world_default.run(_caught, _agreeing_steps, 70)
     assert k0 == k1 == "value" and m0 == m1 == "default"
     assert torch.equal(g0, torch.arange(8.0)) and torch.equal(g1, g0)
+
+
+@pytest.fixture(scope="module")
+def world_default4():
+    saved = os.environ.pop("FSHARD_CHECK_CONSISTENCY", None)
+    try:
+        with World(4, timeout=60, pg_timeout=20) as world:
+            yield world
+    finally:
+        if saved is not None:
+            os.environ["FSHARD_CHECK_CONSISTENCY"] = saved
+
+
+def _uneven_2d(rank):
+    """Issue 40 item 8: the two x groups of a (2, 2) mesh carry blocks of different shapes
+    (columns split 2 + 1): correct SPMD, which the world-level check used to flag."""
+    mesh = fs.Mesh.create((2, 2), ("x", "y"))
+    t = torch.arange(15.0).reshape(5, 3)
+    d = fs.reshard(fs.shard(t, mesh, fs.P("y", "x")), fs.P())
+    e = fs.shard(t * 2, mesh, fs.P())
+    f = fs.reshard(fs.shard(t, mesh, fs.P("x", "y")), fs.P("y", "x"))
+    return fs.gather(d), fs.gather(e), fs.gather(f)
+
+
+def test_default_passes_uneven_blocks_on_a_2d_mesh(world_default4):
+    t = torch.arange(15.0).reshape(5, 3)
+    for k, v in world_default4.run(_caught, _uneven_2d):
+        assert k == "value", v
+        assert torch.equal(v[0], t) and torch.equal(v[1], t * 2) and torch.equal(v[2], t)
+
+
+def _subgroup_disagreement(rank):
+    mesh = fs.Mesh.create((2, 2), ("x", "y"))
+    fs.lax.psum(torch.ones(2), "x", mesh=mesh)  # agreed: the x groups' first collective
+    op = fs.lax.pmax if rank == 2 else fs.lax.psum  # rank 2 parts from rank 0 (its x group)
+    op(torch.ones(2), "x", mesh=mesh)
+    return fs.gather(fs.shard(torch.arange(4.0), mesh, fs.P()))
+
+
+def test_default_names_a_subgroup_disagreement_within_its_group(world_default4):
+    """A disagreement inside one x group is caught at the mesh-level boundary, names that
+    group's ranks and the differing collective (never an empty detail)."""
+    out = world_default4.run(_caught, _subgroup_disagreement)
+    assert [k for k, _ in out] == ["error"] * 4, out
+    msg = out[0][1]
+    assert all(m == msg for _, m in out)
+    assert "global ranks [0, 2]" in msg and "'sum'" in msg and "'max'" in msg, msg
+    assert "over mesh axes ('x',)" in msg, msg
