@@ -213,7 +213,7 @@ def _layers_loss(params, x, wrap):
     for i in range(2):
         w = params[f"w{i}"]
         if wrap == "closure":
-            h = fs.remat(lambda h: torch.tanh(h @ w))(h)
+            h = fs.remat(lambda h: torch.tanh(h @ w))(h)  # noqa: B023 (the mistake: a closure)
         elif wrap == "default":
             h = fs.remat(lambda h, w=w: torch.tanh(h @ w))(h)
         elif wrap == "partial":
