@@ -58,7 +58,15 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from . import config
 from .mesh import AxisGroup, Mesh
 
-__all__ = ["ConsistencyError", "enabled", "boundary", "check_collective", "check_equal", "reset"]
+__all__ = [
+    "ConsistencyError",
+    "enabled",
+    "boundary",
+    "check_collective",
+    "check_equal",
+    "check_replicated",
+    "reset",
+]
 
 _MASK = (1 << 62) - 1
 _MIX = 0x9E3779B97F4A7C15
@@ -86,6 +94,7 @@ class _Running:
 _SEQ: dict = {}  # process group -> exchanges issued on it by this rank ("every" mode)
 _RUNNING: dict = {}  # process group -> _Running
 _CROSSED: dict = {}  # (process group, boundary) -> times this rank crossed it (default mode)
+_CLAIMED: set = set()  # (call site, mesh, op, input) whose plain tensor was checked (default)
 
 
 def enabled() -> bool:
@@ -110,6 +119,7 @@ def reset() -> None:
     _SEQ.clear()
     _RUNNING.clear()
     _CROSSED.clear()
+    _CLAIMED.clear()
 
 
 def _canonical(obj):
@@ -522,6 +532,36 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
         _agree(group, what, fields)
     else:
         _boundary(group, what, fields, _site(), running)
+
+
+def check_replicated(t: torch.Tensor, mesh: Mesh, op: str, index: int) -> None:
+    """Check the claim a plain tensor makes when it meets ShardedArrays in an op: that it is
+    replicated (every rank of ``mesh`` holds the same values). A per-rank batch passed as a
+    plain tensor next to replicated params would otherwise give per-rank gradients labelled
+    replicated, never reduced (the "replicated" params drift apart). Compared by content hash
+    (one small all_reduce) the first time per call site, op and input in the default mode, at
+    every call in ``"every"``; never when checks are off, under tracing, on one rank.
+
+    Example:
+        >>> consistency.check_replicated(x, mesh, "linear", 0)  # doctest: +SKIP
+    """
+    mode = _active_mode()
+    if mode == "off" or mesh.is_abstract or mesh.size_total == 1 or not dist.is_initialized():
+        return
+    site = _site()
+    if mode == "default":
+        key = (site, mesh, op, index)
+        if key in _CLAIMED:
+            return
+        if len(_CLAIMED) < 65536:
+            _CLAIMED.add(key)
+    what = (
+        f"{op} at {_where(site)}: input {index} is a plain tensor, which fshard treats as "
+        f"replicated over the mesh (every rank must hold the same values); a per-rank value "
+        f"(this rank's rows of a batch) must be a ShardedArray: fs.from_local(x, mesh, "
+        f"fs.P('dp')) or fs.shard(full, mesh, fs.P('dp'))"
+    )
+    check_equal({"plain tensor": t}, mesh, what=what)
 
 
 def rng_state(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

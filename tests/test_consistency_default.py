@@ -279,3 +279,38 @@ def test_default_names_a_subgroup_disagreement_within_its_group(world_default4):
     assert all(m == msg for _, m in out)
     assert "global ranks [0, 2]" in msg and "'sum'" in msg and "'max'" in msg, msg
     assert "over mesh axes ('x',)" in msg, msg
+
+
+def _per_rank_rows_as_a_plain_tensor(rank, mode):
+    """Issue 40 item 2: replicated params, each rank's own rows passed as a plain tensor. Was:
+    no error, the gradients not reduced, the 'replicated' params 4e-2 apart after 2 steps."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    params = fs.nn.shard_params(model, mesh, {})  # all replicated
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))  # this rank's rows
+
+    def loss(ps):
+        return fs.gather(fs.nn.functional_call(model, ps, (x,))).pow(2).mean()
+
+    with fs.config.consistency(mode):
+        for _ in range(2):
+            g = fs.grad(loss)(params)
+            params = {k: v - 0.1 * g[k] for k, v in params.items()}
+    return fs.gather(params["weight"])
+
+
+@pytest.mark.parametrize("mode", ["default", "every"])
+def test_default_catches_per_rank_rows_passed_as_a_plain_tensor(world_default, mode):
+    msg = _both_raise(world_default, _per_rank_rows_as_a_plain_tensor, mode)
+    assert "input 0 is a plain tensor" in msg and "replicated" in msg, msg
+    assert "fs.from_local(x, mesh, fs.P('dp'))" in msg and "content hash" in msg, msg
+
+
+def _same_rows_as_a_plain_tensor(rank):
+    return _per_rank_rows_as_a_plain_tensor(0, "default")
+
+
+def test_default_passes_a_plain_tensor_that_is_replicated(world_default):
+    (k0, w0), (k1, w1) = world_default.run(_caught, _same_rows_as_a_plain_tensor)
+    assert k0 == k1 == "value" and torch.equal(w0, w1)
