@@ -140,6 +140,8 @@ def _content_hash(t: torch.Tensor) -> str:
     with torch._C._DisableFuncTorch():
         while torch._C._functorch.is_functorch_wrapped_tensor(t):
             t = torch._C._functorch.get_unwrapped(t)
+        if t.is_meta:  # no data: its dtype and shape (hashed with it) are all there is
+            return "meta"
         t = t.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() and t.element_size() else t
         return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()

@@ -164,9 +164,58 @@ def _shard_src_wrong_shape(rank):
     return fs.gather(fs.shard(t, mesh, fs.P("x"), src=0, shape=(4, 2 + rank), dtype=torch.float32))
 
 
+def _raised(fn, *args):
+    try:
+        return ("value", fn(torch.distributed.get_rank(), *args))
+    except Exception as e:
+        return (type(e).__name__, str(e))
+
+
 def test_default_catches_shard_src_with_a_shape_other_than_the_source(world_default):
-    msg = _both_raise(world_default, _shard_src_wrong_shape)
-    assert "global shape" in msg and "(4, 2)" in msg and "(4, 3)" in msg, msg
+    """The shapes are compared before the scatter, in every mode (issue 40 item 4): a
+    ValueError naming each rank's shape (was a ConsistencyError in the default mode only)."""
+    (k0, m0), (k1, m1) = world_default.run(_raised, _shard_src_wrong_shape)
+    assert k0 == k1 == "ValueError" and m0 == m1, (k0, m0, k1, m1)
+    assert "rank 0 (src): shape (4, 2)" in m0 and "rank 1: shape (4, 3)" in m0, m0
+
+
+def _shard_src_mixed(rank, how):
+    """Issue 40 item 4: ranks that pass different shapes to fs.shard(src=0). Was: a Gloo
+    timeout ('Timed out waiting 5000ms for send operation') where only the others passed
+    shape= (rank 0 broadcast its shape, the others went on to the next collective)."""
+    mesh = _mesh()
+    t = torch.arange(8.0).reshape(4, 2)
+    if how == "shape on the others":
+        kw = {} if rank == 0 else {"shape": (4, 3), "dtype": torch.float32}
+        return fs.gather(fs.shard(t if rank == 0 else None, mesh, fs.P("x"), src=0, **kw))
+    if how == "dtype on the others":
+        kw = {} if rank == 0 else {"shape": (4, 2), "dtype": torch.float64}
+        return fs.gather(fs.shard(t if rank == 0 else None, mesh, fs.P("x"), src=0, **kw))
+    return fs.gather(fs.shard(t if rank == 0 else t[:3], mesh, fs.P("x"), src=0))
+
+
+@pytest.mark.parametrize("how", ["shape on the others", "dtype on the others", "tensors"])
+def test_shard_src_checks_the_shapes_before_the_send(world_default, how):
+    (k0, m0), (k1, m1) = world_default.run(_raised, _shard_src_mixed, how, timeout=30)
+    assert k0 == k1 == "ValueError" and m0 == m1, (k0, m0, k1, m1)
+    assert "rank 0 (src): shape (4, 2), torch.float32; rank 1: shape" in m0, m0
+    assert "pass None" in m0, m0
+
+
+def _shard_meta(rank):
+    """Issue 40 item 5: a meta input gives a meta ShardedArray (was: 'Cannot copy out of meta
+    tensor; no data!' from the consistency hash)."""
+    mesh = _mesh()
+    x = fs.shard(torch.empty(5, 3, device="meta"), mesh, fs.P("x"))
+    full, mine = fs.gather(x), fs.gather(x, dst=0)
+    return x.local.device.type, tuple(x.local.shape), full.device.type, tuple(full.shape), mine
+
+
+def test_shard_of_a_meta_tensor_is_a_meta_sharded_array(world_default):
+    out = world_default.run(_raised, _shard_meta)
+    assert out[0] == ("value", ("meta", (3, 3), "meta", (5, 3), out[0][1][4])), out
+    assert out[1] == ("value", ("meta", (2, 3), "meta", (5, 3), None)), out
+    assert out[0][1][4].is_meta and out[0][1][4].shape == (5, 3)
 
 
 def _per_rank_batch(rank, spec):
