@@ -427,7 +427,7 @@ def under_torchrun() -> bool:
     )
 
 
-def _init_torchrun_group(backend: str | None, timeout: float) -> str:
+def _init_torchrun_group(backend: str | None, timeout: float | None = None) -> str:
     """Initialise the default process group of a torchrun rank (see :func:`default_backend`)."""
     if backend is None:
         backend, why = default_backend()
@@ -450,7 +450,10 @@ def _init_torchrun_group(backend: str | None, timeout: float) -> str:
     # atexit hook made the other node's torchrun agent lose the rendezvous store ("Failed to
     # recv ... The connection to the C10d store has failed") in 2 of 3 two-node runs
     # (tests/test_launch.py::test_readme_multinode_torchrun_command; 0 of 3 without it).
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    if timeout is None:  # Mesh.create's: torch's default timeout
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return backend
 
 
