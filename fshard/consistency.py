@@ -23,11 +23,20 @@ aborts the process). Three modes (``fs.config.check_consistency``, the
     at the next exchange, naming the first collective or argument that differed; collectives
     issued in between may have moved mismatched data (a size or dtype mismatch there can still
     abort Gloo or time out first: use ``"every"`` to find it).
+    A boundary over a mesh compares the digest of each of its sub-groups (the ``x`` groups of
+    an ``("x", "y")`` mesh) among that group's members only, in a second small all_reduce:
+    sibling groups of a correct program legitimately differ (an uneven split gives their
+    blocks different shapes); across groups only the kinds of sub-groups used are compared.
 ``"every"`` (strict; the test suite's fault tests)
     The digest of each collective is exchanged before it runs: the error is raised before any
     mismatched data moves, including mismatches that would abort Gloo.
 ``"off"``
     No checks.
+
+A plain tensor that meets ShardedArrays in an op claims to be replicated (the op treats it as
+``P()``): :func:`check_replicated` compares its content hash over the mesh the first time per call
+site, op and input (default) or at every call (``"every"``), so a per-rank batch passed as a plain
+tensor raises instead of giving unreduced gradients.
 
 On a mismatch, and only then, the ranks exchange readable descriptions and every rank raises the
 same :class:`ConsistencyError` naming each rank's view and the fields that differ. The exchange is
