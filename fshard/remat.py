@@ -492,7 +492,8 @@ class _Reads(torch.overrides.TorchFunctionMode):
                     "is neither an argument nor found in its closure (a global, a module's "
                     "parameter or an object's attribute): remat would drop its gradient. Pass "
                     "it to the rematerialised function as an argument, e.g. "
-                    "fs.remat(lambda h, w: block(h, w))(h, w)"
+                    "fs.remat(lambda h, w: block(h, w))(h, w); for a module's parameters, "
+                    "fs.remat(lambda h, ps: fs.nn.functional_call(layer, ps, (h,)))(h, params)"
                 )
         out = func(*args, **kwargs)
         self.made.update(id(t) for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
