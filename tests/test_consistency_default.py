@@ -365,7 +365,7 @@ def test_default_passes_a_plain_tensor_that_is_replicated(world_default):
     assert k0 == k1 == "value" and torch.equal(w0, w1)
 
 
-def _random_2d_programs(rank, seed, count):
+def _random_2d_programs(seed, count):
     """Random uneven layouts on a (2, 2) mesh, resharded twice, with boundaries (``fs.shard``,
     ``fs.from_local``, ``fs.optim``-like ``boundary``) in between: correct SPMD programs."""
     import random
