@@ -16,7 +16,7 @@ waits in the graph, so a traced step replays exactly; ``comm_log`` records eager
 This is the only module that puts data on the wire (``tests/test_comm.py`` scans the package):
 besides the primitives of ``fshard.lax``, FSDP's prefetching gather (:func:`all_gather_start`,
 whose :class:`Pending` result does the chunk-order fix-up at ``wait``), shard_map's
-:func:`size_exchange` and ``fs.shard(src=)``'s :func:`broadcast_object` live here, so the
+:func:`size_exchange` and ``fs.shard(src=)``'s :func:`agree_meta` live here, so the
 lowering, the wire and consistency checks and the comm log each have one place.
 """
 
@@ -391,16 +391,54 @@ def size_exchange(values: Sequence[int], g: AxisGroup, device: torch.device) -> 
     return [rows[g.group_rank[j]] for j in range(g.size)]
 
 
-def broadcast_object(obj, g: AxisGroup, src: int):
-    """Chunk ``src``'s picklable ``obj`` on every rank of ``g`` (``obj`` is ignored elsewhere).
-    Metadata ahead of a data collective (``fs.shard(..., src=)``'s shape and dtype): not in
-    the comm log, whose records are the data collectives."""
+#: Every dtype, by a number the same on every rank (the same torch): ``agree_meta``'s code.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
+_MAX_DIMS = 64  # torch's limit on a tensor's dims
+_UNKNOWN = -(1 << 63)  # a word of a rank that passed no shape (below every pair's words)
+
+
+def agree_meta(meta: tuple | None, g: AxisGroup, src: int) -> tuple:
+    """``(shape, dtype)`` of ``fs.shard(..., src=)``: ``src``'s (``meta`` elsewhere: what the
+    rank passed, or ``None``), checked before any data moves. One ``all_reduce(MAX)`` of a
+    fixed 132 int64 words on every rank, whatever each passed (a broadcast only where a rank
+    lacks the shape would pair with another rank's next collective: a Gloo timeout): each
+    rank that knows a shape writes ``(v, -v)`` per field (ndim, dtype, dims), the others a
+    word below all of them; a field whose maximum is not ``(v, -v)`` differs between ranks,
+    and every rank raises the same ``ValueError`` naming each rank's shape and dtype. Metadata,
+    not in the comm log.
+    """
     if g.size == 1:
-        return obj
-    _untraceable("broadcast of Python values (fs.shard(..., src=) without shape and dtype)")
-    box = [obj]
-    dist.broadcast_object_list(box, src=g.ranks[src], group=g.pg)
-    return box[0]
+        return meta
+    if tracing():
+        if meta is None:
+            _untraceable("fs.shard(..., src=) without shape and dtype on every rank")
+        return meta
+    words = torch.full((2 * (2 + _MAX_DIMS),), _UNKNOWN, dtype=torch.int64)
+    if meta is not None:
+        shape, dtype = meta
+        fields = [len(shape), _DTYPE_CODES[dtype], *shape]
+        fields += [0] * (2 + _MAX_DIMS - len(fields))
+        for i, v in enumerate(fields):
+            words[2 * i], words[2 * i + 1] = v, -v
+    if dist.get_backend(g.pg) == "nccl":
+        words = words.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
+    top = words.tolist()
+    if all(top[2 * i] == -top[2 * i + 1] for i in range(len(top) // 2)):
+        return tuple(top[4 : 4 + 2 * top[0] : 2]), _DTYPES[top[2]]
+    views: list = [None] * g.size
+    mine = "nothing" if meta is None else f"shape {tuple(meta[0])}, {meta[1]}"
+    dist.all_gather_object(views, mine, group=g.pg)
+    per = "; ".join(
+        f"rank {r}{' (src)' if j == src else ''}: {v}"
+        for j, (r, v) in enumerate(zip(g.ranks, views))
+    )
+    raise ValueError(
+        f"shard(src={g.ranks[src]}): the ranks passed different shapes or dtypes ({per}); rank "
+        f"{g.ranks[src]}'s tensor is what is scattered: pass None (or its shape= and dtype=) on "
+        "the other ranks"
+    )
 
 
 def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple:

@@ -147,9 +147,13 @@ def shard(
         mesh: the mesh (``Mesh.create``).
         spec: the layout, e.g. ``P("dp", None)``; partial axes keep ``t`` on the first rank of
             the axis and zeros elsewhere.
-        src: see ``t``.
+        src: see ``t``. A rank other than ``src`` that passes a tensor (or ``shape`` and
+            ``dtype``) claims ``src``'s shape and dtype: they are compared before the scatter
+            (one small all_reduce), and ranks that differ raise the same ``ValueError``.
+            A ``meta`` ``t`` gives a ``meta`` ShardedArray (shapes, layouts, planning; no
+            data: ``fs.gather`` of it is a ``meta`` tensor).
         shape: with ``src=r``, ranks other than ``r`` may give the global shape and dtype
-            instead of ``t``; if they do not, rank ``r`` broadcasts them (one small message).
+            instead of ``t``; either way rank ``r``'s are sent in the same small message.
         dtype: see ``shape``.
 
     Returns:
@@ -199,15 +203,18 @@ def _scatter(t, mesh: Mesh, spec: P | Parts, src: int, shape, dtype) -> ShardedA
     if isinstance(t, torch.Tensor):
         check_plain_tensor(t, "shard: t")
         t = _on_mesh_device(t, mesh)  # the blocks leave from the mesh's device (NCCL: the GPU)
-    if me == src:
+    given = None if shape is None or dtype is None else (tuple(shape), dtype)
+    if isinstance(t, torch.Tensor):  # a tensor on any rank claims the shape and dtype
         meta = (tuple(t.shape), t.dtype)
-    elif shape is not None and dtype is not None:
-        meta = (tuple(shape), dtype)
+        if given is not None and given != meta:
+            raise ValueError(
+                f"shard: t has shape {meta[0]} and dtype {meta[1]} but shape={given[0]}, "
+                f"dtype={given[1]} were passed; pass one or the other"
+            )
     else:
-        meta = None
+        meta = given
     g = mesh.group(mesh.axis_names)
-    if shape is None or dtype is None:
-        meta = _comm.broadcast_object(meta, g, g.ranks.index(src))
+    meta = _comm.agree_meta(meta, g, g.ranks.index(src))
     target = Layout.of(mesh, spec, meta[0], meta[1])
     _agree(target, f"shard(src={src}) (the shape and dtype passed must be rank {src}'s tensor's)")
     # one box per rank: the per-part dim is scattered whole, then sliced (no communication)
@@ -290,6 +297,11 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     """
     if not isinstance(x, ShardedArray):
         raise TypeError(f"gather: x must be a ShardedArray, got {type(x).__name__}")
+    if x.local.is_meta:  # a meta value (planning) has no data to move: the full meta tensor
+        if dst is not None and (isinstance(dst, bool) or dst not in x.mesh.ranks):
+            raise ValueError(f"gather: dst must be a rank of the mesh {x.mesh.ranks}, got {dst!r}")
+        full = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        return full if dst is None or dst == x.mesh.rank else None
     if dst is None:
         return reshard_one(x, P()).local
     mesh = x.mesh

@@ -801,6 +801,21 @@ def _validate(
     return None, md, values
 
 
+def _left_over(path: str, keys: list[str], md, values: dict) -> str | None:
+    """``strict``: the saved keys ``like`` lacks, named (None when there are none)."""
+    saved = set(md.state_dict_metadata) | set(_read_manifest(path)["values"])
+    extra = sorted(saved - set(keys))
+    if not extra:
+        return None
+    shown = ", ".join(repr(k) for k in extra[:12]) + (", ..." if len(extra) > 12 else "")
+    return (
+        f"checkpoint {path!r}: load(strict=True): the checkpoint has {len(extra)} keys `like` "
+        f"lacks (of {len(saved)}): {shown}; they would be left unloaded. Build `like` with the "
+        "structure that was saved (the same model and optimizer), or pass strict=False to "
+        "load a subset"
+    )
+
+
 def _structure_diff(missing: list[str], keys: list[str], saved: list[str]) -> str:
     """The structural difference, once: the keys the checkpoint has that ``like`` lacks (where
     ``like`` has keys the checkpoint lacks, e.g. another optimizer's state)."""
@@ -850,7 +865,7 @@ def _load_target(leaf: Any, me: int):
     raise AssertionError("Python values come from fshard.json")
 
 
-def load(path: str | os.PathLike, like: Any) -> Any:
+def load(path: str | os.PathLike, like: Any, *, strict: bool = False) -> Any:
     """Load a checkpoint written by :func:`save` into the structure and layouts of ``like``.
 
     Collective: every rank calls it with a ``like`` of the same structure. The mesh, world
@@ -859,10 +874,13 @@ def load(path: str | os.PathLike, like: Any) -> Any:
 
     Args:
         path: the checkpoint directory.
-        like: a pytree with the same keys as the saved one (a subset is fine). Leaves:
-            :class:`ShardedArray` or :class:`Layout` (the target layout; values are ignored),
-            ``torch.Tensor`` (target shape, dtype, device), or any Python value (replaced by
-            the saved value).
+        like: a pytree with the same keys as the saved one (a subset is fine unless
+            ``strict``). Leaves: :class:`ShardedArray` or :class:`Layout` (the target layout;
+            values are ignored), ``torch.Tensor`` (target shape, dtype, device), or any Python
+            value (replaced by the saved value).
+        strict: also refuse a checkpoint with keys ``like`` lacks (as
+            ``torch.nn.Module.load_state_dict(strict=True)``): the error names them, e.g. the
+            layers a smaller model would silently leave unloaded.
 
     Returns:
         A new pytree of ``like``'s structure holding the saved values; ``like`` is not
@@ -872,7 +890,8 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         CheckpointError: on every rank, before any data is read, when the checkpoint is
             missing, not written by :func:`save`, its metadata is unreadable or refers to a
             type outside DCP's metadata classes, a key is missing, a shape or dtype differs,
-            a tensor is saved where ``like`` has a Python value (or the reverse), a saved
+            a tensor is saved where ``like`` has a Python value (or the reverse), ``strict``
+            and the checkpoint has keys ``like`` lacks, a saved
             Python value is not of an allowed type, or a data file is missing, truncated or
             fails its checksum; and when DCP fails to read the data on some rank.
 
@@ -890,6 +909,8 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = _check_path(path, "load")
+    if not isinstance(strict, bool):
+        raise TypeError(f"load: strict must be a bool, got {type(strict).__name__}")
     keys, leaves, treedef = _flatten(like, "load")
     consistency.check_equal({"checkpoint path": path}, what="checkpoint load")
     me = _rank()
@@ -912,6 +933,8 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         _barrier()
         try:
             error, md, values = _validate(path, keys, leaves, paths(treedef), me, _world())
+            if error is None and strict:
+                error = _left_over(path, keys, md, values)
         except CheckpointError as e:
             error = str(e)
         except Exception as e:  # never let one rank leave early: report it to all

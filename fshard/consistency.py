@@ -23,11 +23,20 @@ aborts the process). Three modes (``fs.config.check_consistency``, the
     at the next exchange, naming the first collective or argument that differed; collectives
     issued in between may have moved mismatched data (a size or dtype mismatch there can still
     abort Gloo or time out first: use ``"every"`` to find it).
+    A boundary over a mesh compares the digest of each of its sub-groups (the ``x`` groups of
+    an ``("x", "y")`` mesh) among that group's members only, in a second small all_reduce:
+    sibling groups of a correct program legitimately differ (an uneven split gives their
+    blocks different shapes); across groups only the kinds of sub-groups used are compared.
 ``"every"`` (strict; the test suite's fault tests)
     The digest of each collective is exchanged before it runs: the error is raised before any
     mismatched data moves, including mismatches that would abort Gloo.
 ``"off"``
     No checks.
+
+A plain tensor that meets ShardedArrays in an op claims to be replicated (the op treats it as
+``P()``): :func:`check_replicated` compares its content hash over the mesh the first time per call
+site, op and input (default) or at every call (``"every"``), so a per-rank batch passed as a plain
+tensor raises instead of giving unreduced gradients.
 
 On a mismatch, and only then, the ranks exchange readable descriptions and every rank raises the
 same :class:`ConsistencyError` naming each rank's view and the fields that differ. The exchange is
@@ -58,7 +67,15 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from . import config
 from .mesh import AxisGroup, Mesh
 
-__all__ = ["ConsistencyError", "enabled", "boundary", "check_collective", "check_equal", "reset"]
+__all__ = [
+    "ConsistencyError",
+    "enabled",
+    "boundary",
+    "check_collective",
+    "check_equal",
+    "check_replicated",
+    "reset",
+]
 
 _MASK = (1 << 62) - 1
 _MIX = 0x9E3779B97F4A7C15
@@ -86,6 +103,7 @@ class _Running:
 _SEQ: dict = {}  # process group -> exchanges issued on it by this rank ("every" mode)
 _RUNNING: dict = {}  # process group -> _Running
 _CROSSED: dict = {}  # (process group, boundary) -> times this rank crossed it (default mode)
+_CLAIMED: set = set()  # (call site, mesh, op, input) whose plain tensor was checked (default)
 
 
 def enabled() -> bool:
@@ -110,6 +128,7 @@ def reset() -> None:
     _SEQ.clear()
     _RUNNING.clear()
     _CROSSED.clear()
+    _CLAIMED.clear()
 
 
 def _canonical(obj):
@@ -130,6 +149,8 @@ def _content_hash(t: torch.Tensor) -> str:
     with torch._C._DisableFuncTorch():
         while torch._C._functorch.is_functorch_wrapped_tensor(t):
             t = torch._C._functorch.get_unwrapped(t)
+        if t.is_meta:  # no data: its dtype and shape (hashed with it) are all there is
+            return "meta"
         t = t.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() and t.element_size() else t
         return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
@@ -208,7 +229,7 @@ def _exchange(g: AxisGroup, h: int, seq: int, device: torch.device | None) -> bo
 def _raise(what: str, g: AxisGroup, mine: dict, note: str = "") -> None:
     views: list = [None] * g.size
     dist.all_gather_object(views, (dist.get_rank(), {"check": what, **mine}), group=g.pg)
-    raise ConsistencyError(_message(g, views, note))
+    raise ConsistencyError(_message(views, note))
 
 
 def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = None) -> None:
@@ -221,7 +242,7 @@ def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = 
     _raise(what, g, mine, "no data collective ran")
 
 
-def _message(g: AxisGroup, views: list, note: str) -> str:
+def _message(views: list, note: str) -> str:
     views = sorted(views)
     whats = {v["check"] for _, v in views}
     what = whats.pop() if len(whats) == 1 else "different checks on different ranks"
@@ -262,12 +283,15 @@ def _describe(entry: tuple) -> str:
 
 
 def _history_views(states: list) -> dict:
-    """Readable history of each group since its last exchange (sent only on a mismatch)."""
+    """Readable history of each group since its last exchange (sent only on a mismatch), and
+    its running digest: ranks whose histories since then look alike still differ there (the
+    difference is older than the last exchange that saw it)."""
     out = {}
     for r in sorted(states, key=_Running.key):
         for entry in r.history:
             out[f"collective #{entry[0]} over {r.axes}"] = _describe(entry)
         out[f"collectives issued over {r.axes}"] = str(r.seq)
+        out[f"running digest over {r.axes}"] = f"{r.digest:016x}"
     return out
 
 
@@ -292,21 +316,84 @@ def _check_running(
     g: AxisGroup, what: str, states: list, h: int, fields: dict, device=None
 ) -> None:
     """Exchange ``h`` (the boundary's own arguments) with the running digests of ``states``
-    over ``g``; on success they are settled (history cleared)."""
+    over ``g``; on success they are settled (history cleared).
+
+    Ranks compare what they must agree on: the digests of the groups spanning all of ``g`` in
+    one exchange (with the set of sub-group kinds every rank used), then, when there are
+    sub-groups (the ``x`` groups of an ``("x", "y")`` mesh), each sub-group's digest among its
+    own members only: two sub-groups of a correct SPMD program legitimately differ (an uneven
+    split gives their blocks different shapes)."""
     states = sorted(states, key=_Running.key)
-    total = h
+    whole = frozenset(g.ranks)
+    subs = [r for r in states if r.ranks != whole]
+    kinds = sorted({(r.axes, len(r.ranks)) for r in subs})
+    total = _fold(h, _cached_hash(tuple(kinds)))
     for r in states:
-        total = _fold(total, _cached_hash(r.key()))
+        if r.ranks == whole:
+            total = _fold(total, _cached_hash(r.key()))
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    if _exchange(g, total, seq, device):
-        for r in states:
-            r.exchanged, r.history = True, []
+    if not _exchange(g, total, seq, device):
+        mine = {k: _show(v) for k, v in fields.items()}
+        mine.update(_history_views([r for r in states if r.ranks == whole]))
+        mine["sub-group kinds used"] = str(kinds)
+        mine["checks on the group"] = str(seq)
+        _raise(what, g, mine, "the first line that differs is where the ranks parted")
+    if subs:
+        _check_subgroups(g, what, subs, kinds, fields, device)
+    for r in states:
+        r.exchanged, r.history = True, []
+
+
+_ABSENT = -(1 << 63)  # a slot this rank is not a member of (below every digest word)
+
+
+def _slot(g: AxisGroup, kinds: list, r: _Running) -> int:
+    """The word pair of sub-group ``r`` in the exchange over ``g``: by its kind and its
+    lowest rank's position in ``g`` (the same on every member, distinct for its siblings)."""
+    return kinds.index((r.axes, len(r.ranks))) * g.size + g.ranks.index(min(r.ranks))
+
+
+def _check_subgroups(g: AxisGroup, what: str, subs: list, kinds: list, fields: dict, device):
+    """One ``all_reduce(MAX)`` over ``g`` of a ``(d, -d)`` pair per sub-group: every member
+    writes its digest ``d`` in its group's pair, the others a word below every digest; a pair
+    whose maximum is not ``(d, -d)`` is a sub-group whose members disagree."""
+    words = torch.full((2 * len(kinds) * g.size,), _ABSENT, dtype=torch.int64)
+    mine: dict = {}
+    for r in subs:
+        i = _slot(g, kinds, r)
+        mine.setdefault(i, []).append(r)
+    for i, rs in mine.items():
+        d = 0
+        for r in rs:
+            d = _fold(d, _cached_hash(r.key()))
+        words[2 * i], words[2 * i + 1] = d, -d
+    words = words.to(device or _device(g))
+    dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
+    top = words.tolist()
+    pairs = range(len(top) // 2)
+    bad = [i for i in pairs if top[2 * i] != _ABSENT and top[2 * i] != -top[2 * i + 1]]
+    if not bad:
         return
-    mine = {k: _show(v) for k, v in fields.items()}
-    mine.update(_history_views(states))
-    mine["checks on the group"] = str(seq)
-    _raise(what, g, mine, "the first line that differs is where the ranks parted")
+    first = bad[0]
+    view = {k: _show(v) for k, v in fields.items()}
+    view.update(_history_views(mine.get(first, [])))
+    view["sub-group"] = str(first) if first in mine else "-"
+    views: list = [None] * g.size
+    dist.all_gather_object(views, (dist.get_rank(), {"check": what, **view}), group=g.pg)
+    members = [
+        (rank, {k: v for k, v in view.items() if k != "sub-group"})
+        for rank, view in views
+        if view.get("sub-group") == str(first)
+    ]
+    axes = kinds[first // g.size][0]
+    raise ConsistencyError(
+        _message(
+            members,
+            f"compared within the group over mesh axes {axes} (its sibling groups may "
+            "legitimately differ); the first line that differs is where the ranks parted",
+        )
+    )
 
 
 def _as_group(group) -> AxisGroup:
@@ -456,6 +543,36 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
         _agree(group, what, fields)
     else:
         _boundary(group, what, fields, _site(), running)
+
+
+def check_replicated(t: torch.Tensor, mesh: Mesh, op: str, index: int) -> None:
+    """Check the claim a plain tensor makes when it meets ShardedArrays in an op: that it is
+    replicated (every rank of ``mesh`` holds the same values). A per-rank batch passed as a
+    plain tensor next to replicated params would otherwise give per-rank gradients labelled
+    replicated, never reduced (the "replicated" params drift apart). Compared by content hash
+    (one small all_reduce) the first time per call site, op and input in the default mode, at
+    every call in ``"every"``; never when checks are off, under tracing, on one rank.
+
+    Example:
+        >>> consistency.check_replicated(x, mesh, "linear", 0)  # doctest: +SKIP
+    """
+    mode = _active_mode()
+    if mode == "off" or mesh.is_abstract or mesh.size_total == 1 or not dist.is_initialized():
+        return
+    site = _site()
+    if mode == "default":
+        key = (site, mesh, op, index)
+        if key in _CLAIMED:
+            return
+        if len(_CLAIMED) < 65536:
+            _CLAIMED.add(key)
+    what = (
+        f"{op} at {_where(site)}: input {index} is a plain tensor, which fshard treats as "
+        f"replicated over the mesh (every rank must hold the same values); a per-rank value "
+        f"(this rank's rows of a batch) must be a ShardedArray: fs.from_local(x, mesh, "
+        f"fs.P('dp')) or fs.shard(full, mesh, fs.P('dp'))"
+    )
+    check_equal({"plain tensor": t}, mesh, what=what)
 
 
 def rng_state(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -344,17 +344,22 @@ class World:
             finished = sorted(outcomes)
             raise TimeoutError(
                 f"World.run: ranks {sorted(pending)} did not finish within {timeout:g} s "
-                f"(ranks {finished} did). The usual cause is ranks that disagree: a collective "
-                "not issued on every rank (a branch on the rank, an early return or exception "
-                "on one rank), or per-rank shapes (batch sizes) that make ranks issue different "
-                "collectives. Rerun with FSHARD_CHECK_CONSISTENCY=every to have the first "
-                "collective the ranks disagree on named. All workers were killed; the world "
+                f"(ranks {finished} did). {_CAUSE} All workers were killed; the world "
                 "restarts on the next run."
             )
         return [outcomes[r][1] for r in range(self.world_size)]
 
 
 _BACKENDS = ("gloo", "nccl")
+
+#: What a collective that timed out (or hung) usually means: every timeout says it.
+_CAUSE = (
+    "The usual cause is ranks that disagree: a collective not issued on every rank (a branch "
+    "on the rank, e.g. `if mesh.rank == 0: print(fs.gather(g))`, an early return or exception "
+    "on one rank), or per-rank shapes (batch sizes) that make ranks issue different "
+    "collectives. Rerun with FSHARD_CHECK_CONSISTENCY=every to have the first collective the "
+    "ranks disagree on named."
+)
 
 
 def default_backend(
@@ -422,7 +427,7 @@ def under_torchrun() -> bool:
     )
 
 
-def _init_torchrun_group(backend: str | None) -> str:
+def _init_torchrun_group(backend: str | None, timeout: float | None = None) -> str:
     """Initialise the default process group of a torchrun rank (see :func:`default_backend`)."""
     if backend is None:
         backend, why = default_backend()
@@ -445,8 +450,21 @@ def _init_torchrun_group(backend: str | None) -> str:
     # atexit hook made the other node's torchrun agent lose the rendezvous store ("Failed to
     # recv ... The connection to the C10d store has failed") in 2 of 3 two-node runs
     # (tests/test_launch.py::test_readme_multinode_torchrun_command; 0 of 3 without it).
-    dist.init_process_group(backend)
+    if timeout is None:  # Mesh.create's: torch's default timeout
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return backend
+
+
+def _collective_error(exc: BaseException) -> BaseException:
+    """A torchrun rank's failed collective (Gloo's ``Timed out waiting 300000ms for recv``),
+    with its usual cause; other errors as they are."""
+    if not isinstance(exc, Exception) or not _collective_failed(exc):
+        return exc
+    kind = TimeoutError if "timed out" in str(exc).lower() else RuntimeError
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return kind(f"rank {dist.get_rank()}: a collective failed ({first[:300]}). {_CAUSE}")
 
 
 def run(
@@ -461,8 +479,10 @@ def run(
 
     Locally this starts a :class:`World` (Gloo ranks), runs ``fn`` once and closes the World.
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) it runs ``fn`` in
-    this process instead, initialising the default process group if needed, and gathers every
-    rank's result; ``timeout`` is not applied then. A group ``run`` initialised is destroyed
+    this process instead, initialising the default process group if needed (with ``timeout``
+    as its timeout: a collective that waits longer, e.g. one issued on one rank only, raises a
+    ``TimeoutError`` naming that usual cause instead of hanging), and gathers every rank's
+    result. A group ``run`` initialised is destroyed
     before it returns (a Gloo group left to interpreter teardown can abort the process after
     its output); initialise it yourself (``dist.init_process_group``) to keep using it after. The backend there is ``backend``, else
     :func:`default_backend`: NCCL when this node has a GPU per rank, else Gloo (said on
@@ -475,7 +495,8 @@ def run(
       world_size: Number of ranks (an int >= 1); under ``torchrun`` it must equal
         ``WORLD_SIZE``.
       args: Positional arguments for ``fn``, the same for every rank.
-      timeout: Seconds to wait for all ranks (local launch only).
+      timeout: Seconds to wait for all ranks (locally); under ``torchrun``, the timeout of
+        the process group ``run`` initialises (a collective that waits longer raises).
       backend: ``"gloo"``, ``"nccl"`` or ``None`` (choose; see above). The local launch
         runs Gloo only.
 
@@ -504,10 +525,16 @@ def run(
             )
         owned = not dist.is_initialized()
         if owned:
-            _init_torchrun_group(backend)
-        result = fn(*args)
+            _init_torchrun_group(backend, timeout)
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, result)
+        try:
+            result = fn(*args)
+            dist.all_gather_object(gathered, result)
+        except Exception as e:
+            wrapped = _collective_error(e)
+            if wrapped is e:
+                raise
+            raise wrapped from e
         if owned:
             # The group run() made is closed here, every rank past its last collective: a Gloo
             # group left to interpreter teardown aborted a rank after its correct output
@@ -566,11 +593,14 @@ def _rank_error(rank: int, reply: tuple, note: str = "") -> RankError:
             exc_type="WorkerDied",
             exit_code=code,
         )
-    _, exc_type, text, tb, exc_bytes, _ = reply
+    _, exc_type, text, tb, exc_bytes, collective = reply
     try:
         exception = pickle.loads(exc_bytes) if exc_bytes is not None else None
     except Exception:
         exception = None
+    if (collective or "timed out" in text.lower()) and not text.startswith("fshard"):
+        # Gloo's own words (a timeout, a closed connection): add what they usually mean
+        text = f"{text}\n\nA collective failed on rank {rank}. {_CAUSE}"
     return RankError(
         f"rank {rank} raised {exc_type}: {text}\n\nRemote traceback (rank {rank}):\n{tb}{note}",
         rank=rank,

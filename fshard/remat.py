@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable
 
 import optree
@@ -237,7 +238,9 @@ class _Remat(torch.autograd.Function):
         residuals = iter(ctx.saved_tensors[ctx.n_inputs :])
         # Only the inputs asked for are differentiated: a constant's cotangent could cost
         # collectives (the psum behind a replicated operand's pcast) for nothing.
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        wanted = [
+            i for i, need in enumerate(ctx.needs_input_grad[2:]) if need and i not in ctx.run.unread
+        ]
 
         def of_wanted(*ts):
             filled = list(primals)
@@ -268,7 +271,12 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         fn: a function of positional pytrees of tensors / :class:`~fshard.ShardedArray` values
             (other leaves, e.g. Python numbers, are passed through as constants) returning a
             pytree of them. It must be deterministic: the backward runs it again (a dropout
-            inside needs a generator state passed in as an input).
+            inside needs a generator state passed in as an input). Tensors and ShardedArrays
+            it closes over (``fs.remat(lambda h: block(h, weights))``, default arguments, a
+            ``functools.partial``'s arguments, the closures of the user functions it calls)
+            get their gradients as arguments do (as ``torch.utils.checkpoint``'s non-reentrant
+            mode); a tensor needing a gradient that it reads from anywhere else (a global, a
+            module's parameter) raises a ``TypeError``: pass it as an argument.
         policy: what is saved besides the inputs (``jax.checkpoint``'s ``policy``). ``None``
             (or ``"nothing"``, JAX's ``nothing_saveable``): nothing; the backward re-runs every
             collective of ``fn``. ``"collectives"``: the outputs of ``fn``'s communicating
@@ -318,6 +326,10 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
             )
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
         where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        # fn's closed-over differentiable tensors: extra inputs, swapped in where fn reads them
+        differentiated = torch.is_grad_enabled()
+        slots = _captured(fn) if differentiated else []
+        extra = [t for slot in slots for t in slot.tensors]
         out_def: list = []  # the output structure, set by each run (the same every time)
 
         # Called in a shard_map body, the backward's recompute runs in that body's axis
@@ -338,7 +350,15 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                         stack.enter_context(env[1])
                 if again and not set(map(id, again)) <= set(map(id, lax.active_handlers())):
                     stack.enter_context(lax.handling(*again))
+                if slots:
+                    stack.enter_context(_swapped(slots, tensors[len(where) :]))
+                reads = None
+                if run.first and differentiated:
+                    reads = stack.enter_context(_Reads(tensors, len(where)))
                 out = fn(*optree.tree_unflatten(treedef, filled))
+            if reads is not None:  # the forward: which captured inputs fn read
+                run.first = False
+                run.unread = frozenset(range(len(where), len(tensors))) - reads.read
             out_leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
             bad = [type(v).__name__ for v in out_leaves if not isinstance(v, torch.Tensor)]
             if bad:
@@ -352,10 +372,148 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                 out_vma[:] = [tracker.vma(o) for o in out_leaves]
             return tuple(out_leaves)
 
-        outs = _Remat.apply(run, policy, *(leaves[i] for i in where))[: run.n_out]
+        run.first, run.unread = True, frozenset()
+        outs = _Remat.apply(run, policy, *(leaves[i] for i in where), *extra)[: run.n_out]
         if tracker is not None:  # what the body's tracker saw in fn (psum: invariant, ...)
             for o, axes in zip(outs, out_vma):
                 tracker.tag(o, axes)
         return optree.tree_unflatten(out_def[0], list(outs))
 
     return rematted
+
+
+# -- what fn closes over -------------------------------------------------------------------------
+
+#: Modules whose functions are not searched for closed-over tensors (library code).
+_LIBRARY = ("torch", "fshard", "optree", "functools", "builtins", "numpy")
+
+
+class _Slot:
+    """One place fn reads a differentiable value from besides its arguments: a closure cell,
+    its default arguments, or a ``functools.partial``'s bound arguments; ``tensors`` are the
+    differentiable leaves of what it holds (a ShardedArray's local block)."""
+
+    __slots__ = ("get", "set", "leaves", "treedef", "where", "tensors")
+
+    def __init__(self, get, set_, value):
+        self.get, self.set = get, set_
+        self.leaves, self.treedef = optree.tree_flatten(value, none_is_leaf=True)
+        self.where = [i for i, v in enumerate(self.leaves) if _differentiable(v)]
+        self.tensors = [self.leaves[i] for i in self.where]
+
+    def value(self, tensors) -> object:
+        filled = list(self.leaves)
+        for i, t in zip(self.where, tensors):
+            filled[i] = t
+        return optree.tree_unflatten(self.treedef, filled)
+
+
+def _differentiable(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.requires_grad
+
+
+def _captured(fn, depth: int = 4, seen: set | None = None) -> list:
+    """The :class:`_Slot` s of ``fn`` and of the user functions it closes over (``depth``
+    levels): where a closure like ``lambda h: block(h, weights)`` reads its weights from."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen or depth == 0:
+        return []
+    seen.add(id(fn))
+    slots: list = []
+
+    def add(get, set_, value):
+        if callable(value) and not isinstance(value, torch.nn.Module):
+            slots.extend(_captured(value, depth - 1, seen))
+            return
+        slot = _Slot(get, set_, value)
+        if slot.tensors:
+            slots.append(slot)
+
+    if isinstance(fn, functools.partial):
+        func, args, kw, d = fn.__reduce__()[2]
+
+        def set_partial(i):
+            def set_(v):
+                state = list(fn.__reduce__()[2])
+                state[i] = v
+                fn.__setstate__(tuple(state))
+
+            return set_
+
+        add(lambda: fn.args, set_partial(1), args)
+        add(lambda: fn.keywords, set_partial(2), dict(kw or {}))
+        slots.extend(_captured(func, depth - 1, seen))
+        return slots
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    if not isinstance(fn, types.FunctionType) or fn.__module__.startswith(_LIBRARY):
+        return slots
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a name not yet bound)
+            continue
+        add(
+            lambda cell=cell: cell.cell_contents,
+            functools.partial(setattr, cell, "cell_contents"),
+            value,
+        )
+    if fn.__defaults__:
+        add(
+            lambda: fn.__defaults__, functools.partial(setattr, fn, "__defaults__"), fn.__defaults__
+        )
+    if fn.__kwdefaults__:
+        add(
+            lambda: fn.__kwdefaults__,
+            functools.partial(setattr, fn, "__kwdefaults__"),
+            fn.__kwdefaults__,
+        )
+    return slots
+
+
+@contextlib.contextmanager
+def _swapped(slots: list, tensors):
+    """Each slot holds its value rebuilt with ``tensors`` (the run's inputs) while fn runs."""
+    saved = [slot.get() for slot in slots]
+    it = iter(tensors)
+    try:
+        for slot in slots:
+            slot.set(slot.value([next(it) for _ in slot.tensors]))
+        yield
+    finally:
+        for slot, v in zip(slots, saved):
+            slot.set(v)
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """The forward's record of which captured inputs (positions ``first:``) fn reads, and its
+    refusal of a differentiable tensor fn reads from elsewhere (a global, a module's
+    parameter, an object's attribute): remat could not give it its gradient."""
+
+    def __init__(self, tensors, first: int):
+        super().__init__()
+        self.known: dict = {}
+        for i, t in enumerate(tensors):
+            self.known.setdefault(id(t), []).append(i)
+        self.first, self.read, self.made = first, set(), set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in optree.tree_leaves((args, kwargs), none_is_leaf=True):
+            if not isinstance(t, torch.Tensor):
+                continue
+            at = self.known.get(id(t))
+            if at is not None:
+                self.read.update(at)
+            elif t.requires_grad and id(t) not in self.made:
+                raise TypeError(
+                    f"remat: fn reads a tensor that needs a gradient (shape "
+                    f"{tuple(t.shape)}, {t.dtype}, in {getattr(func, '__name__', func)}) that "
+                    "is neither an argument nor found in its closure (a global, a module's "
+                    "parameter or an object's attribute): remat would drop its gradient. Pass "
+                    "it to the rematerialised function as an argument, e.g. "
+                    "fs.remat(lambda h, w: block(h, w))(h, w); for a module's parameters, "
+                    "fs.remat(lambda h, ps: fs.nn.functional_call(layer, ps, (h,)))(h, params)"
+                )
+        out = func(*args, **kwargs)
+        self.made.update(id(t) for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out

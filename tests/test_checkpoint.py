@@ -305,3 +305,38 @@ def test_argument_errors(tmp_path):
         fs.checkpoint.save(3, {"a": 1})
     with pytest.raises(ValueError, match="same checkpoint key 'a/b'"):
         fs.checkpoint.save(str(tmp_path / "c"), {"a/b": 1, "a": {"b": 2}})
+
+
+def _smaller_model(path):
+    """Issue 40 item 6: a checkpoint of 3 layers loaded into a 2-layer model. strict=False
+    (the default) loads the subset; strict=True names what would be left over."""
+    import fshard as fs
+    from fshard.checkpoint import CheckpointError
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    big = {f"layers.{i}.w": fs.shard(torch.full((4,), float(i)), mesh, fs.P("x")) for i in range(3)}
+    big["step"] = 7
+    fs.checkpoint.save(path, big)
+    like = {f"layers.{i}.w": fs.zeros((4,), mesh, fs.P()) for i in range(2)}
+    subset = fs.checkpoint.load(path, like)
+    like["step"] = 0
+    try:
+        fs.checkpoint.load(path, like, strict=True)
+    except CheckpointError as e:
+        error = str(e)
+    else:
+        error = None
+    full = fs.checkpoint.load(
+        path, {**like, "layers.2.w": fs.zeros((4,), mesh, fs.P())}, strict=True
+    )
+    return fs.gather(subset["layers.1.w"]), error, fs.gather(full["layers.2.w"]), full["step"]
+
+
+def test_load_strict_names_the_keys_left_over(world2, tmp_path):
+    out = world2.run(_smaller_model, str(tmp_path / "ck"))
+    for sub, error, full, step in out:
+        assert torch.equal(sub, torch.full((4,), 1.0))
+        assert error is not None and "strict=True" in error and "'layers.2.w'" in error, error
+        assert "1 keys `like` lacks (of 4)" in error, error
+        assert torch.equal(full, torch.full((4,), 2.0)) and step == 7
+    assert out[0][1] == out[1][1]

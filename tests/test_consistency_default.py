@@ -164,9 +164,58 @@ def _shard_src_wrong_shape(rank):
     return fs.gather(fs.shard(t, mesh, fs.P("x"), src=0, shape=(4, 2 + rank), dtype=torch.float32))
 
 
+def _raised(fn, *args):
+    try:
+        return ("value", fn(torch.distributed.get_rank(), *args))
+    except Exception as e:
+        return (type(e).__name__, str(e))
+
+
 def test_default_catches_shard_src_with_a_shape_other_than_the_source(world_default):
-    msg = _both_raise(world_default, _shard_src_wrong_shape)
-    assert "global shape" in msg and "(4, 2)" in msg and "(4, 3)" in msg, msg
+    """The shapes are compared before the scatter, in every mode (issue 40 item 4): a
+    ValueError naming each rank's shape (was a ConsistencyError in the default mode only)."""
+    (k0, m0), (k1, m1) = world_default.run(_raised, _shard_src_wrong_shape)
+    assert k0 == k1 == "ValueError" and m0 == m1, (k0, m0, k1, m1)
+    assert "rank 0 (src): shape (4, 2)" in m0 and "rank 1: shape (4, 3)" in m0, m0
+
+
+def _shard_src_mixed(rank, how):
+    """Issue 40 item 4: ranks that pass different shapes to fs.shard(src=0). Was: a Gloo
+    timeout ('Timed out waiting 5000ms for send operation') where only the others passed
+    shape= (rank 0 broadcast its shape, the others went on to the next collective)."""
+    mesh = _mesh()
+    t = torch.arange(8.0).reshape(4, 2)
+    if how == "shape on the others":
+        kw = {} if rank == 0 else {"shape": (4, 3), "dtype": torch.float32}
+        return fs.gather(fs.shard(t if rank == 0 else None, mesh, fs.P("x"), src=0, **kw))
+    if how == "dtype on the others":
+        kw = {} if rank == 0 else {"shape": (4, 2), "dtype": torch.float64}
+        return fs.gather(fs.shard(t if rank == 0 else None, mesh, fs.P("x"), src=0, **kw))
+    return fs.gather(fs.shard(t if rank == 0 else t[:3], mesh, fs.P("x"), src=0))
+
+
+@pytest.mark.parametrize("how", ["shape on the others", "dtype on the others", "tensors"])
+def test_shard_src_checks_the_shapes_before_the_send(world_default, how):
+    (k0, m0), (k1, m1) = world_default.run(_raised, _shard_src_mixed, how, timeout=30)
+    assert k0 == k1 == "ValueError" and m0 == m1, (k0, m0, k1, m1)
+    assert "rank 0 (src): shape (4, 2), torch.float32; rank 1: shape" in m0, m0
+    assert "pass None" in m0, m0
+
+
+def _shard_meta(rank):
+    """Issue 40 item 5: a meta input gives a meta ShardedArray (was: 'Cannot copy out of meta
+    tensor; no data!' from the consistency hash)."""
+    mesh = _mesh()
+    x = fs.shard(torch.empty(5, 3, device="meta"), mesh, fs.P("x"))
+    full, mine = fs.gather(x), fs.gather(x, dst=0)
+    return x.local.device.type, tuple(x.local.shape), full.device.type, tuple(full.shape), mine
+
+
+def test_shard_of_a_meta_tensor_is_a_meta_sharded_array(world_default):
+    out = world_default.run(_raised, _shard_meta)
+    assert out[0] == ("value", ("meta", (3, 3), "meta", (5, 3), out[0][1][4])), out
+    assert out[1] == ("value", ("meta", (2, 3), "meta", (5, 3), None)), out
+    assert out[0][1][4].is_meta and out[0][1][4].shape == (5, 3)
 
 
 def _per_rank_batch(rank, spec):
@@ -231,3 +280,127 @@ def test_default_agreeing_ranks_pass_across_periodic_exchanges(world_default):
     (k0, (m0, g0)), (k1, (m1, g1)) = world_default.run(_caught, _agreeing_steps, 70)
     assert k0 == k1 == "value" and m0 == m1 == "default"
     assert torch.equal(g0, torch.arange(8.0)) and torch.equal(g1, g0)
+
+
+@pytest.fixture(scope="module")
+def world_default4():
+    saved = os.environ.pop("FSHARD_CHECK_CONSISTENCY", None)
+    try:
+        with World(4, timeout=60, pg_timeout=20) as world:
+            yield world
+    finally:
+        if saved is not None:
+            os.environ["FSHARD_CHECK_CONSISTENCY"] = saved
+
+
+def _uneven_2d(rank):
+    """Issue 40 item 8: the two x groups of a (2, 2) mesh carry blocks of different shapes
+    (columns split 2 + 1): correct SPMD, which the world-level check used to flag."""
+    mesh = fs.Mesh.create((2, 2), ("x", "y"))
+    t = torch.arange(15.0).reshape(5, 3)
+    d = fs.reshard(fs.shard(t, mesh, fs.P("y", "x")), fs.P())
+    e = fs.shard(t * 2, mesh, fs.P())
+    f = fs.reshard(fs.shard(t, mesh, fs.P("x", "y")), fs.P("y", "x"))
+    return fs.gather(d), fs.gather(e), fs.gather(f)
+
+
+def test_default_passes_uneven_blocks_on_a_2d_mesh(world_default4):
+    t = torch.arange(15.0).reshape(5, 3)
+    for k, v in world_default4.run(_caught, _uneven_2d):
+        assert k == "value", v
+        assert torch.equal(v[0], t) and torch.equal(v[1], t * 2) and torch.equal(v[2], t)
+
+
+def _subgroup_disagreement(rank):
+    mesh = fs.Mesh.create((2, 2), ("x", "y"))
+    fs.lax.psum(torch.ones(2), "x", mesh=mesh)  # agreed: the x groups' first collective
+    op = fs.lax.pmax if rank == 2 else fs.lax.psum  # rank 2 parts from rank 0 (its x group)
+    op(torch.ones(2), "x", mesh=mesh)
+    return fs.gather(fs.shard(torch.arange(4.0), mesh, fs.P()))
+
+
+def test_default_names_a_subgroup_disagreement_within_its_group(world_default4):
+    """A disagreement inside one x group is caught at the mesh-level boundary, names that
+    group's ranks and the differing collective (never an empty detail)."""
+    out = world_default4.run(_caught, _subgroup_disagreement)
+    assert [k for k, _ in out] == ["error"] * 4, out
+    msg = out[0][1]
+    assert all(m == msg for _, m in out)
+    assert "global ranks [0, 2]" in msg and "'sum'" in msg and "'max'" in msg, msg
+    assert "over mesh axes ('x',)" in msg, msg
+
+
+def _per_rank_rows_as_a_plain_tensor(rank, mode):
+    """Issue 40 item 2: replicated params, each rank's own rows passed as a plain tensor. Was:
+    no error, the gradients not reduced, the 'replicated' params 4e-2 apart after 2 steps."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    params = fs.nn.shard_params(model, mesh, {})  # all replicated
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))  # this rank's rows
+
+    def loss(ps):
+        return fs.gather(fs.nn.functional_call(model, ps, (x,))).pow(2).mean()
+
+    with fs.config.consistency(mode):
+        for _ in range(2):
+            g = fs.grad(loss)(params)
+            params = {k: v - 0.1 * g[k] for k, v in params.items()}
+    return fs.gather(params["weight"])
+
+
+@pytest.mark.parametrize("mode", ["default", "every"])
+def test_default_catches_per_rank_rows_passed_as_a_plain_tensor(world_default, mode):
+    msg = _both_raise(world_default, _per_rank_rows_as_a_plain_tensor, mode)
+    assert "input 0 is a plain tensor" in msg and "replicated" in msg, msg
+    assert "fs.from_local(x, mesh, fs.P('dp'))" in msg and "content hash" in msg, msg
+
+
+def _same_rows_as_a_plain_tensor(rank):
+    return _per_rank_rows_as_a_plain_tensor(0, "default")
+
+
+def test_default_passes_a_plain_tensor_that_is_replicated(world_default):
+    (k0, w0), (k1, w1) = world_default.run(_caught, _same_rows_as_a_plain_tensor)
+    assert k0 == k1 == "value" and torch.equal(w0, w1)
+
+
+def _random_2d_programs(seed, count):
+    """Random uneven layouts on a (2, 2) mesh, resharded twice, with boundaries (``fs.shard``,
+    ``fs.from_local``, ``fs.optim``-like ``boundary``) in between: correct SPMD programs."""
+    import random
+
+    mesh = fs.Mesh.create((2, 2), ("x", "y"))
+    rng = random.Random(seed)
+    out = []
+    for case in range(count):
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.randint(1, 7) for _ in range(ndim))
+        t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+
+        def spec(ndim=ndim):
+            dims = [None] * ndim
+            for axis in ("x", "y"):
+                if rng.random() < 0.7:
+                    d = rng.randrange(ndim)
+                    dims[d] = axis if dims[d] is None else (dims[d], axis)
+            return fs.P(*dims)
+
+        a, b, c = spec(), spec(), spec()
+        try:
+            x = fs.reshard(fs.reshard(fs.shard(t, mesh, a), b), c)
+            fs.consistency.boundary(mesh, "step")
+            y = fs.shard(t * 2, mesh, fs.P())
+            ok = torch.equal(fs.gather(x), t) and torch.equal(fs.gather(y), t * 2)
+            out.append((case, str(a), str(b), str(c), "ok" if ok else "wrong value"))
+        except Exception as e:  # noqa: BLE001 -- reported with the case
+            out.append((case, str(a), str(b), str(c), f"{type(e).__name__}: {str(e)[:300]}"))
+    return out
+
+
+def test_default_never_flags_random_correct_programs_on_a_2d_mesh(world_default4):
+    """Issue 40 item 8's differential run (102 of 506 (2, 2) programs flagged), in small."""
+    out = world_default4.run(_random_2d_programs, 40, 40, timeout=240)
+    bad = [r for r in out[0] if r[4] != "ok"]
+    assert not bad, bad[:5]
+    assert all(o == out[0] for o in out)

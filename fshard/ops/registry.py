@@ -38,6 +38,7 @@ from .. import _compat, config
 from .._traced import constant
 from ..array import ShardedArray, expose_operators, install_dispatch
 from ..collectives import Bound, Pcast
+from ..consistency import check_replicated
 from ..executor import check_plain_tensor, gather_varying, program
 from ..executor import run as run_program
 from ..lax import apply, claim, claim_of
@@ -766,6 +767,8 @@ class _Compiled:
             locs = list(leaves)
             for inp in self.inputs:
                 a = leaves[inp.index]
+                if inp.plain:  # a plain tensor next to ShardedArrays claims to be replicated
+                    check_replicated(a, inp.layout.mesh, self.name, inp.index)
                 loc = a if inp.plain else a.local
                 if inp.claim is not None:  # a partial leaf's gradient holds addends (DESIGN §4)
                     loc = claim(loc, inp.claim)
