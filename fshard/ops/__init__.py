@@ -16,7 +16,7 @@ Example:
     tensor([8., 8., 8.])
 """
 
-from . import elementwise, indexing, inplace, linalg, loss, nn, reduction, shape, whole
+from . import elementwise, indexing, inplace, linalg, loss, nn, opaque, reduction, shape, whole
 from .aliases import register_copies
 from .binding import bind
 from .registry import (
@@ -49,4 +49,5 @@ __all__ = [
     "whole",
     "indexing",
     "inplace",
+    "opaque",
 ]
