@@ -159,10 +159,8 @@ def slice_key(func, view_of: tuple[int, ...], args):
     """``key`` when the planned call is ``x[key]`` with a basic ``key`` returning a view of
     ``x`` (``args``: the rule's view; a basic key is static, part of the plan's cache key),
     else :data:`NOT_A_SLICE`."""
-    if func is torch.Tensor.__getitem__ and view_of == (0,) and len(args) == 2:
-        if is_basic_index(args[1]):
-            return args[1]
-    return NOT_A_SLICE
+    getitem = func is torch.Tensor.__getitem__ and view_of == (0,) and len(args) == 2
+    return args[1] if getitem and is_basic_index(args[1]) else NOT_A_SLICE
 
 
 def tracking(run, view_of: tuple[int, ...], n_leaves: int | None = None, key=NOT_A_SLICE):

@@ -311,9 +311,7 @@ def dispatch(func, args, kwargs):
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
             if unary is not None and compiled.view_of:  # leaf i is args[i] here
-                unary = _inplace.tracking(
-                    unary, compiled.view_of, len(args), key=compiled.view_key
-                )
+                unary = _inplace.tracking(unary, compiled.view_of, len(args), key=compiled.view_key)
             if unary is not None:
                 _remember(_UNARY, ukey, unary)
     return compiled.run(leaves, tree)
