@@ -24,7 +24,10 @@ zeros by the transform that asked for it). This module makes such calls give the
 
 Other ways in are refused by the dispatcher itself, naming the op and the fix: a
 ``torch.library`` custom op (``torch.ops.ns.op`` dispatches ``__torch_function__``: "no
-sharding rule for torch.ns::op"), ``Tensor.register_hook``.
+sharding rule for torch.ns::op"), ``Tensor.register_hook``, ``Tensor.backward`` /
+``torch.autograd.grad`` / ``backward`` on a ShardedArray (``fs.value_and_grad`` or
+``torch.func.grad`` differentiate global-view code), ``torch.cond``, forward-mode
+``make_dual``. A ``torch.jit.script`` function refuses the non-Tensor argument itself.
 
 Installed when :mod:`fshard.ops` is imported (``Function.apply`` and ``BackwardHook`` are
 patched once; a call without ShardedArray arguments runs torch's code after one type scan).

@@ -171,6 +171,13 @@ def checkpoint_hook_cases():
     # a tensor hook: refused naming it
     with pytest.raises(NotImplementedError, match=r"Tensor.register_hook"):
         fs.grad(lambda w: fs.gather((w * 1.0).register_hook(lambda g: g * 3).sum()))(w)
+    # torch's own autograd entry points on a ShardedArray: refused naming them
+    leaf = torch.arange(4.0).requires_grad_()
+    loss = (fs.shard(leaf, mesh, P("x")) ** 2).sum()
+    with pytest.raises(NotImplementedError, match=r"torch.Tensor.backward.*fs.shard_map"):
+        loss.backward()
+    with pytest.raises(NotImplementedError, match=r"torch.grad \("):
+        torch.autograd.grad(loss, leaf)
     # a module's full backward hook would never run on ShardedArrays: refused
     m = torch.nn.Linear(4, 4, dtype=torch.float64)
     handle = m.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0,))
