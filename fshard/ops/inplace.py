@@ -134,7 +134,7 @@ def link_slice(base, out, key) -> None:
     """Record that ``out`` is the basic-slicing view ``base[key]`` (see :class:`_SliceOf`)."""
     link_views(base, out)
     state = getattr(out, "_alias", None) if type(out) is ShardedArray else None
-    if type(state) is _Views:
+    if type(state) is _Views and out is not base:
         _set_alias(out, _SliceOf(state, base, key))
 
 
