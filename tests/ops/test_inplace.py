@@ -323,6 +323,7 @@ def first_planned_under_grad():
         k = w.new_empty(3, 11)
         k[..., :7].copy_(w)
         k[..., 7:] = 1.0
+        k[2].mul_(3.0)  # an int key: the one-probe unary cache path
         return k
 
     x = fs.shard(a, mesh, P())
