@@ -288,6 +288,7 @@ def merged_heads_cases():
     # the three-dim reshape itself, planned on an abstract mesh: the split moved to dim 0
     lay = fs.Layout(fs.Mesh.abstract((2,), ("tp",)), P(None, "tp"), (2, 4, 3, 5))
     assert fs.ops.shape.reshape_source(lay, (8, 3, 5)) == P("tp")
+    assert [s.op.name for s in fs.plan(lay, P("tp"))] == ["all_to_all"]  # what it costs
     lay = fs.Layout(fs.Mesh.abstract((2,), ("tp",)), P(None, "tp"), (3, 4, 3, 5))
     assert fs.ops.shape.reshape_source(lay, (12, 3, 5)) == P()
     return out
