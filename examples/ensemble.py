@@ -78,7 +78,10 @@ def check(device: str | None = None) -> dict:
     return {
         "pred_err": (fs.gather(preds) - want).abs().max().item(),
         "pred_shape": tuple(preds.shape),
-        "grad_err": max((fs.gather(grads[k]) - want_g[k]).abs().max().item() for k in want_g),
+        # torch's max, not Python's: a NaN error anywhere must show (max() drops a later NaN)
+        "grad_err": torch.stack([(fs.gather(grads[k]) - want_g[k]).abs().max() for k in want_g])
+        .max()
+        .item(),
         "grad_specs": {k: grads[k].spec for k in grads},
         "device": str(preds.local.device),
     }

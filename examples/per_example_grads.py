@@ -129,11 +129,16 @@ def check(device: str | None = None) -> dict:
     new = dp_sgd_step(params, xs, ts, mesh)
     ref = dense_dp_sgd_step(dense, xs, ts)
     return {
-        "per_example_grad_err": max(
-            (fs.gather(per_ex[k]) - want[k]).abs().max().item() for k in want
-        ),
+        # torch's max, not Python's: a NaN error anywhere must show (max() drops a later NaN)
+        "per_example_grad_err": torch.stack(
+            [(fs.gather(per_ex[k]) - want[k]).abs().max() for k in want]
+        )
+        .max()
+        .item(),
         "per_example_specs": {k: per_ex[k].spec for k in per_ex},
-        "step_err": max((fs.gather(new[k]) - ref[k]).abs().max().item() for k in ref),
+        "step_err": torch.stack([(fs.gather(new[k]) - ref[k]).abs().max() for k in ref])
+        .max()
+        .item(),
         "step_specs": {k: new[k].spec for k in new},
         "device": str(new["w1"].local.device),
     }

@@ -1,9 +1,18 @@
 """Shared checker for op-rule tests: values and grads against dense torch.func."""
 
+import math
+
 import torch
 from torch.func import grad
 
 import fshard as fs
+
+
+def nan_max(values) -> float:
+    """The largest of ``values`` (floats), NaN if any is NaN: Python's ``max()`` keeps a NaN only
+    when it comes first (``max([0.1, nan, 0.2]) == 0.2``), which would hide a NaN error."""
+    values = [float(v) for v in values]
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
 
 def randn(*shape, seed=0, dtype=torch.float32):

@@ -28,6 +28,7 @@ ONE_PROCESS = {
     "tests/test_spec.py",
     "tests/test_collectives.py",  # lands with issue 28 item 1 (the ops as data, on abstract meshes)
     "tests/test_errors.py",
+    "tests/test_checks.py",
     "tests/test_interop.py",
     "tests/test_imports.py",
     "tests/test_docs.py",
@@ -36,6 +37,29 @@ ONE_PROCESS = {
     "fshard/planner.py",
 }
 _WORLDS = {"world1", "world2", "world4"}
+
+
+#: Packages the suite tests against, whose absence makes tests skip locally
+#: (``pytest.importorskip``) but must fail a CI run: a release that no longer imports would
+#: otherwise turn ~85 tests into skips while CI stays green. CI sets ``CI`` (``.ci/run`` does).
+REQUIRED_IN_CI = ("transformers",)
+
+
+def pytest_configure(config):
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        check_required(REQUIRED_IN_CI)
+
+
+def check_required(names) -> None:
+    """Import each of ``names``; raise ``pytest.UsageError`` naming the first that fails."""
+    for name in names:
+        try:
+            __import__(name)
+        except Exception as e:  # noqa: BLE001 -- any failure to import: name it
+            raise pytest.UsageError(
+                f"CI run: {name} does not import ({type(e).__name__}: {e}); the tests that "
+                f"use it would be skipped. Install the pinned version: pip install -e '.[test]'"
+            ) from e
 
 
 def pytest_collection_modifyitems(config, items):

@@ -149,9 +149,23 @@ def test_bf16_training_matches_dense_bf16(world2, dp, tp, view):
     assert losses != fp32_losses  # bf16 compute happened
     for i in range(STEPS):
         assert losses[i] == pytest.approx(ref_losses[i], abs=1e-3), (i, losses, ref_losses)
-    for k, ref in ref_snaps[-1].items():  # Adam turns bf16 noise on tiny gradients into
-        assert snaps[-1][k].dtype == torch.float32  # +-lr steps: 3 steps of lr 1e-2
-        torch.testing.assert_close(snaps[-1][k], ref, rtol=0, atol=3e-2, msg=k)
+    # Per weight, the sharded run's update must agree with the dense one to within a tenth of
+    # how far the updates moved it (3 steps, the first at lr 0 in the warmup: 2 updates of at
+    # most ~lr each; an elementwise atol cannot tell them apart: Adam turns bf16 noise on tiny
+    # gradients into +-lr steps). Measured: at most 0.011 of the movement (1 is a run whose
+    # updates were lost). k's bias is left out: its gradient is 0 in exact arithmetic (softmax
+    # is shift invariant), so its updates are Adam's steps on bf16 noise.
+    torch.manual_seed(SEED)
+    init = {k: v.detach() for k, v in demo.GPT(CFG).named_parameters()}
+    for k, ref in ref_snaps[-1].items():
+        got = snaps[-1][k]
+        assert got.dtype == torch.float32, k
+        keep = torch.ones_like(ref, dtype=torch.bool)
+        if k.endswith("attn.qkv.bias"):  # head-major [h: q k v]
+            keep.view(CFG.n_heads, 3, -1)[:, 1] = False
+        moved = (ref - init[k])[keep].abs().mean().item()
+        off = (got - ref)[keep].abs().mean().item()
+        assert moved > 5e-4 and off <= 0.1 * moved, (k, off, moved)
 
 
 MOE = demo.GPTConfig(d_model=32, n_heads=4, n_layers=2, ctx=16, n_experts=4, top_k=2)

@@ -4,7 +4,8 @@
 :class:`~fshard.ShardedArray` values dispatch here (``ShardedArray.__torch_function__``, Tensor
 method forwarding and Python operators all call :func:`dispatch`). Each op family has one rule
 (:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.indexing`,
-:mod:`.nn`; in-place forms: :mod:`.inplace`); see
+:mod:`.nn`; in-place forms: :mod:`.inplace`; custom autograd Functions and other code torch
+runs without dispatching: :mod:`.opaque`); see
 :mod:`.registry` for the rule protocol, :mod:`.binding` for arguments by name, and :func:`register_rule` to add your own.
 
 Example:
@@ -16,7 +17,7 @@ Example:
     tensor([8., 8., 8.])
 """
 
-from . import elementwise, indexing, inplace, linalg, loss, nn, reduction, shape, whole
+from . import elementwise, indexing, inplace, linalg, loss, nn, opaque, reduction, shape, whole
 from .aliases import register_copies
 from .binding import bind
 from .registry import (
@@ -49,4 +50,5 @@ __all__ = [
     "whole",
     "indexing",
     "inplace",
+    "opaque",
 ]

@@ -25,6 +25,13 @@ data with another live value:
 Values an op creates (``x.new_zeros(...)``, ``x.clone()``, ``x * 2``, a comparison...) are fresh:
 in-place forms on them work, under ``torch.func.grad`` and ``vmap`` too.
 
+One kind of view is written through: a basic-slicing view ``v = x[idx]`` (ints, slices,
+``None``, ``...``) of a value ``x`` that nothing else shares. An in-place form on ``v``
+(``x[..., :6].copy_(w)``, ``x[0].zero_()``, ``x[:, 1:][0] = 1``) rebinds ``v`` and then ``x`` to
+``x.at[idx].set(v)``, as JAX's functional update; through a chain of such views
+(``x[0][..., :6]``) each base up to the first. It is refused when any other value shares the
+data (another live view of ``x``, a pytree boundary): torch would update that one too.
+
 Example:
     >>> shifted = ids.new_zeros(ids.shape)          # doctest: +SKIP
     >>> shifted[..., 1:] = ids[..., :-1]             # fresh value: rebound in place  # doctest: +SKIP
@@ -72,6 +79,21 @@ class _Views:
     __slots__ = ()
 
 
+class _SliceOf:
+    """The ``_alias`` of a basic-slicing view ``base[key]``: the shared token (one reference
+    per view, as a plain view's slot) and where to write an in-place update through to."""
+
+    __slots__ = ("token", "base", "key")
+
+    def __init__(self, token: _Views, base: ShardedArray, key):
+        self.token, self.base, self.key = token, base, key
+
+
+def _token(state):
+    """The view token of an ``_alias`` state (a slice view's record holds it)."""
+    return state.token if type(state) is _SliceOf else state
+
+
 def _holders(token) -> int:
     """How many objects hold ``token`` (CPython reference count, less this call's own two)."""
     return sys.getrefcount(token) - 2
@@ -95,7 +117,7 @@ def link_views(base, out) -> None:
     if type(base) is not ShardedArray:
         group = _PLAIN
     else:
-        group = getattr(base, "_alias", None)
+        group = _token(getattr(base, "_alias", None))
         if group is None:
             group = _Views()
             _set_alias(base, group)
@@ -108,13 +130,57 @@ def link_views(base, out) -> None:
             _set_alias(o, group)
 
 
-def tracking(run, view_of: tuple[int, ...], n_leaves: int | None = None):
+def link_slice(base, out, key) -> None:
+    """Record that ``out`` is the basic-slicing view ``base[key]`` (see :class:`_SliceOf`)."""
+    link_views(base, out)
+    state = getattr(out, "_alias", None) if type(out) is ShardedArray else None
+    if type(state) is _Views and out is not base:
+        _set_alias(out, _SliceOf(state, base, key))
+
+
+def is_basic_index(key) -> bool:
+    """``key`` selects a view by basic indexing only (ints, slices of ints, ``None``, ``...``)."""
+    items = key if type(key) is tuple else (key,)
+    for it in items:
+        t = type(it)
+        if t is slice:
+            if not all(b is None or type(b) is int for b in (it.start, it.stop, it.step)):
+                return False
+        elif not (t is int or it is None or it is Ellipsis):
+            return False
+    return True
+
+
+#: :func:`slice_key` of an op that is not ``x[key]`` with a basic key.
+NOT_A_SLICE = object()
+
+
+def slice_key(func, view_of: tuple[int, ...], args):
+    """``key`` when the planned call is ``x[key]`` with a basic ``key`` returning a view of
+    ``x`` (``args``: the rule's view; a basic key is static, part of the plan's cache key),
+    else :data:`NOT_A_SLICE`."""
+    getitem = func is torch.Tensor.__getitem__ and view_of == (0,) and len(args) == 2
+    return args[1] if getitem and is_basic_index(args[1]) else NOT_A_SLICE
+
+
+def tracking(run, view_of: tuple[int, ...], n_leaves: int | None = None, key=NOT_A_SLICE):
     """``run`` (a compiled op's runner, called ``run(leaves, tree)``) that links its output to
     the inputs it aliases (``view_of``: leaf indices). ``n_leaves``: only the first ``n_leaves``
     leaves are passed (a unary runner gets the positional arguments): a view of a keyword
-    argument then links nothing, so the caller must not use such a runner (``None`` returned)."""
+    argument then links nothing, so the caller must not use such a runner (``None`` returned).
+    ``key``: the call is ``x[key]`` with a basic key (:func:`slice_key`), and the output is
+    linked as that view, which an in-place form writes through (:func:`rebind`)."""
     if n_leaves is not None and any(i >= n_leaves for i in view_of):
         return None
+    if key is not NOT_A_SLICE:
+
+        def linked_slice(leaves, tree):
+            out = run(leaves, tree)
+            if not _dynamo_compiling():
+                link_slice(leaves[0], out, key)
+            return out
+
+        return linked_slice
     if len(view_of) == 1:
         (i,) = view_of
 
@@ -168,19 +234,34 @@ def aliased_inputs(func, leaves, unflatten) -> tuple[int, ...]:
     return tuple(found)
 
 
+def _slice_chain(x: ShardedArray, token) -> list[ShardedArray] | None:
+    """``[x, its base, ..., the first base]`` when ``x`` is a chain of basic-slicing views
+    whose first base holds ``token`` itself; ``None`` otherwise."""
+    chain = [x]
+    state = _alias(x)
+    while type(state) is _SliceOf and state.token is token:
+        chain.append(state.base)
+        state = _alias(state.base)
+    return chain if len(chain) > 1 and state is token else None
+
+
 def _refusal(x: ShardedArray, what: str, functional: str) -> str | None:
     if _dynamo_compiling():
         why = "it runs under torch.compile, where fshard cannot track which values share data"
     else:
-        state = _alias(x)
-        if state is None:
+        token = _token(_alias(x))
+        if token is None:
             return None
-        if state is PYTREE_SHARED:
+        if token is PYTREE_SHARED:
             why = _PYTREE
-        elif type(state) is _Shared:
-            why = state.why
-        elif _holders(state) <= 2 or _holders_after_gc(state) <= 2:
-            return None  # x's slot and the local name `state`: nobody else
+        elif type(token) is _Shared:
+            why = token.why
+        elif _holders(token) <= 2 or _holders_after_gc(token) <= 2:
+            return None  # x's slot and the local name `token`: nobody else
+        elif (chain := _slice_chain(x, token)) is not None and (
+            _holders(token) <= len(chain) + 1 or _holders_after_gc(token) <= len(chain) + 1
+        ):
+            return None  # only the views being written through hold it (and `token`)
         else:
             why = (
                 "it shares its data with another live value (a view such as x[:, :2], "
@@ -221,13 +302,22 @@ def rebind(x: ShardedArray, compute, what: str, functional: str) -> ShardedArray
                 f"desired output type {x.dtype}"
             )
         new = new.to(x.dtype)
+    _assign(x, new)
+    return x
+
+
+def _assign(x: ShardedArray, new: ShardedArray) -> None:
+    """Rebind ``x`` to ``new`` (resharded to ``x``'s layout); a slice view ``base[key]`` is
+    written through: ``base`` rebound to ``base.at[key].set(new)``, and so on up its chain."""
     if new.layout != x.layout:
         from ..api import reshard
 
         new = reshard(new, x.spec)
+    state = _alias(x)
+    if type(state) is _SliceOf:
+        _assign(state.base, state.base.at[state.key].set(new))
     _set_local(x, new.local)
     _set_layout(x, new.layout)
-    return x
 
 
 #: In-place methods whose functional form is not ``name[:-1]``.

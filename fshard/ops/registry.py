@@ -312,7 +312,7 @@ def dispatch(func, args, kwargs):
         if ukey is not None:
             unary = _unary_runner(compiled, args, kwargs)
             if unary is not None and compiled.view_of:  # leaf i is args[i] here
-                unary = _inplace.tracking(unary, compiled.view_of, len(args))
+                unary = _inplace.tracking(unary, compiled.view_of, len(args), key=compiled.view_key)
             if unary is not None:
                 _remember(_UNARY, ukey, unary)
     return compiled.run(leaves, tree)
@@ -566,6 +566,14 @@ def _compile(func, leaves, tree) -> _Compiled:
             f"ShardedArray is immutable: in-place {name} is not supported; use the functional "
             f"form {fname[:-1]!r}"
         )
+    # Planned outside every torch.func level: under grad a factory call returns a wrapped
+    # tensor, so the meta stand-ins of the rules and of the alias probe would depend on the
+    # level active when the op is first seen, and the plan is cached for the process.
+    with _outside_transforms():
+        return _plan(func, name, leaves, tree, mesh, whole)
+
+
+def _plan(func, name, leaves, tree, mesh, whole) -> _Compiled:
     rule = _RULES.get(func)
     view = _static_view(leaves, mesh, floats=func in _FLOAT_VALUED)
     # Under torch.autocast the rule sees the dtypes autocast gives the op's inputs.
@@ -617,8 +625,12 @@ def _compile(func, leaves, tree) -> _Compiled:
     # An output that aliases an input (a view) is linked to it at run time (fshard.ops.inplace)
     compiled.view_of = _inplace.aliased_inputs(func, view, _filled(tree))
     if compiled.view_of:
-        compiled.run = _inplace.tracking(compiled.run, compiled.view_of)
+        compiled.view_key = _inplace.slice_key(func, compiled.view_of, args)
+        compiled.run = _inplace.tracking(compiled.run, compiled.view_of, key=compiled.view_key)
     return compiled
+
+
+_outside_transforms = torch._C._DisableFuncTorch
 
 
 def _filled(tree):
@@ -678,6 +690,7 @@ class _Compiled:
         "tensors_only",
         "run",
         "view_of",
+        "view_key",
     )
 
     @staticmethod
@@ -754,6 +767,7 @@ class _Compiled:
         )
         self.tensors_only = sharding.tensors_only
         self.view_of = ()  # set by _compile
+        self.view_key = _inplace.NOT_A_SLICE  # x[key] with a basic key: key (set by _compile)
         flat = tree is None or type(tree) is tuple
         self.run = (flat and _fast_runner(self, tree)) or self.run_general
         return self

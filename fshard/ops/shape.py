@@ -8,8 +8,11 @@
   flat ceil-div chunking. That covers every even split and uneven shards whenever the result is
   well defined (e.g. ``(5, 4)`` split on dim 0 -> ``(5, 2, 2)``). A split dim 0 merged with
   the dims after it whose uneven blocks ceil-div cannot express (rows ``2 | 1`` of
-  ``(3, 15, V)`` -> ``(45, V)``) stays local too, in row blocks (:mod:`.rows`); other cases
-  raise a ``ValueError`` naming the ``fs.reshard`` that makes them local.
+  ``(3, 15, V)`` -> ``(45, V)``) stays local too, in row blocks (:mod:`.rows`). Any other
+  reshape moves the data first, as torch's ``reshape`` may copy: the split moved onto the
+  group's first dim (an all_to_all: ``(batch, heads / tp, seq, dim) -> (batch * heads, seq,
+  dim)`` before a ``bmm``) or the group gathered, whichever moves fewer bytes; the collective
+  is in the op's plan and the comm log.
 - ``expand`` keeps the spec (expanded size-1 dims must be unsplit; new dims are unsplit).
 - ``cat``/``stack`` align inputs like elementwise ops with the cat dim unsplit; ``split``,
   ``chunk``, ``unbind``, ``narrow`` and ``select`` are local on unsplit dims and gather a split
@@ -28,14 +31,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..spec import BaseLayout, Layout
+from ..spec import BaseLayout, Layout, P
 from . import parts, rows
-from ._common import meta_call, norm_dim, out_layout, spec
+from ._common import meta_call, norm_dim, out_layout, reshard_cost, spec
 from .binding import bind
 from .elementwise import align, own_dims
 from .registry import SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
 
-__all__ = ["reshape_dims", "permutation_rule", "reshape_rule"]
+__all__ = ["reshape_dims", "reshape_source", "permutation_rule", "reshape_rule"]
 
 
 # -- permutations ---------------------------------------------------------------------------
@@ -85,8 +88,28 @@ def _groups(src, dst):
     return groups
 
 
+def _group_axes(mesh, dim_axes, src, dst, gi, gj):
+    """The mesh axes output dim ``gj[0]`` keeps when input dims ``gi`` (split as
+    ``dim_axes[d]``) are reshaped locally into ``gj``; ``None`` when a rank's block would not
+    stay one contiguous block of ``gj[0]`` (a split other than on ``gi[0]``, or chunks that do
+    not line up)."""
+    split = [d for d in gi if dim_axes[d]]
+    if not split:
+        return ()
+    first = gi[0]
+    if split != [first] or not gj:
+        return None
+    k = mesh.size(dim_axes[first])
+    rest_in = math.prod(src[d] for d in gi[1:])
+    rest_out = math.prod(dst[d] for d in gj[1:])
+    if -(-src[first] // k) * rest_in != -(-dst[gj[0]] // k) * rest_out:
+        return None
+    return dim_axes[first]
+
+
 def reshape_dims(layout: Layout, dst: tuple[int, ...]) -> list[tuple[str, ...]]:
-    """The output dim axes of reshaping ``layout`` to ``dst``, or a ``ValueError``."""
+    """The output dim axes of reshaping ``layout`` to ``dst`` locally, or a ``ValueError``
+    (:func:`reshape_source` gives the layout to move the data to first)."""
     src = layout.shape
     out: list[tuple[str, ...]] = [()] * len(dst)
     if math.prod(src) == 0:
@@ -96,50 +119,75 @@ def reshape_dims(layout: Layout, dst: tuple[int, ...]) -> list[tuple[str, ...]]:
             )
         return out
     for gi, gj in _groups(src, dst):
-        split = [d for d in gi if layout.dim_axes[d]]
-        if not split:
-            continue
-        first = gi[0]
-        ok = split == [first] and gj
-        if ok:
-            axes = layout.dim_axes[first]
-            k = layout.mesh.size(axes)
-            rest_in = math.prod(src[d] for d in gi[1:])
-            rest_out = math.prod(dst[d] for d in gj[1:])
-            c_in = -(-src[first] // k)
-            c_out = -(-dst[gj[0]] // k)
-            ok = c_in * rest_in == c_out * rest_out
-        if not ok:
+        axes = _group_axes(layout.mesh, layout.dim_axes, src, dst, gi, gj)
+        if axes is None:
             dims = [() if d in gi else a for d, a in enumerate(layout.dim_axes)]
             raise ValueError(
                 f"cannot reshape {src} with {layout.spec} to {tuple(dst)} without moving data: "
-                f"dims {list(gi)} map to {list(gj)} and the split of dim {split[0]} does not "
-                "stay one contiguous block per rank (only the first dim of a merged/split "
-                "group may be split, with chunks that line up). Reshard first: "
-                f"x = fs.reshard(x, fs.{spec(dims, layout.partial)!r})"
+                f"dims {list(gi)} map to {list(gj)} and their split does not stay one "
+                "contiguous block per rank (only the first dim of a merged/split group may be "
+                "split, with chunks that line up); e.g. "
+                f"x = fs.reshard(x, fs.{spec(dims, layout.partial)!r}) makes it local"
             )
-        out[gj[0]] = layout.dim_axes[first]
+        if axes:
+            out[gj[0]] = axes
     return out
 
 
+def reshape_source(layout: Layout, dst: tuple[int, ...]) -> P:
+    """The spec to move ``layout`` to before reshaping it to ``dst``, for a reshape that cannot
+    stay local (torch's ``reshape`` may copy too): per group of dims whose split breaks, the
+    cheapest (:func:`reshard_cost`) of its splits moved onto the group's first dim (an
+    all_to_all, e.g. ``(batch, heads / tp, seq, dim) -> (batch * heads, seq, dim)`` becomes a
+    split of the batch), the first dim's own split kept alone, or the group whole (an
+    all_gather); the other groups as they are."""
+    src, mesh = layout.shape, layout.mesh
+    dims = list(layout.dim_axes)
+    for gi, gj in _groups(src, dst):
+        if _group_axes(mesh, dims, src, dst, gi, gj) is not None:
+            continue
+        moved = tuple(a for d in gi for a in dims[d])
+        options = []
+        for first in (moved, dims[gi[0]], ()):
+            cand = list(dims)
+            for d in gi:
+                cand[d] = ()
+            cand[gi[0]] = first
+            if _group_axes(mesh, cand, src, dst, gi, gj) is not None:
+                options.append(cand)
+        dims = min(options, key=lambda c: reshard_cost(layout, spec(c, layout.partial)))
+    return spec(dims, layout.partial)
+
+
 def reshape_rule(op, args, kwargs):
-    """Local reshapes (:func:`reshape_dims`). A split batch merged with the dims after it
-    whose uneven blocks ceil-div cannot express (rows ``2 | 1`` of ``(3, 15, V)`` to
-    ``(45, V)``) stays local too: its result has row blocks (:mod:`fshard.ops.rows`)."""
+    """Reshapes: local where the split stays contiguous (:func:`reshape_dims`). A split batch
+    merged with the dims after it whose uneven blocks ceil-div cannot express (rows ``2 | 1``
+    of ``(3, 15, V)`` to ``(45, V)``) stays local too: its result has row blocks
+    (:mod:`fshard.ops.rows`). Any other reshape moves the input first
+    (:func:`reshape_source`: an all_to_all or an all_gather, in the op's plan)."""
     (x,) = tensor_inputs(args, kwargs)[:1]
     meta = meta_call(op, args, kwargs)
+    dst = tuple(meta.shape)
+    source = None
     try:
         if x.is_explicit:
-            raise ValueError(f"cannot reshape {x} to {tuple(meta.shape)} without moving data")
-        out = out_layout(x.mesh, reshape_dims(x, tuple(meta.shape)), x.partial, meta)
+            raise ValueError(f"cannot reshape {x} to {dst} without moving data")
+        out = out_layout(x.mesh, reshape_dims(x, dst), x.partial, meta)
     except ValueError:
-        out = rows.reshape_rows(x, tuple(meta.shape))
-        if out is None:
+        out = rows.reshape_rows(x, dst)
+        if out is not None:
+            out = out.with_dtype(meta.dtype)
+        elif x.is_explicit or math.prod(x.shape) == 0:
             raise
-        out = out.with_dtype(meta.dtype)
+        else:
+            source = reshape_source(x, dst)
+            moved = x.with_spec(source)
+            out = out_layout(x.mesh, reshape_dims(moved, dst), x.partial, meta)
     shape = None if x.mesh.is_abstract else out.local_shape()
     n_in = len(tensor_inputs(args, kwargs))
-    return OpSharding([None] + [SHAPE_ONLY] * (n_in - 1), out, lambda t, *a, **k: t.reshape(shape))
+    return OpSharding(
+        [source] + [SHAPE_ONLY] * (n_in - 1), out, lambda t, *a, **k: t.reshape(shape)
+    )
 
 
 # -- expand ---------------------------------------------------------------------------------

@@ -170,8 +170,12 @@ def aliasing_cases():
     view = x[:, :2]
     with pytest.raises(TypeError, match=r"item assignment.*live value.*x\.at\[idx\]\.set"):
         x[0] = 1.0
+    transposed = x.T
     with pytest.raises(TypeError, match="live value"):
-        view.zero_()  # ... and so is one on the view (its base is live)
+        transposed.zero_()  # ... and so is one on a view (its base is live) ...
+    with pytest.raises(TypeError, match="live value"):
+        view.zero_()  # ... even on a slice view, while another view (`transposed`) is live
+    del transposed
     for make in (lambda t: t.T, lambda t: t.view(20), lambda t: t.detach(), lambda t: t.float()):
         v = make(x)
         with pytest.raises(TypeError, match="live value"):
@@ -252,3 +256,91 @@ def inplace_keyword_cases():
 
 def test_inplace_keyword(world2):
     assert world2.run(inplace_keyword_cases) == [True, True]
+
+
+def write_through(w, v):
+    """An in-place write through a basic-slicing view of a value the code made (issue 37 item
+    4), runs unchanged on plain tensors (the oracle)."""
+    k = w.new_empty(w.shape[0], w.shape[1] + v.shape[1])
+    k[..., : w.shape[1]].copy_(w)
+    k[..., w.shape[1] :].copy_(v * 2)
+    k[0][..., :2].mul_(3.0)  # a chain of views: each base written through
+    k[:, 1:][1] = -1.0  # item assignment on a view
+    k[-1].zero_()
+    return k
+
+
+def write_through_cases():
+    mesh = _mesh()
+    a, b = randn(4, 6, dtype=torch.float64), randn(4, 3, seed=1, dtype=torch.float64)
+    for s in (P(), P("x"), P(None, "x")):
+        check(mesh, write_through, [a, b], [s, P()], label=f"write_through {s}")
+    # gradients through the written values, under torch.func.grad and vmap
+    x = fs.shard(a, mesh, P("x"))
+    y = fs.shard(b, mesh, P())
+    g = grad(lambda t: fs.gather(write_through(t, y).pow(2).sum()))(x)
+    want = grad(lambda t: write_through(t, b).pow(2).sum())(a)
+    assert g.layout == x.layout
+    torch.testing.assert_close(fs.gather(g), want)
+    stack = randn(2, 4, 6, seed=2, dtype=torch.float64)
+    xs = fs.shard(stack, mesh, P(None, "x"))
+    got = vmap(lambda t: write_through(t, y))(xs)
+    torch.testing.assert_close(fs.gather(got), vmap(lambda t: write_through(t, b))(stack))
+    # refused where another value shares the data: torch would update that one too
+    k = x * 1.0
+    other = k[:, :2]
+    with pytest.raises(TypeError, match="live value"):
+        k[:, 2:].zero_()
+    del other
+    k[:, 2:].zero_()  # nobody else left: written through
+    want = a.clone()
+    want[:, 2:] = 0
+    torch.testing.assert_close(fs.gather(k), want)
+    with pytest.raises(TypeError, match="pytree boundary"):  # the caller's value under grad
+        grad(lambda t: fs.gather(t[0].zero_().sum() + t.sum()))(x)
+    kept = k[1]  # the view stays a view of k after a write through it
+    kept.fill_(5.0)
+    torch.testing.assert_close(fs.gather(kept), torch.full((6,), 5.0, dtype=torch.float64))
+    torch.testing.assert_close(fs.gather(k)[1], fs.gather(kept))
+    with pytest.raises(TypeError, match="live value"):
+        k.zero_()  # kept would change too
+    return True
+
+
+def test_inplace_writes_through_a_slice_view(world2):
+    """Before: k[..., :6].copy_(w) on k = w.new_empty(...) was refused (the view shares k's
+    data), while the same write as k[..., :6] = w was accepted."""
+    assert world2.run(write_through_cases) == [True, True]
+
+
+def first_planned_under_grad():
+    """A view op planned first under torch.func.grad keeps its view tracking (issue 37 item 2):
+    the plan is cached for the process, so it must not depend on the transform level."""
+    mesh = _mesh()
+    a = randn(3, 7, dtype=torch.float64)  # shapes no other test plans: a fresh plan here
+
+    def f(w):
+        k = w.new_empty(3, 11)
+        k[..., :7].copy_(w)
+        k[..., 7:] = 1.0
+        k[2].mul_(3.0)  # an int key: the one-probe unary cache path
+        return k
+
+    x = fs.shard(a, mesh, P())
+    dense = lambda w: (f(w) * f(w)).sum()  # noqa: E731
+    g = grad(lambda w: fs.gather((f(w) * f(w)).sum()))(x)  # planned here first
+    torch.testing.assert_close(fs.gather(g), grad(dense)(a))
+    torch.testing.assert_close(fs.gather(f(x)), f(a))  # then eagerly: the same plans
+    k = fs.shard(torch.zeros(3, 11, dtype=torch.float64), mesh, P()) + 0.0
+    view = k[..., :7]  # planned under grad above: still linked to k
+    with pytest.raises(TypeError, match="live value"):
+        k.zero_()
+    del view
+    return True
+
+
+def test_plan_first_made_under_grad_keeps_view_tracking(world2):
+    """Before: the alias probe's meta tensors were made at the grad level, the probe failed,
+    and the plan was cached without view tracking: k stayed uninitialised memory (losses and
+    gradients wrong, ranks disagreeing)."""
+    assert world2.run(first_planned_under_grad) == [True, True]

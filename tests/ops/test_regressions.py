@@ -255,3 +255,53 @@ def matmul_choice_cases():
 
 def test_matmul_reduces_pending_activation_when_cheaper(world2):
     assert world2.run(matmul_choice_cases)[0] == [P(None, "tp"), P(None, "tp"), P(partial="tp")]
+
+
+# -- issue 37 item 3: a reshape that merges an unsplit dim with a split one -------------------
+
+
+def merged_heads_cases():
+    """``(batch, heads / tp, seq, dim) -> (batch * heads, seq, dim)`` before ``bmm`` (several
+    attention implementations): the data moves (an all_to_all to a split of the batch where its
+    chunks line up, else the heads gathered), in the comm log with its bytes; values and grads
+    equal the dense ones."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    out = []
+    for b, h in ((2, 4), (3, 4), (1, 4)):
+        s, d = 3, 5
+        q = randn(b, h, s, d, dtype=torch.float64)
+        k = randn(b, h, s, d, seed=1, dtype=torch.float64)
+
+        def attn(q, k, b=b, h=h, s=s, d=d):
+            a, c = q.reshape(b * h, s, d), k.reshape(b * h, s, d)
+            return torch.bmm(a, c.transpose(1, 2)).view(b, h, s, s)
+
+        x, y = fs.shard(q, mesh, P(None, "tp")), fs.shard(k, mesh, P(None, "tp"))
+        with fs.debug.comm_log() as log:
+            got = attn(x, y)
+        torch.testing.assert_close(fs.gather(got), attn(q, k))
+        g = torch.func.grad(lambda x, y=y, f=attn: fs.gather(f(x, y).pow(2).sum()))(x)
+        want = torch.func.grad(lambda q, k=k, f=attn: f(q, k).pow(2).sum())(q)
+        assert g.layout == x.layout
+        torch.testing.assert_close(fs.gather(g), want)
+        out.append([(r.op, r.nbytes) for r in log])
+    # the three-dim reshape itself, planned on an abstract mesh: the split moved to dim 0
+    lay = fs.Layout(fs.Mesh.abstract((2,), ("tp",)), P(None, "tp"), (2, 4, 3, 5))
+    assert fs.ops.shape.reshape_source(lay, (8, 3, 5)) == P("tp")
+    assert [s.op.name for s in fs.plan(lay, P("tp"))] == ["all_to_all"]  # what it costs
+    lay = fs.Layout(fs.Mesh.abstract((2,), ("tp",)), P(None, "tp"), (3, 4, 3, 5))
+    assert fs.ops.shape.reshape_source(lay, (12, 3, 5)) == P()
+    return out
+
+
+def test_reshape_merging_a_split_dim_moves_data(world2):
+    """Before: a ValueError ("cannot reshape ... without moving data") naming an fs.reshard
+    in the model's own code."""
+    got = world2.run(merged_heads_cases)
+    assert got[0] == got[1]
+    blk = 2 * 2 * 3 * 5 * 8  # one rank's (2, 2, 3, 5) float64 block of q
+    # b=2: q and k each one all_to_all of the block; b=3: each gathered;
+    # b=1: the size-1 batch is its own group, the heads stay split (local)
+    assert got[0][0] == [("all_to_all", blk), ("all_to_all", blk)], got[0][0]
+    assert [op for op, _ in got[0][1]] == ["all_gather", "all_gather"], got[0][1]
+    assert got[0][2] == [], got[0][2]

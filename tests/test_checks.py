@@ -1,0 +1,24 @@
+"""The suite's own checks can fail (issue 37 item 5): a NaN error is not dropped, a test
+dependency that does not import fails a CI run instead of skipping its tests."""
+
+import math
+
+import pytest
+
+from tests._opcheck import nan_max
+from tests.conftest import REQUIRED_IN_CI, check_required
+
+
+def test_nan_max_keeps_a_nan_anywhere():
+    assert max([0.1, math.nan, 0.2]) == 0.2  # what Python's max() does: the NaN is dropped
+    for values in ([0.1, math.nan, 0.2], [math.nan, 0.1], [0.1, 0.2, math.nan]):
+        assert math.isnan(nan_max(values)), values
+    assert nan_max([0.1, 0.3, 0.2]) == 0.3
+    assert nan_max([]) == 0.0
+
+
+def test_a_required_package_that_does_not_import_fails_the_run():
+    with pytest.raises(pytest.UsageError, match="fshard_no_such_package does not import"):
+        check_required(["fshard_no_such_package"])
+    assert "transformers" in REQUIRED_IN_CI
+    check_required(REQUIRED_IN_CI)  # installed here (pyproject's test extra pins it)
