@@ -104,8 +104,9 @@ def shard_params(
     ``fs.nn.state_dict(module, params)`` instead; torch's and HF's savers call
     ``state_dict()``, so a stale save fails instead of writing the initial weights). Read its
     keys before sharding, or through ``fs.nn.state_dict(module, {})``. Tied parameters (GPT-2's ``lm_head.weight`` is
-    ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
-    gives every alias that value.
+    ``transformer.wte.weight``) appear once, under their first name; the plan may name them by
+    any of their names (transformers' plans name the head), which must agree on one spec;
+    :func:`functional_call` gives every alias that value.
 
     Args:
         module: the module. With ``src=None`` every rank must hold the same values (e.g. the
@@ -143,7 +144,7 @@ def shard_params(
         raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
     named = dict(module.named_parameters())
     param_rules, output_rules = _split_plan(plan)
-    specs = match_plan(named, param_rules)
+    specs = _tied_specs(module, param_rules)
     outputs = _match((n for n, _ in module.named_modules()), output_rules, "module")
     errors = LeafErrors("shard_params: parameters the plan's specs do not fit", "params")
     for name, p in named.items():  # every layout checked before any parameter is sharded
@@ -177,6 +178,28 @@ def shard_params(
             sub = module.get_submodule(name)
             sub.__dict__.setdefault("forward", sub.forward)
     return out
+
+
+def _tied_specs(module: torch.nn.Module, rules: Mapping) -> dict:
+    """``{name: spec}`` of every parameter under its first name, the plan matched against every
+    name of each parameter: a tied parameter (``lm_head.weight`` is ``embed_tokens.weight``) is
+    listed once by ``named_parameters()``, but a plan may name it by either name (transformers'
+    plans name the head). Its names must agree on one spec (or be unmatched)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+    found = _match((n for names in aliases.values() for n in names), rules, "parameter")
+    specs = {}
+    for name, names in aliases.items():
+        given = {n: found[n] for n in names if n in found}
+        if len(set(given.values())) > 1:
+            raise ValueError(
+                f"shard_params: {names} are one tied parameter, and the plan gives its names "
+                f"different specs: {given}. Give them one spec (or drop the entry of all but one)"
+            )
+        specs[name] = next(iter(given.values()), _REPLICATED)
+    return specs
 
 
 def _broadcast_buffers(module: torch.nn.Module, mesh: Mesh, src: int) -> None:
