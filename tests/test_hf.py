@@ -632,12 +632,19 @@ def _arch_train(model, arch: str, job: str):
     """3 AdamW steps of ``job`` (``dp``, ``tp``, ``fsdp``; ``-ckpt``: transformers' activation
     checkpointing on) against dense torch.func; returns the all_gathers of each step."""
     task, _, plan_fn = ARCHS[arch]
-    mode, *flags = job.split("-")
-    if "replicated" in flags:  # Phi-3's fused projections left replicated
+    if "replicated" in job.split("-"):  # Phi-3's fused projections left replicated
         plan_fn = _phi3_replicated_plan
     model.train(arch != "resnet")  # BatchNorm's training statistics update buffers in place,
     # which torch.func refuses for the dense loop too
-    kwargs, labels = _arch_inputs(task, AB)
+    return train_like_dense(model, task, plan_fn, job, *_arch_inputs(task, AB))
+
+
+def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels):
+    """3 AdamW steps of ``job`` on the batch ``kwargs`` (``labels`` for :func:`_arch_loss`),
+    ``plan_fn(model)`` the tp plan, against dense torch.func: the loss, every gradient and its
+    layout, the trained weights (``AssertionError`` if any differs); returns the all_gathers of
+    each step. Shared with the transformers zoo (``tests/hf_zoo.py``, ``tools/zoo.py``)."""
+    mode, *flags = job.split("-")
     count = int((labels[:, 1:] if task == "causal" else labels).ne(-100).sum())
     mesh = fs.Mesh.create((2,), ("tp" if mode == "tp" else "dp",))
     plan = {"tp": plan_fn, "fsdp": lambda m: fs.nn.fsdp_plan(m, mesh), "dp": lambda m: {}}[mode]
