@@ -46,7 +46,7 @@ def select(names: list[str], every: int) -> list[str]:
     return sorted(a for task in by_task.values() for a in task[::every])
 
 
-def run(archs: list[str], timeout: float) -> dict:
+def run(archs: list[str], timeout: float, log: str | None = None) -> dict:
     results = {}
     world = World(2, timeout=timeout)
     try:
@@ -64,6 +64,8 @@ def run(archs: list[str], timeout: float) -> dict:
             results[arch] = merged
             cells = " ".join(f"{m}={merged[m][0]}" for m in MODES)
             print(f"[{i + 1}/{len(archs)}] {arch} ({time.time() - t:.0f}s): {cells}", flush=True)
+            if log:  # what ran so far survives an interrupted run
+                Path(log).write_text(json.dumps(results, indent=1))
     finally:
         world.close()
     return results
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     archs = select(args.archs, args.every)
     t = time.time()
-    results = run(archs, args.timeout)
+    results = run(archs, args.timeout, args.json)
     command = "python tools/zoo.py" + (f" --every {args.every}" if args.every > 1 else "")
     print(table(results))
     print(summary(results, command))
