@@ -191,7 +191,8 @@ def inputs(model: torch.nn.Module, task: str, batch: int = BATCH):
 #: module names a Megatron plan takes as column- and row-parallel when the model ships none
 _COLUMN = (
     "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "gate_proj",
-    "up_proj", "fc1", "wi", "wi_0", "wi_1", "w1", "w3", "c_fc", "dense_h_to_4h", "fc_in",
+    "up_proj", "fc1", "wi", "wi_0", "wi_1", "w1", "w3", "c_fc", "dense_h_to_4h", "fc_in", "wqkv",
+    "wq",
 )  # fmt: skip
 _ROW = ("o_proj", "out_proj", "o", "down_proj", "fc2", "wo", "w2", "dense_4h_to_h", "fc_out")
 
@@ -208,16 +209,25 @@ def tp_plan(model: torch.nn.Module) -> tuple[dict, str]:
     except ValueError as e:
         if "ships no tensor-parallel plan" not in str(e):
             raise
-    linear = {n.rpartition(".")[2] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
-    column = [f"*.{n}" for n in _COLUMN if n in linear]
-    row = [f"*.{n}" for n in _ROW if n in linear]
+    plan = tp_plan_by_names(model)
+    return plan, "megatron" if plan else "none"
+
+
+def tp_plan_by_names(model: torch.nn.Module) -> dict:
+    """A ``fs.nn.megatron_plan`` over the ``nn.Linear`` modules of ``model`` whose names are
+    the usual column (q/k/v, fc1, gate/up) and row (out-projection, fc2, down) names; ``{}``
+    when none is."""
+    import fshard as fs
+
+    def linear_only(name: str) -> bool:  # megatron_plan refuses a glob matching mixed kinds
+        mods = [m for n, m in model.named_modules() if n.rpartition(".")[2] == name]
+        return bool(mods) and all(isinstance(m, torch.nn.Linear) for m in mods)
+
+    column = [f"*.{n}" for n in _COLUMN if linear_only(n)]
+    row = [f"*.{n}" for n in _ROW if linear_only(n)]
     if not column and not row:
-        return {}, "none"
-    # a glob must match Linear modules only (megatron_plan refuses mixed kinds)
-    kinds = lambda g: {type(m) for n, m in model.named_modules() if n.endswith(g[1:])}  # noqa: E731
-    column = [g for g in column if kinds(g) == {torch.nn.Linear}]
-    row = [g for g in row if kinds(g) == {torch.nn.Linear}]
-    return fs.nn.megatron_plan(column=column, row=row, model=model), "megatron"
+        return {}
+    return fs.nn.megatron_plan(column=column, row=row, model=model)
 
 
 def _outcome(e: BaseException) -> tuple[str, str]:

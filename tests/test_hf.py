@@ -702,6 +702,8 @@ def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels):
 def _no_checkpointing(model):
     """Activation checkpointing off, and the hook it put on the input embeddings removed
     (``requires_grad_`` on their output, which functorch refuses in the dense loop)."""
+    if not hasattr(model, "gradient_checkpointing_disable"):  # not a transformers model
+        return
     model.gradient_checkpointing_disable()
     if getattr(model, "_require_grads_hooks", None):
         model.disable_input_require_grads()
