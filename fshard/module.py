@@ -251,6 +251,7 @@ def functional_call(
     *,
     outputs: Mapping[str, P] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    mutable: bool | list[str] = False,
 ):
     """Run ``module(*args, **kwargs)`` with the parameters (and buffers) in ``params``.
 
@@ -277,9 +278,20 @@ def functional_call(
             :mod:`fshard.precision`), floating arguments too when ``cast_forward_inputs``,
             floating outputs to ``output_dtype``. ``None``: the policy the last
             :func:`shard_params` on this module recorded, if any.
+        mutable: buffers the forward may update in place (a MoE router's load-balancing
+            counter ``self.tokens_per_expert.add_(counts)``, BatchNorm's running statistics):
+            ``True`` (every buffer not in ``params``) or a list of globs over buffer names
+            (flax's ``mutable=[...]``). Each is passed as a fresh replicated ShardedArray holding
+            the module's value, so an in-place update rebinds it to the functional result
+            (:mod:`fshard.ops.inplace`) computed in the global view: a count over the whole
+            batch, as the dense module would count it, whatever the data split. The module's
+            own buffers are not written: the call returns the new values, for the next call's
+            ``params`` or :func:`load_params`. Without it an in-place update of a buffer by a
+            sharded value is refused.
 
     Returns:
-        Whatever ``module.forward`` returns.
+        Whatever ``module.forward`` returns; with ``mutable``, ``(output, {buffer name:
+        ShardedArray})``.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
@@ -309,17 +321,49 @@ def functional_call(
         outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
+    state = _mutable_buffers(module, params, mutable)
     policy = policy_of(module, mp_policy)
     if policy is not None:
         params = _cast_params(policy, module, params)
         args, kwargs = cast_inputs(policy, args, kwargs)
+    params = {**params, **state}
     mesh = _one_rank_mesh(params)
     if mesh is not None:
         out = _run_local(module, params, args, kwargs or {}, mesh)
     else:
         with _called(module, params, outputs):
             out = module(*args, **(kwargs or {}))
-    return cast_outputs(policy, out)
+    out = cast_outputs(policy, out)
+    return out if mutable is False else (out, state)
+
+
+def _mutable_buffers(module: torch.nn.Module, params: Mapping, mutable) -> dict:
+    """``{buffer name: fresh replicated ShardedArray}`` of the buffers ``mutable`` names (see
+    :func:`functional_call`) that ``params`` does not give, on the mesh of ``params``."""
+    if mutable is False:
+        return {}
+    if mutable is not True and not (
+        isinstance(mutable, (list, tuple)) and all(isinstance(g, str) for g in mutable)
+    ):
+        raise TypeError(
+            f"functional_call: mutable must be a bool or a list of buffer-name globs, got "
+            f"{mutable!r}"
+        )
+    mesh = next((v.layout.mesh for v in params.values() if type(v) is ShardedArray), None)
+    if mesh is None:
+        raise ValueError(
+            "functional_call: mutable needs ShardedArray params (their mesh holds the buffers)"
+        )
+    names = [n for n, _ in module.named_buffers() if n not in params]
+    chosen = names if mutable is True else _match(names, dict.fromkeys(mutable), "buffer")
+    buffers = dict(module.named_buffers())
+    return {
+        name: ShardedArray._raw(
+            buffers[name].detach().clone(),
+            _layout(mesh, _REPLICATED, tuple(buffers[name].shape), buffers[name].dtype),
+        )
+        for name in chosen
+    }
 
 
 def policy_of(module, given) -> MixedPrecisionPolicy | None:

@@ -639,11 +639,13 @@ def _arch_train(model, arch: str, job: str):
     return train_like_dense(model, task, plan_fn, job, *_arch_inputs(task, AB))
 
 
-def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels):
+def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels, mutable=False):
     """3 AdamW steps of ``job`` on the batch ``kwargs`` (``labels`` for :func:`_arch_loss`),
     ``plan_fn(model)`` the tp plan, against dense torch.func: the loss, every gradient and its
     layout, the trained weights (``AssertionError`` if any differs); returns the all_gathers of
-    each step. Shared with the transformers zoo (``tests/hf_zoo.py``, ``tools/zoo.py``)."""
+    each step. ``mutable``: the forward updates buffers in place (``functional_call(...,
+    mutable=True)``; the dense loop gets fresh copies of them). Shared with the transformers
+    zoo (``tests/hf_zoo.py``, ``tools/zoo.py``) and torchtitan's models."""
     mode, *flags = job.split("-")
     count = int((labels[:, 1:] if task == "causal" else labels).ne(-100).sum())
     mesh = fs.Mesh.create((2,), ("tp" if mode == "tp" else "dp",))
@@ -664,10 +666,13 @@ def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels):
         ys = fs.shard(labels, mesh, spec)
 
         def loss_fn(ps):
-            out = fs.nn.functional_call(model, ps, (), sharded)
+            out = fs.nn.functional_call(model, ps, (), sharded, mutable=mutable)
+            out = out[0] if mutable else out
             return fs.gather(_arch_loss(task, out, ys, count))
 
     def dense_loss(ps):
+        if mutable:  # torch.func refuses an in-place update of a captured buffer
+            ps = {**ps, **{k: b.clone() for k, b in model.named_buffers()}}
         out = torch.func.functional_call(model, ps, (), kwargs)
         return _arch_loss(task, out, labels, count)
 
@@ -683,7 +688,7 @@ def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels):
             loss, grads = fs.value_and_grad(loss_fn)(params)
         _no_checkpointing(model)
         gathers.append(sum(r.op == "all_gather" for r in log))
-        dgrads, dloss = torch.func.grad_and_value(dense_loss)(dense)
+        dgrads, dloss = _dense_grad_and_value(dense_loss, dense, functorch=not mutable)
         _arch_close(loss, dloss, f"loss, step {step}")
         assert set(grads) == set(dgrads)
         for k, g in grads.items():
@@ -697,6 +702,19 @@ def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels):
         # Adam divides by sqrt(v): rounding in near-zero gradient entries grows (not by lr)
         _arch_close(v.detach(), dense[k], f"trained {k}", rtol=10 * ARTOL)
     return gathers
+
+
+def _dense_grad_and_value(loss_fn, params: dict, functorch: bool = True):
+    """``torch.func.grad_and_value(loss_fn)(params)``; ``functorch=False``: by torch.autograd
+    (a model whose forward updates buffers in place or calls an ``autograd.Function`` that
+    functorch refuses: torchtitan's MoE)."""
+    if functorch:
+        return torch.func.grad_and_value(loss_fn)(params)
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    loss = loss_fn(leaves)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    grads = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}
+    return grads, loss.detach()
 
 
 def _no_checkpointing(model):
