@@ -70,8 +70,12 @@ _SIZES = {
     "image_size": IMAGE,
 }
 
-#: float config attributes set to 0 (stochastic masking during training)
-_ZERO = ("mask_time_prob", "mask_feature_prob", "layerdrop", "drop_path_rate")
+#: float config attributes containing these are set to 0: randomness in training (dropout,
+#: layer drop, router jitter, stochastic masking) would differ between the runs compared
+_ZERO = (
+    "dropout", "pdrop", "_drop", "layerdrop", "drop_path", "jitter", "mask_time_prob",
+    "mask_feature_prob",
+)  # fmt: skip
 
 #: a tiny model has at most this many parameters (a config whose sizes the attributes above
 #: do not reach is not tiny: "not buildable")
@@ -106,9 +110,7 @@ def _shrink(cfg, depth: int = 0) -> None:
             _shrink(value, depth + 1)  # text_config, vision_config, ...
         elif key in _SIZES and isinstance(value, int):
             setattr(cfg, key, _SIZES[key])
-        elif (
-            "dropout" in key or "pdrop" in key or key.endswith("_drop") or key in _ZERO
-        ) and isinstance(value, float):
+        elif any(z in key for z in _ZERO) and isinstance(value, float):
             setattr(cfg, key, 0.0)
     for key in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the depth
         value = getattr(cfg, key, None)
@@ -192,9 +194,12 @@ def inputs(model: torch.nn.Module, task: str, batch: int = BATCH):
 _COLUMN = (
     "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "gate_proj",
     "up_proj", "fc1", "wi", "wi_0", "wi_1", "w1", "w3", "c_fc", "dense_h_to_4h", "fc_in", "wqkv",
-    "wq",
+    "wq", "c_attn", "q_lin", "k_lin", "v_lin", "lin1", "Wq", "Wk", "Wv",
 )  # fmt: skip
-_ROW = ("o_proj", "out_proj", "o", "down_proj", "fc2", "wo", "w2", "dense_4h_to_h", "fc_out")
+_ROW = (
+    "o_proj", "out_proj", "o", "down_proj", "fc2", "wo", "w2", "dense_4h_to_h", "fc_out",
+    "c_proj", "out_lin", "lin2",
+)  # fmt: skip
 
 
 def tp_plan(model: torch.nn.Module) -> tuple[dict, str]:
@@ -221,7 +226,9 @@ def tp_plan_by_names(model: torch.nn.Module) -> dict:
 
     def linear_only(name: str) -> bool:  # megatron_plan refuses a glob matching mixed kinds
         mods = [m for n, m in model.named_modules() if n.rpartition(".")[2] == name]
-        return bool(mods) and all(isinstance(m, torch.nn.Linear) for m in mods)
+        kinds = {"Conv1D" if type(m).__name__ == "Conv1D" else isinstance(m, torch.nn.Linear)
+                 for m in mods}  # fmt: skip
+        return kinds in ({True}, {"Conv1D"})
 
     column = [f"*.{n}" for n in _COLUMN if linear_only(n)]
     row = [f"*.{n}" for n in _ROW if linear_only(n)]
