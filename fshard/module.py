@@ -37,14 +37,16 @@ from ._traced import constant
 from .api import gather, reshard, shard
 from .array import ShardedArray, is_sharded
 from .mesh import Mesh
-from .nn_plan import Output, _match, _split_plan, match_plan
+from .nn_plan import LocalRows, Output, _match, _split_plan, match_plan
 from .precision import MixedPrecisionPolicy
+from .shard_map import shard_map
 from .spec import LAYOUT_OF_ID, Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
     "MixedPrecisionPolicy",
     "Output",
+    "LocalRows",
     "shard_params",
     "functional_call",
     "load_params",
@@ -428,12 +430,19 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
     duration of the block, and again whenever activation checkpointing recomputes a part of
     the forward in the backward (see :func:`_recompute_swapped`)."""
     patched = []
-    with _swap.swap(module, values, "functional_call"):
+    # a LocalRows module's values are swapped in by its own forward, on local blocks
+    inner = {n: _under(values, n) for n, spec in outputs.items() if isinstance(spec, LocalRows)}
+    outer = {k: v for k, v in values.items() if not any(k in own for own in inner.values())}
+    with _swap.swap(module, outer, "functional_call"):
         try:
             for name, spec in outputs.items():
                 sub = module.get_submodule(name)
                 patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
-                sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
+                if isinstance(spec, LocalRows):
+                    run = _with_local_rows(sub, name, spec.axis, inner[name])
+                else:
+                    run = _with_output(sub.forward, name, spec)
+                sub.__dict__["forward"] = run
             with _recompute_swapped(lambda: _called(module, values, outputs)):
                 yield
         finally:
@@ -444,6 +453,49 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
                     del sub.__dict__["forward"]
                 else:  # the class's forward, bound, left as the instance's: the same calls
                     sub.__dict__["forward"] = bound
+
+
+def _under(values: Mapping, name: str) -> dict:
+    """``{full name: value}`` of the entries of ``values`` inside submodule ``name``."""
+    if not name:
+        raise ValueError("functional_call: a LocalRows plan entry must name a submodule")
+    return {k: v for k, v in values.items() if k.startswith(name + ".")}
+
+
+def _with_local_rows(sub: torch.nn.Module, name: str, axis: str, values: Mapping):
+    """``sub``'s forward run on this rank's rows (see :class:`LocalRows`): under
+    :func:`shard_map` over ``axis``, its parameters (``values``, replicated) swapped in as
+    local blocks."""
+    forward = sub.forward
+    own = {k[len(name) + 1 :]: v for k, v in values.items()}
+    for k, v in own.items():
+        if type(v) is ShardedArray and (v.layout.rule_flag is not None or any(v.spec.dims)):
+            raise ValueError(
+                f"functional_call: LocalRows({axis!r}) runs {name!r} on each rank's rows, so its "
+                f"parameters must be replicated; {name}.{k} has the layout {v.spec}. Drop it "
+                "from the plan, or the LocalRows entry"
+            )
+
+    def run(*args, **kwargs):
+        leaves, tree = pytree.tree_flatten((args, kwargs), is_leaf=is_sharded)
+        at = [i for i, v in enumerate(leaves) if type(v) is ShardedArray]
+        if not at:  # nothing sharded comes in: the module runs as it is
+            with _swap.swap(sub, own, "functional_call"):
+                return forward(*args, **kwargs)
+
+        def body(params, xs):
+            given = list(leaves)
+            for i, x in zip(at, xs):
+                given[i] = x
+            a, k = pytree.tree_unflatten(given, tree)
+            with _swap.swap(sub, params, "functional_call"):
+                return forward(*a, **k)
+
+        mesh = leaves[at[0]].layout.mesh
+        run_local = shard_map(body, mesh, in_specs=(_REPLICATED, P(axis)), out_specs=P(axis))
+        return run_local(own, [leaves[i] for i in at])
+
+    return run
 
 
 #: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults

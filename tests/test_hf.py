@@ -632,11 +632,15 @@ def _arch_train(model, arch: str, job: str):
     """3 AdamW steps of ``job`` (``dp``, ``tp``, ``fsdp``; ``-ckpt``: transformers' activation
     checkpointing on) against dense torch.func; returns the all_gathers of each step."""
     task, _, plan_fn = ARCHS[arch]
-    if "replicated" in job.split("-"):  # Phi-3's fused projections left replicated
+    flags = job.split("-")
+    if "replicated" in flags:  # Phi-3's fused projections left replicated
         plan_fn = _phi3_replicated_plan
+    if "local" in flags:  # the MoE blocks on each rank's rows (issue 37 item 7)
+        plan_fn = lambda m: {"*.mlp": fs.nn.LocalRows("dp")}  # noqa: E731
     model.train(arch != "resnet")  # BatchNorm's training statistics update buffers in place,
     # which torch.func refuses for the dense loop too
-    return train_like_dense(model, task, plan_fn, job, *_arch_inputs(task, AB))
+    batch = AB + 1 if "even" in flags else AB
+    return train_like_dense(model, task, plan_fn, job, *_arch_inputs(task, batch))
 
 
 def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels, mutable=False):
@@ -649,7 +653,8 @@ def train_like_dense(model, task: str, plan_fn, job: str, kwargs: dict, labels, 
     mode, *flags = job.split("-")
     count = int((labels[:, 1:] if task == "causal" else labels).ne(-100).sum())
     mesh = fs.Mesh.create((2,), ("tp" if mode == "tp" else "dp",))
-    plan = {"tp": plan_fn, "fsdp": lambda m: fs.nn.fsdp_plan(m, mesh), "dp": lambda m: {}}[mode]
+    dp_plan = plan_fn if "local" in flags else lambda m: {}
+    plan = {"tp": plan_fn, "fsdp": lambda m: fs.nn.fsdp_plan(m, mesh), "dp": dp_plan}[mode]
     params = fs.nn.shard_params(model, mesh, plan(model))
     layouts = {k: v.layout for k, v in params.items()}
     spec = fs.P() if mode == "tp" else fs.P("dp")
@@ -752,6 +757,20 @@ ARCH_CONFIGS = [(a, m) for a in ARCHS for m in ("dp", "tp", "fsdp")]
 # transformers' activation checkpointing (issue 29 item 3) under tp and dp
 ARCH_CONFIGS += [("qwen2", "tp-ckpt"), ("gpt_neox", "tp-ckpt"), ("qwen2", "dp-ckpt")]
 ARCH_CONFIGS += [("phi3", "tp-replicated")]
+# issue 37 item 7: MoE blocks in dp on each rank's rows (fs.nn.LocalRows): transformers' eager
+# experts (torch.where over the expert mask, refused on an even dp batch before) and the
+# grouped_mm ones (which gathered every token before), even and odd batches
+ARCH_CONFIGS += [(a, j) for a in ("mixtral_eager", "qwen2_moe") for j in ("dp-local", "dp-local-even")]
+# the odd batch leaves an expert without tokens on one rank: its parameters get no gradient
+# there, and shard_map's gradient all_reduce over dp then has another size on each rank
+# (fs.config.check_consistency stops it; fshard/shard_map.py, not this branch's)
+ARCH_XFAIL = {("mixtral_eager", "dp-local"): "shard_map: a body input without a gradient on one rank"}
+ARCH_CONFIGS = [
+    pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=ARCH_XFAIL[c]))
+    if c in ARCH_XFAIL
+    else c
+    for c in ARCH_CONFIGS
+]
 # configurations that stop with a clear error (docs/models.md), and the error they raise
 ARCH_ERRORS = {
     # torch refuses the context_fn fshard's recompute needs on a reentrant checkpoint
@@ -760,9 +779,11 @@ ARCH_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("config", ARCH_CONFIGS, ids=["-".join(c) for c in ARCH_CONFIGS])
-def test_architecture_matches_dense(world2, config):
-    arch, job = config
+@pytest.mark.parametrize(
+    "arch, job", ARCH_CONFIGS, ids=["-".join(c.values if hasattr(c, "values") else c) for c in ARCH_CONFIGS]
+)
+def test_architecture_matches_dense(world2, arch, job):
+    config = (arch, job)
     (gathers, error), (_, error1) = world2.run(arch_rank_fn, arch, job)
     assert error is None and error1 is None, f"{config} failed on a rank:\n{error or error1}"
     if job in ("tp", "tp-replicated"):
