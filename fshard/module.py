@@ -38,14 +38,16 @@ from .api import gather, reshard, shard
 from .array import ShardedArray, is_sharded
 from .collectives import Bound, Pcast
 from .mesh import Mesh
-from .nn_plan import Output, _match, _split_plan, match_plan
+from .nn_plan import LocalRows, Output, _match, _split_plan, match_plan
 from .precision import MixedPrecisionPolicy
+from .shard_map import shard_map
 from .spec import LAYOUT_OF_ID, Layout, P, _layout
 from .tree import tree_leaves
 
 __all__ = [
     "MixedPrecisionPolicy",
     "Output",
+    "LocalRows",
     "shard_params",
     "functional_call",
     "load_params",
@@ -105,8 +107,9 @@ def shard_params(
     ``fs.nn.state_dict(module, params)`` instead; torch's and HF's savers call
     ``state_dict()``, so a stale save fails instead of writing the initial weights). Read its
     keys before sharding, or through ``fs.nn.state_dict(module, {})``. Tied parameters (GPT-2's ``lm_head.weight`` is
-    ``transformer.wte.weight``) appear once, under their first name; :func:`functional_call`
-    gives every alias that value.
+    ``transformer.wte.weight``) appear once, under their first name; the plan may name them by
+    any of their names (transformers' plans name the head), which must agree on one spec;
+    :func:`functional_call` gives every alias that value.
 
     Args:
         module: the module. With ``src=None`` every rank must hold the same values (e.g. the
@@ -144,7 +147,7 @@ def shard_params(
         raise TypeError(f"mesh must be a fshard.Mesh, got {type(mesh).__name__}")
     named = dict(module.named_parameters())
     param_rules, output_rules = _split_plan(plan)
-    specs = match_plan(named, param_rules)
+    specs = _tied_specs(module, param_rules)
     outputs = _match((n for n, _ in module.named_modules()), output_rules, "module")
     errors = LeafErrors("shard_params: parameters the plan's specs do not fit", "params")
     for name, p in named.items():  # every layout checked before any parameter is sharded
@@ -178,6 +181,28 @@ def shard_params(
             sub = module.get_submodule(name)
             sub.__dict__.setdefault("forward", sub.forward)
     return out
+
+
+def _tied_specs(module: torch.nn.Module, rules: Mapping) -> dict:
+    """``{name: spec}`` of every parameter under its first name, the plan matched against every
+    name of each parameter: a tied parameter (``lm_head.weight`` is ``embed_tokens.weight``) is
+    listed once by ``named_parameters()``, but a plan may name it by either name (transformers'
+    plans name the head). Its names must agree on one spec (or be unmatched)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+    found = _match((n for names in aliases.values() for n in names), rules, "parameter")
+    specs = {}
+    for name, names in aliases.items():
+        given = {n: found[n] for n in names if n in found}
+        if len(set(given.values())) > 1:
+            raise ValueError(
+                f"shard_params: {names} are one tied parameter, and the plan gives its names "
+                f"different specs: {given}. Give them one spec (or drop the entry of all but one)"
+            )
+        specs[name] = next(iter(given.values()), _REPLICATED)
+    return specs
 
 
 def _broadcast_buffers(module: torch.nn.Module, mesh: Mesh, src: int) -> None:
@@ -229,6 +254,7 @@ def functional_call(
     *,
     outputs: Mapping[str, P] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    mutable: bool | list[str] = False,
 ):
     """Run ``module(*args, **kwargs)`` with the parameters (and buffers) in ``params``.
 
@@ -255,9 +281,20 @@ def functional_call(
             :mod:`fshard.precision`), floating arguments too when ``cast_forward_inputs``,
             floating outputs to ``output_dtype``. ``None``: the policy the last
             :func:`shard_params` on this module recorded, if any.
+        mutable: buffers the forward may update in place (a MoE router's load-balancing
+            counter ``self.tokens_per_expert.add_(counts)``, BatchNorm's running statistics):
+            ``True`` (every buffer not in ``params``) or a list of globs over buffer names
+            (flax's ``mutable=[...]``). Each is passed as a fresh replicated ShardedArray holding
+            the module's value, so an in-place update rebinds it to the functional result
+            (:mod:`fshard.ops.inplace`) computed in the global view: a count over the whole
+            batch, as the dense module would count it, whatever the data split. The module's
+            own buffers are not written: the call returns the new values, for the next call's
+            ``params`` or :func:`load_params`. Without it an in-place update of a buffer by a
+            sharded value is refused.
 
     Returns:
-        Whatever ``module.forward`` returns.
+        Whatever ``module.forward`` returns; with ``mutable``, ``(output, {buffer name:
+        ShardedArray})``.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("tp",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
@@ -287,19 +324,51 @@ def functional_call(
         outputs = _match((n for n, _ in module.named_modules()), outputs, "module")
     if not isinstance(args, tuple):
         args = (args,)
+    state = _mutable_buffers(module, params, mutable)
     policy = policy_of(module, mp_policy)
     handlers = ()
     if policy is not None:
         params, cast = _cast_params(policy, module, params)
         args, kwargs = cast_inputs(policy, args, kwargs)
         handlers = (cast,) if cast.sources else ()
+    params = {**params, **state}
     mesh = _one_rank_mesh(params)
     if mesh is not None:
         out = _run_local(module, params, args, kwargs or {}, mesh)
     else:
         with lax.handling(*handlers), _called(module, params, outputs):
             out = module(*args, **(kwargs or {}))
-    return cast_outputs(policy, out)
+    out = cast_outputs(policy, out)
+    return out if mutable is False else (out, state)
+
+
+def _mutable_buffers(module: torch.nn.Module, params: Mapping, mutable) -> dict:
+    """``{buffer name: fresh replicated ShardedArray}`` of the buffers ``mutable`` names (see
+    :func:`functional_call`) that ``params`` does not give, on the mesh of ``params``."""
+    if mutable is False:
+        return {}
+    if mutable is not True and not (
+        isinstance(mutable, (list, tuple)) and all(isinstance(g, str) for g in mutable)
+    ):
+        raise TypeError(
+            f"functional_call: mutable must be a bool or a list of buffer-name globs, got "
+            f"{mutable!r}"
+        )
+    mesh = next((v.layout.mesh for v in params.values() if type(v) is ShardedArray), None)
+    if mesh is None:
+        raise ValueError(
+            "functional_call: mutable needs ShardedArray params (their mesh holds the buffers)"
+        )
+    names = [n for n, _ in module.named_buffers() if n not in params]
+    chosen = names if mutable is True else _match(names, dict.fromkeys(mutable), "buffer")
+    buffers = dict(module.named_buffers())
+    return {
+        name: ShardedArray._raw(
+            buffers[name].detach().clone(),
+            _layout(mesh, _REPLICATED, tuple(buffers[name].shape), buffers[name].dtype),
+        )
+        for name in chosen
+    }
 
 
 def policy_of(module, given) -> MixedPrecisionPolicy | None:
@@ -382,12 +451,19 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
     duration of the block, and again whenever activation checkpointing recomputes a part of
     the forward in the backward (see :func:`_recompute_swapped`)."""
     patched = []
-    with _swap.swap(module, values, "functional_call"):
+    # a LocalRows module's values are swapped in by its own forward, on local blocks
+    inner = {n: _under(values, n) for n, spec in outputs.items() if isinstance(spec, LocalRows)}
+    outer = {k: v for k, v in values.items() if not any(k in own for own in inner.values())}
+    with _swap.swap(module, outer, "functional_call"):
         try:
             for name, spec in outputs.items():
                 sub = module.get_submodule(name)
                 patched.append((sub, sub.__dict__.get("forward", _NONE), sub.forward))
-                sub.__dict__["forward"] = _with_output(sub.forward, name, spec)
+                if isinstance(spec, LocalRows):
+                    run = _with_local_rows(sub, name, spec.axis, inner[name])
+                else:
+                    run = _with_output(sub.forward, name, spec)
+                sub.__dict__["forward"] = run
             with _recompute_swapped(lambda: _called(module, values, outputs)):
                 yield
         finally:
@@ -398,6 +474,49 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
                     del sub.__dict__["forward"]
                 else:  # the class's forward, bound, left as the instance's: the same calls
                     sub.__dict__["forward"] = bound
+
+
+def _under(values: Mapping, name: str) -> dict:
+    """``{full name: value}`` of the entries of ``values`` inside submodule ``name``."""
+    if not name:
+        raise ValueError("functional_call: a LocalRows plan entry must name a submodule")
+    return {k: v for k, v in values.items() if k.startswith(name + ".")}
+
+
+def _with_local_rows(sub: torch.nn.Module, name: str, axis: str, values: Mapping):
+    """``sub``'s forward run on this rank's rows (see :class:`LocalRows`): under
+    :func:`shard_map` over ``axis``, its parameters (``values``, replicated) swapped in as
+    local blocks."""
+    forward = sub.forward
+    own = {k[len(name) + 1 :]: v for k, v in values.items()}
+    for k, v in own.items():
+        if type(v) is ShardedArray and (v.layout.rule_flag is not None or any(v.spec.dims)):
+            raise ValueError(
+                f"functional_call: LocalRows({axis!r}) runs {name!r} on each rank's rows, so its "
+                f"parameters must be replicated; {name}.{k} has the layout {v.spec}. Drop it "
+                "from the plan, or the LocalRows entry"
+            )
+
+    def run(*args, **kwargs):
+        leaves, tree = pytree.tree_flatten((args, kwargs), is_leaf=is_sharded)
+        at = [i for i, v in enumerate(leaves) if type(v) is ShardedArray]
+        if not at:  # nothing sharded comes in: the module runs as it is
+            with _swap.swap(sub, own, "functional_call"):
+                return forward(*args, **kwargs)
+
+        def body(params, xs):
+            given = list(leaves)
+            for i, x in zip(at, xs):
+                given[i] = x
+            a, k = pytree.tree_unflatten(given, tree)
+            with _swap.swap(sub, params, "functional_call"):
+                return forward(*a, **k)
+
+        mesh = leaves[at[0]].layout.mesh
+        run_local = shard_map(body, mesh, in_specs=(_REPLICATED, P(axis)), out_specs=P(axis))
+        return run_local(own, [leaves[i] for i in at])
+
+    return run
 
 
 #: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults

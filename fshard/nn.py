@@ -37,6 +37,7 @@ Example:
 """
 
 from .module import (
+    LocalRows,
     MixedPrecisionPolicy,
     Output,
     functional_call,
@@ -51,6 +52,7 @@ from .parallel.tensor import hf_tp_plan, megatron_plan
 __all__ = [
     "MixedPrecisionPolicy",
     "Output",
+    "LocalRows",
     "shard_params",
     "functional_call",
     "load_params",

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from .spec import P, Parts
 
-__all__ = ["Output", "match_plan"]
+__all__ = ["Output", "LocalRows", "match_plan"]
 
 
 class Output(NamedTuple):
@@ -33,6 +33,26 @@ class Output(NamedTuple):
     """
 
     spec: P
+
+
+class LocalRows(NamedTuple):
+    """Plan value: run every module the key matches on this rank's rows of the batch.
+
+    The key is a glob over module names, e.g. ``{"*.mlp": fs.nn.LocalRows("dp")}`` for the
+    MoE blocks of a transformers model in data parallelism: a router's ``torch.where`` over
+    the expert mask has a value-dependent shape, which the global view refuses on a batch split
+    over ``dp``; on its own rows each rank routes its tokens itself (as :func:`fsdp_call` runs a
+    whole module). The module's parameters must be replicated and its ShardedArray inputs
+    split over ``axis`` on their first dim; its outputs are split the same way. It runs under
+    :func:`fshard.shard_map` (in_specs ``P()`` for the parameters, ``P(axis)`` for the
+    inputs, out_specs ``P(axis)``), so the parameters' gradients are summed over ``axis``.
+
+    Example:
+        >>> LocalRows("dp")
+        LocalRows(axis='dp')
+    """
+
+    axis: str = "dp"
 
 
 def _matcher(pattern: str):
@@ -77,12 +97,15 @@ def _split_plan(plan) -> tuple[dict[str, P], dict[str, P]]:
     for pattern, value in plan.items():
         if isinstance(value, Output) and isinstance(value.spec, P):
             outputs[pattern] = value.spec
+        elif isinstance(value, LocalRows) and isinstance(value.axis, str) and value.axis:
+            outputs[pattern] = value
         elif isinstance(value, (P, Parts)):
             params[pattern] = value
         else:
             raise TypeError(
                 f"plan[{pattern!r}] must be a fs.P or fs.Parts (a parameter's layout) or a "
-                f"fs.nn.Output(fs.P(...)) (a module's output layout), got "
+                f"fs.nn.Output(fs.P(...)) (a module's output layout) or a fs.nn.LocalRows(axis) "
+                f"(a module run on this rank's rows), got "
                 f"{type(value).__name__} {value!r}"
             )
     return params, outputs

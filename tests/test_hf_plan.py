@@ -52,10 +52,21 @@ def hf_plan_forward_rank_fn(cls, cfg, extra):
     model = _llama(cls, cfg, **extra)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     dense = model(ids).logits
-    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model, unsupported="replicate"))
+    unsupported = "replicate" if "Mixtral" in cls else "error"  # Mixtral's experts
+    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model, unsupported=unsupported))
     sharded = {k: v.spec for k, v in params.items() if v.spec != fs.P()}
-    out = fs.nn.functional_call(model, params, (fs.shard(ids, mesh, fs.P()),)).logits
-    return dense, fs.gather(out), len(sharded)
+    x = fs.shard(ids, mesh, fs.P())
+    out = fs.nn.functional_call(model, params, (x,)).logits
+    loss = lambda ps: fs.gather(fs.nn.functional_call(model, ps, (x,)).logits.pow(2).mean())  # noqa: E731
+    grads = {k: fs.gather(g) for k, g in fs.grad(loss)(params).items()}
+    return dense, fs.gather(out), len(sharded), grads
+
+
+def _dense_grads(cls, cfg, extra):
+    model = _llama(cls, cfg, **extra)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    model(ids).logits.pow(2).mean().backward()
+    return {k: p.grad for k, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize(
@@ -65,12 +76,33 @@ def hf_plan_forward_rank_fn(cls, cfg, extra):
         ("Qwen2ForCausalLM", "Qwen2Config", {}),  # q/k/v biases
         # MoE experts (grouped_mm, histc routing) replicated: issue 21 item 7
         ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4}),
+        # issue 37 item 5: the plan's lm_head entry names the embedding's weight, which
+        # named_parameters() lists once (shard_params refused the entry as matching nothing)
+        ("LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": True}),
+        # issue 37 item 6: q/k norms are "replicated_with_grad_allreduce" (refused before)
+        ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}),
     ],
 )
 def test_hf_plan_forward_equals_dense(world2, cls, cfg, extra):
-    for dense, got, n_sharded in world2.run(hf_plan_forward_rank_fn, cls, cfg, extra):
+    want = _dense_grads(cls, cfg, extra)
+    for dense, got, n_sharded, grads in world2.run(hf_plan_forward_rank_fn, cls, cfg, extra):
         assert n_sharded >= 10  # q, k, v, o, (gate, up, down), embed, lm_head
         torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
+        assert set(grads) == set(want)
+        for k, g in grads.items():
+            scale = want[k].abs().max().item()
+            torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-6 + 1e-4 * scale, msg=k)
+
+
+def test_tied_parameter_names_must_agree():
+    """A plan naming both names of a tied parameter with different specs is refused (which
+    one it meant is unknowable), before anything is sharded."""
+    torch.manual_seed(0)
+    model = _llama(tie_word_embeddings=True)
+    mesh = fs.Mesh.abstract((2,), ("tp",))
+    plan = {"lm_head.weight": fs.P("tp", None), "model.embed_tokens.weight": fs.P(None, "tp")}
+    with pytest.raises(ValueError, match="one tied parameter.*different specs"):
+        fs.nn.shard_params(model, mesh, plan)
 
 
 def meta_load_rank_fn():

@@ -278,6 +278,9 @@ _HF_STYLES = {
     "rowwise_split_input": "row",
     "embedding_rowwise": "vocab",
     "replicate": None,
+    # q/k norms (Qwen3, Gemma-3, ...): a replicated parameter whose gradient transformers
+    # all-reduces by hand; in fshard's global view a replicated parameter's gradient is whole
+    "replicated_with_grad_allreduce": None,
 }
 
 
@@ -307,7 +310,10 @@ def hf_tp_plan(
     the head's ``_tp_plan``) and maps each style to :func:`megatron_plan`'s roles:
     ``colwise`` (and ``colwise_gather_output``, ``colwise_rep``: the output stays split, see
     below) to ``column``, ``rowwise`` (``rowwise_rep``, ``rowwise_split_input``) to ``row``,
-    ``embedding_rowwise`` to ``vocab``, ``replicate`` to nothing. An output transformers
+    ``embedding_rowwise`` to ``vocab``, ``replicate`` and ``replicated_with_grad_allreduce``
+    (q/k norms) to nothing (a replicated parameter). A tied head (``lm_head.weight`` is the
+    embedding's weight) keeps its entry: :func:`shard_params` gives the tied parameter the
+    spec its names agree on. An output transformers
     gathers stays split over ``axis`` here: fshard's global view reads it as it reads the full
     value (the same numbers), and only an op that needs it whole gathers it. Styles with no
     fshard equivalent yet (``packed_colwise`` fused projections, MoE experts, ``sequence_parallel``

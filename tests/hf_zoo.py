@@ -1,0 +1,306 @@
+"""The transformers zoo (issue 37): every architecture of the installed ``transformers`` whose
+config builds offline at a tiny size, for its main task head, generated from transformers' own
+registry (``transformers.models.auto``), not a hand-picked list.
+
+:func:`architectures` lists them, :func:`tiny_config` shrinks an architecture's default config
+(hidden size, layers, heads, vocabulary, experts, images, audio; dropout off), :func:`build`
+builds the seeded model, :func:`inputs` its batch. ``tools/zoo.py`` runs each architecture in
+dp, tp and fsdp against dense (``tests/test_hf.py``'s training loop) and writes the table;
+``tests/test_zoo.py`` runs a fixed sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+#: (task, transformers' auto-mapping of that head), in the order an architecture's main task
+#: is chosen: the first mapping that lists it
+TASKS = (
+    ("causal", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("mlm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("image", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    ("audio", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+)
+
+VOCAB, SEQ, BATCH, LABELS = 128, 8, 4, 5
+IMAGE, AUDIO = 32, 1600  # image side; audio samples (wav2vec-like convolutions stride 320)
+
+#: config attribute -> tiny value (set where the default config has the attribute)
+_SIZES = {
+    # widths
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim"), 32),
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim",
+         "decoder_ffn_dim", "hidden_dim", "ffn_hidden_size", "mlp_dim"),
+        64,
+    ),  # fmt: skip
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    "head_dim": 8,
+    "d_kv": 8,
+    "kv_channels": 8,
+    # depth
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers",
+         "encoder_layers", "decoder_layers"),
+        2,
+    ),  # fmt: skip
+    # heads
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+         "decoder_attention_heads"),
+        4,
+    ),  # fmt: skip
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads"), 2),
+    # vocabulary and positions
+    "vocab_size": VOCAB,
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len"), 64),
+    # experts
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k"), 2),
+    # multi-head latent attention, rotary sub-dims, low-rank projections
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rotary_dim"), 8),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
+    **dict.fromkeys(("n_words", "vocab_size_per_layer_input"), VOCAB),
+    "entity_vocab_size": 16,
+    # images
+    "image_size": IMAGE,
+}
+
+#: float config attributes containing these are set to 0: randomness in training (dropout,
+#: layer drop, router jitter, stochastic masking) would differ between the runs compared
+_ZERO = (
+    "dropout", "pdrop", "_drop", "layerdrop", "drop_path", "jitter", "mask_time_prob",
+    "mask_feature_prob",
+)  # fmt: skip
+
+#: a tiny model has at most this many parameters (a config whose sizes the attributes above
+#: do not reach is not tiny: "not buildable")
+MAX_PARAMS = 3_000_000
+
+
+def architectures() -> dict[str, tuple[str, str]]:
+    """``{model_type: (task, head class name)}`` of every architecture transformers' auto
+    mappings give a head of one of :data:`TASKS`, the first such task each.
+
+    Example:
+        >>> archs = architectures()
+        >>> archs["llama"], archs["bert"][0], archs["vit"][0]
+        (('causal', 'LlamaForCausalLM'), 'mlm', 'image')
+    """
+    from transformers.models.auto import modeling_auto
+
+    out: dict[str, tuple[str, str]] = {}
+    for task, mapping in TASKS:
+        for arch, cls in getattr(modeling_auto, mapping).items():
+            if isinstance(cls, (tuple, list)):
+                cls = cls[0]
+            out.setdefault(arch, (task, cls))
+    return dict(sorted(out.items()))
+
+
+def _shrink(cfg, depth: int = 0) -> None:
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, bool):
+            continue
+        if hasattr(value, "to_dict") and hasattr(value, "model_type") and depth < 3:
+            _shrink(value, depth + 1)  # text_config, vision_config, ...
+        elif key in _SIZES and isinstance(value, int):
+            setattr(cfg, key, _SIZES[key])
+        elif any(z in key for z in _ZERO) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the depth
+        value = getattr(cfg, key, None)
+        n = getattr(cfg, "num_hidden_layers", None)
+        if isinstance(value, list) and isinstance(n, int) and len(value) > n:
+            setattr(cfg, key, value[:n])
+
+
+def tiny_config(arch: str):
+    """The default config of ``arch`` shrunk to a tiny size (no download), or raise.
+
+    Example:
+        >>> cfg = tiny_config("llama")
+        >>> cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+        (32, 2, 128)
+    """
+    from transformers import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[arch]()
+    _shrink(cfg)
+    cfg.use_cache = False
+    cfg.num_labels = LABELS
+    if hasattr(cfg, "pad_token_id") and cfg.pad_token_id is not None:
+        cfg.pad_token_id = min(cfg.pad_token_id, VOCAB - 1)
+    return cfg
+
+
+def build(arch: str) -> torch.nn.Module:
+    """The seeded tiny model of ``arch``'s main task head (every rank builds the same)."""
+    import transformers
+
+    task, cls = architectures()[arch]
+    cfg = tiny_config(arch)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, cls)(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"not tiny: {n} parameters at the shrunk config (> {MAX_PARAMS})")
+    return model
+
+
+def inputs(model: torch.nn.Module, task: str, batch: int = BATCH):
+    """``(kwargs, labels)``: a padded batch of ids (causal, masked, seq2seq: a left-padded first
+    row and a right-padded last row, labels -100 there), images or audio, for ``model``'s
+    forward (arguments it does not take are left out)."""
+    g = torch.Generator().manual_seed(1)
+    cfg = model.config
+    accepted = set(inspect.signature(model.forward).parameters)
+    if task in ("image", "audio"):
+        name = getattr(model, "main_input_name", "pixel_values")
+        if task == "image":
+            vision = getattr(cfg, "vision_config", cfg)
+            ch = getattr(vision, "num_channels", 3)
+            x = torch.randn(batch, ch, IMAGE, IMAGE, generator=g)
+        elif name == "input_features":
+            bins = getattr(cfg, "num_mel_bins", 80)
+            frames = 2 * getattr(cfg, "max_source_positions", 16)
+            x = torch.randn(batch, bins, frames, generator=g)
+        else:
+            x = torch.randn(batch, AUDIO, generator=g)
+        return {name: x}, torch.randint(0, LABELS, (batch,), generator=g)
+    vocab = min(VOCAB, getattr(cfg, "vocab_size", VOCAB) or VOCAB)
+    ids = torch.randint(2, vocab, (batch, SEQ), generator=g)
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[-1, -2:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = {"input_ids": ids, "attention_mask": mask}
+    if task == "mlm":
+        labels = labels.masked_fill(torch.arange(SEQ) % 3 != 0, -100)
+    if task == "seq2seq":
+        kwargs["decoder_input_ids"] = torch.randint(2, vocab, (batch, SEQ), generator=g)
+        labels = torch.randint(2, vocab, (batch, SEQ), generator=g)
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "input_ids"}
+    return kwargs, labels
+
+
+#: module names a Megatron plan takes as column- and row-parallel when the model ships none
+_COLUMN = (
+    "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "gate_proj",
+    "up_proj", "fc1", "wi", "wi_0", "wi_1", "w1", "w3", "c_fc", "dense_h_to_4h", "fc_in", "wqkv",
+    "wq", "c_attn", "q_lin", "k_lin", "v_lin", "lin1", "Wq", "Wk", "Wv",
+)  # fmt: skip
+_ROW = (
+    "o_proj", "out_proj", "o", "down_proj", "fc2", "wo", "w2", "dense_4h_to_h", "fc_out",
+    "c_proj", "out_lin", "lin2",
+)  # fmt: skip
+
+
+def tp_plan(model: torch.nn.Module) -> tuple[dict, str]:
+    """``(plan, which)``: the tensor-parallel plan ``model`` ships (``fs.nn.hf_tp_plan``,
+    styles with no fshard equivalent replicated: ``unsupported="replicate"``), else a
+    ``fs.nn.megatron_plan`` over its ``nn.Linear`` modules with the usual column / row names;
+    ``which`` is ``"shipped"`` or ``"megatron"`` (``"none"``: no module has those names)."""
+    import fshard as fs
+
+    try:
+        return fs.nn.hf_tp_plan(model, unsupported="replicate"), "shipped"
+    except ValueError as e:
+        if "ships no tensor-parallel plan" not in str(e):
+            raise
+    plan = tp_plan_by_names(model)
+    return plan, "megatron" if plan else "none"
+
+
+def tp_plan_by_names(model: torch.nn.Module) -> dict:
+    """A ``fs.nn.megatron_plan`` over the ``nn.Linear`` modules of ``model`` whose names are
+    the usual column (q/k/v, fc1, gate/up) and row (out-projection, fc2, down) names; ``{}``
+    when none is."""
+    import fshard as fs
+
+    def linear_only(name: str) -> bool:  # megatron_plan refuses a glob matching mixed kinds
+        mods = [m for n, m in model.named_modules() if n.rpartition(".")[2] == name]
+        kinds = {"Conv1D" if type(m).__name__ == "Conv1D" else isinstance(m, torch.nn.Linear)
+                 for m in mods}  # fmt: skip
+        return kinds in ({True}, {"Conv1D"})
+
+    column = [f"*.{n}" for n in _COLUMN if linear_only(n)]
+    row = [f"*.{n}" for n in _ROW if linear_only(n)]
+    if not column and not row:
+        return {}
+    return fs.nn.megatron_plan(column=column, row=row, model=model)
+
+
+def _outcome(e: BaseException) -> tuple[str, str]:
+    """``("wrong", ...)`` for a value or layout that differs from dense (an AssertionError of
+    the comparison), else ``("refused", the error's type and first line, where it was raised)``."""
+    import traceback
+
+    if isinstance(e, AssertionError):
+        return "wrong", str(e).splitlines()[0][:300] if str(e) else "AssertionError"
+    frames = traceback.extract_tb(e.__traceback__)
+    where = frames[-1].filename if frames else "?"
+    where = "fshard" if "/fshard/" in where else where.rpartition("site-packages/")[2]
+    first = (str(e).splitlines() or [""])[0][:300]
+    return "refused", f"{type(e).__name__}: {first} [{where}]"
+
+
+_MODELS: dict = {}
+
+
+def zoo_rank_fn(arch: str, modes=("dp", "tp", "fsdp")) -> dict:
+    """``{mode: (outcome, detail)}`` of ``arch`` on this rank (outcomes: ``equal``,
+    ``refused``, ``wrong``; ``not buildable`` for every mode when the tiny model or its dense
+    step fails). Each mode is ``tests/test_hf.py``'s ``train_like_dense``: 3 AdamW steps
+    against dense."""
+    import transformers
+
+    from tests.test_hf import train_like_dense
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    task = architectures()[arch][0]
+    try:
+        model = build(arch)
+        # BatchNorm's training statistics update buffers in place, which torch.func refuses
+        # for the dense loop too (issue 37 item 8): those models train in eval mode
+        norms = torch.nn.modules.batchnorm._BatchNorm
+        model.train(not any(isinstance(m, norms) for m in model.modules()))
+        kwargs, labels = inputs(model, task)
+        import torch.nn.functional as F
+
+        out = model(**kwargs).logits  # the dense step itself must run
+        if task == "causal":
+            out, want = out[:, :-1], labels[:, 1:]
+        else:
+            want = labels
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), want.reshape(-1)).backward()
+        model.zero_grad(set_to_none=True)
+    except Exception as e:
+        return dict.fromkeys(modes, ("not buildable", _outcome(e)[1]))
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    result = {}
+    for mode in modes:
+        import fshard as fs
+
+        try:
+            if mode == "tp":
+                plan, which = tp_plan(model)
+                if which == "none":
+                    result[mode] = ("refused", "no tp plan: ships none, no usual Linear names")
+                    continue
+            else:
+                plan, which = {}, ""
+            train_like_dense(model, task, lambda m, plan=plan: plan, mode, kwargs, labels)
+            result[mode] = ("equal", which)
+        except Exception as e:
+            result[mode] = _outcome(e)
+        finally:
+            fs.nn.load_params(model, initial)
+    return result

@@ -1,0 +1,42 @@
+"""The transformers zoo (issue 37): a fixed sample in CI, the whole zoo with ``pytest -m zoo``
+(or ``python tools/zoo.py``, which also writes the table into docs/models.md).
+
+Each architecture runs dp, tp (the plan it ships, else a Megatron plan by module names) and
+fsdp against dense: ``tests/test_hf.py``'s ``train_like_dense`` (3 AdamW steps; loss, every
+gradient and its layout, trained weights). The sample: Llama (shipped plan), Qwen3 (q/k norms,
+``replicated_with_grad_allreduce``), GPT-2 (no shipped plan: ``Conv1D`` Megatron plan), ViT
+(image classification).
+"""
+
+import pytest
+
+from tests import hf_zoo
+
+pytest.importorskip("transformers")
+
+SAMPLE = ["llama", "qwen3", "gpt2", "vit"]
+
+
+def test_zoo_is_generated_from_the_registry():
+    archs = hf_zoo.architectures()
+    assert len(archs) > 250, len(archs)  # transformers 5.24: 306
+    tasks = {task for task, _ in archs.values()}
+    assert tasks == {"causal", "mlm", "seq2seq", "image", "audio"}, tasks
+    cfg = hf_zoo.tiny_config("mixtral")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_local_experts) == (32, 2, 4)
+
+
+@pytest.mark.parametrize("arch", SAMPLE)
+def test_zoo_sample_matches_dense(world2, arch):
+    for result in world2.run(hf_zoo.zoo_rank_fn, arch):
+        assert {m: o[0] for m, o in result.items()} == dict.fromkeys(("dp", "tp", "fsdp"), "equal"), result
+
+
+@pytest.mark.zoo
+def test_whole_zoo(request):
+    """Every architecture: no wrong result (``python tools/zoo.py`` prints the table)."""
+    if "zoo" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the whole zoo runs with `pytest -m zoo` (about 30 minutes on 2 cores)")
+    from tools import zoo
+
+    assert zoo.main([]) == 0
