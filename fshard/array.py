@@ -14,6 +14,8 @@ local shape. Vmapping over a sharded dim is refused with an error.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 import optree
 import torch
@@ -88,14 +90,7 @@ class ShardedArray:
     def __setitem__(self, key, value):
         """``x[key] = value``: rebinds ``x`` to ``x.at[key].set(value)`` (refused when ``x``
         shares its data with another live value; see :mod:`fshard.ops.inplace`)."""
-        from .ops import indexing, inplace
-
-        inplace.rebind(
-            self,
-            lambda: indexing.index_update(self, key, value, "set"),
-            "item assignment x[idx] = v",
-            "y = x.at[idx].set(v)",
-        )
+        _INDEXING.set_item(self, key, value)
 
     @property
     def at(self):
@@ -108,9 +103,7 @@ class ShardedArray:
         Example:
             >>> y = x.at[..., 0].set(0.0)  # doctest: +SKIP
         """
-        from .ops.indexing import At
-
-        return At(self)
+        return _INDEXING.at(self)
 
     def __reduce__(self):
         return (_rebuild_sharded, (self.local, self.layout))
@@ -231,9 +224,7 @@ class ShardedArray:
             hint = f"; fshard's spelling is {spelling}" if spelling else ""
             raise AttributeError(f"'ShardedArray' object has no attribute {name!r}{hint}")
         if name.endswith("_") and not name.endswith("__"):
-            from .ops.inplace import inplace_method
-
-            forward = inplace_method(name)
+            forward = _INDEXING.inplace_method(name)
             if forward is None:
                 raise TypeError(
                     f"ShardedArray: in-place Tensor.{name} is not supported (it has no "
@@ -285,6 +276,31 @@ def install_dispatch(dispatch) -> None:
 
 
 _DISPATCH = _no_dispatcher
+
+
+class Indexing(NamedTuple):
+    """What :mod:`fshard.ops` gives ShardedArray for the forms that are not torch functions:
+    ``x[key] = value`` (``set_item(x, key, value)``), ``x.at`` (``at(x)``) and in-place Tensor
+    methods (``inplace_method(name)``: the method, or ``None`` where none exists). Installed
+    with :func:`install_indexing` when the ops are imported, as the dispatcher is."""
+
+    set_item: Callable
+    at: Callable
+    inplace_method: Callable
+
+
+def install_indexing(indexing: Indexing) -> None:
+    """Route item assignment, ``.at`` and in-place methods to ``indexing`` (see
+    :class:`Indexing`; :mod:`fshard.ops` installs it, this module cannot import it)."""
+    global _INDEXING
+    _INDEXING = indexing
+
+
+def _no_indexing(*args):
+    _no_dispatcher(None, args, {})
+
+
+_INDEXING = Indexing(_no_indexing, _no_indexing, _no_indexing)
 _NO_KWARGS: dict = {}  # never mutated: dispatch only reads kwargs
 _new = object.__new__
 _dynamo_compiling = torch.compiler.is_dynamo_compiling

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._comm import _LOG, CommRecord
+from .interop import rank_boxes
 from .spec import BaseLayout
 
 __all__ = ["comm_log", "visualize", "CommRecord"]
@@ -51,8 +52,6 @@ def comm_log():
 def _blocks(layout: BaseLayout):
     """{(dim0 range, dim1 range): [ranks]} for the first two dims (a per-part layout: one cell
     per part a rank holds)."""
-    from .interop import rank_boxes
-
     cells: dict = {}
     for r in layout.mesh.ranks:
         for m in rank_boxes(layout, r):

@@ -17,20 +17,33 @@ Example:
     tensor([8., 8., 8.])
 """
 
+from ..array import Indexing, install_indexing
 from . import elementwise, indexing, inplace, linalg, loss, nn, opaque, reduction, shape, whole
-from .aliases import register_copies
 from .binding import bind
 from .registry import (
     SCALAR,
     SHAPE_ONLY,
     OpSharding,
     dispatch,
+    register_copies,
     register_rule,
     rule_for,
     tensor_inputs,
 )
 
 register_copies()
+
+
+def _set_item(x, key, value) -> None:
+    inplace.rebind(
+        x,
+        lambda: indexing.index_update(x, key, value, "set"),
+        "item assignment x[idx] = v",
+        "y = x.at[idx].set(v)",
+    )
+
+
+install_indexing(Indexing(_set_item, indexing.At, inplace.inplace_method))
 
 __all__ = [
     "OpSharding",

@@ -22,7 +22,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-__all__ = ["aliases_of", "register_copies"]
+__all__ = ["aliases_of"]
 
 _NAMESPACES = {
     "torch": torch,
@@ -100,19 +100,3 @@ def aliases_of(op) -> frozenset:
     except TypeError:
         return frozenset()
     return group - {op} if group else frozenset()
-
-
-def register_copies() -> None:
-    """Give ``torch.<view>_copy`` (``permute_copy``, ``view_copy``, ``unbind_copy``...: a view
-    op's out-of-place form, the same values) the rule of ``<view>``, once every rule family
-    is registered."""
-    from .registry import register_rule, rule_for
-
-    for name in dir(torch):
-        if not name.endswith("_copy") or name.startswith("_"):
-            continue
-        for home in (torch, torch.Tensor):
-            rule = rule_for(getattr(home, name[: -len("_copy")], None))
-            if rule is not None and rule_for(getattr(torch, name)) is None:
-                register_rule(getattr(torch, name), rule)
-                break

@@ -46,6 +46,8 @@ import sys
 import torch
 
 from ..array import PYTREE_SHARED, ShardedArray
+from ..executor import reshard_one
+from ..spec import BaseLayout
 
 __all__ = ["rebind", "inplace_method", "inplace_keyword", "link_views", "InplaceCall"]
 
@@ -206,8 +208,6 @@ def aliased_inputs(func, leaves, unflatten) -> tuple[int, ...]:
     """The leaf indices of the tensor inputs ``func``'s output aliases (views, or the input
     itself), found by running ``func`` on meta tensors. ``leaves``: the rule's view (Layouts
     for tensors); ``unflatten(leaves) -> (args, kwargs)`` with run-time placeholders filled."""
-    from ..spec import BaseLayout
-
     metas = {}
     filled = []
     for i, v in enumerate(leaves):
@@ -310,9 +310,7 @@ def _assign(x: ShardedArray, new: ShardedArray) -> None:
     """Rebind ``x`` to ``new`` (resharded to ``x``'s layout); a slice view ``base[key]`` is
     written through: ``base`` rebound to ``base.at[key].set(new)``, and so on up its chain."""
     if new.layout != x.layout:
-        from ..api import reshard
-
-        new = reshard(new, x.spec)
+        new = reshard_one(new, x.spec)
     state = _alias(x)
     if type(state) is _SliceOf:
         _assign(state.base, state.base.at[state.key].set(new))

@@ -872,3 +872,17 @@ def strict_error(name, inputs, comm) -> RuntimeError:
         "reshard that communicates: " + "; ".join(lines) + ". Reshard explicitly before the "
         "call, or leave fs.config.strict()"
     )
+
+
+def register_copies() -> None:
+    """Give ``torch.<view>_copy`` (``permute_copy``, ``view_copy``, ``unbind_copy``...: a view
+    op's out-of-place form, the same values) the rule of ``<view>``, once every rule family
+    is registered."""
+    for name in dir(torch):
+        if not name.endswith("_copy") or name.startswith("_"):
+            continue
+        for home in (torch, torch.Tensor):
+            rule = rule_for(getattr(home, name[: -len("_copy")], None))
+            if rule is not None and rule_for(getattr(torch, name)) is None:
+                register_rule(getattr(torch, name), rule)
+                break

@@ -19,6 +19,7 @@ import math
 
 from ..spec import ExplicitLayout, Layout, _layout
 from ._common import spec
+from .registry import ExplicitRefused, OpSharding
 
 __all__ = ["row_bounds", "row_axes", "rows_layout", "reshape_rows", "same_rows"]
 
@@ -102,8 +103,6 @@ def same_rows(layouts) -> tuple[tuple[int, int], ...] | None:
 def explicit_error(name: str, layouts) -> TypeError:
     """The refusal of a rule marked ``explicit_layouts``: the dispatcher catches it and makes
     the explicit inputs whole (gathers their blocks) before asking the rule again."""
-    from .registry import ExplicitRefused
-
     shown = ", ".join(f"{tuple(v.shape)} {v}" for v in layouts)
     return ExplicitRefused(
         f"{name}: an input has an explicit layout (row blocks, e.g. a reshape of an unevenly "
@@ -117,8 +116,6 @@ def row_wise_rule(op, ins, row: Layout, meta):
     """An op whose output row ``i`` depends on row ``i`` of ``row`` (an explicit row layout)
     and on the other tensor inputs whole (``x @ w``, ``F.linear``, ``addmm``): the others are
     replicated, the output keeps ``row``'s blocks. ``None`` when the op is not of that shape."""
-    from .registry import OpSharding
-
     others = [x for x in ins if x is not row]
     if any(x.is_explicit for x in others) or meta.ndim != row.ndim:
         return None

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from ..spec import BaseLayout, P, _layout
 from ._common import meta_call, norm_dim, norm_dims, out_layout, spec
 from .binding import bind
+from .contraction import contract
 from .registry import OpSharding, is_layout, register_rule, tensor_inputs
 
 __all__ = ["whole_dims_rule"]
@@ -332,8 +333,6 @@ def conv_rule(k: int):
         x, w, bias = bound["input"], bound["weight"], bound["bias"]
         if x.ndim != k + 2 or bound["groups"] != 1 or not (w.dim_axes[0] or w.dim_axes[1]):
             return whole(op, args, kwargs)
-        from .linalg import contract
-
         sp = [None] * k
         letters = [["n", "c", *sp], ["o", "c", *sp]]
         (sx, sw), out_dims, partial = contract([x, w], letters, ["n", "o", *sp])

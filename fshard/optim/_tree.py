@@ -21,6 +21,7 @@ from .._function import untracked
 from .._leaf_errors import LeafErrors, paths
 from ..api import reshard
 from ..array import ShardedArray
+from ..interop import rank_boxes
 from ..spec import Layout, P, Parts, PartsLayout
 
 
@@ -359,8 +360,6 @@ def global_slice(x, full: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``full``, a tensor with leaf ``x``'s global shape."""
     if not isinstance(x, ShardedArray):
         return full
-    from ..interop import rank_boxes
-
     boxes = rank_boxes(x.layout, x.mesh.rank)  # one, or one per part
     if len(boxes) == 1:
         return full[boxes[0].slices()]
