@@ -340,9 +340,21 @@ def fsdp_loss(
     blocks are gathered in it and the gradients reduce-scattered in float32
     (``fs.nn.MixedPrecisionPolicy``)."""
     policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else None
-    with fs.nn.fsdp_gather(params, units, mesh=mesh, mp_policy=policy) as get:
+    rep = replicate_axis(mesh)
+    with fs.nn.fsdp_gather(params, units, mesh=mesh, mp_policy=policy, replicate=rep) as get:
         loss = tp_loss(params, tokens, cfg, mesh, get=get, remat=remat)
-    return fs.lax.pmean(loss, "dp", mesh=mesh)
+    return fs.lax.pmean(loss, ("rep", "dp") if rep else "dp", mesh=mesh)
+
+
+def data_axes(mesh: fs.Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch is split over: HSDP's replicate axis ``rep`` (``--hsdp``), ``dp``
+    and ``ep`` (expert parallelism carves its ranks out of the data), those the mesh has."""
+    return tuple(a for a in ("rep", "dp", "ep") if a in mesh.axis_names)
+
+
+def replicate_axis(mesh: fs.Mesh) -> str | None:
+    """HSDP's replicate axis (``--hsdp R``: params sharded over ``dp``, replicated over it)."""
+    return "rep" if "rep" in mesh.axis_names and mesh.size("rep") > 1 else None
 
 
 def run_model(
@@ -355,8 +367,9 @@ def run_model(
     if fsdp:
         mesh = next(iter(params.values())).mesh  # inside a shard_map body: its auto axes'
         return fs.nn.fsdp_call(
-            module, params, args, kwargs, mesh=mesh, axis="dp", mp_policy=mp_policy
-        )
+            module, params, args, kwargs, mesh=mesh, axis="dp", mp_policy=mp_policy,
+            replicate=replicate_axis(mesh),
+        )  # fmt: skip
     return fs.nn.functional_call(module, params, args, kwargs, mp_policy=mp_policy)
 
 
@@ -379,7 +392,7 @@ def context_batch(batch: torch.Tensor, mesh: fs.Mesh) -> dict:
     cp = mesh.size("cp")
     ids, targets = batch[:, :-1], batch[:, 1:]
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    spec = fs.P(("dp", "ep"), "cp")
+    spec = fs.P(data_axes(mesh), "cp")
     return {
         k: fs.shard(fs.parallel.load_balance(t, cp, 1), mesh, spec)
         for k, t in (("ids", ids), ("positions", positions), ("targets", targets))
@@ -610,12 +623,16 @@ def train(args: dict) -> dict:
     cfg = GPTConfig(**args["model"])
     pp, dp, ep, tp = args.get("pp", 1), args["dp"], args.get("ep", 1), args["tp"]
     cp = args.get("cp", 1)
-    if dist.get_world_size() != pp * dp * ep * cp * tp:
-        raise ValueError(f"world size {dist.get_world_size()} != pp * dp * ep * cp * tp")
-    # the batch is split over dp x ep (expert parallelism carves its ranks out of the data),
-    # the sequence over cp
+    rep = args.get("hsdp", 1)
+    if dist.get_world_size() != pp * rep * dp * ep * cp * tp:
+        raise ValueError(f"world size {dist.get_world_size()} != pp * hsdp * dp * ep * cp * tp")
+    # The composition's mesh, outermost first as torchtitan's: the batch is split over
+    # rep x dp x ep (HSDP's replicate axis, data / FSDP, expert parallelism carving its ranks
+    # out of the data), the sequence over cp, the weights over tp (and the blocks over pp).
     mesh = fs.Mesh.create(
-        (pp, dp, ep, cp, tp), ("pp", "dp", "ep", "cp", "tp"), device_type=args.get("device")
+        (pp, rep, dp, ep, cp, tp),
+        ("pp", "rep", "dp", "ep", "cp", "tp"),
+        device_type=args.get("device"),
     )
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(mesh.device())
@@ -669,10 +686,10 @@ def train(args: dict) -> dict:
             if cp > 1:
                 batch = context_batch(batch, mesh)
             elif pipe is None:
-                batch = fs.shard(batch, mesh, fs.P(("dp", "ep")))
+                batch = fs.shard(batch, mesh, fs.P(data_axes(mesh)))
             else:  # microbatches, each split over dp x ep
                 batch = batch.reshape(pipe["microbatches"], -1, cfg.ctx + 1)
-                batch = fs.shard(batch, mesh, fs.P(None, ("dp", "ep")))
+                batch = fs.shard(batch, mesh, fs.P(None, data_axes(mesh)))
             params, opt_state, loss = step(params, opt_state, batch)
             loss = float(loss)
             dt = time.perf_counter() - t0
@@ -719,6 +736,14 @@ def parse_args(argv=None) -> dict:
         default=0,
         help="FSDP over this many data-parallel ranks (sets --dp): params and optimizer state "
         "sharded over dp, each block gathered just before use",
+    )
+    ap.add_argument(
+        "--hsdp",
+        type=int,
+        default=1,
+        help="HSDP (with --fsdp): this many replicas of the FSDP-sharded model; the batch is "
+        "split over hsdp x fsdp, each shard's gradient reduce-scattered over fsdp then "
+        "all-reduced over the replicas",
     )
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     ap.add_argument("--steps", type=int, default=200)
@@ -814,11 +839,11 @@ def parse_args(argv=None) -> dict:
         if a.view != "global":
             raise SystemExit("--pp runs the global view's blocks as stages: add --view global")
         virtual = a.virtual if a.schedule == "interleaved" else 1
-        if a.layers % (a.pp * virtual) or a.batch % (a.microbatches * a.dp * a.ep):
+        if a.layers % (a.pp * virtual) or a.batch % (a.microbatches * a.hsdp * a.dp * a.ep):
             raise SystemExit(
                 f"--pp: --layers ({a.layers}) must split into pp x virtual ({a.pp * virtual}) "
                 f"stages and --batch ({a.batch}) into --microbatches ({a.microbatches}) of "
-                "dp x ep"
+                "hsdp x dp x ep"
             )
     if a.cp > 1:
         if a.view != "global" or a.pp > 1:
@@ -838,6 +863,7 @@ def parse_args(argv=None) -> dict:
         )
     for name in (
         "pp",
+        "hsdp",
         "dp",
         "ep",
         "cp",
@@ -852,8 +878,13 @@ def parse_args(argv=None) -> dict:
     ):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name} must be >= 1")
-    if a.batch % (a.dp * a.ep):
-        raise SystemExit(f"--batch ({a.batch}) must be divisible by --dp x --ep ({a.dp * a.ep})")
+    if a.hsdp > 1 and not a.fsdp:
+        raise SystemExit("--hsdp replicates the FSDP-sharded model: add --fsdp N")
+    if a.batch % (a.hsdp * a.dp * a.ep):
+        raise SystemExit(
+            f"--batch ({a.batch}) must be divisible by --hsdp x --dp x --ep "
+            f"({a.hsdp * a.dp * a.ep})"
+        )
     if a.heads % a.tp:
         raise SystemExit(f"--heads ({a.heads}) must be divisible by --tp ({a.tp})")
     if a.d_model % a.heads:
@@ -864,7 +895,7 @@ def parse_args(argv=None) -> dict:
     return {
         "dp": a.dp, "tp": a.tp, "steps": a.steps, "batch": a.batch, "lr": a.lr,
         "warmup": a.warmup, "wd": a.wd, "clip": a.clip, "seed": a.seed, "data": a.data,
-        "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0,
+        "model": model, "plot": a.plot, "progress": True, "view": a.view, "fsdp": a.fsdp > 0, "hsdp": a.hsdp,
         "device": a.device, "remat": a.remat, "bf16": a.bf16, "ep": a.ep, "sp": a.sp,
         "pp": a.pp, "cp": a.cp, "schedule": a.schedule, "microbatches": a.microbatches,
         "virtual": a.virtual if a.schedule == "interleaved" else 1,
@@ -896,7 +927,8 @@ def save_plot(losses: list, path: str, title: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    world = args.get("pp", 1) * args["dp"] * args.get("ep", 1) * args.get("cp", 1) * args["tp"]
+    world = args.get("pp", 1) * args.get("hsdp", 1) * args["dp"] * args.get("ep", 1)
+    world *= args.get("cp", 1) * args["tp"]
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     out = launch_run(train, world, (args,), timeout=3600)[0]
     if under_torchrun and int(os.environ["RANK"]) != 0:  # run() closed its group

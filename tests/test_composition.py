@@ -63,6 +63,10 @@ ROWS = [
     ("--experts 4 --ep 2 --pp 2 --tp 1", "moe"),
     ("--bf16 --fsdp 2 --tp 2", "bf16"),
     ("--bf16 --pp 2 --tp 2", "bf16"),
+    ("--hsdp 2 --fsdp 2 --tp 1", "dense"),
+    ("--hsdp 2 --fsdp 2 --tp 1 --view local", "dense"),
+    ("--remat --pp 2 --tp 2", "dense"),
+    ("--remat --fsdp 2 --pp 2 --tp 1", "dense"),
 ]
 
 
