@@ -204,3 +204,78 @@ def test_transformers_models_compose(world4, rank_fn):
     for worst, layouts in world4.run(rank_fn):
         assert layouts
         assert worst < 1e-4, worst
+
+
+def _parallelize_worst(kind: str, degrees: dict) -> float:
+    """``fs.parallel.parallelize`` of a tiny transformers model for ``degrees``: one
+    fs.value_and_grad step against dense torch.func on the same weights (the worst difference
+    of the loss and of every gradient, relative to its largest entry)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.MixtralConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        )  # fmt: skip
+        model = transformers.MixtralForCausalLM(cfg)
+    dims = fs.parallel.ParallelDims(**degrees)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    worst = abs(float(value) - float(want_value))
+    for k, g in grads.items():
+        assert g.layout == params[k].layout, k
+        scale = float(want[k].abs().max()) + 1e-6
+        worst = max(worst, float((fs.gather(g) - want[k]).abs().max()) / scale)
+    return worst
+
+
+PARALLELIZE = [
+    ("llama", {"dp_shard": 2, "tp": 2}),
+    ("llama", {"dp_replicate": 2, "dp_shard": 2}),
+    ("llama", {"dp_shard": 2, "cp": 2}),
+    ("llama", {"tp": 2, "cp": 2}),
+    ("mixtral", {"dp_shard": 2, "ep": 2}),
+]
+
+
+def parallelize_rank_fn():
+    return [_parallelize_worst(kind, degrees) for kind, degrees in PARALLELIZE]
+
+
+@pytest.mark.timeout(600)
+def test_parallelize_composes_on_transformers_models(world4):
+    """One library call (fs.parallel.parallelize) composes FSDP/HSDP, TP, CP and EP on an
+    unedited transformers Llama and Mixtral: loss and every gradient equal to dense, in the
+    params' layouts."""
+    pytest.importorskip("transformers")
+    for worsts in world4.run(parallelize_rank_fn):
+        for (kind, degrees), worst in zip(PARALLELIZE, worsts):
+            assert worst < 1e-4, (kind, degrees, worst)
+
+
+def test_parallel_dims_checks_its_arguments():
+    with pytest.raises(ValueError, match="tp must be an int >= 1"):
+        fs.parallel.ParallelDims(tp=0)
+    with pytest.raises(ValueError, match="cp_attention"):
+        fs.parallel.ParallelDims(cp_attention="flash")
+    with pytest.raises(NotImplementedError, match="pp > 1"):
+        fs.parallel.ParallelDims(pp=2)
+    dims = fs.parallel.ParallelDims(dp_shard=512, tp=2)
+    assert dims.world_size == 1024
+    assert dims.abstract_mesh().shape == (1, 512, 1, 1, 2)

@@ -10,6 +10,7 @@ call puts values into the module through the one swap of :mod:`fshard._swap`).
 | FSDP / ZeRO-3 (:mod:`fshard.parallel.fsdp`) | ``fsdp_plan`` (over any base plan) | ``fsdp_call`` |
 | expert (:mod:`fshard.parallel.expert`) | ``expert_parallel_plan`` | ``expert_parallel_call`` (``moe_experts`` for your own MoE layer) |
 | context (:mod:`fshard.parallel.context`) | ``load_balance`` (the sequence's chunks per rank) | ``context_parallel_loss`` (an HF causal LM); ``ring_attention`` / ``ulysses_attention`` for your own attention |
+| all at once (:mod:`fshard.parallel.compose`) | ``ParallelDims`` (every degree) | ``parallelize`` (a transformers causal LM: params and one loss) |
 | pipeline (:mod:`fshard.parallel.pipeline`) | ``stack_stages`` (a module's blocks as stages over ``pp``), ``pipeline_schedule`` (the tick table) | ``pipeline`` (its own executor: GPipe, 1F1B, interleaved, ZB-H1) |
 
 The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
@@ -21,6 +22,7 @@ Example:
     True
 """
 
+from .compose import ParallelDims, parallelize
 from .context import (
     context_parallel_loss,
     load_balance,
@@ -43,6 +45,8 @@ from .sequence import megatron_sp_comm, sequence_parallel_plan
 from .tensor import hf_tp_plan, megatron_plan
 
 __all__ = [
+    "ParallelDims",
+    "parallelize",
     "megatron_plan",
     "hf_tp_plan",
     "sequence_parallel_plan",

@@ -44,7 +44,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch._C._functorch import get_interpreter_stack
 
 from .. import axis_env, lax
-from ..api import gather
+from ..api import gather, shard
 from ..array import ShardedArray
 from ..axis_env import current_mesh
 from ..mesh import Mesh
@@ -679,6 +679,8 @@ def context_parallel_loss(
     *,
     axis: str = "cp",
     attention: str = "ring",
+    batch: str | tuple[str, ...] | None = None,
+    call: Callable | None = None,
 ) -> torch.Tensor:
     """The causal-LM loss of a transformers model (``LlamaForCausalLM`` and the like) with the
     sequence split over ``axis``: transformers' ``model(input_ids, labels=labels).loss``.
@@ -703,6 +705,11 @@ def context_parallel_loss(
         attention_mask: ``(batch, seq)``, 1 for real tokens (key padding), or ``None``.
         axis: the context-parallel mesh axis.
         attention: ``"ring"`` or ``"ulysses"``.
+        batch: mesh axes the batch (dim 0) is split over too (data parallel, FSDP's), or
+            ``None``.
+        call: what runs the model on a rank's chunks, ``call(module, params, args, kwargs)``:
+            :func:`fshard.nn.functional_call` (``None``), or another strategy's, e.g.
+            ``functools.partial(fs.nn.fsdp_call, mesh=mesh, axis="dp")`` for FSDP x CP.
 
     Returns:
         The mean loss, a 0-d tensor equal on every rank (differentiable in ``params``: use
@@ -725,6 +732,8 @@ def context_parallel_loss(
     """
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {sorted(_ATTENTION)}, got {attention!r}")
+    if call is not None and not callable(call):
+        raise TypeError(f"context_parallel_loss: call must be callable, got {type(call).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise TypeError(
             f"input_ids must be a full (batch, seq) tensor, got {type(input_ids).__name__} "
@@ -745,14 +754,18 @@ def context_parallel_loss(
     positions = torch.arange(s, device=input_ids.device).expand(b, s)  # split as the ids
 
     def split(t):
-        return None if t is None else load_balance(t, cp, 1)
+        if t is None:
+            return None
+        t = load_balance(t, cp, 1)
+        # the batch's split over other axes: a global-view value the body keeps as it is
+        return t if batch is None else shard(t, mesh, P(batch, axis))
 
     mask = None if attention_mask is None else attention_mask.bool()
     attend = _ATTENTION[attention]
 
     def body(ps, ids, pos, tgt, keep):
         with _attention_of(module, mesh, axis, attend):
-            out = _call(module, ps, ids, pos, keep)
+            out = _call(call or functional_call, module, ps, ids, pos, keep)
         logits = out.logits
         ce = F.cross_entropy(
             logits.flatten(0, -2).float(), tgt.flatten(), ignore_index=-100, reduction="sum"
@@ -771,6 +784,6 @@ def context_parallel_loss(
     return gather(loss)
 
 
-def _call(module, params, ids, positions, mask):
+def _call(call, module, params, ids, positions, mask):
     kwargs = {"position_ids": positions, "attention_mask": mask, "use_cache": False}
-    return functional_call(module, params, (ids,), kwargs)
+    return call(module, params, (ids,), kwargs)
