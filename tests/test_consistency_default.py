@@ -285,8 +285,8 @@ def test_default_agreeing_ranks_pass_across_periodic_exchanges(world_default):
 @pytest.fixture(scope="module")
 def world_default4():
     saved = os.environ.pop("FSHARD_CHECK_CONSISTENCY", None)
-    try:
-        with World(4, timeout=60, pg_timeout=20) as world:
+    try:  # 120 s as conftest's worlds: 4 workers starting on a loaded 2-core machine
+        with World(4, timeout=120, pg_timeout=20) as world:
             yield world
     finally:
         if saved is not None:
