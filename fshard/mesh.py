@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import _torchrun
 from .spec import chunk_index
 
 __all__ = ["Mesh", "AxisGroup"]
@@ -144,7 +145,7 @@ class Mesh:
 
         Under ``torchrun`` with no process group yet, this initialises the default one, as
         DTensor's ``init_device_mesh`` does (NCCL when every local rank has its own GPU, else
-        Gloo: :func:`fshard.launch.default_backend`). It is not destroyed at exit: call
+        Gloo: :func:`fshard._torchrun.default_backend`). It is not destroyed at exit: call
         ``dist.barrier(); dist.destroy_process_group()`` at the end of the script (a Gloo group left
         to interpreter teardown aborts a rank after its output in about 1 run in 6, with
         "terminate called without an active exception", in plain torch too), or run the script's
@@ -170,11 +171,9 @@ class Mesh:
             >>> mesh = Mesh.create((2, 2), ("dp", "tp"))  # doctest: +SKIP
         """
         shape, names = _check_mesh_args(shape, names)
-        if dist.is_available() and not dist.is_initialized():
-            from .launch import _init_torchrun_group, under_torchrun
-
-            if under_torchrun():  # as DTensor's init_device_mesh: NCCL on GPUs, else Gloo
-                _init_torchrun_group(None)
+        # under torchrun, as DTensor's init_device_mesh: NCCL on GPUs, else Gloo
+        if dist.is_available() and not dist.is_initialized() and _torchrun.under_torchrun():
+            _torchrun.init_torchrun_group(None)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Mesh.create needs an initialised torch.distributed process group; run under "

@@ -19,15 +19,22 @@ def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
 
 
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
-    """``{module: modules it imports at module level}`` for every ``fshard`` module: relative
-    ``from . import x`` / ``from .x import y`` statements of the module body (``y`` counts when
-    it is a submodule)."""
+    """``{module: modules it imports}`` for every ``fshard`` module: relative
+    ``from . import x`` / ``from .x import y`` statements anywhere in the module, function
+    bodies included (``y`` counts when it is a submodule), and absolute ``fshard`` imports."""
     paths = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph = {}
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in paths and a.name != name)
+                continue
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                if node.module.split(".")[0] == "fshard" and node.module in paths:
+                    edges.add(node.module)
+                continue
             if not (isinstance(node, ast.ImportFrom) and node.level):
                 continue
             base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -147,3 +154,49 @@ def test_imports_follow_the_layers_of_design():
     assert [n for n, _, _ in table] == list(range(1, len(table) + 1)), "layers are numbered 1..n"
     graph = import_graph()
     assert not layer_violations(graph, table), "\n".join(layer_violations(graph, table))
+
+
+#: Third-party (and standard) modules fshard may import inside a function: optional
+#: dependencies, and torch submodules that cost seconds to import or need a process group.
+LAZY_ALLOWED = {"torch", "transformers", "safetensors", "rich", "matplotlib", "numpy", "io", "os"}
+
+
+def lazy_imports(root: pathlib.Path = ROOT) -> list[str]:
+    """``path:line module`` of every import inside a function body of fshard."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for f in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(f):
+                if isinstance(node, ast.Import):
+                    out += [f"{path.relative_to(root)}:{node.lineno} {a.name}" for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    mod = "." * node.level + (node.module or "")
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {mod}")
+    return out
+
+
+def test_function_level_imports_are_third_party_and_allowed():
+    """No fshard module is imported inside a function (that is how import circles hid, issue
+    36); the third-party ones imported lazily are the allowed optional or heavy ones."""
+    found = lazy_imports()
+    assert found, "the walk found no import at all inside functions"  # the check can see them
+    own = [f for f in found if f.split()[1].startswith((".", "fshard"))]
+    assert not own, "fshard modules imported inside functions:\n" + "\n".join(own)
+    other = [f for f in found if f.split()[1].split(".")[0] not in LAZY_ALLOWED]
+    assert not other, "lazy imports outside LAZY_ALLOWED:\n" + "\n".join(other)
+
+
+def test_the_graph_sees_imports_inside_functions(tmp_path):
+    pkg = tmp_path / "fshard"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n")
+    (pkg / "b.py").write_text("from . import a\n")
+    graph = import_graph(pkg)
+    assert graph["fshard.a"] == {"fshard.b"} and find_cycle(graph) == [
+        "fshard.a",
+        "fshard.b",
+        "fshard.a",
+    ]
