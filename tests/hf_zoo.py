@@ -246,7 +246,12 @@ def _outcome(e: BaseException) -> tuple[str, str]:
         return "wrong", str(e).splitlines()[0][:300] if str(e) else "AssertionError"
     frames = traceback.extract_tb(e.__traceback__)
     where = frames[-1].filename if frames else "?"
-    where = "fshard" if "/fshard/" in where else where.rpartition("site-packages/")[2]
+    if "/fshard/" in where:
+        where = "fshard"
+    elif "site-packages/" in where:
+        where = where.rpartition("site-packages/")[2]
+    else:  # the zoo's own checks
+        where = where.rpartition("/")[2]
     first = (str(e).splitlines() or [""])[0][:300]
     return "refused", f"{type(e).__name__}: {first} [{where}]"
 
