@@ -194,7 +194,8 @@ def inputs(model: torch.nn.Module, task: str, batch: int = BATCH):
 _COLUMN = (
     "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "gate_proj",
     "up_proj", "fc1", "wi", "wi_0", "wi_1", "w1", "w3", "c_fc", "dense_h_to_4h", "fc_in", "wqkv",
-    "wq", "c_attn", "q_lin", "k_lin", "v_lin", "lin1", "Wq", "Wk", "Wv",
+    "wq", "c_attn", "q_lin", "k_lin", "v_lin", "lin1", "Wq", "Wk", "Wv", "query_proj", "key_proj",
+    "value_proj",
 )  # fmt: skip
 _ROW = (
     "o_proj", "out_proj", "o", "down_proj", "fc2", "wo", "w2", "dense_4h_to_h", "fc_out",
