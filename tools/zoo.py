@@ -32,8 +32,9 @@ DOCS = ROOT / "docs" / "models.md"
 BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 
 
-def select(names: list[str], every: int) -> list[str]:
-    """``names`` (all when empty), every ``every``-th architecture of each task."""
+def select(names: list[str], every: int, offset: int = 0) -> list[str]:
+    """``names`` (all when empty), every ``every``-th architecture of each task from the
+    ``offset``-th on."""
     archs = hf_zoo.architectures()
     if names:
         unknown = [n for n in names if n not in archs]
@@ -43,7 +44,7 @@ def select(names: list[str], every: int) -> list[str]:
     by_task = collections.defaultdict(list)
     for arch, (task, _) in archs.items():
         by_task[task].append(arch)
-    return sorted(a for task in by_task.values() for a in task[::every])
+    return sorted(a for task in by_task.values() for a in task[offset::every])
 
 
 def run(archs: list[str], timeout: float, log: str | None = None) -> dict:
@@ -129,14 +130,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("archs", nargs="*", help="architectures (default: the whole zoo)")
     parser.add_argument("--every", type=int, default=1, help="every n-th architecture per task")
+    parser.add_argument("--offset", type=int, default=0, help="with --every: the first one")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/models.md")
     args = parser.parse_args(argv)
-    archs = select(args.archs, args.every)
+    archs = select(args.archs, args.every, args.offset)
     t = time.time()
     results = run(archs, args.timeout, args.json)
     command = "python tools/zoo.py" + (f" --every {args.every}" if args.every > 1 else "")
+    command += f" --offset {args.offset}" if args.offset else ""
     print(table(results))
     print(summary(results, command))
     print(f"{time.time() - t:.0f}s")
