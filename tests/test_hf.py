@@ -765,16 +765,6 @@ ARCH_CONFIGS += [("phi3", "tp-replicated")]
 # experts (torch.where over the expert mask, refused on an even dp batch before) and the
 # grouped_mm ones (which gathered every token before), even and odd batches
 ARCH_CONFIGS += [(a, j) for a in ("mixtral_eager", "qwen2_moe") for j in ("dp-local", "dp-local-even")]
-# the odd batch leaves an expert without tokens on one rank: its parameters get no gradient
-# there, and shard_map's gradient all_reduce over dp then has another size on each rank
-# (fs.config.check_consistency stops it; fshard/shard_map.py, not this branch's)
-ARCH_XFAIL = {("mixtral_eager", "dp-local"): "shard_map: a body input without a gradient on one rank"}
-ARCH_CONFIGS = [
-    pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=ARCH_XFAIL[c]))
-    if c in ARCH_XFAIL
-    else c
-    for c in ARCH_CONFIGS
-]
 # configurations that stop with a clear error (docs/models.md), and the error they raise
 ARCH_ERRORS = {
     # torch refuses the context_fn fshard's recompute needs on a reentrant checkpoint
@@ -783,9 +773,7 @@ ARCH_ERRORS = {
 }
 
 
-@pytest.mark.parametrize(
-    "arch, job", ARCH_CONFIGS, ids=["-".join(c.values if hasattr(c, "values") else c) for c in ARCH_CONFIGS]
-)
+@pytest.mark.parametrize("arch, job", ARCH_CONFIGS, ids=["-".join(c) for c in ARCH_CONFIGS])
 def test_architecture_matches_dense(world2, arch, job):
     config = (arch, job)
     (gathers, error), (_, error1) = world2.run(arch_rank_fn, arch, job)
