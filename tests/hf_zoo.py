@@ -88,7 +88,7 @@ def architectures() -> dict[str, tuple[str, str]]:
 
     Example:
         >>> archs = architectures()
-        >>> archs["llama"], archs["bert"][0], archs["vit"][0]
+        >>> archs["llama"], archs["albert"][0], archs["vit"][0]
         (('causal', 'LlamaForCausalLM'), 'mlm', 'image')
     """
     from transformers.models.auto import modeling_auto
