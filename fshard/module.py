@@ -505,6 +505,12 @@ def _with_local_rows(sub: torch.nn.Module, name: str, axis: str, values: Mapping
                 return forward(*args, **kwargs)
 
         def body(params, xs):
+            # varying over the axis once, here: each parameter's gradient is summed over it once
+            # for the whole body, whichever of its parts this rank's rows use (a MoE block
+            # indexes only the experts its tokens reach, which differ from rank to rank)
+            params = {
+                k: lax.pcast(v, axis) if v.is_floating_point() else v for k, v in params.items()
+            }
             given = list(leaves)
             for i, x in zip(at, xs):
                 given[i] = x
