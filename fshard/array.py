@@ -177,6 +177,24 @@ class ShardedArray:
             raise TypeError("len() of a 0-d ShardedArray")
         return self.layout.shape[0]
 
+    def __iter__(self):
+        """Iterate over dim 0, as a tensor does, where that moves nothing: the rows of a value
+        whose dim 0 is not split (each a view of the local block). Over a split dim 0 it is
+        refused with a ``TypeError`` (each row would be gathered from its rank): iterate over
+        ``fs.gather(x)``, or over the local rows inside ``fs.shard_map``. (transformers'
+        ``ModelOutput`` probes its first field with ``iter()`` and takes the ``TypeError`` as
+        "not a sequence": a data-parallel forward then gathers nothing, issue 37 item 9.)"""
+        if not self.layout.shape:
+            raise TypeError("iteration over a 0-d ShardedArray")
+        lay = self.layout
+        if not isinstance(lay, Layout) or lay.dim_axes[0]:
+            raise TypeError(
+                f"iteration over a ShardedArray whose dim 0 is split ({lay.spec} on "
+                f"{lay.mesh!r}) would gather every row; iterate over fs.gather(x), or over the "
+                "local rows inside fs.shard_map"
+            )
+        return (self[i] for i in range(lay.shape[0]))
+
     def __bool__(self) -> bool:
         """The truth value of a one-element value that is the same on every rank (replicated,
         no pending sum), e.g. ``if mask.all():``. A split or pending value is refused: ranks

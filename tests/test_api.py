@@ -253,3 +253,25 @@ def reshard_broadcast_gather_path():
 
 def test_all_gather_broadcast_lowering(world2):
     assert world2.run(reshard_broadcast_gather_path) == [32, 32]
+
+
+def iterate_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    t = torch.arange(12.0).reshape(3, 4)
+    rows = [fs.gather(r) for r in fs.shard(t, mesh, fs.P(None, "x"))]  # dim 0 whole
+    try:
+        iter(fs.shard(t, mesh, fs.P("x")))
+        refused = None
+    except TypeError as e:
+        refused = str(e)
+    return rows, refused
+
+
+def test_iteration_over_dim_0_moves_nothing(world2):
+    """Iterating a ShardedArray gives its rows where dim 0 is whole, and refuses (TypeError,
+    which transformers' ModelOutput takes as "not a sequence") where each row would be
+    gathered."""
+    t = torch.arange(12.0).reshape(3, 4)
+    for rows, refused in world2.run(iterate_rank_fn):
+        assert len(rows) == 3 and all(torch.equal(r, t[i]) for i, r in enumerate(rows))
+        assert refused is not None and "dim 0 is split" in refused

@@ -855,17 +855,9 @@ def dp_forward_comm_rank_fn():
     return [(r.op, r.nbytes) for r in log]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 37 item 9, fshard/array.py (not this branch's): transformers' "
-    "ModelOutput.__post_init__ probes a non-torch.Tensor first field with iter(); "
-    "ShardedArray has no __iter__, so Python's sequence protocol reads x[0] (a row of the "
-    "dp-split last hidden state, gathered). Fix: ShardedArray.__iter__ raising TypeError "
-    "over a split dim 0 (transformers catches it), or iterating without moving rows",
-)
 def test_dp_forward_moves_nothing(world2):
     """Issue 37 item 9: a data-parallel forward (replicated parameters, batch split over dp)
-    communicates nothing; today every transformers forward gathers a row of its last hidden
-    state (one all_gather)."""
+    communicates nothing (before: transformers' ModelOutput probed its first field with iter(),
+    which read x[0], a gathered row of the last hidden state)."""
     for log in world2.run(dp_forward_comm_rank_fn):
         assert log == [], log
