@@ -44,6 +44,7 @@ def _setup():
 
 
 TX = dict(learning_rate=1e-2, weight_decay=0.1)
+UNITS = fs.nn.fsdp_units(Net())  # the root (inp, out, gain), layers.0, layers.1
 
 
 def dense_run():
@@ -119,14 +120,15 @@ def test_fsdp_training_matches_dense(world2, dense, traced):
         for k in params:
             torch.testing.assert_close(params[k], ref_params[k])
         for log in logs:
-            # forward: each sharded param gathered from its half; the loss pmean (8 B);
-            # backward: reduce_scatter of each full gradient, all_reduce of gain's 3 values;
-            # eager also re-gathers each unit for the backward instead of keeping its weights
-            want = [("all_gather", sizes[k] // 2) for k in sharded]
-            want += [("reduce_scatter", sizes[k]) for k in sharded]
-            want += [("all_reduce", 8), ("all_reduce", sizes["gain"])]
-            if not traced:  # each unit once, as a whole
+            want = [("all_reduce", 8), ("all_reduce", sizes["gain"])]  # the loss pmean, gain
+            if traced:  # each sharded param gathered from its half, its gradient scattered
                 want += [("all_gather", sizes[k] // 2) for k in sharded]
+                want += [("reduce_scatter", sizes[k]) for k in sharded]
+            else:  # FSDP2's granularity: one all_gather per unit (forward, and again in the
+                # backward instead of keeping the weights), one reduce_scatter per unit
+                units = [[k for k in names if k in sharded] for names in UNITS.values()]
+                want += [("all_gather", sum(sizes[k] for k in u) // 2) for u in units] * 2
+                want += [("reduce_scatter", sum(sizes[k] for k in u)) for u in units]
             assert sorted(log) == sorted(want)
             # no weight gradient is ever all-reduced (then sliced)
             assert not [r for r in log if r[0] == "all_reduce" and r[1] > 24]
@@ -149,11 +151,12 @@ def test_fsdp_over_reversed_axes_matches_dense(world4, dense):
         for k in params:
             torch.testing.assert_close(params[k], ref_params[k])
         for log in logs:
-            want = [("all_gather", sizes[k] // 4) for k in sharded]
+            units = [[k for k in names if k in sharded] for names in UNITS.values()]
+            want = [("all_gather", sum(sizes[k] for k in u) // 4) for u in units]  # per unit
             # the backward re-gathers the blocks' units; the root's sharded params (inp) are not
             # saved for it (its input needs no gradient)
-            want += [("all_gather", sizes[k] // 4) for k in sharded if k.startswith("layers.")]
-            want += [("reduce_scatter", sizes[k]) for k in sharded]
+            want += [("all_gather", sum(sizes[k] for k in u) // 4) for u in units[1:]]
+            want += [("reduce_scatter", sum(sizes[k] for k in u)) for u in units]
             want += [("all_reduce", 8), ("all_reduce", sum(sizes[k] for k in whole))]
             assert sorted(log) == sorted(want)
 
@@ -352,11 +355,14 @@ def test_hsdp_matches_dense(world4, dense, traced):
             torch.testing.assert_close(params[k], ref_params[k])
         for log in logs:
             gathers = [n for op, axes, n in log if op == "all_gather"]
-            assert sorted(gathers) == sorted(
-                [sizes[k] // 2 for k in sharded] * (1 if traced else 2)
-            )
             rs = [(axes, n) for op, axes, n in log if op == "reduce_scatter"]
-            assert sorted(rs) == sorted((("shard",), sizes[k]) for k in sharded)
+            if traced:
+                assert sorted(gathers) == sorted(sizes[k] // 2 for k in sharded)
+                assert sorted(rs) == sorted((("shard",), sizes[k]) for k in sharded)
+            else:  # per unit (see test_fsdp_training_matches_dense)
+                units = [[k for k in names if k in sharded] for names in UNITS.values()]
+                assert sorted(gathers) == sorted([sum(sizes[k] for k in u) // 2 for u in units] * 2)
+                assert sorted(rs) == sorted((("shard",), sum(sizes[k] for k in u)) for u in units)
             reduced = [(axes, n) for op, axes, n in log if op == "all_reduce" and n > 8]
             # the shards' gradients over "rep" (bucketed at top level), gain's over both
             assert sum(n for axes, n in reduced if axes == ("rep",)) == sum(

@@ -52,6 +52,7 @@ from .. import _comm, _swap, lax
 from .._leaf_errors import LeafErrors
 from ..array import ShardedArray
 from ..collectives import AllGather, Bound, Pcast
+from ..gradsync import GradSync
 from ..mesh import Mesh
 from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
@@ -213,7 +214,7 @@ class _Session:
         self.typed = typed
         self.pcasts = _Pcasts(self) if typed else None
         self.unit_of = {n: u for u, names in units.items() for n in names}
-        self.whole: dict[str, torch.Tensor] = {}  # typed, eager: each param's gathered value
+        self.vary: dict[str, torch.Tensor] = {}  # typed, eager: each param's varying gather
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
@@ -239,16 +240,68 @@ class _Session:
         return bool(spec.dims) and all(a in spec.dims[0] for a in self.axes)
 
     def _launch(self, unit: str) -> None:
-        if unit not in self.launched:
-            self.launched[unit] = {
-                n: _comm.all_gather_start(self._low(n).detach(), self.group, 0, None)
-                for n in self.units[unit]
-                if self.sharded(n)
-            }
+        """One all_gather per unit (and dtype), as FSDP2's: this rank's blocks of the unit's
+        params packed back to back, gathered at once (their sizes are equal on every rank:
+        ``fsdp_plan`` shards only dims that split evenly)."""
+        if unit in self.launched:
+            return
+        packs: dict = {}  # (gathered dtype, master dtype, device) -> [names]
+        lows = {}
+        for n in self.units[unit]:
+            if self.sharded(n):
+                lows[n] = self._low(n).detach()
+                key = (lows[n].dtype, self.params[n].dtype, lows[n].device)
+                packs.setdefault(key, []).append(n)
+        launched = []
+        for names in packs.values():
+            flat = torch.cat([lows[n].reshape(-1) for n in names])
+            shapes = [tuple(lows[n].shape) for n in names]
+            launched.append((names, shapes, _comm.all_gather_start(flat, self.group, 0, None)))
+        self.launched[unit] = launched
 
-    def _wait(self, unit: str) -> dict:
+    def _wait(self, unit: str) -> list:
+        """The unit's packs, gathered: ``[(names, shapes, flat)]``, ``flat`` every chunk's
+        packed blocks in chunk order."""
         self._launch(unit)
-        return {n: pending.wait() for n, pending in self.launched.pop(unit).items()}
+        return [(ns, shapes, pending.wait()) for ns, shapes, pending in self.launched.pop(unit)]
+
+    def _unpack(self, packs: list, flats: list | None = None) -> dict:
+        """``{name: gathered param}`` out of ``packs`` (or of ``flats``, the packs' gathered
+        buffers as other tensors: the differentiable varying gather): each param's blocks in
+        chunk order along dim 0, a copy with its own storage."""
+        out = {}
+        k = self.group.size
+        for (names, shapes, _), buf in zip(packs, flats or [p[2] for p in packs]):
+            pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
+            for n, shape, piece in zip(names, shapes, pieces):
+                out[n] = piece.reshape(k * shape[0], *shape[1:])
+        return out
+
+    def _vary(self, packs: list) -> dict:
+        """The varying gathers of the packs' params, one differentiable all_gather per pack
+        on the data gathered ahead (``done=``): its backward is ONE reduce_scatter of the
+        pack's gradients (then, with HSDP, each shard's all_reduce over the replicate axes), in
+        the policy's reduce dtype, cast to each param's. Under ``fs.value_and_grad(...,
+        sync=False)`` one per param (the unreduced gradient sync takes each param's gather
+        over, keeping the whole param's addend)."""
+        if any(isinstance(h, GradSync) and h.mode == "unreduced" for h in lax.active_handlers()):
+            fulls = self._unpack(packs)
+            return {n: self._varying(n, full) for n, full in fulls.items()}
+        flats = []
+        for names, _, flat in packs:
+            xs = [self.params[n].local for n in names]
+            if not any(x.requires_grad for x in xs):
+                flats.append(flat)
+                continue
+            reduce = self.policy.reduce_in(xs[0].dtype)
+            srcs = [self._replicated(x, reduce) for x in xs]
+            if reduce == flat.dtype:
+                ins, done = [self.policy.cast_param(t) for t in srcs], flat
+            else:
+                ins, done = [t.to(reduce) for t in srcs], flat.to(reduce)
+            packed = torch.cat([t.reshape(-1) for t in ins])
+            flats.append(lax.apply(self.gathered, packed, done=done).to(flat.dtype))
+        return self._unpack(packs, flats)
 
     def gather(self, unit: str) -> dict[str, torch.Tensor]:
         if unit not in self.units:
@@ -257,24 +310,26 @@ class _Session:
             if self.typed:
                 return {n: self._typed(n, None) for n in self.units[unit]}
             return {n: self._traced(n) for n in self.units[unit]}
-        fulls = self._wait(unit)
+        packs = self._wait(unit)
+        vary = self._vary(packs)
         if self.prefetch:
             i = self.order.index(unit)
             if i + 1 < len(self.order):
                 self._launch(self.order[i + 1])
         self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
-        self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
+        self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
-            if self.typed:
-                y = self._typed(n, fulls.get(n))
-                if n in fulls:
-                    self.active[y.local.untyped_storage().data_ptr()] = (unit, n, y.local)
-            elif n in fulls:
-                y = self._varying(n, fulls[n])
+            if n in vary:
+                y = vary[n]
                 self.active[y.untyped_storage().data_ptr()] = (unit, n, y)
-            else:
+            if self.typed:  # the invariant gather on the same data; _Pcasts reads vary[n]
+                y = self._typed(n, vary[n].detach() if n in vary else None)
+                if n in vary:
+                    self.vary[n] = vary[n]
+                    self.active[y.local.untyped_storage().data_ptr()] = (unit, n, y.local)
+            elif n not in vary:
                 y = self._pcast(n)
             out[n] = y
         return out
@@ -309,8 +364,6 @@ class _Session:
                 done = None if full is None else full.to(reduce)
                 inv = lax.apply(invariant, local.to(reduce), done=done).to(low.dtype)
         self.pcasts.track(inv, n)
-        if full is not None:
-            self.whole[n] = full  # what the varying gather reads (no new communication)
         return ShardedArray._raw(inv, self.base_layout(n).with_dtype(inv.dtype))
 
     def _low(self, n: str) -> torch.Tensor:
@@ -327,9 +380,8 @@ class _Session:
         return lax.apply(Bound(Pcast(self.rep_group.axes, reduce), self.rep_group), x)
 
     def _varying(self, n: str, full: torch.Tensor) -> torch.Tensor:
-        """The gathered ``full`` (of :meth:`_low`) as the differentiable gather of param ``n``:
-        the backward reduce-scatters in the policy's reduce dtype (then, with HSDP,
-        all-reduces the shard over the replicate axes), then casts to the param's."""
+        """The gathered ``full`` as the differentiable varying gather of param ``n`` alone
+        (its backward reduce-scatters in the policy's reduce dtype, then casts)."""
         x = self.params[n].local
         if not x.requires_grad:
             return full
@@ -382,7 +434,7 @@ class _Session:
 
     def _regather(self, unit: str) -> dict:
         if unit not in self.cache:
-            self.cache = {unit: self._wait(unit)}  # the unit used before is freed
+            self.cache = {unit: self._unpack(self._wait(unit))}  # the unit before is freed
             # backward order: the root (its head runs first), then the units in reverse
             order = [""] + [u for u in dict.fromkeys(reversed(self.seen)) if u != ""]
             if self.prefetch and unit in order and order.index(unit) + 1 < len(order):
@@ -444,8 +496,7 @@ class _Pcasts(lax.Handler):
             return proceed(b, x, done)
         name, f = found
         if s.eager:
-            y = s._varying(name, s.whole[name])
-            s.active[y.untyped_storage().data_ptr()] = (s.unit_of[name], name, y)
+            y = s.vary[name]  # the unit's varying gather, made with the invariant one
         else:
             y = s._traced(name)
         y = y if f is None else f(y)
