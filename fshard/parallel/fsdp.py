@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .. import _comm, _swap, lax
+from .. import _comm, _swap, axis_env, lax
 from .._leaf_errors import LeafErrors
 from ..array import ShardedArray
 from ..collectives import AllGather, Bound, Pcast
@@ -215,6 +215,7 @@ class _Session:
         self.pcasts = _Pcasts(self) if typed else None
         self.unit_of = {n: u for u, names in units.items() for n in names}
         self.vary: dict[str, torch.Tensor] = {}  # typed, eager: each param's varying gather
+        self.whole: dict[str, torch.Tensor] = {}  # typed, in a shard_map body: its gathered data
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
@@ -253,6 +254,11 @@ class _Session:
                 key = (lows[n].dtype, self.params[n].dtype, lows[n].device)
                 packs.setdefault(key, []).append(n)
         launched = []
+        if axis_env.in_body():  # one gather per param (see gather)
+            for n, low in lows.items():
+                launched.append(([n], None, _comm.all_gather_start(low, self.group, 0, None)))
+            self.launched[unit] = launched
+            return
         for names in packs.values():
             flat = torch.cat([lows[n].reshape(-1) for n in names])
             shapes = [tuple(lows[n].shape) for n in names]
@@ -272,6 +278,9 @@ class _Session:
         out = {}
         k = self.group.size
         for (names, shapes, _), buf in zip(packs, flats or [p[2] for p in packs]):
+            if shapes is None:  # one param, gathered as it is
+                out[names[0]] = buf
+                continue
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
                 out[n] = piece.reshape(k * shape[0], *shape[1:])
@@ -284,7 +293,10 @@ class _Session:
         the policy's reduce dtype, cast to each param's. Under ``fs.value_and_grad(...,
         sync=False)`` one per param (the unreduced gradient sync takes each param's gather
         over, keeping the whole param's addend)."""
-        if any(isinstance(h, GradSync) and h.mode == "unreduced" for h in lax.active_handlers()):
+        unreduced = any(
+            isinstance(h, GradSync) and h.mode == "unreduced" for h in lax.active_handlers()
+        )
+        if unreduced or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
             return {n: self._varying(n, full) for n, full in fulls.items()}
         flats = []
@@ -311,20 +323,32 @@ class _Session:
                 return {n: self._typed(n, None) for n in self.units[unit]}
             return {n: self._traced(n) for n in self.units[unit]}
         packs = self._wait(unit)
-        vary = self._vary(packs)
+        # In a shard_map body (FSDP x CP) one gather per param (not packed), and the global
+        # view's varying gathers are made where an op rule asks for one (_Pcasts), so the
+        # body's varying-axes tracker types them as it types the op's other values (packed,
+        # the gradients came out wrong: not yet understood); elsewhere one per pack, made here.
+        lazy = self.typed and axis_env.in_body()
+        vary = {} if lazy else self._vary(packs)
+        fulls = self._unpack(packs) if lazy else {}
         if self.prefetch:
             i = self.order.index(unit)
             if i + 1 < len(self.order):
                 self._launch(self.order[i + 1])
         self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
         self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
+        self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
             if n in vary:
                 y = vary[n]
                 self.active[y.untyped_storage().data_ptr()] = (unit, n, y)
-            if self.typed:  # the invariant gather on the same data; _Pcasts reads vary[n]
+            if self.typed and lazy:
+                y = self._typed(n, fulls.get(n))
+                if n in fulls:
+                    self.whole[n] = fulls[n]  # what _Pcasts' varying gather reads
+                    self.active[y.local.untyped_storage().data_ptr()] = (unit, n, y.local)
+            elif self.typed:  # the invariant gather on the same data; _Pcasts reads vary[n]
                 y = self._typed(n, vary[n].detach() if n in vary else None)
                 if n in vary:
                     self.vary[n] = vary[n]
@@ -495,8 +519,11 @@ class _Pcasts(lax.Handler):
         if found is None:
             return proceed(b, x, done)
         name, f = found
-        if s.eager:
+        if s.eager and name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
+        elif s.eager:  # in a shard_map body: made here, per param
+            y = s._varying(name, s.whole[name])
+            s.active[y.untyped_storage().data_ptr()] = (s.unit_of[name], name, y)
         else:
             y = s._traced(name)
         y = y if f is None else f(y)
