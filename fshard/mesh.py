@@ -358,6 +358,7 @@ def _member_ranks(mesh: Mesh, axes: tuple[str, ...], rank: int) -> tuple[int, ..
 
 _GROUPS: dict = {}
 _LIVE: dict = {}
+_SHARED: dict = {}  # (world, member ranks) -> the process group over them
 
 
 # Unbounded on purpose: one entry per distinct mesh (shape, names, device type, world) and per
@@ -384,7 +385,12 @@ def _create(shape, names, device_type, _world_key) -> Mesh:
                 if members in seen:
                     continue
                 seen.add(members)
-                pg = dist.new_group(list(members))
+                # one process group per member set and world: subsets that differ only by
+                # size-1 axes, and meshes of other shapes, share it (each Gloo group costs
+                # threads: a 6-axis mesh made ~60 groups, most of them the same ranks)
+                pg = _SHARED.get((_world_key, members))
+                if pg is None:
+                    pg = _SHARED[(_world_key, members)] = dist.new_group(list(members))
                 if me in members:
                     _GROUPS[(mesh, subset)] = pg
     for k in range(len(names) + 1):
