@@ -588,15 +588,22 @@ def _background_group():
     return _save_group if _is_dist() else None
 
 
+#: DCP's stager, kept for the process: it maps each source storage (weakly) to its host copy
+#: and refills that copy on the next save, so a loop that updates its params in place
+#: (``donate=True``) pays no fresh allocation (page faults) per save; a copy is dropped with
+#: its source.
+_stager: Any = None
+
+
 def _stage(locals_: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``locals_`` in host memory, by DCP's stager (what ``dcp.async_save`` does)."""
+    """Copies of ``locals_`` in host memory, by DCP's stager (what ``dcp.async_save`` does).
+    Only called once the previous asynchronous save is done (its copies are free to reuse)."""
+    global _stager
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    try:
-        return stager.stage(locals_)
-    finally:
-        stager.close()
+    if _stager is None:
+        _stager = DefaultStager(StagingOptions(False, False, False, False))
+    return _stager.stage(locals_)
 
 
 def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHandle | None:
