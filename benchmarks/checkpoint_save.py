@@ -13,7 +13,8 @@ Per rep, in one run, side by side:
   lock taken); then steps run (a matmul on each rank's block and an all_reduce: collectives
   on the default group while the save's run on its own) until ``handle.done()``.
 
-Times are the slowest rank's. "blocked" is the time the step loop cannot run; "to commit"
+One warm-up save of each kind runs first (imports, the save's process group, DCP's first-call
+costs). Times are the slowest rank's. "blocked" is the time the step loop cannot run; "to commit"
 the time until the checkpoint is complete on disk; "step x" the mean step time during the
 asynchronous write over the step time with no save running (the write competes for the CPU).
 """
@@ -61,6 +62,9 @@ def bench(layers: int, dim: int, reps: int, root: str) -> dict:
     for _ in range(10):
         step()
     base_step = _slowest((time.perf_counter() - t0) / 10)
+    warm = os.path.join(root, "warmup")  # imports, the save group, DCP's first-call costs
+    fs.checkpoint.save(warm, {"w": params["layers.0.weight"]})
+    fs.checkpoint.save(warm, {"w": params["layers.0.weight"]}, blocking=False).wait()
     rows = []
     for rep in range(reps):
         path = os.path.join(root, f"rep{rep}")

@@ -360,9 +360,11 @@ def async_save_then_train(path):
     assert handle.done()
     like = {"w": fs.Layout(mesh, fs.P(), (6, 2)), "step": 0}
     first = fs.checkpoint.load(path, like)
-    second = fs.checkpoint.save(path, {"w": w, "step": 2}, blocking=False)
+    second = fs.checkpoint.save(path, {"w": w * 0, "step": 0}, blocking=False)
+    third = fs.checkpoint.save(path, {"w": w, "step": 2}, blocking=False)
+    assert second.done()  # the third save waited for the second
     loaded = fs.checkpoint.load(path, like)
-    assert second.done()  # load waited for the save in flight
+    assert third.done()  # load waited for the save in flight
     return [(fs.gather(out["w"]), out["step"]) for out in (first, loaded)], sorted(os.listdir(path))
 
 
