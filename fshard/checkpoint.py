@@ -621,7 +621,9 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
             and return a :class:`SaveHandle` at once; a background thread writes, checksums
             and commits while training goes on (torch's ``dcp.async_save``, plus fshard's
             commit). A process that dies meanwhile leaves the previous checkpoint complete.
-            Any save first waits for this process's previous asynchronous one.
+            Any save first waits for this process's previous asynchronous one. The host copy
+            stays with its source tensor (DCP's stager caches it) and is refilled by the next
+            asynchronous save: one copy of this rank's saved state in host memory.
 
     Returns:
         None, or with ``blocking=False`` a :class:`SaveHandle`.

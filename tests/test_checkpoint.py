@@ -236,6 +236,7 @@ def load_error(path, like_kind):
         ("missing", "key 'opt/mu' is missing\n`like` has 1 keys the checkpoint lacks; the"),
         ("kind", "key 'step': expected a tensor of shape () dtype torch.float32, found a Python"),
         ("truncated", "is truncated"),
+        ("missing_data", "key 'x': data file '__1_0.distcp' is missing"),
         ("absent", "does not exist"),
         ("no_metadata", "cannot read its metadata file"),
     ],
@@ -248,6 +249,8 @@ def test_bad_checkpoint_same_clear_error_on_all_ranks(world2, tmp_path, kind, ne
         full = os.path.join(path, data)
         with open(full, "r+b") as f:
             f.truncate(os.path.getsize(full) // 2)
+    elif kind == "missing_data":
+        os.remove(os.path.join(path, "__1_0.distcp"))
     elif kind == "absent":
         path = str(tmp_path / "nope")
     elif kind == "no_metadata":
