@@ -27,7 +27,9 @@ How (decisions):
   ``.safetensors`` file of the directory).
 - **Tied weights:** a value given under several names (``fs.nn.state_dict`` lists the head and
   the embedding it is tied to) is written once, under its first name, as ``save_pretrained``
-  does; ``fs.nn.shard_params`` already lists a tied parameter once.
+  does; ``fs.nn.shard_params`` already lists a tied parameter once. Loading into such a ``like``
+  (one ShardedArray or tensor under several names, one of them in the files) reads it once and
+  returns it under every name.
 - **Partial values** are reduced first (one all_reduce), as in :func:`fshard.checkpoint.save`.
 - **Atomic, one save at a time, nothing overwritten:** the files are written into a temporary
   directory beside ``path`` and renamed into place (:mod:`fshard.checkpoint`'s lock and
@@ -419,11 +421,12 @@ def _read_header(full: str) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def _validate(path: str, like: dict) -> tuple[list[str], dict]:
-    """Problems (each naming the file and the parameter) and ``{name: (file, shape, dtype)}``."""
+def _validate(path: str, like: dict) -> tuple[list[str], dict, dict]:
+    """Problems (each naming the file and the parameter), ``{name: (file, shape, dtype)}`` and
+    ``{tied name: the name it is read under}``."""
     problems: list[str] = []
     if not os.path.isdir(path):
-        return [f"hf_checkpoint.load: {path!r} does not exist or is not a directory"], {}
+        return [f"hf_checkpoint.load: {path!r} does not exist or is not a directory"], {}, {}
     index_file = os.path.join(path, INDEX)
     if os.path.isfile(index_file):
         try:
@@ -434,26 +437,45 @@ def _validate(path: str, like: dict) -> tuple[list[str], dict]:
             ):
                 raise ValueError("weight_map must map names to file names")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            return [
-                f"hf_checkpoint.load: {INDEX} in {path!r} is corrupted ({type(e).__name__}: {e})"
-            ], {}
+            return (
+                [f"hf_checkpoint.load: {INDEX} in {path!r} is corrupted ({type(e).__name__}: {e})"],
+                {},
+                {},
+            )
         index_name = INDEX
     elif os.path.isfile(os.path.join(path, SINGLE)):
         try:
             header, _ = _read_header(os.path.join(path, SINGLE))
         except (OSError, ValueError) as e:
-            return [f"hf_checkpoint.load: file {SINGLE!r} in {path!r}: {e}"], {}
+            return [f"hf_checkpoint.load: file {SINGLE!r} in {path!r}: {e}"], {}, {}
         weight_map = {k: SINGLE for k in header if k != "__metadata__"}
         index_name = SINGLE
     else:
-        return [
-            f"hf_checkpoint.load: {path!r} holds neither {INDEX} nor {SINGLE}: not a Hugging "
-            "Face safetensors checkpoint"
-        ], {}
+        return (
+            [
+                f"hf_checkpoint.load: {path!r} holds neither {INDEX} nor {SINGLE}: not a Hugging "
+                "Face safetensors checkpoint"
+            ],
+            {},
+            {},
+        )
     headers: dict[str, tuple[dict, int] | str] = {}
     found: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+    names_of: dict[int, list[str]] = {}  # one value under several names: a tied weight
+    for name, leaf in like.items():
+        if isinstance(leaf, (ShardedArray, torch.Tensor)):
+            names_of.setdefault(id(leaf), []).append(name)
+    tied = {
+        name: next(n for n in names if n in weight_map)
+        for names in names_of.values()
+        if any(n in weight_map for n in names)
+        for name in names
+        if name not in weight_map
+    }
     for name, leaf in like.items():
         fname = weight_map.get(name)
+        if name in tied:
+            continue
         if fname is None:
             problems.append(f"parameter {name!r} is missing from {index_name}")
             continue
@@ -500,7 +522,7 @@ def _validate(path: str, like: dict) -> tuple[list[str], dict]:
             )
             continue
         found[name] = (fname, shape, dtype)
-    return problems, found
+    return problems, found, tied
 
 
 def _want(leaf: Any) -> tuple[tuple[int, ...], torch.dtype]:
@@ -616,12 +638,11 @@ def load(path: str | os.PathLike, like: Mapping[str, Any], *, strict: bool = Fal
                 _unlock(path, lock)
     _barrier()
     try:
-        problems, found = _validate(path, like)
+        problems, found, tied = _validate(path, like)
         if strict and not problems:
-            extra = _left_over(path, like)
-            problems += extra
+            problems += _left_over(path, like)
     except Exception as e:  # never let one rank leave early: report it to all
-        problems, found = [f"validation failed ({type(e).__name__}: {e})"], {}
+        problems, found, tied = [f"validation failed ({type(e).__name__}: {e})"], {}, {}
     if problems:
         shown = "\n".join(problems[:20]) + (
             f"\n... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -634,6 +655,8 @@ def load(path: str | os.PathLike, like: Mapping[str, Any], *, strict: bool = Fal
         raise CheckpointError(error)
     state, finishers = {}, []
     for name, leaf in like.items():
+        if name in tied:
+            continue
         if isinstance(leaf, torch.Tensor):
             leaf = leaf.detach()
         obj, finish = _load_target(leaf, me)
@@ -648,7 +671,8 @@ def load(path: str | os.PathLike, like: Mapping[str, Any], *, strict: bool = Fal
             raise CheckpointError(
                 f"checkpoint {path!r}: reading the data failed: {_dcp_failure(e)}"
             ) from None
-    return {name: finish(state.get(name)) for name, finish in finishers}
+    out = {name: finish(state.get(name)) for name, finish in finishers}
+    return {name: out[tied.get(name, name)] for name in like}
 
 
 def _left_over(path: str, like: dict) -> list[str]:

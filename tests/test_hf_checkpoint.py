@@ -164,6 +164,11 @@ def load_pretrained(kind, plan_kind, path):
     out = fs.hf_checkpoint.load(path, like)
     assert {k: v.layout for k, v in out.items()} == like
     values = {k: fs.gather(v) for k, v in out.items()}
+    if kind == "llama-tied":  # like from fs.nn.state_dict: the head under its own name too
+        params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+        tied = fs.hf_checkpoint.load(path, fs.nn.state_dict(model, params))
+        assert tied["lm_head.weight"] is tied["model.embed_tokens.weight"]
+        assert fs.gather(tied["lm_head.weight"]).equal(values["model.embed_tokens.weight"])
     logits = None
     if plan_kind == "tp":
         x = fs.shard(_ids(), mesh, fs.P())
