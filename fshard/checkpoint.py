@@ -92,6 +92,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -101,6 +102,7 @@ import os
 import pickle
 import shutil
 import socket
+import sys
 import threading
 import uuid
 import warnings
@@ -566,6 +568,16 @@ _pending: SaveHandle | None = None
 _save_group: Any = None
 
 
+@atexit.register
+def _wait_at_exit() -> None:
+    """A process leaving with an asynchronous save in flight finishes it first, and says so on
+    stderr if it failed unobserved (e.g. the process group was destroyed under it)."""
+    try:
+        _wait_pending()
+    except CheckpointError as e:
+        print(f"fshard.checkpoint at exit: {e}", file=sys.stderr)
+
+
 def _wait_pending() -> None:
     """Wait for this process's asynchronous save; raise its failure if no ``wait()`` did (a
     failed save is never silent)."""
@@ -623,7 +635,11 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
             commit). A process that dies meanwhile leaves the previous checkpoint complete.
             Any save first waits for this process's previous asynchronous one. The host copy
             stays with its source tensor (DCP's stager caches it) and is refilled by the next
-            asynchronous save: one copy of this rank's saved state in host memory.
+            asynchronous save: one copy of this rank's saved state in host memory. Wait for
+            the last one (:meth:`SaveHandle.wait`) while the process group still exists (before
+            the function given to ``fs.launch.run`` returns: ``run`` then destroys the group,
+            which fails a save still in flight; the previous checkpoint stays, and the failure
+            is printed at exit).
 
     Returns:
         None, or with ``blocking=False`` a :class:`SaveHandle`.
@@ -695,7 +711,7 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
         raise
     if blocking:
         try:
-            _write(path, tmp, state, values, None)
+            _write(path, tmp, state, values, None, background=False)
         finally:
             _cleanup(path, me, tmp, lock)
         return None
@@ -703,7 +719,7 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
 
     def run() -> None:
         try:
-            _write(path, tmp, state, values, group)
+            _write(path, tmp, state, values, group, background=True)
         except CheckpointError as e:
             handle._error = str(e)
         except BaseException as e:  # keep the thread's failure for wait(), never lose it
@@ -726,7 +742,7 @@ def _cleanup(path: str, me: int, tmp: str | None, lock: int | None) -> None:
         _unlock(path, lock)
 
 
-def _write(path: str, tmp: str, state: dict, values: dict, group) -> None:
+def _write(path: str, tmp: str, state: dict, values: dict, group, *, background: bool) -> None:
     """Write ``state`` with DCP into ``tmp``, checksum the files, seal the manifest, commit
     ``tmp`` to ``path`` (collectives on ``group``; the default one when None)."""
     import torch.distributed.checkpoint as dcp
@@ -738,7 +754,9 @@ def _write(path: str, tmp: str, state: dict, values: dict, group) -> None:
     _hook("start")
     try:
         with contextlib.ExitStack() as quiet:
-            if group is None:  # warnings filters are process-wide: set them on the main thread only
+            if (
+                not background
+            ):  # warnings filters are process-wide: set them on the main thread only
                 quiet.enter_context(_quiet())
                 quiet.enter_context(_single_process_quiet())
             dcp.save(
