@@ -68,6 +68,16 @@ Integrity and atomicity:
 - ``save`` refuses a ``path`` that exists and is not a checkpoint directory (a plain file, or a
   non-empty directory without ``fshard.json`` or ``.metadata``) before touching anything.
 
+Asynchronous saves (``save(path, tree, blocking=False)``, issue 39): the caller blocks while
+every rank copies its blocks to host memory with DCP's ``DefaultStager`` (kept for the process,
+so a loop updating its params in place refills the same copies) and rank 0 takes the lock; a
+background thread then runs the same write, checksums and commit as a blocking save, with its
+collectives on a Gloo process group of its own (made once, by ``dist.new_group``): collectives
+from two threads on one group could pair up wrongly with the step's. ``dcp.async_save`` itself
+is not called: its future covers DCP's write only, and fshard's commit must follow on the same
+thread. Only one asynchronous save per process is in flight: the next ``save`` or ``load``
+waits for it and raises its failure if no :meth:`SaveHandle.wait` did.
+
 Errors, not hangs: every failure is agreed on by all ranks (one small ``all_gather_object``)
 and raised on every rank as :class:`CheckpointError` naming the rank and the cause, including
 DCP's ``CheckpointException`` (a ``BaseException``: e.g. a full disk on one rank). Before
