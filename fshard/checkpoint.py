@@ -624,7 +624,14 @@ def _stage(locals_: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     if _stager is None:
-        _stager = DefaultStager(StagingOptions(False, False, False, False))
+        _stager = DefaultStager(  # a synchronous copy to plain host memory (CPU-only here)
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
     return _stager.stage(locals_)
 
 

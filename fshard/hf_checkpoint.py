@@ -8,6 +8,9 @@ uses the module's parameter names) as the directory ``save_pretrained`` writes:
 is given; ``transformers``' ``from_pretrained`` loads it unchanged. ``load`` reads such a
 directory (or a single ``model.safetensors``) into the layouts of ``like``, any plan's.
 
+Reading needs the ``safetensors`` package (``transformers`` brings it; fshard's ``[hf]`` extra);
+writing needs nothing beyond torch.
+
 How (decisions):
 
 - **Writing, each rank its own blocks:** the file plan (which parameter in which file, at which
@@ -59,6 +62,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -620,6 +624,11 @@ def load(path: str | os.PathLike, like: Mapping[str, Any], *, strict: bool = Fal
                 f"hf_checkpoint.load: like[{name!r}] is a {type(leaf).__name__}; expected a "
                 "ShardedArray, a Layout or a torch.Tensor"
             )
+    if importlib.util.find_spec("safetensors") is None:
+        raise ImportError(
+            "hf_checkpoint.load reads through DCP's HuggingFaceStorageReader, which needs the "
+            "safetensors package: pip install safetensors (or fshard's [hf] extra)"
+        )
     like = dict(like)
     _wait_pending()
     consistency.check_equal(
