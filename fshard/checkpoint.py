@@ -576,6 +576,8 @@ _pending: SaveHandle | None = None
 #: A process group of its own for asynchronous saves, so that their collectives (in the
 #: background thread) never interleave with the step's on the default group.
 _save_group: Any = None
+#: The default group of this process's first checkpoint call (see _background_group).
+_first_world: Any = None
 
 
 @atexit.register
@@ -603,11 +605,29 @@ def _wait_pending() -> None:
             )
 
 
-def _background_group():
+def _note_world() -> None:
+    """Remember the first default group a checkpoint call saw (to tell a re-initialisation)."""
+    global _first_world
+    if _is_dist() and _first_world is None:
+        _first_world = dist.group.WORLD
+
+
+def _background_group() -> tuple[bool, Any]:
+    """``(usable, the asynchronous saves' process group)``. Not usable once torch.distributed
+    was destroyed and initialised again after this process's first checkpoint call
+    (``fs.launch.run`` under torchrun, per call): torch then restarts its group names, so a new
+    group reads the destroyed ones' rendezvous keys from the store torchrun keeps
+    (``new_group`` then fails or hangs, measured with torch alone on 2.13); the save then
+    blocks instead."""
     global _save_group
-    if _is_dist() and _save_group is None:
+    if not _is_dist():
+        return True, None
+    _note_world()
+    if dist.group.WORLD is not _first_world:
+        return False, None
+    if _save_group is None:
         _save_group = dist.new_group(backend="gloo")
-    return _save_group if _is_dist() else None
+    return True, _save_group
 
 
 #: DCP's stager, kept for the process: it maps each source storage (weakly) to its host copy
@@ -656,7 +676,11 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
             the last one (:meth:`SaveHandle.wait`) while the process group still exists (before
             the function given to ``fs.launch.run`` returns: ``run`` then destroys the group,
             which fails a save still in flight; the previous checkpoint stays, and the failure
-            is printed at exit).
+            is printed at exit). The background write runs on a process group of its own, made
+            at the first asynchronous save; after torch.distributed is destroyed and initialised
+            again in the process (a second ``fs.launch.run`` under torchrun) torch cannot make
+            one reliably, so such a save blocks (with a ``RuntimeWarning``) and returns a
+            finished handle.
 
     Returns:
         None, or with ``blocking=False`` a :class:`SaveHandle`.
@@ -685,6 +709,7 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
         raise TypeError(f"save: blocking must be a bool, got {type(blocking).__name__}")
     keys, leaves, _ = _flatten(tree, "save")
     _wait_pending()
+    _note_world()
     me = _rank()
     values, error = {}, None
     for key, leaf in zip(keys, leaves):
@@ -699,7 +724,19 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
         raise CheckpointError(error)
     consistency.check_equal({"checkpoint path": path, **{k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}}, what="checkpoint save: path, keys and Python values")  # fmt: skip
     tensors = {k: _saveable_local(k, leaf) for k, leaf in zip(keys, leaves) if k not in values}
-    group = None if blocking else _background_group()
+    group, asked_async = None, not blocking
+    if not blocking:
+        usable, group = _background_group()
+        if not usable:
+            warnings.warn(
+                "fs.checkpoint.save(blocking=False): torch.distributed was initialised again in "
+                "this process, where torch cannot make a new process group reliably (its group "
+                "names restart and meet the old group's keys in torchrun's store); this save "
+                "blocks. Call fs.launch.run once per process for asynchronous saves",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            blocking, group = True, None
     lock, tmp = None, None
     try:
         if me == 0:
@@ -731,7 +768,11 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHa
             _write(path, tmp, state, values, None, background=False)
         finally:
             _cleanup(path, me, tmp, lock)
-        return None
+        if not asked_async:
+            return None
+        done = SaveHandle(path)  # the asynchronous save that fell back to blocking: done
+        done._finished.set()
+        return done
     handle = SaveHandle(path)
 
     def run() -> None:
@@ -1104,6 +1145,7 @@ def load(path: str | os.PathLike, like: Any, *, strict: bool = False) -> Any:
         raise TypeError(f"load: strict must be a bool, got {type(strict).__name__}")
     keys, leaves, treedef = _flatten(like, "load")
     _wait_pending()
+    _note_world()
     consistency.check_equal({"checkpoint path": path}, what="checkpoint load")
     me = _rank()
     error = None
