@@ -68,6 +68,16 @@ Integrity and atomicity:
 - ``save`` refuses a ``path`` that exists and is not a checkpoint directory (a plain file, or a
   non-empty directory without ``fshard.json`` or ``.metadata``) before touching anything.
 
+Asynchronous saves (``save(path, tree, blocking=False)``, issue 39): the caller blocks while
+every rank copies its blocks to host memory with DCP's ``DefaultStager`` (kept for the process,
+so a loop updating its params in place refills the same copies) and rank 0 takes the lock; a
+background thread then runs the same write, checksums and commit as a blocking save, with its
+collectives on a Gloo process group of its own (made once, by ``dist.new_group``): collectives
+from two threads on one group could pair up wrongly with the step's. ``dcp.async_save`` itself
+is not called: its future covers DCP's write only, and fshard's commit must follow on the same
+thread. Only one asynchronous save per process is in flight: the next ``save`` or ``load``
+waits for it and raises its failure if no :meth:`SaveHandle.wait` did.
+
 Errors, not hangs: every failure is agreed on by all ranks (one small ``all_gather_object``)
 and raised on every rank as :class:`CheckpointError` naming the rank and the cause, including
 DCP's ``CheckpointException`` (a ``BaseException``: e.g. a full disk on one rank). Before
@@ -92,6 +102,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -101,6 +112,8 @@ import os
 import pickle
 import shutil
 import socket
+import sys
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -118,7 +131,7 @@ from .interop import _distinct_boxes, _quiet, _sharded_tensor, local_pieces, ran
 from .mesh import _restore as _rebuild_mesh
 from .spec import BaseLayout, ExplicitLayout, Layout, P, PartitionSpec, Parts, _make_spec
 
-__all__ = ["save", "load", "CheckpointError"]
+__all__ = ["save", "load", "CheckpointError", "SaveHandle"]
 
 #: Test hook: called with a stage name ("start", "written") on every rank during ``save``.
 _test_hook: Callable[[str], None] | None = None
@@ -175,9 +188,9 @@ def _single_process_quiet():
         yield
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if _is_dist():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _check_path(path, fn: str) -> str:
@@ -231,7 +244,9 @@ def _fully_replicated(layout: Layout) -> bool:
     return len(boxes) == 1 and boxes[0][2] == tuple(layout.shape)
 
 
-def _to_saveable(key: str, leaf: Any, me: int) -> Any:
+def _saveable_local(key: str, leaf: Any) -> tuple[Layout | None, torch.Tensor]:
+    """``(layout or None for a plain tensor, the tensor this rank saves)``; a partial value is
+    reduced first (a collective)."""
     if isinstance(leaf, BaseLayout):
         raise TypeError(
             f"save: the leaf at key {key!r} is a Layout; save values (ShardedArray, tensors, "
@@ -244,13 +259,16 @@ def _to_saveable(key: str, leaf: Any, me: int) -> Any:
         if layout.partial:
             leaf = reshard_one(leaf, layout.with_spec(_unreduced(layout.spec)).spec)
             layout = leaf.layout
-        local = leaf.local.detach().contiguous()
-        if math.prod(layout.shape) == 0 or _fully_replicated(layout):
-            return local
-        return _sharded_tensor(layout, local_pieces(layout, local), me, prefer_me=False)
-    if isinstance(leaf, torch.Tensor):
-        return leaf.detach()
-    return leaf
+        return layout, leaf.local.detach().contiguous()
+    return None, leaf.detach()
+
+
+def _to_dcp(layout: Layout | None, local: torch.Tensor, me: int) -> Any:
+    """What DCP is handed for one tensor leaf: a ShardedTensor over the distinct blocks, or
+    the plain tensor (replicated, empty, or not sharded)."""
+    if layout is None or math.prod(layout.shape) == 0 or _fully_replicated(layout):
+        return local
+    return _sharded_tensor(layout, local_pieces(layout, local), me, prefer_me=False)
 
 
 # -- Python values: JSON with an allow-list -----------------------------------------------------
@@ -365,26 +383,26 @@ def _digest(full: str) -> tuple[int, str]:
     return os.path.getsize(full), h.hexdigest()
 
 
-def _share(value: Any) -> Any:
+def _share(value: Any, group=None) -> Any:
     """Rank 0's ``value`` on every rank."""
     if not _is_dist():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _gather(value: Any) -> list[Any]:
+def _gather(value: Any, group=None) -> list[Any]:
     if not _is_dist():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def _agree(error: str | None) -> str | None:
+def _agree(error: str | None, group=None) -> str | None:
     """The first non-None error over all ranks (the same string on every rank), or None."""
-    for r, e in enumerate(_gather(error)):
+    for r, e in enumerate(_gather(error, group)):
         if e is not None:
             return e if e.startswith("checkpoint") else f"rank {r}: {e}"
     return None
@@ -451,9 +469,10 @@ def _unlock(path: str, fd: int | None) -> None:
         os.close(fd)
 
 
-def _prepare(path: str) -> str:
-    """Rank 0, under the lock: refuse a non-checkpoint ``path``, restore an interrupted
-    commit, drop crashed saves' temporary directories; returns a fresh temporary directory."""
+def _prepare(path: str, markers: tuple[str, ...] = (_MANIFEST, ".metadata")) -> str:
+    """Rank 0, under the lock: refuse a non-checkpoint ``path`` (a non-empty directory holding
+    none of ``markers``), restore an interrupted commit, drop crashed saves' temporary
+    directories; returns a fresh temporary directory."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise CheckpointError(
             f"checkpoint save: {path!r} exists and is not a directory; refusing to replace it "
@@ -461,10 +480,10 @@ def _prepare(path: str) -> str:
         )
     if os.path.isdir(path):
         names = os.listdir(path)
-        if names and not {_MANIFEST, ".metadata"} & set(names):
+        if names and not set(markers) & set(names):
             raise CheckpointError(
                 f"checkpoint save: {path!r} is a non-empty directory that is not a checkpoint "
-                f"(no {_MANIFEST} or .metadata; it holds e.g. {sorted(names)[:5]}); refusing "
+                f"(no {' or '.join(markers)}; it holds e.g. {sorted(names)[:5]}); refusing "
                 "to replace it (remove it or choose another path)"
             )
     _recover(path)
@@ -506,7 +525,137 @@ def _recover(path: str) -> None:
 # -- save --------------------------------------------------------------------------------------
 
 
-def save(path: str | os.PathLike, tree: Any) -> None:
+class SaveHandle:
+    """A running asynchronous save: what :func:`save` returns with ``blocking=False``.
+
+    The values were copied to host memory before :func:`save` returned; a background thread
+    writes them, checksums the files and commits the checkpoint (atomically, as a blocking
+    save does). The next :func:`save` or :func:`load` on this process waits for it first.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.gettempdir(), f"fshard-example-{os.getppid()}")  # one for all ranks
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> w = fs.shard(torch.arange(6.0), mesh, fs.P("x"))
+        >>> handle = fs.checkpoint.save(path, {"w": w, "step": 1}, blocking=False)
+        >>> w = w * 2  # training goes on while the bytes are written
+        >>> handle.wait()  # (or the next save / load waits)
+        >>> handle.done()
+        True
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._finished = threading.Event()
+        self._error: str | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self) -> None:
+        """Block until the save is committed.
+
+        Raises:
+            CheckpointError: the save failed (on every rank, the same message); the previous
+                checkpoint at ``path`` is untouched.
+        """
+        self._finished.wait()
+        if self._error is not None:
+            self._reported = True
+            raise CheckpointError(self._error)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self.done() else "writing"
+        return f"SaveHandle({self.path!r}, {state})"
+
+
+#: The asynchronous save this process started last (the next save or load waits for it).
+_pending: SaveHandle | None = None
+#: A process group of its own for asynchronous saves, so that their collectives (in the
+#: background thread) never interleave with the step's on the default group.
+_save_group: Any = None
+#: The default group of this process's first checkpoint call (see _background_group).
+_first_world: Any = None
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """A process leaving with an asynchronous save in flight finishes it first, and says so on
+    stderr if it failed unobserved (e.g. the process group was destroyed under it)."""
+    try:
+        _wait_pending()
+    except CheckpointError as e:
+        print(f"fshard.checkpoint at exit: {e}", file=sys.stderr)
+
+
+def _wait_pending() -> None:
+    """Wait for this process's asynchronous save; raise its failure if no ``wait()`` did (a
+    failed save is never silent)."""
+    global _pending
+    if _pending is not None:
+        handle, _pending = _pending, None
+        handle._finished.wait()
+        if handle._error is not None and not handle._reported:
+            handle._reported = True
+            raise CheckpointError(
+                f"the previous asynchronous save failed (reported here, at the next save or "
+                f"load; SaveHandle.wait() reports it at once): {handle._error}"
+            )
+
+
+def _note_world() -> None:
+    """Remember the first default group a checkpoint call saw (to tell a re-initialisation)."""
+    global _first_world
+    if _is_dist() and _first_world is None:
+        _first_world = dist.group.WORLD
+
+
+def _background_group() -> tuple[bool, Any]:
+    """``(usable, the asynchronous saves' process group)``. Not usable once torch.distributed
+    was destroyed and initialised again after this process's first checkpoint call
+    (``fs.launch.run`` under torchrun, per call): torch then restarts its group names, so a new
+    group reads the destroyed ones' rendezvous keys from the store torchrun keeps
+    (``new_group`` then fails or hangs, measured with torch alone on 2.13); the save then
+    blocks instead."""
+    global _save_group
+    if not _is_dist():
+        return True, None
+    _note_world()
+    if dist.group.WORLD is not _first_world:
+        return False, None
+    if _save_group is None:
+        _save_group = dist.new_group(backend="gloo")
+    return True, _save_group
+
+
+#: DCP's stager, kept for the process: it maps each source storage (weakly) to its host copy
+#: and refills that copy on the next save, so a loop that updates its params in place
+#: (``donate=True``) pays no fresh allocation (page faults) per save; a copy is dropped with
+#: its source.
+_stager: Any = None
+
+
+def _stage(locals_: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``locals_`` in host memory, by DCP's stager (what ``dcp.async_save`` does).
+    Only called once the previous asynchronous save is done (its copies are free to reuse)."""
+    global _stager
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    if _stager is None:
+        _stager = DefaultStager(  # a synchronous copy to plain host memory (CPU-only here)
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+    return _stager.stage(locals_)
+
+
+def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> SaveHandle | None:
     """Save a pytree of sharded values, tensors and Python values as a DCP checkpoint.
 
     Collective: every rank calls it with a tree of the same structure, keys and layouts.
@@ -517,16 +666,32 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         tree: any pytree (dicts, lists, tuples, namedtuples...) whose leaves are
             :class:`ShardedArray`, ``torch.Tensor`` (the same on every rank) or Python values
             of the allowed types (see the module docstring; rank 0's are written).
+        blocking: ``False``: copy this rank's blocks to host memory (DCP's ``DefaultStager``)
+            and return a :class:`SaveHandle` at once; a background thread writes, checksums
+            and commits while training goes on (torch's ``dcp.async_save``, plus fshard's
+            commit). A process that dies meanwhile leaves the previous checkpoint complete.
+            Any save first waits for this process's previous asynchronous one. The host copy
+            stays with its source tensor (DCP's stager caches it) and is refilled by the next
+            asynchronous save: one copy of this rank's saved state in host memory. Wait for
+            the last one (:meth:`SaveHandle.wait`) while the process group still exists (before
+            the function given to ``fs.launch.run`` returns: ``run`` then destroys the group,
+            which fails a save still in flight; the previous checkpoint stays, and the failure
+            is printed at exit). The background write runs on a process group of its own, made
+            at the first asynchronous save; after torch.distributed is destroyed and initialised
+            again in the process (a second ``fs.launch.run`` under torchrun) torch cannot make
+            one reliably, so such a save blocks (with a ``RuntimeWarning``) and returns a
+            finished handle.
 
     Returns:
-        None.
+        None, or with ``blocking=False`` a :class:`SaveHandle`.
 
     Raises:
         TypeError: ``path`` is not a str/PathLike, or a leaf is a :class:`Layout`.
         ValueError: two leaves map to the same key.
         CheckpointError: on every rank: a Python value of a type that is not allowed,
             ``path`` is a file or a directory that is not a checkpoint, another save to
-            ``path`` is running, or writing failed on some rank (e.g. the disk is full).
+            ``path`` is running, or writing failed on some rank (e.g. the disk is full;
+            with ``blocking=False`` raised by :meth:`SaveHandle.wait`).
 
     Example:
         >>> import os, tempfile
@@ -538,14 +703,14 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         >>> fs.gather(state["w"]), state["step"]
         (tensor([0., 1., 2., 3., 4., 5.]), 100)
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
+    global _pending
     path = _check_path(path, "save")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"save: blocking must be a bool, got {type(blocking).__name__}")
     keys, leaves, _ = _flatten(tree, "save")
-    me, world = _rank(), _world()
+    _wait_pending()
+    _note_world()
+    me = _rank()
     values, error = {}, None
     for key, leaf in zip(keys, leaves):
         if not isinstance(leaf, (ShardedArray, BaseLayout, torch.Tensor)):
@@ -558,7 +723,20 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     if error:
         raise CheckpointError(error)
     consistency.check_equal({"checkpoint path": path, **{k: v for k, v in zip(keys, leaves) if not isinstance(v, (torch.Tensor, ShardedArray))}}, what="checkpoint save: path, keys and Python values")  # fmt: skip
-    state = {k: _to_saveable(k, leaf, me) for k, leaf in zip(keys, leaves) if k not in values}
+    tensors = {k: _saveable_local(k, leaf) for k, leaf in zip(keys, leaves) if k not in values}
+    group, asked_async = None, not blocking
+    if not blocking:
+        usable, group = _background_group()
+        if not usable:
+            warnings.warn(
+                "fs.checkpoint.save(blocking=False): torch.distributed was initialised again in "
+                "this process, where torch cannot make a new process group reliably (its group "
+                "names restart and meet the old group's keys in torchrun's store); this save "
+                "blocks. Call fs.launch.run once per process for asynchronous saves",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            blocking, group = True, None
     lock, tmp = None, None
     try:
         if me == 0:
@@ -578,48 +756,102 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         error, tmp = _share((_agree(error), tmp))
         if error:
             raise CheckpointError(error)
-        _hook("start")
+        if not blocking:
+            staged = _stage({k: t for k, (_, t) in tensors.items()})
+            tensors = {k: (layout, staged[k]) for k, (layout, _) in tensors.items()}
+        state = {k: _to_dcp(layout, t, me) for k, (layout, t) in tensors.items()}
+    except BaseException:
+        _cleanup(path, me, tmp, lock)
+        raise
+    if blocking:
         try:
-            with _quiet(), _single_process_quiet():
-                dcp.save(
-                    state,
-                    storage_writer=FileSystemWriter(tmp),
-                    planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                    no_dist=not _is_dist(),
-                )
-        except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
-            cause = _share(f"{_dcp_failure(e)}{_disk_hint(tmp)}")  # the same text on all ranks
-            raise CheckpointError(f"checkpoint save to {path!r} failed: {cause}") from None
-        _hook("written")
-        _barrier()  # every rank's data is on disk
-        digests, error = {}, None
+            _write(path, tmp, state, values, None, background=False)
+        finally:
+            _cleanup(path, me, tmp, lock)
+        if not asked_async:
+            return None
+        done = SaveHandle(path)  # the asynchronous save that fell back to blocking: done
+        done._finished.set()
+        return done
+    handle = SaveHandle(path)
+
+    def run() -> None:
         try:
-            for name in sorted(os.listdir(tmp))[me::world]:
-                digests[name] = _digest(os.path.join(tmp, name))
-        except OSError as e:
-            error = f"checkpoint save: hashing the files in {tmp!r} failed: {e}"
-        gathered = _gather((error, digests))
-        error = _agree(error)
-        if me == 0 and error is None:
-            files = {n: {"bytes": b, "sha256": h} for _, d in gathered for n, (b, h) in d.items()}
-            manifest = {"format": _FORMAT, "version": _VERSION, "values": values, "files": files}
-            manifest = _seal(manifest)
+            _write(path, tmp, state, values, group, background=True)
+        except CheckpointError as e:
+            handle._error = str(e)
+        except BaseException as e:  # keep the thread's failure for wait(), never lose it
+            handle._error = f"checkpoint save to {path!r} failed: {type(e).__name__}: {e}"
+        finally:
             try:
-                with open(os.path.join(tmp, _MANIFEST), "w") as f:
-                    json.dump(manifest, f, allow_nan=False, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                _commit(tmp, path)
-            except OSError as e:
-                error = f"checkpoint save: committing {tmp!r} to {path!r} failed: {e}"
-        error = _agree(error)
-        if error:
-            raise CheckpointError(error)
-    finally:
-        if me == 0:
-            if tmp is not None and os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
-            _unlock(path, lock)
+                _cleanup(path, me, tmp, lock)
+            finally:
+                handle._finished.set()
+
+    _pending = handle
+    threading.Thread(target=run, name=f"fshard-save {path}", daemon=True).start()
+    return handle
+
+
+def _cleanup(path: str, me: int, tmp: str | None, lock: int | None) -> None:
+    if me == 0:
+        if tmp is not None and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+        _unlock(path, lock)
+
+
+def _write(path: str, tmp: str, state: dict, values: dict, group, *, background: bool) -> None:
+    """Write ``state`` with DCP into ``tmp``, checksum the files, seal the manifest, commit
+    ``tmp`` to ``path`` (collectives on ``group``; the default one when None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    me, world = _rank(), _world()
+    _hook("start")
+    try:
+        with contextlib.ExitStack() as quiet:
+            if (
+                not background
+            ):  # warnings filters are process-wide: set them on the main thread only
+                quiet.enter_context(_quiet())
+                quiet.enter_context(_single_process_quiet())
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(tmp),
+                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                process_group=group,
+                no_dist=not _is_dist(),
+            )
+    except (Exception, CheckpointException) as e:  # DCP reports any rank's failure to all
+        cause = _share(f"{_dcp_failure(e)}{_disk_hint(tmp)}", group)  # the same on all ranks
+        raise CheckpointError(f"checkpoint save to {path!r} failed: {cause}") from None
+    _hook("written")
+    _barrier(group)  # every rank's data is on disk
+    digests, error = {}, None
+    try:
+        for name in sorted(os.listdir(tmp))[me::world]:
+            digests[name] = _digest(os.path.join(tmp, name))
+    except OSError as e:
+        error = f"checkpoint save: hashing the files in {tmp!r} failed: {e}"
+    gathered = _gather((error, digests), group)
+    error = _agree(error, group)
+    if me == 0 and error is None:
+        files = {n: {"bytes": b, "sha256": h} for _, d in gathered for n, (b, h) in d.items()}
+        manifest = {"format": _FORMAT, "version": _VERSION, "values": values, "files": files}
+        manifest = _seal(manifest)
+        try:
+            with open(os.path.join(tmp, _MANIFEST), "w") as f:
+                json.dump(manifest, f, allow_nan=False, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _commit(tmp, path)
+        except OSError as e:
+            error = f"checkpoint save: committing {tmp!r} to {path!r} failed: {e}"
+    error = _agree(error, group)
+    if error:
+        raise CheckpointError(error)
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -912,6 +1144,8 @@ def load(path: str | os.PathLike, like: Any, *, strict: bool = False) -> Any:
     if not isinstance(strict, bool):
         raise TypeError(f"load: strict must be a bool, got {type(strict).__name__}")
     keys, leaves, treedef = _flatten(like, "load")
+    _wait_pending()
+    _note_world()
     consistency.check_equal({"checkpoint path": path}, what="checkpoint load")
     me = _rank()
     error = None

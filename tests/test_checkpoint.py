@@ -236,6 +236,7 @@ def load_error(path, like_kind):
         ("missing", "key 'opt/mu' is missing\n`like` has 1 keys the checkpoint lacks; the"),
         ("kind", "key 'step': expected a tensor of shape () dtype torch.float32, found a Python"),
         ("truncated", "is truncated"),
+        ("missing_data", "key 'x': data file '__1_0.distcp' is missing"),
         ("absent", "does not exist"),
         ("no_metadata", "cannot read its metadata file"),
     ],
@@ -248,6 +249,8 @@ def test_bad_checkpoint_same_clear_error_on_all_ranks(world2, tmp_path, kind, ne
         full = os.path.join(path, data)
         with open(full, "r+b") as f:
             f.truncate(os.path.getsize(full) // 2)
+    elif kind == "missing_data":
+        os.remove(os.path.join(path, "__1_0.distcp"))
     elif kind == "absent":
         path = str(tmp_path / "nope")
     elif kind == "no_metadata":
@@ -340,3 +343,103 @@ def test_load_strict_names_the_keys_left_over(world2, tmp_path):
         assert "1 keys `like` lacks (of 4)" in error, error
         assert torch.equal(full, torch.full((4,), 2.0)) and step == 7
     assert out[0][1] == out[1][1]
+
+
+# -- asynchronous save (issue 39 item 1) --------------------------------------------------------
+
+
+def async_save_then_train(path):
+    """save(blocking=False) returns before the bytes are on disk; the step loop goes on with
+    collectives of its own (on the default group) while the background thread writes; what is
+    saved is the value at the call, even when the arrays are then changed in place."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    w = fs.shard(torch.arange(12.0).reshape(6, 2), mesh, fs.P("x"))
+    handle = fs.checkpoint.save(path, {"w": w, "step": 1}, blocking=False)
+    assert isinstance(handle, fs.checkpoint.SaveHandle)
+    for _ in range(5):  # training steps: in-place updates and a collective each
+        w.local.add_(1.0)
+        w = fs.reshard(fs.reshard(w, fs.P()), fs.P("x"))
+    handle.wait()
+    assert handle.done()
+    like = {"w": fs.Layout(mesh, fs.P(), (6, 2)), "step": 0}
+    first = fs.checkpoint.load(path, like)
+    second = fs.checkpoint.save(path, {"w": w * 0, "step": 0}, blocking=False)
+    third = fs.checkpoint.save(path, {"w": w, "step": 2}, blocking=False)
+    assert second.done()  # the third save waited for the second
+    loaded = fs.checkpoint.load(path, like)
+    assert third.done()  # load waited for the save in flight
+    return [(fs.gather(out["w"]), out["step"]) for out in (first, loaded)], sorted(os.listdir(path))
+
+
+def test_async_save_keeps_the_value_at_the_call_and_training_goes_on(world2, tmp_path):
+    path = str(tmp_path / "ck")
+    for saves, files in world2.run(async_save_then_train, path):
+        for (w, step), want in zip(saves, (1, 2)):
+            assert step == want
+            bump = 0 if want == 1 else 5  # the first: the value at the call, not after
+            assert torch.equal(w, torch.arange(12.0).reshape(6, 2) + bump)
+        assert "fshard.json" in files
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def async_save_value(path, value, die_on_rank=None, stage="written"):
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = fs.shard(torch.full((5, 3), float(value)), mesh, fs.P("x"))
+    if die_on_rank is not None:
+
+        def hook(s):
+            if s == stage and dist.get_rank() == die_on_rank:
+                os._exit(17)
+
+        fs.checkpoint._test_hook = hook
+    try:
+        handle = fs.checkpoint.save(path, {"x": x, "step": value}, blocking=False)
+        x = x * 0  # the step loop goes on
+        handle.wait()
+    finally:
+        fs.checkpoint._test_hook = None
+
+
+@pytest.mark.parametrize("stage", ["start", "written"])
+def test_process_dying_during_async_save_keeps_previous_checkpoint(world2, tmp_path, stage):
+    path = str(tmp_path / "ck")
+    world2.run(async_save_value, path, 1)
+    _assert_value(world2.run(load_value, path), 1)
+    with pytest.raises(RankError) as info:
+        world2.run(async_save_value, path, 2, 1, stage)
+    assert (info.value.rank, info.value.exit_code) == (1, 17), str(info.value)
+    _assert_value(world2.run(load_value, path), 1)
+    world2.run(async_save_value, path, 3)
+    _assert_value(world2.run(load_value, path), 3)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def async_failure_reported(path):
+    """A failed asynchronous save is reported by wait(), or else by the next save / load."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    x = fs.shard(torch.ones(4), mesh, fs.P("x"))
+    messages = []
+    for how in ("wait", "next"):
+        fs.checkpoint._test_hook = lambda s: (
+            s == "written" and (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        )
+        try:
+            handle = fs.checkpoint.save(path, {"x": x}, blocking=False)
+            try:
+                if how == "wait":
+                    handle.wait()
+                else:
+                    fs.checkpoint.load(path, {"x": x})
+            except fs.checkpoint.CheckpointError as e:
+                messages.append(str(e))
+        finally:
+            fs.checkpoint._test_hook = None
+    return messages
+
+
+def test_async_save_failure_is_never_silent(world2, tmp_path):
+    for messages in world2.run(async_failure_reported, str(tmp_path / "ck")):
+        assert len(messages) == 2, messages
+        assert "No space left on device" in messages[0], messages
+        assert messages[1].startswith("the previous asynchronous save failed"), messages
+    assert not os.path.exists(tmp_path / "ck")

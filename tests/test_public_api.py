@@ -1,7 +1,7 @@
 """Every public name has a docstring with an example that runs (issue 24 item 3).
 
 The public names are ``fshard.__all__`` and the ``__all__`` of ``fs.lax``, ``fs.nn``,
-``fs.optim``, ``fs.checkpoint``, ``fs.debug``, ``fs.launch``, ``fs.data`` and ``fs.parallel``.
+``fs.optim``, ``fs.checkpoint``, ``fs.hf_checkpoint``, ``fs.debug``, ``fs.launch``, ``fs.data`` and ``fs.parallel``.
 Each needs its own docstring with a ``>>>`` example, none skipped. The examples run as doctests, with the globals of
 the module that defines the name plus ``fs`` and ``torch``, on 2 ranks (the suite's ``world2``:
 an example's output must be the same on both), except ``fs.launch``'s, which start their own
@@ -25,6 +25,7 @@ MODULES = {
     "fshard.nn": fs.nn,
     "fshard.optim": fs.optim,
     "fshard.checkpoint": fs.checkpoint,
+    "fshard.hf_checkpoint": fs.hf_checkpoint,
     "fshard.debug": fs.debug,
     "fshard.launch": fs.launch,
     "fshard.data": fs.data,
