@@ -65,6 +65,19 @@ def dense_run():
     return losses, params
 
 
+def _value_and_grad(loss, traced: bool):
+    """``(value, grads)`` of ``loss``: under torch.func (``traced``: plain
+    fs.lax.all_gather(to="varying") per param) or fs.value_and_grad (the eager path)."""
+    if not traced:
+        return fs.value_and_grad(loss)
+
+    def vg(*args):
+        g, v = torch.func.grad_and_value(loss)(*args)
+        return v, g
+
+    return vg
+
+
 def fsdp_rank_fn(traced, shape=(2,), names=("dp",), axis="dp"):
     mesh = fs.Mesh.create(shape, names)
     model, data = _setup()
@@ -85,13 +98,7 @@ def fsdp_rank_fn(traced, shape=(2,), names=("dp",), axis="dp"):
         out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh, axis=axis)
         return fs.lax.pmean(F.mse_loss(out, y), axis, mesh=mesh)
 
-    if traced:  # under torch.func: plain fs.lax.all_gather(to="varying") per param
-
-        def vg(ps, x, y):
-            g, v = torch.func.grad_and_value(loss)(ps, x, y)
-            return v, g
-    else:
-        vg = fs.value_and_grad(loss)
+    vg = _value_and_grad(loss, traced)
     losses, logs = [], []
     for x, y in data:
         xs, ys = fs.shard(x, mesh, fs.P(axis)).local, fs.shard(y, mesh, fs.P(axis)).local
@@ -321,13 +328,7 @@ def hsdp_rank_fn(traced):
         out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh, axis="shard", replicate="rep")
         return fs.lax.pmean(F.mse_loss(out, y), ("rep", "shard"), mesh=mesh)
 
-    if traced:
-
-        def vg(ps, x, y):
-            g, v = torch.func.grad_and_value(loss)(ps, x, y)
-            return v, g
-    else:
-        vg = fs.value_and_grad(loss)
+    vg = _value_and_grad(loss, traced)
     losses, logs = [], []
     batch = fs.P(("rep", "shard"))
     for x, y in data:
