@@ -123,7 +123,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import consistency
+from . import _compat, consistency
 from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray, _rebuild_sharded
 from .executor import reshard_one
@@ -643,7 +643,7 @@ def _stage(locals_: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     global _stager
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    if _stager is None:
+    if _stager is None or not _compat.STAGER_REUSABLE:
         _stager = DefaultStager(  # a synchronous copy to plain host memory (CPU-only here)
             StagingOptions(
                 use_pinned_memory=False,

@@ -1,14 +1,19 @@
 """Shared fixtures: one persistent launch World per size for the whole session."""
 
+import multiprocessing.process
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-# Consistency mode (fshard.consistency) on for the whole suite: ranks that disagree raise
-# instead of returning wrong values. Set before fshard is imported; spawned workers inherit it.
-os.environ.setdefault("FSHARD_CHECK_CONSISTENCY", "every")
+# Consistency mode (fshard.consistency): the suite runs in the mode users get ("default": each
+# call site checked the first time, then at step boundaries), whatever the environment says; the
+# tests of the strict mode set "every" themselves (tests/test_faults.py). "every" for the whole
+# suite cost about a third of each multi-rank test's time (issue 38 item 4). Set before fshard
+# is imported; spawned workers inherit it.
+os.environ["FSHARD_CHECK_CONSISTENCY"] = "default"
 
 from fshard.launch import World  # noqa: E402
 
@@ -20,22 +25,48 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 
-#: The one-process lane, ``pytest -m one_process``: every test of these modules that asks for
-#: no ``world*`` fixture (layout math and planning on abstract meshes, argument checks that
-#: fail before any collective, the repository's static checks), and the doctests of the pure
-#: modules. Nothing in it starts a rank.
-ONE_PROCESS = {
-    "tests/test_spec.py",
-    "tests/test_collectives.py",  # lands with issue 28 item 1 (the ops as data, on abstract meshes)
-    "tests/test_errors.py",
-    "tests/test_checks.py",
-    "tests/test_interop.py",
-    "tests/test_imports.py",
-    "tests/test_docs.py",
-    "tests/test_hf_checkpoint.py",  # the pwrite runs of a block (the rest start ranks)
-    "tests/ops/test_rule_selection.py",
-    "fshard/spec.py",
-    "fshard/planner.py",
+#: The one-process lane, ``pytest -m one_process``: every test that asks for no ``world*``
+#: fixture and starts no process (layout math and planning on abstract meshes, op rules and
+#: optimizers on plain tensors, argument checks that fail before any collective, the
+#: repository's static checks, the doctests of the pure modules). Nothing in it starts a rank:
+#: a test of the lane that starts a process fails (``_no_process_in_one_process_lane``), so a
+#: test that launches ranks by itself (``fs.launch.run``, torchrun, a script) is listed here.
+STARTS_PROCESSES = {
+    "tests/ops/test_autocast.py::test_op_rules_match_dense_autocast",
+    "tests/test_compat.py::test_suite_slice_on_simulated_oldest_torch",
+    "tests/test_composition.py::test_three_strategies_on_eight_ranks",
+    "tests/test_consistency_default.py::test_default_agreeing_ranks_pass_across_periodic_exchanges",
+    "tests/test_consistency_default.py::test_default_catches_a_disagreement_mid_run_at_the_next_boundary",
+    "tests/test_consistency_default.py::test_default_catches_a_late_disagreement_at_the_next_due_step",
+    "tests/test_consistency_default.py::test_default_catches_checkpoint_save_to_different_paths",
+    "tests/test_consistency_default.py::test_default_catches_every_disagreement_case",
+    "tests/test_consistency_default.py::test_default_catches_mismatched_per_rank_batch_sizes",
+    "tests/test_consistency_default.py::test_default_catches_per_rank_rows_passed_as_a_plain_tensor",
+    "tests/test_consistency_default.py::test_default_catches_shard_src_with_a_shape_other_than_the_source",
+    "tests/test_consistency_default.py::test_default_is_on_and_catches_a_skipped_same_shaped_gather",
+    "tests/test_consistency_default.py::test_default_names_a_subgroup_disagreement_within_its_group",
+    "tests/test_consistency_default.py::test_default_never_flags_random_correct_programs_on_a_2d_mesh",
+    "tests/test_consistency_default.py::test_default_passes_a_plain_tensor_that_is_replicated",
+    "tests/test_consistency_default.py::test_default_passes_uneven_blocks_on_a_2d_mesh",
+    "tests/test_consistency_default.py::test_default_step_boundary_exchanges_at_1_2_4_8_then_every_interval",
+    "tests/test_consistency_default.py::test_shard_of_a_meta_tensor_is_a_meta_sharded_array",
+    "tests/test_consistency_default.py::test_shard_src_checks_the_shapes_before_the_send",
+    "tests/test_consistency_default.py::test_world_runs_after_a_timed_out_run_and_the_message_names_the_cause",
+    "tests/test_devices.py::test_mesh_create_initialises_the_group_under_torchrun",
+    "tests/test_devices.py::test_readme_quickstart_under_torchrun",
+    "tests/test_doc_blocks.py::test_scripts_run",
+    "tests/test_launch.py::test_one_shot_run",
+    "tests/test_launch.py::test_readme_multinode_torchrun_command",
+    "tests/test_launch.py::test_results_in_rank_order",
+    "tests/test_launch.py::test_run_from_an_interactive_session",
+    "tests/test_launch.py::test_workers_die_with_the_driver",
+    "tests/test_mistakes.py::test_a_gloo_timeout_in_a_rank_names_the_cause",
+    "tests/test_mistakes.py::test_collective_on_one_rank_under_fs_launch_run",
+    "tests/test_mistakes.py::test_mistake_under_launch",
+    "tests/test_mistakes.py::test_mistakes_under_torchrun",
+    "tests/test_public_api.py::test_launch_examples_run_here",
+    "tests/test_train_gpt.py::test_dp_tp_sp_cp_on_eight_ranks",
+    "tests/test_train_gpt.py::test_pipeline_training_matches_dense",
 }
 _WORLDS = {"world1", "world2", "world4"}
 
@@ -65,9 +96,49 @@ def check_required(names) -> None:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        if path in ONE_PROCESS and not _WORLDS & set(getattr(item, "fixturenames", ())):
+        if in_one_process_lane(item.nodeid, getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.one_process)
+
+
+def in_one_process_lane(nodeid: str, fixturenames) -> bool:
+    """Whether the test ``nodeid`` (asking for ``fixturenames``) runs in the one-process lane."""
+    path = nodeid.split("::", 1)[0]
+    name = nodeid.split("[", 1)[0]
+    if _WORLDS & set(fixturenames):
+        return False
+    return path not in STARTS_PROCESSES and name not in STARTS_PROCESSES
+
+
+class ProcessStarted(AssertionError):
+    """A test of the one-process lane started a process."""
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_one_process_lane(request, monkeypatch):
+    """A one-process-lane test that starts a process (a rank, a script) fails, naming the fix:
+    the lane's promise is checked, not assumed."""
+    if request.node.get_closest_marker("one_process") is None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise ProcessStarted(
+            f"{request.node.nodeid} is in the one-process lane (it asks for no world fixture) "
+            "but starts a process; list it in tests/conftest.py STARTS_PROCESSES"
+        )
+
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(str(argv[0]).split()[0]) if argv else ""
+        if program.startswith("python") or program == "torchrun" or argv[:1] == [sys.executable]:
+            refuse()  # a rank or a script; a tool (git) is not a process of the library's
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    yield
 
 
 def _world(n: int):

@@ -1,12 +1,21 @@
 """The suite's own checks can fail (issue 37 item 5): a NaN error is not dropped, a test
-dependency that does not import fails a CI run instead of skipping its tests."""
+dependency that does not import fails a CI run instead of skipping its tests, a test of the
+one-process lane that starts a rank fails (issue 38 item 4)."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 
 from tests._opcheck import nan_max
-from tests.conftest import REQUIRED_IN_CI, check_required
+from tests.conftest import (
+    REQUIRED_IN_CI,
+    STARTS_PROCESSES,
+    ProcessStarted,
+    check_required,
+    in_one_process_lane,
+)
 
 
 def test_nan_max_keeps_a_nan_anywhere():
@@ -22,3 +31,17 @@ def test_a_required_package_that_does_not_import_fails_the_run():
         check_required(["fshard_no_such_package"])
     assert "transformers" in REQUIRED_IN_CI
     check_required(REQUIRED_IN_CI)  # installed here (pyproject's test extra pins it)
+
+
+def test_the_one_process_lane_refuses_a_process(request):
+    assert request.node.get_closest_marker("one_process") is not None  # this test is in it
+    with pytest.raises(ProcessStarted, match="STARTS_PROCESSES"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    subprocess.run(["git", "--version"], check=True, capture_output=True)  # a tool is no rank
+
+
+def test_the_lane_is_chosen_by_fixtures_and_the_list():
+    assert in_one_process_lane("tests/test_spec.py::test_x[a]", ("tmp_path",))
+    assert not in_one_process_lane("tests/test_spec.py::test_x", ("world2", "tmp_path"))
+    listed = next(iter(STARTS_PROCESSES))
+    assert not in_one_process_lane(listed + "[param]", ())

@@ -69,7 +69,7 @@ def _disagree(case: str, rank: int):
 def _disagree_on_ranks(case: str):
     rank = torch.distributed.get_rank()
     assert fs.config.consistency_checked(), "the suite runs with consistency mode on"
-    with fs.debug.comm_log() as log:
+    with fs.config.consistency("every"), fs.debug.comm_log() as log:
         try:
             _disagree(case, rank)
         except ConsistencyError as e:
@@ -105,6 +105,7 @@ def test_consistency_rank_disagreement_raises_everywhere(world2, case):
     assert log0 == log1 == [], (log0, log1)
 
 
+@fs.config.consistency("every")
 def _agreeing_ranks():
     mesh = _mesh2()
     torch.manual_seed(0)
