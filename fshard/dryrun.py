@@ -15,11 +15,13 @@ records, and the lowering's temporaries are in its memory (``backend=``: whose l
 process group is created, torch.distributed is never initialised or used, and a real world in
 the process is not touched.
 
-**Rank classes.** Ranks whose arguments have the same local shapes (every array ``init``
-returns, params, optimizer state and batch alike) and the same coordinate on the pipeline axes
-(``distinct_axes``, default the mesh axes named ``"pp"``: stages run different code) run the
-same program on the same shapes, so they allocate, send and compute the same: one rank per
-class is run (the lowest), and the class lists its members. Uneven splits (a vocabulary of
+**Rank classes** (:func:`rank_classes`). Ranks whose arguments have the same local shapes
+(every array ``init`` returns, params, optimizer state and batch alike), that get equal blocks of
+every dim size of those arguments wherever the step splits it (a full batch sharded inside the
+loss) and that have the same coordinate on the pipeline axes (``distinct_axes``, default the
+mesh axes named ``"pp"``: stages run different code) run the same program on the same shapes,
+so they allocate, send and compute the same: one rank per class is run (the lowest), and the
+class lists its members. Uneven splits (a vocabulary of
 128,256 over 1,024 ranks: 1,017 blocks of 126 rows, one of 114, six empty) give several classes.
 The step must be SPMD inside a class (no branch on ``mesh.rank`` beyond what the local shapes
 and ``distinct_axes`` show); ``ranks=`` runs exactly the ranks given instead.
@@ -91,6 +93,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -108,6 +111,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .array import ShardedArray
 from .debug import CommRecord, comm_log
 from .mesh import Mesh
+from .spec import chunk_bounds, chunk_index
 
 __all__ = ["dry_run", "DryRunReport", "RankClassReport", "Hardware", "OutOfMemoryError"]
 
@@ -357,7 +361,7 @@ class _Tracker(TorchDispatchMode):
         if packet in flop_registry:
             first = next(a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
             self.flops[first.dtype] += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        if not _is_view(func):
+        if not _is_view(func) and packet not in _UNTOUCHED:
             ins = [a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             self.bytes_accessed += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         return out
@@ -397,6 +401,10 @@ def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
     return out
+
+
+#: allocations that read and write nothing (not memory traffic)
+_UNTOUCHED = frozenset({_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_empty})
 
 
 def _cpu_scalar(t) -> bool:
@@ -462,8 +470,16 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def rank_classes(args, mesh: Mesh, distinct_axes: Sequence[str]) -> list[tuple[int, ...]]:
-    """The classes of ranks of ``mesh`` that hold the same local shapes of every ShardedArray in
-    ``args`` and the same coordinates on ``distinct_axes``, in order of their lowest rank.
+    """The classes of ranks of ``mesh`` that run the same step on the same shapes, in order of
+    their lowest rank. Two ranks are in one class when
+
+    1. every ShardedArray in ``args`` has the same local shape on both;
+    2. for every dim size ``n`` of the arrays in ``args`` (their global shapes, plain tensors
+       such as a full batch included) and every ordered set of mesh axes (of size > 1) whose
+       product ``k`` does not divide ``n``, both hold chunks of the same size: whatever the
+       step splits over those axes (the batch inside a loss, a hidden dim), they get equal
+       blocks. A dim size the step makes that no argument has (a product of two) is not seen;
+    3. they have the same coordinates on ``distinct_axes`` (pipeline stages).
 
     Example:
         >>> m = fs.Mesh.abstract((3,), ("x",))
@@ -473,11 +489,27 @@ def rank_classes(args, mesh: Mesh, distinct_axes: Sequence[str]) -> list[tuple[i
     """
     leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, ShardedArray))
     layouts = list(dict.fromkeys(x.layout for x in leaves if isinstance(x, ShardedArray)))
+    sizes = {n for x in leaves if isinstance(x, (ShardedArray, torch.Tensor)) for n in x.shape}
+    axes = [a for a in mesh.axis_names if mesh.size(a) > 1]
+    splits = []  # (n, axes) that give some ranks other block sizes
+    for k in range(1, len(axes) + 1):
+        for combo in itertools.permutations(axes, k):
+            count = mesh.size(combo)
+            splits += [(n, combo) for n in sorted(sizes) if n % count]
     idx = [mesh.axis_index_of(a) for a in distinct_axes]
     classes: dict = {}
     for r in mesh.ranks:
         coords = mesh.coords(r)
-        key = (tuple(coords[i] for i in idx), tuple(lay.local_shape(r) for lay in layouts))
+        blocks = []
+        for n, combo in splits:
+            j, count = chunk_index(mesh, combo, coords)
+            lo, hi = chunk_bounds(n, count, j)
+            blocks.append(hi - lo)
+        key = (
+            tuple(coords[i] for i in idx),
+            tuple(lay.local_shape(r) for lay in layouts),
+            tuple(blocks),
+        )
         classes.setdefault(key, []).append(r)
     return sorted((tuple(v) for v in classes.values()), key=lambda c: c[0])
 
@@ -591,6 +623,7 @@ def dry_run(
             raise ValueError("dry_run: ranks is empty; give at least one rank, or None for all")
     names = _arg_names(step)
     first = ranks[0] if ranks is not None else mesh.ranks[0]
+    args0 = None
     if ranks is None or uneven == "error":
         args0 = _as_args(init(mesh.simulate(first, backend)))
         if uneven == "error":
@@ -601,10 +634,13 @@ def dry_run(
                     "the mesh axes splitting them:\n  " + "\n  ".join(bad)
                 )
         classes = rank_classes(args0, mesh, distinct_axes) if ranks is None else None
-        del args0
     if ranks is not None:
         classes = [(r,) for r in ranks]
-    reports = [_run_class(step, init, mesh, c, names, backend, attention) for c in classes]
+    reports = []
+    for c in classes:  # the first class's representative is `first`: its arguments are built
+        built = args0 if c[0] == first and ranks is None else None
+        args0 = None
+        reports.append(_run_class(step, init, mesh, c, names, backend, attention, built))
     report = DryRunReport(mesh, reports, hardware)
     if hardware is not None:
         for c in reports:
@@ -639,13 +675,15 @@ def _as_args(args) -> tuple:
     return tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
-def _run_class(step, init, mesh: Mesh, members, names, backend: str, attention: str) -> RankClassReport:
+def _run_class(
+    step, init, mesh: Mesh, members, names, backend: str, attention: str, built=None
+) -> RankClassReport:
+    """Run ``members[0]``'s step (on ``built``, its arguments, when given)."""
     rank = members[0]
     sim = mesh.simulate(rank, backend)
     tracker = _Tracker()
     attention_mode = _FusedAttention if attention == "flash" else contextlib.nullcontext
-    with attention_mode():
-        args = _fresh(_as_args(init(sim)))
+    args = _fresh(built if built is not None else _as_args(init(sim)))
     labels = _labels(names, len(args))
     per_arg = {labels[i]: _storage_bytes(_locals(a)) for i, a in enumerate(args) if _locals(a)}
     params = _locals(args[0]) if args else []
