@@ -32,10 +32,22 @@ LLAMA3_70B = dict(
 )
 
 
-def init_fn(cfg, dims: fs.parallel.ParallelDims, seq: int, per_rank: int, dtype):
+#: one H100 SXM (dense peaks; NVLink within a node for tp, 400 Gb/s InfiniBand per GPU across)
+H100 = fs.Hardware(
+    memory=80 * 10**9,
+    flops={torch.bfloat16: 989e12, torch.float32: 67e12},
+    mem_bw=3.35e12,
+    axis_bw={"tp": 450e9, "cp": 450e9, "dp_shard": 50e9, "dp_replicate": 50e9, "ep": 50e9},
+)
+
+
+def init_fn(cfg, dims: fs.parallel.ParallelDims, seq: int, per_rank: int, dtype, remat=False):
     def init(mesh):
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(cfg).to(dtype)
+        if remat:  # transformers' per-layer activation checkpointing (not with FSDP: refused)
+            model.gradient_checkpointing_enable()
+            model.train()
         params, loss = fs.parallel.parallelize(model, mesh, dims)
         opt = fs.optim.adamw(1e-4)
         batch = dims.dp_replicate * dims.dp_shard * dims.ep * per_rank
@@ -60,15 +72,19 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--per-rank", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--remat", action="store_true", help="per-layer activation checkpointing")
+    p.add_argument("--h100", action="store_true", help="estimate and check memory on H100s")
     a = p.parse_args(argv)
     transformers.logging.set_verbosity_error()
     cfg = transformers.LlamaConfig(**{**LLAMA3_70B, "num_hidden_layers": a.layers})
     dims = fs.parallel.ParallelDims(dp_shard=a.dp_shard, dp_replicate=a.dp_replicate, tp=a.tp)
     t0 = time.perf_counter()
-    report = fs.dry_run(
-        train_step, init_fn(cfg, dims, a.seq, a.per_rank, getattr(torch, a.dtype)),
-        dims.abstract_mesh(),
-    )  # fmt: skip
+    init = init_fn(cfg, dims, a.seq, a.per_rank, getattr(torch, a.dtype), a.remat)
+    try:
+        report = fs.dry_run(train_step, init, dims.abstract_mesh(), hardware=H100 if a.h100 else None)  # fmt: skip
+    except fs.dryrun.OutOfMemoryError as e:
+        report = e.report
+        print(e)
     dt = time.perf_counter() - t0
     print(report)
     print(f"dry run: {dt:.1f} s for {dims.world_size} ranks, {len(report.classes)} rank classes")

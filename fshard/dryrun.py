@@ -93,7 +93,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import itertools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -474,11 +473,14 @@ def rank_classes(args, mesh: Mesh, distinct_axes: Sequence[str]) -> list[tuple[i
     their lowest rank. Two ranks are in one class when
 
     1. every ShardedArray in ``args`` has the same local shape on both;
-    2. for every dim size ``n`` of the arrays in ``args`` (their global shapes, plain tensors
-       such as a full batch included) and every ordered set of mesh axes (of size > 1) whose
-       product ``k`` does not divide ``n``, both hold chunks of the same size: whatever the
-       step splits over those axes (the batch inside a loss, a hidden dim), they get equal
-       blocks. A dim size the step makes that no argument has (a product of two) is not seen;
+    2. for every dim size ``n > 1`` of the arrays in ``args`` that their layouts do not split
+       (plain tensors such as a full batch, a param's unsplit dims) and every split the step
+       may cut it by (each
+       mesh axis alone, and each axis tuple the arguments' layouts split a dim over) whose
+       ranks ``k`` do not divide ``n``, both hold chunks of the same size: whatever the step
+       splits that way (the batch inside a loss, a hidden dim), they get equal blocks. A dim
+       size the step makes that no argument has, or a split over axes that no layout of the
+       arguments uses, is not seen (``ranks=`` runs chosen ranks);
     3. they have the same coordinates on ``distinct_axes`` (pipeline stages).
 
     Example:
@@ -489,13 +491,21 @@ def rank_classes(args, mesh: Mesh, distinct_axes: Sequence[str]) -> list[tuple[i
     """
     leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, ShardedArray))
     layouts = list(dict.fromkeys(x.layout for x in leaves if isinstance(x, ShardedArray)))
-    sizes = {n for x in leaves if isinstance(x, (ShardedArray, torch.Tensor)) for n in x.shape}
-    axes = [a for a in mesh.axis_names if mesh.size(a) > 1]
+    sizes = set()  # the dims no argument's layout splits (a split one is rule 1's)
+    for x in leaves:
+        if isinstance(x, ShardedArray):
+            dims = getattr(x.layout, "dim_axes", None) or ((),) * x.ndim
+            sizes.update(n for n, axes in zip(x.shape, dims) if not axes)
+        elif isinstance(x, torch.Tensor):
+            sizes.update(x.shape)
+    combos = {(a,) for a in mesh.axis_names if mesh.size(a) > 1}
+    for lay in layouts:
+        for axes in getattr(lay, "dim_axes", ()):
+            combos.add(tuple(a for a in axes if mesh.size(a) > 1))
     splits = []  # (n, axes) that give some ranks other block sizes
-    for k in range(1, len(axes) + 1):
-        for combo in itertools.permutations(axes, k):
-            count = mesh.size(combo)
-            splits += [(n, combo) for n in sorted(sizes) if n % count]
+    for combo in sorted(c for c in combos if c):
+        count = mesh.size(combo)
+        splits += [(n, combo) for n in sorted(sizes) if n > 1 and n % count]
     idx = [mesh.axis_index_of(a) for a in distinct_axes]
     classes: dict = {}
     for r in mesh.ranks:
@@ -575,8 +585,9 @@ def dry_run(
             initialise as the real script does); returns a tuple (or one value).
         mesh: an abstract mesh (``Mesh.abstract``, ``ParallelDims.abstract_mesh()``).
         ranks: run exactly these ranks (each its own class) instead of one per class.
-        hardware: a :class:`Hardware`: estimate the step time, and with ``memory`` raise
-            :class:`OutOfMemoryError` naming the classes whose peak does not fit.
+        hardware: a :class:`Hardware`: with ``flops``, estimate the step time; with
+            ``memory``, raise :class:`OutOfMemoryError` naming the classes whose peak does not
+            fit.
         backend: whose collective lowering the simulated wire follows (``"nccl"``, ``"gloo"``).
         distinct_axes: axes whose coordinate separates classes (default: those named ``"pp"``).
         uneven: ``"allow"`` (fshard splits unevenly: extra classes) or ``"error"``: a
@@ -643,8 +654,9 @@ def dry_run(
         reports.append(_run_class(step, init, mesh, c, names, backend, attention, built))
     report = DryRunReport(mesh, reports, hardware)
     if hardware is not None:
-        for c in reports:
-            c.estimate = estimate(c, mesh, hardware)
+        if hardware.flops:  # the estimate needs the peaks; a memory-only Hardware checks memory
+            for c in reports:
+                c.estimate = estimate(c, mesh, hardware)
         _check_memory(report)
     return report
 
