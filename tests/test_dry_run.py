@@ -163,7 +163,7 @@ def test_uneven_error_names_the_dim_and_sizes():
     def init(m):
         return (fs.shard(torch.empty(70, 4, device="meta"), m, fs.P("x")),)
 
-    with pytest.raises(ValueError, match=r"\['w'\]: dim 0 of size 70 split over \('x',\) \(3 ranks\): blocks of 24, 22"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"\['w'\]: dim 0 of size 70 split over \('x',\) \(3 ranks\): blocks of 2 x 24, 1 x 22"):  # fmt: skip
         fs.dry_run(lambda w: w * 2, init, mesh, uneven="error")
     assert len(fs.dry_run(lambda w: w * 2, init, mesh).classes) == 2  # 24, 24 | 22
 
