@@ -65,9 +65,9 @@ def train_step(params, opt_state, batch, loss, opt):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dp-shard", type=int, default=128)
+    p.add_argument("--dp-shard", type=int, default=1)
     p.add_argument("--dp-replicate", type=int, default=1)
-    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--layers", type=int, default=80)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--per-rank", type=int, default=1, help="sequences per data-parallel rank")
