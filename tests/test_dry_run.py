@@ -237,3 +237,25 @@ def test_dry_run_equals_the_real_run(world2, world4, name, degrees, world):
     # models: 209 vs 166-168 KB, 345 vs 271 KB); the dry run frees at the last use.
     for dry, peaks in by_figure.items():
         assert abs(dry - min(peaks)) <= 0.1 * min(peaks), (dry, peaks)
+
+
+def _dry_run_inside_a_world() -> tuple:
+    """A dry run on a rank of a real world: it must issue nothing on the world (a stray
+    collective would pair with the psum below and fail or hang) and leave it usable."""
+    mesh = fs.Mesh.abstract((8,), ("x",))
+
+    def init(m):
+        return fs.shard(torch.empty(64, 4, device="meta"), m, fs.P("x")), fs.shard(torch.empty(4, 4, device="meta"), m, fs.P())  # fmt: skip
+
+    def step(x, w):
+        return fs.value_and_grad(lambda w: (x @ w).sum())(w)
+
+    report = fs.dry_run(step, init, mesh)
+    real = fs.Mesh.create((dist.get_world_size(),), ("x",))
+    total = fs.lax.psum(torch.ones(2), "x", mesh=real)
+    return [r.op for r in report.classes[0].collectives], total.tolist()
+
+
+def test_dry_run_inside_a_real_world_leaves_it_alone(world2):
+    for ops, total in world2.run(_dry_run_inside_a_world):
+        assert "all_reduce" in ops and total == [2.0, 2.0]
