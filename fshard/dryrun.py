@@ -21,8 +21,8 @@ every dim size of those arguments wherever the step splits it (a full batch shar
 loss) and that have the same coordinate on the pipeline axes (``distinct_axes``, default the
 mesh axes named ``"pp"``: stages run different code) run the same program on the same shapes,
 so they allocate, send and compute the same: one rank per class is run (the lowest), and the
-class lists its members. Uneven splits (a vocabulary of
-128,256 over 1,024 ranks: 1,017 blocks of 126 rows, one of 114, six empty) give several classes.
+class lists its members. Uneven splits (a vocabulary of 128,256 split over 1,024 ranks: 1,017
+blocks of 126 rows, one of 114, six empty) give several classes.
 The step must be SPMD inside a class (no branch on ``mesh.rank`` beyond what the local shapes
 and ``distinct_axes`` show); ``ranks=`` runs exactly the ranks given instead.
 ``tests/test_dry_run.py`` runs every rank of small meshes and checks each one's report equals
@@ -30,10 +30,12 @@ its class representative's.
 
 **What is counted.** Memory is the bytes of live tensor storages, tracked by a
 ``TorchDispatchMode`` with weak-reference finalizers on the storages (each storage once, however
-many views share it): torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) needs
-module hooks and ``nn.Module`` parameters and sees neither the functional step's sharded params
-(they are swapped in by ``fs.nn.functional_call``) nor the phases of a ``torch.func`` transform;
-and ``torch.func`` refuses ``saved_tensors_hooks``. So:
+many views share it), checked against torch.profiler's CPU allocator events on real Gloo
+ranks (``tests/test_dry_run.py``). Not torch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``): it attributes memory through module hooks and the
+module's own ``nn.Parameter`` s, while a functional step swaps sharded values into the module
+(``fs.nn.functional_call``); it was not tried here. ``torch.func`` refuses
+``saved_tensors_hooks``, so the activations are taken at the backward's start. So:
 
 - ``args``: each argument's bytes after ``init`` (its leaves' distinct storages);
   ``grads``: the first argument's floating-point bytes (gradients have their params' layouts
@@ -494,14 +496,13 @@ def rank_classes(args, mesh: Mesh, distinct_axes: Sequence[str]) -> list[tuple[i
     their lowest rank. Two ranks are in one class when
 
     1. every ShardedArray in ``args`` has the same local shape on both;
-    2. for every dim size ``n > 1`` of the arrays in ``args`` that their layouts do not split
-       (plain tensors such as a full batch, a param's unsplit dims) and every split the step
-       may cut it by (each
+    2. for every dim size ``n > 1`` of the plain tensors in ``args`` (a full batch that the
+       step shards, as ``parallelize``'s loss does) and every split the step may cut it by (each
        mesh axis alone, and each axis tuple the arguments' layouts split a dim over) whose
        ranks ``k`` do not divide ``n``, both hold chunks of the same size: whatever the step
        splits that way (the batch inside a loss, a hidden dim), they get equal blocks. A dim
-       size the step makes that no argument has, or a split over axes that no layout of the
-       arguments uses, is not seen (``ranks=`` runs chosen ranks);
+       size the step makes that no plain argument has, or a split over axes that no layout of
+       the arguments uses, is not seen (``ranks=`` runs chosen ranks);
     3. they have the same coordinates on ``distinct_axes`` (pipeline stages).
 
     Example:
@@ -512,13 +513,8 @@ def rank_classes(args, mesh: Mesh, distinct_axes: Sequence[str]) -> list[tuple[i
     """
     leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, ShardedArray))
     layouts = list(dict.fromkeys(x.layout for x in leaves if isinstance(x, ShardedArray)))
-    sizes = set()  # the dims no argument's layout splits (a split one is rule 1's)
-    for x in leaves:
-        if isinstance(x, ShardedArray):
-            dims = getattr(x.layout, "dim_axes", None) or ((),) * x.ndim
-            sizes.update(n for n, axes in zip(x.shape, dims) if not axes)
-        elif isinstance(x, torch.Tensor):
-            sizes.update(x.shape)
+    # the dims of plain tensors (a full batch the step shards); a ShardedArray's are rule 1's
+    sizes = {n for x in leaves if isinstance(x, torch.Tensor) for n in x.shape}
     combos = {(a,) for a in mesh.axis_names if mesh.size(a) > 1}
     for lay in layouts:
         for axes in getattr(lay, "dim_axes", ()):
@@ -629,8 +625,15 @@ def dry_run(
         OutOfMemoryError: with ``hardware.memory``, a class whose peak exceeds it.
 
     Example:
-        >>> report = fs.dry_run(step, init, fs.parallel.ParallelDims(dp_shard=1024).abstract_mesh())  # doctest: +SKIP
-        >>> print(report)  # doctest: +SKIP
+        >>> mesh = fs.Mesh.abstract((1024,), ("dp",))
+        >>> def init(m):  # a replicated weight, a batch of 4096 rows split over 1,024 ranks
+        ...     w = fs.shard(torch.empty(64, 64, device="meta"), m, fs.P())
+        ...     return w, fs.shard(torch.empty(4096, 64, device="meta"), m, fs.P("dp"))
+        >>> def step(w, x):
+        ...     return fs.value_and_grad(lambda w: torch.tanh(x @ w).sum())(w)
+        >>> (c,) = fs.dry_run(step, init, mesh).classes
+        >>> len(c.ranks), c.args, c.flops  # forward and backward matmuls of 4 x 64 x 64
+        (1024, {'w': 16384, 'x': 1024}, {torch.float32: 65536})
     """
     if not callable(step):
         raise TypeError(f"dry_run: step must be callable, got {type(step).__name__}")
