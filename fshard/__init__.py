@@ -23,6 +23,7 @@ from . import (
 from .api import empty, from_local, full, gather, ones, rand, randn, reshard, shard, zeros
 from .array import ShardedArray
 from .autodiff import grad, value_and_grad
+from .dryrun import DryRunReport, Hardware, dry_run
 from .jacobian import hessian, jacfwd
 from .mesh import Mesh
 from .planner import Step, plan
@@ -48,6 +49,9 @@ __all__ = [
     "shard_map",
     "value_and_grad",
     "remat",
+    "dry_run",
+    "DryRunReport",
+    "Hardware",
     "grad",
     "jacfwd",
     "hessian",

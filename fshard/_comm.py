@@ -13,6 +13,12 @@ being traced (``torch.compile``, ``make_fx``, export) every collective is issued
 ``torch.distributed._functional_collectives`` instead, whose ops return tensors and record their
 waits in the graph, so a traced step replays exactly; ``comm_log`` records eager calls only.
 
+A simulated group (``g.simulated``: a :class:`~fshard.mesh.SimulatedGroup`, from
+``Mesh.simulate``, what ``fs.dry_run`` runs on) has no processes behind it: each primitive
+checks, records and lowers exactly as for a real group, and where torch.distributed would be
+called it makes the received buffer with the right shape instead (``meta`` tensors: no data),
+so a dry run's comm log is the real run's and its temporaries are the lowering's.
+
 This is the only module that puts data on the wire (``tests/test_comm.py`` scans the package):
 besides the primitives of ``fshard.lax``, FSDP's prefetching gather (:func:`all_gather_start`,
 whose :class:`Pending` result does the chunk-order fix-up at ``wait``), shard_map's
@@ -220,8 +226,8 @@ def _wire(t: torch.Tensor, g: AxisGroup, op: str, reduce: str | None = None) -> 
     """:func:`check_wire` for a collective over ``g`` (eager calls; a compiled graph is traced
     from eager-checked code)."""
     backend = g.backend
-    if backend not in WIRE_DTYPES or torch.compiler.is_compiling():
-        return
+    if backend not in WIRE_DTYPES or torch.compiler.is_compiling() or g.simulated:
+        return  # a simulated group's tensors are meta: no device to check
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     check_wire(t, backend, device, op=op, reduce=reduce)
 
@@ -382,6 +388,13 @@ def size_exchange(values: Sequence[int], g: AxisGroup, device: torch.device) -> 
     values = list(values)
     if g.size == 1:
         return [values]
+    if g.simulated:
+        raise NotImplementedError(
+            f"a dry run cannot exchange sizes known only at run time over {g.axes} (MoE token "
+            "counts, ragged_all_to_all without recv_sizes=, shard_map outputs without "
+            "out_shapes=, fs.data's per-rank blocks): a simulated rank does not know the "
+            "others'. Give the sizes statically (recv_sizes=, out_shapes=)"
+        )
     send = torch.tensor(values, dtype=torch.int64, device=device)
     _wire(send, g, "all_gather")
     _consistent("size_exchange", g, send, count=len(values))
@@ -410,7 +423,7 @@ def agree_meta(meta: tuple | None, g: AxisGroup, src: int) -> tuple:
     """
     if g.size == 1:
         return meta
-    if tracing():
+    if tracing() or g.simulated:
         if meta is None:
             _untraceable("fs.shard(..., src=) without shape and dtype on every rank")
         return meta
@@ -447,6 +460,8 @@ def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple
     not ``async_op``)."""
     big = lowering(g).gather_broadcast_bytes
     big = big is not None and nbytes(x) >= big
+    if g.simulated:
+        return x.new_empty((g.size * x.shape[0], *x.shape[1:])), ()
     if tracing():
         if not big:
             return _compat.funcol_all_gather(x.detach(), g.pg), ()
@@ -500,6 +515,8 @@ def all_reduce_start(
     if tracing():
         return _compat.funcol().all_reduce(t.detach(), op, g.pg), None
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
+    if g.simulated:
+        return out, None
     return out, dist.all_reduce(out, _REDUCE_OPS[op], group=g.pg, async_op=True)
 
 
@@ -512,7 +529,9 @@ def _exchange(pieces: list[torch.Tensor], g: AxisGroup) -> torch.Tensor:
 
 def _exchange_stacked(send: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``send`` is ``[n, ...]`` in group-rank order; returns ``[n, ...]`` in chunk order."""
-    if tracing():
+    if g.simulated:
+        recv = torch.empty_like(send)
+    elif tracing():
         recv = _compat.funcol().all_to_all_single(send.detach(), None, None, g.pg)
     else:
         recv = torch.empty_like(send)
@@ -555,11 +574,12 @@ def reduce_scatter(
     if lowering(g).reduce_scatter_via_all_to_all:
         # A left fold, not .sum(0): torch's sum starts from +0.0, so -0.0 addends gave +0.0.
         mine = functools.reduce(torch.add, _exchange_stacked(send, g).unbind(0))
-    elif tracing():
+    elif tracing() and not g.simulated:
         mine = _compat.funcol_reduce_scatter(send.flatten(0, 1).detach(), g.pg)
     else:
         mine = send.new_empty(send.shape[1:])
-        _compat.reduce_scatter_into(mine, send.flatten(0, 1), group=g.pg)
+        if not g.simulated:
+            _compat.reduce_scatter_into(mine, send.flatten(0, 1), group=g.pg)
     return mine[: sizes[g.index]].movedim(0, dim)
 
 
@@ -635,11 +655,12 @@ def _ragged_all_to_all(t, g: AxisGroup, dim: int, send: Sequence[int], recv: Seq
         x = torch.cat([pieces[order[k]] for k in range(g.size)], 0)
     send_k = [send[order[k]] for k in range(g.size)]
     recv_k = [recv[order[k]] for k in range(g.size)]
-    if tracing():
+    if tracing() and not g.simulated:
         out = _compat.funcol().all_to_all_single(x.contiguous().detach(), recv_k, send_k, g.pg)
     else:
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_k, send_k, group=g.pg)
+        if not g.simulated:
+            dist.all_to_all_single(out, x.contiguous(), recv_k, send_k, group=g.pg)
     if not g.identity_order:
         pieces = torch.split(out, recv_k, 0)
         out = torch.cat([pieces[g.group_rank[j]] for j in range(g.size)], 0)
@@ -665,6 +686,8 @@ def ppermute_start(
     """:func:`ppermute` launched asynchronously (ring attention's next block): ``.wait()``
     returns what :func:`ppermute` returns. Checks and the comm-log record happen at launch."""
     out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
+    if g.simulated:
+        return _ppermute_simulated(t, g, perm, out_shape)
     if tracing():
         return Pending(_ppermute_traced(t, g, perm, out_shape))
     if g.size > 1:
@@ -688,6 +711,18 @@ def ppermute_start(
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
     works = dist.batch_isend_irecv(ops) if ops else ()
     return Pending(out, works, (lambda o: o.to(t.device)) if host else None)
+
+
+def _ppermute_simulated(t, g: AxisGroup, perm, out_shape: tuple) -> Pending:
+    """:func:`ppermute_start` on a simulated group: the same checks and record, the received
+    buffer made (zeros where nothing arrives, as on the wire)."""
+    me = g.index
+    if g.size > 1:
+        _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
+        record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
+    if any(s == me and d == me for s, d in perm):
+        return Pending(t.clone())
+    return Pending(t.new_zeros(out_shape))
 
 
 def _ppermute_traced(t, g: AxisGroup, perm, out_shape: tuple) -> torch.Tensor:
@@ -740,7 +775,8 @@ def scatter_from(
     else:
         record("scatter", g.axes, 0)
         send = None
-    dist.scatter(recv, send, src=g.ranks[src], group=g.pg)
+    if not g.simulated:
+        dist.scatter(recv, send, src=g.ranks[src], group=g.pg)
     mine = tuple(s.stop - s.start for s in blocks[g.index])
     return recv[: _prod(mine)].view(mine)
 
@@ -785,7 +821,8 @@ def gather_to(
     send = _pad_flat(t, numel)
     if g.index == dst:
         recv = [torch.empty_like(send) for _ in range(g.size)]
-        dist.gather(send, recv, dst=g.ranks[dst], group=g.pg)
+        if not g.simulated:
+            dist.gather(send, recv, dst=g.ranks[dst], group=g.pg)
         out = t.new_empty(tuple(shape))
         for j in range(g.size):
             part = recv[g.group_rank[j]]
@@ -793,5 +830,6 @@ def gather_to(
             sub = tuple(s.stop - s.start for s in b)
             out[b] = part[: _prod(sub)].view(sub)
         return out
-    dist.gather(send, None, dst=g.ranks[dst], group=g.pg)
+    if not g.simulated:
+        dist.gather(send, None, dst=g.ranks[dst], group=g.pg)
     return None

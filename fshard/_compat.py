@@ -194,6 +194,26 @@ STAGER_REUSABLE = TORCH_VERSION >= (2, 13)
 
 
 @functools.cache
+def storage_id(t: torch.Tensor) -> int:
+    """Which buffer ``t``'s storage is: its data pointer, and on ``meta`` (where every data
+    pointer is 0) the address of its StorageImpl, so that meta tensors (``fs.dry_run``) share a
+    buffer exactly when the device tensors would.
+
+    Example:
+        >>> a = torch.empty(4, device="meta")
+        >>> storage_id(a) == storage_id(a[1:]) != storage_id(torch.empty(4, device="meta"))
+        True
+    """
+    st = t.untyped_storage()
+    return st._cdata if t.device.type == "meta" else st.data_ptr()
+
+
+def data_id(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s first element is: ``(storage_id(t), byte offset)``; equal for two live
+    tensors exactly when their ``data_ptr()`` is (on meta too, unlike ``data_ptr()``)."""
+    return storage_id(t), t.storage_offset() * t.element_size()
+
+
 def nccl_reduces_float8() -> bool:
     """Whether the NCCL torch runs with reduces float8 (e4m3fn, e5m2) values: NCCL 2.24+ has
     float8 types, which torch then maps them to (``NCCL_SUPPORTS_FP8`` in

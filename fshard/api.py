@@ -297,7 +297,9 @@ def gather(x: ShardedArray, dst: int | None = None) -> torch.Tensor | None:
     """
     if not isinstance(x, ShardedArray):
         raise TypeError(f"gather: x must be a ShardedArray, got {type(x).__name__}")
-    if x.local.is_meta:  # a meta value (planning) has no data to move: the full meta tensor
+    if x.local.is_meta and x.mesh.simulated_rank is None:
+        # a meta value (planning) has no data to move: the full meta tensor. On a simulated
+        # mesh (fs.dry_run) gather runs as on the real mesh: its collectives are the run's.
         if dst is not None and (isinstance(dst, bool) or dst not in x.mesh.ranks):
             raise ValueError(f"gather: dst must be a rank of the mesh {x.mesh.ranks}, got {dst!r}")
         full = torch.empty(x.shape, dtype=x.dtype, device="meta")

@@ -452,9 +452,10 @@ def check_collective(op: str, g: AxisGroup, t: torch.Tensor, **fields) -> None:
     or check now that every rank issues the same one (``"every"``).
 
     ``fields`` are what must agree across the group besides ``op``, the axes and ``t``'s dtype
-    (e.g. the shape every rank passes, the global chunk sizes). No-op when checks are off.
+    (e.g. the shape every rank passes, the global chunk sizes). No-op when checks are off, on
+    one rank and on a simulated group (``Mesh.simulate``: one rank alone, nobody to agree with).
     """
-    if g.size == 1:
+    if g.size == 1 or g.simulated:
         return
     mode = _active_mode()
     if mode == "default":
@@ -483,7 +484,7 @@ def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
     if mode == "off" or not dist.is_initialized():
         return
     g = _as_group(group)
-    if g.size == 1:
+    if g.size == 1 or g.simulated:
         return
     if mode == "every":
         if fields:
@@ -506,7 +507,7 @@ def settle(group: Mesh | AxisGroup, what: str) -> None:
     if _active_mode() != "default" or not dist.is_initialized():
         return
     g = _as_group(group)
-    if g.size > 1:
+    if g.size > 1 and not g.simulated:
         _boundary(g, what, {}, _site())
         settled = {id(r) for r in _within(g)}  # agreed: forgotten, so later checks over
         for pg in [pg for pg, r in _RUNNING.items() if id(r) in settled]:  # bigger groups
@@ -536,7 +537,7 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
     # different meshes, e.g. pipeline stages, legitimately differ in their collectives)
     running = group is not None
     group = _as_group(group)
-    if group.size == 1:
+    if group.size == 1 or group.simulated:
         return
     fields = dict(obj) if isinstance(obj, dict) else {"value": obj}
     if mode == "every":
@@ -558,6 +559,8 @@ def check_replicated(t: torch.Tensor, mesh: Mesh, op: str, index: int) -> None:
     """
     mode = _active_mode()
     if mode == "off" or mesh.is_abstract or mesh.size_total == 1 or not dist.is_initialized():
+        return
+    if mesh.simulated_rank is not None:
         return
     site = _site()
     if mode == "default":

@@ -74,7 +74,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad as _forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from . import _comm, axis_env
+from . import _comm, _compat, axis_env
 from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
 from .array import ShardedArray
 from .axis_env import current_mesh
@@ -547,12 +547,12 @@ def _reducible_in_place(leaves: list) -> set[int]:
     :func:`buckets`, large)."""
     owners: dict = {}
     for leaf in leaves:
-        key = leaf.untyped_storage().data_ptr()
+        key = _compat.storage_id(leaf)
         owners[key] = owners.get(key, 0) + 1
     return {
         i
         for i, leaf in enumerate(leaves)
-        if leaf.is_contiguous() and owners[leaf.untyped_storage().data_ptr()] == 1
+        if leaf.is_contiguous() and owners[_compat.storage_id(leaf)] == 1
     }
 
 

@@ -27,7 +27,22 @@ import torch.distributed as dist
 from . import _torchrun
 from .spec import chunk_index
 
-__all__ = ["Mesh", "AxisGroup"]
+__all__ = ["Mesh", "AxisGroup", "SimulatedGroup"]
+
+
+@dataclass(frozen=True)
+class SimulatedGroup:
+    """The process group of a simulated mesh (:meth:`Mesh.simulate`): no processes behind it.
+
+    ``fshard._comm`` meets it where it would call torch.distributed and runs the collective on
+    shapes only (``meta`` tensors of the result's shape), after the same wire checks and
+    comm-log records as a real group's, so what a dry run records is what the real run records.
+    ``backend`` names the backend whose lowering (``_comm.LOWERINGS``) the simulated wire follows:
+    the lowering decides which temporaries a collective allocates, so the memory of a dry run
+    follows it too.
+    """
+
+    backend: str = "nccl"
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,10 +64,17 @@ class AxisGroup:
     # frozen-dataclass variable serves fields only), and nothing about it is resolved in a trace.
     identity_order: bool = field(init=False)
     backend: str | None = field(init=False)  # dist.get_backend(pg); None without a pg
+    simulated: bool = field(init=False)  # pg is a SimulatedGroup: shapes only on the wire
 
     def __post_init__(self):
         object.__setattr__(self, "identity_order", self.group_rank == tuple(range(self.size)))
-        object.__setattr__(self, "backend", None if self.pg is None else dist.get_backend(self.pg))
+        simulated = isinstance(self.pg, SimulatedGroup)
+        object.__setattr__(self, "simulated", simulated)
+        if simulated:
+            backend = self.pg.backend
+        else:
+            backend = None if self.pg is None else dist.get_backend(self.pg)
+        object.__setattr__(self, "backend", backend)
 
 
 def _check_mesh_args(shape, names) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -99,9 +121,18 @@ class Mesh:
         "_coords",
         "_hash",
         "_groups",
+        "_simulated",
     )
 
-    def __init__(self, shape, axis_names, ranks=None, device_type: str = "cpu", device_mesh=None):
+    def __init__(
+        self,
+        shape,
+        axis_names,
+        ranks=None,
+        device_type: str = "cpu",
+        device_mesh=None,
+        simulated: tuple[int, SimulatedGroup] | None = None,
+    ):
         shape, axis_names = _check_mesh_args(shape, axis_names)
         n = math.prod(shape)
         ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)
@@ -117,7 +148,10 @@ class Mesh:
         for pos, r in enumerate(ranks):
             coords[r] = _unravel(pos, shape)
         set_(self, "_coords", coords)
-        set_(self, "_hash", hash((shape, axis_names, ranks, device_type, device_mesh is None)))
+        set_(self, "_simulated", simulated)  # (this rank, its SimulatedGroup) or None
+        if simulated is not None and simulated[0] not in coords:
+            raise ValueError(f"Mesh.simulate: rank {simulated[0]} is not in the mesh (0..{n - 1})")
+        set_(self, "_hash", hash((shape, axis_names, ranks, device_type, self._kind)))
         set_(self, "_groups", {})  # axes tuple -> AxisGroup, filled once by Mesh.create
 
     def __setattr__(self, name, value):
@@ -205,8 +239,61 @@ class Mesh:
             )
         return _create(shape, names, device_type, id(dist.group.WORLD))
 
+    def simulate(self, rank: int, backend: str = "nccl") -> Mesh:
+        """This abstract mesh seen from ``rank``: a mesh with a "this rank" and simulated groups.
+
+        What a dry run (:func:`fshard.dry_run`) runs a step on. ``mesh.rank`` is ``rank``,
+        ``mesh.group(axes)`` an :class:`AxisGroup` over a :class:`SimulatedGroup`, and
+        ``mesh.device()`` is ``meta``: values created on it hold no data, and every collective
+        runs on shapes only (``fshard._comm``), recorded in ``fs.debug.comm_log()`` as the real
+        mesh records it. Nothing global changes: no process group, no torch.distributed
+        initialisation, and a real world in the process is never touched. A simulated mesh
+        equals only the simulation of the same abstract mesh from the same rank and backend, so
+        no cached program of one serves another (their groups differ).
+
+        Args:
+            rank: the rank to be, ``0 <= rank < mesh.size_total``.
+            backend: whose lowering (``fshard._comm.LOWERINGS``) the simulated wire follows,
+                ``"nccl"`` (default) or ``"gloo"``; it decides the collectives' temporaries.
+
+        Example:
+            >>> m = Mesh.abstract((4, 2), ("dp", "tp")).simulate(5)
+            >>> m.rank, m.group("tp").index, m.device()
+            (5, 1, device(type='meta'))
+        """
+        if not self.is_abstract:
+            raise ValueError(f"Mesh.simulate: {self!r} is not abstract; use Mesh.abstract(...)")
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"Mesh.simulate: rank must be an int, got {rank!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"Mesh.simulate: backend must be a str, got {backend!r}")
+        return _simulated(self.shape, self.axis_names, self.ranks, self.device_type, rank, backend)
+
+    @property
+    def simulated_rank(self) -> int | None:
+        """The rank a simulated mesh (:meth:`simulate`) stands for; ``None`` on other meshes."""
+        return None if self._simulated is None else self._simulated[0]
+
+    @property
+    def _kind(self) -> tuple:
+        """What, besides shape, names, ranks and device type, makes two meshes equal."""
+        if self._simulated is not None:
+            return ("simulated", *self._simulated)
+        return ("abstract",) if self.device_mesh is None else ("real",)
+
+    def abstract_mesh(self) -> Mesh:
+        """The abstract mesh of the same shape, names, ranks and device type.
+
+        Example:
+            >>> Mesh.abstract((2,), ("x",)).simulate(1).abstract_mesh()
+            Mesh(x=2, abstract)
+        """
+        return Mesh(self.shape, self.axis_names, self.ranks, self.device_type)
+
     def __reduce__(self):
         args = (self.shape, self.axis_names, self.ranks, self.device_type)
+        if self._simulated is not None:
+            return (_simulated, args + self._simulated[:1] + (self._simulated[1].backend,))
         return (_restore, args + (True,) if self.is_abstract else args)
 
     # -- queries ------------------------------------------------------------------------
@@ -217,7 +304,7 @@ class Mesh:
             and self.axis_names == other.axis_names
             and self.ranks == other.ranks
             and self.device_type == other.device_type
-            and (self.device_mesh is None) == (other.device_mesh is None)
+            and self._kind == other._kind
         )
 
     def __hash__(self) -> int:
@@ -226,7 +313,10 @@ class Mesh:
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         kind = "" if self.device_type == "cpu" else f", {self.device_type}"
-        kind += "" if self.device_mesh is not None else ", abstract"
+        if self._simulated is not None:
+            kind += f", simulated rank {self._simulated[0]}"
+        elif self.device_mesh is None:
+            kind += ", abstract"
         return f"Mesh({axes}{kind})"
 
     @property
@@ -239,7 +329,8 @@ class Mesh:
 
     @property
     def is_abstract(self) -> bool:
-        return self.device_mesh is None
+        """No process group and no "this rank" (``Mesh.abstract``); a simulated mesh is not."""
+        return self.device_mesh is None and self._simulated is None
 
     def axis_index_of(self, name: str) -> int:
         try:
@@ -282,7 +373,9 @@ class Mesh:
 
     @property
     def rank(self) -> int:
-        """This process's global rank (real meshes only)."""
+        """This process's global rank (real meshes), the simulated rank (simulated meshes)."""
+        if self._simulated is not None:
+            return self._simulated[0]
         if self.device_mesh is None:
             raise ValueError(
                 f"{self!r} is abstract: it has no 'this rank'. Pass a rank explicitly, or use "
@@ -291,7 +384,9 @@ class Mesh:
         return dist.get_rank()
 
     def device(self) -> torch.device:
-        """The device local shards live on for this rank."""
+        """The device local shards live on for this rank (``meta`` on a simulated mesh)."""
+        if self._simulated is not None:
+            return torch.device("meta")
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -314,6 +409,12 @@ class Mesh:
         plain dict read, which ``torch.compile`` turns into a guarded constant (no traced call).
         """
         axes = self.axes_tuple(axes)
+        if self._simulated is not None:
+            g = self._groups.get(axes)
+            if g is None:
+                rank, pg = self._simulated
+                g = self._groups[axes] = _axis_group(self, axes, rank, pg)
+            return g
         if self.device_mesh is None:
             raise ValueError(f"{self!r} is abstract: it has no process groups. Use Mesh.create")
         return self._groups[axes]
@@ -406,18 +507,27 @@ def _restore(shape, names, ranks, device_type, abstract: bool = False) -> Mesh:
     return live or Mesh(shape, names, ranks, device_type)
 
 
-def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
-    me = dist.get_rank()
+@functools.lru_cache(maxsize=4096)
+def _simulated(shape, names, ranks, device_type, rank: int, backend: str) -> Mesh:
+    """One simulated mesh per (abstract mesh, rank, backend): the same object each time, so its
+    groups and the programs bound to them are built once."""
+    return Mesh(shape, names, ranks, device_type, None, (rank, SimulatedGroup(backend)))
+
+
+def _axis_group(mesh: Mesh, axes: tuple[str, ...], me: int | None = None, pg=None) -> AxisGroup:
+    """This rank's group over ``axes``; ``me`` and ``pg`` given: a simulated rank's."""
+    simulated = me is not None
+    me = dist.get_rank() if me is None else me
     ranks = _member_ranks(mesh, axes, me)
-    if len(axes) == 1:
+    if simulated or not axes:
+        pg = pg if axes else None
+    elif len(axes) == 1:
         pg = mesh.device_mesh.get_group(axes[0])
-    elif not axes:
-        pg = None
     else:
         key = tuple(a for a in mesh.axis_names if a in axes)
         pg = _GROUPS[(mesh, key)]
-    sorted_ranks = sorted(ranks)
-    group_rank = tuple(sorted_ranks.index(r) for r in ranks)
+    position = {r: k for k, r in enumerate(sorted(ranks))}
+    group_rank = tuple(position[r] for r in ranks)
     return AxisGroup(
         axes=axes,
         pg=pg,

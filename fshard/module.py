@@ -81,9 +81,7 @@ def _record(table: dict, module: torch.nn.Module, value) -> None:
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device.type == "meta" or b.device.type == "meta":
-        return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return a.device == b.device and _compat.storage_id(a) == _compat.storage_id(b)
 
 
 def shard_params(

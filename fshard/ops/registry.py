@@ -26,6 +26,7 @@ order, or names the parameters (``{"input": P("x"), "weight": None}``).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.utils import _python_dispatch
 
 from .. import _compat, config
 from .._traced import constant
@@ -630,7 +632,14 @@ def _plan(func, name, leaves, tree, mesh, whole) -> _Compiled:
     return compiled
 
 
-_outside_transforms = torch._C._DisableFuncTorch
+@contextlib.contextmanager
+def _outside_transforms():
+    """Where an op is planned: outside every torch.func level, and outside every dispatch mode
+    (planning evaluates the op on meta tensors of the global shapes once per plan, not per call:
+    a mode measuring the program, a user's ``FlopCounterMode`` or ``fs.dry_run``'s memory and
+    FLOP count, must not see it)."""
+    with torch._C._DisableFuncTorch(), _python_dispatch._disable_current_modes():
+        yield
 
 
 def _filled(tree):

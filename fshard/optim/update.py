@@ -17,7 +17,7 @@ from __future__ import annotations
 import optree
 import torch
 
-from .. import consistency
+from .. import _compat, consistency
 from .._function import untracked
 from ..array import ShardedArray
 from . import _tree
@@ -46,7 +46,7 @@ def donatable(*tensor_lists: list) -> bool:
             if t.requires_grad or untracked(t) is not t:
                 return False
             if t.numel():
-                ptr = t.data_ptr()
+                ptr = _compat.data_id(t)
                 if ptr in seen:
                     return False
                 seen.add(ptr)

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .. import _comm, _swap, axis_env, lax
+from .. import _comm, _compat, _swap, axis_env, lax
 from .._leaf_errors import LeafErrors
 from ..array import ShardedArray
 from ..collectives import AllGather, Bound, Pcast
@@ -342,17 +342,17 @@ class _Session:
         for n in self.units[unit]:
             if n in vary:
                 y = vary[n]
-                self.active[y.untyped_storage().data_ptr()] = (unit, n, y)
+                self.active[_compat.storage_id(y)] = (unit, n, y)
             if self.typed and lazy:
                 y = self._typed(n, fulls.get(n))
                 if n in fulls:
                     self.whole[n] = fulls[n]  # what _Pcasts' varying gather reads
-                    self.active[y.local.untyped_storage().data_ptr()] = (unit, n, y.local)
+                    self.active[_compat.storage_id(y.local)] = (unit, n, y.local)
             elif self.typed:  # the invariant gather on the same data; _Pcasts reads vary[n]
                 y = self._typed(n, vary[n].detach() if n in vary else None)
                 if n in vary:
                     self.vary[n] = vary[n]
-                    self.active[y.local.untyped_storage().data_ptr()] = (unit, n, y.local)
+                    self.active[_compat.storage_id(y.local)] = (unit, n, y.local)
             elif n not in vary:
                 y = self._pcast(n)
             out[n] = y
@@ -444,7 +444,7 @@ class _Session:
     def pack(self, t: torch.Tensor):
         if not self.active:
             return t
-        hit = self.active.get(t.untyped_storage().data_ptr())
+        hit = self.active.get(_compat.storage_id(t))
         if hit is None or hit[2].dtype != t.dtype:
             return t
         return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
@@ -523,7 +523,7 @@ class _Pcasts(lax.Handler):
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
         elif s.eager:  # in a shard_map body: made here, per param
             y = s._varying(name, s.whole[name])
-            s.active[y.untyped_storage().data_ptr()] = (s.unit_of[name], name, y)
+            s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
         else:
             y = s._traced(name)
         y = y if f is None else f(y)
