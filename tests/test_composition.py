@@ -67,6 +67,9 @@ ROWS = [
     ("--hsdp 2 --fsdp 2 --tp 1 --view local", "dense"),
     ("--remat --pp 2 --tp 2", "dense"),
     ("--remat --fsdp 2 --pp 2 --tp 1", "dense"),
+    ("--pp 2 --cp 2 --tp 1", "dense"),
+    ("--remat --fsdp 2 --tp 2", "dense"),
+    ("--remat --pp 2 --cp 2 --tp 1", "dense"),
 ]
 
 

@@ -45,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -280,8 +279,9 @@ def parallelize(
     return params, loss
 
 
-def _experts(model, params, args, kwargs, *, call):
-    return expert_parallel_call(model, params, args, kwargs, call=call)
+def _experts(model, params, args, kwargs, *, call, **options):
+    inner = functools.partial(call, **options) if options else call
+    return expert_parallel_call(model, params, args, kwargs, call=inner)
 
 
 # -- pipeline parallelism of a transformers causal LM -----------------------------------------
@@ -365,27 +365,6 @@ def _outputs(model: torch.nn.Module, plan: Mapping) -> dict[str, P]:
     return {n: rules[int(t.dims[0][0])][1] for n, t in tags.items() if t.dims}
 
 
-@contextlib.contextmanager
-def _output_layouts(module: torch.nn.Module, outputs: Mapping[str, P]):
-    """The plan's output layouts applied to ``module``'s submodules (``outputs`` relative to
-    it) while a piece of the model runs on its own: the whole model's call applies them
-    (``fs.nn.functional_call``), and a stage must end in its activation's layout the same way
-    (a row-parallel output left pending would meet the residual there)."""
-
-    def hook(spec):
-        def run(m, args, out):
-            return reshard(out, spec) if isinstance(out, ShardedArray) else out
-
-        return run
-
-    handles = [module.get_submodule(n).register_forward_hook(hook(s)) for n, s in outputs.items()]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 class _Captured(Exception):
     pass
 
@@ -439,9 +418,12 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
         pieces[key] = (model.get_submodule(name), rel)
 
     def run(key, params, args, kwargs):
+        # the plan's output layouts, as the whole model's call applies them (a stage whose
+        # row-parallel output met the residual while pending gave wrong input gradients)
         module, rel = pieces[key]
-        with _output_layouts(module, rel):
-            return call(module, params, args, kwargs)
+        inner = {n: spec for n, spec in rel.items() if n}
+        out = call(module, params, args, kwargs, outputs=inner)
+        return reshard(out, rel[""]) if "" in rel and isinstance(out, ShardedArray) else out
 
     m, axes = dims.microbatches, dims.batch_axes
     rows = m * math.prod(mesh.size(a) for a in axes)
