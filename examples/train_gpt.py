@@ -431,7 +431,8 @@ def _blockwise(params, model, ids, positions=None, *, fsdp=False, dtype=None):
     row-parallel output all-reduced where it leaves its layer (the plan's ``fs.nn.Output``
     entries, as the whole module's call applies them: a block's input gradient through a
     residual added to a still pending sum came out wrong under ``fs.remat``)."""
-    outputs = {"attn.proj": fs.P()} | ({} if model.cfg.n_experts else {"mlp.fc2": fs.P()})
+    rows = fs.P(data_axes(next(iter(params.values())).mesh))  # the batch keeps its split
+    outputs = {"attn.proj": rows} | ({} if model.cfg.n_experts else {"mlp.fc2": rows})
     embed, blocks, logits = pieces(model, fsdp=fsdp, remat=True, dtype=dtype, outputs=outputs)
     per_block = [
         {k[len(pre) :]: v for k, v in params.items() if k.startswith(pre)}

@@ -4,8 +4,10 @@ by ``fs.parallel.pipeline``, context parallelism by a ``shard_map`` over ``cp``)
 ranks, against the dense computation in one process (3 AdamW steps: every loss and every
 parameter)."""
 
+import math
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -359,6 +361,87 @@ def test_parallelize_pipelines_transformers_models(world4):
     for worsts in world4.run(pipelined_rank_fn):
         for (kind, degrees), worst in zip(PIPELINED, worsts):
             assert worst < 1e-4, (kind, degrees, worst)
+
+
+def _mlp_stack(d: int = 16, hidden: int = 32, blocks: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(
+                torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d)
+            )
+            for _ in range(blocks)
+        ]
+    )
+
+
+def _fsdp_tp_bytes(model, specs: dict, units: dict, dp: int, tp: int, rows: int) -> Counter:
+    """The collectives of one fs.value_and_grad step of FSDP x Megatron TP on ``model`` (each
+    block Linear(column) -> GELU -> Linear(row)), per rank, from docs/parallelism.md's
+    per-strategy formulas over the param shapes (independent of fshard's code):
+
+    * FSDP, per unit: one all_gather over dp of the unit's local blocks in the forward, the
+      same again in the backward (re-gathered, not kept), one reduce_scatter over dp of the
+      gathered (dp x local) gradient bytes;
+    * Megatron TP: one all_reduce over tp of a row-parallel layer's output (rows x out) in the
+      forward; one of a column-parallel layer's input gradient (rows x in) in the backward,
+      for each column layer whose input is differentiated (not the first: the data);
+    * data parallel: the mean loss, one float32 all_reduce over dp."""
+    sizes = {"dp": dp, "tp": tp}
+    named = dict(model.named_parameters())
+    out: Counter = Counter()
+    for names in units.values():
+        local = 0
+        for n in names:
+            split = math.prod(sizes[a] for dim in specs[n].dims for a in dim)
+            local += named[n].numel() // split * 4
+        if local:
+            out[("all_gather", ("dp",), local)] += 2
+            out[("reduce_scatter", ("dp",), local * dp)] += 1
+    for i, block in enumerate(model):
+        out[("all_reduce", ("tp",), rows * block[2].out_features * 4)] += 1
+        if i > 0:
+            out[("all_reduce", ("tp",), rows * block[0].in_features * 4)] += 1
+    out[("all_reduce", ("dp",), 4)] += 1
+    return out
+
+
+def fsdp_tp_bytes_rank_fn():
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    model = _mlp_stack()
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=fs.nn.megatron_plan(column=["*.0"], row=["*.2"]))
+    params = fs.nn.shard_params(model, mesh, plan)
+    units = {
+        "": [],
+        **{str(i): [f"{i}.{n}" for n, _ in b.named_parameters()] for i, b in enumerate(model)},
+    }
+    rows = 8 // 2  # the batch over dp
+    x = fs.shard(torch.randn(8, 16, generator=torch.Generator().manual_seed(2)), mesh, fs.P("dp"))
+    outputs = {f"{i}.2": fs.P("dp") for i in range(len(model))}  # the plan's Output, batch kept
+
+    def loss(ps, x):
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh, axis="dp", units=units, outputs=outputs)
+        return fs.gather((out * out).mean())
+
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, x)
+    got = Counter((r.op, tuple(r.axes), r.nbytes) for r in log)
+    want = _fsdp_tp_bytes(model, {k: v.spec for k, v in params.items()}, units, 2, 2, rows)
+    dense = torch.func.grad(
+        lambda ps: (torch.func.functional_call(model, ps, (fs.gather(x),)) ** 2).mean()
+    )({k: p.detach() for k, p in model.named_parameters()})
+    worst = max(float((fs.gather(grads[k]) - g).abs().max()) for k, g in dense.items())
+    return got, want, worst
+
+
+@pytest.mark.timeout(300)
+def test_composed_step_bytes_are_the_per_strategy_sums(world4):
+    """FSDP (per unit) x Megatron TP, one step: the collectives fs.debug.comm_log records on
+    every rank are exactly the per-strategy formulas of docs/parallelism.md summed (op, axes
+    and bytes of each), and the gradients are dense's."""
+    for got, want, worst in world4.run(fsdp_tp_bytes_rank_fn):
+        assert got == want
+        assert worst < 1e-5
 
 
 def test_parallel_dims_checks_its_arguments():

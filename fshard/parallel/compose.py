@@ -365,6 +365,15 @@ def _outputs(model: torch.nn.Module, plan: Mapping) -> dict[str, P]:
     return {n: rules[int(t.dims[0][0])][1] for n, t in tags.items() if t.dims}
 
 
+def _with_batch(spec: P, dim: int, axes: tuple[str, ...]) -> P:
+    """``spec`` with dim ``dim`` split over ``axes`` where it leaves that dim whole."""
+    dims = list(spec.padded(dim + 1))
+    if dims[dim]:
+        return spec
+    dims[dim] = axes
+    return P(*dims)
+
+
 class _Captured(Exception):
     pass
 
@@ -407,11 +416,15 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
     the pipeline (on every pp rank), each stage's layers, the norm, head and loss on the last
     stage (:func:`pipeline`), every piece run by ``call`` with the plan's output layouts."""
     layer_name = f"{parts.layers}.0"
+    axes = dims.batch_axes
     pieces = {}
     for key, name in (("embed", parts.embed), ("layer", layer_name), ("norm", parts.norm),
                       ("head", parts.head)):  # fmt: skip
+        # a plan's output layout names the model axes; the batch dim (1 for the embedding's
+        # (microbatch, rows, ...) output, else 0) keeps its split over the batch axes
+        b = 1 if key == "embed" else 0
         rel = {
-            n[len(name) + 1 :] if n != name else "": spec
+            n[len(name) + 1 :] if n != name else "": _with_batch(spec, b, axes)
             for n, spec in outputs.items()
             if n == name or n.startswith(name + ".")
         }
