@@ -444,6 +444,55 @@ def test_composed_step_bytes_are_the_per_strategy_sums(world4):
         assert worst < 1e-5
 
 
+def pp_tp_bytes_rank_fn():
+    """PP (GPipe, 2 microbatches, one block per stage) x Megatron TP on the MLP stack: this
+    rank's collectives, and the formulas' (docs/parallelism.md): per microbatch one
+    ppermute over pp each way (the sender records the activation / cotangent bytes, the
+    receiver 0), the stage's TP collectives (a row layer's output forward, a column layer's
+    input gradient backward where the input is differentiated: the first stage's is the
+    data), and the loss's float32 all_reduce over pp."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    model = _mlp_stack()
+    for block in model:  # no biases: a row layer's bias gradient is the stage's business
+        block[0].bias = block[2].bias = None
+    m, rows, d = 2, 4, 16
+    named = {f"blocks.{k}": v.detach() for k, v in model.named_parameters()}
+    plan = fs.nn.megatron_plan(column=["blocks.*.0"], row=["blocks.*.2"], bias=False)
+    stages = fs.parallel.stack_stages(named, mesh, prefix="blocks", plan=plan)
+
+    def stage(p, x):
+        return fs.nn.functional_call(
+            model[0], {k: v[0] for k, v in p.items()}, (x,), outputs={"2": fs.P()}
+        )
+
+    x = torch.randn(m, rows, d, generator=torch.Generator().manual_seed(3))
+
+    def loss(st):
+        out = fs.parallel.pipeline(
+            stage, st, x, mesh, loss_fn=lambda _, y, t: (y * y).mean(), targets=torch.zeros(m, 1)
+        )
+        return fs.gather(out)
+
+    with fs.debug.comm_log() as log:
+        fs.value_and_grad(loss)(stages)
+    got = Counter((r.op, tuple(r.axes), r.nbytes) for r in log)
+    s = mesh.coords(mesh.rank)[0]  # this rank's stage
+    act = rows * d * 4
+    want = Counter({("ppermute", ("pp",), act): m, ("ppermute", ("pp",), 0): m})
+    want[("all_reduce", ("tp",), rows * model[s][2].out_features * 4)] += m
+    if s > 0:
+        want[("all_reduce", ("tp",), rows * model[s][0].in_features * 4)] += m
+    want[("all_reduce", ("pp",), 4)] += 1
+    return got, want
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_step_bytes_are_the_per_strategy_sums(world4):
+    """PP x TP, one step: every rank's comm_log equals the per-strategy formulas summed."""
+    for got, want in world4.run(pp_tp_bytes_rank_fn):
+        assert got == want
+
+
 def test_parallel_dims_checks_its_arguments():
     with pytest.raises(ValueError, match="tp must be an int >= 1"):
         fs.parallel.ParallelDims(tp=0)
