@@ -12,6 +12,7 @@ prints the losses of ``--dp 1 --tp 2`` in every combination):
     python examples/train_gpt.py --view global --sp             # + Megatron sequence parallel
     python examples/train_gpt.py --view global --cp 2 --tp 1    # the sequence over cp, ring attention
     python examples/train_gpt.py --view global --pp 2 --tp 1 --schedule zb   # pipeline stages
+    python examples/train_gpt.py --view global --pp 2 --cp 2 --tp 1 --remat  # stages x ring
     python examples/train_gpt.py --view global --experts 4 --ep 2 --tp 1     # MoE, experts over ep
     python examples/train_gpt.py --remat --bf16                 # activation checkpointing, bf16
 
