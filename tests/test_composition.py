@@ -345,6 +345,7 @@ PIPELINED = [
     ("llama", {"pp": 2, "dp_shard": 2}),
     ("llama", {"pp": 2, "tp": 2, "pp_schedule": "zb", "pp_microbatches": 4}),
     ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}),
+    ("llama", {"pp": 2, "cp": 2}),
 ]
 
 
@@ -354,8 +355,8 @@ def pipelined_rank_fn():
 
 @pytest.mark.timeout(600)
 def test_parallelize_pipelines_transformers_models(world4):
-    """fs.parallel.parallelize with pp (the decoder layers as stages) composed with FSDP, TP
-    and EP on an unedited transformers Llama and Mixtral: 3 AdamW steps with the loss, every
+    """fs.parallel.parallelize with pp (the decoder layers as stages) composed with FSDP, TP,
+    EP and CP (ring attention in the stages) on an unedited transformers Llama and Mixtral: 3 AdamW steps with the loss, every
     gradient (in its param's layout) and every param equal to dense."""
     pytest.importorskip("transformers")
     for worsts in world4.run(pipelined_rank_fn):
@@ -512,13 +513,11 @@ def test_parallel_dims_checks_its_arguments():
 
 
 def test_parallelize_refuses_what_pp_does_not_compose():
-    """pp x cp and the router's auxiliary loss with pp are refused by name, before any
-    collective (no process group needed)."""
+    """The router's auxiliary loss with pp and layers that do not split into the stages are
+    refused by name, before any collective (no process group needed)."""
     pytest.importorskip("transformers")
     from fshard.parallel.compose import _pipeline_parts
 
-    with pytest.raises(NotImplementedError, match="pp with cp"):
-        _pipeline_parts(_hf_model("llama"), fs.parallel.ParallelDims(pp=2, cp=2))
     moe = _hf_model("mixtral")
     moe.config.output_router_logits = True
     with pytest.raises(NotImplementedError, match="output_router_logits"):

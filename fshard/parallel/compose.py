@@ -23,10 +23,12 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 The plans stay data (``{name: P}``, what :func:`fshard.nn.shard_params` takes): nothing mutates
 the model. With ``pp > 1`` the params are the model's names outside the decoder layers plus
 one entry under the layers' name (``"model.layers"``): ``{name in a layer: (pp * virtual,
-layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back). Not composed
-yet: ``pp`` with ``cp`` (refused by name), an ``attention_mask`` with ``pp``, models whose
-layers differ (``config.layer_types``) or whose loss adds the router's auxiliary loss
-(``output_router_logits``) with ``pp``.
+layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back). With ``pp``
+and ``cp`` the sequence is split over ``cp`` in the pipeline's activations (load-balanced
+chunks; each layer's attention a ring or all-to-all over ``cp``, the rotary embeddings of the
+rank's chunks carried with the activations). Not composed yet: an ``attention_mask`` with
+``pp``, models whose layers differ (``config.layer_types``) or whose loss adds the router's
+auxiliary loss (``output_router_logits``) with ``pp`` (refused by name).
 
 Example:
     >>> import transformers
@@ -45,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -60,7 +63,8 @@ from ..module import functional_call, shard_params
 from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..spec import P
-from .context import context_parallel_loss
+from .context import _ATTENTION as _RING
+from .context import _attention_of, context_parallel_loss, load_balance
 from .expert import expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan
 from .pipeline import pipeline, pipeline_schedule, stack_stages
@@ -311,11 +315,6 @@ def _pipeline_parts(model: torch.nn.Module, dims: ParallelDims) -> _Parts:
             f"and norm (its config's base_model_pp_plan) and head; {type(model).__name__} has "
             f"base_model_pp_plan {sorted(pp_plan)} and head {type(head).__name__}"
         )
-    if dims.cp > 1:
-        raise NotImplementedError(
-            "parallelize: pp with cp on a transformers model is not composed yet (the pipeline "
-            "would run inside the cp shard_map); use pp or cp"
-        )
     layers = base.layers
     n = len(layers)
     stages = dims.pp * dims.pp_virtual
@@ -378,7 +377,7 @@ class _Captured(Exception):
     pass
 
 
-def _layer_kwargs(model: torch.nn.Module, parts: _Parts, seq: int, device, dtype) -> dict:
+def _layer_kwargs(model: torch.nn.Module, parts: _Parts, positions: tuple, device, dtype) -> dict:
     """What the model's own forward passes its decoder layers besides the hidden states for a
     ``seq``-token sequence (the causal mask or ``None``, rotary position embeddings, position
     ids): read from its forward on one dummy sequence, stopped at the first layer, floating
@@ -395,7 +394,8 @@ def _layer_kwargs(model: torch.nn.Module, parts: _Parts, seq: int, device, dtype
     handle = first.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
-            base(torch.zeros(1, seq, dtype=torch.long, device=device), use_cache=False)
+            pos = torch.tensor([positions], device=device)
+            base(torch.zeros_like(pos), position_ids=pos, use_cache=False)
     except _Captured:
         pass
     finally:
@@ -443,8 +443,9 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
     dtype = mp_policy.param_dtype if mp_policy is not None and mp_policy.param_dtype else None
     dtype = dtype or next(model.parameters()).dtype
     kwargs_of = functools.lru_cache(maxsize=8)(
-        lambda seq, device: _layer_kwargs(model, parts, seq, device, dtype)
+        lambda positions, device: _layer_kwargs(model, parts, positions, device, dtype)
     )
+    cp = dims.cp
 
     def piece(params, name):
         return {r: params[k] for r, k in parts.names[name].items()}
@@ -471,18 +472,42 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
             )
         targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
         count = int((targets != -100).sum())  # the loss is the sum over every target / count
-        layer_kwargs = kwargs_of(s, ids.device)
+        order = tuple(range(s))
+        if cp > 1:  # the sequence in load-balanced chunks, split over cp (ring attention)
+            if s % (2 * cp):
+                raise ValueError(
+                    f"parallelize's loss: the sequence ({s}) must split into 2 x cp "
+                    f"({2 * cp}) chunks"
+                )
+            order = tuple(load_balance(torch.arange(s), cp, 0).tolist())
+            ids, targets = load_balance(ids, cp, 1), load_balance(targets, cp, 1)
+        seq = (axes, "cp") if cp > 1 else (axes,)
+
+        layer_kwargs = kwargs_of(order, ids.device)
+        # with cp the rotary embeddings follow the rank's chunks: they ride with the
+        # activations through the pipeline (after the hidden dims), not closed over
+        rope = layer_kwargs.get("position_embeddings") if cp > 1 else None
+        if cp > 1:  # causality: the ring's chunk arithmetic; no padding mask with pp
+            drop = ("position_embeddings", "attention_mask", "position_ids")
+            layer_kwargs = {k: v for k, v in layer_kwargs.items() if k not in drop}
 
         def split(t):
-            return shard(t.reshape(m, b // m, s), mesh, P(None, axes))
+            return shard(t.reshape(m, b // m, s, *t.shape[2:]), mesh, P(None, *seq))
 
         def stage(p, x):
+            kwargs, extra = layer_kwargs, None
+            if rope is not None:  # (hidden | cos | sin) on the last dim
+                hd = rope[0].shape[-1]
+                x, extra = x[..., : -2 * hd], x[..., -2 * hd :]
+                kwargs = {**kwargs, "position_embeddings": (extra[..., :hd], extra[..., hd:])}
             for i in range(next(iter(p.values())).shape[0]):
-                out = run("layer", {k: v[i] for k, v in p.items()}, (x,), layer_kwargs)
+                out = run("layer", {k: v[i] for k, v in p.items()}, (x,), kwargs)
                 x = out[0] if isinstance(out, tuple) else out
-            return x
+            return x if extra is None else torch.cat([x, extra], -1)
 
         def last(hp, y, target):
+            if rope is not None:
+                y = y[..., : -2 * rope[0].shape[-1]]
             logits = run("head", hp["head"], (run("norm", hp["norm"], (y,), {}),), {})
             ce = F.cross_entropy(
                 logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100,
@@ -491,11 +516,19 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
             return ce * (m / count)  # the pipeline means over the m microbatches
 
         x = run("embed", piece(params, "embed"), (split(ids),), {})
+        if rope is not None:
+            full = torch.cat(rope, -1).expand(b, s, -1).to(x.dtype)
+            x = torch.cat([x, split(full)], -1)
         hp = {"norm": piece(params, "norm"), "head": piece(params, "head")}
-        out = pipeline(
-            stage, params[parts.layers], x, mesh, loss_fn=last, loss_params=hp,
-            targets=split(targets), schedule=dims.pp_schedule, virtual=dims.pp_virtual,
-        )  # fmt: skip
+        with (
+            _attention_of(model, mesh, "cp", _RING[dims.cp_attention])
+            if cp > 1
+            else contextlib.nullcontext()
+        ):
+            out = pipeline(
+                stage, params[parts.layers], x, mesh, loss_fn=last, loss_params=hp,
+                targets=split(targets), schedule=dims.pp_schedule, virtual=dims.pp_virtual,
+            )  # fmt: skip
         return gather(out)
 
     return loss
