@@ -243,6 +243,7 @@ def parallelize(
         plan.update(hf_tp_plan(model, "tp"))
     if dims.ep > 1:
         plan.update(expert_parallel_plan(model, mesh, "ep"))
+    outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
     if dims.dp_shard > 1:
         plan = fsdp_plan(model, mesh, "dp_shard", base=plan)
     params = shard_params(model, mesh, plan, mp_policy=mp_policy)
@@ -262,7 +263,6 @@ def parallelize(
     if dims.ep > 1:
         call = functools.partial(_experts, call=call)
     if parts is not None:  # the pieces of the model, the layers as stages
-        outputs = _outputs(model, plan)
         return params, _pipeline_loss(model, parts, mesh, dims, call, mp_policy, outputs)
     batch_axes = dims.batch_axes
 
