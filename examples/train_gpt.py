@@ -12,6 +12,7 @@ prints the losses of ``--dp 1 --tp 2`` in every combination):
     python examples/train_gpt.py --view global --sp             # + Megatron sequence parallel
     python examples/train_gpt.py --view global --cp 2 --tp 1    # the sequence over cp, ring attention
     python examples/train_gpt.py --view global --pp 2 --tp 1 --schedule zb   # pipeline stages
+    python examples/train_gpt.py --view global --pp 2 --cp 2 --tp 1 --remat  # stages x ring
     python examples/train_gpt.py --view global --experts 4 --ep 2 --tp 1     # MoE, experts over ep
     python examples/train_gpt.py --remat --bf16                 # activation checkpointing, bf16
 
@@ -358,49 +359,139 @@ def replicate_axis(mesh: fs.Mesh) -> str | None:
 
 
 def run_model(
-    module: nn.Module, params: dict, args: tuple, kwargs=None, *, fsdp=False, mp_policy=None
+    module: nn.Module,
+    params: dict,
+    args: tuple,
+    kwargs=None,
+    *,
+    fsdp=False,
+    mp_policy=None,
+    outputs=None,
 ):
     """The module's own forward on sharded params (the global view): ``fs.nn.functional_call``,
     or, with ``fsdp`` (params from ``fs.nn.fsdp_plan``), ``fs.nn.fsdp_call``, which gathers
     each block's weights over ``dp`` just before its forward (their gradients are
-    reduce-scattered). The op rules insert every other collective (tp, sp, ep, cp)."""
+    reduce-scattered). The op rules insert every other collective (tp, sp, ep, cp).
+    ``outputs``: submodules' output layouts (a plan's ``fs.nn.Output`` entries)."""
     if fsdp:
         mesh = next(iter(params.values())).mesh  # inside a shard_map body: its auto axes'
         return fs.nn.fsdp_call(
             module, params, args, kwargs, mesh=mesh, axis="dp", mp_policy=mp_policy,
-            replicate=replicate_axis(mesh),
+            replicate=replicate_axis(mesh), outputs=outputs,
         )  # fmt: skip
-    return fs.nn.functional_call(module, params, args, kwargs, mp_policy=mp_policy)
+    return fs.nn.functional_call(module, params, args, kwargs, mp_policy=mp_policy, outputs=outputs)
 
 
-def global_loss(params: dict, model: GPT, tokens: fs.ShardedArray, fsdp=False) -> torch.Tensor:
+def pieces(model: GPT, *, fsdp=False, remat=False, dtype: torch.dtype | None = None, outputs=None):
+    """``GPT.forward`` in the three pieces that ``--pp`` pipelines and ``--remat`` checkpoints
+    block by block: ``embed(emb, ids, positions=None) -> x``, ``blocks(per_block, x) -> x``
+    (each block's params a dict; each block the module's own ``Block.forward`` through
+    :func:`run_model`, under ``fs.remat`` with ``remat``: only its input and weights saved, the
+    rest, collectives included, recomputed in the backward) and ``logits(head, x)``. With
+    ``dtype`` (``--bf16``) every weight is cast where read, the logits come out float32.
+    ``outputs``: the blocks' submodules' output layouts (see :func:`_blockwise`)."""
+    cfg = model.cfg
+    policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else None
+    cast = policy.cast_param if policy is not None else (lambda t: t)
+
+    context = _CONTEXT[-1] if _CONTEXT else None  # --cp: ring attention, in the recompute too
+
+    def run(p, x):
+        if context is not None:
+            _CONTEXT.append(context)
+        try:
+            return run_model(model.blocks[0], p, (x,), fsdp=fsdp, mp_policy=policy, outputs=outputs)
+        finally:
+            if context is not None:
+                _CONTEXT.pop()
+
+    def embed(emb, ids, positions=None):
+        emb = {k: cast(v) for k, v in emb.items()}
+        if positions is None:
+            return F.embedding(ids, emb["tok.weight"]) + emb["pos.weight"][: ids.shape[-1]]
+        return F.embedding(ids, emb["tok.weight"]) + F.embedding(positions, emb["pos.weight"])
+
+    def blocks(per_block, x):
+        for one in per_block:
+            x = fs.remat(run)(one, x) if remat else run(one, x)
+        return x
+
+    def logits(hp, x):
+        hp = {k: cast(v) for k, v in hp.items()}
+        h = F.layer_norm(x, (cfg.d_model,), hp["ln_f.weight"], hp["ln_f.bias"])
+        return F.linear(h, hp["head.weight"]).float()
+
+    return embed, blocks, logits
+
+
+EMB, HEAD = ("tok.weight", "pos.weight"), ("ln_f.weight", "ln_f.bias", "head.weight")
+
+
+def _blockwise(params, model, ids, positions=None, *, fsdp=False, dtype=None):
+    """The logits of :func:`pieces` on flat params, every block under ``fs.remat``, each
+    row-parallel output all-reduced where it leaves its layer (the plan's ``fs.nn.Output``
+    entries, as the whole module's call applies them: a block's input gradient through a
+    residual added to a still pending sum came out wrong under ``fs.remat``)."""
+    rows = fs.P(data_axes(next(iter(params.values())).mesh))  # the batch keeps its split
+    outputs = {"attn.proj": rows} | ({} if model.cfg.n_experts else {"mlp.fc2": rows})
+    embed, blocks, logits = pieces(model, fsdp=fsdp, remat=True, dtype=dtype, outputs=outputs)
+    per_block = [
+        {k[len(pre) :]: v for k, v in params.items() if k.startswith(pre)}
+        for pre in (f"blocks.{i}." for i in range(len(model.blocks)))
+    ]
+    x = blocks(per_block, embed({k: params[k] for k in EMB}, ids, positions))
+    return logits({k: params[k] for k in HEAD}, x)
+
+
+def global_loss(
+    params: dict, model: GPT, tokens: fs.ShardedArray, fsdp=False, remat=False, dtype=None
+) -> torch.Tensor:
     """Mean next-byte cross entropy of the global batch: the module's own forward on sharded
-    params (:func:`run_model`), collectives inserted by the op rules.
+    params (:func:`run_model`), collectives inserted by the op rules; with ``remat`` block by
+    block, each under ``fs.remat`` (:func:`pieces`).
 
     ``tokens`` is the ``(batch, ctx + 1)`` batch sharded over ``dp``. The loss is replicated,
     and :func:`fshard.gather` of a replicated value is its local tensor (no communication).
     """
-    logits = run_model(model, params, (tokens[:, :-1],), fsdp=fsdp)
+    if remat:
+        logits = _blockwise(params, model, tokens[:, :-1], fsdp=fsdp, dtype=dtype)
+    else:
+        logits = run_model(model, params, (tokens[:, :-1],), fsdp=fsdp)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     return fs.gather(loss)
 
 
-def context_batch(batch: torch.Tensor, mesh: fs.Mesh) -> dict:
+def context_batch(batch: torch.Tensor, mesh: fs.Mesh, microbatches: int | None = None) -> dict:
     """The ``--cp`` inputs of a full ``(batch, ctx + 1)`` batch: ids, positions and next-byte
     targets in the load-balanced order (``fs.parallel.load_balance``: rank i of ``cp`` holds
-    chunks i and 2cp-1-i), split over dp x ep on the batch and over cp on the sequence."""
+    chunks i and 2cp-1-i), split over dp x ep on the batch and over cp on the sequence. With
+    ``microbatches`` (``--pp``) each is ``(microbatches, batch / microbatches, ctx)``, the
+    microbatch dim not split."""
     cp = mesh.size("cp")
     ids, targets = batch[:, :-1], batch[:, 1:]
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     spec = fs.P(data_axes(mesh), "cp")
+    if microbatches is not None:
+        spec = fs.P(None, *spec.dims)
+
+    def split(t):
+        t = fs.parallel.load_balance(t, cp, 1)
+        return t if microbatches is None else t.reshape(microbatches, -1, t.shape[-1])
+
     return {
-        k: fs.shard(fs.parallel.load_balance(t, cp, 1), mesh, spec)
+        k: fs.shard(split(t), mesh, spec)
         for k, t in (("ids", ids), ("positions", positions), ("targets", targets))
     }
 
 
 def context_loss(
-    params: dict, model: GPT, batch: dict, mesh: fs.Mesh, fsdp: bool = False
+    params: dict,
+    model: GPT,
+    batch: dict,
+    mesh: fs.Mesh,
+    fsdp: bool = False,
+    remat: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """:func:`global_loss` with the sequence split over ``cp`` (``--cp``): a ``shard_map``
     manual over ``cp`` (the params keep their layouts over dp and tp) runs the module's own
@@ -411,7 +502,10 @@ def context_loss(
     def body(ps, ids, positions, targets):
         _CONTEXT.append(("cp", mesh))
         try:
-            logits = run_model(model, ps, (ids,), {"positions": positions}, fsdp=fsdp)
+            if remat:
+                logits = _blockwise(ps, model, ids, positions, fsdp=fsdp, dtype=dtype)
+            else:
+                logits = run_model(model, ps, (ids,), {"positions": positions}, fsdp=fsdp)
         finally:
             _CONTEXT.pop()
         ce = F.cross_entropy(
@@ -447,7 +541,7 @@ def pipeline_params(
 
 def pipeline_loss(
     params: dict,
-    tokens: fs.ShardedArray,
+    tokens,
     model: GPT,
     mesh: fs.Mesh,
     schedule: str,
@@ -458,41 +552,41 @@ def pipeline_loss(
 ) -> torch.Tensor:
     """Mean next-byte cross entropy with the blocks pipelined over ``pp`` (``--pp``):
     ``tokens`` is ``(microbatches, batch / microbatches, ctx + 1)``, split over dp x ep on dim
-    1. The embedding runs before the pipeline (on every pp rank), each stage runs its blocks
-    (the module's own ``Block.forward`` through ``fs.nn.functional_call``, under ``fs.remat``
-    with ``remat``), the final norm, head and loss run on the last stage.
-    ``fs.parallel.pipeline`` is differentiable: ``fs.value_and_grad`` of this gives the
-    params' gradients in their layouts."""
-    block = model.blocks[0]
-    cfg = model.cfg
+    1, or (``--cp``) :func:`context_batch`'s microbatched ids, positions and targets, the
+    sequence split over cp too (each block's attention a ring over cp). The embedding runs
+    before the pipeline (on every pp rank), each stage runs its blocks (the module's own
+    ``Block.forward`` through ``fs.nn.functional_call``, under ``fs.remat`` with ``remat``),
+    the final norm, head and loss run on the last stage. ``fs.parallel.pipeline`` is
+    differentiable: ``fs.value_and_grad`` of this gives the params' gradients in their
+    layouts."""
     # --bf16: every weight cast where read, activations in bf16 between the stages, the logits
     # in float32 (the global view's policy, written out for the pieces around the pipeline)
-    policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else None
-    cast = policy.cast_param if policy is not None else (lambda t: t)
+    embed, blocks, logits = pieces(model, fsdp=fsdp, remat=remat, dtype=dtype)
 
-    def run(p, x):
-        return run_model(block, p, (x,), fsdp=fsdp, mp_policy=policy)
-
-    def stage(p, x):
-        for i in range(next(iter(p.values())).shape[0]):
-            one = {n: v[i] for n, v in p.items()}
-            x = fs.remat(run)(one, x) if remat else run(one, x)
-        return x
+    def stage(p, x):  # one stage's blocks, stacked on dim 0
+        return blocks(
+            [{n: v[i] for n, v in p.items()} for i in range(len(next(iter(p.values()))))], x
+        )
 
     def head(hp, y, target):
-        hp = {k: cast(v) for k, v in hp.items()}
-        h = F.layer_norm(y, (cfg.d_model,), hp["ln_f.weight"], hp["ln_f.bias"])
-        logits = F.linear(h, hp["head.weight"]).float()
-        return F.cross_entropy(logits.reshape(-1, cfg.vocab), target.reshape(-1))
+        out = logits(hp, y)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    x_tok, y = tokens[..., :-1], tokens[..., 1:]
-    t = x_tok.shape[-1]
-    emb = {k: cast(v) for k, v in params["emb"].items()}
-    x = F.embedding(x_tok, emb["tok.weight"]) + emb["pos.weight"][:t]
-    return fs.parallel.pipeline(
-        stage, params["stages"], x, mesh, loss_fn=head, loss_params=params["head"],
-        targets=y, schedule=schedule, virtual=virtual,
-    )  # fmt: skip
+    if isinstance(tokens, dict):  # --cp: the rank's load-balanced chunks at their positions
+        y = tokens["targets"]
+        x = embed(params["emb"], tokens["ids"], tokens["positions"])
+        _CONTEXT.append(("cp", mesh))
+    else:
+        y = tokens[..., 1:]
+        x = embed(params["emb"], tokens[..., :-1])
+    try:
+        return fs.parallel.pipeline(
+            stage, params["stages"], x, mesh, loss_fn=head, loss_params=params["head"],
+            targets=y, schedule=schedule, virtual=virtual,
+        )  # fmt: skip
+    finally:
+        if isinstance(tokens, dict):
+            _CONTEXT.pop()
 
 
 # -- training --------------------------------------------------------------------------------
@@ -562,21 +656,21 @@ def make_train_step(
     ``fs.nn.fsdp_call`` (:func:`run_model`).
     """
     dp = mesh.size("dp")
-    if context:
-        cp_grad = fs.value_and_grad(context_loss)
-
-        def loss_and_grads(params, batch):  # batch: context_batch's ids/positions/targets
-            loss, grads = cp_grad(params, model, batch, mesh, fsdp)
-            return grads, loss
-
-    elif pipeline is not None:
+    if pipeline is not None:
         pp_grad = fs.value_and_grad(pipeline_loss)
 
-        def loss_and_grads(params, batch):  # batch: (microbatches, rows, ctx + 1)
+        def loss_and_grads(params, batch):  # (microbatches, rows, ctx + 1), or --cp's dict
             loss, grads = pp_grad(
                 params, batch, model, mesh, pipeline["schedule"], pipeline["virtual"], remat,
                 fsdp, dtype,
             )  # fmt: skip
+            return grads, loss
+
+    elif context:
+        cp_grad = fs.value_and_grad(context_loss)
+
+        def loss_and_grads(params, batch):  # batch: context_batch's ids/positions/targets
+            loss, grads = cp_grad(params, model, batch, mesh, fsdp, remat, dtype)
             return grads, loss
 
     elif fsdp_units is not None:
@@ -590,14 +684,14 @@ def make_train_step(
         fsdp_global_grad = fs.value_and_grad(global_loss)
 
         def loss_and_grads(params, batch):  # gathered per block; grads reduce-scattered
-            loss, grads = fsdp_global_grad(params, model, batch, True)
+            loss, grads = fsdp_global_grad(params, model, batch, True, remat, dtype)
             return grads, loss
 
     elif model is not None:
         global_grad = torch.func.grad_and_value(global_loss)
 
         def loss_and_grads(params, batch):  # dp reduction: in the backward of the op rules' pcast
-            return global_grad(params, model, batch)
+            return global_grad(params, model, batch, False, remat, dtype)
 
     else:
         local_grad = torch.func.grad_and_value(tp_loss)
@@ -684,7 +778,7 @@ def train(args: dict) -> dict:
             t0 = time.perf_counter()
             batch = get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device())
             if cp > 1:
-                batch = context_batch(batch, mesh)
+                batch = context_batch(batch, mesh, pipe and pipe["microbatches"])
             elif pipe is None:
                 batch = fs.shard(batch, mesh, fs.P(data_axes(mesh)))
             else:  # microbatches, each split over dp x ep
@@ -766,7 +860,8 @@ def parse_args(argv=None) -> dict:
     ap.add_argument(
         "--remat",
         action="store_true",
-        help="activation checkpointing: each block under fs.remat (local view)",
+        help="activation checkpointing: each block under fs.remat (every view, the pipeline's "
+        "stages and --cp's chunks included)",
     )
     ap.add_argument(
         "--bf16",
@@ -846,20 +941,26 @@ def parse_args(argv=None) -> dict:
                 "hsdp x dp x ep"
             )
     if a.cp > 1:
-        if a.view != "global" or a.pp > 1:
+        if a.view != "global":
             raise SystemExit(
-                "--cp runs the global view's forward on sequence chunks: add --view global "
-                "(without --pp)"
+                "--cp runs the global view's forward on sequence chunks: add --view global"
             )
         if a.ctx % (2 * a.cp):
             raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
+    if a.remat and a.cp > 1 and a.pp == 1:
+        raise SystemExit(
+            "--remat with --cp runs in the pipeline's stages (add --pp): outside it fs.remat of "
+            "a block inside the cp shard_map gives wrong gradients with --tp > 1 or --fsdp "
+            "(issue 36)"
+        )
+    if a.remat and a.sp and a.pp == 1:
+        raise SystemExit(
+            "--remat with --sp runs in the pipeline's stages only (--pp): outside it each "
+            "block's call all-reduces its row-parallel outputs (no sequence split)"
+        )
     if a.sp and a.view != "global":
         raise SystemExit(
             "--sp runs the global view (a plan, the module's forward): add --view global"
-        )
-    if a.remat and a.view != "local" and a.pp == 1:
-        raise SystemExit(
-            "--remat runs the local view or the pipeline's stages (each block under fs.remat)"
         )
     for name in (
         "pp",

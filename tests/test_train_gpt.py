@@ -306,8 +306,12 @@ def test_parse_args_validation():
     assert demo.parse_args(["--view", "global"])["view"] == "global"
     with pytest.raises(SystemExit):
         demo.parse_args(["--view", "dense"])
-    with pytest.raises(SystemExit, match="--remat runs the local view"):
-        demo.parse_args(["--remat", "--view", "global"])
+    assert demo.parse_args(["--remat", "--view", "global", "--tp", "2"])["remat"]
+    assert demo.parse_args(["--remat", "--view", "global", "--cp", "2", "--pp", "2"])["remat"]
+    with pytest.raises(SystemExit, match="--remat with --cp runs in the pipeline"):
+        demo.parse_args(["--remat", "--view", "global", "--cp", "2"])
+    with pytest.raises(SystemExit, match="--remat with --sp runs in the pipeline"):
+        demo.parse_args(["--remat", "--view", "global", "--sp"])
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
     with pytest.raises(SystemExit, match="--sp runs the global view"):
         demo.parse_args(["--sp"])

@@ -2,8 +2,8 @@
 loss function (torchtitan's ``ParallelDims`` + ``parallelize``, MaxText's mesh of named axes).
 
 :class:`ParallelDims` holds every degree; :meth:`ParallelDims.mesh` names one mesh axis per
-degree, outermost first as torchtitan's: ``("dp_replicate", "dp_shard", "ep", "cp", "tp")``
-(expert parallelism carves its ranks out of the data: the batch is split over
+degree, outermost first as torchtitan's: ``("pp", "dp_replicate", "dp_shard", "ep", "cp",
+"tp")`` (expert parallelism carves its ranks out of the data: the batch is split over
 ``dp_replicate x dp_shard x ep``). :func:`parallelize` applies the strategies in one fixed order
 and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and_grad``,
 ``torch.func.grad`` and ``fs.remat`` take like any other function. The order, written once:
@@ -12,14 +12,23 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 2. expert parallel: the MoE experts split over ``ep`` (:func:`expert_parallel_plan`);
 3. FSDP / HSDP: every param also split over ``dp_shard`` (:func:`fsdp_plan` over the plans
    above), replicated over ``dp_replicate``;
-4. the call: :func:`fsdp_call` (each block gathered over ``dp_shard`` just before use) or
-   :func:`fshard.nn.functional_call`, inside :func:`expert_parallel_call` with ``ep``, inside
-   :func:`context_parallel_loss`'s ``shard_map`` over ``cp`` (the sequence split, ring or
-   all-to-all attention).
+4. pipeline parallel: the decoder layers (``config.base_model_pp_plan``'s ``layers``) stacked
+   as stages over ``pp`` (:func:`stack_stages`: each stage's layers keep the layouts of 1-3);
+5. the call: :func:`fsdp_call` (each block gathered over ``dp_shard`` just before use) or
+   :func:`fshard.nn.functional_call`, inside :func:`expert_parallel_call` with ``ep``; with
+   ``pp`` run per piece of the model (embedding, each decoder layer of a stage, norm + head)
+   by :func:`pipeline`, otherwise on the whole model, inside :func:`context_parallel_loss`'s
+   ``shard_map`` over ``cp`` (the sequence split, ring or all-to-all attention).
 
 The plans stay data (``{name: P}``, what :func:`fshard.nn.shard_params` takes): nothing mutates
-the model. Pipeline parallelism of a transformers model is not composed here yet (the demo's
-GPT composes it: ``examples/train_gpt.py --pp``); ``pp > 1`` raises.
+the model. With ``pp > 1`` the params are the model's names outside the decoder layers plus
+one entry under the layers' name (``"model.layers"``): ``{name in a layer: (pp * virtual,
+layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back). With ``pp``
+and ``cp`` the sequence is split over ``cp`` in the pipeline's activations (load-balanced
+chunks; each layer's attention a ring or all-to-all over ``cp``, the rotary embeddings of the
+rank's chunks carried with the activations). Not composed yet: an ``attention_mask`` with
+``pp``, models whose layers differ (``config.layer_types``) or whose loss adds the router's
+auxiliary loss (``output_router_logits``) with ``pp`` (refused by name).
 
 Example:
     >>> import transformers
@@ -38,26 +47,33 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from ..api import gather, shard
+from ..api import gather, reshard, shard
+from ..array import ShardedArray
 from ..mesh import Mesh
 from ..module import functional_call, shard_params
+from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..spec import P
-from .context import context_parallel_loss
+from .context import _ATTENTION as _RING
+from .context import _attention_of, context_parallel_loss, load_balance
 from .expert import expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan
+from .pipeline import pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
 
 __all__ = ["ParallelDims", "parallelize"]
 
-#: The mesh axes, outermost first (torchtitan's order; pp would come first).
-AXES = ("dp_replicate", "dp_shard", "ep", "cp", "tp")
+#: The mesh axes, outermost first (torchtitan's order).
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 _ATTENTION = ("ring", "ulysses")
 
 
@@ -72,13 +88,20 @@ class ParallelDims:
         tp: tensor parallel (the model's shipped plan).
         ep: expert parallel: the MoE experts split over these ranks (which also split the
             batch).
-        pp: pipeline stages (not composed for transformers models yet: must be 1).
+        pp: pipeline stages: the decoder layers split into ``pp * pp_virtual`` stages.
         cp_attention: ``"ring"`` or ``"ulysses"``.
+        pp_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb"`` (ZB-H1), as
+            :func:`fshard.parallel.pipeline`.
+        pp_microbatches: the microbatches of a step (default ``pp * pp_virtual``); the batch
+            splits into them, each split over the batch axes.
+        pp_virtual: stages per rank (``pp_schedule="interleaved"``).
 
     Example:
         >>> dims = fs.parallel.ParallelDims(dp_shard=4, tp=2)
         >>> dims.world_size, dims.shape, dims.batch_axes
-        (8, (1, 4, 1, 1, 2), ('dp_replicate', 'dp_shard', 'ep'))
+        (8, (1, 1, 4, 1, 1, 2), ('dp_replicate', 'dp_shard', 'ep'))
+        >>> fs.parallel.ParallelDims(pp=2, pp_schedule="zb").microbatches
+        2
     """
 
     dp_replicate: int = 1
@@ -88,9 +111,12 @@ class ParallelDims:
     ep: int = 1
     pp: int = 1
     cp_attention: str = "ring"
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_virtual: int = 1
 
     def __post_init__(self):
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp"):
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp", "pp_virtual"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelDims: {name} must be an int >= 1, got {v!r}")
@@ -98,24 +124,35 @@ class ParallelDims:
             raise ValueError(
                 f"ParallelDims: cp_attention must be one of {_ATTENTION}, got {self.cp_attention!r}"
             )
-        if self.pp != 1:
-            raise NotImplementedError(
-                "ParallelDims: pp > 1 is not composed for transformers models yet (the demo's "
-                "GPT composes it: examples/train_gpt.py --pp); use pp=1"
+        m = self.pp_microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(
+                f"ParallelDims: pp_microbatches must be an int >= 1 or None, got {m!r}"
             )
+        if self.pp == 1 and (m is not None or self.pp_virtual != 1):
+            raise ValueError(
+                "ParallelDims: pp_microbatches and pp_virtual split the pipeline's stages; they "
+                f"need pp > 1, got pp=1, pp_microbatches={m!r}, pp_virtual={self.pp_virtual}"
+            )
+        try:
+            pipeline_schedule(self.pp_schedule, self.pp, self.microbatches, self.pp_virtual)
+        except ValueError as e:
+            raise ValueError(f"ParallelDims: pp_schedule: {e}") from None
+
+    @property
+    def microbatches(self) -> int:
+        """The pipeline's microbatches a step (1 without ``pp``)."""
+        return self.pp_microbatches or self.pp * self.pp_virtual
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The mesh shape, one entry per axis of :data:`AXES`."""
-        return (self.dp_replicate, self.dp_shard, self.ep, self.cp, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.ep, self.cp, self.tp)
 
     @property
     def world_size(self) -> int:
         """The number of ranks: the product of the degrees."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -128,7 +165,7 @@ class ParallelDims:
 
         Example:
             >>> fs.parallel.ParallelDims(tp=2).mesh().axis_names  # 2 ranks
-            ('dp_replicate', 'dp_shard', 'ep', 'cp', 'tp')
+            ('pp', 'dp_replicate', 'dp_shard', 'ep', 'cp', 'tp')
         """
         return Mesh.create(self.shape, AXES, device_type=device_type)
 
@@ -160,26 +197,34 @@ def parallelize(
 
     Args:
         model: a transformers causal LM (``LlamaForCausalLM``, ``MixtralForCausalLM``, ...);
-            with ``tp > 1`` it must ship a tensor-parallel plan.
+            with ``tp > 1`` it must ship a tensor-parallel plan; with ``pp > 1`` its config a
+            ``base_model_pp_plan`` (embedding, decoder layers, norm) and its layers alike.
         mesh: ``dims.mesh()`` (axes :data:`AXES`).
         dims: the degrees.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` for the params, or ``None``.
 
     Returns:
-        ``(params, loss)``.
+        ``(params, loss)``; with ``pp > 1`` the decoder layers' params are stacked under the
+        layers' name (see the module docstring).
 
     Example:
         >>> import transformers
         >>> transformers.logging.set_verbosity_error()
         >>> _ = torch.manual_seed(0)
         >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=32,
-        ...     intermediate_size=64, vocab_size=64, num_hidden_layers=1, num_attention_heads=4,
+        ...     intermediate_size=64, vocab_size=64, num_hidden_layers=2, num_attention_heads=4,
         ...     num_key_value_heads=2))
         >>> dims = fs.parallel.ParallelDims(tp=2)  # 2 ranks: fs.launch.run(fn, 2) or torchrun
         >>> params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
         >>> params["model.layers.0.self_attn.q_proj.weight"].spec  # the model's shipped plan
         P('tp', None)
         >>> ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        >>> torch.allclose(loss(params, {"input_ids": ids}), model(ids, labels=ids).loss, atol=1e-5)
+        True
+        >>> dims = fs.parallel.ParallelDims(pp=2)  # 2 ranks: the layers as 2 stages, 1F1B
+        >>> params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+        >>> params["model.layers"]["self_attn.q_proj.weight"].shape  # (stages, layers, ...)
+        torch.Size([2, 1, 32, 32])
         >>> torch.allclose(loss(params, {"input_ids": ids}), model(ids, labels=ids).loss, atol=1e-5)
         True
     """
@@ -191,17 +236,25 @@ def parallelize(
         raise ValueError(
             f"parallelize: mesh must be dims.mesh() (axes {AXES}, shape {dims.shape}), got {mesh!r}"
         )
+    parts = _pipeline_parts(model, dims) if dims.pp > 1 else None
     # 1-3: the plan, as data: tp, then ep, then FSDP over both
     plan: dict = {}
     if dims.tp > 1:
         plan.update(hf_tp_plan(model, "tp"))
     if dims.ep > 1:
         plan.update(expert_parallel_plan(model, mesh, "ep"))
+    outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
     if dims.dp_shard > 1:
         plan = fsdp_plan(model, mesh, "dp_shard", base=plan)
     params = shard_params(model, mesh, plan, mp_policy=mp_policy)
-    # 4: the call, innermost first: FSDP's gathers, inside the experts' dispatch
-    call: Callable = functional_call
+    # 4: the decoder layers as stages over pp, each keeping the layouts of 1-3
+    if parts is not None:
+        named = {k: v.detach() for k, v in model.named_parameters()}
+        stages = stack_stages(named, mesh, prefix=parts.layers, plan=plan, virtual=dims.pp_virtual)
+        params = {k: v for k, v in params.items() if not k.startswith(parts.layers + ".")}
+        params[parts.layers] = stages
+    # 5: the call, innermost first: FSDP's gathers, inside the experts' dispatch
+    call: Callable = functools.partial(functional_call, mp_policy=mp_policy)
     if dims.dp_shard > 1:
         replicate = "dp_replicate" if dims.dp_replicate > 1 else None
         call = functools.partial(
@@ -209,6 +262,8 @@ def parallelize(
         )
     if dims.ep > 1:
         call = functools.partial(_experts, call=call)
+    if parts is not None:  # the pieces of the model, the layers as stages
+        return params, _pipeline_loss(model, parts, mesh, dims, call, mp_policy, outputs)
     batch_axes = dims.batch_axes
 
     def loss(params: Mapping, batch: Mapping) -> torch.Tensor:
@@ -228,8 +283,255 @@ def parallelize(
     return params, loss
 
 
-def _experts(model, params, args, kwargs, *, call):
-    return expert_parallel_call(model, params, args, kwargs, call=call)
+def _experts(model, params, args, kwargs, *, call, **options):
+    inner = functools.partial(call, **options) if options else call
+    return expert_parallel_call(model, params, args, kwargs, call=inner)
+
+
+# -- pipeline parallelism of a transformers causal LM -----------------------------------------
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """Where the pieces of a transformers causal LM are: module names, and each piece's
+    params as ``{name in the piece: name in params}`` (a tied head reads the embedding's)."""
+
+    embed: str
+    layers: str
+    norm: str
+    head: str
+    names: Mapping[str, Mapping[str, str]]
+
+
+def _pipeline_parts(model: torch.nn.Module, dims: ParallelDims) -> _Parts:
+    config = getattr(model, "config", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is None or head is None or not {"embed_tokens", "layers", "norm"} <= set(pp_plan):
+        raise NotImplementedError(
+            f"parallelize: pp > 1 splits a transformers causal LM into embedding, decoder layers "
+            f"and norm (its config's base_model_pp_plan) and head; {type(model).__name__} has "
+            f"base_model_pp_plan {sorted(pp_plan)} and head {type(head).__name__}"
+        )
+    layers = base.layers
+    n = len(layers)
+    stages = dims.pp * dims.pp_virtual
+    if n % stages:
+        raise ValueError(
+            f"parallelize: the model's {n} decoder layers do not split into pp x pp_virtual = "
+            f"{stages} stages"
+        )
+    kinds = {type(m).__name__ for m in layers} | set(getattr(config, "layer_types", None) or ())
+    if len(kinds) != 1 + bool(getattr(config, "layer_types", None)):
+        raise NotImplementedError(
+            "parallelize: pp stacks the decoder layers, which must be alike; these differ: "
+            f"{sorted(kinds)} (their classes and config.layer_types)"
+        )
+    if getattr(config, "output_router_logits", False):
+        raise NotImplementedError(
+            "parallelize: pp with output_router_logits=True: the router's auxiliary loss sums "
+            "over every layer, across the stages; set config.output_router_logits=False"
+        )
+    module_names = {id(m): k for k, m in model.named_modules()}
+    canonical: dict[int, str] = {}
+    full: dict[str, str] = {}
+    for k, p in model.named_parameters(remove_duplicate=False):
+        full[k] = canonical.setdefault(id(p), k)
+    out = {}
+    for piece in ("embed", "norm", "head"):
+        m = base.embed_tokens if piece == "embed" else base.norm if piece == "norm" else head
+        pre = module_names[id(m)]
+        out[piece] = {r: full[f"{pre}.{r}"] for r, _ in m.named_parameters(remove_duplicate=False)}
+    return _Parts(
+        embed=module_names[id(base.embed_tokens)],
+        layers=module_names[id(layers)],
+        norm=module_names[id(base.norm)],
+        head=module_names[id(head)],
+        names=out,
+    )
+
+
+def _outputs(model: torch.nn.Module, plan: Mapping) -> dict[str, P]:
+    """The plan's :class:`~fshard.nn.Output` layouts by module name (matched by
+    :func:`~fshard.nn.match_plan`'s rules: each rule's index rides as a tag)."""
+    rules = [(g, o.spec) for g, o in plan.items() if isinstance(o, Output)]
+    if not rules:
+        return {}
+    names = [n for n, _ in model.named_modules()]
+    tags = match_plan(names, {g: P(str(i)) for i, (g, _) in enumerate(rules)})
+    return {n: rules[int(t.dims[0][0])][1] for n, t in tags.items() if t.dims}
+
+
+def _with_batch(spec: P, dim: int, axes: tuple[str, ...]) -> P:
+    """``spec`` with dim ``dim`` split over ``axes`` where it leaves that dim whole."""
+    dims = list(spec.padded(dim + 1))
+    if dims[dim]:
+        return spec
+    dims[dim] = axes
+    return P(*dims)
+
+
+class _Captured(Exception):
+    pass
+
+
+def _layer_kwargs(model: torch.nn.Module, parts: _Parts, positions: tuple, device, dtype) -> dict:
+    """What the model's own forward passes its decoder layers besides the hidden states for a
+    ``seq``-token sequence (the causal mask or ``None``, rotary position embeddings, position
+    ids): read from its forward on one dummy sequence, stopped at the first layer, floating
+    tensors cast to the compute ``dtype``. The same for every row and microbatch (no padding
+    mask), so a stage closes over them."""
+    base = model.get_submodule(parts.layers.rsplit(".", 1)[0]) if "." in parts.layers else model
+    first = model.get_submodule(parts.layers)[0]
+    seen: dict = {}
+
+    def capture(module, args, kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    handle = first.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pos = torch.tensor([positions], device=device)
+            base(torch.zeros_like(pos), position_ids=pos, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+
+    def cast(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to(dtype)
+        if isinstance(v, tuple):
+            return tuple(map(cast, v))
+        return v
+
+    return {k: cast(v) for k, v in seen.items() if k != "hidden_states"}
+
+
+def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, mp_policy, outputs):
+    """The causal-LM loss with the decoder layers pipelined over ``pp``: the embedding before
+    the pipeline (on every pp rank), each stage's layers, the norm, head and loss on the last
+    stage (:func:`pipeline`), every piece run by ``call`` with the plan's output layouts."""
+    layer_name = f"{parts.layers}.0"
+    axes = dims.batch_axes
+    pieces = {}
+    for key, name in (("embed", parts.embed), ("layer", layer_name), ("norm", parts.norm),
+                      ("head", parts.head)):  # fmt: skip
+        # a plan's output layout names the model axes; the batch dim (1 for the embedding's
+        # (microbatch, rows, ...) output, else 0) keeps its split over the batch axes
+        b = 1 if key == "embed" else 0
+        rel = {
+            n[len(name) + 1 :] if n != name else "": _with_batch(spec, b, axes)
+            for n, spec in outputs.items()
+            if n == name or n.startswith(name + ".")
+        }
+        pieces[key] = (model.get_submodule(name), rel)
+
+    def run(key, params, args, kwargs):
+        # the plan's output layouts, as the whole model's call applies them (a stage whose
+        # row-parallel output met the residual while pending gave wrong input gradients)
+        module, rel = pieces[key]
+        inner = {n: spec for n, spec in rel.items() if n}
+        out = call(module, params, args, kwargs, outputs=inner)
+        return reshard(out, rel[""]) if "" in rel and isinstance(out, ShardedArray) else out
+
+    m, axes = dims.microbatches, dims.batch_axes
+    rows = m * math.prod(mesh.size(a) for a in axes)
+    dtype = mp_policy.param_dtype if mp_policy is not None and mp_policy.param_dtype else None
+    dtype = dtype or next(model.parameters()).dtype
+    kwargs_of = functools.lru_cache(maxsize=8)(
+        lambda positions, device: _layer_kwargs(model, parts, positions, device, dtype)
+    )
+    cp = dims.cp
+
+    def piece(params, name):
+        return {r: params[k] for r, k in parts.names[name].items()}
+
+    def loss(params: Mapping, batch: Mapping) -> torch.Tensor:
+        ids, labels, mask = _batch(batch)
+        if mask is not None:
+            raise ValueError(
+                "parallelize's loss: batch['attention_mask'] with pp > 1 is not composed yet "
+                "(the stages close over one causal mask); drop it or use pp=1"
+            )
+        b, s = ids.shape
+        if b % rows:
+            raise ValueError(
+                f"parallelize's loss: batch['input_ids'] has {b} rows; with pp they split into "
+                f"{m} microbatches over the batch axes ({rows // m} ranks): give a multiple of "
+                f"{rows}"
+            )
+        labels = ids if labels is None else labels
+        if tuple(labels.shape) != (b, s):
+            raise ValueError(
+                f"parallelize's loss: batch['labels'] has shape {tuple(labels.shape)}, expected "
+                f"{(b, s)}"
+            )
+        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
+        count = int((targets != -100).sum())  # the loss is the sum over every target / count
+        order = tuple(range(s))
+        if cp > 1:  # the sequence in load-balanced chunks, split over cp (ring attention)
+            if s % (2 * cp):
+                raise ValueError(
+                    f"parallelize's loss: the sequence ({s}) must split into 2 x cp "
+                    f"({2 * cp}) chunks"
+                )
+            order = tuple(load_balance(torch.arange(s), cp, 0).tolist())
+            ids, targets = load_balance(ids, cp, 1), load_balance(targets, cp, 1)
+        seq = (axes, "cp") if cp > 1 else (axes,)
+
+        layer_kwargs = kwargs_of(order, ids.device)
+        # with cp the rotary embeddings follow the rank's chunks: they ride with the
+        # activations through the pipeline (after the hidden dims), not closed over
+        rope = layer_kwargs.get("position_embeddings") if cp > 1 else None
+        if cp > 1:  # causality: the ring's chunk arithmetic; no padding mask with pp
+            drop = ("position_embeddings", "attention_mask", "position_ids")
+            layer_kwargs = {k: v for k, v in layer_kwargs.items() if k not in drop}
+
+        def split(t):
+            return shard(t.reshape(m, b // m, s, *t.shape[2:]), mesh, P(None, *seq))
+
+        def stage(p, x):
+            kwargs, extra = layer_kwargs, None
+            if rope is not None:  # (hidden | cos | sin) on the last dim
+                hd = rope[0].shape[-1]
+                x, extra = x[..., : -2 * hd], x[..., -2 * hd :]
+                kwargs = {**kwargs, "position_embeddings": (extra[..., :hd], extra[..., hd:])}
+            for i in range(next(iter(p.values())).shape[0]):
+                out = run("layer", {k: v[i] for k, v in p.items()}, (x,), kwargs)
+                x = out[0] if isinstance(out, tuple) else out
+            return x if extra is None else torch.cat([x, extra], -1)
+
+        def last(hp, y, target):
+            if rope is not None:
+                y = y[..., : -2 * rope[0].shape[-1]]
+            logits = run("head", hp["head"], (run("norm", hp["norm"], (y,), {}),), {})
+            ce = F.cross_entropy(
+                logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100,
+                reduction="sum",
+            )  # fmt: skip
+            return ce * (m / count)  # the pipeline means over the m microbatches
+
+        x = run("embed", piece(params, "embed"), (split(ids),), {})
+        if rope is not None:
+            full = torch.cat(rope, -1).expand(b, s, -1).to(x.dtype)
+            x = torch.cat([x, split(full)], -1)
+        hp = {"norm": piece(params, "norm"), "head": piece(params, "head")}
+        with (
+            _attention_of(model, mesh, "cp", _RING[dims.cp_attention])
+            if cp > 1
+            else contextlib.nullcontext()
+        ):
+            out = pipeline(
+                stage, params[parts.layers], x, mesh, loss_fn=last, loss_params=hp,
+                targets=split(targets), schedule=dims.pp_schedule, virtual=dims.pp_virtual,
+            )  # fmt: skip
+        return gather(out)
+
+    return loss
 
 
 def _batch(batch) -> tuple:

@@ -43,6 +43,7 @@ Example (pure FSDP on a module; the loss is averaged over dp)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -50,6 +51,7 @@ import torch
 
 from .. import _comm, _compat, _swap, axis_env, lax
 from .._leaf_errors import LeafErrors
+from ..api import reshard
 from ..array import ShardedArray
 from ..collectives import AllGather, Bound, Pcast
 from ..gradsync import GradSync
@@ -679,6 +681,7 @@ def fsdp_call(
     prefetch: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     replicate: str | Sequence[str] | None = None,
+    outputs: Mapping[str, P] | None = None,
 ):
     """Run ``module(*args)`` on local tensors with each FSDP unit gathered just before its
     forward (a forward pre-hook), the next one prefetched, and released after.
@@ -708,6 +711,10 @@ def fsdp_call(
             arguments cast to ``param_dtype`` (``cast_forward_inputs``), floating outputs to
             ``output_dtype``.
         replicate: HSDP's replicate axes, as in :func:`fsdp_gather`.
+        outputs: ``{submodule name: P}``: the layouts of those submodules' ShardedArray
+            outputs in the global view (a plan's :class:`~fshard.nn.Output` entries, which
+            :func:`~fshard.nn.functional_call` applies; e.g. a row-parallel layer's output
+            all-reduced where it leaves the layer, not left pending). ``None``: none.
 
     Returns:
         What ``module.forward`` returns (local, varying over ``axis``).
@@ -760,6 +767,9 @@ def fsdp_call(
                     inside.pop().__exit__(None, None, None)
 
                 handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+            for name, spec in (outputs or {}).items():
+                hook = functools.partial(_output_layout, spec)
+                handles.append(module.get_submodule(name).register_forward_hook(hook))
             with _swap.swap(module, get(""), "fsdp_call", held):
                 try:
                     return cast_outputs(policy, module(*args, **(kwargs or {})))
@@ -769,3 +779,7 @@ def fsdp_call(
         finally:
             for h in handles:
                 h.remove()
+
+
+def _output_layout(spec: P, module, args, out):
+    return reshard(out, spec) if isinstance(out, ShardedArray) else out
