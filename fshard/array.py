@@ -82,6 +82,11 @@ class ShardedArray:
         return ShardedArray._raw(local, layout)
 
     def __setattr__(self, name, value):
+        if name == "requires_grad":  # sew's `h.requires_grad = True`: the local block's flag
+            # (an attribute set, which functorch allows where it refuses requires_grad_())
+            if self.local.requires_grad != value:
+                self.local.requires_grad = value
+            return
         raise TypeError(
             f"ShardedArray is immutable: cannot set {name!r}. Build a new value instead "
             "(fs.reshard, fs.from_local, or a functional op such as x + y)"
@@ -161,6 +166,14 @@ class ShardedArray:
             self.local.requires_grad_(requires_grad)
         return self
 
+    # Static facts of the local block, the same on every rank (transformers probes them):
+    is_cuda = property(lambda self: self.local.is_cuda)
+    is_cpu = property(lambda self: self.local.is_cpu)
+    is_meta = property(lambda self: self.local.is_meta)
+    is_nested = property(lambda self: self.local.is_nested)
+    is_sparse = property(lambda self: self.local.is_sparse)
+    is_quantized = property(lambda self: self.local.is_quantized)
+
     def shards_metadata(self) -> list[ShardMetadata]:
         """Every rank's block of the global value, in rank order."""
         return self.layout.shards_metadata()
@@ -204,6 +217,10 @@ class ShardedArray:
     def item(self):
         """The Python number of a one-element value the same on every rank (as :meth:`__bool__`)."""
         return self._invariant_local("item()").item()
+
+    def tolist(self):
+        """``Tensor.tolist`` of a value the same on every rank (as :meth:`item`)."""
+        return self._invariant_local("tolist()").tolist()
 
     def __float__(self) -> float:
         """``float(loss)`` of a one-element value the same on every rank (as :meth:`item`)."""

@@ -172,3 +172,43 @@ def loss_cases():
 
 def test_losses_global_means(world2):
     assert world2.run(loss_cases)[0] == 126
+
+
+def model_probes(t, inp):
+    """What transformers models read off a hidden state (issue 37's zoo): ``x.data`` (ibert),
+    ``x.real`` (fnet), ``h.requires_grad = True`` on a value made from an input (sew, sew-d);
+    runs unchanged on plain tensors (the oracle)."""
+    h = inp[:, None]
+    h.requires_grad = True
+    y = t * 2.0
+    return y * y.data + y.real + h[:, 0]
+
+
+def probe_cases():
+    mesh = _mesh()
+    a, inp = randn(5, 4, dtype=torch.float64), randn(5, 4, seed=1, dtype=torch.float64)
+    for s in LAYOUTS:
+        x = fs.shard(a, mesh, s)
+        assert not x.is_cuda and not x.is_nested and x.is_cpu and not x.is_meta  # siglip, kolibri1
+        assert x.data.layout == x.layout and not x.data.requires_grad
+        xin = fs.shard(inp, mesh, s)
+        torch.testing.assert_close(fs.gather(model_probes(x, xin)), model_probes(a, inp))
+        g = torch.func.grad(lambda t, i=xin: fs.gather(model_probes(t, i).sum()))(x)
+        want = torch.func.grad(lambda t: model_probes(t, inp).sum())(a)  # the zoo's dense loop
+        assert g.layout == x.layout
+        torch.testing.assert_close(fs.gather(g), want)
+    ids = fs.shard(torch.arange(4), mesh, P())
+    assert ids.tolist() == [0, 1, 2, 3]  # jetmoe
+    try:
+        fs.shard(torch.arange(4), mesh, P("x")).tolist()
+    except TypeError as e:
+        assert "tolist()" in str(e)
+    else:
+        raise AssertionError("tolist() of a split value must be refused")
+    return True
+
+
+def test_attributes_models_probe(world2):
+    """Before: "no sharding rule for torch.Tensor.data / .real / .is_nested / .is_cuda /
+    .tolist", and "ShardedArray is immutable: cannot set 'requires_grad'"."""
+    assert world2.run(probe_cases) == [True, True]
