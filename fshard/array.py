@@ -218,6 +218,13 @@ class ShardedArray:
         """The Python number of a one-element value the same on every rank (as :meth:`__bool__`)."""
         return self._invariant_local("item()").item()
 
+    def __format__(self, spec: str) -> str:
+        """``f"{x}"`` of a 0-d value is its number, as for a tensor (switch_transformers'
+        ``self.experts[f"expert_{idx}"]``); it must be the same on every rank (as :meth:`item`)."""
+        if self.layout.ndim == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
     def tolist(self):
         """``Tensor.tolist`` of a value the same on every rank (as :meth:`item`)."""
         return self._invariant_local("tolist()").tolist()

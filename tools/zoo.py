@@ -74,7 +74,8 @@ def run(archs: list[str], timeout: float, log: str | None = None) -> dict:
 
 def counts(results: dict) -> dict:
     built = {a: r for a, r in results.items() if r["dp"][0] != "not buildable"}
-    out = {"architectures": len(results), "buildable": len(built)}
+    functorch = [a for a, r in results.items() if r["dp"][1].startswith("torch.func refuses")]
+    out = {"architectures": len(results), "buildable": len(built), "functorch": len(functorch)}
     for mode in MODES:
         out[mode] = dict(collections.Counter(r[mode][0] for r in built.values()))
     return out
@@ -110,7 +111,8 @@ def summary(results: dict, command: str) -> str:
     c = counts(results)
     lines = [
         f"`{command}` ({c['architectures']} architectures, {c['buildable']} build at a tiny "
-        "size and run their dense step):",
+        "size and run their dense step under torch.func; of those not counted, "
+        f"{c['functorch']} build but torch.func refuses their dense step):",
         "",
         "| mode | equal | refused | wrong |",
         "|---|---|---|---|",
