@@ -39,7 +39,7 @@ from .binding import bind
 from .elementwise import own_dims
 from .registry import OpSharding, register_rule, rule_for, tensor_inputs
 
-__all__ = ["index_update", "At", "UPDATE_MODES"]
+__all__ = ["index_update", "At", "UPDATE_MODES", "ValueDependentShape"]
 
 UPDATE_MODES = ("set", "add", "multiply", "min", "max")
 _SCATTER = {"multiply": "prod", "min": "amin", "max": "amax"}
@@ -204,6 +204,17 @@ def _scalar_index(it) -> bool:
     return isinstance(it, BaseLayout) and it.ndim == 0 and not it.dtype.is_floating_point
 
 
+class ValueDependentShape(ValueError):
+    """An op whose output shape depends on the values met a split value (each rank's result
+    would have another shape); ``axes``: the mesh axes it is split over.
+    :func:`fshard.nn.functional_call` adds the module it was raised in and the plan entry
+    that runs that module on each rank's rows (``fs.nn.LocalRows``)."""
+
+    def __init__(self, message: str, axes: tuple = ()):
+        super().__init__(message)
+        self.axes = axes
+
+
 class _DataDependent(Exception):
     """A boolean index: the output shape depends on the values."""
 
@@ -318,11 +329,12 @@ def _invariant_rule(op, args, kwargs, what: str):
     split = [x for x in ins if x.sharded_axes]
     if split:
         x = split[0]
-        raise ValueError(
+        raise ValueDependentShape(
             f"{what} on a ShardedArray split as {x.spec}: its output shape depends on the "
             "values, so each rank's result would have a different shape. Make the input "
             f"replicated first (fs.reshard(x, fs.P()), or fs.gather(x) for a plain tensor), "
-            "or run it on local blocks in fs.shard_map"
+            "or run it on local blocks in fs.shard_map",
+            tuple(x.sharded_axes),
         )
     mesh = ins[0].mesh
 
