@@ -218,6 +218,15 @@ class ShardedArray:
         """The Python number of a one-element value the same on every rank (as :meth:`__bool__`)."""
         return self._invariant_local("item()").item()
 
+    def view(self, *shape):
+        """``Tensor.view``; a size given as a 0-d integer tensor (LED's ``x.view(n,
+        torch.div(x.size(1), w, rounding_mode="trunc"), ...)``) is its number, as torch reads it."""
+        return _DISPATCH(torch.Tensor.view, (self, *_int_sizes(shape)), _NO_KWARGS)
+
+    def reshape(self, *shape):
+        """``Tensor.reshape``, sizes read as :meth:`view` reads them."""
+        return _DISPATCH(torch.Tensor.reshape, (self, *_int_sizes(shape)), _NO_KWARGS)
+
     def __format__(self, spec: str) -> str:
         """``f"{x}"`` of a 0-d value is its number, as for a tensor (switch_transformers'
         ``self.experts[f"expert_{idx}"]``); it must be the same on every rank (as :meth:`item`)."""
@@ -295,6 +304,26 @@ _PEER_SPELLINGS = {
     "sharding_spec": "x.spec",
     "metadata": "x.layout (x.shards_metadata(): every rank's offsets and sizes)",
 }
+
+
+def _int_sizes(sizes: tuple) -> tuple:
+    """``sizes`` with each 0-d integer tensor (or ShardedArray, the same on every rank) made
+    its number, also inside one tuple or list (``view((a, b))``): a plan keys on sizes, and a
+    tensor's value is not in the key."""
+    if all(type(s) is int for s in sizes):
+        return sizes
+    out = []
+    for s in sizes:
+        if isinstance(s, (tuple, list)):
+            s = type(s)(_int_sizes(tuple(s)))
+        elif (
+            isinstance(s, (torch.Tensor, ShardedArray))
+            and s.ndim == 0
+            and not (s.dtype.is_floating_point or s.dtype.is_complex)
+        ):
+            s = int(s)
+        out.append(s)
+    return tuple(out)
 
 
 def _forward_method(tensor_method):

@@ -197,6 +197,11 @@ def probe_cases():
         want = torch.func.grad(lambda t: model_probes(t, inp).sum())(a)  # the zoo's dense loop
         assert g.layout == x.layout
         torch.testing.assert_close(fs.gather(g), want)
+        # a size given as a 0-d integer tensor (LED's torch.div(x.size(1), w, rounding_mode=...))
+        n = torch.div(torch.tensor(a.shape[1]), 2, rounding_mode="trunc")
+        torch.testing.assert_close(fs.gather(x.view(x.size(0), n, 2)), a.view(5, 2, 2))
+        m = fs.shard(n, mesh, P())
+        torch.testing.assert_close(fs.gather(x.reshape((5, m, 2))), a.reshape(5, 2, 2))
     ids = fs.shard(torch.arange(4), mesh, P())
     assert ids.tolist() == [0, 1, 2, 3]  # jetmoe
     try:
@@ -210,5 +215,7 @@ def probe_cases():
 
 def test_attributes_models_probe(world2):
     """Before: "no sharding rule for torch.Tensor.data / .real / .is_nested / .is_cuda /
-    .tolist", and "ShardedArray is immutable: cannot set 'requires_grad'"."""
+    .tolist", "ShardedArray is immutable: cannot set 'requires_grad'", and a view to a size
+    given as a tensor failed in the rule's meta call ("Tensor.item() cannot be called on meta
+    tensors")."""
     assert world2.run(probe_cases) == [True, True]
