@@ -219,3 +219,18 @@ def test_attributes_models_probe(world2):
     given as a tensor failed in the rule's meta call ("Tensor.item() cannot be called on meta
     tensors")."""
     assert world2.run(probe_cases) == [True, True]
+
+
+def weight_norm_cases():
+    """``torch._weight_norm`` (``nn.utils.weight_norm`` / the ``weight_norm``
+    parametrization: SEW's positional convolution) on replicated and split values: was "no
+    sharding rule for torch._weight_norm"."""
+    mesh = _mesh()
+    v, g = randn(6, 2, 5, dtype=torch.float64), randn(1, 1, 5, seed=1, dtype=torch.float64)
+    for s in LAYOUTS:
+        check(mesh, lambda v, g: torch._weight_norm(v, g, 2), [v, g], [s, P()], label=f"wn {s}")
+    return True
+
+
+def test_weight_norm(world2):
+    assert world2.run(weight_norm_cases) == [True, True]
