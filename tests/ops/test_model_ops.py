@@ -204,6 +204,7 @@ def probe_cases():
         torch.testing.assert_close(fs.gather(x.reshape((5, m, 2))), a.reshape(5, 2, 2))
     ids = fs.shard(torch.arange(4), mesh, P())
     assert ids.tolist() == [0, 1, 2, 3]  # jetmoe
+    assert f"expert_{ids[2]}" == "expert_2" and f"{ids[3]:03d}" == "003"  # switch_transformers
     try:
         fs.shard(torch.arange(4), mesh, P("x")).tolist()
     except TypeError as e:
