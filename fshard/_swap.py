@@ -3,27 +3,25 @@
 the name lookup of :func:`fshard.nn.load_params` and :func:`fshard.nn.state_dict`.
 
 ``torch.func.functional_call`` refuses non-Tensor values (a ShardedArray), so :class:`swap` puts
-the values into the module itself: each named entry is popped from its owner's ``_parameters``
-(or ``_buffers``) and set in the owner's ``__dict__``, where ``getattr`` finds it first::
+the values into the module itself, as torch.func does with tensors: each named entry of its
+owner's ``_parameters`` (or ``_buffers``) holds the value for the block, so ``getattr`` and
+``module.parameters()`` both see it (transformers' ``self.dtype``, ``next(self.parameters())``)::
 
     with swap(module, {"fc.weight": w}, "functional_call"):
         out = module(x)  # every alias of fc.weight reads w
-    # the module's own parameters are back, in their order
+    # the module's own parameters are back
 
 * **Ties.** Every place that holds the named tensor gets the value (GPT-2's ``lm_head.weight``
   is ``transformer.wte.weight``; one tensor may have any number of owners), as
   ``torch.func.functional_call(tie_weights=True)``. Two names of one tensor given different
   values are an error.
-* **Restored** on exit, also when the body raises, and each owner's ``_parameters`` /
-  ``_buffers`` get back their order (``named_parameters()``, ``state_dict()``; dynamo guards
-  it). Swaps nest (FSDP units inside the root) if they exit in reverse order of entry.
+* **Restored** on exit, also when the body raises (the entries keep their places, so
+  ``named_parameters()`` and ``state_dict()`` keep their order; dynamo guards it). Swaps nest
+  (FSDP units inside the root) if they exit in reverse order of entry.
 * **Validated up front**: every entry that does not fit is listed (:class:`LeafErrors`) before
   anything is swapped.
 * **Traced.** Under ``torch.func`` transforms the values are whatever tensors the transform
-  passes. Under ``torch.compile`` on a torch whose dynamo cannot trace deleting an attribute it
-  saw set (``_compat.TRACES_ATTRIBUTE_DELETE`` False: torch 2.11 replays the traced ``delattr``
-  after the ``_parameters`` re-insert, and the module loses its parameters), the values go into
-  the ``_parameters`` / ``_buffers`` slot itself instead of ``__dict__``.
+  passes; under ``torch.compile`` dynamo traces the dict writes.
 
 Not thread-safe for concurrent swaps on one module.
 """
@@ -36,7 +34,6 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _compat
 from ._leaf_errors import LeafErrors
 from .array import ShardedArray
 
@@ -183,25 +180,13 @@ class swap:
         if eager and fn in ("functional_call", "fsdp_call") and id(module) in _STALE:
             _STALE[id(module)] = True
         self.saved: list = []
-        self.orders: dict = {}
-        self.in_slot = False
 
     def __enter__(self) -> swap:
-        # torch 2.11's dynamo replays the traced ``delattr`` of __exit__ after the
-        # ``_parameters`` re-insert (the module loses its parameters): there the values go into
-        # the slot itself.
-        self.in_slot = not _compat.TRACES_ATTRIBUTE_DELETE and torch.compiler.is_dynamo_compiling()
         try:
             for _, owner, attr, slot, value in self.targets:
                 entries = getattr(owner, slot)
-                if self.in_slot:
-                    self.saved.append((owner, attr, slot, entries[attr]))
-                    entries[attr] = value
-                    continue
-                self.orders.setdefault((id(owner), slot), (entries, list(entries)))
-                original = entries.pop(attr)
-                self.saved.append((owner, attr, slot, original))
-                owner.__dict__[attr] = value
+                self.saved.append((owner, attr, slot, entries[attr]))
+                entries[attr] = value
         except BaseException:
             self._restore()
             raise
@@ -212,10 +197,5 @@ class swap:
 
     def _restore(self) -> None:
         for owner, attr, slot, original in reversed(self.saved):
-            if not self.in_slot:
-                del owner.__dict__[attr]
             getattr(owner, slot)[attr] = original
-        for entries, order in self.orders.values():  # named_parameters() order (dynamo guards it)
-            for name in order:
-                entries[name] = entries.pop(name)
-        self.saved, self.orders = [], {}
+        self.saved = []

@@ -82,6 +82,11 @@ class ShardedArray:
         return ShardedArray._raw(local, layout)
 
     def __setattr__(self, name, value):
+        if name == "requires_grad":  # sew's `h.requires_grad = True`: the local block's flag
+            # (an attribute set, which functorch allows where it refuses requires_grad_())
+            if self.local.requires_grad != value:
+                self.local.requires_grad = value
+            return
         raise TypeError(
             f"ShardedArray is immutable: cannot set {name!r}. Build a new value instead "
             "(fs.reshard, fs.from_local, or a functional op such as x + y)"
@@ -161,6 +166,14 @@ class ShardedArray:
             self.local.requires_grad_(requires_grad)
         return self
 
+    # Static facts of the local block, the same on every rank (transformers probes them):
+    is_cuda = property(lambda self: self.local.is_cuda)
+    is_cpu = property(lambda self: self.local.is_cpu)
+    is_meta = property(lambda self: self.local.is_meta)
+    is_nested = property(lambda self: self.local.is_nested)
+    is_sparse = property(lambda self: self.local.is_sparse)
+    is_quantized = property(lambda self: self.local.is_quantized)
+
     def shards_metadata(self) -> list[ShardMetadata]:
         """Every rank's block of the global value, in rank order."""
         return self.layout.shards_metadata()
@@ -204,6 +217,26 @@ class ShardedArray:
     def item(self):
         """The Python number of a one-element value the same on every rank (as :meth:`__bool__`)."""
         return self._invariant_local("item()").item()
+
+    def view(self, *shape):
+        """``Tensor.view``; a size given as a 0-d integer tensor (LED's ``x.view(n,
+        torch.div(x.size(1), w, rounding_mode="trunc"), ...)``) is its number, as torch reads it."""
+        return _DISPATCH(torch.Tensor.view, (self, *_int_sizes(shape)), _NO_KWARGS)
+
+    def reshape(self, *shape):
+        """``Tensor.reshape``, sizes read as :meth:`view` reads them."""
+        return _DISPATCH(torch.Tensor.reshape, (self, *_int_sizes(shape)), _NO_KWARGS)
+
+    def __format__(self, spec: str) -> str:
+        """``f"{x}"`` of a 0-d value is its number, as for a tensor (switch_transformers'
+        ``self.experts[f"expert_{idx}"]``); it must be the same on every rank (as :meth:`item`)."""
+        if self.layout.ndim == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def tolist(self):
+        """``Tensor.tolist`` of a value the same on every rank (as :meth:`item`)."""
+        return self._invariant_local("tolist()").tolist()
 
     def __float__(self) -> float:
         """``float(loss)`` of a one-element value the same on every rank (as :meth:`item`)."""
@@ -271,6 +304,26 @@ _PEER_SPELLINGS = {
     "sharding_spec": "x.spec",
     "metadata": "x.layout (x.shards_metadata(): every rank's offsets and sizes)",
 }
+
+
+def _int_sizes(sizes: tuple) -> tuple:
+    """``sizes`` with each 0-d integer tensor (or ShardedArray, the same on every rank) made
+    its number, also inside one tuple or list (``view((a, b))``): a plan keys on sizes, and a
+    tensor's value is not in the key."""
+    if all(type(s) is int for s in sizes):
+        return sizes
+    out = []
+    for s in sizes:
+        if isinstance(s, (tuple, list)):
+            s = type(s)(_int_sizes(tuple(s)))
+        elif (
+            isinstance(s, (torch.Tensor, ShardedArray))
+            and s.ndim == 0
+            and not (s.dtype.is_floating_point or s.dtype.is_complex)
+        ):
+            s = int(s)
+        out.append(s)
+    return tuple(out)
 
 
 def _forward_method(tensor_method):

@@ -24,6 +24,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -105,6 +106,21 @@ class RankError(RuntimeError):
         self.exit_code = exit_code
 
 
+@contextlib.contextmanager
+def _hash_seed(seed: str):
+    """``PYTHONHASHSEED=seed`` in this process's environment while a worker is spawned (it
+    inherits the environment), as it was before afterwards."""
+    before = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = seed
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = before
+
+
 class World:
     """A persistent pool of ``world_size`` worker processes forming one Gloo process group.
 
@@ -112,7 +128,12 @@ class World:
     after a failure that left the process group unusable (a hang, a dead worker, a rank stuck
     in a collective, a collective that raised, e.g. Gloo's timeout). Each worker runs with
     ``torch.set_num_threads(1)`` and has ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``, ``MASTER_PORT`` and ``FSHARD_LAUNCH_WORKER=1`` in its environment.
+    ``MASTER_ADDR``, ``MASTER_PORT`` and ``FSHARD_LAUNCH_WORKER=1`` in its environment, and
+    every worker the same ``PYTHONHASHSEED`` (the driver's, else one drawn per World): the
+    ranks of an SPMD program must take the same path, and a ``set`` of strings iterates in
+    hash order (transformers' lara_mini builds its attention masks in ``set`` order; with a
+    hash seed per process the ranks issued their collectives in different orders, which the
+    consistency check refused). Under ``torchrun``, export ``PYTHONHASHSEED`` yourself.
 
     Isolation: the rendezvous store and Gloo listen on the loopback interface only. Workers
     exit when the driver process dies, however it dies (a watchdog thread in each worker sees
@@ -139,6 +160,7 @@ class World:
         self.pg_timeout = pg_timeout
         self._store: dist.TCPStore | None = None
         self._generation = 0
+        self._hash_seed: str | None = None
         self._closed = False
         # Mutated in place (never rebound) so the finalizer always sees the live workers.
         self._procs: list[Any] = []
@@ -231,6 +253,10 @@ class World:
 
     def _start(self) -> None:
         self._kill()
+        if self._hash_seed is None:  # one per World: every rank iterates sets alike
+            self._hash_seed = os.environ.get("PYTHONHASHSEED") or str(
+                random.SystemRandom().randrange(1, 2**32)
+            )
         if self._store is None:
             # TCPStore(host, ...) as master listens on every interface; handing it a socket
             # bound to loopback keeps the store local. Port 0: the OS picks a free port.
@@ -269,7 +295,7 @@ class World:
                 ),
                 name=f"fshard-rank{rank}",
             )
-            with _by_value.unimportable_main_hidden():
+            with _by_value.unimportable_main_hidden(), _hash_seed(self._hash_seed):
                 proc.start()
             child_conn.close()  # else the parent would never see EOF when the child dies
             lifeline_r.close()

@@ -39,6 +39,7 @@ from .array import ShardedArray, is_sharded
 from .collectives import Bound, Pcast
 from .mesh import Mesh
 from .nn_plan import LocalRows, Output, _match, _split_plan, match_plan
+from .ops.indexing import ValueDependentShape
 from .precision import MixedPrecisionPolicy
 from .shard_map import shard_map
 from .spec import LAYOUT_OF_ID, Layout, P, _layout
@@ -334,10 +335,46 @@ def functional_call(
     if mesh is not None:
         out = _run_local(module, params, args, kwargs or {}, mesh)
     else:
-        with lax.handling(*handlers), _called(module, params, outputs):
-            out = module(*args, **(kwargs or {}))
+        try:
+            with lax.handling(*handlers), _called(module, params, outputs):
+                out = module(*args, **(kwargs or {}))
+        except ValueDependentShape as e:
+            raise _local_rows_hint(module, e) from e
     out = cast_outputs(policy, out)
     return out if mutable is False else (out, state)
+
+
+def _local_rows_hint(module: torch.nn.Module, error: ValueDependentShape) -> ValueDependentShape:
+    """``error`` naming the innermost submodule of ``module`` it was raised in and the plan
+    entry that runs that module on each rank's rows (a MoE router's ``torch.where`` over the
+    expert mask on a batch split over ``dp``, issue 37 item 7). Not automatic: the global view
+    cannot tell that every value the module touches may be split by rows, and re-running a
+    module that already issued collectives would desynchronise the ranks."""
+    if getattr(error, "hinted", False):  # a nested call named its module already
+        return error
+    names = {id(m): n for n, m in module.named_modules()}
+    tb, inner = error.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and names.get(id(owner)):
+            inner = owner
+        tb = tb.tb_next
+    if inner is None:
+        return error
+    name = names[id(inner)]
+    block = name.rpartition(".")[0] or name  # the module holding it (Mixtral's MoE block)
+    glob = ".".join("*" if part.isdigit() else part for part in block.split("."))
+    axis = error.axes[0] if len(error.axes) == 1 else error.axes
+    hinted = ValueDependentShape(
+        f"{error}.\nRaised in {name} ({type(inner).__name__}), called through "
+        f"fs.nn.functional_call: where every parameter it uses is replicated, the plan entry "
+        f"{{{glob!r}: fs.nn.LocalRows({axis!r})}} (fs.nn.shard_params(model, mesh, plan)) runs "
+        f"{block} ({type(module.get_submodule(block)).__name__}) on each rank's rows, with no "
+        "change to the model's code",
+        error.axes,
+    )
+    hinted.hinted = True
+    return hinted
 
 
 def _mutable_buffers(module: torch.nn.Module, params: Mapping, mutable) -> dict:

@@ -290,6 +290,12 @@ def zoo_rank_fn(arch: str, modes=("dp", "tp", "fsdp")) -> dict:
         model.zero_grad(set_to_none=True)
     except Exception as e:
         return dict.fromkeys(modes, ("not buildable", _outcome(e)[1]))
+    try:
+        _dense_functorch_step(model, task, kwargs, labels)
+    except Exception as e:  # fshard differentiates with torch.func: the dense loop compared
+        # against is torch.func's, and a model torch.func refuses cannot run in any mode
+        why = f"torch.func refuses the dense step: {_outcome(e)[1]}"
+        return dict.fromkeys(modes, ("not buildable", why))
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     result = {}
     for mode in modes:
@@ -314,6 +320,22 @@ def zoo_rank_fn(arch: str, modes=("dp", "tp", "fsdp")) -> dict:
             fs.nn.load_params(model, initial)
             model.float()
     return result
+
+
+def _dense_functorch_step(model, task: str, kwargs: dict, labels) -> None:
+    """The dense loss and gradient by ``torch.func`` (``tests/test_hf.py``'s dense loop):
+    raises where torch.func refuses the model (an old-style ``autograd.Function``, which has no
+    ``setup_context``; ``requires_grad_()`` or ``.data =`` inside the forward)."""
+    from tests.test_hf import _arch_loss
+
+    count = int((labels[:, 1:] if task == "causal" else labels).ne(-100).sum())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(ps):
+        out = torch.func.functional_call(model, ps, (), kwargs)
+        return _arch_loss(task, out, labels, count)
+
+    torch.func.grad(loss)(params)
 
 
 def _in_float64(model, task, mode, plan, kwargs, labels, differs: str) -> tuple[str, str]:

@@ -770,6 +770,14 @@ ARCH_ERRORS = {
     # torch refuses the context_fn fshard's recompute needs on a reentrant checkpoint
     ("qwen2", "tp-ckpt-reentrant"): "ValueError: Passing `context_fn`.*use_reentrant=False",
     ("qwen2", "fsdp-ckpt"): "ValueError: fsdp_call: activation checkpointing is on",
+    # eager experts on an even dp batch, no plan entry: the refusal names the module and the
+    # LocalRows entry that runs it on each rank's rows (issue 37 item 7)
+    ("mixtral_eager", "dp-even"): (
+        r"ValueDependentShape: where on a ShardedArray split as P\(None, 'dp'\).*\n"
+        r"Raised in model\.layers\.0\.mlp\.experts \(MixtralExperts\).*"
+        r"\{'model\.layers\.\*\.mlp': fs\.nn\.LocalRows\('dp'\)\}.*"
+        r"runs model\.layers\.0\.mlp \(MixtralSparseMoeBlock\)"
+    ),
 }
 
 

@@ -115,6 +115,18 @@ def test_worker_environment(world2):
     assert not is_worker()
 
 
+def string_hashes():
+    return hash("fshard"), list({"full_attention", "sliding_attention", "linear_attention"})
+
+
+def test_ranks_share_the_hash_seed(world2):
+    """A set of strings iterates alike on every rank (transformers' lara_mini builds its
+    attention masks in set order; with a hash seed per process the ranks' collectives came in
+    different orders)."""
+    first, second = world2.run(string_hashes)
+    assert first == second
+
+
 def test_state_persists_across_runs(world2):
     first = world2.run(set_state, "kept")
     assert world2.run(get_state) == [("kept", pid) for pid in first]

@@ -249,6 +249,35 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(ids))))
 
 
+class ReadsItsParameters(nn.Module):
+    """Reads its parameters through ``self.parameters()`` in the forward, as transformers'
+    ``self.dtype`` / ``self.device`` and OpenAI-GPT's ``next(self.parameters()).dtype`` do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = x.to(next(self.parameters()).dtype)
+        return self.fc(x) + sum(p.sum() for p in self.parameters())
+
+
+def test_functional_call_parameters_iterates_the_swapped_values_dense():
+    """Inside the call, ``module.parameters()`` yields the values passed (as
+    ``torch.func.functional_call`` does); before, it yielded nothing (``StopIteration`` in
+    layoutlm and openai-gpt) and a sum over it silently lost the parameters' gradients."""
+    torch.manual_seed(0)
+    net = ReadsItsParameters()
+    x = torch.randn(5, 4)
+    new = {k: torch.randn_like(v) for k, v in net.named_parameters()}
+    originals = dict(net.named_parameters())
+    got = torch.func.grad(lambda ps: fs.nn.functional_call(net, ps, (x,)).sum())(new)
+    want = torch.func.grad(lambda ps: torch.func.functional_call(net, ps, (x,)).sum())(new)
+    torch.testing.assert_close(got, want)
+    assert dict(net.named_parameters()) == originals  # restored, in order
+    assert list(net.state_dict()) == ["fc.weight", "fc.bias"]
+
+
 def test_functional_call_ties_weights_dense():
     torch.manual_seed(0)
     lm = TiedLM()

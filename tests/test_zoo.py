@@ -5,7 +5,7 @@ Each architecture runs dp, tp (the plan it ships, else a Megatron plan by module
 fsdp against dense: ``tests/test_hf.py``'s ``train_like_dense`` (3 AdamW steps; loss, every
 gradient and its layout, trained weights). The sample: Llama (shipped plan), Qwen3 (q/k norms,
 ``replicated_with_grad_allreduce``), GPT-2 (no shipped plan: ``Conv1D`` Megatron plan), ViT
-(image classification).
+(image classification), OpenAI-GPT (``next(self.parameters())`` in its forward).
 """
 
 import pytest
@@ -14,7 +14,7 @@ from tests import hf_zoo
 
 pytest.importorskip("transformers")
 
-SAMPLE = ["llama", "qwen3", "gpt2", "vit"]
+SAMPLE = ["llama", "qwen3", "gpt2", "vit", "openai-gpt"]
 
 
 def test_zoo_is_generated_from_the_registry():

@@ -9,6 +9,7 @@ Usage::
     PYTHONPATH=$PWD python tools/zoo.py --every 5       # a stratified fifth (every 5th per task)
     PYTHONPATH=$PWD python tools/zoo.py llama bert vit  # named architectures
     ... --json out.json --write-docs
+    PYTHONPATH=$PWD python tools/zoo.py --from-json out.json --write-docs  # a saved run's table
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def run(archs: list[str], timeout: float, log: str | None = None) -> dict:
 
 def counts(results: dict) -> dict:
     built = {a: r for a, r in results.items() if r["dp"][0] != "not buildable"}
-    out = {"architectures": len(results), "buildable": len(built)}
+    functorch = [a for a, r in results.items() if r["dp"][1].startswith("torch.func refuses")]
+    out = {"architectures": len(results), "buildable": len(built), "functorch": len(functorch)}
     for mode in MODES:
         out[mode] = dict(collections.Counter(r[mode][0] for r in built.values()))
     return out
@@ -101,16 +103,19 @@ def _cell(outcome) -> str:
 
 
 def _short(text: str) -> str:
-    """An outcome's message without machine paths, cut to one line of the table."""
+    """An outcome's message without machine paths, cut to one line of the table, its
+    brackets escaped (``size[4, 8] [torch/nn/functional.py]`` reads as a Markdown link)."""
     text = re.sub(r"/\S*/(site-packages/|tests/)", "", text)
-    return text if len(text) <= 200 else text[:197] + "..."
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return text.replace("[", "\\[").replace("]", "\\]")
 
 
 def summary(results: dict, command: str) -> str:
     c = counts(results)
     lines = [
         f"`{command}` ({c['architectures']} architectures, {c['buildable']} build at a tiny "
-        "size and run their dense step):",
+        "size and run their dense step under torch.func; of those not counted, "
+        f"{c['functorch']} build but torch.func refuses their dense step):",
         "",
         "| mode | equal | refused | wrong |",
         "|---|---|---|---|",
@@ -141,12 +146,15 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/models.md")
+    parser.add_argument("--from-json", help="no run: the table of the results saved here")
     args = parser.parse_args(argv)
-    archs = select(args.archs, args.every, args.offset)
-    t = time.time()
-    results = run(archs, args.timeout, args.json)
     command = "python tools/zoo.py" + (f" --every {args.every}" if args.every > 1 else "")
     command += f" --offset {args.offset}" if args.offset else ""
+    t = time.time()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = run(select(args.archs, args.every, args.offset), args.timeout, args.json)
     print(table(results))
     print(summary(results, command))
     print(f"{time.time() - t:.0f}s")

@@ -47,7 +47,7 @@ class Signature:
 
     def accepts(self, args, kwargs) -> bool:
         """Whether a call with these many positional arguments and these keywords fits."""
-        args = self._packed(args)
+        args, kwargs = self._packed(args), self._numpy_names(kwargs)
         if len(args) > len(self.positional):
             return False
         if any(k not in self.names for k in kwargs):
@@ -61,8 +61,20 @@ class Signature:
         """``{name: value}`` for every parameter, defaults filled (no checks: see accepts)."""
         bound = dict(self.defaults)
         bound.update(zip(self.positional, self._packed(args)))
-        bound.update(kwargs)
+        bound.update(self._numpy_names(kwargs))
         return bound
+
+    def _numpy_names(self, kwargs):
+        """``kwargs`` with the NumPy spellings torch's argument parser accepts (``axis`` for
+        ``dim``, ``keepdims`` for ``keepdim``, ``x``/``a``/``x1`` for ``input``, ``x2`` for
+        ``other``) renamed, where this signature has the torch name and not the NumPy one."""
+        if not kwargs or not any(k in _NUMPY_NAMES for k in kwargs):
+            return kwargs
+        out = {}
+        for k, v in kwargs.items():
+            name = _NUMPY_NAMES.get(k)
+            out[name if name and k not in self.names and name in self.names else k] = v
+        return out
 
     def _packed(self, args):
         if self.packs is not None and len(args) > 2:
@@ -95,6 +107,11 @@ class Signature:
             packs=positional[1].name if packs else None,
         )
 
+
+#: NumPy argument names torch's Python argument parser takes for its own
+#: (``torch/csrc/utils/python_arg_parser.cpp``, ``numpy_compatibility_arg_names``)
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input"}
+_NUMPY_NAMES["x2"] = "other"
 
 #: Signatures declared at registration (``register_rule(..., signature=)``), by op.
 _DECLARED: dict = {}

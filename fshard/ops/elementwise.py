@@ -388,6 +388,8 @@ def _register():
     for n in ADDITIVE_OPS:
         for op in _variants(n):
             register_rule(op, elementwise_rule(ADDITIVE))
+    for n in ("real", "data"):  # x.real of a real value (fnet), x.data: a detached alias (ibert)
+        register_rule(getattr(torch.Tensor, n).__get__, elementwise_rule(ADDITIVE))
     for n in ADDITIVE_OPERATORS:
         if hasattr(torch.Tensor, n):
             register_rule(getattr(torch.Tensor, n), elementwise_rule(ADDITIVE))

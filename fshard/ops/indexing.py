@@ -10,6 +10,11 @@ output shape depends on the values (``nonzero``, boolean masks, ``one_hot`` with
 - ``x.at[key].set(v)`` / ``add`` / ``multiply`` / ``min`` / ``max`` (:func:`index_update`): the
   dims ``x[key]`` cuts are whole, ``v`` takes the layout of ``x[key]``; a pending sum survives
   ``set``/``add`` when ``v`` is pending over the same axes.
+- ``x.at[mask].set(v)`` / ``x[mask] = v`` with a boolean ``mask`` over leading dims and ``v``
+  the same for every selected position (a number or a row) is ``torch.where``: elementwise, any
+  layout. With one row of ``v`` per selected position it runs on replicated values only.
+- ``t[key] = v`` on a plain tensor ``t`` with a ShardedArray ``v`` writes ``v`` made replicated
+  into ``t`` (a plain tensor is a replicated value).
 - Data-dependent shapes (``nonzero``, ``argwhere``, ``x[bool_mask]``, ``one_hot`` with
   ``num_classes=-1``) run on a value that is the same on every rank (replicated; a pending sum
   is reduced first) and give a replicated result; on a split value each rank's result would
@@ -34,7 +39,7 @@ from .binding import bind
 from .elementwise import own_dims
 from .registry import OpSharding, register_rule, rule_for, tensor_inputs
 
-__all__ = ["index_update", "At", "UPDATE_MODES"]
+__all__ = ["index_update", "At", "UPDATE_MODES", "ValueDependentShape"]
 
 UPDATE_MODES = ("set", "add", "multiply", "min", "max")
 _SCATTER = {"multiply": "prod", "min": "amin", "max": "amax"}
@@ -60,11 +65,14 @@ def index_update(x, key, values, mode: str = "set"):
         tensor([[2., 0., 0.],
                 [2., 0., 0.]])
     """
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"index_update: mode must be one of {UPDATE_MODES}, got {mode!r}")
+    masked = _masked_update(x, key, values, mode)
+    if masked is not None:
+        return masked
     relevant = (x, values, *_tensors_in(key))
     if has_torch_function(relevant):
         return handle_torch_function(index_update, relevant, x, key, values, mode)
-    if mode not in UPDATE_MODES:
-        raise ValueError(f"index_update: mode must be one of {UPDATE_MODES}, got {mode!r}")
     pos = torch.arange(x.numel(), device=x.device).view(x.shape)[key]
     if not isinstance(values, torch.Tensor):
         values = torch.tensor(values, dtype=x.dtype, device=x.device)
@@ -79,6 +87,43 @@ def index_update(x, key, values, mode: str = "set"):
     else:
         out = flat.scatter_reduce(0, idx, values, _SCATTER[mode], include_self=True)
     return out.view(x.shape)
+
+
+_COMBINE = {
+    "set": lambda x, v: v,
+    "add": torch.add,
+    "multiply": torch.mul,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
+
+
+def _masked_update(x, key, values, mode):
+    """``x.at[mask].<mode>(v)`` as ``torch.where``, or ``None``: ``mask`` a boolean tensor over
+    the leading dims of ``x`` and ``v`` the same for every selected position (a number, or a
+    value broadcasting to ``x.shape[mask.ndim:]``). Then the update is elementwise, with no
+    value-dependent shape (gemma3's ``ids[image_mask] = 0``), so it runs on any layout of
+    ``x`` and ``mask``. Values with one row per selected position (a count only the mask's
+    contents give) are not: ``None``."""
+    mask = key[0] if type(key) is tuple and len(key) == 1 else key
+    if not isinstance(mask, (torch.Tensor, ShardedArray)) or mask.dtype != torch.bool:
+        return None
+    k = mask.ndim
+    if k > x.ndim or tuple(mask.shape) != tuple(x.shape[:k]):
+        return None  # torch's own error
+    rest = x.ndim - k
+    if isinstance(values, (torch.Tensor, ShardedArray)):
+        lead = values.ndim - rest
+        if lead > 0 and (lead > 1 or values.shape[0] != 1):
+            return None  # one row per selected position (or torch's shape error)
+        if lead == 1:
+            values = values[0]
+        values = values.to(x.dtype)
+    elif not isinstance(values, (bool, int, float)):
+        return None
+    cond = mask.reshape(*mask.shape, *(1,) * rest)
+    out = torch.where(cond, _COMBINE[mode](x, values), x)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class At:
@@ -157,6 +202,17 @@ def _expand(x: Layout, key) -> list:
 def _scalar_index(it) -> bool:
     """A 0-d integer tensor (``for e in expert_hit: x[e[0]]``): torch indexes with its value."""
     return isinstance(it, BaseLayout) and it.ndim == 0 and not it.dtype.is_floating_point
+
+
+class ValueDependentShape(ValueError):
+    """An op whose output shape depends on the values met a split value (each rank's result
+    would have another shape); ``axes``: the mesh axes it is split over.
+    :func:`fshard.nn.functional_call` adds the module it was raised in and the plan entry
+    that runs that module on each rank's rows (``fs.nn.LocalRows``)."""
+
+    def __init__(self, message: str, axes: tuple = ()):
+        super().__init__(message)
+        self.axes = axes
 
 
 class _DataDependent(Exception):
@@ -247,11 +303,11 @@ def index_update_rule(op, args, kwargs):
         raise ValueError(f"index_update: mode must be one of {UPDATE_MODES}, got {mode!r}")
     try:
         cut, dims, meta = _plan(x, key)
-    except _DataDependent:
-        raise NotImplementedError(
-            "x.at[mask] / x[mask] = v with a boolean mask on a ShardedArray: use "
-            "torch.where(mask, v, x) (or x.masked_fill(mask, v))"
-        ) from None
+    except _DataDependent:  # values with one row per selected position (a count the mask's
+        # contents give): exact on values that are the same on every rank
+        return _invariant_rule(
+            op, args, kwargs, "x[mask] = v with one row of v per selected position"
+        )
     v = values if isinstance(values, BaseLayout) else None
     linear = mode in ("set", "add") and v is not None and v.partial == x.partial
     partial = x.partial if linear else ()
@@ -273,11 +329,12 @@ def _invariant_rule(op, args, kwargs, what: str):
     split = [x for x in ins if x.sharded_axes]
     if split:
         x = split[0]
-        raise ValueError(
+        raise ValueDependentShape(
             f"{what} on a ShardedArray split as {x.spec}: its output shape depends on the "
             "values, so each rank's result would have a different shape. Make the input "
             f"replicated first (fs.reshard(x, fs.P()), or fs.gather(x) for a plain tensor), "
-            "or run it on local blocks in fs.shard_map"
+            "or run it on local blocks in fs.shard_map",
+            tuple(x.sharded_axes),
         )
     mesh = ins[0].mesh
 
@@ -291,6 +348,20 @@ def _replicated(out, mesh):
     if isinstance(out, (tuple, list)):
         return type(out)(_replicated(o, mesh) for o in out)
     return ShardedArray._raw(out, _layout(mesh, P(), tuple(out.shape), out.dtype))
+
+
+def setitem_rule(op, args, kwargs):
+    """``t[key] = v`` on a plain tensor ``t`` with a ShardedArray ``v`` or index (pegasus_x's
+    ``pe[:, :half] = torch.sin(positions * div_term)``, the positions typed like the sharded
+    embeddings). A plain tensor is a replicated value (DESIGN §4), so ``v`` and the indices are
+    made replicated and written into ``t`` in place, as the dense code writes; ``t`` stays a
+    plain tensor. (``x[key] = v`` on a ShardedArray ``x`` never reaches this rule: it rebinds
+    ``x``, ``fshard/ops/inplace.py``.)"""
+    return OpSharding([P()] * len(tensor_inputs(args, kwargs)), None, _setitem)
+
+
+def _setitem(t, key, v):
+    t[key] = v
 
 
 def nonzero_rule(op, args, kwargs):
@@ -325,6 +396,7 @@ def _register():
     register_rule(torch.where, _where_rule(rule_for(torch.where)))
     register_rule(torch.Tensor.__getitem__, parts.cuts(getitem_rule, parts.getitem_range))
     register_rule(index_update, index_update_rule)
+    register_rule(torch.Tensor.__setitem__, setitem_rule)
     register_rule(torch.nonzero, nonzero_rule, aliases=(torch.Tensor.nonzero,))
     register_rule(torch.argwhere, nonzero_rule, aliases=(torch.Tensor.argwhere,))
     register_rule(torch.masked_select, nonzero_rule, aliases=(torch.Tensor.masked_select,))

@@ -63,6 +63,8 @@ def _dim_arg(kind, args, kwargs):
     pos = 2 if kind in ("norm", "vector_norm") else 1
     if "dim" in kwargs:
         return kwargs["dim"]
+    if "axis" in kwargs:  # torch's NumPy alias (ibert's x.mean(axis=2, keepdim=True))
+        return kwargs["axis"]
     if len(args) > pos and not isinstance(args[pos], bool):
         return args[pos]
     return None

@@ -496,7 +496,7 @@ EVERYTHING = (
     "block_diag cartesian_prod kron meshgrid diag diag_embed diagflat diagonal "
     "diagonal_copy diagonal_scatter select_scatter trace take put masked_scatter histc "
     "gradient unfold unfold_copy dist hstack vstack dstack column_stack row_stack "
-    "quantile nanquantile linalg.multi_dot linalg.tensorinv linalg.tensorsolve "
+    "quantile nanquantile _weight_norm linalg.multi_dot linalg.tensorinv linalg.tensorsolve "
     "F.pdist F.bilinear F.unfold F.multilabel_soft_margin_loss "
     "F.cosine_embedding_loss F.triplet_margin_loss F.triplet_margin_with_distance_loss "
     "F.multi_margin_loss F.multilabel_margin_loss F.ctc_loss F.embedding_bag addmv addr "

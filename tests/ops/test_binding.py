@@ -35,6 +35,47 @@ def test_bind_refuses_a_call_no_signature_takes():
         bind(torch.topk, ("x",), {})  # k is required
 
 
+def test_bind_takes_the_numpy_names_torch_takes():
+    """torch's argument parser takes ``axis`` for ``dim``, ``keepdims`` for ``keepdim``,
+    ``x``/``a``/``x1`` for ``input``, ``x2`` for ``other``; so does binding (was: refused)."""
+    b = bind(torch.Tensor.cumsum, ("x",), {"axis": 1})
+    assert b["dim"] == 1 and "axis" not in b
+    b = bind(torch.Tensor.mean, ("x",), {"axis": 2, "keepdims": True})
+    assert b["dim"] == 2 and b["keepdim"] is True
+    assert bind(torch.add, (), {"x1": "a", "x2": "b"})["input"] == "a"
+    with pytest.raises(TypeError, match="cannot bind"):
+        bind(torch.Tensor.cumsum, ("x",), {"axes": 1})
+
+
+def _numpy_names():
+    """Reductions and dim ops called with ``axis=`` on every layout, against dense: the
+    reductions planned a reduction over every dim for ``x.mean(axis=2, keepdim=True)`` and
+    computed another value (silently; ibert's layer norm), the others were refused."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    a = randn(4, 3, 6)
+    calls = {
+        "mean": lambda t: t.mean(axis=2, keepdim=True),
+        "sum": lambda t: torch.sum(t, axis=2, keepdims=True),
+        "amax": lambda t: t.amax(axis=-1),
+        "var": lambda t: t.var(axis=2, correction=0),
+        "std": lambda t: torch.std(t, axis=(1, 2)),
+        "cumsum": lambda t: torch.cumsum(t, axis=2),
+        "softmax": lambda t: torch.softmax(t, axis=2),
+        "argmax": lambda t: t.argmax(axis=2),
+        "cat": lambda t: torch.cat([t, t * 2], axis=2),
+        "sort": lambda t: t.sort(axis=2)[0],
+    }
+    for s in (P(), P("x"), P(None, None, "x")):
+        for name, f in calls.items():
+            grad_wrt = () if name == "argmax" else None
+            check(mesh, f, [a], [s], label=f"{name} {s}", grad_wrt=grad_wrt)
+    return True
+
+
+def test_numpy_names_match_dense(world2):
+    assert world2.run(_numpy_names) == [True, True]
+
+
 def _keyword_calls():
     mesh = fs.Mesh.create((2,), ("x",))
     x, w, b = randn(5, 6), randn(4, 6, seed=1), randn(4, seed=2)

@@ -344,3 +344,61 @@ def test_plan_first_made_under_grad_keeps_view_tracking(world2):
     and the plan was cached without view tracking: k stayed uninitialised memory (losses and
     gradients wrong, ranks disagreeing)."""
     assert world2.run(first_planned_under_grad) == [True, True]
+
+
+def masked_assign(t, m, v):
+    """``y[mask] = v`` on a value the code made (gemma3's ``ids[image_mask] = 0``), ``v`` the
+    same for every selected position (a number or a row) or one row per position; runs
+    unchanged on plain tensors (the oracle)."""
+    y = t * 2.0
+    y[m] = v
+    return y
+
+
+def plain_target(t):
+    """``pe[:, :k] = f(t)`` into a plain tensor the code made (pegasus_x's sinusoidal
+    positions, typed like the sharded embeddings)."""
+    pe = torch.zeros(t.shape, dtype=t.dtype)
+    pos = torch.arange(t.shape[0])[:, None].type_as(t)  # a replicated ShardedArray
+    pe[:, :2] = torch.sin(pos * torch.tensor([1.0, 0.5], dtype=t.dtype))
+    assert type(pe) is torch.Tensor
+    return t + pe
+
+
+def boolean_mask_cases():
+    mesh = _mesh()
+    a = randn(5, 4, dtype=torch.float64)
+    m = torch.tensor([True, False, True, True, False])
+    row = randn(4, seed=2, dtype=torch.float64)
+    n = 0
+    for s in (P(), P("x"), P(None, "x")):
+        for v in (0.5, row, row[None]):  # a number, a row, a row with a leading 1
+            for ms in (None, P("x")):  # a plain mask, a split one
+                mk = m if ms is None else fs.shard(m, mesh, ms)
+                vv = v if isinstance(v, float) else fs.shard(v, mesh, P())
+                got = masked_assign(fs.shard(a, mesh, s), mk, vv)
+                torch.testing.assert_close(fs.gather(got), masked_assign(a, m, v))
+                n += 1
+        # the gradients of x and of the row
+        x, r = fs.shard(a, mesh, s), fs.shard(row, mesh, P())
+        gx, gr = grad(lambda x_, r_: fs.gather(masked_assign(x_, m, r_).pow(2).sum()), (0, 1))(x, r)
+        dgx, dgr = grad(lambda x_, r_: masked_assign(x_, m, r_).pow(2).sum(), (0, 1))(a, row)
+        assert gx.layout == x.layout and gr.layout == r.layout
+        torch.testing.assert_close(fs.gather(gx), dgx)
+        torch.testing.assert_close(fs.gather(gr), dgr)
+        check(mesh, plain_target, [a], [s], label=f"plain target {s}")
+    # one row per selected position: exact on a replicated value; refused on a split one
+    rows = randn(3, 4, seed=3, dtype=torch.float64)
+    got = masked_assign(fs.shard(a, mesh, P()), m, fs.shard(rows, mesh, P()))
+    torch.testing.assert_close(fs.gather(got), masked_assign(a, m, rows))
+    with pytest.raises(ValueError, match="one row of v per selected position"):
+        masked_assign(fs.shard(a, mesh, P("x")), m, fs.shard(rows, mesh, P()))
+    return n
+
+
+def test_boolean_mask_assignment_and_plain_targets(world2):
+    """``x[mask] = v`` with ``v`` the same for every selected position is ``torch.where`` on
+    any layout (was refused: gemma3, t5gemma2, granite_speech); with one row per position it
+    runs on replicated values; ``t[key] = v`` into a plain tensor writes the replicated value
+    (was refused: "no sharding rule for torch.Tensor.__setitem__", pegasus_x)."""
+    assert world2.run(boolean_mask_cases) == [18, 18]

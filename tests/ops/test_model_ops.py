@@ -172,3 +172,66 @@ def loss_cases():
 
 def test_losses_global_means(world2):
     assert world2.run(loss_cases)[0] == 126
+
+
+def model_probes(t, inp):
+    """What transformers models read off a hidden state (issue 37's zoo): ``x.data`` (ibert),
+    ``x.real`` (fnet), ``h.requires_grad = True`` on a value made from an input (sew, sew-d);
+    runs unchanged on plain tensors (the oracle)."""
+    h = inp[:, None]
+    h.requires_grad = True
+    y = t * 2.0
+    return y * y.data + y.real + h[:, 0]
+
+
+def probe_cases():
+    mesh = _mesh()
+    a, inp = randn(5, 4, dtype=torch.float64), randn(5, 4, seed=1, dtype=torch.float64)
+    for s in LAYOUTS:
+        x = fs.shard(a, mesh, s)
+        assert not x.is_cuda and not x.is_nested and x.is_cpu and not x.is_meta  # siglip, kolibri1
+        assert x.data.layout == x.layout and not x.data.requires_grad
+        xin = fs.shard(inp, mesh, s)
+        torch.testing.assert_close(fs.gather(model_probes(x, xin)), model_probes(a, inp))
+        g = torch.func.grad(lambda t, i=xin: fs.gather(model_probes(t, i).sum()))(x)
+        want = torch.func.grad(lambda t: model_probes(t, inp).sum())(a)  # the zoo's dense loop
+        assert g.layout == x.layout
+        torch.testing.assert_close(fs.gather(g), want)
+        # a size given as a 0-d integer tensor (LED's torch.div(x.size(1), w, rounding_mode=...))
+        n = torch.div(torch.tensor(a.shape[1]), 2, rounding_mode="trunc")
+        torch.testing.assert_close(fs.gather(x.view(x.size(0), n, 2)), a.view(5, 2, 2))
+        m = fs.shard(n, mesh, P())
+        torch.testing.assert_close(fs.gather(x.reshape((5, m, 2))), a.reshape(5, 2, 2))
+    ids = fs.shard(torch.arange(4), mesh, P())
+    assert ids.tolist() == [0, 1, 2, 3]  # jetmoe
+    assert f"expert_{ids[2]}" == "expert_2" and f"{ids[3]:03d}" == "003"  # switch_transformers
+    try:
+        fs.shard(torch.arange(4), mesh, P("x")).tolist()
+    except TypeError as e:
+        assert "tolist()" in str(e)
+    else:
+        raise AssertionError("tolist() of a split value must be refused")
+    return True
+
+
+def test_attributes_models_probe(world2):
+    """Before: "no sharding rule for torch.Tensor.data / .real / .is_nested / .is_cuda /
+    .tolist", "ShardedArray is immutable: cannot set 'requires_grad'", and a view to a size
+    given as a tensor failed in the rule's meta call ("Tensor.item() cannot be called on meta
+    tensors")."""
+    assert world2.run(probe_cases) == [True, True]
+
+
+def weight_norm_cases():
+    """``torch._weight_norm`` (``nn.utils.weight_norm`` / the ``weight_norm``
+    parametrization: SEW's positional convolution) on replicated and split values: was "no
+    sharding rule for torch._weight_norm"."""
+    mesh = _mesh()
+    v, g = randn(6, 2, 5, dtype=torch.float64), randn(1, 1, 5, seed=1, dtype=torch.float64)
+    for s in LAYOUTS:
+        check(mesh, lambda v, g: torch._weight_norm(v, g, 2), [v, g], [s, P()], label=f"wn {s}")
+    return True
+
+
+def test_weight_norm(world2):
+    assert world2.run(weight_norm_cases) == [True, True]
