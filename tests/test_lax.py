@@ -484,8 +484,8 @@ def test_psum_pytree_buckets(world2):
     assert world2.run(psum_pytree_buckets) == [True, True]
 
 
-def bad_arguments():
-    mesh = fs.Mesh.create((2,), ("x",))
+def bad_arguments(mesh=None):
+    mesh = fs.Mesh.create((2,), ("x",)) if mesh is None else mesh
     x = torch.ones(4, 2)
     cases = [
         (lambda: lax.psum(x, "y", mesh=mesh), ValueError, "not an axis of the mesh"),
@@ -517,8 +517,14 @@ def bad_arguments():
     return lax.axis_index("x", mesh=mesh), lax.axis_size("x", mesh=mesh)
 
 
-def test_bad_arguments_fail_locally(world2):
-    assert world2.run(bad_arguments) == [(0, 2), (1, 2)]
+def test_bad_arguments_fail_locally():
+    """Each refusal comes before any collective, so each rank's is seen on a simulated mesh
+    (one process); the same cases on real ranks: test_collective_on_some_ranks_fails_not_hangs."""
+    abstract = fs.Mesh.abstract((2,), ("x",))
+    for r in (0, 1):
+        with fs.debug.comm_log() as log:
+            assert bad_arguments(abstract.simulate(r, backend="gloo")) == (r, 2)
+        assert log == [], log  # the simulated wire records what the real one sends: nothing
 
 
 def psum_on_rank0_only():
