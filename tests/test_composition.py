@@ -215,22 +215,7 @@ def _parallelize_worst(kind: str, degrees: dict) -> float:
     """``fs.parallel.parallelize`` of a tiny transformers model for ``degrees``: one
     fs.value_and_grad step against dense torch.func on the same weights (the worst difference
     of the loss and of every gradient, relative to its largest entry)."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2,
-        )  # fmt: skip
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.MixtralConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-        )  # fmt: skip
-        model = transformers.MixtralForCausalLM(cfg)
+    model = _hf_model(kind)
     dims = fs.parallel.ParallelDims(**degrees)
     params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
