@@ -62,10 +62,12 @@ ids are not packed and the mask has no padding, the path of an unpacked, unpadde
 batch) and counted in ``value_reads``; any other read raises ``ValueError``.
 
 **Estimate** (``hardware=``, :class:`Hardware`): a roofline per class, compute time =
-``max(flops / peak flops per dtype, bytes_accessed / mem_bw)``, communication time = the bytes
-each collective receives per rank (DESIGN §5's cost model: all_reduce 2(n-1)/n L, all_gather
-(n-1) L, reduce_scatter and all_to_all (n-1)/n L, ppermute L) over the bandwidth of its slowest
-axis. Reported both ways: ``serial`` (no overlap: compute + communication, an upper bound) and
+``max(flops / peak flops per dtype, bytes_accessed / mem_bw) + kernels * kernel_latency``,
+communication time = for each collective its axes' latency plus the bytes it receives per rank
+(DESIGN §5's cost model: all_reduce 2(n-1)/n L, all_gather (n-1) L, reduce_scatter and
+all_to_all (n-1)/n L, ppermute L) over the bandwidth of its slowest axis. The latency terms
+matter for small steps (many small kernels and collectives); on large accelerator steps the
+FLOP and byte terms dominate. Reported both ways: ``serial`` (no overlap: compute + communication, an upper bound) and
 ``overlapped`` (perfect overlap: the larger of the two, a lower bound).
 
 Example:
@@ -130,6 +132,12 @@ class Hardware:
         mem_bw: device memory bandwidth, bytes/s.
         axis_bw: bandwidth per mesh axis, bytes/s received per rank (within a node: NVLink;
             across nodes: the network); a collective over several axes goes at its slowest.
+        kernel_latency: seconds each kernel (each non-view op the step runs) costs beyond its
+            roofline: launch and dispatch (about 5e-6 for eager CUDA kernels; 0, the default, for
+            a captured graph; tens of microseconds for fshard's eager dispatch on a CPU).
+        axis_latency: seconds each collective over a mesh axis costs beyond its bytes (the
+            alpha of the alpha-beta model: a few microseconds within a node); a collective over
+            several axes pays the largest.
 
     Example:
         >>> h100 = fs.Hardware(memory=80 * 2**30, flops={torch.bfloat16: 989e12},
@@ -142,9 +150,11 @@ class Hardware:
     flops: Mapping[torch.dtype, float] = field(default_factory=dict)
     mem_bw: float | None = None
     axis_bw: Mapping[str, float] = field(default_factory=dict)
+    kernel_latency: float = 0.0
+    axis_latency: Mapping[str, float] = field(default_factory=dict)
 
     def __hash__(self):
-        return hash((self.memory, tuple(self.flops.items()), self.mem_bw))
+        return hash((self.memory, tuple(self.flops.items()), self.mem_bw, self.kernel_latency))
 
 
 class OutOfMemoryError(ValueError):
@@ -168,12 +178,14 @@ class OutOfMemoryError(ValueError):
 @dataclass(frozen=True)
 class Estimate:
     """A rank class's step time on :class:`Hardware` (seconds): ``compute`` (the roofline of
-    its ops), ``comm`` per mesh axes, ``serial`` (no overlap) and ``overlapped`` (perfect)."""
+    its ops plus ``launch``, the kernels' latency), ``comm`` per mesh axes (bytes over bandwidth
+    plus each collective's latency), ``serial`` (no overlap) and ``overlapped`` (perfect)."""
 
     compute: float
     comm: Mapping[tuple[str, ...], float]
     serial: float
     overlapped: float
+    launch: float = 0.0
 
 
 @dataclass
@@ -187,7 +199,8 @@ class RankClassReport:
         activations: bytes saved by the forward for the backward.
         peak: the most bytes live during the step; ``end``: live when it returned.
         collectives: the step's ``comm_log`` records, in order.
-        flops: FLOPs per dtype; ``bytes_accessed``: bytes read and written by the ops.
+        flops: FLOPs per dtype; ``bytes_accessed``: bytes read and written by the ops;
+            ``kernels``: how many non-view ops ran (each a kernel launch on a device).
         value_reads: boolean reads of meta values answered ``True`` (see the module docstring).
         estimate: the :class:`Estimate` when ``hardware=`` was given.
 
@@ -208,6 +221,7 @@ class RankClassReport:
     flops: dict[torch.dtype, int]
     bytes_accessed: int
     value_reads: int = 0
+    kernels: int = 0
     estimate: Estimate | None = None
 
     @property
@@ -240,6 +254,7 @@ class RankClassReport:
             tuple(self.collectives),
             tuple(sorted((str(k), v) for k, v in self.flops.items())),
             self.bytes_accessed,
+            self.kernels,
         )
 
 
@@ -302,6 +317,8 @@ class DryRunReport:
         if any(c.estimate is not None for c in self.classes):
             est = [c.estimate for c in self.classes]
             rows.append(("est. compute (s)", [_s(e and e.compute) for e in est]))
+            if any(e and e.launch for e in est):
+                rows.append(("  of which kernel latency (s)", [_s(e and e.launch) for e in est]))
             for axes in dict.fromkeys(a for e in est if e for a in e.comm):
                 rows.append((f"est. comm over {','.join(axes)} (s)", [_s(e and e.comm.get(axes)) for e in est]))  # fmt: skip
             rows.append(("est. step, no overlap (s)", [_s(e and e.serial) for e in est]))
@@ -348,6 +365,7 @@ class _Tracker(TorchDispatchMode):
         self.at_backward: int | None = None
         self.flops: Counter = Counter()
         self.bytes_accessed = 0
+        self.kernels = 0
         self.value_reads = 0
 
     def _free(self, n: int) -> None:
@@ -386,6 +404,7 @@ class _Tracker(TorchDispatchMode):
         if not _is_view(func) and packet not in _UNTOUCHED:
             ins = [a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             self.bytes_accessed += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+            self.kernels += 1
         return out
 
     def _read(self, t: torch.Tensor):
@@ -751,6 +770,7 @@ def _run_class(
         flops=dict(tracker.flops),
         bytes_accessed=tracker.bytes_accessed,
         value_reads=tracker.value_reads,
+        kernels=tracker.kernels,
     )
 
 
@@ -786,6 +806,8 @@ def estimate(c: RankClassReport, mesh: Mesh, hardware: Hardware) -> Estimate:
         compute += n / peak
     if hardware.mem_bw:
         compute = max(compute, c.bytes_accessed / hardware.mem_bw)
+    launch = c.kernels * hardware.kernel_latency
+    compute += launch
     comm: dict = {}
     for r in c.collectives:
         bw = [hardware.axis_bw.get(a) for a in r.axes]
@@ -796,9 +818,10 @@ def estimate(c: RankClassReport, mesh: Mesh, hardware: Hardware) -> Estimate:
                 f"gives no bandwidth for {missing} (given: {sorted(hardware.axis_bw)})"
             )
         n = mesh.size(r.axes)
-        comm[r.axes] = comm.get(r.axes, 0.0) + _TRAFFIC[r.op](n) * r.nbytes / min(bw)
+        alpha = max(hardware.axis_latency.get(a, 0.0) for a in r.axes)
+        comm[r.axes] = comm.get(r.axes, 0.0) + alpha + _TRAFFIC[r.op](n) * r.nbytes / min(bw)
     total = sum(comm.values())
-    return Estimate(compute, comm, compute + total, max(compute, total))
+    return Estimate(compute, comm, compute + total, max(compute, total), launch)
 
 
 def _check_memory(report: DryRunReport) -> None:

@@ -148,6 +148,28 @@ def test_roofline_estimate():
         fs.dry_run(step, init, mesh, hardware=fs.Hardware(flops={torch.float32: 1.0}))
 
 
+def test_roofline_latency_terms():
+    """Each kernel adds ``kernel_latency``, each collective its axis' ``axis_latency``."""
+    mesh = fs.Mesh.abstract((4,), ("dp",))
+
+    def init(m):
+        return (fs.shard(torch.empty(1024, device="meta"), m, fs.P("dp")),)
+
+    def step(x):
+        return fs.gather((x * 2 + 1).exp())  # 3 kernels (mul, add, exp), 1 all_gather
+
+    hw = fs.Hardware(flops={torch.float32: 1e12}, mem_bw=1e9, axis_bw={"dp": 1e6},
+                     kernel_latency=1e-3, axis_latency={"dp": 0.5})  # fmt: skip
+    report = fs.dry_run(step, init, mesh, hardware=hw)
+    (c,) = report.classes
+    assert c.kernels == 3
+    assert c.estimate.launch == pytest.approx(3e-3)
+    # the roofline of 3 ops on 256 floats: each reads and writes 1 KiB at 1 GB/s
+    assert c.estimate.compute == pytest.approx(3e-3 + 3 * 2 * 1024 / 1e9)
+    assert c.estimate.comm == {("dp",): pytest.approx(0.5 + 3 * 1024 / 1e6)}
+    assert "of which kernel latency" in str(report)
+
+
 def test_out_of_memory_names_the_class_and_the_excess():
     cfg = _cfg()
     dims = fs.parallel.ParallelDims(dp_shard=2)
