@@ -423,7 +423,9 @@ class _FusedAttention(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` on meta tensors as the fused (flash) kernel a device
     runs for a training batch, instead of meta's choice, the math path, which materialises the
     ``seq x seq`` scores (8 GiB per layer for 64 heads at 8192 tokens in bf16). Flash saves the
-    output and the log-sum-exp only; its FLOPs are the same formula."""
+    output and the log-sum-exp only; its FLOPs are the same formula. On sharded values the
+    op's rule calls attention on the local blocks: the mode is re-entered around it (a mode is
+    off while it handles a call), so the local call is the one priced as flash."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -431,6 +433,9 @@ class _FusedAttention(TorchFunctionMode):
             q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")])[:3]
             if all(type(t) is torch.Tensor and t.device.type == "meta" for t in (q, k, v)):
                 return _flash(q, k, v, *args[3:], **{n: x for n, x in kwargs.items() if n not in ("query", "key", "value")})  # fmt: skip
+            if any(isinstance(t, ShardedArray) for t in (q, k, v)):
+                with self:
+                    return ShardedArray.__torch_function__(func, types, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -170,6 +170,29 @@ def test_roofline_latency_terms():
     assert "of which kernel latency" in str(report)
 
 
+def test_sharded_attention_is_priced_as_flash():
+    """Attention on heads split over tp saves what flash saves for its local heads, as the same
+    call on the local blocks in one process: no seq x seq scores (the rule's local call used to
+    miss the fused pricing and count the math path's scores: 2 GiB per layer of a 70B model)."""
+    seq, heads, dim = 1024, 4, 16
+
+    def init(m):
+        def x():
+            return fs.shard(torch.empty(1, heads * m.size("tp") // 2, seq, dim, device="meta"), m, fs.P(None, "tp"))  # fmt: skip
+
+        return x(), x(), x()
+
+    def step(q, k, v):
+        attend = torch.nn.functional.scaled_dot_product_attention
+        return fs.grad(lambda q: attend(q, k, v, is_causal=True).sum())(q)
+
+    split = fs.dry_run(step, init, fs.Mesh.abstract((2,), ("tp",))).classes[0]
+    local = fs.dry_run(step, init, fs.Mesh.abstract((1,), ("tp",))).classes[0]
+    assert split.args == local.args  # the same local blocks: 2 heads
+    assert split.activations == local.activations
+    assert split.activations < (heads // 2) * seq * seq * 4  # less than one score matrix
+
+
 def test_out_of_memory_names_the_class_and_the_excess():
     cfg = _cfg()
     dims = fs.parallel.ParallelDims(dp_shard=2)
