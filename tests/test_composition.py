@@ -494,6 +494,59 @@ def test_pipelined_step_bytes_are_the_per_strategy_sums(world4):
         assert got == want
 
 
+def _dry_comm(degrees: dict, rows: int):
+    """``(comm_summary, flops, local param bytes)`` of one fs.value_and_grad step of
+    parallelize's loss on a transformers Llama, from fs.dry_run (exactly comm_log's records:
+    tests/test_dry_run.py), ``rows`` sequences in the batch."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    dims = fs.parallel.ParallelDims(**degrees)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+
+    def init(m):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg)
+        params, loss = fs.parallel.parallelize(model, m, dims)
+        return params, {"input_ids": torch.empty((rows, 16), dtype=torch.long, device="meta")}, loss  # fmt: skip
+
+    def step(params, batch, loss):
+        return fs.value_and_grad(loss)(params, batch)
+
+    (c,) = fs.dry_run(step, init, dims.abstract_mesh()).classes[:1]
+    return c.comm_summary(), c.flops, c.args["params"]
+
+
+def test_data_parallel_x_tp_costs_tp_what_tp_alone_costs():
+    """FSDP x TP and DDP x TP at the same rows per rank: the tp collectives and the FLOPs of TP
+    alone, and the data-parallel traffic FSDP's and DDP's own (before: the row-parallel outputs
+    were left pending under FSDP, so 31 tp all_reduces instead of 18 plus tp all_gathers and
+    reduce_scatters; DDP x TP all-gathered the batch and every replica computed all of it)."""
+    tp_comm, tp_flops, _ = _dry_comm({"tp": 2}, rows=2)
+    assert {axes for axes, _ in tp_comm} == {("tp",)}
+    for degrees in ({"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "tp": 2}):
+        comm, flops, param_bytes = _dry_comm(degrees, rows=4)
+        assert flops == tp_flops, degrees
+        assert {k: v for k, v in comm.items() if "tp" in k[0]} == tp_comm, degrees
+        dp = next(a for a in degrees if a.startswith("dp"))
+        data = {k: v for k, v in comm.items() if "tp" not in k[0]}
+        # the mean loss: one all_reduce of the loss and one of the token count over the batch
+        assert data.pop((("dp_replicate", "dp_shard", "ep"), "all_reduce")) == (2, 8)
+        if dp == "dp_replicate":  # DDP: each gradient reduced once, all in one step
+            assert data == {(("dp_replicate",), "all_reduce"): (1, param_bytes)}
+        else:  # FSDP per unit: gathered twice (forward, backward), reduce-scattered once (the
+            # input of a reduce_scatter is the gathered gradient: dp x the local bytes)
+            (n_gather, gathered), (n_scatter, scattered) = (
+                data.pop((("dp_shard",), "all_gather")),
+                data.pop((("dp_shard",), "reduce_scatter")),
+            )
+            assert data == {} and n_gather == 2 * n_scatter
+            assert gathered == 2 * param_bytes and scattered == 2 * param_bytes
+
+
 def test_parallel_dims_checks_its_arguments():
     with pytest.raises(ValueError, match="tp must be an int >= 1"):
         fs.parallel.ParallelDims(tp=0)

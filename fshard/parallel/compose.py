@@ -253,13 +253,18 @@ def parallelize(
         stages = stack_stages(named, mesh, prefix=parts.layers, plan=plan, virtual=dims.pp_virtual)
         params = {k: v for k, v in params.items() if not k.startswith(parts.layers + ".")}
         params[parts.layers] = stages
-    # 5: the call, innermost first: FSDP's gathers, inside the experts' dispatch
-    call: Callable = functools.partial(functional_call, mp_policy=mp_policy)
+    # 5: the call, innermost first: FSDP's gathers, inside the experts' dispatch. The plan's
+    # output layouts apply on every path (a row-parallel output reduced where it leaves its
+    # layer, as Megatron does, not left pending into the residual stream, where each later use
+    # reduces it again), the batch dim keeping its split (a replicated P() would gather it)
+    batch_outputs = {n: _with_batch(spec, 0, dims.batch_axes) for n, spec in outputs.items()}
+    call: Callable = functools.partial(functional_call, mp_policy=mp_policy, outputs=batch_outputs)
     if dims.dp_shard > 1:
         replicate = "dp_replicate" if dims.dp_replicate > 1 else None
         call = functools.partial(
-            fsdp_call, mesh=mesh, axis="dp_shard", replicate=replicate, mp_policy=mp_policy
-        )
+            fsdp_call, mesh=mesh, axis="dp_shard", replicate=replicate, mp_policy=mp_policy,
+            outputs=batch_outputs,
+        )  # fmt: skip
     if dims.ep > 1:
         call = functools.partial(_experts, call=call)
     if parts is not None:  # the pieces of the model, the layers as stages
