@@ -289,13 +289,13 @@ def _by_name(tree: dict, dims, layers: str = "model.layers") -> dict:
     return out
 
 
-def _parallelize_train(kind: str, degrees: dict) -> float:
+def _parallelize_train(kind: str, degrees: dict, **options) -> float:
     """3 AdamW steps of ``fs.parallel.parallelize``'s loss under fs.value_and_grad against
     dense torch.func on the same weights: the worst difference of the loss, of every gradient
     (relative to its largest entry) and of every parameter after the last step."""
     model = _hf_model(kind)
     dims = fs.parallel.ParallelDims(**degrees)
-    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, **options)
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     dense = {k: p.detach().clone() for k, p in model.named_parameters()}
 
@@ -327,15 +327,18 @@ def _parallelize_train(kind: str, degrees: dict) -> float:
 
 
 PIPELINED = [
-    ("llama", {"pp": 2, "dp_shard": 2}),
-    ("llama", {"pp": 2, "tp": 2, "pp_schedule": "zb", "pp_microbatches": 4}),
-    ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}),
-    ("llama", {"pp": 2, "cp": 2}),
+    ("llama", {"pp": 2, "dp_shard": 2}, {}),
+    ("llama", {"pp": 2, "tp": 2, "pp_schedule": "zb", "pp_microbatches": 4}, {}),
+    ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}, {}),
+    ("llama", {"pp": 2, "cp": 2}, {}),
+    # each layer under fs.remat: the recompute gathers (FSDP) and reduces (TP) again
+    ("llama", {"pp": 2, "dp_shard": 2}, {"remat": True}),
+    ("llama", {"pp": 2, "tp": 2}, {"remat": "collectives"}),
 ]
 
 
 def pipelined_rank_fn():
-    return [_parallelize_train(kind, degrees) for kind, degrees in PIPELINED]
+    return [_parallelize_train(kind, degrees, **options) for kind, degrees, options in PIPELINED]
 
 
 @pytest.mark.timeout(600)
@@ -345,8 +348,8 @@ def test_parallelize_pipelines_transformers_models(world4):
     gradient (in its param's layout) and every param equal to dense."""
     pytest.importorskip("transformers")
     for worsts in world4.run(pipelined_rank_fn):
-        for (kind, degrees), worst in zip(PIPELINED, worsts):
-            assert worst < 1e-4, (kind, degrees, worst)
+        for (kind, degrees, options), worst in zip(PIPELINED, worsts):
+            assert worst < 1e-4, (kind, degrees, options, worst)
 
 
 def pipelined_eight_rank_fn():
@@ -577,3 +580,8 @@ def test_parallelize_refuses_what_pp_does_not_compose():
         _pipeline_parts(moe, fs.parallel.ParallelDims(pp=2))
     with pytest.raises(ValueError, match="do not split into pp x pp_virtual = 4"):
         _pipeline_parts(_hf_model("llama"), fs.parallel.ParallelDims(pp=4))
+    dims = fs.parallel.ParallelDims(dp_shard=2, tp=2)
+    with pytest.raises(ValueError, match="with pp=1 the model runs in one call"):
+        fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
+    with pytest.raises(ValueError, match=r"remat must be True, False or a fs.remat policy"):
+        fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat="full")

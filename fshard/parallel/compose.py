@@ -62,6 +62,8 @@ from ..mesh import Mesh
 from ..module import functional_call, shard_params
 from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
+from ..remat import POLICIES as REMAT_POLICIES
+from ..remat import remat as remat_fn
 from ..spec import P
 from .context import _ATTENTION as _RING
 from .context import _attention_of, context_parallel_loss, load_balance
@@ -185,6 +187,7 @@ def parallelize(
     dims: ParallelDims,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
+    remat: bool | str = False,
 ) -> tuple[dict, Callable]:
     """Shard a transformers causal LM for ``dims`` on ``mesh`` and return ``(params, loss)``.
 
@@ -202,6 +205,12 @@ def parallelize(
         mesh: ``dims.mesh()`` (axes :data:`AXES`).
         dims: the degrees.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` for the params, or ``None``.
+        remat: activation checkpointing per decoder layer (torchtitan's full AC): ``True``
+            runs each layer of a stage under :func:`fshard.remat` (only its inputs saved; the
+            backward recomputes it, FSDP's gathers and TP's collectives included), or a
+            :func:`fshard.remat` policy name (``"collectives"``: the layer's collective outputs
+            saved too). Needs ``pp > 1`` for now (the layers run one by one there); ``False``:
+            none.
 
     Returns:
         ``(params, loss)``; with ``pp > 1`` the decoder layers' params are stacked under the
@@ -236,6 +245,17 @@ def parallelize(
         raise ValueError(
             f"parallelize: mesh must be dims.mesh() (axes {AXES}, shape {dims.shape}), got {mesh!r}"
         )
+    if not isinstance(remat, (bool, str)) or (isinstance(remat, str) and remat not in REMAT_POLICIES):
+        raise ValueError(
+            f"parallelize: remat must be True, False or a fs.remat policy {REMAT_POLICIES}, "
+            f"got {remat!r}"
+        )
+    if remat is not False and dims.pp == 1:
+        raise ValueError(
+            "parallelize: remat= checkpoints each decoder layer of the pipeline's stages; with "
+            "pp=1 the model runs in one call and per-layer remat is not composed yet (use pp > 1, "
+            "or fs.remat around your own per-layer loss)"
+        )
     parts = _pipeline_parts(model, dims) if dims.pp > 1 else None
     # 1-3: the plan, as data: tp, then ep, then FSDP over both
     plan: dict = {}
@@ -268,7 +288,8 @@ def parallelize(
     if dims.ep > 1:
         call = functools.partial(_experts, call=call)
     if parts is not None:  # the pieces of the model, the layers as stages
-        return params, _pipeline_loss(model, parts, mesh, dims, call, mp_policy, outputs)
+        policy = None if remat is True else remat  # False: no remat
+        return params, _pipeline_loss(model, parts, mesh, dims, call, mp_policy, outputs, policy)
     batch_axes = dims.batch_axes
 
     def loss(params: Mapping, batch: Mapping) -> torch.Tensor:
@@ -416,10 +437,14 @@ def _layer_kwargs(model: torch.nn.Module, parts: _Parts, positions: tuple, devic
     return {k: cast(v) for k, v in seen.items() if k != "hidden_states"}
 
 
-def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, mp_policy, outputs):
+def _pipeline_loss(
+    model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, mp_policy, outputs, remat=False
+):
     """The causal-LM loss with the decoder layers pipelined over ``pp``: the embedding before
     the pipeline (on every pp rank), each stage's layers, the norm, head and loss on the last
-    stage (:func:`pipeline`), every piece run by ``call`` with the plan's output layouts."""
+    stage (:func:`pipeline`), every piece run by ``call`` with the plan's output layouts;
+    each layer under :func:`fshard.remat` with ``remat`` (its policy, or ``None``) unless it
+    is ``False``."""
     layer_name = f"{parts.layers}.0"
     axes = dims.batch_axes
     pieces = {}
@@ -442,6 +467,12 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
         inner = {n: spec for n, spec in rel.items() if n}
         out = call(module, params, args, kwargs, outputs=inner)
         return reshard(out, rel[""]) if "" in rel and isinstance(out, ShardedArray) else out
+
+    def layer(params, x, kwargs):
+        return run("layer", params, (x,), kwargs)
+
+    if remat is not False:  # the call inside: the recompute gathers (FSDP) again
+        layer = remat_fn(layer, remat)
 
     m, axes = dims.microbatches, dims.batch_axes
     rows = m * math.prod(mesh.size(a) for a in axes)
@@ -506,7 +537,7 @@ def _pipeline_loss(model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, m
                 x, extra = x[..., : -2 * hd], x[..., -2 * hd :]
                 kwargs = {**kwargs, "position_embeddings": (extra[..., :hd], extra[..., hd:])}
             for i in range(next(iter(p.values())).shape[0]):
-                out = run("layer", {k: v[i] for k, v in p.items()}, (x,), kwargs)
+                out = layer({k: v[i] for k, v in p.items()}, x, kwargs)
                 x = out[0] if isinstance(out, tuple) else out
             return x if extra is None else torch.cat([x, extra], -1)
 
