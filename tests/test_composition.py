@@ -332,8 +332,8 @@ PIPELINED = [
     ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}, {}),
     ("llama", {"pp": 2, "cp": 2}, {}),
     # each layer under fs.remat: the recompute gathers (FSDP) and reduces (TP) again
-    ("llama", {"pp": 2, "dp_shard": 2}, {"remat": True}),
-    ("llama", {"pp": 2, "tp": 2}, {"remat": "collectives"}),
+    ("llama", {"pp": 2, "tp": 2}, {"remat": True}),
+    ("llama", {"pp": 2, "cp": 2}, {"remat": "collectives"}),
 ]
 
 
@@ -585,3 +585,6 @@ def test_parallelize_refuses_what_pp_does_not_compose():
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
     with pytest.raises(ValueError, match=r"remat must be True, False or a fs.remat policy"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat="full")
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # open: zero layer gradients
+    with pytest.raises(ValueError, match="remat= with dp_shard > 1 or ep > 1 is not composed"):
+        fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
