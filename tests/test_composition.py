@@ -585,6 +585,6 @@ def test_parallelize_refuses_what_pp_does_not_compose():
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
     with pytest.raises(ValueError, match=r"remat must be True, False or a fs.remat policy"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat="full")
-    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # open: zero layer gradients
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # open: wrong layer gradients
     with pytest.raises(ValueError, match="remat= with dp_shard > 1 or ep > 1 is not composed"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)

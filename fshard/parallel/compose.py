@@ -259,7 +259,7 @@ def parallelize(
     if remat is not False and (dims.dp_shard > 1 or dims.ep > 1):
         raise ValueError(
             "parallelize: remat= with dp_shard > 1 or ep > 1 is not composed yet: fs.remat of "
-            "a stage's layer run by fsdp_call gave zero gradients for the layers' params "
+            "a stage's layer run by fsdp_call gave wrong gradients for the layers' params "
             "(open; tp, cp and dp_replicate with pp are tested equal to dense; ep is untested)"
         )
     parts = _pipeline_parts(model, dims) if dims.pp > 1 else None
