@@ -11,7 +11,12 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
   autograd Function whose backward overlaps its transfers too (flash attention's backward per
   block against the merged log-sum-exp; a block's key/value gradient travels back round the
   ring, each step's sum put on the wire before the next block's gradients are computed), and
-  keeps the received blocks instead of each block's probabilities. Under other transforms
+  keeps the received blocks instead of each block's probabilities. There each block runs on
+  CPU's fused flash attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
+  which returns the rows' log-sum-exp; its backward kernel is called with the merged output and
+  log-sum-exp, as torch's ``_templated_ring_attention``), causal chunk pairs cut so the kernel's
+  ``is_causal`` skips the masked half; on other devices (CUDA: not wired, untested here) and
+  dtypes the blocks are matmuls. Under other transforms
   (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, and
   for an eager ``create_graph=True`` backward, the ring is differentiated op by op (each
   ppermute's transpose is the inverse rotation): every composition of the plain ops holds.
@@ -245,8 +250,9 @@ def _scores(q, k, scale: float, causal: bool, keys) -> torch.Tensor:
 def _block(q, k, v, scale: float, causal: bool, keys, fused: bool):
     """Attention of ``q`` (..., hkv, g, sq, d) on one key block (..., hkv, sk, d): the output
     and the rows' log-sum-exp (..., hkv, g, sq, 1). ``causal``: query ``i`` sees keys ``<= i``;
-    ``keys``: (..., sk) bool, the keys that are not padding. ``fused``: CPU's flash kernel (not differentiable
-    in the log-sum-exp: only inside :class:`_Ring`), else matmuls autograd differentiates."""
+    ``keys``: (..., sk) bool, the keys that are not padding. ``fused``: CPU's flash kernel
+    (not differentiable in the log-sum-exp: only inside :class:`_Ring`), else matmuls autograd
+    differentiates."""
     if fused:
         q4, k4, v4, mask = _as_bhsd(q, k, v, keys)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
