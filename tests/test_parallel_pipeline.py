@@ -472,13 +472,27 @@ def zb_weight_pass_rank_fn():
         return fs.gather(loss)
 
     counts = []
+    w0, w1 = w[0]
+    want_w = torch.tensor([[2 * w0 * w1**2, 2 * w1 * w0**2]]) * xs
     for schedule in ("1f1b", "zb"):
         _Probe.calls = 0
         gw, gx = torch.func.grad(run, (0, 1))(w, x, schedule)
         counts.append(_Probe.calls)
-        w0, w1 = w[0]
-        torch.testing.assert_close(gw, torch.tensor([[2 * w0 * w1**2, 2 * w1 * w0**2]]) * xs)
+        torch.testing.assert_close(gw, want_w)
         torch.testing.assert_close(gx, 2 * (w0 * w1) ** 2 * x / 4)
+    # a layer picked by an int index is a leaf (no select backward writing a zero stack per
+    # use); a slice still differentiates through the stack, and the two gradients add up
+    nodes = []
+
+    def stage(w, x):
+        nodes.append(w[0].grad_fn)
+        return w[0] * x * w[1:].sum()
+
+    for schedule in ("gpipe", "zb"):
+        loss = lambda w, s=schedule: fs.gather(pipeline(stage, w, x, mesh, schedule=s,  # noqa: E731
+                                                   loss_fn=lambda _, y, t: (y * y).sum()))  # fmt: skip
+        torch.testing.assert_close(torch.func.grad(loss)(w), want_w)
+    assert nodes == [None] * len(nodes) and nodes, nodes
     return counts
 
 
