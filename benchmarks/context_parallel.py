@@ -2,6 +2,7 @@
 (forward + backward) against the sequence length, cp=1 vs cp=2.
 
     python benchmarks/context_parallel.py [--seqs 1024 2048 4096] [--heads 4] [--dim 64] [--reps 5]
+        [--configs "sdpa cp=1" "ring cp=2" ...]
 
 Configurations, each in its own fresh rank processes (so one's memory is not in another's
 heap), one thread per rank, fp32, batch 1, load-balanced layout:
@@ -19,7 +20,10 @@ heap), one thread per rank, fp32, batch 1, load-balanced layout:
   dispatches on the CUDA flash / efficient / cudnn kernels, and the CPU flash kernel has no
   sharding rule).
 
-Step time: the median over ``--reps`` of the slowest rank's forward + backward. Peak memory: the
+Step time: the median over ``--reps`` of the slowest rank's forward + backward; CPU: the same
+step's process CPU time (``time.process_time``, the largest rank; all of a rank's threads, so
+less sensitive to other jobs on the machine than the step time). The last lines give the issue's
+ratio, ring cp=2 over sdpa cp=1, per sequence length, in step time and in CPU time. Peak memory: the
 growth of the process's peak resident set (``ru_maxrss``) from the inputs' creation to the end
 of the steps (the warm-up's one-time allocations included: Gloo's pair buffers, ~1 MiB), the
 largest rank; and the activations autograd saves for the backward (counted once per storage).
@@ -110,17 +114,23 @@ def rank_fn(name: str, seq: int, heads: int, dim: int, reps: int) -> dict:
         step()
     for t in leaves:
         t.grad = None
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         for t in leaves:
             t.grad = None
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    return {"time": statistics.median(times), "peak": peak, "saved": sum(saved.values())}
+    return {
+        "time": statistics.median(times),
+        "cpu": statistics.median(cpu),
+        "peak": peak,
+        "saved": sum(saved.values()),
+    }
 
 
 CONFIGS = (
@@ -139,31 +149,43 @@ def main(argv=None) -> dict:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--configs", nargs="+", default=[n for n, _ in CONFIGS], choices=[n for n, _ in CONFIGS]
+    )
     a = ap.parse_args(argv)
     out: dict = {}
     for seq in a.seqs:
         for name, ranks in CONFIGS:
+            if name not in a.configs:
+                continue
             with World(ranks, timeout=600) as world:
                 res = world.run(rank_fn, name, seq, a.heads, a.dim, a.reps)
             err = next((r["error"] for r in res if "error" in r), None)
             out[(name, seq)] = (
                 {"error": err}
                 if err
-                else {k: max(r[k] for r in res) for k in ("time", "peak", "saved")}
+                else {k: max(r[k] for r in res) for k in ("time", "cpu", "peak", "saved")}
             )
     print(
         f"causal attention fwd+bwd, batch 1, {a.heads} heads x {a.dim}, fp32, 1 thread/rank, "
         "Gloo (CPU); peak = ru_maxrss growth over the steps, saved = autograd's "
         "activations (largest rank)"
     )
-    print(f"{'config':24}{'seq':>7}{'step (s)':>10}{'peak MiB':>10}{'saved MiB':>11}")
+    print(f"{'config':24}{'seq':>7}{'step (s)':>10}{'CPU (s)':>9}{'peak MiB':>10}{'saved MiB':>11}")
     for (name, seq), r in out.items():
         if "error" in r:
             print(f"{name:24}{seq:>7}  not run: {r['error']}")
         else:
             print(
-                f"{name:24}{seq:>7}{r['time']:>10.3f}{r['peak'] / 2**20:>10.1f}"
+                f"{name:24}{seq:>7}{r['time']:>10.3f}{r['cpu']:>9.3f}{r['peak'] / 2**20:>10.1f}"
                 f"{r['saved'] / 2**20:>11.1f}"
+            )
+    for seq in a.seqs:
+        ring, sdpa = out.get(("ring cp=2", seq)), out.get(("sdpa cp=1", seq))
+        if ring and sdpa and "error" not in ring and "error" not in sdpa:
+            print(
+                f"seq {seq}: ring cp=2 / sdpa cp=1 = {ring['time'] / sdpa['time']:.2f}x step time, "
+                f"{ring['cpu'] / sdpa['cpu']:.2f}x CPU time (issue 36 item 7: at most 0.6x)"
             )
     return out
 

@@ -17,7 +17,9 @@ mark, ``ru_maxrss``, so nothing of another configuration is in it); *peak saved*
 bytes autograd held for the backward at once during one more step, counted by saved-tensor
 hooks per storage (the activations a schedule stashes, plus the weights the matmuls save, and
 for fshard the stage gradients its Function keeps for its backward); the step time is the
-median over ``--reps`` of the slowest rank's mean over ``--steps`` steps.
+median over ``--reps`` of the slowest rank's mean over ``--steps`` steps; *CPU ms* the same
+steps' process CPU time (``time.process_time``, all of a rank's threads; the larger rank's),
+which other jobs on a shared machine disturb less than the step time.
 """
 
 from __future__ import annotations
@@ -185,12 +187,13 @@ def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
         step = _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
     for _ in range(2):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step()
+        cpu.append((time.process_time() - c0) / steps)
         dt = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(float(dt))
@@ -198,7 +201,7 @@ def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
     saved = _Saved()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         step()
-    return statistics.median(times), peak / 1024, saved.peak / 2**20
+    return statistics.median(times), peak / 1024, saved.peak / 2**20, statistics.median(cpu)
 
 
 def main(argv=None):
@@ -222,15 +225,16 @@ def main(argv=None):
         finally:
             world.close()
         t = max(r[0] for r in res)
-        rows.append((name, t, [r[1] for r in res], [r[2] for r in res]))
+        cpu = max(r[3] for r in res)
+        rows.append((name, t, [r[1] for r in res], [r[2] for r in res], cpu))
         print(f"  done: {name}", file=sys.stderr)
     base = rows[0][1]
     print(f"pp=2 (2 Gloo ranks, CPU, 1 thread each): GPT layers={a.layers} d_model={a.dim} "
           f"ctx={a.ctx}, batch {a.batch} in {a.mb} microbatches")  # fmt: skip
-    print(f"{'schedule':26s} {'step ms':>9s} {'x torch GPipe':>14s} "
+    print(f"{'schedule':26s} {'step ms':>9s} {'x torch GPipe':>14s} {'CPU ms':>8s} "
           f"{'peak RSS MiB (r0, r1)':>24s} {'peak saved MiB (r0, r1)':>24s}")  # fmt: skip
-    for name, t, peak, saved in rows:
-        print(f"{name:26s} {t * 1e3:9.1f} {t / base:14.2f} "
+    for name, t, peak, saved, cpu in rows:
+        print(f"{name:26s} {t * 1e3:9.1f} {t / base:14.2f} {cpu * 1e3:8.1f} "
               f"{peak[0]:11.0f} {peak[1]:11.0f} {saved[0]:11.2f} {saved[1]:11.2f}")  # fmt: skip
     for name, (sched, v) in {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1),
                              "interleaved": ("interleaved", 2), "zb": ("zb", 1)}.items():  # fmt: skip

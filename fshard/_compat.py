@@ -17,7 +17,6 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :data:`TRACES_TUPLE_HASH` | dynamo hashes tuples: a ``shard_map`` body compiles | it cannot: ``shard_map`` under ``torch.compile`` is refused, naming torch 2.13 |
 | :data:`TRACES_ATTRIBUTE_DELETE` | dynamo traces deleting a module attribute it saw set | it cannot: ``functional_call`` rebinds ``forward`` under dynamo |
 | :func:`nccl_reduces_float8` | NCCL 2.24+: float8 reductions | older NCCL: float8 moves only |
-| :func:`split_backward` | (2.13+) ``torch.distributed.pipelining._backward``'s input / weight passes (private) | 2.11-2.12: ``None`` (there its weight pass gave other weight gradients: ZB-H1's losses off by 5e-4 after one step); ZB-H1's weight pass re-runs the backward |
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
 | :func:`trace_matmul_operator` | (2.14+) dynamo traces ``a @ b`` of a Python class through its ``__matmul__``; ``a @ tensor`` (2.11-2.14) is traced as ``tensor @ a``: fixed | 2.11-2.13 cannot ("builtin operator matmul"): 2.14's handler is installed for ShardedArray operands when dynamo is imported |
 | :func:`trace_torch_function_in_tuples` | (2.11-2.14.1, every version so far) dynamo looks for ``__torch_function__`` inside list and dict arguments, not tuples: ``torch.cat((a, b))`` of ShardedArrays breaks the graph (eager looks inside both) | the same; its argument flattening gains tuples when dynamo is imported |
@@ -33,7 +32,6 @@ import collections
 import functools
 import importlib.abc
 import importlib.util
-import inspect
 import operator
 import sys
 import types
@@ -70,28 +68,6 @@ def funcol():
     from torch.distributed import _functional_collectives
 
     return _functional_collectives
-
-
-@functools.cache
-def split_backward():
-    """torch.distributed.pipelining's private split backward, ``(stage_backward_input,
-    stage_backward_weight, grad_acc)``, where its signature is the one
-    ``fshard/parallel/pipeline.py`` calls (``retain_graph=`` on the weight pass), else None.
-    Imported on first use (torch.distributed.pipelining takes seconds to import). Not on
-    torch 2.11-2.12, where the same signature gave other weight gradients (the suite's ZB-H1
-    GPT test, 5e-4 off after one step)."""
-    if TORCH_VERSION < (2, 13):
-        return None
-    try:
-        from torch.distributed.pipelining import _backward
-    except ImportError:  # pragma: no cover (a torch without pipelining)
-        return None
-    fns = ("stage_backward_input", "stage_backward_weight", "_get_grad_fn_or_grad_acc")
-    if not all(hasattr(_backward, f) for f in fns):
-        return None
-    if "retain_graph" not in inspect.signature(_backward.stage_backward_weight).parameters:
-        return None
-    return tuple(getattr(_backward, f) for f in fns)
 
 
 def funcol_all_gather(x: torch.Tensor, group) -> torch.Tensor:

@@ -320,6 +320,91 @@ def test_ring_attention_backward_overlaps_its_transfers(world2):
     assert world2.run(overlap_rank_fn) == [True, True]
 
 
+def fused_rank_fn():
+    """Differentiated once in reverse mode, ring attention's blocks run on CPU's fused flash
+    attention kernels (issue 36 item 7): one forward call per tile (a diagonal chunk pair cut
+    into its unmasked keys and the causal square), one backward call per tile, against the
+    merged out and log-sum-exp; under vmap the ring is differentiated op by op (no fused call).
+    Gradients equal dense sdpa's."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    q, k, v, keep = _qkv()
+    local = [C.load_balance(t, 2).chunk(2, -2)[mesh.rank] for t in (q, k, v)]
+    m = C.load_balance(keep, 2, -1).chunk(2, -1)[mesh.rank]
+    fwd = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+    def attend(q, k, v, mask=m):
+        return C.ring_attention(q, k, v, "cp", causal=True, padding_mask=mask, mesh=mesh)
+
+    def calls(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = fn()
+        names = [e.name for e in prof.events()]
+        return result, names.count(fwd), names.count(fwd + "_backward")
+
+    # balanced causal cp=2: step 0 the causal square, the second chunk's unmasked key chunk and
+    # its causal square; step 1 one unmasked half block
+    tiles = sum(len(t) for _, t in C._ring_tiles(2, mesh.rank, True, True))
+    assert tiles == 4
+    leaves = [t.clone().requires_grad_() for t in local]
+    _, f, b = calls(lambda: _objective(attend(*leaves)).backward())
+    assert (f, b) == (tiles, tiles), (f, b)
+    grads, f, b = calls(
+        lambda: torch.func.grad(lambda *a: _objective(attend(*a)), (0, 1, 2))(*local)
+    )
+    assert (f, b) == (tiles, tiles), (f, b)
+    _, f, b = calls(lambda: torch.func.vmap(attend)(*(t[:, None] for t in (*local, m))))
+    assert (f, b) == (0, 0), (f, b)
+    full = [t.requires_grad_() for t in (q, k, v)]
+    _objective(_dense(*full, keep, True, True)).backward()
+    for got in ([t.grad for t in leaves], grads):
+        for name, g, t in zip("qkv", got, full):
+            want = C.load_balance(t.grad, 2).chunk(2, -2)[mesh.rank]
+            _close(g, want, f"fused ring: grad {name}")
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_ring_attention_runs_fused_kernels(world2):
+    assert world2.run(fused_rank_fn) == [True, True]
+
+
+def padded_chunks_rank_fn():
+    """Whole chunks of padding: a block (or the causal square) where some rows see no key.
+    Values, gradients (``.backward()``: the fused kernels; ``vmap(grad)``: op by op) and an
+    eager second derivative equal dense sdpa's, with no nan (``logaddexp``'s second derivative
+    is nan where one side is a masked row's lowest finite log-sum-exp)."""
+    mesh = fs.Mesh.create((2,), ("cp",))
+    q, k, v, keep = _qkv()
+    keep[-1, 4:] = False  # chunk 0 real, chunks 1-3 padding
+    for causal, balanced in ((True, True), (False, True)):
+        what = f"causal={causal} balanced={balanced}"
+        attention = _sharded("ring", 2, causal, True, balanced, mesh)
+        second = []
+        sdpa = torch.nn.attention
+        for fn in (attention, lambda q, k, v, m, c=causal: _dense(q, k, v, m, c, True)):
+            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+            with sdpa.sdpa_kernel(sdpa.SDPBackend.MATH):  # twice differentiable
+                o = fn(*xs, keep)
+            gs = torch.autograd.grad(_objective(o), xs, create_graph=True)
+            (sum((g**2).sum() for g in gs)).backward()
+            second.append((o, gs, [t.grad for t in xs]))
+        (o, gs, gg), (do, dgs, dgg) = second
+        _close(o, do, f"{what}: value")
+        for name, a, b in zip("qkv", (*gs, *gg), (*dgs, *dgg)):
+            assert not a.isnan().any(), (what, name)
+            _close(a, b, f"{what}: {name}")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        _objective(attention(*leaves, keep)).backward()
+        for name, t, g in zip("qkv", leaves, dgs):
+            _close(t.grad, g, f"{what}: .backward() grad {name}")
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_ring_attention_whole_chunks_of_padding(world2):
+    assert world2.run(padded_chunks_rank_fn) == [True, True]
+
+
 def errors_rank_fn(mesh=None):
     mesh = fs.Mesh.create((2,), ("cp",)) if mesh is None else mesh
     q, k, v, keep = _qkv(h=3, hkv=3)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import schedules as tsched
 
 import fshard as fs
-from fshard import _compat
 from fshard.parallel import (
     Action,
     pipeline,
@@ -421,15 +420,6 @@ def transforms_rank_fn():
     for stage in (remat, mapped):
         for schedule in ("1f1b", "zb"):
             assert torch.allclose(torch.func.grad(run)(w, schedule, stage), want_g)
-    # ZB-H1 without torch's split backward (W runs the backward from the output again)
-    split, _compat.split_backward = _compat.split_backward, lambda: None
-    try:
-        assert torch.allclose(torch.func.grad(run)(w, "zb"), want_g)
-        leaf = w.clone().requires_grad_()
-        run(leaf, "zb").backward()
-        assert torch.allclose(leaf.grad, want_g)
-    finally:
-        _compat.split_backward = split
     refused = []
     for f in (
         lambda: torch.func.grad(lambda w: torch.func.grad(run)(w).sum())(w),
@@ -446,6 +436,69 @@ def transforms_rank_fn():
 @pytest.mark.timeout(300)
 def test_transforms_compose_or_refuse(world2):
     assert world2.run(transforms_rank_fn) == [[True] * 4] * 2
+
+
+class _Probe(torch.autograd.Function):
+    """The identity, counting its backward calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        _Probe.calls += 1
+        return g
+
+
+def zb_weight_pass_rank_fn():
+    """ZB-H1's W computes the weight gradients alone: a stage using one stacked weight in two
+    layers (``w[1] * probe(w[0] * x)``) runs the probe's backward once per microbatch, as
+    1F1B does (torch.distributed.pipelining's split, grouping by the shared weight, ran the
+    stage's whole backward again in W: twice); gradients equal the closed form."""
+    mesh = fs.Mesh.create((1,), ("pp",))
+    w, x = torch.tensor([[2.0, 3.0]]), torch.arange(4.0).reshape(4, 1)
+    xs = (x**2).mean()
+
+    def run(w, x, schedule):
+        loss = pipeline(lambda w, x: w[1] * _Probe.apply(w[0] * x), w, x, mesh,
+                        loss_fn=lambda _, y, t: (y * y).sum(), schedule=schedule)  # fmt: skip
+        return fs.gather(loss)
+
+    counts = []
+    w0, w1 = w[0]
+    want_w = torch.tensor([[2 * w0 * w1**2, 2 * w1 * w0**2]]) * xs
+    for schedule in ("1f1b", "zb"):
+        _Probe.calls = 0
+        gw, gx = torch.func.grad(run, (0, 1))(w, x, schedule)
+        counts.append(_Probe.calls)
+        torch.testing.assert_close(gw, want_w)
+        torch.testing.assert_close(gx, 2 * (w0 * w1) ** 2 * x / 4)
+    # a layer picked by an int index is a leaf (no select backward writing a zero stack per
+    # use); a slice still differentiates through the stack, and the two gradients add up
+    nodes = []
+
+    def stage(w, x):
+        nodes.append(w[0].grad_fn)
+        return w[0] * x * w[1:].sum()
+
+    for schedule in ("gpipe", "zb"):
+        loss = lambda w, s=schedule: fs.gather(pipeline(stage, w, x, mesh, schedule=s,  # noqa: E731
+                                                   loss_fn=lambda _, y, t: (y * y).sum()))  # fmt: skip
+        torch.testing.assert_close(torch.func.grad(loss)(w), want_w)
+    assert nodes == [None] * len(nodes) and nodes, nodes
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_zb_weight_pass_does_not_rerun_the_backward(world1):
+    assert world1.run(zb_weight_pass_rank_fn) == [[4, 4]]
 
 
 def one_rank_fn():

@@ -11,7 +11,12 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
   autograd Function whose backward overlaps its transfers too (flash attention's backward per
   block against the merged log-sum-exp; a block's key/value gradient travels back round the
   ring, each step's sum put on the wire before the next block's gradients are computed), and
-  keeps the received blocks instead of each block's probabilities. Under other transforms
+  keeps the received blocks instead of each block's probabilities. There each block runs on
+  CPU's fused flash attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
+  which returns the rows' log-sum-exp; its backward kernel is called with the merged output and
+  log-sum-exp, as torch's ``_templated_ring_attention``), causal chunk pairs cut so the kernel's
+  ``is_causal`` skips the masked half; on other devices (CUDA: not wired, untested here) and
+  dtypes the blocks are matmuls. Under other transforms
   (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, and
   for an eager ``create_graph=True`` backward, the ring is differentiated op by op (each
   ppermute's transpose is the inverse rotation): every composition of the plain ops holds.
@@ -168,34 +173,108 @@ def _ring_plan(cp: int, index: int, causal: bool, balanced: bool) -> tuple:
     return tuple(steps)
 
 
-def _causal_mask(qchunks: tuple, kchunks: tuple, c: int, device: torch.device) -> torch.Tensor:
-    """``[query, key]`` True where the key's global position is at or before the query's.
-    Built per call, not cached: a tensor made under a torch.func level or a fake mode would be
-    that level's."""
+class _Tile(NamedTuple):
+    """One kernel call of a ring step: query pieces ``q0:q1`` against key pieces ``k0:k1`` of
+    the block held; ``causal``: the two are the same chunk (a square, masked top-left)."""
 
-    def positions(chunks):
-        return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in chunks])
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
 
-    return positions(qchunks)[:, None] >= positions(kchunks)[None, :]
+
+@functools.cache
+def _ring_tiles(cp: int, index: int, causal: bool, balanced: bool) -> tuple:
+    """:func:`_ring_plan` as kernel calls: per ring step ``(src, tiles)``. A diagonal group (one
+    query chunk against key chunks up to itself) is cut into its unmasked keys and the causal
+    square, so the fused kernel's ``is_causal`` skips the square's upper half."""
+    steps = []
+    for src, groups in _ring_plan(cp, index, causal, balanced):
+        tiles = []
+        for g in groups:
+            if not g.diagonal:
+                tiles.append(_Tile(g.q0, g.q1, g.k0, g.k1, False))
+                continue
+            assert g.q1 - g.q0 == 1 and g.kchunks[-1] == g.qchunks[0], g
+            if g.k1 - 1 > g.k0:
+                tiles.append(_Tile(g.q0, g.q1, g.k0, g.k1 - 1, False))
+            tiles.append(_Tile(g.q0, g.q1, g.k1 - 1, g.k1, True))
+        steps.append((src, tuple(tiles)))
+    return tuple(steps)
 
 
-def _block(q, k, v, scale: float, mask):
-    """Attention of ``q`` (..., hkv, g, sq, d) on one key block (..., hkv, 1, sk, d): the
-    output and the rows' log-sum-exp. Masked scores are the dtype's lowest finite value, not
-    -inf, so a row with no key in this block weighs zero in the merge without a nan."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a block runs on CPU's fused flash attention kernel (which returns the rows'
+    log-sum-exp, with a backward taking it). Elsewhere (CUDA included: its flash / efficient
+    kernels are not wired here, as nothing here could test them) the block is plain matmuls."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+def _tile_keys(call: _RingCall, tile: _Tile, src: int, keep) -> torch.Tensor | None:
+    """The gathered padding mask's keys of ``tile`` on the block of rank ``src``."""
+    if keep is None:
+        return None
+    s_loc = call.c * (2 if call.balanced else 1)
+    return keep[..., src * s_loc + tile.k0 * call.c : src * s_loc + tile.k1 * call.c]
+
+
+def _as_bhsd(q, k, v, keys):
+    """The fused kernels' operands: ``(batch, heads, seq, dim)`` (the leading dims flattened;
+    grouped-query k/v as they are: the kernels take fewer key heads) and the padding mask as an
+    additive score bias ``(batch, 1, 1, keys)``: the dtype's lowest finite value where a key is
+    padding, not -inf, so a row with no key in a block weighs zero in the merge without a nan
+    (its log-sum-exp is finite, far below any real row's)."""
+    h = q.shape[-4] * q.shape[-3]
+    q4 = q.reshape(-1, h, *q.shape[-2:])
+    k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (k, v))
+    bias = None
+    if keys is not None:
+        bias = torch.zeros(keys.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~keys, torch.finfo(q.dtype).min).reshape(-1, 1, 1, keys.shape[-1])
+    return q4, k4, v4, bias
+
+
+def _scores(q, k, scale: float, causal: bool, keys) -> torch.Tensor:
+    """The matmul blocks' masked scores: masked entries the dtype's lowest finite value (not
+    -inf: see :func:`_as_bhsd`)."""
+    s = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale
+    if keys is not None:
+        s = s.masked_fill(~keys[..., None, None, None, :], torch.finfo(s.dtype).min)
+    if causal:
+        tril = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~tril, torch.finfo(s.dtype).min)
+    return s
+
+
+def _block(q, k, v, scale: float, causal: bool, keys, fused: bool):
+    """Attention of ``q`` (..., hkv, g, sq, d) on one key block (..., hkv, sk, d): the output
+    and the rows' log-sum-exp (..., hkv, g, sq, 1). ``causal``: query ``i`` sees keys ``<= i``;
+    ``keys``: (..., sk) bool, the keys that are not padding. ``fused``: CPU's flash kernel
+    (not differentiable in the log-sum-exp: only inside :class:`_Ring`), else matmuls autograd
+    differentiates."""
+    if fused:
+        q4, k4, v4, mask = _as_bhsd(q, k, v, keys)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        return out.reshape(q.shape), lse.reshape(*q.shape[:-1], 1)
+    s = _scores(q, k, scale, causal, keys)
     lse = torch.logsumexp(s, -1, keepdim=True)
-    return torch.matmul(torch.exp(s - lse), v), lse
+    return torch.matmul(torch.exp(s - lse), v.unsqueeze(-3)), lse
 
 
 def _merge(acc, new):
+    """Two blocks' ``(out, lse)`` merged by log-sum-exp. Written around the rows' max (not
+    ``logaddexp``, whose second derivative is nan where one side is a fully masked row's
+    lowest finite value); the max cancels out of the value, so it is held constant."""
     if acc is None:
         return new
     (oa, la), (ob, lb) = acc, new
-    lse = torch.logaddexp(la, lb)
-    return oa * torch.exp(la - lse) + ob * torch.exp(lb - lse), lse
+    m = torch.maximum(la, lb).detach()
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    z = wa + wb
+    return (oa * wa + ob * wb) / z, m + torch.log(z)
 
 
 def _check_qkv(fn: str, q, k, v) -> tuple[int, int]:
@@ -354,43 +433,34 @@ def _paused(tracker):
         tracker.paused -= 1
 
 
-def _mask(call: _RingCall, group: _Group, src: int, keep, device) -> torch.Tensor | None:
-    """The mask of ``group`` on the block of rank ``src``: causal on a diagonal, the gathered
-    padding mask's keys; ``None``: nothing masked."""
-    c, s_loc = call.c, call.c * (2 if call.balanced else 1)
-    mask = _causal_mask(group.qchunks, group.kchunks, c, device) if group.diagonal else None
-    if keep is not None:
-        kmask = keep[..., src * s_loc + group.k0 * c : src * s_loc + group.k1 * c]
-        kmask = kmask[..., None, None, None, :]
-        mask = kmask if mask is None else mask & kmask
-    return mask
-
-
-def _ring_forward(call: _RingCall, qg, kv, keep) -> tuple:
+def _ring_forward(call: _RingCall, qg, kv, keep, fused: bool = False) -> tuple:
     """The ring: ``(out, lse, blocks)``, the output ``(..., hkv, group, seq/cp, head_dim)`` and
     its rows' log-sum-exp in the accumulation dtype, and the key/value blocks received (ring
-    steps ``1..cp-1``). Differentiable by autograd (each ppermute's transpose) or run as
-    :class:`_Ring`'s forward."""
+    steps ``1..cp-1``). Differentiable by autograd (each ppermute's transpose) with
+    ``fused=False``; run as :class:`_Ring`'s forward with ``fused`` (the blocks on the fused
+    kernel where :func:`_fused`)."""
     cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
     ring = [(r, (r + 1) % cp) for r in range(cp)]
     acc = [None] * pieces
     blocks = []
-    plan = _ring_plan(cp, call.index, call.causal, call.balanced)
-    for t, (src, groups) in enumerate(plan):
+    fused = fused and _fused(qg)
+    for t, (src, tiles) in enumerate(_ring_tiles(cp, call.index, call.causal, call.balanced)):
         pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
-        kt, vt = kv.to(qg.dtype).unsqueeze(-3).unbind(0)
-        for g in groups:
+        kt, vt = kv.to(qg.dtype).unbind(0)
+        for tile in tiles:
             out, lse = _block(
-                qg[..., g.q0 * c : g.q1 * c, :],
-                kt[..., g.k0 * c : g.k1 * c, :],
-                vt[..., g.k0 * c : g.k1 * c, :],
+                qg[..., tile.q0 * c : tile.q1 * c, :],
+                kt[..., tile.k0 * c : tile.k1 * c, :],
+                vt[..., tile.k0 * c : tile.k1 * c, :],
                 call.scale,
-                _mask(call, g, src, keep, qg.device),
+                tile.causal,
+                _tile_keys(call, tile, src, keep),
+                fused,
             )
-            for p in range(g.q0, g.q1):
-                rows = slice((p - g.q0) * c, (p - g.q0 + 1) * c)
+            for p in range(tile.q0, tile.q1):
+                rows = slice((p - tile.q0) * c, (p - tile.q0 + 1) * c)
                 acc[p] = _merge(acc[p], (out[..., rows, :], lse[..., rows, :]))
-        if not groups:
+        if not tiles:
             # no query here attends this block (contiguous causal layout), yet its ppermute must
             # be in this rank's graph: the backward runs the same collectives on every rank
             o0, l0 = acc[0]
@@ -401,17 +471,33 @@ def _ring_forward(call: _RingCall, qg, kv, keep) -> tuple:
     return torch.cat([o for o, _ in acc], -2), torch.cat([lse for _, lse in acc], -2), blocks
 
 
-def _block_grads(q, k, v, scale: float, mask, lse, delta, do):
-    """The backward of :func:`_block` against the *merged* rows' ``lse`` (flash attention's:
-    ``p = exp(s - lse)``, ``ds = p (do v^T - delta)``, ``delta`` the rows' ``do . out``):
-    ``(dq, dk, dv)``, ``dk`` and ``dv`` summed over the query heads sharing a key head."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+def _block_grads(q, k, v, scale: float, causal: bool, keys, out, lse, do, fused: bool):
+    """The backward of :func:`_block` against the *merged* rows' ``out`` and ``lse`` (flash
+    attention's: ``p = exp(s - lse)``, ``ds = p (do v^T - delta)``, ``delta`` the rows'
+    ``do . out``): ``(dq, dk, dv)``, ``dk`` and ``dv`` summed over the query heads sharing a
+    key head. ``fused``: CPU's flash attention backward kernel."""
+    if fused:
+        q4, k4, v4, mask = _as_bhsd(q, k, v, keys)
+        h, sq = q4.shape[1], q4.shape[2]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.reshape(q4.shape),
+            q4,
+            k4,
+            v4,
+            out.reshape(q4.shape),
+            lse.reshape(-1, h, sq),
+            0.0,
+            causal,
+            attn_mask=mask,
+            scale=scale,
+        )
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    s = _scores(q, k, scale, causal, keys)
     p = torch.exp(s - lse)
+    delta = (do * out).sum(-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), do).sum(-3)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta)
-    dq = torch.matmul(ds, k) * scale
+    ds = p * (torch.matmul(do, v.unsqueeze(-3).transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, k.unsqueeze(-3)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q).sum(-3) * scale
     return dq, dk, dv
 
@@ -429,32 +515,34 @@ def _ring_backward(call: _RingCall, qg, kv, keep, out, lse, blocks, dout) -> tup
     cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
     back = [(r, (r - 1) % cp) for r in range(cp)]
     dout = dout.to(out.dtype)
-    delta = (dout * out).sum(-1, keepdim=True)
+    fused = _fused(qg)
     dq = [None] * pieces
     pending = dkv = None
-    plan = _ring_plan(cp, call.index, call.causal, call.balanced)
+    plan = _ring_tiles(cp, call.index, call.causal, call.balanced)
     for t in reversed(range(cp)):
-        src, groups = plan[t]
-        kt, vt = (kv if t == 0 else blocks[t - 1]).to(qg.dtype).unsqueeze(-3).unbind(0)
+        src, tiles = plan[t]
+        kt, vt = (kv if t == 0 else blocks[t - 1]).to(qg.dtype).unbind(0)
         dk, dv = [None] * pieces, [None] * pieces
-        for g in groups:
-            rows, cols = slice(g.q0 * c, g.q1 * c), slice(g.k0 * c, g.k1 * c)
+        for tile in tiles:
+            rows, cols = slice(tile.q0 * c, tile.q1 * c), slice(tile.k0 * c, tile.k1 * c)
             gq, gk, gv = _block_grads(
                 qg[..., rows, :],
                 kt[..., cols, :],
                 vt[..., cols, :],
                 call.scale,
-                _mask(call, g, src, keep, qg.device),
+                tile.causal,
+                _tile_keys(call, tile, src, keep),
+                out[..., rows, :],
                 lse[..., rows, :],
-                delta[..., rows, :],
                 dout[..., rows, :],
+                fused,
             )
-            for p in range(g.q0, g.q1):
-                dq[p] = _add(dq[p], gq[..., (p - g.q0) * c : (p - g.q0 + 1) * c, :])
-            for j in range(g.k0, g.k1):
-                piece = slice((j - g.k0) * c, (j - g.k0 + 1) * c)
+            for p in range(tile.q0, tile.q1):
+                dq[p] = _add(dq[p], gq[..., (p - tile.q0) * c : (p - tile.q0 + 1) * c, :])
+            for j in range(tile.k0, tile.k1):
+                piece = slice((j - tile.k0) * c, (j - tile.k0 + 1) * c)
                 dk[j], dv[j] = _add(dk[j], gk[..., piece, :]), _add(dv[j], gv[..., piece, :])
-        zero = torch.zeros_like(kt[..., :c, :].squeeze(-3))
+        zero = torch.zeros_like(kt[..., :c, :])
         dkv = torch.stack(
             [torch.cat([zero if d is None else d for d in ds], -2) for ds in (dk, dv)]
         )
@@ -477,7 +565,7 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(call, qg, kv, keep):
-        out, lse, blocks = _ring_forward(call, qg, kv, keep)
+        out, lse, blocks = _ring_forward(call, qg, kv, keep, fused=True)
         return (out, lse, *blocks)
 
     @staticmethod

@@ -31,10 +31,10 @@ Design decisions (issue 22 item 2):
   other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
   backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
   order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
-  weight gradient (W) and defers W into the bubbles: B keeps the cotangents of the
-  intermediates that feed the weights and W starts from them (torch.distributed.pipelining's
-  split backward, imported on first use; where its private API differs, W runs the backward
-  from the output again, the graph kept until then: the same numbers, more compute). The Function's
+  weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
+  keeping the cotangents that reach the nodes where the graph branches off to the weights, and
+  W runs those nodes for their weight edges and the weight-only graph below them (no node of B
+  twice, however often a stage uses one stacked weight). The Function's
   backward returns those gradients times the incoming cotangent. GPipe runs through the same
   executor (all F, then all B), so every schedule gives the same numbers.
 * **Ticks.** One action (F, B or W) per rank and tick; the bubble fraction is a rank's idle
@@ -81,7 +81,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import _compat, axis_env, consistency, lax
+from .. import axis_env, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute
@@ -480,6 +480,40 @@ def _leaf_tensor(t: torch.Tensor, need: bool) -> torch.Tensor:
     return t.requires_grad_() if need else t
 
 
+class _Stacked(torch.Tensor):
+    """A stage's weight leaf, its layers stacked on dim 0, whose integer index (``w[i]``, the
+    usual way a stage picks its layer) is a leaf of its own: autograd's select backward would
+    write each use's gradient into a zero tensor of the whole stack and add that (a fill and
+    an add of the stack per layer, microbatch and weight: 15-20% of a CPU step). Any other use
+    accumulates into the stack's ``.grad`` as before; :meth:`fold` adds the rows' in."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def of(t: torch.Tensor) -> torch.Tensor:
+        """``t`` (detached) as a grad-requiring stack whose rows are leaves."""
+        stack = torch.Tensor._make_subclass(_Stacked, t.detach(), True)
+        stack.rows = [t[i].detach().requires_grad_() for i in range(t.shape[0])]
+        return stack
+
+    def __getitem__(self, index):
+        if type(index) is int and -len(self.rows) <= index < len(self.rows):
+            return self.rows[index]
+        return super().__getitem__(index)
+
+    def fold(self) -> None:
+        """The rows' gradients into the stack's ``.grad`` (the rows' then cleared)."""
+        grads = [r.grad for r in self.rows]
+        if all(g is None for g in grads):
+            return
+        rows = torch.stack(
+            [torch.zeros_like(r) if g is None else g for r, g in zip(self.rows, grads)]
+        )
+        self.grad = rows if self.grad is None else self.grad + rows
+        for r in self.rows:
+            r.grad = None
+
+
 class _Run:
     """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
 
@@ -504,7 +538,9 @@ class _Run:
         chunks = []
         for j in range(v):
             leaves = [
-                meta.wrap(_leaf_tensor(t[j], need_p))
+                _Stacked.of(t[j])
+                if need_p and meta.layout is None and t.dim() > 1
+                else meta.wrap(_leaf_tensor(t[j], need_p))
                 for meta, t in zip(p_meta, params, strict=True)
             ]
             chunks.append((leaves, optree.tree_unflatten(p_def, leaves)))
@@ -527,6 +563,7 @@ class _Run:
             """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``): its
             weights and their pcasts' stand-ins."""
             ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
+            ws += [r for w in ws if isinstance(w, _Stacked) for r in w.rows]
             ws += [_block(lf) for lf in lp_leaves] if s == last and need_lp else []
             return ws + sync.stand_ins(ws)
 
@@ -572,6 +609,10 @@ class _Run:
                 self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox)
+        for c in chunks:
+            for lf in c[0]:
+                if isinstance(lf, _Stacked):
+                    lf.fold()
         if grad_on:  # once per step, whatever the microbatch count
             for t, g in zip(own, sync.finish([t.grad for t in own])):
                 t.grad = g
@@ -609,33 +650,94 @@ class _Run:
             inbox[dests[r]] = got
 
 
+def _weight_cut(root, source, targets: set) -> dict:
+    """Where the backward graph from ``root`` leaves the input gradient's part: ``{node: [k,
+    ...]}``, the nodes on a path to ``source`` (the input's gradient accumulator) and the
+    indices of their next edges that lead to a node in ``targets`` (the weights' accumulators)
+    but not to ``source``. Everything below such an edge is weight-only. ``None`` where
+    ``root`` does not reach ``source``."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:  # post-order: a node after everything below it
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in seen)
+    to_source, to_weights = {}, {}
+    for node in order:
+        below = [n for n, _ in node.next_functions if n is not None]
+        to_source[node] = node is source or any(to_source[n] for n in below)
+        to_weights[node] = node in targets or any(to_weights[n] for n in below)
+    if not to_source[root]:
+        return None
+    cut = {}
+    for node in order:
+        if to_source[node]:
+            ks = [
+                k
+                for k, (n, _) in enumerate(node.next_functions)
+                if n is not None and not to_source[n] and to_weights[n]
+            ]
+            if ks:
+                cut[node] = ks
+    return cut
+
+
 def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     """ZB-H1's B: the input gradient (into ``ins[0].grad``) now; returns W, which adds the
-    weights' gradients (into their ``.grad``). With torch.distributed.pipelining's split
-    backward (:func:`fshard._compat.split_backward`) B keeps the cotangents of the
-    intermediates that feed the weights and W starts from those; a weight they miss (e.g. no
-    input gradient wanted), or without it, W runs the backward from the output again, keeping
-    the graph until then."""
-    split = _compat.split_backward()
-    if split is None or not ins:
-        if ins:
-            torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
-        return lambda: torch.autograd.backward(out, ct, inputs=weights)
-    backward_input, backward_weight, grad_acc = split
-    with torch.enable_grad():  # (it finds the weights' grad accumulators through views)
-        # a copy (not a view): backward_input detaches what it is given in place
-        _, groups = backward_input([out.clone()], [ct], ins, iter(weights))
-        covered = set().union(*(g["params"] for g in groups)) if groups else set()
-        rest = [w for w in weights if grad_acc(w) not in covered]
+    weights' gradients (into their ``.grad``). B runs the backward to the input only, keeping
+    the cotangents that arrive at the nodes where the graph branches off to the weights
+    (:func:`_weight_cut`); W runs each such node for its weight edges alone, then the
+    weight-only graph below from those edges: the weight gradients' work, none of B's again
+    (a stage indexing one stacked leaf per layer reaches the same weight from every layer, so
+    torch.distributed.pipelining's split, which groups by shared weights, reran the stage's
+    whole backward in W). Without an input gradient wanted, W is the whole backward."""
+    weights = [w for w in weights if w.requires_grad]
+    edge = torch.autograd.graph.get_gradient_edge
+    cut = None
+    if ins and out.grad_fn is not None:
+        cut = _weight_cut(out.grad_fn, edge(ins[0]).node, {edge(w).node for w in weights})
+    if cut is None:
+        return lambda: torch.autograd.backward(out, ct, inputs=weights) if weights else None
+    held: dict = {}
+
+    def hold(node, grads):
+        held[node] = grads
+
+    hooks = [node.register_prehook(functools.partial(hold, node)) for node in cut]
+    try:
+        torch.autograd.backward(out, ct, inputs=ins, retain_graph=bool(cut))
+    finally:
+        for h in hooks:
+            h.remove()
 
     def weight_pass():
-        # retain_graph: the groups share nodes (each group's pass would free the others'); the
-        # graph goes with the last reference to ``out`` and the groups, after this pass
-        with torch.enable_grad():
-            if groups:
-                backward_weight(iter(weights), groups, retain_graph=True)
-            if rest:
-                torch.autograd.backward(out, ct, inputs=rest)
+        GradientEdge = torch.autograd.graph.GradientEdge
+        seeds: dict = {}
+        for node, ks in cut.items():
+            roots = [
+                (GradientEdge(node, i), g)
+                for i, g in enumerate(held.pop(node, ()))
+                if g is not None
+            ]
+            if not roots:
+                continue
+            below = [GradientEdge(*node.next_functions[k]) for k in ks]
+            grads = torch.autograd.grad(
+                [e for e, _ in roots], below, [g for _, g in roots], allow_unused=True
+            )
+            for e, g in zip(below, grads):
+                if g is not None:
+                    key = (e.node, e.output_nr)
+                    seeds[key] = g if key not in seeds else seeds[key] + g
+        if seeds:
+            torch.autograd.backward(
+                [GradientEdge(*k) for k in seeds], list(seeds.values()), inputs=weights
+            )
 
     return weight_pass
 
