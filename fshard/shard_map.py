@@ -363,7 +363,10 @@ def _auto_mesh(mesh: Mesh, names: tuple[str, ...]) -> Mesh:
         return hit[1]
     ranks = _member_ranks(mesh, names, mesh.rank)
     shape = tuple(mesh.size(a) for a in names)
-    sub = Mesh(shape, names, ranks, mesh.device_type, mesh.device_mesh[names])
+    if mesh._simulated is not None:  # a dry run's rank: its sub-mesh is simulated alike
+        sub = Mesh(shape, names, ranks, mesh.device_type, None, mesh._simulated)
+    else:
+        sub = Mesh(shape, names, ranks, mesh.device_type, mesh.device_mesh[names])
     for k in range(len(names) + 1):
         for axes in itertools.permutations(names, k):
             sub._groups[axes] = mesh.group(axes)

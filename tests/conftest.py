@@ -34,8 +34,6 @@ if _ROOT not in sys.path:
 STARTS_PROCESSES = {
     "tests/ops/test_autocast.py::test_op_rules_match_dense_autocast",
     "tests/test_compat.py::test_suite_slice_on_simulated_oldest_torch",
-    "tests/test_composition.py::test_parallelize_fsdp_tp_pp_on_eight_ranks",
-    "tests/test_composition.py::test_three_strategies_on_eight_ranks",
     "tests/test_consistency_default.py::test_default_agreeing_ranks_pass_across_periodic_exchanges",
     "tests/test_consistency_default.py::test_default_catches_a_disagreement_mid_run_at_the_next_boundary",
     "tests/test_consistency_default.py::test_default_catches_a_late_disagreement_at_the_next_due_step",
@@ -66,10 +64,9 @@ STARTS_PROCESSES = {
     "tests/test_mistakes.py::test_mistake_under_launch",
     "tests/test_mistakes.py::test_mistakes_under_torchrun",
     "tests/test_public_api.py::test_launch_examples_run_here",
-    "tests/test_train_gpt.py::test_dp_tp_sp_cp_on_eight_ranks",
     "tests/test_train_gpt.py::test_pipeline_training_matches_dense",
 }
-_WORLDS = {"world1", "world2", "world4"}
+_WORLDS = {"world1", "world2", "world4", "world8"}
 
 
 #: Packages the suite tests against, whose absence makes tests skip locally
@@ -142,8 +139,8 @@ def _no_process_in_one_process_lane(request, monkeypatch):
     yield
 
 
-def _world(n: int):
-    world = World(n, timeout=120)  # workers start on the first run
+def _world(n: int, start_timeout: float = 120):
+    world = World(n, timeout=start_timeout)  # workers start on the first run
     yield world
     world.close()
 
@@ -161,3 +158,10 @@ def world2():
 @pytest.fixture(scope="session")
 def world4():
     yield from _world(4)
+
+
+@pytest.fixture(scope="session")
+def world8():
+    """8 ranks on the 2 cores, for the few tests of every axis at once: started once (8 processes
+    importing torch), not once per test; a longer start-up bound for the oversubscription."""
+    yield from _world(8, start_timeout=600)

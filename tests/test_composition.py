@@ -104,11 +104,11 @@ def eight_rank_fn():
 
 
 @pytest.mark.timeout(900)
-def test_three_strategies_on_eight_ranks(references):
+def test_three_strategies_on_eight_ranks(world8, references):
     """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations) on 8 local
-    ranks, in one launch: 3 steps like dense."""
+    ranks, in one run: 3 steps like dense."""
     ref_losses, ref_snaps = references["dense"]
-    for flags, out in zip(EIGHT, fs.launch.run(eight_rank_fn, 8, timeout=900)[0]):
+    for flags, out in zip(EIGHT, world8.run(eight_rank_fn, timeout=900)[0]):
         params = _named(out["params"])
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-4), flags
         for k, want in ref_snaps[-1].items():
@@ -357,13 +357,13 @@ def pipelined_eight_rank_fn():
 
 
 @pytest.mark.timeout(900)
-def test_parallelize_fsdp_tp_pp_on_eight_ranks():
+def test_parallelize_fsdp_tp_pp_on_eight_ranks(world8):
     """FSDP x TP x PP through fs.parallel.parallelize on a transformers Llama, 8 local ranks:
     3 AdamW steps equal to dense (fsdp_plan drops the TP plan's output layouts: without
     them a stage's row-parallel output met the residual while pending and the earlier
     stage's gradients came out wrong)."""
     pytest.importorskip("transformers")
-    for worst in fs.launch.run(pipelined_eight_rank_fn, 8, timeout=900):
+    for worst in world8.run(pipelined_eight_rank_fn, timeout=900):
         assert worst < 1e-4, worst
 
 
@@ -448,14 +448,15 @@ def test_composed_step_bytes_are_the_per_strategy_sums(world4):
         assert worst < 1e-5
 
 
-def pp_tp_bytes_rank_fn():
+def pp_tp_bytes_rank_fn(mesh=None):
     """PP (GPipe, 2 microbatches, one block per stage) x Megatron TP on the MLP stack: this
     rank's collectives, and the formulas' (docs/parallelism.md): per microbatch one
     ppermute over pp each way (the sender records the activation / cotangent bytes, the
     receiver 0), the stage's TP collectives (a row layer's output forward, a column layer's
     input gradient backward where the input is differentiated: the first stage's is the
-    data), and the loss's float32 all_reduce over pp."""
-    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    data), and the loss's float32 all_reduce over pp. ``mesh``: a simulated one (default: the
+    world's)."""
+    mesh = mesh or fs.Mesh.create((2, 2), ("pp", "tp"))
     model = _mlp_stack()
     for block in model:  # no biases: a row layer's bias gradient is the stage's business
         block[0].bias = block[2].bias = None
@@ -548,6 +549,17 @@ def test_data_parallel_x_tp_costs_tp_what_tp_alone_costs():
             )
             assert data == {} and n_gather == 2 * n_scatter
             assert gathered == 2 * param_bytes and scattered == 2 * param_bytes
+
+
+def test_pipelined_step_bytes_on_a_simulated_mesh_are_the_real_ones():
+    """The same step on each rank of the abstract mesh (Mesh.simulate, what fs.dry_run runs):
+    the records are the formulas' too, as on the real ranks above. The pipeline's body runs on
+    the sub-mesh of its non-pp axes, which a simulated mesh lacked (TypeError: 'NoneType'
+    object is not subscriptable, from shard_map's partial-manual mesh)."""
+    for rank in range(4):
+        mesh = fs.Mesh.abstract((2, 2), ("pp", "tp")).simulate(rank, backend="gloo")
+        got, want = pp_tp_bytes_rank_fn(mesh)
+        assert got == want, rank
 
 
 def test_parallel_dims_checks_its_arguments():

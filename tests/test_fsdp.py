@@ -374,12 +374,13 @@ def test_hsdp_matches_dense(world4, dense, traced):
                 assert len([a for a, _ in reduced if a == ("rep",)]) == 1  # one bucket
 
 
-def test_hsdp_replicate_is_checked(world1):
-    world1.run(_hsdp_errors)
+def test_hsdp_replicate_is_checked():
+    """Argument checks, raised before any collective: on an abstract mesh seen from one rank
+    (Mesh.simulate), in this process."""
+    _hsdp_errors(fs.Mesh.abstract((1, 1), ("rep", "shard")).simulate(0))
 
 
-def _hsdp_errors():
-    mesh = fs.Mesh.create((1, 1), ("rep", "shard"))
+def _hsdp_errors(mesh):
     model, _ = _setup()
     params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh, "shard"))
     x = torch.ones(2, D, dtype=torch.float64)

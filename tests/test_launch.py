@@ -386,9 +386,11 @@ def test_nested_launch_is_refused(world1):
         world1.run(nested_launch)
 
 
-def test_unpicklable_fn_is_refused(world1):
-    with pytest.raises(TypeError, match="module level"):
-        world1.run(lambda: 0)
+def test_unpicklable_fn_is_refused():
+    """Refused in the driver before any worker starts (a World starts them on its first run;
+    the one-process lane fails a test that starts one)."""
+    with World(1) as world, pytest.raises(TypeError, match="module level"):
+        world.run(lambda: 0)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "2", 1.5, True, None])

@@ -291,10 +291,10 @@ def test_cp_training_matches_dense(world2, dense):
 
 
 @pytest.mark.timeout(900)
-def test_dp_tp_sp_cp_on_eight_ranks(dense):
+def test_dp_tp_sp_cp_on_eight_ranks(world8, dense):
     """Every axis at once on 8 local ranks (issue 23 item 4): dp=2 x cp=2 x tp=2 with sequence
     parallelism, 3 steps of the example's step equal to dense."""
-    _check_context(fs.launch.run(context_rank_fn, 8, ((1, 2, 1, 2, 2), True), timeout=900), dense)
+    _check_context(world8.run(context_rank_fn, (1, 2, 1, 2, 2), True, timeout=900), dense)
 
 
 def test_parse_args_validation():
