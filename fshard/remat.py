@@ -343,18 +343,21 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         again = tuple(h for h in lax.active_handlers() if h.recompute)
         out_vma: list = []  # the varying axes of the outputs, as fn computed them
         inputs = [leaves[i] for i in where] + extra
-        # The varying axes of the inputs, as the body's tracker sees them here: the backward's
+        # The varying axes of the inputs as the forward got them (the body's tracker aligns
+        # the operands of remat's Function: an invariant one is pcast there). The backward's
         # recompute gets other tensor objects (the saved inputs, wrapped by its vjp), which the
         # tracker has never seen, so they are tagged again; untagged, an input varying over a
         # manual axis would read as invariant there and be pcast (a nested shard_map's inputs,
         # a collective's operand): its cotangent summed over that axis, a wrong gradient.
-        in_vma = [tracker.vma(t) for t in inputs] if tracker is not None else []
+        in_vma: list = []
 
         def run(*tensors):
             # Aliases: in the backward's recompute the inputs are the leaves of its vjp, yet
             # intermediates of the caller's graph; an alias is no leaf, so a partial input
             # gets the invariant cotangent of a pending sum (the Claim a partial leaf needs
             # was applied where the caller passed it, by _claimed), not a leaf's addends.
+            if tracker is not None and run.first:
+                in_vma[:] = [tracker.vma(t) for t in tensors]
             tensors = tuple(t.view_as(t) for t in tensors)
             filled = list(leaves)
             for i, t in zip(where, tensors):
@@ -368,7 +371,7 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                 if again and not set(map(id, again)) <= set(map(id, lax.active_handlers())):
                     stack.enter_context(lax.handling(*again))
                 for t, axes in zip(tensors, in_vma):
-                    if axes and tracker.vma(t) != axes:
+                    if axes:
                         tracker.tag(t, axes)
                 if slots:
                     stack.enter_context(_swapped(slots, tensors[len(where) :]))
