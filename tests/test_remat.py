@@ -389,3 +389,52 @@ def _remat_in_a_partial_manual_body():
 
 def test_remat_in_a_partial_manual_shard_map(world4):
     assert world4.run(_remat_in_a_partial_manual_body) == [True] * 4
+
+
+def _remat_blocks_in_pipeline_stages():
+    """Issue 36: two fs.remat blocks per pipeline stage (pp x tp), the second block's input the
+    first's pending residual (was: every gradient wrong, as outside the pipeline)."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    C, R = _gen(21, 2, 4, 6), _gen(22, 2, 6, 4) * 0.5  # (stage, ...) column / row parallel
+    X, T = _gen(23, 2, 3, 4), _gen(24, 2, 3, 4)  # 2 microbatches
+
+    def block(x, col, row):
+        return x + F.gelu(x @ col) @ row
+
+    def stage(p, x):
+        for _ in range(2):
+            x = fs.remat(block)(x, p["col"], p["row"])
+        return x
+
+    def head(_, y, t):
+        return (torch.tanh(y) ** 2 * t).sum()
+
+    def loss(params, x):
+        targets = fs.shard(T, mesh, P())
+        out = fs.parallel.pipeline(stage, params, x, mesh, loss_fn=head, targets=targets)
+        return fs.gather(out)
+
+    def dense(C, R, X):
+        total = 0
+        for mb in range(2):
+            y = X[mb]
+            for s in range(2):
+                for _ in range(2):
+                    y = block(y, C[s], R[s])
+            total = total + head(None, y, T[mb])
+        return total / 2
+
+    params = {
+        "col": fs.shard(C, mesh, P("pp", None, "tp")),
+        "row": fs.shard(R, mesh, P("pp", "tp")),
+    }
+    got = fs.grad(loss, argnums=(0, 1))(params, fs.shard(X, mesh, P()))
+    want = grad(dense, argnums=(0, 1, 2))(C, R, X)
+    _close(fs.gather(got[0]["col"]), want[0], "col")
+    _close(fs.gather(got[0]["row"]), want[1], "row")
+    _close(fs.gather(got[1]), want[2], "x")
+    return True
+
+
+def test_remat_blocks_in_pipeline_stages(world4):
+    assert world4.run(_remat_blocks_in_pipeline_stages) == [True] * 4
