@@ -11,9 +11,13 @@ works where ``torch.utils.checkpoint`` cannot (its saved-tensor hooks are refuse
 
 The inputs and outputs are pytrees of tensors and :class:`~fshard.ShardedArray` values (their
 local blocks are what is saved; layouts travel as static data). Inside a ``shard_map`` body the
-recompute runs in the body's axis environment again, so ``fs.lax`` collectives and the
-varying-axes bookkeeping (``pcast`` where an invariant value meets a varying one) are those of
-the forward.
+recompute runs in the body's axis environment again (its mesh, its varying-axes tracker, and in
+a partial-manual body the tracking of its global-view ops), with its inputs' varying axes as the
+forward saw them, so ``fs.lax`` collectives and the varying-axes bookkeeping (``pcast`` where
+an invariant value meets a varying one) are those of the forward. Inside the recompute every
+input is an intermediate of the caller's graph: an input that is a pending sum (a residual
+added to a row-parallel output before its all-reduce) gets the invariant cotangent of a pending
+sum, as without ``remat``; a partial *leaf* is claimed where it enters ``remat``.
 
 Example:
     >>> def block(x, w):
