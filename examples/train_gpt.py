@@ -430,8 +430,9 @@ EMB, HEAD = ("tok.weight", "pos.weight"), ("ln_f.weight", "ln_f.bias", "head.wei
 def _blockwise(params, model, ids, positions=None, *, fsdp=False, dtype=None):
     """The logits of :func:`pieces` on flat params, every block under ``fs.remat``, each
     row-parallel output all-reduced where it leaves its layer (the plan's ``fs.nn.Output``
-    entries, as the whole module's call applies them: a block's input gradient through a
-    residual added to a still pending sum came out wrong under ``fs.remat``)."""
+    entries, as the whole module's call applies them: the same collectives as without
+    ``--remat``). Not needed for the gradients: ``fs.remat`` of a block whose input is a pending
+    sum (the residual stream before its all-reduce) is exact too (issue 36)."""
     rows = fs.P(data_axes(next(iter(params.values())).mesh))  # the batch keeps its split
     outputs = {"attn.proj": rows} | ({} if model.cfg.n_experts else {"mlp.fc2": rows})
     embed, blocks, logits = pieces(model, fsdp=fsdp, remat=True, dtype=dtype, outputs=outputs)
@@ -947,12 +948,6 @@ def parse_args(argv=None) -> dict:
             )
         if a.ctx % (2 * a.cp):
             raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
-    if a.remat and a.cp > 1 and a.pp == 1:
-        raise SystemExit(
-            "--remat with --cp runs in the pipeline's stages (add --pp): outside it fs.remat of "
-            "a block inside the cp shard_map gives wrong gradients with --tp > 1 or --fsdp "
-            "(issue 36)"
-        )
     if a.remat and a.sp and a.pp == 1:
         raise SystemExit(
             "--remat with --sp runs in the pipeline's stages only (--pp): outside it each "

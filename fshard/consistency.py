@@ -89,10 +89,16 @@ class ConsistencyError(RuntimeError):
 class _Running:
     """This rank's running digest of one process group (default mode)."""
 
-    __slots__ = ("axes", "ranks", "digest", "seq", "exchanged", "history")
+    __slots__ = ("axes", "ranks", "kind", "digest", "seq", "exchanged", "history")
 
     def __init__(self, g: AxisGroup):
         self.axes, self.ranks = g.axes, frozenset(g.ranks)
+        # Its kind: the axes and the members' offsets from the lowest, which sibling groups of
+        # one mesh share and groups of two meshes over the same axis names need not (the dp
+        # groups of a ("dp", "tp") and of a ("tp", "dp") mesh). Kind and lowest rank name one
+        # member set: its slot in the sub-group exchange (_slot).
+        low = min(self.ranks)
+        self.kind = (self.axes, tuple(sorted(r - low for r in self.ranks)))
         self.digest, self.seq, self.exchanged = 0, 0, False
         self.history: list = []  # (seq, description, site) since the last exchange
 
@@ -326,7 +332,7 @@ def _check_running(
     states = sorted(states, key=_Running.key)
     whole = frozenset(g.ranks)
     subs = [r for r in states if r.ranks != whole]
-    kinds = sorted({(r.axes, len(r.ranks)) for r in subs})
+    kinds = sorted({r.kind for r in subs})
     total = _fold(h, _cached_hash(tuple(kinds)))
     for r in states:
         if r.ranks == whole:
@@ -351,7 +357,7 @@ _ABSENT = -(1 << 63)  # a slot this rank is not a member of (below every digest 
 def _slot(g: AxisGroup, kinds: list, r: _Running) -> int:
     """The word pair of sub-group ``r`` in the exchange over ``g``: by its kind and its
     lowest rank's position in ``g`` (the same on every member, distinct for its siblings)."""
-    return kinds.index((r.axes, len(r.ranks))) * g.size + g.ranks.index(min(r.ranks))
+    return kinds.index(r.kind) * g.size + g.ranks.index(min(r.ranks))
 
 
 def _check_subgroups(g: AxisGroup, what: str, subs: list, kinds: list, fields: dict, device):

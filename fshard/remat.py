@@ -11,9 +11,13 @@ works where ``torch.utils.checkpoint`` cannot (its saved-tensor hooks are refuse
 
 The inputs and outputs are pytrees of tensors and :class:`~fshard.ShardedArray` values (their
 local blocks are what is saved; layouts travel as static data). Inside a ``shard_map`` body the
-recompute runs in the body's axis environment again, so ``fs.lax`` collectives and the
-varying-axes bookkeeping (``pcast`` where an invariant value meets a varying one) are those of
-the forward.
+recompute runs in the body's axis environment again (its mesh, its varying-axes tracker, and in
+a partial-manual body the tracking of its global-view ops), with its inputs' varying axes as the
+forward saw them, so ``fs.lax`` collectives and the varying-axes bookkeeping (``pcast`` where
+an invariant value meets a varying one) are those of the forward. Inside the recompute every
+input is an intermediate of the caller's graph: an input that is a pending sum (a residual
+added to a row-parallel output before its all-reduce) gets the invariant cotangent of a pending
+sum, as without ``remat``; a partial *leaf* is claimed where it enters ``remat``.
 
 Example:
     >>> def block(x, w):
@@ -35,7 +39,9 @@ import optree
 import torch
 
 from . import axis_env, lax
+from .array import ShardedArray, is_sharded
 from .collectives import AllGather, AllToAll, Ppermute, Psum, PsumScatter
+from .executor import claimed_local
 
 __all__ = ["remat"]
 
@@ -324,10 +330,12 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                 f"remat: pass fn's inputs positionally (they are what is saved); got keyword "
                 f"arguments {sorted(kwargs)}"
             )
+        differentiated = torch.is_grad_enabled()
+        if differentiated:
+            args = _claimed(args)
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
         where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         # fn's closed-over differentiable tensors: extra inputs, swapped in where fn reads them
-        differentiated = torch.is_grad_enabled()
         slots = _captured(fn) if differentiated else []
         extra = [t for slot in slots for t in slot.tensors]
         out_def: list = []  # the output structure, set by each run (the same every time)
@@ -338,18 +346,37 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         tracker = env[1] if env is not None else None
         again = tuple(h for h in lax.active_handlers() if h.recompute)
         out_vma: list = []  # the varying axes of the outputs, as fn computed them
+        inputs = [leaves[i] for i in where] + extra
+        # The varying axes of the inputs as the forward got them (the body's tracker aligns
+        # the operands of remat's Function: an invariant one is pcast there). The backward's
+        # recompute gets other tensor objects (the saved inputs, wrapped by its vjp), which the
+        # tracker has never seen, so they are tagged again; untagged, an input varying over a
+        # manual axis would read as invariant there and be pcast (a nested shard_map's inputs,
+        # a collective's operand): its cotangent summed over that axis, a wrong gradient.
+        in_vma: list = []
 
         def run(*tensors):
+            # Aliases: in the backward's recompute the inputs are the leaves of its vjp, yet
+            # intermediates of the caller's graph; an alias is no leaf, so a partial input
+            # gets the invariant cotangent of a pending sum (the Claim a partial leaf needs
+            # was applied where the caller passed it, by _claimed), not a leaf's addends.
+            if tracker is not None and run.first:
+                in_vma[:] = [tracker.vma(t) for t in tensors]
+            tensors = tuple(t.view_as(t) for t in tensors)
             filled = list(leaves)
             for i, t in zip(where, tensors):
                 filled[i] = t
             with contextlib.ExitStack() as stack:
                 if env is not None and (not axis_env._STACK or axis_env._STACK[-1] is not env):
                     stack.enter_context(axis_env.enter(*env))
-                    if env[1] is not None:
-                        stack.enter_context(env[1])
+                    if tracker is not None:  # its mode, and a partial-manual body's dispatch
+                        stack.enter_context(tracker)
+                        stack.enter_context(tracker.dispatch())
                 if again and not set(map(id, again)) <= set(map(id, lax.active_handlers())):
                     stack.enter_context(lax.handling(*again))
+                for t, axes in zip(tensors, in_vma):
+                    if axes:
+                        tracker.tag(t, axes)
                 if slots:
                     stack.enter_context(_swapped(slots, tensors[len(where) :]))
                 reads = None
@@ -373,13 +400,27 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
             return tuple(out_leaves)
 
         run.first, run.unread = True, frozenset()
-        outs = _Remat.apply(run, policy, *(leaves[i] for i in where), *extra)[: run.n_out]
+        outs = _Remat.apply(run, policy, *inputs)[: run.n_out]
         if tracker is not None:  # what the body's tracker saw in fn (psum: invariant, ...)
             for o, axes in zip(outs, out_vma):
                 tracker.tag(o, axes)
         return optree.tree_unflatten(out_def[0], list(outs))
 
     return rematted
+
+
+def _claimed(args):
+    """``args`` with each partial ShardedArray that is a leaf being differentiated claimed
+    (:func:`fshard.executor.claimed_local`) where it enters ``remat``, as fn's first op would
+    claim it without ``remat``: inside, every input is an intermediate."""
+
+    def one(v):
+        if not isinstance(v, ShardedArray) or not v.layout.partial:
+            return v
+        local = claimed_local(v)
+        return v if local is v.local else ShardedArray._raw(local, v.layout)
+
+    return optree.tree_map(one, args, is_leaf=is_sharded, none_is_leaf=True)
 
 
 # -- what fn closes over -------------------------------------------------------------------------

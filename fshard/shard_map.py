@@ -142,6 +142,12 @@ class _Tracker(TorchFunctionMode):
         self.tag(out, have | frozenset(missing))
         return out
 
+    def dispatch(self) -> contextlib.AbstractContextManager:
+        """While the body's code runs (its call, and ``fs.remat``'s recompute of a part of it
+        in the backward): a partial-manual body's global-view ops go through
+        :meth:`sharded_op`, which pcasts their invariant operands; others need nothing."""
+        return _TrackedDispatch() if self.auto is not None else contextlib.nullcontext()
+
     def collective(self, xs: list, axes: tuple[str, ...], run: Callable, varies: bool) -> list:
         """Run a collective on ``xs`` (pcast first where invariant) and mark its results."""
         vmas = [self.vma(x) for x in xs]
@@ -958,8 +964,8 @@ def shard_map(
             if body.outer is not None:  # the inner body's tracker tracks the outer's axes too
                 body.outer.paused += 1
                 stack.callback(_resume, body.outer)
+            stack.enter_context(tracker.dispatch())
             if body.auto is not None:
-                stack.enter_context(_TrackedDispatch())
                 stack.enter_context(lax.handling(_MANUAL_AXES))
             stack.enter_context(axis_env.enter(body.root, tracker))
             stack.enter_context(tracker)

@@ -72,6 +72,8 @@ ROWS = [
     ("--pp 2 --cp 2 --tp 1", "dense"),
     ("--remat --fsdp 2 --tp 2", "dense"),
     ("--remat --pp 2 --cp 2 --tp 1", "dense"),
+    ("--remat --cp 2 --tp 2", "dense"),  # was refused: wrong gradients (issue 36)
+    ("--remat --fsdp 2 --cp 2 --tp 1", "dense"),
 ]
 
 

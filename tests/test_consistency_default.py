@@ -404,3 +404,42 @@ def test_default_never_flags_random_correct_programs_on_a_2d_mesh(world_default4
     bad = [r for r in out[0] if r[4] != "ok"]
     assert not bad, bad[:5]
     assert all(o == out[0] for o in out)
+
+
+def _two_meshes_one_after_the_other():
+    """Two meshes over the same 4 ranks with the axes in the other order, used one after the
+    other (a composed program: one strategy's mesh, then another's). The ``dp`` groups of the
+    first are {0, 2}, {1, 3}, of the second {0, 1}, {2, 3}: rank 0 is the lowest rank of a
+    ``dp`` group in both."""
+    rank = torch.distributed.get_rank()
+    t = torch.arange(8.0).reshape(4, 2)
+    out = []
+    with fs.config.consistency("default"):
+        for names in (("dp", "tp"), ("tp", "dp")):
+            mesh = fs.Mesh.create((2, 2), names)
+            s = fs.lax.psum(torch.full((2,), 1.0 + rank), "dp", mesh=mesh)
+            x = fs.reshard(fs.shard(t, mesh, fs.P("dp", "tp")), fs.P("tp", "dp"))
+            fs.consistency.boundary(mesh, "step")  # the mesh's step boundary: digests compared
+            out.append((s, fs.gather(x)))
+    return out
+
+
+def test_default_passes_two_meshes_over_the_same_ranks_one_after_the_other(world4):
+    """Was: ConsistencyError at the second mesh's boundary ("the 3 ranks of the group (global
+    ranks [0, 1, 2]) disagree on collectives issued over ('dp',)"): the ``dp`` groups of both
+    meshes whose lowest rank is 0 wrote their digests in one slot of the sub-group exchange."""
+    t = torch.arange(8.0).reshape(4, 2)
+    want_sums = [[4.0, 6.0, 4.0, 6.0], [3.0, 3.0, 7.0, 7.0]]  # 1 + rank over dp
+    for rank, got in enumerate(world4.run(_caught_here, _two_meshes_one_after_the_other)):
+        kind, out = got
+        assert kind == "value", out
+        for m, (s, x) in enumerate(out):
+            assert torch.equal(s, torch.full((2,), want_sums[m][rank])), (rank, m, s)
+            assert torch.equal(x, t)
+
+
+def _caught_here(fn):
+    try:
+        return ("value", fn())
+    except ConsistencyError as e:
+        return ("error", str(e))

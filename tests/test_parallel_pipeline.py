@@ -605,3 +605,45 @@ def dp_reduction_rank_fn():
 def test_dp_weight_gradients_reduce_once_per_step(world4):
     want = [(s, m) for s in ("gpipe", "1f1b", "interleaved", "zb") for m in (2, 4)]
     assert world4.run(dp_reduction_rank_fn) == [want] * 4
+
+
+def pending_input_rank_fn():
+    """Issue 36: the pipeline's activations are a pending sum over tp (the microbatches as an
+    embedding's row-parallel output leaves them, and so every stage's input). Was: each stage
+    took its input for a partial leaf and claimed it (its cotangent kept on the first tp rank
+    only): every gradient before the last stage wrong (1.9 off on values of size ~1)."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    gen = torch.Generator().manual_seed(0)
+    C, R = torch.randn(2, 4, 6, generator=gen), torch.randn(2, 6, 4, generator=gen) * 0.5
+    X, T = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+
+    def block(x, col, row):
+        return x + F.gelu(x @ col) @ row
+
+    def head(_, y, t):
+        return (torch.tanh(y) ** 2 * t).sum()
+
+    def loss(params, x):
+        x = fs.reshard(x * 1.0, fs.P(partial="tp"))  # an intermediate that is a pending sum
+        out = pipeline(lambda p, h: block(h, p["col"], p["row"]), params, x, mesh, loss_fn=head,
+                       targets=fs.shard(T, mesh, fs.P()), schedule="1f1b")  # fmt: skip
+        return fs.gather(out)
+
+    def dense(C, R, X):
+        ys = [block(block(X[mb], C[0], R[0]), C[1], R[1]) for mb in range(2)]
+        return sum(head(None, y, T[mb]) for mb, y in enumerate(ys)) / 2
+
+    params = {
+        "col": fs.shard(C, mesh, fs.P("pp", None, "tp")),
+        "row": fs.shard(R, mesh, fs.P("pp", "tp")),
+    }
+    got = fs.grad(loss, argnums=(0, 1))(params, fs.shard(X, mesh, fs.P()))
+    want = torch.func.grad(dense, argnums=(0, 1, 2))(C, R, X)
+    for g, w in zip((got[0]["col"], got[0]["row"], got[1]), want):
+        torch.testing.assert_close(fs.gather(g), w, **TOL)
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_of_a_pending_sum_matches_dense(world4):
+    assert world4.run(pending_input_rank_fn) == [True] * 4

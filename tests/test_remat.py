@@ -283,3 +283,158 @@ def _sharded_closures():
 
 def test_closed_over_sharded_arrays_get_their_gradients(world2):
     assert world2.run(_sharded_closures) == [True, True]
+
+
+def _residual_block(x, w):
+    """A pre-norm residual block whose row-parallel output is a pending sum over tp: with
+    ShardedArrays the result is the residual added to that pending sum (still pending)."""
+    h = F.layer_norm(x, (x.shape[-1],), w["ln"], w["b"])
+    return x + F.linear(F.gelu(h @ w["col"]), w["row"].T, w["b"])
+
+
+def _two_blocks(x, w, wrap):
+    for _ in range(2):
+        x = wrap(_residual_block)(x, w)
+    return x
+
+
+def _residual_weights(mesh, tp):
+    d = 4
+    dense = {"ln": _gen(11, d), "b": _gen(12, d), "col": _gen(13, d, 6), "row": _gen(14, 6, d)}
+    specs = {"ln": P(), "b": P(), "col": P(None, tp), "row": P(tp, None)}
+    return dense, {k: fs.shard(v, mesh, specs[k]) for k, v in dense.items()}
+
+
+def _pending_residuals_under_remat():
+    """Issue 36: fs.remat of blocks whose input is a pending sum (the residual stream after a
+    row-parallel layer), and a pending leaf differentiated through fs.remat: gradients equal
+    to dense and to the same function without remat (was: the recompute took its pending
+    input for a partial leaf, kept its cotangent on the first tp rank only: wrong gradients
+    of everything before it)."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    dense, w = _residual_weights(mesh, "tp")
+    X = _gen(15, 3, 4)
+
+    def loss(x, w, wrap):
+        return (torch.tanh(fs.gather(_two_blocks(x, w, wrap))) ** 2).sum()
+
+    def dense_loss(x, w):
+        return (torch.tanh(_two_blocks(x, w, lambda f: f)) ** 2).sum()
+
+    want = grad(dense_loss, argnums=(0, 1))(X, dense)
+    x = fs.shard(X, mesh, P())
+    pending = fs.reshard(x, P(partial="tp"))  # a leaf whose value is a pending sum
+    for wrap in (fs.remat, lambda f: fs.remat(f, policy="collectives")):
+        for what, leaf in (("replicated input", x), ("pending input", pending)):
+            gx, gw = grad(loss, argnums=(0, 1))(leaf, w, wrap)
+            assert gx.layout == leaf.layout, (what, gx.layout)
+            _close(fs.gather(gx), want[0], f"{what}: x")
+            for k in dense:
+                assert gw[k].spec == w[k].spec, (what, k, gw[k].spec)
+                _close(fs.gather(gw[k]), want[1][k], f"{what}: {k}")
+            # the same function without remat: the same layouts and local blocks
+            plain = grad(loss, argnums=(0, 1))(leaf, w, lambda f: f)
+            _close(gx.local, plain[0].local, f"{what}: x's block against no remat")
+    return True
+
+
+def test_remat_of_blocks_whose_input_is_a_pending_sum(world2):
+    assert world2.run(_pending_residuals_under_remat) == [True, True]
+
+
+def _remat_in_a_partial_manual_body():
+    """Issue 36: fs.remat inside a shard_map manual over cp whose values keep their tp layouts
+    (the demo's --cp with --tp or --fsdp). Was: the recompute ran without the body's tracking
+    of its global-view ops (no pcast of the weights, invariant over cp, where they met the
+    cp-varying activations), so each cp rank's weight gradient was its own addend, labelled
+    replicated; and its inputs lost their varying axes, so a nested shard_map (ring
+    attention) took them for invariant and summed their cotangents over cp."""
+    mesh = fs.Mesh.create((2, 2), ("cp", "tp"))
+    dense, w = _residual_weights(mesh, "tp")
+    X = _gen(16, 2, 8, 4)  # (batch, seq, d): the sequence over cp, load-balanced
+    seq = fs.P(None, "cp")
+
+    def attend(x):  # causal self-attention of one head, ring attention over cp
+        q = x.unsqueeze(1)
+
+        def ring(a, b, c):
+            return fs.parallel.ring_attention(a, b, c, "cp", causal=True, mesh=mesh)
+
+        ring = fs.shard_map(ring, mesh, (q.spec, q.spec, q.spec), q.spec)
+        return x + ring(q, q * 0.5, q * 2.0).squeeze(1)
+
+    def loss(x, w, wrap):
+        def body(x, w):
+            y = _two_blocks(wrap(attend)(x), w, wrap)
+            return fs.lax.psum((torch.tanh(y) ** 2).sum(), "cp")
+
+        return fs.gather(fs.shard_map(body, mesh, (seq, P()), P(), axis_names={"cp"})(x, w))
+
+    def dense_loss(x, w):
+        q = x.unsqueeze(1)
+        a = F.scaled_dot_product_attention(q, q * 0.5, q * 2.0, is_causal=True)
+        y = _two_blocks(x + a.squeeze(1), w, lambda f: f)
+        return (torch.tanh(y) ** 2).sum()
+
+    want = grad(dense_loss, argnums=(0, 1))(X, dense)
+    x = fs.shard(fs.parallel.load_balance(X, 2, 1), mesh, seq)
+    for wrap in (lambda f: f, fs.remat):
+        loss_, (gx, gw) = fs.value_and_grad(loss, argnums=(0, 1))(x, w, wrap)
+        _close(fs.parallel.load_balance_inverse(fs.gather(gx), 2, 1), want[0], "x")
+        for k in dense:
+            assert gw[k].spec == w[k].spec, (k, gw[k].spec)
+            _close(fs.gather(gw[k]), want[1][k], k)
+    return True
+
+
+def test_remat_in_a_partial_manual_shard_map(world4):
+    assert world4.run(_remat_in_a_partial_manual_body) == [True] * 4
+
+
+def _remat_blocks_in_pipeline_stages():
+    """Issue 36: two fs.remat blocks per pipeline stage (pp x tp), the second block's input the
+    first's pending residual (was: every gradient wrong, as outside the pipeline)."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    C, R = _gen(21, 2, 4, 6), _gen(22, 2, 6, 4) * 0.5  # (stage, ...) column / row parallel
+    X, T = _gen(23, 2, 3, 4), _gen(24, 2, 3, 4)  # 2 microbatches
+
+    def block(x, col, row):
+        return x + F.gelu(x @ col) @ row
+
+    def stage(p, x):
+        for _ in range(2):
+            x = fs.remat(block)(x, p["col"], p["row"])
+        return x
+
+    def head(_, y, t):
+        return (torch.tanh(y) ** 2 * t).sum()
+
+    def loss(params, x):
+        targets = fs.shard(T, mesh, P())
+        out = fs.parallel.pipeline(stage, params, x, mesh, loss_fn=head, targets=targets)
+        return fs.gather(out)
+
+    def dense(C, R, X):
+        total = 0
+        for mb in range(2):
+            y = X[mb]
+            for s in range(2):
+                for _ in range(2):
+                    y = block(y, C[s], R[s])
+            total = total + head(None, y, T[mb])
+        return total / 2
+
+    params = {
+        "col": fs.shard(C, mesh, P("pp", None, "tp")),
+        "row": fs.shard(R, mesh, P("pp", "tp")),
+    }
+    got = fs.grad(loss, argnums=(0, 1))(params, fs.shard(X, mesh, P()))
+    want = grad(dense, argnums=(0, 1, 2))(C, R, X)
+    _close(fs.gather(got[0]["col"]), want[0], "col")
+    _close(fs.gather(got[0]["row"]), want[1], "row")
+    _close(fs.gather(got[1]), want[2], "x")
+    return True
+
+
+def test_remat_blocks_in_pipeline_stages(world4):
+    assert world4.run(_remat_blocks_in_pipeline_stages) == [True] * 4

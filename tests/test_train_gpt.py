@@ -308,8 +308,7 @@ def test_parse_args_validation():
         demo.parse_args(["--view", "dense"])
     assert demo.parse_args(["--remat", "--view", "global", "--tp", "2"])["remat"]
     assert demo.parse_args(["--remat", "--view", "global", "--cp", "2", "--pp", "2"])["remat"]
-    with pytest.raises(SystemExit, match="--remat with --cp runs in the pipeline"):
-        demo.parse_args(["--remat", "--view", "global", "--cp", "2"])
+    assert demo.parse_args(["--remat", "--view", "global", "--cp", "2"])["remat"]  # issue 36
     with pytest.raises(SystemExit, match="--remat with --sp runs in the pipeline"):
         demo.parse_args(["--remat", "--view", "global", "--sp"])
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True

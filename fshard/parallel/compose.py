@@ -467,8 +467,9 @@ def _pipeline_loss(
         pieces[key] = (model.get_submodule(name), rel)
 
     def run(key, params, args, kwargs):
-        # the plan's output layouts, as the whole model's call applies them (a stage whose
-        # row-parallel output met the residual while pending gave wrong input gradients)
+        # the plan's output layouts, as the whole model's call applies them: the same
+        # collectives as without pp (a pending activation between stages is exact too since
+        # the pipeline passes its stages' inputs as intermediates, issue 36)
         module, rel = pieces[key]
         inner = {n: spec for n, spec in rel.items() if n}
         out = call(module, params, args, kwargs, outputs=inner)

@@ -576,7 +576,10 @@ class _Run:
                     src = x[mb] if s == 0 else inbox.pop(("F", s, mb))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
                     with torch.set_grad_enabled(grad_on):
-                        out = self.stage_fn(chunks[s // pp][1], act_meta.wrap(inp))
+                        # an alias: the activation is an intermediate of the step, not a leaf
+                        # (a pending-sum activation gets the invariant cotangent, no Claim)
+                        act = act_meta.wrap(inp.view_as(inp) if inp.requires_grad else inp)
+                        out = self.stage_fn(chunks[s // pp][1], act)
                         out = _as_layout(out, act_meta, "stage_fn")
                         if s == last:
                             target = optree.tree_unflatten(
