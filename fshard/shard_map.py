@@ -964,8 +964,9 @@ def shard_map(
             if body.outer is not None:  # the inner body's tracker tracks the outer's axes too
                 body.outer.paused += 1
                 stack.callback(_resume, body.outer)
-            stack.enter_context(tracker.dispatch())
-            if body.auto is not None:
+            if body.auto is not None:  # (a full-manual body enters nothing: under
+                # torch.compile Dynamo does not trace entering a nullcontext through ExitStack)
+                stack.enter_context(tracker.dispatch())
                 stack.enter_context(lax.handling(_MANUAL_AXES))
             stack.enter_context(axis_env.enter(body.root, tracker))
             stack.enter_context(tracker)
