@@ -140,6 +140,8 @@ def collective_on_one_rank_after_some_steps(path):
     """Item 3: `if mesh.rank == 0: print(float(fs.gather(g).norm()))` inside a training loop.
     Was: a raw Gloo timeout (fs.launch.run), a hang past 120 s (torchrun)."""
     mesh = _mesh()
+    if path:  # the test knows the ranks got here (not a start-up that timed out)
+        Path(path, f"started-{mesh.rank}").touch()
     w = fs.shard(torch.ones(4), mesh, fs.P("x"))
     for step in range(4):
         g = w * 2
@@ -225,13 +227,14 @@ def test_mistake_under_launch(world_default, tmp_path, name):
         check(name, kind, text, seconds)
 
 
-def test_collective_on_one_rank_under_fs_launch_run():
+def test_collective_on_one_rank_under_fs_launch_run(tmp_path):
     """fs.launch.run's own World: the run's timeout names the cause (was: Gloo's raw 60 s
-    'Timed out waiting 60000ms for recv operation')."""
+    'Timed out waiting 60000ms for recv operation'); both ranks reached the program (a timeout
+    while the workers start says the same words)."""
     saved = os.environ.pop("FSHARD_CHECK_CONSISTENCY", None)
     start = time.monotonic()
     try:
-        fs.launch.run(collective_on_one_rank_after_some_steps, 2, ("",), timeout=20)
+        fs.launch.run(collective_on_one_rank_after_some_steps, 2, (str(tmp_path),), timeout=20)
     except (TimeoutError, RankError) as e:
         check("collective_on_one_rank_after_some_steps", type(e).__name__, str(e), 0.0)
     else:
@@ -240,6 +243,7 @@ def test_collective_on_one_rank_under_fs_launch_run():
         if saved is not None:
             os.environ["FSHARD_CHECK_CONSISTENCY"] = saved
     assert time.monotonic() - start < 60  # the run's 20 s, plus starting and stopping ranks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["started-0", "started-1"]
 
 
 def test_a_gloo_timeout_in_a_rank_names_the_cause():
