@@ -20,6 +20,7 @@ which ``tests/test_compat.py`` checks every ``torch.*`` name in fshard against).
 | :func:`freeze_key` | (Python 3.12+: ``slice`` hashes) | Python 3.11: slices in cache keys become tuples |
 | :func:`trace_matmul_operator` | (2.14+) dynamo traces ``a @ b`` of a Python class through its ``__matmul__``; ``a @ tensor`` (2.11-2.14) is traced as ``tensor @ a``: fixed | 2.11-2.13 cannot ("builtin operator matmul"): 2.14's handler is installed for ShardedArray operands when dynamo is imported |
 | :func:`trace_torch_function_in_tuples` | (2.11-2.14.1, every version so far) dynamo looks for ``__torch_function__`` inside list and dict arguments, not tuples: ``torch.cat((a, b))`` of ShardedArrays breaks the graph (eager looks inside both) | the same; its argument flattening gains tuples when dynamo is imported |
+| :data:`GRAD_FROM_FUNCTION_NODES` | ``torch.autograd.grad`` starts from a custom Function's node (a ``GradientEdge`` root) after a backward through it: ZB-H1's weight pass runs only the weight branches | 2.11-2.12: it raises ("``_input_metadata`` is invalid ... legacy access pattern"): where a stage's cut meets such a node, the weight pass runs the stage's whole backward again (the same numbers, more compute) |
 | :data:`STAGER_REUSABLE` | DCP's ``DefaultStager`` keeps its host copies between ``stage`` calls: ``fs.checkpoint.save(blocking=False)`` keeps one for the process | 2.11-2.12: it closes its copier after every ``stage`` (a second call raises ``KeyError: <class 'type'>``): one stager per save |
 
 The older names still exist in 2.13 but warn (deprecated), so the new ones are preferred where
@@ -161,6 +162,13 @@ TRACES_TUPLE_HASH = TORCH_VERSION >= (2, 13)
 #: Where it does not, ``fs.nn.functional_call`` restores an ``Output``-patched ``forward`` under
 #: dynamo by binding the class's ``forward`` to the instance (the same calls).
 TRACES_ATTRIBUTE_DELETE = TORCH_VERSION >= (2, 13)
+
+#: Whether ``torch.autograd.grad`` takes a custom autograd.Function's backward node as a
+#: ``GradientEdge`` root, and shows its ``next_functions``, after a backward has run through it
+#: (2.13+). torch 2.11 raises "Attribute '_input_metadata' (or 'next_functions') is invalid for
+#: this instance of _C._FunctionBase ... legacy access pattern"; there ZB-H1's weight pass
+#: (``fshard.parallel.pipeline``) runs the stage's whole backward where its cut meets one.
+GRAD_FROM_FUNCTION_NODES = TORCH_VERSION >= (2, 13)
 
 #: Whether DCP's ``DefaultStager`` can ``stage`` more than once (2.13+). torch 2.11's closes its
 #: state-dict copier at the end of every ``stage`` (breaking a reference cycle), so a second

@@ -81,7 +81,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import axis_env, consistency, lax
+from .. import _compat, axis_env, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute
@@ -653,13 +653,20 @@ class _Run:
             inbox[dests[r]] = got
 
 
+#: A custom autograd.Function's backward node.
+_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
+
+
 def _weight_cut(root, source, targets: set) -> dict:
-    """Where the backward graph from ``root`` leaves the input gradient's part: ``{node: [k,
-    ...]}``, the nodes on a path to ``source`` (the input's gradient accumulator) and the
-    indices of their next edges that lead to a node in ``targets`` (the weights' accumulators)
-    but not to ``source``. Everything below such an edge is weight-only. ``None`` where
-    ``root`` does not reach ``source``."""
-    order, seen, stack = [], set(), [(root, False)]
+    """Where the backward graph from ``root`` leaves the input gradient's part: ``{node:
+    [(next node, input nr), ...]}``, the nodes on a path to ``source`` (the input's gradient
+    accumulator) and those of their next edges that lead to a node in ``targets`` (the weights'
+    accumulators) but not to ``source`` (read now: torch 2.11 refuses a custom Function node's
+    ``next_functions`` once the backward has run). Everything below such an edge is weight-only. ``None`` where
+    ``root`` does not reach ``source``, or (:data:`fshard._compat.GRAD_FROM_FUNCTION_NODES`)
+    where a custom Function's node would be cut on a torch that cannot start a backward there:
+    W is then the whole backward."""
+    order, seen, stack, edges = [], set(), [(root, False)], {}
     while stack:  # post-order: a node after everything below it
         node, done = stack.pop()
         if done:
@@ -668,11 +675,12 @@ def _weight_cut(root, source, targets: set) -> dict:
         if node in seen:
             continue
         seen.add(node)
+        edges[node] = node.next_functions
         stack.append((node, True))
-        stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in seen)
+        stack.extend((n, False) for n, _ in edges[node] if n is not None and n not in seen)
     to_source, to_weights = {}, {}
     for node in order:
-        below = [n for n, _ in node.next_functions if n is not None]
+        below = [n for n, _ in edges[node] if n is not None]
         to_source[node] = node is source or any(to_source[n] for n in below)
         to_weights[node] = node in targets or any(to_weights[n] for n in below)
     if not to_source[root]:
@@ -680,13 +688,13 @@ def _weight_cut(root, source, targets: set) -> dict:
     cut = {}
     for node in order:
         if to_source[node]:
-            ks = [
-                k
-                for k, (n, _) in enumerate(node.next_functions)
-                if n is not None and not to_source[n] and to_weights[n]
+            below = [
+                (n, nr) for n, nr in edges[node] if n is not None and not to_source[n] and to_weights[n]
             ]
-            if ks:
-                cut[node] = ks
+            if below:
+                if not _compat.GRAD_FROM_FUNCTION_NODES and isinstance(node, _FUNCTION_NODE):
+                    return None
+                cut[node] = below
     return cut
 
 
@@ -704,7 +712,9 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     cut = None
     if ins and out.grad_fn is not None:
         cut = _weight_cut(out.grad_fn, edge(ins[0]).node, {edge(w).node for w in weights})
-    if cut is None:
+    if cut is None:  # B to the input, then W the whole backward again (the graph kept)
+        if ins:
+            torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
         return lambda: torch.autograd.backward(out, ct, inputs=weights) if weights else None
     held: dict = {}
 
@@ -721,7 +731,7 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     def weight_pass():
         GradientEdge = torch.autograd.graph.GradientEdge
         seeds: dict = {}
-        for node, ks in cut.items():
+        for node, edges in cut.items():
             roots = [
                 (GradientEdge(node, i), g)
                 for i, g in enumerate(held.pop(node, ()))
@@ -729,7 +739,7 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
             ]
             if not roots:
                 continue
-            below = [GradientEdge(*node.next_functions[k]) for k in ks]
+            below = [GradientEdge(*e) for e in edges]
             grads = torch.autograd.grad(
                 [e for e, _ in roots], below, [g for _, g in roots], allow_unused=True
             )
