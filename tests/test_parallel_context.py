@@ -91,6 +91,14 @@ def _dense(q, k, v, keep, causal, pad):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _check_backward(attention, qkv, keep, want, what):
+    """``.backward()`` of the objective through ``attention`` gives the gradients ``want``."""
+    leaves = [t.clone().requires_grad_() for t in qkv]
+    _objective(attention(*leaves, keep)).backward()
+    for name, t, g in zip("qkv", leaves, want):
+        _close(t.grad, g, f"{what}: .backward() grad {name}")
+
+
 def _objective(o):
     return (o * torch.cos(o)).sum()
 
@@ -132,11 +140,7 @@ def dense_equal_rank_fn(which, cp, cases):
         grads = torch.func.grad(loss, (0, 1, 2))(q, k, v)
         for name, g, dg in zip("qkv", grads, dgrads):
             _close(g, dg, f"{what}: grad {name}")
-        # plain autograd
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        _objective(attention(*leaves, keep)).backward()
-        for name, t, dg in zip("qkv", leaves, dgrads):
-            _close(t.grad, dg, f"{what}: .backward() grad {name}")
+        _check_backward(attention, (q, k, v), keep, dgrads, what)  # plain autograd
     return True
 
 
@@ -393,10 +397,7 @@ def padded_chunks_rank_fn():
         for name, a, b in zip("qkv", (*gs, *gg), (*dgs, *dgg)):
             assert not a.isnan().any(), (what, name)
             _close(a, b, f"{what}: {name}")
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        _objective(attention(*leaves, keep)).backward()
-        for name, t, g in zip("qkv", leaves, dgs):
-            _close(t.grad, g, f"{what}: .backward() grad {name}")
+        _check_backward(attention, (q, k, v), keep, dgs, what)
     return True
 
 
