@@ -1,5 +1,6 @@
-"""Every parallelism at once on a transformers causal LM: one configuration, one mesh, one pure
-loss function (torchtitan's ``ParallelDims`` + ``parallelize``, MaxText's mesh of named axes).
+"""Every parallelism at once on a causal LM (a transformers model as it is, a model of your own
+described by :class:`ModelParts`): one configuration, one mesh, one pure loss function
+(torchtitan's ``ParallelDims`` + ``parallelize``, MaxText's mesh of named axes).
 
 :class:`ParallelDims` holds every degree; :meth:`ParallelDims.mesh` names one mesh axis per
 degree, outermost first as torchtitan's: ``("pp", "dp_replicate", "dp_shard", "ep", "cp",
