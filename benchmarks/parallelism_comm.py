@@ -3,7 +3,8 @@
 
     python benchmarks/parallelism_comm.py [--d-model 64] [--layers 2] [--batch 4] [--ctx 32]
 
-Each strategy runs ``examples/train_gpt.py``'s step (forward, backward, AdamW) once on 2 local
+Each strategy runs ``examples/train_gpt.py``'s step for its flags (forward, backward, AdamW;
+the local view for dp, fsdp and tp, ``fs.parallel.parallelize`` for the others) once on 2 local
 Gloo ranks, fp32, and prints per rank: each collective with its mesh axes, how many ran and the
 input bytes they moved (``comm_log``'s ``nbytes``, this rank's). The model: GPT with ``--layers``
 blocks, ``d = --d-model``, vocab 256, ``--batch`` sequences of ``--ctx`` tokens (global);
@@ -24,61 +25,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import fshard as fs  # noqa: E402
 from fshard.launch import World  # noqa: E402
 
-#: name -> (mesh (pp, dp, ep, cp, tp), what it splits, step options)
+#: name -> (the demo's flags, what it splits)
 STRATEGIES = {
-    "dp": ((1, 2, 1, 1, 1), "the batch", {}),
-    "fsdp": ((1, 2, 1, 1, 1), "the batch; params, grads, AdamW state", {"fsdp": True}),
-    "tp": ((1, 1, 1, 1, 2), "weights: column/row (Megatron)", {}),
-    "tp+sp": ((1, 1, 1, 1, 2), "weights; activations between blocks on the sequence", {"sp": True}),
-    "cp": ((1, 1, 1, 2, 1), "the sequence (ring attention)", {"cp": True}),
-    "pp": ((2, 1, 1, 1, 1), "the blocks, as stages (1F1B, 4 microbatches)", {"pp": True}),
-    "ep": ((1, 1, 2, 1, 1), "the batch; the experts (MoE)", {"experts": 4}),
+    "dp": ("--dp 2 --tp 1", "the batch"),
+    "fsdp": ("--fsdp 2 --tp 1", "the batch; params, grads, AdamW state"),
+    "tp": ("--tp 2", "weights: column/row (Megatron)"),
+    "tp+sp": ("--tp 2 --sp", "weights; activations between blocks on the sequence"),
+    "cp": ("--cp 2 --tp 1", "the sequence (ring attention)"),
+    "pp": ("--pp 2 --tp 1", "the blocks, as stages (1F1B, 4 microbatches)"),
+    "ep": ("--experts 4 --ep 2 --tp 1", "the batch; the experts (MoE)"),
 }
 
 
 def rank_fn(name: str, d: int, layers: int, batch: int, ctx: int) -> list:
     import train_gpt as tg
 
-    shape, _, opts = STRATEGIES[name]
-    mesh = fs.Mesh.create(shape, ("pp", "dp", "ep", "cp", "tp"))
-    cfg = tg.GPTConfig(
-        d_model=d, n_heads=4, n_layers=layers, ctx=ctx, n_experts=opts.get("experts", 0)
-    )
-    torch.manual_seed(0)
-    model = tg.GPT(cfg)
-    plan = tg.gpt_plan("tp", experts="ep" if cfg.n_experts else None)
-    if opts.get("fsdp"):
-        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
-    if opts.get("sp"):
-        plan = fs.parallel.sequence_parallel_plan(
-            column=["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
-            row=["blocks.*.attn.proj", "blocks.*.mlp.fc2"],
-            scatter=["tok"],
-        )
-        plan.update(fs.nn.megatron_plan(column=["head"], bias=False))
-    pipe = {"schedule": "1f1b", "virtual": 1, "microbatches": 4} if opts.get("pp") else None
-    if pipe:
-        params = tg.pipeline_params(model, mesh)
-    else:
-        params = fs.nn.shard_params(model, mesh, plan)
+    flags = f"{STRATEGIES[name][0]} --d-model {d} --layers {layers} --batch {batch} --ctx {ctx}"
+    args = tg.parse_args([*flags.split(), "--microbatches", "4", "--plot", ""])
+    cfg = tg.GPTConfig(**args["model"])
+    mesh, model, params, loss = tg.sharded_model(args, cfg)
     tx = tg.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
     state = tx.init(params)
-    step = tg.make_train_step(
-        cfg,
-        mesh,
-        tx,
-        model=model if (cfg.n_experts or opts.get("sp") or opts.get("cp") or pipe) else None,
-        fsdp_units=fs.nn.fsdp_units(model) if opts.get("fsdp") else None,
-        pipeline=pipe,
-        context=bool(opts.get("cp")),
-    )
+    units = fs.nn.fsdp_units(model) if args["fsdp"] and loss is None else None
+    step = tg.make_train_step(cfg, mesh, tx, loss=loss, fsdp_units=units)
     ids = torch.randint(0, 256, (batch, ctx + 1), generator=torch.Generator().manual_seed(1))
-    if opts.get("cp"):
-        x = tg.context_batch(ids, mesh)
-    elif pipe:
-        x = fs.shard(ids.reshape(4, -1, ctx + 1), mesh, fs.P(None, ("dp", "ep")))
-    else:
-        x = fs.shard(ids, mesh, fs.P(("dp", "ep")))
+    x = ids if loss is not None else fs.shard(ids, mesh, fs.P(tg.data_axes(mesh)))
     params, state, _ = step(params, state, x)  # warm (lazily built programs)
     with fs.debug.comm_log() as log:
         step(params, state, x)

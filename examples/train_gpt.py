@@ -6,14 +6,16 @@
     python examples/train_gpt.py --device cuda      # the local ranks' blocks on the GPU(s)
     torchrun --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2   # NCCL with 4 GPUs
 
-Every axis (the global view runs the module's own forward; float32 without ``--experts``
-prints the losses of ``--dp 1 --tp 2`` in every combination):
+Every axis, composed by one library call (the global view: ``fs.parallel.parallelize`` of the
+module's own forward; float32 without ``--experts`` prints the losses of ``--dp 1 --tp 2`` in
+every combination):
 
-    python examples/train_gpt.py --view global --sp             # + Megatron sequence parallel
-    python examples/train_gpt.py --view global --cp 2 --tp 1    # the sequence over cp, ring attention
-    python examples/train_gpt.py --view global --pp 2 --tp 1 --schedule zb   # pipeline stages
-    python examples/train_gpt.py --view global --pp 2 --cp 2 --tp 1 --remat  # stages x ring
-    python examples/train_gpt.py --view global --experts 4 --ep 2 --tp 1     # MoE, experts over ep
+    python examples/train_gpt.py --sp                           # + Megatron sequence parallel
+    python examples/train_gpt.py --cp 2 --tp 1                  # the sequence over cp, ring attention
+    python examples/train_gpt.py --pp 2 --tp 1 --schedule zb    # pipeline stages
+    python examples/train_gpt.py --pp 2 --cp 2 --tp 1 --remat   # stages x ring
+    python examples/train_gpt.py --experts 4 --ep 2 --tp 1      # MoE, experts over ep
+    python examples/train_gpt.py --fsdp 2 --tp 2 --view global  # FSDP x TP, composed
     python examples/train_gpt.py --remat --bf16                 # activation checkpointing, bf16
 
 ``--device`` (``cpu`` or ``cuda``) is where the params, optimizer state and batches live; by
@@ -39,11 +41,14 @@ Two ways to write the sharded forward (``--view``):
   see. Each rank computes on its shards with explicit JAX-style collectives (``pcast`` where a
   replicated activation enters a column-parallel layer, ``psum`` after a row-parallel one), and
   the gradients are averaged over ``dp`` by one bucketed ``fs.lax.pmean``.
-* ``global`` (:func:`global_loss`): the module's own ``GPT.forward``, run on the sharded
-  params and batch by ``fs.nn.functional_call``; the op rules insert the collectives. A
-  replicated param meets the ``dp``-sharded batch through ``pcast``, whose backward sums its
-  gradient over ``dp`` (one all_reduce per param, not bucketed), so the step needs no explicit
-  gradient reduction. Slower, and nothing to write by hand.
+* ``global`` (the default with ``--sp``, ``--pp``, ``--cp``, ``--experts``): every strategy
+  through one composition, ``fs.parallel.parallelize(model, mesh, dims, parts=gpt_parts(cfg))``
+  (:func:`gpt_parts` names the GPT's plan and pieces, :func:`parallel_dims` reads the flags'
+  degrees): the sharded params and ONE pure ``loss(params, batch)``, the module's own
+  ``GPT.forward`` run on the sharded params (the op rules insert the collectives; FSDP gathers
+  per block, the pipeline runs the blocks as stages, context parallelism splits the sequence
+  with ring attention through ``fs.parallel.attention``), differentiated by
+  ``fs.value_and_grad`` (one bucketed gradient reduction per step). Nothing to write by hand.
 
 ``--fsdp N`` (local view, dp=N): FSDP (ZeRO-3) by layouts. ``fs.nn.fsdp_plan`` adds ``'dp'`` to
 dim 0 of every param of the Megatron plan (params and AdamW moments sharded over dp x tp), and
@@ -168,14 +173,29 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embed(nn.Module):
+    """Token + learned position embeddings."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.ctx, cfg.d_model)
+
+    def forward(self, tokens, position_ids=None):
+        """``position_ids``: each token's position (``--cp``: a rank's load-balanced chunks);
+        default ``0 .. t-1``."""
+        if position_ids is None:
+            return self.tok(tokens) + self.pos.weight[: tokens.shape[-1]]
+        return self.tok(tokens) + self.pos(position_ids)
+
+
 class GPT(nn.Module):
     """A pre-LayerNorm GPT: token + position embeddings, ``n_layers`` blocks, LM head."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.ctx, cfg.d_model)
+        self.embed = Embed(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
@@ -187,36 +207,20 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens, positions=None):
-        """``positions``: each token's position (``--cp``: a rank's load-balanced chunks);
-        default ``0 .. t-1``."""
-        t = tokens.shape[1]
-        pos = self.pos.weight[:t] if positions is None else F.embedding(positions, self.pos.weight)
-        x = self.tok(tokens) + pos
+    def forward(self, tokens, position_ids=None):
+        x = self.embed(tokens, position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
 
 
-#: ``(axis, mesh)`` while :func:`context_loss` runs the model on a rank's sequence chunks
-_CONTEXT: list = []
-
-
 def _attend(qkv):
-    """Causal attention on ``(b, t, heads, 3, hd)``: returns ``(b, t, heads, hd)``. Under
-    :func:`context_loss` (``--cp``) the sequence is split over the context-parallel axis and
-    the attention is ``fs.parallel.ring_attention`` (k/v blocks passed around the ring)."""
+    """Causal attention on ``(b, t, heads, 3, hd)``: returns ``(b, t, heads, hd)``.
+    ``fs.parallel.attention`` is ``F.scaled_dot_product_attention``, and with the sequence
+    split over a context-parallel axis (``--cp``) ring attention (k/v blocks passed around the
+    ring)."""
     q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-    if not _CONTEXT:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-    axis, mesh = _CONTEXT[-1]
-
-    def ring(q, k, v):
-        return fs.parallel.ring_attention(q, k, v, axis, causal=True, mesh=mesh)
-
-    if isinstance(q, fs.ShardedArray):  # the blocks of the other axes (heads over tp)
-        ring = fs.shard_map(ring, mesh, (q.spec, k.spec, v.spec), q.spec)
-    return ring(q, k, v).transpose(1, 2)
+    return fs.parallel.attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
 def gpt_plan(axis: str = "tp", experts: str | None = None, sp: bool = False) -> dict:
@@ -229,7 +233,7 @@ def gpt_plan(axis: str = "tp", experts: str | None = None, sp: bool = False) -> 
         column=["blocks.*.attn.qkv", *mlp[0]],
         row=["blocks.*.attn.proj", *mlp[1]],
         axis=axis,
-        **({"scatter": ["tok"]} if sp else {}),
+        **({"scatter": ["embed"]} if sp else {}),
     )
     plan.update(fs.nn.megatron_plan(column=["head"], axis=axis, bias=False))
     if experts:
@@ -310,7 +314,7 @@ def tp_loss(
         h = F.gelu(column(ln(x, pre + "ln2"), pre + "mlp.fc1"))
         return x + row(h, pre + "mlp.fc2")
 
-    x = F.embedding(x_tok, p["tok.weight"]) + p["pos.weight"][:t]
+    x = F.embedding(x_tok, p["embed.tok.weight"]) + p["embed.pos.weight"][:t]
     for i in range(cfg.n_layers):
         pre = f"blocks.{i}."
         weights = get(pre[:-1])  # the previous block's weights can be freed
@@ -358,236 +362,41 @@ def replicate_axis(mesh: fs.Mesh) -> str | None:
     return "rep" if "rep" in mesh.axis_names and mesh.size("rep") > 1 else None
 
 
-def run_model(
-    module: nn.Module,
-    params: dict,
-    args: tuple,
-    kwargs=None,
-    *,
-    fsdp=False,
-    mp_policy=None,
-    outputs=None,
-):
-    """The module's own forward on sharded params (the global view): ``fs.nn.functional_call``,
-    or, with ``fsdp`` (params from ``fs.nn.fsdp_plan``), ``fs.nn.fsdp_call``, which gathers
-    each block's weights over ``dp`` just before its forward (their gradients are
-    reduce-scattered). The op rules insert every other collective (tp, sp, ep, cp).
-    ``outputs``: submodules' output layouts (a plan's ``fs.nn.Output`` entries)."""
-    if fsdp:
-        mesh = next(iter(params.values())).mesh  # inside a shard_map body: its auto axes'
-        return fs.nn.fsdp_call(
-            module, params, args, kwargs, mesh=mesh, axis="dp", mp_policy=mp_policy,
-            replicate=replicate_axis(mesh), outputs=outputs,
-        )  # fmt: skip
-    return fs.nn.functional_call(module, params, args, kwargs, mp_policy=mp_policy, outputs=outputs)
+# -- the sharded model, global view: every strategy through one composition -----------------
 
 
-def pieces(model: GPT, *, fsdp=False, remat=False, dtype: torch.dtype | None = None, outputs=None):
-    """``GPT.forward`` in the three pieces that ``--pp`` pipelines and ``--remat`` checkpoints
-    block by block: ``embed(emb, ids, positions=None) -> x``, ``blocks(per_block, x) -> x``
-    (each block's params a dict; each block the module's own ``Block.forward`` through
-    :func:`run_model`, under ``fs.remat`` with ``remat``: only its input and weights saved, the
-    rest, collectives included, recomputed in the backward) and ``logits(head, x)``. With
-    ``dtype`` (``--bf16``) every weight is cast where read, the logits come out float32.
-    ``outputs``: the blocks' submodules' output layouts (see :func:`_blockwise`)."""
-    cfg = model.cfg
-    policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else None
-    cast = policy.cast_param if policy is not None else (lambda t: t)
-
-    context = _CONTEXT[-1] if _CONTEXT else None  # --cp: ring attention, in the recompute too
-
-    def run(p, x):
-        if context is not None:
-            _CONTEXT.append(context)
-        try:
-            return run_model(model.blocks[0], p, (x,), fsdp=fsdp, mp_policy=policy, outputs=outputs)
-        finally:
-            if context is not None:
-                _CONTEXT.pop()
-
-    def embed(emb, ids, positions=None):
-        emb = {k: cast(v) for k, v in emb.items()}
-        if positions is None:
-            return F.embedding(ids, emb["tok.weight"]) + emb["pos.weight"][: ids.shape[-1]]
-        return F.embedding(ids, emb["tok.weight"]) + F.embedding(positions, emb["pos.weight"])
-
-    def blocks(per_block, x):
-        for one in per_block:
-            x = fs.remat(run)(one, x) if remat else run(one, x)
-        return x
-
-    def logits(hp, x):
-        hp = {k: cast(v) for k, v in hp.items()}
-        h = F.layer_norm(x, (cfg.d_model,), hp["ln_f.weight"], hp["ln_f.bias"])
-        return F.linear(h, hp["head.weight"]).float()
-
-    return embed, blocks, logits
+def gpt_parts(cfg: GPTConfig, sp: bool = False) -> fs.parallel.ModelParts:
+    """:class:`GPT` for ``fs.parallel.parallelize``: its Megatron plan over ``tp`` (with ``sp``
+    sequence parallel; with ``cfg.n_experts`` the experts over ``ep``) and its pieces (the
+    embedding, the blocks the pipeline stacks as stages, the final norm and the head)."""
+    return fs.parallel.ModelParts(
+        plan=gpt_plan("tp", experts="ep" if cfg.n_experts else None, sp=sp),
+        embed="embed", layers="blocks", norm="ln_f", head="head",
+    )  # fmt: skip
 
 
-EMB, HEAD = ("tok.weight", "pos.weight"), ("ln_f.weight", "ln_f.bias", "head.weight")
+def parallel_dims(args: dict) -> fs.parallel.ParallelDims:
+    """The flags' degrees: ``--dp`` replicas (DDP), or with ``--fsdp`` that many FSDP shards
+    times ``--hsdp`` replicas (HSDP); ``--tp``, ``--cp``, ``--ep``, ``--pp`` with its schedule,
+    microbatches and virtual stages."""
+    fsdp, pp = bool(args.get("fsdp")), args.get("pp", 1)
+    return fs.parallel.ParallelDims(
+        dp_replicate=args.get("hsdp", 1) if fsdp else args["dp"],
+        dp_shard=args["dp"] if fsdp else 1,
+        cp=args.get("cp", 1),
+        tp=args["tp"],
+        ep=args.get("ep", 1),
+        pp=pp,
+        pp_schedule=args.get("schedule", "1f1b"),
+        pp_microbatches=args.get("microbatches") if pp > 1 else None,
+        pp_virtual=args.get("virtual", 1) if pp > 1 else 1,
+    )
 
 
-def _blockwise(params, model, ids, positions=None, *, fsdp=False, dtype=None):
-    """The logits of :func:`pieces` on flat params, every block under ``fs.remat``, each
-    row-parallel output all-reduced where it leaves its layer (the plan's ``fs.nn.Output``
-    entries, as the whole module's call applies them: the same collectives as without
-    ``--remat``). Not needed for the gradients: ``fs.remat`` of a block whose input is a pending
-    sum (the residual stream before its all-reduce) is exact too (issue 36)."""
-    rows = fs.P(data_axes(next(iter(params.values())).mesh))  # the batch keeps its split
-    outputs = {"attn.proj": rows} | ({} if model.cfg.n_experts else {"mlp.fc2": rows})
-    embed, blocks, logits = pieces(model, fsdp=fsdp, remat=True, dtype=dtype, outputs=outputs)
-    per_block = [
-        {k[len(pre) :]: v for k, v in params.items() if k.startswith(pre)}
-        for pre in (f"blocks.{i}." for i in range(len(model.blocks)))
-    ]
-    x = blocks(per_block, embed({k: params[k] for k in EMB}, ids, positions))
-    return logits({k: params[k] for k in HEAD}, x)
-
-
-def global_loss(
-    params: dict, model: GPT, tokens: fs.ShardedArray, fsdp=False, remat=False, dtype=None
-) -> torch.Tensor:
-    """Mean next-byte cross entropy of the global batch: the module's own forward on sharded
-    params (:func:`run_model`), collectives inserted by the op rules; with ``remat`` block by
-    block, each under ``fs.remat`` (:func:`pieces`).
-
-    ``tokens`` is the ``(batch, ctx + 1)`` batch sharded over ``dp``. The loss is replicated,
-    and :func:`fshard.gather` of a replicated value is its local tensor (no communication).
-    """
-    if remat:
-        logits = _blockwise(params, model, tokens[:, :-1], fsdp=fsdp, dtype=dtype)
-    else:
-        logits = run_model(model, params, (tokens[:, :-1],), fsdp=fsdp)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    return fs.gather(loss)
-
-
-def context_batch(batch: torch.Tensor, mesh: fs.Mesh, microbatches: int | None = None) -> dict:
-    """The ``--cp`` inputs of a full ``(batch, ctx + 1)`` batch: ids, positions and next-byte
-    targets in the load-balanced order (``fs.parallel.load_balance``: rank i of ``cp`` holds
-    chunks i and 2cp-1-i), split over dp x ep on the batch and over cp on the sequence. With
-    ``microbatches`` (``--pp``) each is ``(microbatches, batch / microbatches, ctx)``, the
-    microbatch dim not split."""
-    cp = mesh.size("cp")
-    ids, targets = batch[:, :-1], batch[:, 1:]
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    spec = fs.P(data_axes(mesh), "cp")
-    if microbatches is not None:
-        spec = fs.P(None, *spec.dims)
-
-    def split(t):
-        t = fs.parallel.load_balance(t, cp, 1)
-        return t if microbatches is None else t.reshape(microbatches, -1, t.shape[-1])
-
-    return {
-        k: fs.shard(split(t), mesh, spec)
-        for k, t in (("ids", ids), ("positions", positions), ("targets", targets))
-    }
-
-
-def context_loss(
-    params: dict,
-    model: GPT,
-    batch: dict,
-    mesh: fs.Mesh,
-    fsdp: bool = False,
-    remat: bool = False,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """:func:`global_loss` with the sequence split over ``cp`` (``--cp``): a ``shard_map``
-    manual over ``cp`` (the params keep their layouts over dp and tp) runs the module's own
-    forward on each rank's chunks at their global positions, with ring attention; the
-    cross-entropy sums are added over ``cp``."""
-    count = batch["targets"].numel()
-
-    def body(ps, ids, positions, targets):
-        _CONTEXT.append(("cp", mesh))
-        try:
-            if remat:
-                logits = _blockwise(ps, model, ids, positions, fsdp=fsdp, dtype=dtype)
-            else:
-                logits = run_model(model, ps, (ids,), {"positions": positions}, fsdp=fsdp)
-        finally:
-            _CONTEXT.pop()
-        ce = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
-        return fs.lax.psum(ce, "cp") / count
-
-    seq = fs.P(None, "cp")
-    run = fs.shard_map(body, mesh, (fs.P(), seq, seq, seq), fs.P(), axis_names={"cp"})
-    return fs.gather(run(params, batch["ids"], batch["positions"], batch["targets"]))
-
-
-def pipeline_params(
-    model: GPT, mesh: fs.Mesh, virtual: int = 1, *, sp: bool = False, fsdp: bool = False
-) -> dict:
-    """The params for ``--pp``: ``{"emb": tok/pos, "stages": the blocks stacked as pipeline
-    stages over ``pp`` (``fs.parallel.stack_stages``, with the Megatron plan over ``tp``,
-    sequence-parallel with ``sp``, sharded over ``dp`` too with ``fsdp``), "head": ln_f +
-    head}``."""
-    named = {k: v.detach() for k, v in model.named_parameters()}
-    plan = gpt_plan("tp", experts="ep" if model.cfg.n_experts else None, sp=sp)
-    if fsdp:
-        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
-    specs = fs.nn.match_plan(named, plan)
-    shard = lambda n: fs.shard(named[n], mesh, specs[n])  # noqa: E731
-    stages = fs.parallel.stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
-    return {
-        "emb": {n: shard(n) for n in ("tok.weight", "pos.weight")},
-        "stages": stages,
-        "head": {n: shard(n) for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
-    }
-
-
-def pipeline_loss(
-    params: dict,
-    tokens,
-    model: GPT,
-    mesh: fs.Mesh,
-    schedule: str,
-    virtual: int = 1,
-    remat: bool = False,
-    fsdp: bool = False,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Mean next-byte cross entropy with the blocks pipelined over ``pp`` (``--pp``):
-    ``tokens`` is ``(microbatches, batch / microbatches, ctx + 1)``, split over dp x ep on dim
-    1, or (``--cp``) :func:`context_batch`'s microbatched ids, positions and targets, the
-    sequence split over cp too (each block's attention a ring over cp). The embedding runs
-    before the pipeline (on every pp rank), each stage runs its blocks (the module's own
-    ``Block.forward`` through ``fs.nn.functional_call``, under ``fs.remat`` with ``remat``),
-    the final norm, head and loss run on the last stage. ``fs.parallel.pipeline`` is
-    differentiable: ``fs.value_and_grad`` of this gives the params' gradients in their
-    layouts."""
-    # --bf16: every weight cast where read, activations in bf16 between the stages, the logits
-    # in float32 (the global view's policy, written out for the pieces around the pipeline)
-    embed, blocks, logits = pieces(model, fsdp=fsdp, remat=remat, dtype=dtype)
-
-    def stage(p, x):  # one stage's blocks, stacked on dim 0
-        return blocks(
-            [{n: v[i] for n, v in p.items()} for i in range(len(next(iter(p.values()))))], x
-        )
-
-    def head(hp, y, target):
-        out = logits(hp, y)
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-
-    if isinstance(tokens, dict):  # --cp: the rank's load-balanced chunks at their positions
-        y = tokens["targets"]
-        x = embed(params["emb"], tokens["ids"], tokens["positions"])
-        _CONTEXT.append(("cp", mesh))
-    else:
-        y = tokens[..., 1:]
-        x = embed(params["emb"], tokens[..., :-1])
-    try:
-        return fs.parallel.pipeline(
-            stage, params["stages"], x, mesh, loss_fn=head, loss_params=params["head"],
-            targets=y, schedule=schedule, virtual=virtual,
-        )  # fmt: skip
-    finally:
-        if isinstance(tokens, dict):
-            _CONTEXT.pop()
+def token_batch(tokens: torch.Tensor) -> dict:
+    """A full ``(batch, ctx + 1)`` window of bytes as ``parallelize``'s batch: the first
+    ``ctx`` bytes in, each position predicting the byte after it."""
+    return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 # -- training --------------------------------------------------------------------------------
@@ -606,13 +415,13 @@ def get_batch(data: torch.Tensor, batch: int, ctx: int, gen: torch.Generator) ->
 
 
 def _decays(params) -> dict:
-    """Weight decay on matrices only: a flat ``{name: value}`` (a param's ndim), or the
-    pipeline's ``{"emb", "stages", "head"}`` tree (a stage param's ndim without its two leading
-    stage dims)."""
-    if "stages" not in params:
-        return {k: v.ndim >= 2 for k, v in params.items()}
-    lead = {"stages": 2}
-    return {g: {k: v.ndim - lead.get(g, 0) >= 2 for k, v in d.items()} for g, d in params.items()}
+    """Weight decay on matrices only: a param's ndim, or for the pipeline's stacked blocks
+    (``params["blocks"]``, a dict: ``(stages, blocks per stage, ...)``) its ndim without the
+    two leading dims."""
+    return {
+        k: {n: t.ndim - 2 >= 2 for n, t in v.items()} if isinstance(v, dict) else v.ndim >= 2
+        for k, v in params.items()
+    }
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
@@ -636,43 +445,28 @@ def make_train_step(
     mesh: fs.Mesh,
     tx,
     *,
-    model: GPT | None = None,
+    loss=None,
     fsdp_units: dict | None = None,
     remat: bool = False,
     dtype: torch.dtype | None = None,
-    pipeline: dict | None = None,
-    context: bool = False,
-    fsdp: bool = False,
 ):
     """The functional step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
-    With ``model`` the step differentiates :func:`global_loss` (the module's own forward);
-    with ``fsdp_units`` (params sharded by ``fs.nn.fsdp_plan``) :func:`fsdp_loss` through
-    ``fs.value_and_grad``; otherwise the local-view :func:`tp_loss`. ``remat`` and ``dtype``
-    as in :func:`tp_loss` (``dtype`` of the global view: the policy ``shard_params`` recorded).
-    With ``pipeline`` (``{"schedule", "virtual", "microbatches"}``, params from
-    :func:`pipeline_params`) :func:`pipeline_loss` through ``fs.value_and_grad``; with
-    ``context`` (the batch from :func:`context_batch`) :func:`context_loss`. ``fsdp``: the
-    global view's params are sharded over ``dp`` too (``fs.nn.fsdp_plan``), run by
-    ``fs.nn.fsdp_call`` (:func:`run_model`).
+    With ``loss`` (``fs.parallel.parallelize``'s: the global view, every strategy composed)
+    the step differentiates it with ``fs.value_and_grad`` and ``batch`` is the full ``(batch,
+    ctx + 1)`` tokens (:func:`token_batch`; each rank keeps its block). Otherwise the local
+    view, ``batch`` sharded over the data axes: with ``fsdp_units`` (params sharded by
+    ``fs.nn.fsdp_plan``) :func:`fsdp_loss` through ``fs.value_and_grad``, else
+    :func:`tp_loss` and one bucketed ``fs.lax.pmean`` of the gradients over ``dp``. ``remat``
+    and ``dtype`` as in :func:`tp_loss`.
     """
-    dp = mesh.size("dp")
-    if pipeline is not None:
-        pp_grad = fs.value_and_grad(pipeline_loss)
+    dp = mesh.size("dp") if "dp" in mesh.axis_names else 1
+    if loss is not None:
+        global_grad = fs.value_and_grad(loss)
 
-        def loss_and_grads(params, batch):  # (microbatches, rows, ctx + 1), or --cp's dict
-            loss, grads = pp_grad(
-                params, batch, model, mesh, pipeline["schedule"], pipeline["virtual"], remat,
-                fsdp, dtype,
-            )  # fmt: skip
-            return grads, loss
-
-    elif context:
-        cp_grad = fs.value_and_grad(context_loss)
-
-        def loss_and_grads(params, batch):  # batch: context_batch's ids/positions/targets
-            loss, grads = cp_grad(params, model, batch, mesh, fsdp, remat, dtype)
-            return grads, loss
+        def loss_and_grads(params, batch):  # every reduction in the composition's backward
+            value, grads = global_grad(params, token_batch(batch))
+            return grads, value
 
     elif fsdp_units is not None:
         fsdp_grad = fs.value_and_grad(fsdp_loss)
@@ -680,19 +474,6 @@ def make_train_step(
         def loss_and_grads(params, batch):  # grads arrive reduce-scattered over dp
             loss, grads = fsdp_grad(params, batch.local, model_cfg, mesh, fsdp_units, remat, dtype)
             return grads, loss
-
-    elif model is not None and fsdp:
-        fsdp_global_grad = fs.value_and_grad(global_loss)
-
-        def loss_and_grads(params, batch):  # gathered per block; grads reduce-scattered
-            loss, grads = fsdp_global_grad(params, model, batch, True, remat, dtype)
-            return grads, loss
-
-    elif model is not None:
-        global_grad = torch.func.grad_and_value(global_loss)
-
-        def loss_and_grads(params, batch):  # dp reduction: in the backward of the op rules' pcast
-            return global_grad(params, model, batch, False, remat, dtype)
 
     else:
         local_grad = torch.func.grad_and_value(tp_loss)
@@ -703,7 +484,7 @@ def make_train_step(
                 grads, loss = fs.lax.pmean((grads, loss), "dp", mesh=mesh, donate=True)
             return grads, loss
 
-    def step(params, opt_state, batch: fs.ShardedArray):
+    def step(params, opt_state, batch):
         grads, loss = loss_and_grads(params, batch)
         # tx.update + apply_updates, with the params' and moments' buffers reused in place
         # (jax.jit donate_argnums): the previous params are not used after this step
@@ -713,56 +494,51 @@ def make_train_step(
     return step
 
 
+def sharded_model(args: dict, cfg: GPTConfig) -> tuple:
+    """``(mesh, model, params, loss)`` of the flags. The global view: ``fs.parallel.parallelize``
+    of :class:`GPT` (:func:`gpt_parts`) for :func:`parallel_dims` on its mesh (axes ``pp,
+    dp_replicate, dp_shard, ep, cp, tp``), ``--bf16`` as its mixed-precision policy, ``--remat``
+    per block. The local view (``loss`` None): the Megatron plan over ``tp``, FSDP's over
+    ``dp`` with ``--fsdp``, on a ``(rep, dp, tp)`` mesh."""
+    dtype = torch.bfloat16 if args.get("bf16") else None
+    if args["view"] == "global":
+        dims = parallel_dims(args)
+        mesh = dims.mesh(device_type=args.get("device"))
+        torch.manual_seed(args["seed"])
+        model = GPT(cfg).to(mesh.device())
+        # bf16 compute, fp32 gradient reductions and logits
+        policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32, torch.float32) if dtype else None
+        params, loss = fs.parallel.parallelize(
+            model, mesh, dims, parts=gpt_parts(cfg, args.get("sp", False)), mp_policy=policy,
+            remat=bool(args.get("remat")),
+        )  # fmt: skip
+        return mesh, model, params, loss
+    shape = (args.get("hsdp", 1), args["dp"], args["tp"])
+    mesh = fs.Mesh.create(shape, ("rep", "dp", "tp"), device_type=args.get("device"))
+    torch.manual_seed(args["seed"])
+    model = GPT(cfg).to(mesh.device())
+    plan = gpt_plan("tp")
+    if args.get("fsdp"):
+        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
+    return mesh, model, fs.nn.shard_params(model, mesh, plan), None
+
+
 def train(args: dict) -> dict:
     """One rank of the training run; returns losses (and timing) for rank 0."""
     cfg = GPTConfig(**args["model"])
     pp, dp, ep, tp = args.get("pp", 1), args["dp"], args.get("ep", 1), args["tp"]
-    cp = args.get("cp", 1)
-    rep = args.get("hsdp", 1)
+    cp, rep = args.get("cp", 1), args.get("hsdp", 1)
     if dist.get_world_size() != pp * rep * dp * ep * cp * tp:
         raise ValueError(f"world size {dist.get_world_size()} != pp * hsdp * dp * ep * cp * tp")
-    # The composition's mesh, outermost first as torchtitan's: the batch is split over
-    # rep x dp x ep (HSDP's replicate axis, data / FSDP, expert parallelism carving its ranks
-    # out of the data), the sequence over cp, the weights over tp (and the blocks over pp).
-    mesh = fs.Mesh.create(
-        (pp, rep, dp, ep, cp, tp),
-        ("pp", "rep", "dp", "ep", "cp", "tp"),
-        device_type=args.get("device"),
-    )
-    torch.manual_seed(args["seed"])
-    model = GPT(cfg).to(mesh.device())
-    plan = gpt_plan("tp", experts="ep" if cfg.n_experts else None, sp=args.get("sp", False))
-    if args.get("fsdp"):
-        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
-    dtype = torch.bfloat16 if args.get("bf16") else None
-    policy = None  # the global view's: bf16 compute, fp32 gradient reductions and logits
-    if dtype is not None and args["view"] == "global":
-        policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
-    pipe = None
-    if pp > 1:
-        pipe = {k: args[k] for k in ("schedule", "virtual", "microbatches")}
-        params = pipeline_params(
-            model, mesh, pipe["virtual"], sp=args.get("sp", False), fsdp=args.get("fsdp", False)
-        )
-    else:
-        params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
+    mesh, model, params, loss_fn = sharded_model(args, cfg)
     schedule_steps = args.get("schedule_steps", args["steps"])  # the LR schedule's length
     tx = make_optimizer(args["lr"], schedule_steps, args["warmup"], args["wd"], args["clip"])
-    opt_state = tx.init(params)  # same layouts as the params: sharded over dp with --fsdp
+    opt_state = tx.init(params)  # the params' layouts: sharded over dp with --fsdp
+    local_fsdp = args.get("fsdp") and loss_fn is None
     step = make_train_step(
-        cfg,
-        mesh,
-        tx,
-        model=model if args["view"] == "global" else None,
-        fsdp_units=fs.nn.fsdp_units(model)
-        if args.get("fsdp") and args["view"] == "local"
-        else None,
-        fsdp=bool(args.get("fsdp")) and args["view"] == "global",
-        remat=args.get("remat", False),
-        dtype=dtype,
-        pipeline=pipe,
-        context=cp > 1,
-    )
+        cfg, mesh, tx, loss=loss_fn, fsdp_units=fs.nn.fsdp_units(model) if local_fsdp else None,
+        remat=args.get("remat", False), dtype=torch.bfloat16 if args.get("bf16") else None,
+    )  # fmt: skip
     data = load_corpus(Path(args["data"]))
     gen = torch.Generator().manual_seed(args["seed"] + 1)
     rank0 = dist.get_rank() == 0
@@ -778,13 +554,8 @@ def train(args: dict) -> dict:
         for _ in range(args["steps"]):
             t0 = time.perf_counter()
             batch = get_batch(data, args["batch"], cfg.ctx, gen).to(mesh.device())
-            if cp > 1:
-                batch = context_batch(batch, mesh, pipe and pipe["microbatches"])
-            elif pipe is None:
+            if loss_fn is None:  # the local view: this rank's rows
                 batch = fs.shard(batch, mesh, fs.P(data_axes(mesh)))
-            else:  # microbatches, each split over dp x ep
-                batch = batch.reshape(pipe["microbatches"], -1, cfg.ctx + 1)
-                batch = fs.shard(batch, mesh, fs.P(None, data_axes(mesh)))
             params, opt_state, loss = step(params, opt_state, batch)
             loss = float(loss)
             dt = time.perf_counter() - t0
@@ -800,10 +571,13 @@ def train(args: dict) -> dict:
             progress.stop()
     steady = times[min(5, len(times) - 1) :]
     out = {"losses": losses, "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
-    if args.get("return_params"):
-        out["params"] = fs.tree_map(
-            fs.gather, params, is_leaf=lambda v: isinstance(v, fs.ShardedArray)
-        )
+    if args.get("return_params"):  # every param whole, under the module's names
+        full = fs.tree_map(fs.gather, params, is_leaf=lambda v: isinstance(v, fs.ShardedArray))
+        if isinstance(full.get("blocks"), dict):  # the pipeline's stages
+            virtual = args.get("virtual", 1)
+            stages = full.pop("blocks")
+            full.update(fs.parallel.unstack_stages(stages, prefix="blocks", pp=pp, virtual=virtual))
+        out["params"] = full
     return out if rank0 else {}
 
 
@@ -855,8 +629,10 @@ def parse_args(argv=None) -> dict:
     ap.add_argument(
         "--view",
         choices=("local", "global"),
-        default="local",
-        help="local: explicit collectives (tp_loss); global: the module's own forward",
+        default=None,
+        help="local: explicit collectives (tp_loss; --dp/--fsdp/--hsdp x --tp); global: the "
+        "module's own forward, every strategy through fs.parallel.parallelize (the default "
+        "with --sp, --pp, --cp, --ep or --experts; otherwise local)",
     )
     ap.add_argument(
         "--remat",
@@ -921,19 +697,20 @@ def parse_args(argv=None) -> dict:
         a.dp = a.fsdp
     if a.ep > 1 and not a.experts:
         raise SystemExit("--ep splits the experts: add --experts E")
-    if a.experts:
-        if a.view != "global":
-            raise SystemExit(
-                "--experts runs the global view (fs.parallel.moe_experts in the module's "
-                "forward): add --view global"
-            )
-        if a.experts % a.ep or not 1 <= a.topk <= a.experts:
-            raise SystemExit(
-                f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
-            )
+    global_only = [f for f, on in (("--sp", a.sp), ("--pp", a.pp > 1), ("--cp", a.cp > 1),
+                                   ("--experts", a.experts)) if on]  # fmt: skip
+    if a.view is None:
+        a.view = "global" if global_only else "local"
+    if a.view == "local" and global_only:
+        raise SystemExit(
+            f"{' '.join(global_only)} run(s) in the global view (fs.parallel.parallelize of the "
+            "module's own forward): drop --view local"
+        )
+    if a.experts and (a.experts % a.ep or not 1 <= a.topk <= a.experts):
+        raise SystemExit(
+            f"--experts ({a.experts}) must split over --ep ({a.ep}) and be >= --topk ({a.topk})"
+        )
     if a.pp > 1:
-        if a.view != "global":
-            raise SystemExit("--pp runs the global view's blocks as stages: add --view global")
         virtual = a.virtual if a.schedule == "interleaved" else 1
         if a.layers % (a.pp * virtual) or a.batch % (a.microbatches * a.hsdp * a.dp * a.ep):
             raise SystemExit(
@@ -941,21 +718,12 @@ def parse_args(argv=None) -> dict:
                 f"stages and --batch ({a.batch}) into --microbatches ({a.microbatches}) of "
                 "hsdp x dp x ep"
             )
-    if a.cp > 1:
-        if a.view != "global":
-            raise SystemExit(
-                "--cp runs the global view's forward on sequence chunks: add --view global"
-            )
-        if a.ctx % (2 * a.cp):
-            raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
+    if a.cp > 1 and a.ctx % (2 * a.cp):
+        raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
     if a.remat and a.sp and a.pp == 1:
         raise SystemExit(
             "--remat with --sp runs in the pipeline's stages only (--pp): outside it each "
             "block's call all-reduces its row-parallel outputs (no sequence split)"
-        )
-    if a.sp and a.view != "global":
-        raise SystemExit(
-            "--sp runs the global view (a plan, the module's forward): add --view global"
         )
     for name in (
         "pp",

@@ -1,48 +1,23 @@
 """Every parallelism at once (issue 36): the demo's flags, through its one training path
-(``train_gpt.train``: one global-view loss per model, FSDP by ``fs.nn.fsdp_call``, the pipeline
-by ``fs.parallel.pipeline``, context parallelism by a ``shard_map`` over ``cp``), on 4 local
-ranks, against the dense computation in one process (3 AdamW steps: every loss and every
-parameter)."""
+(``train_gpt.train``: ``fs.parallel.parallelize`` of the demo's own GPT, described by
+``fs.parallel.ModelParts``: one loss for every combination), on 4 local ranks, against the
+dense computation in one process (3 AdamW steps: every loss and every parameter); and
+transformers models through the same call."""
 
 import math
-import shlex
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 import fshard as fs
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import train_gpt as demo  # noqa: E402
-
-from tests.test_train_gpt import OPT, dense_run, moe_dense_run  # noqa: E402
-
-BASE = (
-    "--view global --steps 3 --layers 2 --d-model 32 --heads 4 --ctx 16 --batch 4 "
-    f"--lr {OPT['lr']} --warmup {OPT['warmup']} --wd {OPT['weight_decay']} "
-    f"--clip {OPT['clip']} --microbatches 2 --plot ''"
-)
+from tests.test_train_gpt import dense_run, flags_rank_fn, moe_dense_run  # noqa: E402
 
 
 def train_rank_fn(flags: str):
-    args = demo.parse_args(shlex.split(f"{BASE} {flags}"))
-    args.update(progress=False, return_params=True, schedule_steps=OPT["steps"])
-    return demo.train(args)
-
-
-def _named(params: dict) -> dict:
-    """The pipeline's ``{"emb", "stages", "head"}`` as the module's parameter names."""
-    if "stages" not in params:
-        return params
-    named = {**params["emb"], **params["head"]}
-    for n, full in params["stages"].items():  # (stages, blocks per stage, ...), pp order
-        for s in range(full.shape[0]):
-            for i in range(full.shape[1]):
-                named[f"blocks.{s * full.shape[1] + i}.{n}"] = full[s, i]
-    return named
+    """The demo's run for ``flags`` in the global view (the composition), unless they say
+    ``--view local``."""
+    return flags_rank_fn(f"--view global {flags}")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +59,7 @@ def test_demo_flags_compose_like_dense(world4, references, flags, reference):
     ref_losses = ref[0]
     ref_params = ref[1][-1] if isinstance(ref[1], list) else ref[1]
     out = world4.run(train_rank_fn, flags)[0]
-    params = _named(out["params"])
+    params = out["params"]
     assert set(params) == set(ref_params)
     if reference == "bf16":  # as test_train_gpt's bf16 check: Adam turns bf16 noise into
         for got, want in zip(out["losses"], ref_losses):  # +-lr steps on tiny gradients
@@ -111,7 +86,7 @@ def test_three_strategies_on_eight_ranks(world8, references):
     ranks, in one run: 3 steps like dense."""
     ref_losses, ref_snaps = references["dense"]
     for flags, out in zip(EIGHT, world8.run(eight_rank_fn, timeout=900)[0]):
-        params = _named(out["params"])
+        params = out["params"]
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-4), flags
         for k, want in ref_snaps[-1].items():
             torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=f"{flags} {k}")
@@ -602,3 +577,37 @@ def test_parallelize_refuses_what_pp_does_not_compose():
     dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # open: wrong layer gradients
     with pytest.raises(ValueError, match="remat= with dp_shard > 1 or ep > 1 is not composed"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
+
+
+def test_parallelize_takes_a_model_of_your_own_by_its_parts():
+    """``parts=`` is checked before anything is sharded: its type, each piece a submodule,
+    the layers a ModuleList; the loss's batch takes labels or targets, not both; a forward
+    that does not take what the composition passes is named (no process group needed)."""
+    from fshard.parallel.compose import _batch, _pipeline_parts
+    from fshard.parallel.context import forward_kwargs
+    from tests.test_train_gpt import CFG, demo
+
+    model = demo.GPT(CFG)
+    dims = fs.parallel.ParallelDims(pp=2)
+    with pytest.raises(TypeError, match="parts must be a fs.parallel.ModelParts"):
+        fs.parallel.parallelize(model, dims.abstract_mesh(), dims, parts={"layers": "blocks"})
+    with pytest.raises(TypeError, match="ModelParts: embed must be a module name"):
+        fs.parallel.ModelParts(embed=3)
+    with pytest.raises(ValueError, match=r"parts.embed = 'tok' is not a submodule of GPT"):
+        _pipeline_parts(model, dims, fs.parallel.ModelParts(embed="tok", layers="blocks"))
+    bad = fs.parallel.ModelParts(embed="embed", layers="blocks.0", norm="ln_f", head="head")
+    with pytest.raises(ValueError, match=r"parts.layers = 'blocks.0' must name a torch.nn.ModuleList"):
+        _pipeline_parts(model, dims, bad)
+    parts = _pipeline_parts(model, dims, demo.gpt_parts(CFG))
+    assert (parts.embed, parts.layers, parts.norm, parts.head) == ("embed", "blocks", "ln_f", "head")
+    assert parts.names["embed"] == {"tok.weight": "embed.tok.weight", "pos.weight": "embed.pos.weight"}
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="'labels' .* and 'targets' .*give one"):
+        _batch({"input_ids": ids, "labels": ids, "targets": ids})
+    with pytest.raises(ValueError, match=r"batch\['targets'\] must be a tensor shaped as input_ids"):
+        _batch({"input_ids": ids, "targets": ids[:, 1:]})
+    assert _batch({"input_ids": ids, "targets": ids})[3] is ids
+    # the composition passes what a forward takes; a real value it does not take is an error
+    assert forward_kwargs(model, {"position_ids": ids, "use_cache": False}, "x") == {"position_ids": ids}
+    with pytest.raises(ValueError, match=r"x: GPT.forward takes no \['attention_mask'\]"):
+        forward_kwargs(model, {"attention_mask": ids}, "x")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fshard as fs
+from tests.test_autodiff import global_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 RTOL, ATOL = 2e-5, 2e-6
@@ -98,7 +99,7 @@ def gpt_rank_fn(batch=3):
     plan = fs.parallel.sequence_parallel_plan(
         column=["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
         row=["blocks.*.attn.proj", "blocks.*.mlp.fc2"],
-        scatter=["tok"],
+        scatter=["embed.tok"],
     )
     plan.update(fs.nn.megatron_plan(column=["head"], bias=False))
     params = fs.nn.shard_params(model, mesh, plan)
@@ -117,7 +118,7 @@ def gpt_rank_fn(batch=3):
     def check_log(log):
         _check(log, want, b * t)
 
-    loss_fn = lambda ps, x: tg.global_loss(ps, model, x)  # noqa: E731
+    loss_fn = lambda ps, x: global_loss(ps, model, x)  # noqa: E731
     dense_loss = lambda ps, ids: tg.dense_loss(ps, model, ids)  # noqa: E731
     dense = {k: v.detach().clone() for k, v in model.named_parameters()}
     x = fs.shard(ids, mesh, fs.P())

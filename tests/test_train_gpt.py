@@ -1,6 +1,7 @@
 """The GPT demo's sharded training (tp=2, dp=2; local and global view) matches dense
 single-process training."""
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -52,44 +53,51 @@ def dense_run(dtype=None):
 
 
 def sharded_rank_fn(dp, tp, view, remat=False, bf16=False, fsdp=False, sp=False):
-    mesh = fs.Mesh.create((dp, tp), ("dp", "tp"))
-    torch.manual_seed(SEED)
-    model = demo.GPT(CFG)
-    plan = demo.gpt_plan("tp", sp=sp)
-    if fsdp:
-        plan = fs.nn.fsdp_plan(model, mesh, "dp", base=plan)
-    dtype = torch.bfloat16 if bf16 else None
-    policy = None
-    if bf16 and view == "global":
-        policy = fs.nn.MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
-    params = fs.nn.shard_params(model, mesh, plan, mp_policy=policy)
+    """The demo's params and step for the flags (``demo.sharded_model``): the local view's
+    Megatron (FSDP) plan, or the global view's ``fs.parallel.parallelize``; layouts checked
+    every step."""
+    args = {"view": view, "dp": dp, "tp": tp, "fsdp": fsdp, "sp": sp, "bf16": bf16,
+            "remat": remat, "seed": SEED}  # fmt: skip
+    mesh, model, params, loss = demo.sharded_model(args, CFG)
     if tp > 1 and not fsdp:
-        assert params["blocks.0.attn.qkv.weight"].spec == fs.P("tp", None)
-        assert params["blocks.1.mlp.fc2.weight"].spec == fs.P(None, "tp")
+        assert params["blocks.0.attn.qkv.weight"].spec.dims[0] == ("tp",)
+        assert params["blocks.1.mlp.fc2.weight"].spec.dims[1] == ("tp",)
         assert params["head.weight"].local.shape == (CFG.vocab // 2, CFG.d_model)
     layouts = {k: v.layout for k, v in params.items()}
     tx = demo.make_optimizer(**OPT)
     state = tx.init(params)
     step = demo.make_train_step(
-        CFG,
-        mesh,
-        tx,
-        model=model if view == "global" else None,
-        fsdp_units=fs.nn.fsdp_units(model) if fsdp else None,
-        remat=remat,
-        dtype=dtype,
-    )
+        CFG, mesh, tx, loss=loss, fsdp_units=fs.nn.fsdp_units(model) if fsdp and loss is None else None,
+        remat=remat, dtype=torch.bfloat16 if bf16 else None,
+    )  # fmt: skip
     losses, snaps = [], []
     for batch in _batches():
-        params, state, loss = step(params, state, fs.shard(batch, mesh, fs.P("dp")))
+        if loss is None:  # the local view: this rank's rows
+            batch = fs.shard(batch, mesh, fs.P("dp"))
+        params, state, value = step(params, state, batch)
         assert {k: v.layout for k, v in params.items()} == layouts
         assert (
             state[1][0].mu["blocks.0.mlp.fc1.weight"].layout == layouts["blocks.0.mlp.fc1.weight"]
         )
-        losses.append(float(loss))
+        losses.append(float(value))
         # copies: the demo's step donates params (gather of a replicated value is its buffer)
         snaps.append({k: fs.gather(v).clone() for k, v in params.items()})
     return losses, snaps if dist.get_rank() == 0 else None
+
+
+BASE = (
+    f"--steps {STEPS} --layers {CFG.n_layers} --d-model {CFG.d_model} --heads {CFG.n_heads} "
+    f"--ctx {CFG.ctx} --batch {BATCH} --seed {SEED} --lr {OPT['lr']} --warmup {OPT['warmup']} "
+    f"--wd {OPT['weight_decay']} --clip {OPT['clip']} --microbatches 2 --plot ''"
+)
+
+
+def flags_rank_fn(flags: str):
+    """One rank of ``demo.train`` for ``flags`` (3 steps of :data:`CFG`): its losses and every
+    param, whole, under the module's names (rank 0; ``{}`` elsewhere)."""
+    args = demo.parse_args(shlex.split(f"{BASE} {flags}"))
+    args.update(progress=False, return_params=True, schedule_steps=OPT["steps"])
+    return demo.train(args)
 
 
 @pytest.fixture(scope="module")
@@ -186,115 +194,54 @@ def moe_dense_run():
     return losses, params
 
 
-def moe_rank_fn(shape):
-    mesh = fs.Mesh.create(shape, ("dp", "ep", "tp"))
-    torch.manual_seed(SEED)
-    model = demo.GPT(MOE)
-    params = fs.nn.shard_params(model, mesh, demo.gpt_plan("tp", experts="ep"))
-    assert params["blocks.0.mlp.gate_up"].spec == fs.P("ep")
-    tx = demo.make_optimizer(**OPT)
-    state = tx.init(params)
-    step = demo.make_train_step(MOE, mesh, tx, model=model)
-    losses = []
-    for batch in _batches():
-        params, state, loss = step(params, state, fs.shard(batch, mesh, fs.P(("dp", "ep"))))
-        losses.append(float(loss))
-    return losses, {k: fs.gather(v).clone() for k, v in params.items()}
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("shape", [(1, 2, 1), (2, 1, 1)])
-def test_moe_training_matches_dense(world2, shape):
+@pytest.mark.parametrize("flags", ["--experts 4 --ep 2 --tp 1", "--experts 4 --dp 2 --tp 1"])
+def test_moe_training_matches_dense(world2, flags):
     """``--experts 4``: ep=2 (experts split, tokens dispatched with ragged all_to_alls) and
     dp=2 (experts replicated, every expert weighted per token) train like the dense MoE."""
     ref_losses, ref_params = moe_dense_run()
-    for losses, params in world2.run(moe_rank_fn, shape):
-        assert losses == pytest.approx(ref_losses, rel=1e-4)
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    out = world2.run(flags_rank_fn, flags)[0]
+    assert out["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert out["params"]["blocks.0.mlp.gate_up"].shape == ref_params["blocks.0.mlp.gate_up"].shape
+    for k, v in ref_params.items():
+        torch.testing.assert_close(out["params"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def pipeline_rank_fn(shape, schedule):
-    """``--pp``: the example's step (``fs.optim.step`` included, whose consistency check spans
-    the whole mesh while each pipeline stage ran its own collectives)."""
-    mesh = fs.Mesh.create(shape, ("pp", "dp", "ep", "tp"))
-    torch.manual_seed(SEED)
-    model = demo.GPT(CFG)
-    virtual = 1  # CFG has 2 blocks: one stage per rank
-    params = demo.pipeline_params(model, mesh, virtual)
-    tx = demo.make_optimizer(**OPT)
-    state = tx.init(params)
-    pipe = {"schedule": schedule, "virtual": virtual, "microbatches": 2}
-    step = demo.make_train_step(CFG, mesh, tx, model=model, pipeline=pipe)
-    losses = []
-    for batch in _batches():
-        mb = fs.shard(batch.reshape(2, -1, CFG.ctx + 1), mesh, fs.P(None, ("dp", "ep")))
-        params, state, loss = step(params, state, mb)
-        losses.append(float(loss))
-    named = {**params["emb"], **params["head"]}
-    for n, v in params["stages"].items():
-        full = fs.gather(v)  # (stages, blocks per stage, ...)
-        for s in range(full.shape[0]):
-            for i in range(full.shape[1]):
-                named[f"blocks.{s * full.shape[1] + i}.{n}"] = full[s, i]
-    return losses, {
-        k: fs.gather(v) if isinstance(v, fs.ShardedArray) else v for k, v in named.items()
-    }
+def _check_flags(out: dict, dense) -> None:
+    ref_losses, ref_snaps = dense
+    assert out["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert set(out["params"]) == set(ref_snaps[-1])
+    for k, ref in ref_snaps[-1].items():
+        torch.testing.assert_close(out["params"][k], ref, rtol=1e-4, atol=1e-5, msg=k)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "shape,schedule",
-    [((2, 1, 1, 1), "gpipe"), ((2, 1, 1, 1), "1f1b"), ((2, 1, 1, 1), "zb"), ((2, 2, 1, 1), "1f1b")],
-)
-def test_pipeline_training_matches_dense(shape, schedule, dense, request):
+    "flags",
+    ["--pp 2 --tp 1 --schedule gpipe", "--pp 2 --tp 1 --schedule 1f1b",
+     "--pp 2 --tp 1 --schedule zb", "--pp 2 --dp 2 --tp 1"],
+)  # fmt: skip
+def test_pipeline_training_matches_dense(flags, dense, request):
     """``--pp 2``: the blocks as pipeline stages, each schedule, 3 steps of the example's
-    optimizer like dense; pp x dp on 4 ranks."""
-    world = request.getfixturevalue("world4" if shape[1] > 1 else "world2")
-    ref_losses, ref_snaps = dense
-    losses, params = world.run(pipeline_rank_fn, shape, schedule)[0]
-    assert losses == pytest.approx(ref_losses, rel=1e-4)
-    for k, ref in ref_snaps[-1].items():
-        torch.testing.assert_close(params[k], ref, rtol=1e-4, atol=1e-5, msg=k)
-
-
-def context_rank_fn(shape, sp):
-    """``--cp``: the sequence split over cp (load-balanced chunks, ring attention), with the
-    other axes of ``shape`` (pp, dp, ep, cp, tp)."""
-    mesh = fs.Mesh.create(shape, ("pp", "dp", "ep", "cp", "tp"))
-    torch.manual_seed(SEED)
-    model = demo.GPT(CFG)
-    params = fs.nn.shard_params(model, mesh, demo.gpt_plan("tp", sp=sp))
-    tx = demo.make_optimizer(**OPT)
-    state = tx.init(params)
-    step = demo.make_train_step(CFG, mesh, tx, model=model, context=True)
-    losses = []
-    for batch in _batches():
-        params, state, loss = step(params, state, demo.context_batch(batch, mesh))
-        losses.append(float(loss))
-    return losses, {k: fs.gather(v) for k, v in params.items()}
-
-
-def _check_context(out, dense):
-    ref_losses, ref_snaps = dense
-    losses, params = out[0]
-    assert all(o[0] == losses for o in out)  # every rank reports the same loss
-    assert losses == pytest.approx(ref_losses, rel=1e-4)
-    for k, ref in ref_snaps[-1].items():
-        torch.testing.assert_close(params[k], ref, rtol=1e-4, atol=1e-5, msg=k)
+    optimizer (``fs.optim.step`` included, whose consistency check spans the whole mesh while
+    each stage ran its own collectives) like dense; pp x dp on 4 ranks."""
+    world = request.getfixturevalue("world4" if "--dp 2" in flags else "world2")
+    _check_flags(world.run(flags_rank_fn, flags)[0], dense)
 
 
 @pytest.mark.timeout(600)
 def test_cp_training_matches_dense(world2, dense):
-    """``--cp 2``: 3 steps like dense."""
-    _check_context(world2.run(context_rank_fn, (1, 1, 1, 2, 1), False), dense)
+    """``--cp 2``: the sequence split over cp (load-balanced chunks, ring attention through
+    ``fs.parallel.attention``), 3 steps like dense."""
+    _check_flags(world2.run(flags_rank_fn, "--cp 2 --tp 1")[0], dense)
 
 
 @pytest.mark.timeout(900)
 def test_dp_tp_sp_cp_on_eight_ranks(world8, dense):
     """Every axis at once on 8 local ranks (issue 23 item 4): dp=2 x cp=2 x tp=2 with sequence
     parallelism, 3 steps of the example's step equal to dense."""
-    _check_context(world8.run(context_rank_fn, (1, 2, 1, 2, 2), True, timeout=900), dense)
+    out = world8.run(flags_rank_fn, "--dp 2 --cp 2 --tp 2 --sp", timeout=900)[0]
+    _check_flags(out, dense)
 
 
 def test_parse_args_validation():
@@ -303,28 +250,26 @@ def test_parse_args_validation():
     with pytest.raises(SystemExit, match="heads"):
         demo.parse_args(["--tp", "3"])
     assert demo.parse_args([])["tp"] == 2
+    assert demo.parse_args([])["view"] == "local"
     assert demo.parse_args(["--view", "global"])["view"] == "global"
     with pytest.raises(SystemExit):
         demo.parse_args(["--view", "dense"])
     assert demo.parse_args(["--remat", "--view", "global", "--tp", "2"])["remat"]
-    assert demo.parse_args(["--remat", "--view", "global", "--cp", "2", "--pp", "2"])["remat"]
-    assert demo.parse_args(["--remat", "--view", "global", "--cp", "2"])["remat"]  # issue 36
+    assert demo.parse_args(["--remat", "--cp", "2", "--pp", "2"])["remat"]
+    assert demo.parse_args(["--remat", "--cp", "2"])["remat"]  # issue 36
     with pytest.raises(SystemExit, match="--remat with --sp runs in the pipeline"):
-        demo.parse_args(["--remat", "--view", "global", "--sp"])
+        demo.parse_args(["--remat", "--sp"])
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
-    with pytest.raises(SystemExit, match="--sp runs the global view"):
-        demo.parse_args(["--sp"])
-    with pytest.raises(SystemExit, match="--pp runs the global view"):
-        demo.parse_args(["--pp", "2"])
+    # a strategy of the composition needs no --view: it runs in the global view
+    for flags in (["--sp"], ["--pp", "2"], ["--cp", "2"], ["--experts", "4"]):
+        assert demo.parse_args(flags)["view"] == "global", flags
+        with pytest.raises(SystemExit, match=r"global view .*drop --view local"):
+            demo.parse_args([*flags, "--view", "local"])
     with pytest.raises(SystemExit, match="must split into pp x virtual"):
-        demo.parse_args(["--pp", "2", "--view", "global", "--layers", "3"])
-    with pytest.raises(SystemExit, match="--cp runs the global view"):
-        demo.parse_args(["--cp", "2"])
+        demo.parse_args(["--pp", "2", "--layers", "3"])
     with pytest.raises(SystemExit, match="must split into 2 x --cp"):
-        demo.parse_args(["--cp", "3", "--view", "global", "--ctx", "8"])
+        demo.parse_args(["--cp", "3", "--ctx", "8"])
     with pytest.raises(SystemExit, match="--ep splits the experts"):
         demo.parse_args(["--ep", "2"])
-    with pytest.raises(SystemExit, match="--experts runs the global view"):
-        demo.parse_args(["--experts", "4"])
     with pytest.raises(SystemExit, match="must split over --ep"):
-        demo.parse_args(["--experts", "3", "--ep", "2", "--view", "global"])
+        demo.parse_args(["--experts", "3", "--ep", "2"])

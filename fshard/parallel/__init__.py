@@ -9,8 +9,8 @@ call puts values into the module through the one swap of :mod:`fshard._swap`).
 | sequence (:mod:`fshard.parallel.sequence`) | ``sequence_parallel_plan`` | ``fs.nn.functional_call`` |
 | FSDP / ZeRO-3 (:mod:`fshard.parallel.fsdp`) | ``fsdp_plan`` (over any base plan) | ``fsdp_call`` |
 | expert (:mod:`fshard.parallel.expert`) | ``expert_parallel_plan`` | ``expert_parallel_call`` (``moe_experts`` for your own MoE layer) |
-| context (:mod:`fshard.parallel.context`) | ``load_balance`` (the sequence's chunks per rank) | ``context_parallel_loss`` (an HF causal LM); ``ring_attention`` / ``ulysses_attention`` for your own attention |
-| all at once (:mod:`fshard.parallel.compose`) | ``ParallelDims`` (every degree) | ``parallelize`` (a transformers causal LM: params and one loss) |
+| context (:mod:`fshard.parallel.context`) | ``load_balance`` (the sequence's chunks per rank) | ``context_parallel_loss`` (an HF causal LM or your own); ``attention`` (sdpa, the ring under cp), ``ring_attention`` / ``ulysses_attention`` for your own attention |
+| all at once (:mod:`fshard.parallel.compose`) | ``ParallelDims`` (every degree), ``ModelParts`` (a model of your own) | ``parallelize`` (a causal LM: params and one loss) |
 | pipeline (:mod:`fshard.parallel.pipeline`) | ``stack_stages`` (a module's blocks as stages over ``pp``), ``pipeline_schedule`` (the tick table) | ``pipeline`` (its own executor: GPipe, 1F1B, interleaved, ZB-H1) |
 
 The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
@@ -22,8 +22,9 @@ Example:
     True
 """
 
-from .compose import ParallelDims, parallelize
+from .compose import ModelParts, ParallelDims, parallelize
 from .context import (
+    attention,
     context_parallel_loss,
     load_balance,
     load_balance_inverse,
@@ -45,6 +46,7 @@ from .sequence import megatron_sp_comm, sequence_parallel_plan
 from .tensor import hf_tp_plan, megatron_plan
 
 __all__ = [
+    "ModelParts",
     "ParallelDims",
     "parallelize",
     "megatron_plan",
@@ -65,6 +67,7 @@ __all__ = [
     "stack_stages",
     "unstack_stages",
     "stage_order",
+    "attention",
     "context_parallel_loss",
     "ring_attention",
     "ulysses_attention",

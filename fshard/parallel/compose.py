@@ -1,5 +1,6 @@
-"""Every parallelism at once on a transformers causal LM: one configuration, one mesh, one pure
-loss function (torchtitan's ``ParallelDims`` + ``parallelize``, MaxText's mesh of named axes).
+"""Every parallelism at once on a causal LM (a transformers model as it is, a model of your own
+described by :class:`ModelParts`): one configuration, one mesh, one pure loss function
+(torchtitan's ``ParallelDims`` + ``parallelize``, MaxText's mesh of named axes).
 
 :class:`ParallelDims` holds every degree; :meth:`ParallelDims.mesh` names one mesh axis per
 degree, outermost first as torchtitan's: ``("pp", "dp_replicate", "dp_shard", "ep", "cp",
@@ -49,9 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +68,13 @@ from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
 from ..spec import P
 from .context import _ATTENTION as _RING
-from .context import _attention_of, context_parallel_loss, load_balance
+from .context import _attention_of, context_parallel_loss, forward_kwargs, load_balance
 from .expert import expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan
 from .pipeline import pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
 
-__all__ = ["ParallelDims", "parallelize"]
+__all__ = ["ModelParts", "ParallelDims", "parallelize"]
 
 #: The mesh axes, outermost first (torchtitan's order).
 AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
@@ -181,21 +183,73 @@ class ParallelDims:
         return Mesh.abstract(self.shape, AXES)
 
 
+@dataclass(frozen=True)
+class ModelParts:
+    """A causal LM of your own, for :func:`parallelize`: its plan and where its pieces are.
+
+    The model's forward takes ``(input_ids)`` (and ``position_ids=``, ``attention_mask=``
+    where it uses them) and returns the logits ``(batch, seq, vocab)`` (or an output with
+    ``.logits``); :func:`parallelize` adds the loss. Its attention calls
+    :func:`fshard.parallel.attention` (scaled dot-product attention, the ring or all-to-all
+    over ``cp`` under context parallelism); a mixture of experts calls
+    :func:`fshard.parallel.moe_experts` on experts the plan splits over ``ep``.
+
+    Args:
+        plan: ``{name pattern: P or fs.nn.Output}`` over the mesh axes ``"tp"`` and ``"ep"``
+            (:func:`fshard.nn.megatron_plan`, :func:`sequence_parallel_plan`, experts as
+            ``P("ep")``), as :func:`fshard.nn.shard_params` takes; FSDP's ``dp_shard`` is added
+            by :func:`parallelize`. On an axis of degree 1 an entry splits nothing.
+        embed: the embedding module's name: ``embed(input_ids)`` (or ``embed(input_ids,
+            position_ids=...)``: position embeddings) gives the hidden states.
+        layers: the decoder layers' ``torch.nn.ModuleList`` (alike: ``pp`` stacks them as
+            stages), each ``layer(hidden) -> hidden``.
+        norm: the final norm's name.
+        head: the output projection's name (``head(norm(hidden))`` are the logits).
+
+    Example:
+        >>> parts = fs.parallel.ModelParts(
+        ...     plan=fs.nn.megatron_plan(column=["blocks.*.fc1"], row=["blocks.*.fc2"], axis="tp"),
+        ...     embed="embed", layers="blocks", norm="ln_f", head="head")
+        >>> parts.layers
+        'blocks'
+    """
+
+    plan: Mapping = field(default_factory=dict, hash=False)
+    embed: str = "embed"
+    layers: str = "layers"
+    norm: str = "norm"
+    head: str = "head"
+
+    def __post_init__(self):
+        if not isinstance(self.plan, Mapping):
+            raise TypeError(f"ModelParts: plan must be a mapping, got {type(self.plan).__name__}")
+        for piece in ("embed", "layers", "norm", "head"):
+            if not isinstance(getattr(self, piece), str):
+                raise TypeError(
+                    f"ModelParts: {piece} must be a module name (str), got "
+                    f"{type(getattr(self, piece)).__name__}"
+                )
+
+
 def parallelize(
     model: torch.nn.Module,
     mesh: Mesh,
     dims: ParallelDims,
     *,
+    parts: ModelParts | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     remat: bool | str = False,
 ) -> tuple[dict, Callable]:
-    """Shard a transformers causal LM for ``dims`` on ``mesh`` and return ``(params, loss)``.
+    """Shard a causal LM for ``dims`` on ``mesh`` and return ``(params, loss)``: a
+    transformers model as it is, a model of your own described by ``parts``.
 
     ``loss(params, batch)`` is the model's mean next-token cross entropy (transformers'
     ``model(input_ids, labels=labels).loss``) with every strategy of ``dims`` applied, in the
     order of the module docstring; ``batch`` is ``{"input_ids": (batch, seq) tensor, "labels":
     optional, "attention_mask": optional}``, the full tensors, the same on every rank (each
-    rank keeps its block). A pure function of ``params``: ``fs.value_and_grad`` gives every
+    rank keeps its block); ``"targets"`` instead of ``"labels"`` gives the token each position
+    predicts, already shifted (torchtitan's convention; the loss is then the mean over every
+    target not -100). A pure function of ``params``: ``fs.value_and_grad`` gives every
     gradient in its parameter's layout.
 
     Args:
@@ -204,6 +258,9 @@ def parallelize(
             ``base_model_pp_plan`` (embedding, decoder layers, norm) and its layers alike.
         mesh: ``dims.mesh()`` (axes :data:`AXES`).
         dims: the degrees.
+        parts: a model of your own (:class:`ModelParts`: its tensor / expert-parallel plan
+            and the names of its embedding, layers, norm and head); ``None``: a transformers
+            model, whose shipped plans and ``base_model_pp_plan`` are read.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` for the params, or ``None``.
         remat: activation checkpointing per decoder layer (torchtitan's full AC): ``True``
             runs each layer of a stage under :func:`fshard.remat` (only its inputs saved; the
@@ -262,23 +319,30 @@ def parallelize(
             "a stage's layer run by fsdp_call gave wrong gradients for the layers' params "
             "(open; tp, cp and dp_replicate with pp are tested equal to dense; ep is untested)"
         )
-    parts = _pipeline_parts(model, dims) if dims.pp > 1 else None
-    # 1-3: the plan, as data: tp, then ep, then FSDP over both
+    if parts is not None and not isinstance(parts, ModelParts):
+        raise TypeError(
+            f"parallelize: parts must be a fs.parallel.ModelParts or None, got {type(parts).__name__}"
+        )
+    pieces = _pipeline_parts(model, dims, parts) if dims.pp > 1 else None
+    # 1-3: the plan, as data: tp, then ep (a transformers model's shipped plans; a model of
+    # your own, its plan over those axes), then FSDP over both
     plan: dict = {}
-    if dims.tp > 1:
+    if parts is not None:
+        plan.update(parts.plan)
+    if dims.tp > 1 and parts is None:
         plan.update(hf_tp_plan(model, "tp"))
-    if dims.ep > 1:
+    if dims.ep > 1 and parts is None:
         plan.update(expert_parallel_plan(model, mesh, "ep"))
     outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
     if dims.dp_shard > 1:
         plan = fsdp_plan(model, mesh, "dp_shard", base=plan)
     params = shard_params(model, mesh, plan, mp_policy=mp_policy)
     # 4: the decoder layers as stages over pp, each keeping the layouts of 1-3
-    if parts is not None:
+    if pieces is not None:
         named = {k: v.detach() for k, v in model.named_parameters()}
-        stages = stack_stages(named, mesh, prefix=parts.layers, plan=plan, virtual=dims.pp_virtual)
-        params = {k: v for k, v in params.items() if not k.startswith(parts.layers + ".")}
-        params[parts.layers] = stages
+        stages = stack_stages(named, mesh, prefix=pieces.layers, plan=plan, virtual=dims.pp_virtual)
+        params = {k: v for k, v in params.items() if not k.startswith(pieces.layers + ".")}
+        params[pieces.layers] = stages
     # 5: the call, innermost first: FSDP's gathers, inside the experts' dispatch. The plan's
     # output layouts apply on every path (a row-parallel output reduced where it leaves its
     # layer, as Megatron does, not left pending into the residual stream, where each later use
@@ -291,26 +355,37 @@ def parallelize(
             fsdp_call, mesh=mesh, axis="dp_shard", replicate=replicate, mp_policy=mp_policy,
             outputs=batch_outputs,
         )  # fmt: skip
-    if dims.ep > 1:
+    if dims.ep > 1 and parts is None:  # a model of your own calls moe_experts itself
         call = functools.partial(_experts, call=call)
-    if parts is not None:  # the pieces of the model, the layers as stages
+    if pieces is not None:  # the pieces of the model, the layers as stages
         policy = None if remat is True else remat  # False: no remat
-        return params, _pipeline_loss(model, parts, mesh, dims, call, mp_policy, outputs, policy)
+        return params, _pipeline_loss(model, pieces, mesh, dims, call, mp_policy, outputs, policy)
     batch_axes = dims.batch_axes
 
     def loss(params: Mapping, batch: Mapping) -> torch.Tensor:
-        ids, labels, mask = _batch(batch)
+        ids, labels, mask, targets = _batch(batch)
         if dims.cp > 1:  # the sequence split over cp, inside a shard_map over it
             return context_parallel_loss(
                 model, params, mesh, ids, labels, mask, attention=dims.cp_attention,
-                batch=batch_axes, call=call,
+                batch=batch_axes, call=call, targets=targets,
             )  # fmt: skip
         spec = P(batch_axes)
-        kwargs = {"labels": shard(ids if labels is None else labels, mesh, spec)}
-        kwargs["use_cache"] = False
+        kwargs = {"use_cache": False}
         if mask is not None:
             kwargs["attention_mask"] = shard(mask, mesh, spec)
-        return gather(call(model, params, (shard(ids, mesh, spec),), kwargs).loss)
+        if parts is None and targets is None:  # transformers' own loss
+            kwargs["labels"] = shard(ids if labels is None else labels, mesh, spec)
+            return gather(call(model, params, (shard(ids, mesh, spec),), kwargs).loss)
+        if targets is None:
+            targets = _shifted(ids if labels is None else labels)
+        kwargs = forward_kwargs(model, kwargs, "parallelize's loss")
+        out = call(model, params, (shard(ids, mesh, spec),), kwargs)
+        logits = getattr(out, "logits", out)
+        ce = F.cross_entropy(
+            logits.flatten(0, -2).float(), shard(targets, mesh, spec).flatten(),
+            ignore_index=-100, reduction="sum",
+        )  # fmt: skip
+        return gather(ce) / int((targets != -100).sum())
 
     return params, loss
 
@@ -335,19 +410,42 @@ class _Parts:
     names: Mapping[str, Mapping[str, str]]
 
 
-def _pipeline_parts(model: torch.nn.Module, dims: ParallelDims) -> _Parts:
+def _pipeline_parts(
+    model: torch.nn.Module, dims: ParallelDims, parts: ModelParts | None = None
+) -> _Parts:
     config = getattr(model, "config", None)
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if base is None or head is None or not {"embed_tokens", "layers", "norm"} <= set(pp_plan):
-        raise NotImplementedError(
-            f"parallelize: pp > 1 splits a transformers causal LM into embedding, decoder layers "
-            f"and norm (its config's base_model_pp_plan) and head; {type(model).__name__} has "
-            f"base_model_pp_plan {sorted(pp_plan)} and head {type(head).__name__}"
-        )
-    layers = base.layers
+    module_names = {id(m): k for k, m in model.named_modules()}
+    if parts is None:
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(model, prefix, None) if prefix else None
+        pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if base is None or head is None or not {"embed_tokens", "layers", "norm"} <= set(pp_plan):
+            raise NotImplementedError(
+                f"parallelize: pp > 1 splits a transformers causal LM into embedding, decoder "
+                f"layers and norm (its config's base_model_pp_plan) and head; "
+                f"{type(model).__name__} has base_model_pp_plan {sorted(pp_plan)} and head "
+                f"{type(head).__name__}; for a model of your own give parts=ModelParts(...)"
+            )
+        modules = {"embed": base.embed_tokens, "layers": base.layers, "norm": base.norm,
+                   "head": head}  # fmt: skip
+    else:
+        modules = {}
+        for piece in ("embed", "layers", "norm", "head"):
+            name = getattr(parts, piece)
+            try:
+                modules[piece] = model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(
+                    f"parallelize: parts.{piece} = {name!r} is not a submodule of "
+                    f"{type(model).__name__}"
+                ) from None
+        if not isinstance(modules["layers"], torch.nn.ModuleList):
+            raise ValueError(
+                f"parallelize: parts.layers = {parts.layers!r} must name a torch.nn.ModuleList, "
+                f"got {type(modules['layers']).__name__}"
+            )
+    layers = modules["layers"]
     n = len(layers)
     stages = dims.pp * dims.pp_virtual
     if n % stages:
@@ -366,21 +464,20 @@ def _pipeline_parts(model: torch.nn.Module, dims: ParallelDims) -> _Parts:
             "parallelize: pp with output_router_logits=True: the router's auxiliary loss sums "
             "over every layer, across the stages; set config.output_router_logits=False"
         )
-    module_names = {id(m): k for k, m in model.named_modules()}
     canonical: dict[int, str] = {}
     full: dict[str, str] = {}
     for k, p in model.named_parameters(remove_duplicate=False):
         full[k] = canonical.setdefault(id(p), k)
     out = {}
     for piece in ("embed", "norm", "head"):
-        m = base.embed_tokens if piece == "embed" else base.norm if piece == "norm" else head
+        m = modules[piece]
         pre = module_names[id(m)]
         out[piece] = {r: full[f"{pre}.{r}"] for r, _ in m.named_parameters(remove_duplicate=False)}
     return _Parts(
-        embed=module_names[id(base.embed_tokens)],
+        embed=module_names[id(modules["embed"])],
         layers=module_names[id(layers)],
-        norm=module_names[id(base.norm)],
-        head=module_names[id(head)],
+        norm=module_names[id(modules["norm"])],
+        head=module_names[id(modules["head"])],
         names=out,
     )
 
@@ -427,7 +524,8 @@ def _layer_kwargs(model: torch.nn.Module, parts: _Parts, positions: tuple, devic
     try:
         with torch.no_grad():
             pos = torch.tensor([positions], device=device)
-            base(torch.zeros_like(pos), position_ids=pos, use_cache=False)
+            kwargs = forward_kwargs(base, {"position_ids": pos, "use_cache": False}, "parallelize")
+            base(torch.zeros_like(pos), **kwargs)
     except _Captured:
         pass
     finally:
@@ -494,7 +592,7 @@ def _pipeline_loss(
         return {r: params[k] for r, k in parts.names[name].items()}
 
     def loss(params: Mapping, batch: Mapping) -> torch.Tensor:
-        ids, labels, mask = _batch(batch)
+        ids, labels, mask, targets = _batch(batch)
         if mask is not None:
             raise ValueError(
                 "parallelize's loss: batch['attention_mask'] with pp > 1 is not composed yet "
@@ -507,13 +605,8 @@ def _pipeline_loss(
                 f"{m} microbatches over the batch axes ({rows // m} ranks): give a multiple of "
                 f"{rows}"
             )
-        labels = ids if labels is None else labels
-        if tuple(labels.shape) != (b, s):
-            raise ValueError(
-                f"parallelize's loss: batch['labels'] has shape {tuple(labels.shape)}, expected "
-                f"{(b, s)}"
-            )
-        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
+        if targets is None:
+            targets = _shifted(ids if labels is None else labels)
         count = int((targets != -100).sum())  # the loss is the sum over every target / count
         order = tuple(range(s))
         if cp > 1:  # the sequence in load-balanced chunks, split over cp (ring attention)
@@ -558,7 +651,11 @@ def _pipeline_loss(
             )  # fmt: skip
             return ce * (m / count)  # the pipeline means over the m microbatches
 
-        x = run("embed", piece(params, "embed"), (split(ids),), {})
+        embed_kwargs = {}  # an embedding of your own may add position embeddings
+        if "position_ids" in inspect.signature(pieces["embed"][0].forward).parameters:
+            positions = torch.tensor(order, device=ids.device).expand(b, s)
+            embed_kwargs["position_ids"] = split(positions)
+        x = run("embed", piece(params, "embed"), (split(ids),), embed_kwargs)
         if rope is not None:
             full = torch.cat(rope, -1).expand(b, s, -1).to(x.dtype)
             x = torch.cat([x, split(full)], -1)
@@ -583,11 +680,16 @@ def _batch(batch) -> tuple:
             "parallelize's loss: batch must be a mapping with 'input_ids' (and optionally "
             f"'labels', 'attention_mask'), got {type(batch).__name__}"
         )
-    unknown = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+    unknown = sorted(set(batch) - {"input_ids", "labels", "targets", "attention_mask"})
     if unknown:
         raise ValueError(
             f"parallelize's loss: batch has unknown keys {unknown}; accepted: 'input_ids', "
-            "'labels', 'attention_mask'"
+            "'labels' or 'targets', 'attention_mask'"
+        )
+    if "labels" in batch and "targets" in batch:
+        raise ValueError(
+            "parallelize's loss: batch has 'labels' (transformers': shifted inside) and "
+            "'targets' (already shifted); give one"
         )
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -595,4 +697,17 @@ def _batch(batch) -> tuple:
             "parallelize's loss: batch['input_ids'] must be the full (batch, seq) tensor, "
             f"got {type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}"
         )
-    return ids, batch.get("labels"), batch.get("attention_mask")
+    for key in ("labels", "targets"):
+        t = batch.get(key)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
+            raise ValueError(
+                f"parallelize's loss: batch[{key!r}] must be a tensor shaped as input_ids "
+                f"{tuple(ids.shape)}, got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}"
+            )
+    return ids, batch.get("labels"), batch.get("attention_mask"), batch.get("targets")
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' labels as targets: each position predicts the next label (the last
+    position nothing, -100)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)

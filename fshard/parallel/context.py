@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -66,6 +67,7 @@ from ..shard_map import shard_map
 from ..spec import P
 
 __all__ = [
+    "attention",
     "context_parallel_loss",
     "load_balance",
     "load_balance_inverse",
@@ -697,11 +699,68 @@ _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_context_parallel", default=None)
 
 
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention that a model of your own calls to be context parallel:
+    inside :func:`context_parallel_loss` (and ``fs.parallel.parallelize`` with ``cp > 1``)
+    the attention of the call's axis (:func:`ring_attention` or :func:`ulysses_attention`) on
+    this rank's sequence chunks, elsewhere ``F.scaled_dot_product_attention``. transformers
+    models need no edit (their attention implementation is switched instead).
+
+    Args:
+        query, key, value: ``(batch..., heads, seq, head_dim)`` (``kv_heads`` dividing
+            ``heads``: grouped-query attention); local chunks under context parallelism,
+            ShardedArrays in the global view (heads split over tp, say).
+        is_causal: causal attention over the global positions.
+        scale: the score scale; default ``head_dim ** -0.5``.
+        padding_mask: bool ``(batch..., seq)``, True for a real key token, or ``None``.
+
+    Returns:
+        The attention output, shaped as ``query``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+        >>> out = fs.parallel.attention(q, k, v, is_causal=True)  # not under cp: sdpa
+        >>> torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        True
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        mask = None if padding_mask is None else padding_mask[..., None, None, :]
+        if mask is not None and is_causal:
+            s = query.shape[-2]
+            mask = mask & torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
+        hkv, h = key.shape[-3], query.shape[-3]
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=is_causal and mask is None,
+            scale=scale, enable_gqa=hkv != h,
+        )  # fmt: skip
+    axis, attend, mesh = active
+
+    def local(q, k, v, mask):
+        return attend(q, k, v, axis, causal=is_causal, padding_mask=mask, scale=scale)
+
+    if isinstance(query, ShardedArray):
+        # partial-manual body (cp x tp): map the blocks of the other axes (heads over tp)
+        mask = padding_mask
+        specs = [t.spec for t in (query, key, value)]
+        specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
+        local = shard_map(local, mesh, tuple(specs), query.spec)
+    return local(query, key, value, padding_mask)
+
+
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
     """transformers' attention-interface signature (as ``sdpa_attention_forward``): q, k, v
     ``(batch, heads, local seq, head_dim)``; returns ``(batch, local seq, heads, head_dim)``."""
-    active = _ACTIVE.get()
-    if active is None:
+    if _ACTIVE.get() is None:
         raise RuntimeError(
             f"attn_implementation {HF_ATTENTION!r} runs only inside "
             "fs.parallel.context_parallel_loss (it needs the context-parallel axis)"
@@ -710,20 +769,11 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         raise ValueError(f"{HF_ATTENTION}: attention dropout is not supported, got {dropout}")
     if kw.get("sliding_window") is not None:
         raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
-    axis, attend, mesh = active
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-
-    def local(q, k, v, mask):
-        return attend(q, k, v, axis, causal=causal, padding_mask=mask, scale=scaling)
-
-    if isinstance(query, ShardedArray):
-        # partial-manual body (cp x tp): map the blocks of the other axes (heads over tp)
-        mask = attention_mask
-        specs = [t.spec for t in (query, key, value)]
-        specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
-        local = shard_map(local, mesh, tuple(specs), query.spec)
-    out = local(query, key, value, attention_mask)
+    out = attention(
+        query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -744,16 +794,21 @@ def _register_hf() -> None:
 
 @contextlib.contextmanager
 def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
-    """``module.config``'s attention implementation is :data:`HF_ATTENTION` while inside."""
-    _register_hf()
-    config = module.config
-    before = config._attn_implementation
+    """:func:`attention` is ``attend`` over ``axis`` while inside; a transformers model's
+    (``module.config``'s) attention implementation is :data:`HF_ATTENTION`."""
+    config = getattr(module, "config", None)
+    hf = hasattr(config, "_attn_implementation")
+    if hf:
+        _register_hf()
+        before = config._attn_implementation
     token = _ACTIVE.set((axis, attend, mesh))
-    config._attn_implementation = HF_ATTENTION
+    if hf:
+        config._attn_implementation = HF_ATTENTION
     try:
         yield
     finally:
-        config._attn_implementation = before
+        if hf:
+            config._attn_implementation = before
         _ACTIVE.reset(token)
 
 
@@ -769,9 +824,14 @@ def context_parallel_loss(
     attention: str = "ring",
     batch: str | tuple[str, ...] | None = None,
     call: Callable | None = None,
+    targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The causal-LM loss of a transformers model (``LlamaForCausalLM`` and the like) with the
     sequence split over ``axis``: transformers' ``model(input_ids, labels=labels).loss``.
+
+    A model of your own works the same way when its forward takes ``(input_ids,
+    position_ids=...)`` (and ``attention_mask=`` if one is given), returns the logits (or an
+    output with ``.logits``) and its attention calls :func:`attention`.
 
     The model runs unedited inside :func:`fshard.shard_map` over ``axis`` (partial-manual: the
     params keep their layouts over the other mesh axes, e.g. a Megatron plan over ``tp``). The
@@ -789,7 +849,7 @@ def context_parallel_loss(
         mesh: the mesh.
         input_ids: the full ``(batch, seq)`` token ids, the same on every rank; ``seq``
             divisible by ``2 * cp``.
-        labels: as transformers' (default ``input_ids``); -100 is ignored.
+        labels: as transformers' (default ``input_ids``; shifted inside); -100 is ignored.
         attention_mask: ``(batch, seq)``, 1 for real tokens (key padding), or ``None``.
         axis: the context-parallel mesh axis.
         attention: ``"ring"`` or ``"ulysses"``.
@@ -798,6 +858,8 @@ def context_parallel_loss(
         call: what runs the model on a rank's chunks, ``call(module, params, args, kwargs)``:
             :func:`fshard.nn.functional_call` (``None``), or another strategy's, e.g.
             ``functools.partial(fs.nn.fsdp_call, mesh=mesh, axis="dp")`` for FSDP x CP.
+        targets: instead of ``labels``: the token each position predicts, already shifted
+            (torchtitan's convention), ``(batch, seq)``; -100 is ignored.
 
     Returns:
         The mean loss, a 0-d tensor equal on every rank (differentiable in ``params``: use
@@ -829,15 +891,19 @@ def context_parallel_loss(
         )
     cp = mesh.size(axis)
     b, s = input_ids.shape
+    if targets is not None and labels is not None:
+        raise ValueError("context_parallel_loss: give labels or targets, not both")
     labels = input_ids if labels is None else labels
     if tuple(labels.shape) != (b, s):
         raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(b, s)}")
+    if targets is not None and tuple(targets.shape) != (b, s):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected {(b, s)}")
     if attention_mask is not None and tuple(attention_mask.shape) != (b, s):
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, s)}"
         )
-    ignore = labels.new_full((b, 1), -100)
-    targets = torch.cat([labels[:, 1:], ignore], 1)
+    if targets is None:
+        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
     count = int((targets != -100).sum())
     positions = torch.arange(s, device=input_ids.device).expand(b, s)  # split as the ids
 
@@ -854,7 +920,7 @@ def context_parallel_loss(
     def body(ps, ids, pos, tgt, keep):
         with _attention_of(module, mesh, axis, attend):
             out = _call(call or functional_call, module, ps, ids, pos, keep)
-        logits = out.logits
+        logits = getattr(out, "logits", out)
         ce = F.cross_entropy(
             logits.flatten(0, -2).float(), tgt.flatten(), ignore_index=-100, reduction="sum"
         )
@@ -874,4 +940,20 @@ def context_parallel_loss(
 
 def _call(call, module, params, ids, positions, mask):
     kwargs = {"position_ids": positions, "attention_mask": mask, "use_cache": False}
-    return call(module, params, (ids,), kwargs)
+    return call(module, params, (ids,), forward_kwargs(module, kwargs, "context_parallel_loss"))
+
+
+def forward_kwargs(module: torch.nn.Module, kwargs: dict, where: str) -> dict:
+    """The entries of ``kwargs`` that ``module.forward`` takes (all of them with ``**kwargs``);
+    a ``None`` entry it does not take is dropped, any other is an error naming it."""
+    params = inspect.signature(module.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    unknown = [k for k, v in kwargs.items() if k not in params and v is not None and k != "use_cache"]
+    if unknown:
+        raise ValueError(
+            f"{where}: {type(module).__name__}.forward takes no {unknown} (its parameters: "
+            f"{list(params)}); a model of your own takes (input_ids, position_ids=None, "
+            "attention_mask=None) to be run with them"
+        )
+    return {k: v for k, v in kwargs.items() if k in params}
