@@ -149,9 +149,18 @@ class _Tracker(TorchFunctionMode):
         return _TrackedDispatch() if self.auto is not None else contextlib.nullcontext()
 
     def collective(self, xs: list, axes: tuple[str, ...], run: Callable, varies: bool) -> list:
-        """Run a collective on ``xs`` (pcast first where invariant) and mark its results."""
+        """Run a collective on ``xs`` (pcast first where invariant) and mark its results.
+
+        Only the tracked axes (:attr:`manual`) are typed: over an auto axis of a
+        partial-manual body (local code given the root mesh, e.g. ``fs.nn.fsdp_call``'s gather
+        of a param's block over ``dp`` in a pipeline stage, recomputed by ``fs.remat``) the
+        collective runs as outside a body. The tracker never sees what varies over an axis it
+        does not track, so it read every such operand as invariant: its pcast put a second sum
+        over the axis into the backward (the gathered param's gradient reduce-scattered, then
+        summed again)."""
+        tracked = tuple(a for a in axes if a in self.manual)
         vmas = [self.vma(x) for x in xs]
-        xs = [self.pcast(x, axes) for x in xs]
+        xs = [self.pcast(x, tracked) for x in xs]
         self.paused += 1
         try:
             ys = run(xs)
@@ -159,7 +168,7 @@ class _Tracker(TorchFunctionMode):
             self.paused -= 1
         axes_set = frozenset(axes)
         for y, v in zip(ys, vmas):
-            self.tag(y, (v | axes_set) if varies else (v - axes_set))
+            self.tag(y, (v | frozenset(tracked)) if varies else (v - axes_set))
         return ys
 
     # -- the mode -------------------------------------------------------------------------

@@ -311,6 +311,10 @@ PIPELINED = [
     # each layer under fs.remat: the recompute gathers (FSDP) and reduces (TP) again
     ("llama", {"pp": 2, "tp": 2}, {"remat": True}),
     ("llama", {"pp": 2, "cp": 2}, {"remat": "collectives"}),
+    # FSDP's recompute (a traced gather over dp, an axis the pipeline's shard_map leaves
+    # automatic) was pcast over dp by the body's tracker: gradients summed twice
+    ("llama", {"pp": 2, "dp_shard": 2}, {"remat": True}),
+    ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}, {"remat": True}),
 ]
 
 
@@ -574,9 +578,10 @@ def test_parallelize_refuses_what_pp_does_not_compose():
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
     with pytest.raises(ValueError, match=r"remat must be True, False or a fs.remat policy"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat="full")
-    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # open: wrong layer gradients
-    with pytest.raises(ValueError, match="remat= with dp_shard > 1 or ep > 1 is not composed"):
-        fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # remat=True: PIPELINED's row
+    for policy in ("collectives", "dots"):
+        with pytest.raises(ValueError, match=f"remat='{policy}' with dp_shard > 1 is not composed"):
+            fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=policy)
 
 
 def test_parallelize_takes_a_model_of_your_own_by_its_parts():

@@ -230,12 +230,28 @@ def _head_loss(hp, y, target):
     return F.cross_entropy(logits.reshape(-1, CFG.vocab), target.reshape(-1))
 
 
-def _pp_loss(mesh, block, schedule, virtual):
+def _remat_fsdp_stage_fn(block, mesh):
+    """Each block by ``fs.nn.fsdp_call`` (its params gathered over dp just before use) under
+    ``fs.remat``: as a user composes them by hand, the mesh closed over the one given to the
+    pipeline (the recompute gathers again, inside the pipeline's shard_map over pp)."""
+    one = fs.remat(lambda p, x: fs.nn.fsdp_call(block, p, (x,), mesh=mesh, axis="dp"))
+
+    def stage(params, x):
+        for i in range(next(iter(params.values())).shape[0]):
+            x = one({n: v[i] for n, v in params.items()}, x)
+        return x
+
+    return stage
+
+
+def _pp_loss(mesh, block, schedule, virtual, remat_fsdp=False):
+    stage = _remat_fsdp_stage_fn(block, mesh) if remat_fsdp else _stage_fn(block)
+
     def loss(params, tokens, targets):
         t = tokens.shape[-1]
         x = F.embedding(tokens, params["emb"]["tok.weight"]) + params["emb"]["pos.weight"][:t]
         return pipeline(
-            _stage_fn(block), params["stages"], x, mesh, loss_fn=_head_loss,
+            stage, params["stages"], x, mesh, loss_fn=_head_loss,
             loss_params=params["head"], targets=targets, schedule=schedule, virtual=virtual,
         )  # fmt: skip
 
@@ -301,7 +317,7 @@ def _layouts(tree: dict) -> dict:
     return _map(lambda v: v.layout, tree)
 
 
-def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False, fsdp=False):
+def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False, fsdp=False, remat=False):
     shape = (2,) if len(axes) == 1 else (2, 2)
     mesh = fs.Mesh.create(shape, axes)
     stages = 2 * virtual
@@ -324,7 +340,7 @@ def pipeline_rank_fn(axes, schedule, virtual, use_func_grad=False, fsdp=False):
             assert torch.equal(v.local, params["stages"][n].local), n
     params["stages"] = stacked
     layouts = _layouts(params)
-    loss_fn = _pp_loss(mesh, model.blocks[0], schedule, virtual)
+    loss_fn = _pp_loss(mesh, model.blocks[0], schedule, virtual, remat_fsdp=remat)
     tx = _tx()
     state = tx.init(params)
     batch_spec = fs.P(None, "dp") if "dp" in axes else fs.P()
@@ -382,6 +398,17 @@ def test_gpt_pp2_composes_on_4_ranks(world4, other, schedule, virtual, fsdp):
     """pp x dp, pp x tp, and pp x FSDP (stage weights split over dp too: the op rules gather
     them per use and reduce-scatter their gradients)."""
     results = world4.run(pipeline_rank_fn, ("pp", other), schedule, virtual, False, fsdp)
+    for r in results:
+        _assert_dense(r)
+
+
+@pytest.mark.timeout(900)
+def test_remat_of_fsdp_call_in_stages_matches_dense(world4):
+    """pp x FSDP composed by hand: each stage's blocks by fs.nn.fsdp_call under fs.remat,
+    given the pipeline's mesh (a collective over dp, an axis the pipeline's shard_map leaves
+    automatic, in the recompute: its tracker pcast the param's block over dp first, so the
+    gathered weights' gradients were reduce-scattered and then summed over dp again)."""
+    results = world4.run(pipeline_rank_fn, ("pp", "dp"), "1f1b", 1, False, True, True)
     for r in results:
         _assert_dense(r)
 

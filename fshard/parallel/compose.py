@@ -266,8 +266,8 @@ def parallelize(
             runs each layer of a stage under :func:`fshard.remat` (only its inputs saved; the
             backward recomputes it, FSDP's gathers and TP's collectives included), or a
             :func:`fshard.remat` policy name (``"collectives"``: the layer's collective outputs
-            saved too). Needs ``pp > 1`` for now (the layers run one by one there), and not
-            yet with ``dp_shard`` or ``ep`` (refused); ``False``: none.
+            saved too; not yet with ``dp_shard > 1``, refused). Needs ``pp > 1`` for now (the
+            layers run one by one there); ``False``: none.
 
     Returns:
         ``(params, loss)``; with ``pp > 1`` the decoder layers' params are stacked under the
@@ -313,11 +313,13 @@ def parallelize(
             "pp=1 the model runs in one call and per-layer remat is not composed yet (use pp > 1, "
             "or fs.remat around your own per-layer loss)"
         )
-    if remat is not False and (dims.dp_shard > 1 or dims.ep > 1):
+    if remat not in (True, False, None, "nothing") and dims.dp_shard > 1:
         raise ValueError(
-            "parallelize: remat= with dp_shard > 1 or ep > 1 is not composed yet: fs.remat of "
-            "a stage's layer run by fsdp_call gave wrong gradients for the layers' params "
-            "(open; tp, cp and dp_replicate with pp are tested equal to dense; ep is untested)"
+            f"parallelize: remat={remat!r} with dp_shard > 1 is not composed yet: FSDP's "
+            "forward gathers a unit's params at once (packed, eager) and its recompute param "
+            "by param, so the collective or matmul outputs the policy saves do not line up "
+            "with the recompute's; use remat=True (the recompute gathers again, as FSDP2 with "
+            "activation checkpointing does)"
         )
     if parts is not None and not isinstance(parts, ModelParts):
         raise TypeError(
