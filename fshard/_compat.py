@@ -177,7 +177,6 @@ GRAD_FROM_FUNCTION_NODES = TORCH_VERSION >= (2, 13)
 STAGER_REUSABLE = TORCH_VERSION >= (2, 13)
 
 
-@functools.cache
 def storage_id(t: torch.Tensor) -> int:
     """Which buffer ``t``'s storage is: its data pointer, and on ``meta`` (where every data
     pointer is 0) the address of its StorageImpl, so that meta tensors (``fs.dry_run``) share a
@@ -198,6 +197,7 @@ def data_id(t: torch.Tensor) -> tuple[int, int]:
     return storage_id(t), t.storage_offset() * t.element_size()
 
 
+@functools.cache
 def nccl_reduces_float8() -> bool:
     """Whether the NCCL torch runs with reduces float8 (e4m3fn, e5m2) values: NCCL 2.24+ has
     float8 types, which torch then maps them to (``NCCL_SUPPORTS_FP8`` in
