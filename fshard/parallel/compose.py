@@ -69,7 +69,7 @@ from ..remat import remat as remat_fn
 from ..spec import P
 from .context import _ACTIVE, _attention_of, context_parallel_loss, forward_kwargs, load_balance
 from .context import _ATTENTION as _RING
-from .expert import expert_parallel_call, expert_parallel_plan
+from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
@@ -263,11 +263,14 @@ def parallelize(
             model, whose shipped plans and ``base_model_pp_plan`` are read.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` for the params, or ``None``.
         remat: activation checkpointing per decoder layer (torchtitan's full AC): ``True``
-            runs each layer of a stage under :func:`fshard.remat` (only its inputs saved; the
-            backward recomputes it, FSDP's gathers and TP's collectives included), or a
-            :func:`fshard.remat` policy name (``"collectives"``: the layer's collective outputs
-            saved too; not yet with ``dp_shard > 1``, refused). Needs ``pp > 1`` for now (the
-            layers run one by one there); ``False``: none.
+            runs each decoder layer under :func:`fshard.remat` (only its inputs saved; the
+            backward recomputes it, FSDP's gathers, TP's collectives, ring attention and the
+            experts' dispatch included), with ``pp`` each layer of a stage, without it each
+            layer inside the whole model's call (its ``forward`` swapped for the call's
+            duration); or a :func:`fshard.remat` policy name (``"collectives"``: the layer's
+            collective outputs saved too; not yet with ``dp_shard > 1``, refused); ``False``:
+            none. The layers are ``parts.layers`` or a transformers model's
+            ``base_model_pp_plan`` layers.
 
     Returns:
         ``(params, loss)``; with ``pp > 1`` the decoder layers' params are stacked under the
@@ -320,6 +323,14 @@ def parallelize(
             f"parallelize: parts must be a fs.parallel.ModelParts or None, got {type(parts).__name__}"
         )
     pieces = _pipeline_parts(model, dims, parts) if dims.pp > 1 else None
+    if remat is not False and pieces is None:
+        if dims.ep > 1 or _experts_modules(model):
+            raise NotImplementedError(
+                "parallelize: remat= with pp=1 on a mixture-of-experts model is not composed yet "
+                "(with ep x dp_shard the layers' gradients came out wrong; transformers' expert "
+                "loop assigns in place inside fs.remat); use pp > 1 (tested with ep), or no remat"
+            )
+        layers = _layers_name(model, parts)
     # 1-3: the plan, as data: tp, then ep (a transformers model's shipped plans; a model of
     # your own, its plan over those axes), then FSDP over both
     plan: dict = {}
@@ -354,7 +365,6 @@ def parallelize(
     if dims.ep > 1 and parts is None:  # a model of your own calls moe_experts itself
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
-        layers = _layers_name(model, parts)
         policy = None if remat is True else remat
         call = _RematLayers(model, layers, call, policy, batch_outputs, fsdp=dims.dp_shard > 1)
     if pieces is not None:  # the pieces of the model, the layers as stages
