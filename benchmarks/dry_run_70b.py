@@ -45,10 +45,8 @@ def init_fn(cfg, dims: fs.parallel.ParallelDims, seq: int, per_rank: int, dtype,
     def init(mesh):
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(cfg).to(dtype)
-        if remat:  # transformers' per-layer activation checkpointing (not with FSDP: refused)
-            model.gradient_checkpointing_enable()
-            model.train()
-        params, loss = fs.parallel.parallelize(model, mesh, dims)
+        # remat: each decoder layer under fs.remat (torchtitan's full activation checkpointing)
+        params, loss = fs.parallel.parallelize(model, mesh, dims, remat=remat)
         opt = fs.optim.adamw(1e-4)
         batch = dims.dp_replicate * dims.dp_shard * dims.ep * per_rank
         ids = torch.empty((batch, seq), dtype=torch.long, device="meta")

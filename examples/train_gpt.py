@@ -720,11 +720,6 @@ def parse_args(argv=None) -> dict:
             )
     if a.cp > 1 and a.ctx % (2 * a.cp):
         raise SystemExit(f"--ctx ({a.ctx}) must split into 2 x --cp ({2 * a.cp}) chunks")
-    if a.remat and a.sp and a.pp == 1:
-        raise SystemExit(
-            "--remat with --sp runs in the pipeline's stages only (--pp): outside it each "
-            "block's call all-reduces its row-parallel outputs (no sequence split)"
-        )
     for name in (
         "pp",
         "hsdp",

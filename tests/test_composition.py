@@ -49,6 +49,7 @@ ROWS = [
     ("--remat --pp 2 --cp 2 --tp 1", "dense"),
     ("--remat --cp 2 --tp 2", "dense"),  # was refused: wrong gradients (issue 36)
     ("--remat --fsdp 2 --cp 2 --tp 1", "dense"),
+    ("--remat --tp 2 --sp --dp 2", "dense"),  # was refused (no per-layer remat without pp)
 ]
 
 
@@ -333,6 +334,31 @@ def test_parallelize_pipelines_transformers_models(world4):
             assert worst < 1e-4, (kind, degrees, options, worst)
 
 
+#: pp=1: each decoder layer under fs.remat inside the one call of the whole model
+REMATTED = [
+    ("llama", {"dp_shard": 2, "tp": 2}, {"remat": True}),
+    ("llama", {"cp": 2, "tp": 2}, {"remat": True}),
+    ("llama", {"dp_replicate": 2, "dp_shard": 2}, {"remat": True}),
+    ("llama", {"tp": 2, "dp_replicate": 2}, {"remat": "collectives"}),
+]
+
+
+def rematted_rank_fn():
+    return [_parallelize_train(kind, degrees, **options) for kind, degrees, options in REMATTED]
+
+
+@pytest.mark.timeout(600)
+def test_parallelize_remats_each_layer_without_pp(world4):
+    """parallelize(remat=) with pp=1 on an unedited transformers Llama: each decoder layer
+    checkpointed inside the whole model's call (FSDP's gather, TP's reductions and ring
+    attention recomputed in the backward), 3 AdamW steps equal to dense. (MoE models with
+    pp=1 are refused: test_parallelize_refuses_what_pp_does_not_compose.)"""
+    pytest.importorskip("transformers")
+    for worsts in world4.run(rematted_rank_fn):
+        for (kind, degrees, options), worst in zip(REMATTED, worsts):
+            assert worst < 1e-4, (kind, degrees, options, worst)
+
+
 def pipelined_eight_rank_fn():
     return _parallelize_train("llama", {"pp": 2, "tp": 2, "dp_shard": 2})
 
@@ -479,30 +505,60 @@ def test_pipelined_step_bytes_are_the_per_strategy_sums(world4):
         assert got == want
 
 
-def _dry_comm(degrees: dict, rows: int):
-    """``(comm_summary, flops, local param bytes)`` of one fs.value_and_grad step of
-    parallelize's loss on a transformers Llama, from fs.dry_run (exactly comm_log's records:
-    tests/test_dry_run.py), ``rows`` sequences in the batch."""
+def _dry_class(degrees: dict, rows: int, remat=False, layers: int = 2):
+    """The first rank class of fs.dry_run of one fs.value_and_grad step of parallelize's loss
+    on a transformers Llama (``layers`` decoder layers), ``rows`` sequences in the batch."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     dims = fs.parallel.ParallelDims(**degrees)
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=2,
+        hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
 
     def init(m):
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(cfg)
-        params, loss = fs.parallel.parallelize(model, m, dims)
+        params, loss = fs.parallel.parallelize(model, m, dims, remat=remat)
         return params, {"input_ids": torch.empty((rows, 16), dtype=torch.long, device="meta")}, loss  # fmt: skip
 
     def step(params, batch, loss):
         return fs.value_and_grad(loss)(params, batch)
 
-    (c,) = fs.dry_run(step, init, dims.abstract_mesh()).classes[:1]
+    return fs.dry_run(step, init, dims.abstract_mesh()).classes[0]
+
+
+def _dry_comm(degrees: dict, rows: int):
+    """``(comm_summary, flops, local param bytes)`` of :func:`_dry_class` (exactly comm_log's
+    records: tests/test_dry_run.py)."""
+    c = _dry_class(degrees, rows)
     return c.comm_summary(), c.flops, c.args["params"]
+
+
+def test_per_layer_remat_without_pp_on_a_simulated_mesh():
+    """parallelize(remat=True) with pp=1 checkpoints each decoder layer: under TP the
+    recompute issues each layer's two row-parallel all_reduces again (exactly 2 per layer, of
+    one activation each), computes each layer's forward once more (the extra FLOPs grow by the
+    same amount per layer) and keeps less for the backward; under FSDP x TP the same, and the
+    recompute gathers the layers over dp_shard again."""
+    pytest.importorskip("transformers")
+    act = 4 * 16 * 64 * 4  # rows x seq x hidden, float32: one row-parallel output
+    extra = {}
+    for layers in (2, 4):
+        plain, rematted = _dry_class({"tp": 2}, 4, layers=layers), _dry_class({"tp": 2}, 4, True, layers)
+        (n0, b0), (n1, b1) = (c.comm_summary()[(("tp",), "all_reduce")] for c in (plain, rematted))
+        assert (n1 - n0, b1 - b0) == (2 * layers, 2 * layers * act), layers
+        assert rematted.activations < plain.activations / 2, (rematted.activations, plain.activations)
+        extra[layers] = rematted.flops[torch.float32] - plain.flops[torch.float32]
+    assert extra[4] == 2 * extra[2] > 0, extra
+    plain, rematted = _dry_class({"dp_shard": 2, "tp": 2}, 4), _dry_class({"dp_shard": 2, "tp": 2}, 4, True)
+    assert rematted.activations < plain.activations, (rematted.activations, plain.activations)
+    (g0, s0), (g1, s1) = [
+        [c.comm_summary()[(("dp_shard",), k)][1] for k in ("all_gather", "reduce_scatter")]
+        for c in (plain, rematted)
+    ]
+    assert g1 > g0 and s1 == s0, (g0, g1, s0, s1)  # gathered again; each gradient scattered once
 
 
 def test_data_parallel_x_tp_costs_tp_what_tp_alone_costs():
@@ -573,9 +629,10 @@ def test_parallelize_refuses_what_pp_does_not_compose():
         _pipeline_parts(moe, fs.parallel.ParallelDims(pp=2))
     with pytest.raises(ValueError, match="do not split into pp x pp_virtual = 4"):
         _pipeline_parts(_hf_model("llama"), fs.parallel.ParallelDims(pp=4))
+    dims = fs.parallel.ParallelDims(dp_shard=2, ep=2)  # open: wrong gradients, see the message
+    with pytest.raises(NotImplementedError, match="remat= with pp=1 on a mixture-of-experts"):
+        fs.parallel.parallelize(_hf_model("mixtral"), dims.abstract_mesh(), dims, remat=True)
     dims = fs.parallel.ParallelDims(dp_shard=2, tp=2)
-    with pytest.raises(ValueError, match="with pp=1 the model runs in one call"):
-        fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=True)
     with pytest.raises(ValueError, match=r"remat must be True, False or a fs.remat policy"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat="full")
     dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)  # remat=True: PIPELINED's row

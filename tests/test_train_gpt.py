@@ -257,8 +257,7 @@ def test_parse_args_validation():
     assert demo.parse_args(["--remat", "--view", "global", "--tp", "2"])["remat"]
     assert demo.parse_args(["--remat", "--cp", "2", "--pp", "2"])["remat"]
     assert demo.parse_args(["--remat", "--cp", "2"])["remat"]  # issue 36
-    with pytest.raises(SystemExit, match="--remat with --sp runs in the pipeline"):
-        demo.parse_args(["--remat", "--sp"])
+    assert demo.parse_args(["--remat", "--sp"])["remat"]  # per-layer remat in parallelize
     assert demo.parse_args(["--remat", "--bf16"])["remat"] is True
     # a strategy of the composition needs no --view: it runs in the global view
     for flags in (["--sp"], ["--pp", "2"], ["--cp", "2"], ["--experts", "4"]):

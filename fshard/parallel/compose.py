@@ -67,10 +67,10 @@ from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
 from ..spec import P
+from .context import _ACTIVE, _attention_of, context_parallel_loss, forward_kwargs, load_balance
 from .context import _ATTENTION as _RING
-from .context import _attention_of, context_parallel_loss, forward_kwargs, load_balance
-from .expert import expert_parallel_call, expert_parallel_plan
-from .fsdp import fsdp_call, fsdp_plan
+from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
+from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
 
@@ -263,11 +263,14 @@ def parallelize(
             model, whose shipped plans and ``base_model_pp_plan`` are read.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` for the params, or ``None``.
         remat: activation checkpointing per decoder layer (torchtitan's full AC): ``True``
-            runs each layer of a stage under :func:`fshard.remat` (only its inputs saved; the
-            backward recomputes it, FSDP's gathers and TP's collectives included), or a
-            :func:`fshard.remat` policy name (``"collectives"``: the layer's collective outputs
-            saved too; not yet with ``dp_shard > 1``, refused). Needs ``pp > 1`` for now (the
-            layers run one by one there); ``False``: none.
+            runs each decoder layer under :func:`fshard.remat` (only its inputs saved; the
+            backward recomputes it, FSDP's gathers, TP's collectives, ring attention and the
+            experts' dispatch included), with ``pp`` each layer of a stage, without it each
+            layer inside the whole model's call (its ``forward`` swapped for the call's
+            duration); or a :func:`fshard.remat` policy name (``"collectives"``: the layer's
+            collective outputs saved too; not yet with ``dp_shard > 1``, refused); ``False``:
+            none. The layers are ``parts.layers`` or a transformers model's
+            ``base_model_pp_plan`` layers.
 
     Returns:
         ``(params, loss)``; with ``pp > 1`` the decoder layers' params are stacked under the
@@ -307,12 +310,6 @@ def parallelize(
             f"parallelize: remat must be True, False or a fs.remat policy {REMAT_POLICIES}, "
             f"got {remat!r}"
         )
-    if remat is not False and dims.pp == 1:
-        raise ValueError(
-            "parallelize: remat= checkpoints each decoder layer of the pipeline's stages; with "
-            "pp=1 the model runs in one call and per-layer remat is not composed yet (use pp > 1, "
-            "or fs.remat around your own per-layer loss)"
-        )
     if remat not in (True, False, None, "nothing") and dims.dp_shard > 1:
         raise ValueError(
             f"parallelize: remat={remat!r} with dp_shard > 1 is not composed yet: FSDP's "
@@ -326,6 +323,14 @@ def parallelize(
             f"parallelize: parts must be a fs.parallel.ModelParts or None, got {type(parts).__name__}"
         )
     pieces = _pipeline_parts(model, dims, parts) if dims.pp > 1 else None
+    if remat is not False and pieces is None:
+        if dims.ep > 1 or _experts_modules(model):
+            raise NotImplementedError(
+                "parallelize: remat= with pp=1 on a mixture-of-experts model is not composed yet "
+                "(with ep x dp_shard the layers' gradients came out wrong; transformers' expert "
+                "loop assigns in place inside fs.remat); use pp > 1 (tested with ep), or no remat"
+            )
+        layers = _layers_name(model, parts)
     # 1-3: the plan, as data: tp, then ep (a transformers model's shipped plans; a model of
     # your own, its plan over those axes), then FSDP over both
     plan: dict = {}
@@ -359,6 +364,9 @@ def parallelize(
         )  # fmt: skip
     if dims.ep > 1 and parts is None:  # a model of your own calls moe_experts itself
         call = functools.partial(_experts, call=call)
+    if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
+        policy = None if remat is True else remat
+        call = _RematLayers(model, layers, call, policy, batch_outputs, fsdp=dims.dp_shard > 1)
     if pieces is not None:  # the pieces of the model, the layers as stages
         policy = None if remat is True else remat  # False: no remat
         return params, _pipeline_loss(model, pieces, mesh, dims, call, mp_policy, outputs, policy)
@@ -390,6 +398,85 @@ def parallelize(
         return gather(ce) / int((targets != -100).sum())
 
     return params, loss
+
+
+def _layers_name(model: torch.nn.Module, parts: ModelParts | None) -> str:
+    """The name of the decoder layers' ``ModuleList``: ``parts.layers``, or a transformers
+    model's (its config's ``base_model_pp_plan``)."""
+    if parts is not None:
+        name = parts.layers
+    else:
+        prefix = getattr(model, "base_model_prefix", "")
+        pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+        if "layers" not in pp_plan or not prefix or not hasattr(model, prefix):
+            raise NotImplementedError(
+                f"parallelize: remat= checkpoints each decoder layer: {type(model).__name__}'s "
+                "config has no base_model_pp_plan naming its layers; for a model of your own "
+                "give parts=ModelParts(layers=...)"
+            )
+        name = f"{prefix}.layers"
+    if not isinstance(model.get_submodule(name), torch.nn.ModuleList):
+        raise ValueError(f"parallelize: remat=: {name!r} is not a torch.nn.ModuleList")
+    return name
+
+
+class _RematLayers:
+    """``call`` (the model's call: ``functional_call`` or ``fsdp_call``, inside
+    ``expert_parallel_call``) with each decoder layer run under :func:`fshard.remat`: the
+    layer's ``forward`` is, for the call, a checkpointed call of ``call`` on the layer and its
+    params, so FSDP's gather of the layer happens inside the checkpoint and again in the
+    recompute (FSDP2 with activation checkpointing); the plan's output layouts inside a layer
+    apply there too, and context parallelism's attention (entered by
+    :func:`context_parallel_loss` around the whole call) is entered again in the recompute,
+    which runs in the backward, after the call."""
+
+    def __init__(self, model, layers: str, call, policy, outputs: Mapping, *, fsdp: bool):
+        self.model, self.layers, self.call, self.policy = model, layers, call, policy
+        self.modules = list(model.get_submodule(layers))
+        pres = [f"{layers}.{i}." for i in range(len(self.modules))]
+        self.pres = pres
+        inner = [{n[len(pre) :]: o for n, o in outputs.items() if n.startswith(pre)} for pre in pres]
+        self.inner = inner
+        self.outer = {n: o for n, o in outputs.items() if not n.startswith(f"{layers}.")}
+        self.units = None
+        if fsdp:  # the outer call gathers everything but the layers (each gathers its own)
+            units = fsdp_units(model)
+            self.units = {u: ns for u, ns in units.items() if not u.startswith(f"{layers}.")}
+
+    def __call__(self, module, params, args=(), kwargs=None, **options):
+        if module is not self.model:
+            raise ValueError("parallelize: the composed call runs the model it was built for")
+        active = _ACTIVE.get()  # cp's attention: entered again in the recompute
+        per = [{n[len(pre) :]: v for n, v in params.items() if n.startswith(pre)} for pre in self.pres]
+        outer = {n: v for n, v in params.items() if not n.startswith(f"{self.layers}.")}
+        forwards = [self._forward(i, per[i], active) for i in range(len(self.modules))]
+        options = {**options, "outputs": self.outer}
+        if self.units is not None:
+            options["units"] = self.units
+        for layer, fwd in zip(self.modules, forwards):
+            layer.forward = fwd
+        try:
+            return self.call(module, outer, args, kwargs, **options)
+        finally:
+            for layer in self.modules:
+                layer.__dict__.pop("forward", None)
+
+    def _forward(self, i: int, params: dict, active):
+        layer, call, inner, model = self.modules[i], self.call, self.inner[i], self.model
+
+        def run(ps, args, kwargs):
+            patched = layer.__dict__.pop("forward", None)  # the layer's own forward inside
+            try:
+                with _attention_of(model, active[2], active[0], active[1]) if active else (
+                    contextlib.nullcontext()
+                ):
+                    return call(layer, ps, args, kwargs, outputs=inner)
+            finally:
+                if patched is not None:
+                    layer.forward = patched
+
+        checkpointed = remat_fn(run, self.policy)
+        return lambda *args, **kwargs: checkpointed(params, args, kwargs)
 
 
 def _experts(model, params, args, kwargs, *, call, **options):
