@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import multiprocessing as mp
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.reduction
+import multiprocessing.spawn
+import multiprocessing.util
 import os
 import pickle
 import random
@@ -49,6 +56,12 @@ _WORKER_ENV = "FSHARD_LAUNCH_WORKER"
 _GRACE_S = 5.0  # after one rank raises, how long the others get to finish
 _PROBE_S = 5.0  # after a failed run, how long the health-check barrier may take
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+#: Set only in the environment a fork server starts with: the pid of the driver it must die
+#: with (read when the server imports this module, :func:`_server_dies_with_driver`).
+_SERVER_PARENT_ENV = "_FSHARD_FORKSERVER_PARENT"
+#: Variables that may differ between the driver and the fork server serving it: pytest names
+#: the current test in one; the workers see its value at the server's start.
+_ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def is_worker() -> bool:
@@ -107,18 +120,138 @@ class RankError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _hash_seed(seed: str):
-    """``PYTHONHASHSEED=seed`` in this process's environment while a worker is spawned (it
-    inherits the environment), as it was before afterwards."""
-    before = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = seed
+def _environ(**values: str):
+    """``values`` in this process's environment while a process is started (it inherits the
+    environment), as it was before afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["PYTHONHASHSEED"]
-        else:
-            os.environ["PYTHONHASHSEED"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+_SEED_LOCK = threading.Lock()
+_SEED: list[str] = []
+
+
+def _drawn_hash_seed() -> str:
+    """The hash seed of this driver's workers when ``PYTHONHASHSEED`` is unset: drawn once per
+    process, so every World can be forked from one server (a process's hash seed is fixed when
+    its interpreter starts)."""
+    with _SEED_LOCK:
+        if not _SEED:
+            _SEED.append(str(random.SystemRandom().randrange(1, 2**32)))
+        return _SEED[0]
+
+
+# -- the fork server ---------------------------------------------------------------------------
+# multiprocessing's forkserver machinery with a server of fshard's own: its global server's
+# preload list and environment are the program's, and one started under another environment
+# must not serve a World (modules read the environment when imported: fshard.config, torch).
+
+_SERVER_LOCK = threading.Lock()
+#: ``[(key, server, pid)]``: the server in use (at most one), and the key it serves.
+_SERVERS: list[tuple[tuple, mp.forkserver.ForkServer, int]] = []
+#: Servers replaced by one for another environment: they exit once their workers are gone.
+_RETIRED: list[int] = []
+
+
+def _fork_server(seed: str, pdeathsig: bool) -> tuple[mp.forkserver.ForkServer, int]:
+    """A running fork server (and its pid) started with this process's environment and
+    ``PYTHONHASHSEED=seed``, having imported torch and fshard; started if there is none."""
+    env = frozenset(
+        (k, v) for k, v in os.environ.items() if k not in _ENV_IGNORED and k != "PYTHONHASHSEED"
+    )
+    key = (seed, pdeathsig, env, tuple(sys.path), os.getcwd(), mp.spawn.get_executable())
+    with _SERVER_LOCK:
+        for pid in list(_RETIRED):  # reap the retired servers that exited
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    _RETIRED.remove(pid)
+        if _SERVERS:
+            old_key, server, pid = _SERVERS[0]
+            running = True
+            with contextlib.suppress(ChildProcessError):
+                running = os.waitpid(pid, os.WNOHANG)[0] == 0
+            if running and old_key == key:
+                return server, pid
+            _SERVERS.clear()
+            # Closing the "alive" pipe asks it to exit; it does once its workers have.
+            with contextlib.suppress(OSError, TypeError):
+                os.close(server._forkserver_alive_fd)
+            server._forkserver_alive_fd = server._forkserver_pid = None
+            if running:
+                _RETIRED.append(pid)
+        server = mp.forkserver.ForkServer()
+        server.set_forkserver_preload([__name__])  # torch and fshard, imported once
+        parent = {_SERVER_PARENT_ENV: str(os.getpid())} if pdeathsig else {}
+        with _environ(PYTHONHASHSEED=seed, **parent):
+            server.ensure_running()
+        pid = server._forkserver_pid
+        _SERVERS.append((key, server, pid))
+        return server, pid
+
+
+class _ServedPopen(mp.popen_forkserver.Popen):
+    """``multiprocessing``'s forkserver ``Popen``, forked by ``server`` (not the global one)."""
+
+    def __init__(self, process_obj: Any, server: mp.forkserver.ForkServer):
+        self._server = server
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj: Any) -> None:
+        # popen_forkserver.Popen._launch, with self._server for the module's global server
+        prep_data = mp.spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp.context.set_spawning_popen(self)
+        try:
+            mp.reduction.dump(prep_data, buf)
+            mp.reduction.dump(process_obj, buf)
+        finally:
+            mp.context.set_spawning_popen(None)
+        self.sentinel, w = self._server.connect_to_new_process(self._fds)
+        parent_w = os.dup(w)  # the child's sentinel of this process
+        self.finalizer = mp.util.Finalize(self, mp.util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = mp.forkserver.read_signed(self.sentinel)
+
+
+class _ServedProcess(mp.context.ForkServerProcess):
+    """A process forked by ``server`` (a :class:`~multiprocessing.forkserver.ForkServer`)."""
+
+    def __init__(self, server: mp.forkserver.ForkServer, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._server = server
+
+    def _Popen(self, process_obj: Any) -> _ServedPopen:  # noqa: N802 -- multiprocessing's name
+        return _ServedPopen(process_obj, self._server)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()  # sent to the child, which has no use for the server
+        del state["_server"]
+        return state
+
+
+def _server_dies_with_driver() -> None:
+    """In a fork server a World started from its main thread (its environment names the
+    driver, its parent): the kernel kills it when the driver dies (``PR_SET_PDEATHSIG``), and
+    the workers it forked with it. Anywhere else, nothing."""
+    driver = os.environ.pop(_SERVER_PARENT_ENV, None)  # the workers must not inherit it
+    if driver is None or not sys.platform.startswith("linux") or os.getppid() != int(driver):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(driver):  # the driver died before prctl took effect
+        os._exit(1)
+
+
+_server_dies_with_driver()
 
 
 class World:
@@ -129,16 +262,30 @@ class World:
     in a collective, a collective that raised, e.g. Gloo's timeout). Each worker runs with
     ``torch.set_num_threads(1)`` and has ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT`` and ``FSHARD_LAUNCH_WORKER=1`` in its environment, and
-    every worker the same ``PYTHONHASHSEED`` (the driver's, else one drawn per World): the
-    ranks of an SPMD program must take the same path, and a ``set`` of strings iterates in
-    hash order (transformers' lara_mini builds its attention masks in ``set`` order; with a
-    hash seed per process the ranks issued their collectives in different orders, which the
-    consistency check refused). Under ``torchrun``, export ``PYTHONHASHSEED`` yourself.
+    every worker the same ``PYTHONHASHSEED`` (the driver's, else one drawn per driver
+    process): the ranks of an SPMD program must take the same path, and a ``set`` of strings
+    iterates in hash order (transformers' lara_mini builds its attention masks in ``set``
+    order; with a hash seed per process the ranks issued their collectives in different
+    orders, which the consistency check refused). Under ``torchrun``, export
+    ``PYTHONHASHSEED`` yourself.
+
+    Start-up: workers are forked from a fork server of fshard's own (``multiprocessing``'s
+    forkserver mechanism, not its global server, whose settings stay the program's), a fresh
+    interpreter that imported ``torch`` and fshard once and does nothing else (no tensor
+    work, no CUDA): a World starts in a fraction of the time of spawning N interpreters that
+    each import torch.
+    The server is started with the driver's environment, ``sys.path`` and working directory,
+    and serves only Worlds started under the same ones (a World started after ``os.environ``
+    changed, e.g. ``FSHARD_CHECK_CONSISTENCY``, gets a new server, so what modules read from
+    the environment at import is what the driver has when the World starts; only
+    ``PYTEST_CURRENT_TEST`` may differ). Like spawned workers, forked ones share no state with
+    the driver but what ``fn`` and its arguments carry.
 
     Isolation: the rendezvous store and Gloo listen on the loopback interface only. Workers
     exit when the driver process dies, however it dies (a watchdog thread in each worker sees
     the pipe from the driver close; on Linux the kernel also sends SIGKILL via
-    ``PR_SET_PDEATHSIG`` when the World was started from the main thread).
+    ``PR_SET_PDEATHSIG`` when the World was started from the main thread: to the fork server
+    when the driver dies, and to the workers when the server dies).
 
     Args:
       world_size: Number of ranks (an int >= 1).
@@ -253,10 +400,8 @@ class World:
 
     def _start(self) -> None:
         self._kill()
-        if self._hash_seed is None:  # one per World: every rank iterates sets alike
-            self._hash_seed = os.environ.get("PYTHONHASHSEED") or str(
-                random.SystemRandom().randrange(1, 2**32)
-            )
+        if self._hash_seed is None:  # every rank iterates sets alike
+            self._hash_seed = os.environ.get("PYTHONHASHSEED") or _drawn_hash_seed()
         if self._store is None:
             # TCPStore(host, ...) as master listens on every interface; handing it a socket
             # bound to loopback keeps the store local. Port 0: the OS picks a free port.
@@ -273,15 +418,16 @@ class World:
                 master_listen_fd=listener.detach(),  # the store owns (and closes) it
             )
         self._generation += 1
-        ctx = mp.get_context("spawn")
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only safe to
         # ask for from the main thread (the watchdog pipe covers every case anyway).
         pdeathsig = threading.current_thread() is threading.main_thread()
+        server, server_pid = _fork_server(self._hash_seed, pdeathsig)
         for rank in range(self.world_size):
-            parent_conn, child_conn = ctx.Pipe()
+            parent_conn, child_conn = mp.Pipe()
             # Never written to: the worker sees EOF on it exactly when this process is gone.
-            lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
+            lifeline_r, lifeline_w = mp.Pipe(duplex=False)
+            proc = _ServedProcess(
+                server,
                 target=_worker,
                 args=(
                     rank,
@@ -291,11 +437,12 @@ class World:
                     self.pg_timeout,
                     child_conn,
                     lifeline_r,
-                    os.getpid() if pdeathsig else None,
+                    server_pid if pdeathsig else None,
                 ),
                 name=f"fshard-rank{rank}",
             )
-            with _by_value.unimportable_main_hidden(), _hash_seed(self._hash_seed):
+            # (the seed again: should the server have died since, it restarts with it)
+            with _by_value.unimportable_main_hidden(), _environ(PYTHONHASHSEED=self._hash_seed):
                 proc.start()
             child_conn.close()  # else the parent would never see EOF when the child dies
             lifeline_r.close()

@@ -58,6 +58,7 @@ STARTS_PROCESSES = {
     "tests/test_launch.py::test_results_in_rank_order",
     "tests/test_launch.py::test_run_from_an_interactive_session",
     "tests/test_launch.py::test_workers_die_with_the_driver",
+    "tests/test_launch.py::test_worlds_fork_from_one_server_per_environment",
     "tests/test_mistakes.py::test_a_gloo_timeout_in_a_rank_names_the_cause",
     "tests/test_mistakes.py::test_collective_on_one_rank_under_fs_launch_run",
     "tests/test_mistakes.py::test_mistake_under_launch",

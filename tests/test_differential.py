@@ -268,12 +268,20 @@ def test_reductions_of_row_blocks(world2):
 # Random layouts on a 1-D mesh of 2 (even, uneven, empty shards, pending sums), random chains
 # drawn from _POOL, run on ShardedArrays and on dense tensors in one process: values (dtype and
 # shape exact, float64 values to 1e-7), gradients (torch.func.grad), vmap, and every rank
-# gathering the same bits. The parent runs batches until its time box ends; every rank runs
-# the same cases (a batch's size is decided by the parent, never by a rank's clock).
+# gathering the same bits. The parent runs batches until its time box ends and at least
+# MIN_CASES cases ran; every rank runs the same cases (a batch's size is decided by the parent,
+# never by a rank's clock). The cases are seeded: case i of a seed is the same on every run, so
+# the floor is a fixed set of cases (test_the_floor_draws_every_branch checks it reaches every
+# op of the pool and every dtype x layout x vmap combination); the box adds cases beyond it
+# on a fast machine. The box was 60 s; 30 s keeps the floor (about 150 to 400 cases a run,
+# by load) and gives up the cases a second half-minute drew past the 400th.
 
 DIFF_SEED = int(os.environ.get("FSHARD_DIFF_SEED", "2026"))
-DIFF_SECONDS = float(os.environ.get("FSHARD_DIFF_SECONDS", "60"))
+DIFF_SECONDS = float(os.environ.get("FSHARD_DIFF_SECONDS", "30"))
 DIFF_BATCH = 25
+#: Cases every run compares, however loaded the machine: 6 batches (the first 125 cases of seed
+#: 2026 already reach every branch of the generator).
+MIN_CASES = 6 * DIFF_BATCH
 #: Cases the random differential test must compare with dense torch (not refused): one batch.
 MIN_COMPARED = DIFF_BATCH
 #: The share of cases that may be documented refusals.
@@ -632,11 +640,11 @@ def _same(a, b) -> bool:
 
 def test_random_differential(world2):
     """Random layouts and op chains against dense torch, time-boxed (FSHARD_DIFF_SECONDS,
-    default 60; FSHARD_DIFF_SEED picks the cases). A failure names seed and case; rerun one
-    with ``_draw_case(seed, case)``."""
+    default 30, never fewer than MIN_CASES cases; FSHARD_DIFF_SEED picks the cases). A failure
+    names seed and case; rerun one with ``_draw_case(seed, case)``."""
     deadline = time.monotonic() + DIFF_SECONDS
     start, failures, compared, refused = 0, [], 0, 0
-    while time.monotonic() < deadline and len(failures) < 20:
+    while (time.monotonic() < deadline or start < MIN_CASES) and len(failures) < 20:
         ranks = world2.run(diff_batch_rank_fn, DIFF_SEED, start, DIFF_BATCH, timeout=120)
         for j, (desc, got) in enumerate(ranks[0]):
             other = ranks[1][j][1]
@@ -649,7 +657,7 @@ def test_random_differential(world2):
             refused += _refused(got)
         start += DIFF_BATCH
     print(
-        f"random differential: {compared} cases ({refused} refused) in {DIFF_SECONDS:.0f} s, "
+        f"random differential: {compared} cases ({refused} refused), box {DIFF_SECONDS:.0f} s, "
         f"seed {DIFF_SEED}"
     )
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
@@ -657,3 +665,27 @@ def test_random_differential(world2):
     # starts refusing shows (0 of the first 200 cases of seed 2026 are refused)
     assert compared - refused >= MIN_COMPARED, (compared, refused)
     assert refused <= compared * MAX_REFUSED_SHARE, (compared, refused)
+
+
+def _branches(case) -> set:
+    """The generator's branches ``case`` (from :func:`_draw_case`) took: its ops (the atan2
+    branch cut included) and its (dtype, layout kind, vmap) combination."""
+    t, spec, _, names, with_vmap = case
+    kind = "partial" if spec.partial else ("split" if any(a is not None for a in spec) else "rep")
+    return {*names, ("int" if t.dtype == torch.int64 else "float", kind, with_vmap)}
+
+
+def test_the_floor_draws_every_branch():
+    """The MIN_CASES cases every run of test_random_differential compares (seeded: the same on
+    every run) take every branch of the generator: each op of the pool, the atan2 branch cut,
+    and each dtype x (split, pending sum, replicated) x vmap combination. A shorter time box
+    then loses no kind of case, only repeats of kinds (the 60 s box became 30 s)."""
+    want = {*_POOL, "atan2_cut"}
+    want |= {
+        (d, k, v) for d in ("int", "float") for k in ("split", "partial", "rep") for v in (0, 1)
+    }
+    drawn = set().union(*(_branches(_draw_case(DIFF_SEED, i)) for i in range(MIN_CASES)))
+    assert not want - drawn, (
+        f"the first {MIN_CASES} cases of seed {DIFF_SEED} never draw {want - drawn}"
+    )
+    assert drawn <= want, drawn - want  # a branch this test does not know of: list it above

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fshard.config
 import fshard.launch as launch
 from fshard.launch import RankError, World, is_worker, run
 
@@ -374,6 +375,34 @@ def test_readme_multinode_torchrun_command(tmp_path):
         raced = len(shutdown) == len(failed) and results == [[want], [want]]
         if not raced or attempt == 1:
             raise AssertionError(failed[0][-3000:])
+
+
+def env_config_server():
+    """This worker's view: a variable of the test's, the consistency mode fshard.config read
+    from the environment when fshard was imported, and the process this worker was forked by."""
+    return os.environ.get("FSHARD_TEST_MARK"), fshard.config.check_consistency, os.getppid()
+
+
+def test_worlds_fork_from_one_server_per_environment(monkeypatch):
+    """Workers are forked from a fork server that imported torch and fshard once (not spawned,
+    each importing torch): Worlds started under one environment share it; a World started
+    after the environment changed gets a server started under the new one, so what a module
+    reads from the environment at import (fshard.config) is the driver's at the World's start,
+    as when each worker was spawned."""
+    monkeypatch.setenv("FSHARD_TEST_MARK", "a")
+    monkeypatch.setenv("FSHARD_CHECK_CONSISTENCY", "default")
+    with World(1) as world:
+        ((mark, mode, server),) = world.run(env_config_server)
+    with World(2) as world:
+        second = world.run(env_config_server)
+    assert (mark, mode) == ("a", "default")
+    assert server != os.getpid() and all(s == server for *_, s in second), (server, second)
+    monkeypatch.setenv("FSHARD_TEST_MARK", "b")
+    monkeypatch.setenv("FSHARD_CHECK_CONSISTENCY", "every")
+    with World(2) as world:
+        third = world.run(env_config_server)
+    assert [(m, c) for m, c, _ in third] == [("b", "every")] * 2
+    assert third[0][2] == third[1][2] not in (server, os.getpid()), (server, third)
 
 
 def test_one_shot_run():
