@@ -199,7 +199,7 @@ def _to_tree(named: dict, stages: int, pp: int) -> dict:
         return torch.stack([named[f"blocks.{s * per + i}.{n}"] for i in range(per)])
 
     return {
-        "emb": {n: named[n] for n in ("tok.weight", "pos.weight")},
+        "emb": {n: named[n] for n in ("embed.tok.weight", "embed.pos.weight")},
         "stages": {n: torch.stack([stage(s, n) for s in order]) for n in _BLOCK},
         "head": {n: named[n] for n in _HEAD},
     }
@@ -249,7 +249,7 @@ def _pp_loss(mesh, block, schedule, virtual, remat_fsdp=False):
 
     def loss(params, tokens, targets):
         t = tokens.shape[-1]
-        x = F.embedding(tokens, params["emb"]["tok.weight"]) + params["emb"]["pos.weight"][:t]
+        x = F.embedding(tokens, params["emb"]["embed.tok.weight"]) + params["emb"]["embed.pos.weight"][:t]
         return pipeline(
             stage, params["stages"], x, mesh, loss_fn=_head_loss,
             loss_params=params["head"], targets=targets, schedule=schedule, virtual=virtual,
