@@ -539,9 +539,7 @@ class _Reads(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in optree.tree_leaves((args, kwargs), none_is_leaf=True):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors((args, kwargs)):
             at = self.known.get(id(t))
             if at is not None:
                 self.read.update(at)
@@ -556,5 +554,18 @@ class _Reads(torch.overrides.TorchFunctionMode):
                     "fs.remat(lambda h, ps: fs.nn.functional_call(layer, ps, (h,)))(h, params)"
                 )
         out = func(*args, **kwargs)
-        self.made.update(id(t) for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.made.update(id(t) for t in _tensors(out))
         return out
+
+
+def _tensors(tree) -> list:
+    """The tensors of ``tree``, a ShardedArray's local block among them, without flattening
+    the ShardedArray as a pytree node: that marks it as sharing its data with the other side
+    (``fshard.ops.inplace``), so an in-place form on a value fn made (transformers' experts:
+    ``inv_perm = torch.empty_like(perm); inv_perm[perm] = ...``) was refused in the forward."""
+    leaves = optree.tree_leaves(tree, none_is_leaf=True, is_leaf=is_sharded)
+    return [
+        v.local if isinstance(v, ShardedArray) else v
+        for v in leaves
+        if isinstance(v, (torch.Tensor, ShardedArray))
+    ]

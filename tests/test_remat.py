@@ -285,6 +285,34 @@ def test_closed_over_sharded_arrays_get_their_gradients(world2):
     assert world2.run(_sharded_closures) == [True, True]
 
 
+def _unpermuted(w):
+    """transformers' grouped-mm experts restoring token order: an in-place assignment into a
+    value the function made (``inv_perm = torch.empty_like(perm); inv_perm[perm] = ...``)."""
+    perm = torch.argsort(w)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.shape[0])
+    return (torch.tanh(w)[perm] * torch.arange(1.0, w.shape[0] + 1, dtype=w.dtype))[inv]
+
+
+def _in_place_on_a_fresh_value():
+    mesh = fs.Mesh.create((2,), ("x",))
+    w = _gen(6, 5)
+    want = grad(lambda w: _unpermuted(w).sum())(w)
+    sw = fs.shard(w, mesh, P())
+    got = fs.value_and_grad(lambda w: fs.gather(fs.remat(_unpermuted)(w)).sum())(sw)[1]
+    _close(fs.gather(got), want, "value_and_grad")
+    got = grad(lambda w: fs.gather(fs.remat(_unpermuted)(w)).sum())(sw)
+    _close(fs.gather(got), want, "torch.func.grad")
+    return True
+
+
+def test_in_place_forms_on_values_fn_makes(world2):
+    """Was: TypeError "in-place item assignment ... refused: it crossed a pytree boundary" in
+    remat's forward, whose record of the tensors fn reads flattened every ShardedArray as a
+    pytree node, marking it as sharing its data (parallelize(remat=True) on a Mixtral)."""
+    assert world2.run(_in_place_on_a_fresh_value) == [True, True]
+
+
 def _residual_block(x, w):
     """A pre-norm residual block whose row-parallel output is a pending sum over tp: with
     ShardedArrays the result is the residual added to that pending sum (still pending)."""
