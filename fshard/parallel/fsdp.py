@@ -429,7 +429,7 @@ class _Session:
     def _traced(self, n: str) -> torch.Tensor:
         if not self.sharded(n):
             return self._pcast(n)
-        x = self.params[n].local
+        x = self._block(n)
         reduce = self.policy.reduce_in(x.dtype)
         src = self._replicated(x, reduce)
         low = self.policy.cast_param(src)
@@ -440,6 +440,25 @@ class _Session:
         # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
         y = lax.all_gather(src.to(reduce), self.axis, dim=0, to="varying", mesh=self.mesh)
         return y.to(low.dtype)
+
+    def _block(self, n: str) -> torch.Tensor:
+        """Param ``n``'s local block for a traced gather. In a ``shard_map`` body that tracks
+        the FSDP axes (the experts' dispatch of ``fs.parallel.moe_experts``, manual over every
+        axis, where ``_Pcasts`` makes a param's varying gather during ``fs.remat``'s
+        recompute), a view tagged as varying over the axes its layout splits it over: the
+        block is closed over, so the body's tracker read it as invariant and pcast it over
+        the FSDP axes before the gather, a second sum over them in the backward (the
+        gradient reduce-scattered, then all-reduced: twice the true value)."""
+        x = self.params[n].local
+        tracker = axis_env.tracker(self.mesh)
+        if tracker is None or tracker.vma(x):
+            return x
+        axes = frozenset(self.params[n].spec.axes) & tracker.manual
+        if not set(self.axes) <= axes:
+            return x
+        x = x.view_as(x)
+        tracker.tag(x, axes)
+        return x
 
     def end_forward(self) -> None:
         """Drop what only the forward reads: the gathered values and what ``_Pcasts`` tracked.
