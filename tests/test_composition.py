@@ -340,6 +340,13 @@ REMATTED = [
     ("llama", {"cp": 2, "tp": 2}, {"remat": True}),
     ("llama", {"dp_replicate": 2, "dp_shard": 2}, {"remat": True}),
     ("llama", {"tp": 2, "dp_replicate": 2}, {"remat": "collectives"}),
+    # was refused; unrefused, the experts' gradients came out twice the dense ones: FSDP's
+    # recompute gathered their blocks inside the experts' dispatch (a shard_map manual over
+    # dp_shard), whose tracker read the closed-over block as invariant and pcast it first
+    ("mixtral", {"ep": 2, "dp_shard": 2}, {"remat": True}),
+    # was refused; unrefused, a TypeError: transformers' experts assign in place into a value
+    # they made (inv_perm[perm] = ...), which remat's forward had marked as shared
+    ("mixtral", {"dp_shard": 2, "dp_replicate": 2}, {"remat": True}),
 ]
 
 
@@ -349,10 +356,10 @@ def rematted_rank_fn():
 
 @pytest.mark.timeout(600)
 def test_parallelize_remats_each_layer_without_pp(world4):
-    """parallelize(remat=) with pp=1 on an unedited transformers Llama: each decoder layer
-    checkpointed inside the whole model's call (FSDP's gather, TP's reductions and ring
-    attention recomputed in the backward), 3 AdamW steps equal to dense. (MoE models with
-    pp=1 are refused: test_parallelize_refuses_what_pp_does_not_compose.)"""
+    """parallelize(remat=) with pp=1 on an unedited transformers Llama and Mixtral: each
+    decoder layer checkpointed inside the whole model's call (FSDP's gather, TP's reductions,
+    ring attention and the experts' dispatch recomputed in the backward), 3 AdamW steps equal
+    to dense."""
     pytest.importorskip("transformers")
     for worsts in world4.run(rematted_rank_fn):
         for (kind, degrees, options), worst in zip(REMATTED, worsts):
@@ -629,9 +636,6 @@ def test_parallelize_refuses_what_pp_does_not_compose():
         _pipeline_parts(moe, fs.parallel.ParallelDims(pp=2))
     with pytest.raises(ValueError, match="do not split into pp x pp_virtual = 4"):
         _pipeline_parts(_hf_model("llama"), fs.parallel.ParallelDims(pp=4))
-    dims = fs.parallel.ParallelDims(dp_shard=2, ep=2)  # open: wrong gradients, see the message
-    with pytest.raises(NotImplementedError, match="remat= with pp=1 on a mixture-of-experts"):
-        fs.parallel.parallelize(_hf_model("mixtral"), dims.abstract_mesh(), dims, remat=True)
     dims = fs.parallel.ParallelDims(dp_shard=2, tp=2)
     with pytest.raises(ValueError, match=r"remat must be True, False or a fs.remat policy"):
         fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat="full")

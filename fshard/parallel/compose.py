@@ -69,7 +69,7 @@ from ..remat import remat as remat_fn
 from ..spec import P
 from .context import _ACTIVE, _attention_of, context_parallel_loss, forward_kwargs, load_balance
 from .context import _ATTENTION as _RING
-from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
+from .expert import expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
@@ -324,12 +324,6 @@ def parallelize(
         )
     pieces = _pipeline_parts(model, dims, parts) if dims.pp > 1 else None
     if remat is not False and pieces is None:
-        if dims.ep > 1 or _experts_modules(model):
-            raise NotImplementedError(
-                "parallelize: remat= with pp=1 on a mixture-of-experts model is not composed yet "
-                "(with ep x dp_shard the layers' gradients came out wrong; transformers' expert "
-                "loop assigns in place inside fs.remat); use pp > 1 (tested with ep), or no remat"
-            )
         layers = _layers_name(model, parts)
     # 1-3: the plan, as data: tp, then ep (a transformers model's shipped plans; a model of
     # your own, its plan over those axes), then FSDP over both
