@@ -50,6 +50,7 @@ ROWS = [
     ("--remat --cp 2 --tp 2", "dense"),  # was refused: wrong gradients (issue 36)
     ("--remat --fsdp 2 --cp 2 --tp 1", "dense"),
     ("--remat --tp 2 --sp --dp 2", "dense"),  # was refused (no per-layer remat without pp)
+    ("--remat --experts 4 --ep 2 --fsdp 2 --tp 1", "moe"),  # was refused (MoE with pp=1)
 ]
 
 
