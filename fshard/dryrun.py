@@ -31,7 +31,9 @@ its class representative's.
 **What is counted.** Memory is the bytes of live tensor storages, tracked by a
 ``TorchDispatchMode`` with weak-reference finalizers on the storages (each storage once, however
 many views share it), checked against torch.profiler's CPU allocator events on real Gloo
-ranks (``tests/test_dry_run.py``). Not torch's ``MemTracker``
+ranks (``tests/test_dry_run.py``). A storage the cyclic garbage collector frees (one a
+reference cycle kept alive) stays counted until the step ends: when the collector runs depends
+on the process's history, not on the step, so the figures are the same in every run. Not torch's ``MemTracker``
 (``torch.distributed._tools.mem_tracker``): it attributes memory through module hooks and the
 module's own ``nn.Parameter`` s, while a functional step swaps sharded values into the module
 (``fs.nn.functional_call``); it was not tried here. ``torch.func`` refuses
@@ -95,6 +97,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import io
 import weakref
@@ -361,6 +364,8 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.in_gc = False  # the cyclic collector is running (gc.callbacks)
+        self.held_by_cycles = 0  # bytes freed by it during the step: counted until the end
         self.seen = WeakIdKeyDictionary()
         self.at_backward: int | None = None
         self.flops: Counter = Counter()
@@ -369,7 +374,20 @@ class _Tracker(TorchDispatchMode):
         self.value_reads = 0
 
     def _free(self, n: int) -> None:
-        self.live -= n
+        if self.in_gc:  # when the collector runs is not the step's: see _gc
+            self.held_by_cycles += n
+        else:
+            self.live -= n
+
+    def _gc(self, phase: str, info) -> None:
+        """A ``gc.callbacks`` entry. A storage freed by the cyclic collector (held by a
+        reference cycle, or by something a cycle held) is freed whenever the collector
+        happens to run: after a number of allocations that depends on the process's history
+        (earlier dry runs, ``PYTHONHASHSEED``'s dict and set orders), so counting the free
+        there made the peak vary from run to run (issue 38). It stays counted until the
+        step ends, as if the collector had not run: the same figure every run, an upper
+        bound of the real run's (whose collector may run later still)."""
+        self.in_gc = phase == "start"
 
     def add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -753,6 +771,7 @@ def _run_class(
         tracker.add(t)
     start = tracker.live
     tracker.peak = start
+    gc.callbacks.append(tracker._gc)
     try:
         with comm_log() as log, attention_mode(), tracker:
             out = step(*args)
@@ -763,6 +782,9 @@ def _run_class(
             f"dry_run: the step failed on rank {rank} (class {_members(members)}) of {mesh!r}: "
             f"{type(e).__name__}: {e}"
         ) from e
+    finally:
+        gc.callbacks.remove(tracker._gc)
+        tracker.in_gc = False
     activations = 0 if tracker.at_backward is None else tracker.at_backward - start
     return RankClassReport(
         ranks=tuple(members),

@@ -23,7 +23,12 @@ pipeline executor for a step's stage weights):
   asynchronously while the rest of the backward runs.
 * ``mode="step"`` (the pipeline, several backward passes per step): the stand-ins'
   gradients accumulate over the passes, and :meth:`GradSync.finish` reduces them once, every
-  bucket launched before the first is waited on.
+  bucket launched before the first is waited on. FSDP's varying all_gather of a leaf (or of a
+  view of one: a layer's row of a stacked stage weight) reads a stand-in too, one per (param
+  view, group), holding no data: the gathered value of each use is FSDP's, its cotangent goes
+  whole to the stand-in, and :meth:`GradSync.finish` reduce-scatters the whole param's
+  accumulated gradient once per step (FSDP2's ``set_requires_gradient_sync(False)`` until the
+  last microbatch), the params packed per bucket as FSDP2 packs a unit's.
 * ``mode="unreduced"`` (``fs.value_and_grad(..., sync=False)``): nothing is sent;
   :meth:`GradSync.finish` returns each param's gradient as the addends of a pending sum over the
   pcasts' axes (a partial layout), for accumulation over microbatches and one reduction per
@@ -89,12 +94,32 @@ class _Entry:
     ``dtype``; or (``gather``, ``"unreduced"`` mode) through FSDP's varying all_gather, the
     stand-in then holding the gathered value."""
 
-    __slots__ = ("leaf", "group", "dtype", "v", "gather")
+    __slots__ = ("leaf", "group", "dtype", "v", "gather", "view")
 
     def __init__(
         self, leaf: int, group: AxisGroup, dtype: torch.dtype, v: torch.Tensor, gather=None
     ):
         self.leaf, self.group, self.dtype, self.v, self.gather = leaf, group, dtype, v, gather
+        # "step" mode's gathers: the gathered view of the leaf, (size, stride, offset) in the
+        # leaf's geometry; None: the leaf itself
+        self.view: tuple | None = None
+
+
+class _Alias(torch.autograd.Function):
+    """``done`` (a gather's result, computed already) as a function of the stand-in ``v``:
+    the cotangent goes to ``v`` whole (it is accumulated, then reduce-scattered once)."""
+
+    @staticmethod
+    def forward(v, done):
+        return done
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 class _Bucket:
@@ -135,7 +160,8 @@ class GradSync(lax.Handler):
         self.leaves = list(leaves)
         self.index = {id(t): i for i, t in enumerate(self.leaves)}
         self.entries: list[_Entry] = []
-        self.keys: dict[tuple, int] = {}  # (leaf, axes, id(pg), dtype) -> entry
+        self.gathers: list[_Entry] = []  # "step" mode: FSDP's gathers of leaves (or views)
+        self.keys: dict[tuple, int] = {}  # (leaf, axes, id(pg), dtype) -> entry (or gather)
         self.buckets: list[_Bucket] | None = None
         self.slot: dict[int, tuple[_Bucket, int]] = {}  # entry -> (its bucket, offset)
         self.next = 0  # the first bucket not launched yet
@@ -147,10 +173,50 @@ class GradSync(lax.Handler):
         if type(b.op) is Pcast:
             v = self._stand_in(x, b.group, b.op.reduce_dtype)
             return proceed(b, x, done) if v is None else v
-        if self.mode == "unreduced" and type(b.op) is AllGather and not b.op.invariant:
-            v = self._gathered(b, x, done, proceed)
+        if type(b.op) is AllGather and not b.op.invariant and self.mode != "overlap":
+            if self.mode == "unreduced":
+                v = self._gathered(b, x, done, proceed)
+            else:
+                v = self._gather_stand_in(b, x, done, proceed)
             return proceed(b, x, done) if v is None else v
         return proceed(b, x, done)
+
+    def _gather_stand_in(self, b, x, done, proceed) -> torch.Tensor | None:
+        """``"step"`` mode: FSDP's varying gather (dim 0, even blocks) of a leaf, or of a view
+        of one (a layer's row of a stacked stage weight), reads a stand-in per (param view,
+        group) for the whole call: the gathered data (``done``, or gathered now without a
+        graph) whose cotangent goes whole to the stand-in, so the whole param's gradient
+        accumulates over every use and microbatch, and :meth:`finish` reduce-scatters it once
+        (bucketed). The stand-in holds no data (one element, stride 0): each use's gathered
+        value is its own, freed and re-gathered by FSDP as before."""
+        op = b.op
+        base = x if x._base is None else x._base
+        i = self.index.get(id(base))
+        if (
+            op.dim != 0
+            or op.sizes is not None
+            or i is None
+            or self.leaves[i] is not base
+            or self.buckets is not None
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        if done is None:
+            with torch.no_grad():
+                done = proceed(b, x.detach(), None)
+        if done.dtype != x.dtype or done.shape[1:] != x.shape[1:]:
+            return None
+        key = (i, "gather", tuple(x.shape), x.stride(), x.storage_offset(), b.group.axes, id(b.group.pg))  # fmt: skip
+        k = self.keys.get(key)
+        if k is None:
+            k = self.keys[key] = len(self.gathers)
+            v = torch.empty_strided(done.shape, (0,) * done.dim(), dtype=x.dtype, device=x.device)
+            e = _Entry(i, b.group, x.dtype, v.requires_grad_(), gather=op)
+            if x is not base:  # its geometry in the leaf's (offset from the leaf's start)
+                e.view = (tuple(x.shape), x.stride(), x.storage_offset() - base.storage_offset())
+            self.gathers.append(e)
+        return _Alias.apply(self.gathers[k].v, done)
 
     def _gathered(self, b, x, done, proceed) -> torch.Tensor | None:
         """FSDP's varying gather of a leaf, unreduced: a stand-in holding the gathered value,
@@ -209,10 +275,11 @@ class GradSync(lax.Handler):
             >>> GradSync([torch.ones(2)]).stand_ins()
             []
         """
+        es = self.entries + self.gathers
         if leaves is None:
-            return [e.v for e in self.entries]
+            return [e.v for e in es]
         ids = {id(t) for t in leaves}
-        return [e.v for e in self.entries if id(self.leaves[e.leaf]) in ids]
+        return [e.v for e in es if id(self.leaves[e.leaf]) in ids]
 
     # -- buckets ----------------------------------------------------------------------------
 
@@ -287,7 +354,7 @@ class GradSync(lax.Handler):
         """
         if self.mode == "unreduced":
             raise ValueError("GradSync.finish: an 'unreduced' reducer is read with unreduced()")
-        if not self.entries:
+        if not self.entries and not self.gathers:
             return list(grads)
         if self.buckets is None:  # no gradient arrived through a hook (mode "step")
             self._plan()
@@ -298,6 +365,24 @@ class GradSync(lax.Handler):
                     e.v.grad = None
         self._launch_ready(flush=True)
         out = list(grads)
+        # while the all_reduces are on the wire: the gathered params' reduce_scatters
+        for e, piece in self._scatter_gathers():
+            i = e.leaf
+            leaf = self.leaves[i]
+            total = out[i]
+            if total is None:
+                total = torch.zeros_like(leaf, memory_format=torch.preserve_format)
+            elif total.stride() != leaf.stride():  # the view's geometry is the leaf's
+                total = torch.empty_strided(
+                    leaf.shape, leaf.stride(), dtype=total.dtype, device=total.device
+                ).copy_(total)
+            if e.view is None:
+                dst = total
+            else:
+                size, stride, offset = e.view
+                dst = total.as_strided(size, stride, total.storage_offset() + offset)
+            dst.add_(piece.view(dst.shape).to(dst.dtype))
+            out[i] = total
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -308,6 +393,37 @@ class GradSync(lax.Handler):
                     piece = piece.to(e.v.dtype)
                 i = e.leaf
                 out[i] = piece if out[i] is None else piece.add_(out[i])
+        return out
+
+    def _scatter_gathers(self) -> list[tuple[_Entry, torch.Tensor]]:
+        """``"step"`` mode: each gathered param's accumulated gradient (zeros where none
+        arrived: every rank issues the same collectives), reduce-scattered over its gather's
+        group: one reduce_scatter per bucket (``fs.lax.buckets``, per group and dtype, up to
+        ``fs.lax.PSUM_BUCKET_BYTES``), the gradients packed as FSDP2 packs a unit's (each
+        one's chunks side by side, so the scattered buffer holds this rank's block of each).
+        Returns ``[(entry, this rank's block)]``, bucket by bucket."""
+        es = self.gathers
+        if not es:
+            return []
+        shapes = [torch.empty(e.v.shape, dtype=e.dtype, device="meta") for e in es]
+        out = []
+        for cut in lax.buckets(shapes, [e.group for e in es], order="in_place_first"):
+            group = es[cut.idx[0]].group
+            k = group.size
+            grads = []
+            for j in cut.idx:
+                e = es[j]
+                g, e.v.grad = e.v.grad, None
+                grads.append(torch.zeros(e.v.shape, dtype=e.dtype, device=e.v.device) if g is None else g)  # fmt: skip
+            if len(grads) == 1:
+                flat = grads[0].reshape(-1)
+            else:
+                flat = torch.cat([g.reshape(k, -1) for g in grads], 1).reshape(-1)
+            del grads
+            mine = _comm.reduce_scatter(flat, group, 0, None)
+            del flat
+            sizes = [es[j].v.numel() // k for j in cut.idx]
+            out.extend(zip((es[j] for j in cut.idx), torch.split(mine, sizes)))
         return out
 
     def unreduced(self, grads: list[torch.Tensor | None], keep_own) -> list:
@@ -376,4 +492,4 @@ class GradSync(lax.Handler):
         a moment (a reference released after the call returns): what it held must not, or
         each step's gradients stay alive into the next one (fresh pages)."""
         self.leaves, self.index, self.entries, self.keys = [], {}, [], {}
-        self.buckets, self.slot = [], {}
+        self.buckets, self.slot, self.gathers = [], {}, []

@@ -53,6 +53,7 @@ STARTS_PROCESSES = {
     "tests/test_devices.py::test_mesh_create_initialises_the_group_under_torchrun",
     "tests/test_devices.py::test_readme_quickstart_under_torchrun",
     "tests/test_doc_blocks.py::test_scripts_run",
+    "tests/test_dry_run.py::test_dry_run_figures_do_not_depend_on_the_hash_seed_or_earlier_runs",
     "tests/test_launch.py::test_one_shot_run",
     "tests/test_launch.py::test_readme_multinode_torchrun_command",
     "tests/test_launch.py::test_results_in_rank_order",

@@ -256,7 +256,8 @@ class _Session:
                 key = (lows[n].dtype, self.params[n].dtype, lows[n].device)
                 packs.setdefault(key, []).append(n)
         launched = []
-        if axis_env.in_body():  # one gather per param (see gather)
+        tracker = axis_env.tracker() if axis_env.in_body() else None
+        if tracker is not None and not tracker.paused:  # one gather per param (see gather)
             for n, low in lows.items():
                 launched.append(([n], None, _comm.all_gather_start(low, self.group, 0, None)))
             self.launched[unit] = launched
@@ -298,7 +299,9 @@ class _Session:
         unreduced = any(
             isinstance(h, GradSync) and h.mode == "unreduced" for h in lax.active_handlers()
         )
-        if unreduced or any(shapes is None for _, shapes, _ in packs):
+        # in a shard_map body one per param too (see gather); a pipeline's step-mode gradient
+        # sync then takes each over and reduce-scatters the params once per step, packed
+        if unreduced or axis_env.in_body() or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
             return {n: self._varying(n, full) for n, full in fulls.items()}
         flats = []
@@ -325,10 +328,14 @@ class _Session:
                 return {n: self._typed(n, None) for n in self.units[unit]}
             return {n: self._traced(n) for n in self.units[unit]}
         packs = self._wait(unit)
-        # In a shard_map body (FSDP x CP) one gather per param (not packed), and the global
-        # view's varying gathers are made where an op rule asks for one (_Pcasts), so the
-        # body's varying-axes tracker types them as it types the op's other values (packed,
-        # the gradients came out wrong: not yet understood); elsewhere one per pack, made here.
+        # In a shard_map body (FSDP x CP, a pipeline's stages) the differentiable varying
+        # gathers are made per param, in the global view where an op rule asks for one
+        # (_Pcasts), so the body's varying-axes tracker types them as it types the op's other
+        # values (packed varying gathers in a body gave wrong gradients: not yet understood);
+        # elsewhere one per pack, made here. The data itself is gathered per pack (_launch),
+        # except in a body whose tracker runs (FSDP x CP: packed, the demo's fsdp x cp row
+        # drifted 3e-4 from dense by the third step, not yet understood); a pipeline's stages
+        # run with its tracker paused.
         lazy = self.typed and axis_env.in_body()
         vary = {} if lazy else self._vary(packs)
         fulls = self._unpack(packs) if lazy else {}

@@ -65,7 +65,13 @@ unreduced cotangents of every microbatch; after the schedule one bucketed all_re
 sums them (the weights of one stage, whatever the microbatch count: ``fs.debug.comm_log`` shows
 one all_reduce over dp of the rank's weight bytes where it showed ``m`` per weight use). A
 pcast of anything else (a cast or computed value, one under ``fs.remat``) keeps its reduction
-in its backward. The loss value
+in its backward. FSDP in the stages (``fs.nn.fsdp_call`` of a layer, ``parallelize`` with
+``dp_shard``): its varying all_gather of a stage weight's row (or of a loss param) reads a
+stand-in of the reducer too, whose gradient accumulates the whole param's cotangents over the
+microbatches; after the schedule it is reduce-scattered once (packed per bucket), where each
+microbatch's backward reduce-scattered each param before (FSDP2's
+``set_requires_gradient_sync(False)`` until the last microbatch: the stage's full gradients are
+held for the step). The loss value
 of each microbatch is still summed over dp in the forward (one scalar all_reduce per microbatch
 on the last stage).
 """
