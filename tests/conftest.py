@@ -159,8 +159,8 @@ def _thread_count() -> int:
 
 
 def _recycle_if_crowded(world: World) -> None:
-    """Restart ``world``'s workers (on its next run) if one of them holds too many threads, or
-    if it does not answer (a test left it broken: the next run restarts it anyway)."""
+    """Restart ``world``'s workers if one of them holds too many threads, or if they do not
+    answer (a test left them broken: the next run would restart them anyway)."""
     if not world._procs:  # not started, or already stopped
         return
     try:
@@ -168,7 +168,8 @@ def _recycle_if_crowded(world: World) -> None:
     except Exception:  # noqa: BLE001 -- any failure: fresh workers for the next test
         counts = [MAX_WORKER_THREADS + 1]
     if max(counts) > MAX_WORKER_THREADS:
-        world._kill()  # World.run starts fresh workers when they are gone
+        world._kill()
+        world.run(_thread_count)  # fresh workers now: no test's timing includes their start
 
 
 @pytest.fixture(autouse=True)
