@@ -140,6 +140,46 @@ def _no_process_in_one_process_lane(request, monkeypatch):
     yield
 
 
+#: A session World's workers are restarted after a test once one of them runs more threads than
+#: this. Each Gloo process group keeps a thread that wakes every 10 ms (gloo's tcp ``Loop``), and
+#: the meshes of the tests before leave their groups in the workers (each mesh of other axis
+#: names or shape makes its own): by the end of a whole-suite run a world4 worker held 88 groups
+#: and, idle, burned 14% of a core; the four of them and world8's eight, a third of this 2-core
+#: machine for the rest of the run. A worker starts with 5 threads (the default group has 3);
+#: each group adds 3. The restart (fork server: a fraction of a second) runs at most once per
+#: ~8 groups made.
+MAX_WORKER_THREADS = 32
+
+
+def _thread_count() -> int:
+    """This process's threads (Linux; elsewhere 0, so no restart)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def _recycle_if_crowded(world: World) -> None:
+    """Restart ``world``'s workers if one of them holds too many threads, or if they do not
+    answer (a test left them broken: the next run would restart them anyway)."""
+    if not world._procs:  # not started, or already stopped
+        return
+    try:
+        counts = world.run(_thread_count, timeout=60)
+    except Exception:  # noqa: BLE001 -- any failure: fresh workers for the next test
+        counts = [MAX_WORKER_THREADS + 1]
+    if max(counts) > MAX_WORKER_THREADS:
+        world._kill()
+        world.run(_thread_count)  # fresh workers now: no test's timing includes their start
+
+
+@pytest.fixture(autouse=True)
+def _recycle_session_worlds(request):
+    yield
+    for name in sorted(_WORLDS & set(request.fixturenames)):
+        _recycle_if_crowded(request.getfixturevalue(name))
+
+
 def _world(n: int, start_timeout: float = 120):
     world = World(n, timeout=start_timeout)  # workers start on the first run
     yield world

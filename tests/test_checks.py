@@ -1,18 +1,24 @@
 """The suite's own checks can fail (issue 37 item 5): a NaN error is not dropped, a test
 dependency that does not import fails a CI run instead of skipping its tests, a test of the
-one-process lane that starts a rank fails (issue 38 item 4)."""
+one-process lane that starts a rank fails, a session World whose workers hold many process
+groups gets fresh workers (issue 38 item 4)."""
 
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
+import fshard as fs
 from tests._opcheck import nan_max
 from tests.conftest import (
+    MAX_WORKER_THREADS,
     REQUIRED_IN_CI,
     STARTS_PROCESSES,
     ProcessStarted,
+    _recycle_if_crowded,
+    _thread_count,
     check_required,
     in_one_process_lane,
 )
@@ -45,3 +51,25 @@ def test_the_lane_is_chosen_by_fixtures_and_the_list():
     assert not in_one_process_lane("tests/test_spec.py::test_x", ("world2", "tmp_path"))
     listed = next(iter(STARTS_PROCESSES))
     assert not in_one_process_lane(listed + "[param]", ())
+
+
+def _meshes_of_new_names(n: int) -> tuple[int, int]:
+    """``n`` 2x2 meshes, each of its own axis names (each makes its own Gloo groups); this
+    process's pid and threads."""
+    for i in range(n):
+        fs.Mesh.create((2, 2), (f"crowd_a{i}", f"crowd_b{i}"))
+    return os.getpid(), _thread_count()
+
+
+def test_a_crowded_session_world_gets_fresh_workers(world4):
+    """Each Gloo group keeps a thread waking every 10 ms: a session World's workers that
+    collected many are restarted after the test (tests/conftest.py), one with few is kept."""
+    before = world4.run(_meshes_of_new_names, 0)
+    _recycle_if_crowded(world4)
+    assert world4.run(_meshes_of_new_names, 0) == before  # few threads: the same workers
+    crowded = world4.run(_meshes_of_new_names, 12)
+    assert all(t > MAX_WORKER_THREADS for _, t in crowded), crowded  # 12 x 2 groups x 3 threads
+    _recycle_if_crowded(world4)
+    fresh = world4.run(_meshes_of_new_names, 0)
+    assert all(t <= MAX_WORKER_THREADS for _, t in fresh), fresh
+    assert not {pid for pid, _ in fresh} & {pid for pid, _ in crowded}, (crowded, fresh)
