@@ -55,10 +55,10 @@ CONFIGS = [
 class _First(nn.Module):
     def __init__(self, gpt, blocks):
         super().__init__()
-        self.tok, self.pos, self.blocks = gpt.tok, gpt.pos, nn.ModuleList(blocks)
+        self.embed, self.blocks = gpt.embed, nn.ModuleList(blocks)
 
     def forward(self, tokens):
-        x = self.tok(tokens) + self.pos.weight[: tokens.shape[1]]
+        x = self.embed(tokens)
         for b in self.blocks:
             x = b(x)
         return x
@@ -142,7 +142,7 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
     per = len(gpt.blocks) // stages
     named = {k: v.detach() for k, v in gpt.named_parameters()}
     params = {
-        "emb": {n: named[n] for n in ("tok.weight", "pos.weight")},
+        "emb": {n: named[n] for n in ("embed.tok.weight", "embed.pos.weight")},
         "stages": fs.parallel.stack_stages(named, mesh, prefix="blocks", virtual=virtual),
         "head": {n: named[n] for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
     }
@@ -158,8 +158,8 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
         return _ce(F.linear(h, hp["head.weight"]), target)
 
     def loss(params, tokens, targets):
-        x = F.embedding(tokens, params["emb"]["tok.weight"])
-        x = x + params["emb"]["pos.weight"][: tokens.shape[-1]]
+        x = F.embedding(tokens, params["emb"]["embed.tok.weight"])
+        x = x + params["emb"]["embed.pos.weight"][: tokens.shape[-1]]
         return fs.parallel.pipeline(
             stage_fn, params["stages"], x, mesh, loss_fn=loss_fn, loss_params=params["head"],
             targets=targets, schedule=schedule, virtual=virtual,

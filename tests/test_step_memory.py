@@ -88,18 +88,24 @@ def test_storage_id_keeps_no_tensor_alive():
     assert ref() is None
 
 
+def _llama_cfg(layers: int = 2, hidden: int = 64):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, vocab_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+
+
 def _dry_step(degrees: dict, rows: int):
     """One ``fs.value_and_grad`` + AdamW step of ``parallelize``'s loss on a small transformers
     Llama (2 layers, d 64) on the abstract mesh: rank 0's dry-run report."""
     import transformers
 
-    transformers.logging.set_verbosity_error()
     extra = {"pp_microbatches": 2} if "pp" in degrees else {}
     dims = fs.parallel.ParallelDims(**degrees, **extra)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+    cfg = _llama_cfg()
 
     def init(m):
         with torch.device("meta"):
@@ -138,3 +144,97 @@ def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does(monkeypatch):
         return c.end - 2 * (c.args["params"] + c.args["opt_state"]) - c.args["batch"]
 
     assert 0 <= kept(both) <= kept(pp)
+
+
+def _dry_forward(layers: int, grad: bool):
+    """The forward of ``parallelize``'s loss under FSDP (``dp_shard=4``) on the abstract mesh,
+    with or without ``fs.value_and_grad`` around it: rank 0's dry-run report."""
+    import transformers
+
+    dims = fs.parallel.ParallelDims(dp_shard=4)
+
+    def init(m):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(_llama_cfg(layers))
+        params, loss = fs.parallel.parallelize(model, m, dims)
+        return params, {"input_ids": torch.zeros((4, 16), dtype=torch.long, device="meta")}, loss
+
+    def step(params, batch, loss):
+        if grad:
+            return fs.value_and_grad(loss)(params, batch)
+        with torch.no_grad():
+            return loss(params, batch)
+
+    return fs.dry_run(step, init, dims.abstract_mesh(), ranks=[0]).classes[0]
+
+
+def test_fsdp_frees_each_units_gathered_params_after_its_forward():
+    """FSDP2's reshard after forward: a unit's gathered params are freed once its forward no
+    longer uses them, so the forward's memory above the arguments does not grow with the
+    layers. Before, ``_Pcasts`` held every gathered value it tracked until the forward ended:
+    the whole model gathered at the forward's peak (about 16 GiB a rank on the 70B dry run of
+    ``docs/sizing.md``), here 3 more layers' gathered params at 6 layers than at 3."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(_llama_cfg(1))
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    three, six = _dry_forward(3, grad=False), _dry_forward(6, grad=False)
+    above = [c.peak - sum(c.args.values()) for c in (three, six)]
+    assert abs(above[1] - above[0]) < layer // 4, (above, layer)  # before: 3 * layer more
+    # with the backward to come the forward saves activations per layer (the weights are
+    # gathered again in the backward, not saved): the peak above the arguments grows by the
+    # saved activations alone
+    three, six = _dry_forward(3, grad=True), _dry_forward(6, grad=True)
+    growth = (six.peak - sum(six.args.values())) - (three.peak - sum(three.args.values()))
+    saved = six.activations - three.activations
+    assert saved > 0 and abs(growth - saved) < layer // 4, (growth, saved, layer)
+
+
+def _allocator_peak(fn) -> int:
+    """The CPU allocator's peak live bytes above the start during ``fn()`` (its memory events
+    in order, each counted once), after a warm call."""
+    import gc
+
+    fn()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if e.name() == "[memory]":
+            live += e.nbytes()
+            peak = max(peak, live)
+    return peak
+
+
+def _real_forward_peaks() -> list[int]:
+    """The CPU allocator's peak above the start (``_allocator_peak``) of the forward of
+    ``parallelize``'s loss under FSDP on this world, at 3 and at 6 layers (d 256: at d 64 a
+    layer's 148 KB of params are within the allocator peak's run-to-run spread, 4.0-4.6 MB)."""
+    import transformers
+
+    peaks = []
+    for layers in (3, 6):
+        torch.manual_seed(0)
+        dims = fs.parallel.ParallelDims(dp_shard=2)
+        model = transformers.LlamaForCausalLM(_llama_cfg(layers, hidden=256))
+        params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+        batch = {"input_ids": torch.randint(0, 128, (4, 16))}
+
+        def forward(loss=loss, params=params, batch=batch):
+            with torch.no_grad():
+                return loss(params, batch).detach()
+
+        peaks.append(_allocator_peak(forward))
+    return peaks
+
+
+def test_fsdp_frees_gathered_params_in_a_real_run(world2):
+    """The real run of the test above, the CPU allocator's events as the oracle: the forward's
+    peak does not grow with the layers (before: 3 more layers' gathered params at 6)."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(_llama_cfg(1, hidden=256))
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    for three, six in world2.run(_real_forward_peaks):
+        assert abs(six - three) < layer // 4, (three, six, layer)
