@@ -461,7 +461,14 @@ def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple
     big = lowering(g).gather_broadcast_bytes
     big = big is not None and nbytes(x) >= big
     if g.simulated:
-        return x.new_empty((g.size * x.shape[0], *x.shape[1:])), ()
+        out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+        if big or str(g.backend) != "gloo":
+            return out, ()
+        # ProcessGroupGloo's allgather gathers into a flat tensor of its own and copies it
+        # out: a second buffer of the output's size while the op runs (until the wait, when
+        # launched asynchronously), which the CPU allocator counts
+        scratch = _Scratch(out.new_empty(out.shape))
+        return out, (scratch,) if async_op else ()
     if tracing():
         if not big:
             return _compat.funcol_all_gather(x.detach(), g.pg), ()
@@ -479,6 +486,18 @@ def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple
         return out, works if async_op else ()
     work = _compat.all_gather_into(out, x, group=g.pg, async_op=async_op)
     return out, (work,) if async_op else ()
+
+
+class _Scratch:
+    """A simulated collective's backend-internal buffer, freed at the wait."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+
+    def wait(self) -> None:
+        self.buf = None
 
 
 def _group_rank_order(g: AxisGroup) -> list[int]:
