@@ -365,7 +365,6 @@ class _Tracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.in_gc = False  # the cyclic collector is running (gc.callbacks)
-        self.held_by_cycles = 0  # bytes freed by it during the step: counted until the end
         self.seen = WeakIdKeyDictionary()
         self.at_backward: int | None = None
         self.flops: Counter = Counter()
@@ -374,9 +373,7 @@ class _Tracker(TorchDispatchMode):
         self.value_reads = 0
 
     def _free(self, n: int) -> None:
-        if self.in_gc:  # when the collector runs is not the step's: see _gc
-            self.held_by_cycles += n
-        else:
+        if not self.in_gc:  # a free by the collector stays counted: see _gc
             self.live -= n
 
     def _gc(self, phase: str, info) -> None:

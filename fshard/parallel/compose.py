@@ -427,10 +427,10 @@ class _RematLayers:
     def __init__(self, model, layers: str, call, policy, outputs: Mapping, *, fsdp: bool):
         self.model, self.layers, self.call, self.policy = model, layers, call, policy
         self.modules = list(model.get_submodule(layers))
-        pres = [f"{layers}.{i}." for i in range(len(self.modules))]
-        self.pres = pres
-        inner = [{n[len(pre) :]: o for n, o in outputs.items() if n.startswith(pre)} for pre in pres]
-        self.inner = inner
+        self.pres = [f"{layers}.{i}." for i in range(len(self.modules))]
+        self.inner = [
+            {n[len(pre) :]: o for n, o in outputs.items() if n.startswith(pre)} for pre in self.pres
+        ]
         self.outer = {n: o for n, o in outputs.items() if not n.startswith(f"{layers}.")}
         self.units = None
         if fsdp:  # the outer call gathers everything but the layers (each gathers its own)

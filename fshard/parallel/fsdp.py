@@ -334,9 +334,9 @@ class _Session:
         # (_Pcasts), so the body's varying-axes tracker types them as it types the op's other
         # values (packed varying gathers in a body gave wrong gradients: not yet understood);
         # elsewhere one per pack, made here. The data itself is gathered per pack (_launch),
-        # except in a body whose tracker runs (FSDP x CP: packed, the demo's fsdp x cp row
-        # drifted 3e-4 from dense by the third step, not yet understood); a pipeline's stages
-        # run with its tracker paused.
+        # except in a body whose tracker runs (FSDP x CP: packed there, a Llama's first-step
+        # gradients came out 0.92 off relative with the loss exact; not yet understood); a
+        # pipeline's stages run with its tracker paused.
         lazy = self.typed and axis_env.in_body()
         vary = {} if lazy else self._vary(packs)
         fulls = self._unpack(packs) if lazy else {}
