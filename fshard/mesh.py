@@ -3,7 +3,10 @@
 A mesh is row-major: the rank at position ``i`` of ``mesh.ranks`` sits at
 ``numpy.unravel_index(i, shape)``. ``Mesh.abstract`` needs no process group and serves layout
 math and planning; ``Mesh.create`` builds (and caches) the DeviceMesh and one process group per
-subset of axes, so that collectives over a tuple of axes (``("dp", "tp")``) have a group.
+subset of axes, so that collectives over a tuple of axes (``("dp", "tp")``) have a group. A
+process group is made once per set of ranks and shared by every mesh and axis over those ranks
+(the DeviceMesh is built ``DeviceMesh.from_group`` from them): a program or a test session that
+makes many meshes holds one group per rank set, not one per mesh axis.
 Meshes compare and hash by shape, names, ranks, device type (``"cpu"`` or ``"cuda"``, where
 the local blocks live) and abstractness: a CPU and a CUDA mesh over the same ranks are different
 meshes (as a JAX ``Mesh`` over other devices, or a DTensor ``DeviceMesh`` of another device
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torchrun
 from .spec import chunk_index
@@ -466,38 +470,50 @@ _SHARED: dict = {}  # (world, member ranks) -> the process group over them
 # (mesh, axes) group, each owning process groups that must live as long as the world.
 @functools.cache
 def _create(shape, names, device_type, _world_key) -> Mesh:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dm = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    ranks = tuple(int(r) for r in dm.mesh.flatten().tolist())
+    # Every group is created here, collectively (each rank creates every group, in the same
+    # order), once per member set and world (_shared_group): the one-axis groups of the
+    # DeviceMesh too, which init_device_mesh would make anew for each mesh (each Gloo group
+    # holds 3 threads that wake every 10 ms: a test session's meshes of 6 axes in 4 ranks
+    # added 18 threads per rank per mesh, 6 of them size-1 groups, all over the same ranks).
+    grid = torch.arange(math.prod(shape), dtype=torch.int).view(shape)
+    ranks = tuple(int(r) for r in grid.flatten().tolist())
+    abstract = Mesh(shape, names, ranks, device_type)
+    me = dist.get_rank()
+    dim_groups = [
+        _shared_group(_world_key, [_member_ranks(abstract, (a,), r) for r in ranks], me)
+        for a in names
+    ]
+    dm = DeviceMesh.from_group(dim_groups, device_type, grid, mesh_dim_names=names)
     mesh = Mesh(shape, names, ranks, device_type, dm)
     _LIVE[(shape, names, ranks, device_type)] = mesh
-    # One group per subset of >= 2 axes. Group creation is collective over the whole world, so
-    # every rank creates every group here, in the same order, once per mesh.
-    me = dist.get_rank()
+    # One group per subset of >= 2 axes (subsets that differ only by size-1 axes, and meshes of
+    # other shapes, share it: a 6-axis mesh made ~60 groups, most of them the same ranks).
     for k in range(2, len(names) + 1):
         for subset in itertools.combinations(names, k):
-            if k == len(names) and len(ranks) == dist.get_world_size():
-                _GROUPS[(mesh, subset)] = dist.group.WORLD
-                continue
-            seen = set()
-            for r in ranks:
-                members = tuple(sorted(_member_ranks(mesh, subset, r)))
-                if members in seen:
-                    continue
-                seen.add(members)
-                # one process group per member set and world: subsets that differ only by
-                # size-1 axes, and meshes of other shapes, share it (each Gloo group costs
-                # threads: a 6-axis mesh made ~60 groups, most of them the same ranks)
-                pg = _SHARED.get((_world_key, members))
-                if pg is None:
-                    pg = _SHARED[(_world_key, members)] = dist.new_group(list(members))
-                if me in members:
-                    _GROUPS[(mesh, subset)] = pg
+            sets = [_member_ranks(mesh, subset, r) for r in ranks]
+            _GROUPS[(mesh, subset)] = _shared_group(_world_key, sets, me)
     for k in range(len(names) + 1):
         for axes in itertools.permutations(names, k):
             mesh._groups[axes] = _axis_group(mesh, axes)
     return mesh
+
+
+def _shared_group(world_key, member_sets: list, me: int):
+    """This rank's process group among ``member_sets`` (each a group's ranks), every one
+    created once per world (``dist.new_group`` is collective: every rank calls it for every set,
+    members or not, in the same order) and shared by every mesh and axis over the same ranks;
+    the whole world's is the default group."""
+    mine = None
+    for members in dict.fromkeys(tuple(sorted(m)) for m in member_sets):
+        if len(members) == dist.get_world_size():
+            pg = dist.group.WORLD
+        else:
+            pg = _SHARED.get((world_key, members))
+            if pg is None:
+                pg = _SHARED[(world_key, members)] = dist.new_group(list(members))
+        if me in members:
+            mine = pg
+    return mine
 
 
 def _restore(shape, names, ranks, device_type, abstract: bool = False) -> Mesh:

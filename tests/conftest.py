@@ -141,13 +141,13 @@ def _no_process_in_one_process_lane(request, monkeypatch):
 
 
 #: A session World's workers are restarted after a test once one of them runs more threads than
-#: this. Each Gloo process group keeps a thread that wakes every 10 ms (gloo's tcp ``Loop``), and
-#: the meshes of the tests before leave their groups in the workers (each mesh of other axis
-#: names or shape makes its own): by the end of a whole-suite run a world4 worker held 88 groups
-#: and, idle, burned 14% of a core; the four of them and world8's eight, a third of this 2-core
-#: machine for the rest of the run. A worker starts with 5 threads (the default group has 3);
-#: each group adds 3. The restart (fork server: a fraction of a second) runs at most once per
-#: ~8 groups made.
+#: this. Each Gloo process group keeps a thread that wakes every 10 ms (gloo's tcp ``Loop``): by
+#: the end of a whole-suite run a world4 worker once held 88 groups and, idle, burned 14% of a
+#: core. Meshes now share their groups by rank set (``fshard.mesh``), so a worker holds a few
+#: (a 4-rank world: 14 threads after every test_composition configuration); groups a test makes
+#: itself (``dist.new_group``, torch's own FSDP2 or pipelining) still add 3 threads each. A
+#: worker starts with 5 threads (the default group has 3). A restart costs the next test its
+#: warm-up (imports, plan caches: ~5 s of a 6 s first composed step on world4).
 MAX_WORKER_THREADS = 32
 
 

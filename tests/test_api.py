@@ -1,6 +1,7 @@
 """shard / from_local / gather / reshard / creation on real Gloo ranks, against dense tensors."""
 
 import itertools
+import os
 
 import optree
 import torch
@@ -284,15 +285,34 @@ def test_iteration_over_dim_0_moves_nothing(world2):
 def shared_groups_rank_fn():
     from fshard import mesh as mesh_module
 
-    for shape in [(2, 1, 1, 1), (1, 1, 1, 2), (1, 2, 1, 1)]:
-        fs.Mesh.create(shape, ("a", "b", "c", "d"))
-    return sorted(members for _, members in mesh_module._SHARED)
+    meshes = [
+        fs.Mesh.create(shape, names)
+        for shape, names in [
+            ((2, 1, 1, 1), ("a", "b", "c", "d")),
+            ((1, 1, 1, 2), ("a", "b", "c", "d")),
+            ((1, 2, 1, 1), ("a", "b", "c", "d")),
+            ((2, 1), ("dp", "tp")),
+            ((1, 2, 1), ("pp", "cp", "ep")),
+        ]
+    ]
+    # each axis's group (the DeviceMesh's), by the ranks it spans: one object per rank set
+    by_ranks: dict = {}
+    for m in meshes:
+        for a in m.axis_names:
+            pg = m.device_mesh.get_group(a)
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(pg)), set()).add(id(pg))
+    threads = len(os.listdir("/proc/self/task"))
+    return sorted(members for _, members in mesh_module._SHARED), by_ranks, threads
 
 
 def test_meshes_share_process_groups_over_the_same_ranks(world2):
-    """Each multi-axis group over a set of ranks is created once per world, whatever the
-    mesh: subsets differing only by size-1 axes and meshes of other shapes share it (a 6-axis
-    mesh made ~60 Gloo groups, most over the same ranks, and each costs threads: 750 threads
-    per rank after four such meshes)."""
-    for members in world2.run(shared_groups_rank_fn):
+    """Each group over a set of ranks is created once per world, whatever the mesh: the
+    DeviceMesh's one-axis groups and the multi-axis ones, subsets differing only by size-1 axes
+    and meshes of other shapes and names share it (a 6-axis mesh made ~60 Gloo groups, most
+    over the same ranks, and each costs 3 threads that wake every 10 ms: 750 threads per rank
+    after four such meshes; then init_device_mesh's one-axis groups, 6 more per 6-axis mesh)."""
+    for members, by_ranks, threads in world2.run(shared_groups_rank_fn):
         assert len(members) == len(set(members)) and set(members) <= {(0,), (1,), (0, 1)}
+        # the 2-rank axes are the default group; the size-1 axes one group per rank
+        assert len(by_ranks) == 2 and all(len(ids) == 1 for ids in by_ranks.values()), by_ranks
+        assert threads < 32, threads  # 5 to start, 3 for the default group, 3 for the size-1 one
