@@ -62,6 +62,8 @@ _SERVER_PARENT_ENV = "_FSHARD_FORKSERVER_PARENT"
 #: Variables that may differ between the driver and the fork server serving it: pytest names
 #: the current test in one; the workers see its value at the server's start.
 _ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+#: More modules for the fork server to import before it forks workers (see :class:`World`).
+_PRELOAD_ENV = "FSHARD_PRELOAD"
 
 
 def is_worker() -> bool:
@@ -155,10 +157,22 @@ def _drawn_hash_seed() -> str:
 # must not serve a World (modules read the environment when imported: fshard.config, torch).
 
 _SERVER_LOCK = threading.Lock()
-#: ``[(key, server, pid)]``: the server in use (at most one), and the key it serves.
+#: ``[(key, server, pid)]``: the servers in use, the most recently used last, and the keys they
+#: serve. Up to three: a program that starts Worlds under a few environments in turn (a test
+#: suite that unsets a variable for some tests) forks from each without restarting it.
 _SERVERS: list[tuple[tuple, mp.forkserver.ForkServer, int]] = []
+_MAX_SERVERS = 3
 #: Servers replaced by one for another environment: they exit once their workers are gone.
 _RETIRED: list[int] = []
+
+
+def _retire(server: mp.forkserver.ForkServer, pid: int, running: bool) -> None:
+    """Ask ``server`` to exit (closing its "alive" pipe; it exits once its workers have)."""
+    with contextlib.suppress(OSError, TypeError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = server._forkserver_pid = None
+    if running:
+        _RETIRED.append(pid)
 
 
 def _fork_server(seed: str, pdeathsig: bool) -> tuple[mp.forkserver.ForkServer, int]:
@@ -173,22 +187,25 @@ def _fork_server(seed: str, pdeathsig: bool) -> tuple[mp.forkserver.ForkServer, 
             with contextlib.suppress(ChildProcessError):
                 if os.waitpid(pid, os.WNOHANG)[0]:
                     _RETIRED.remove(pid)
-        if _SERVERS:
-            old_key, server, pid = _SERVERS[0]
+        for entry in list(_SERVERS):
+            old_key, server, pid = entry
             running = True
             with contextlib.suppress(ChildProcessError):
                 running = os.waitpid(pid, os.WNOHANG)[0] == 0
             if running and old_key == key:
+                _SERVERS.remove(entry)
+                _SERVERS.append(entry)  # the most recently used
                 return server, pid
-            _SERVERS.clear()
-            # Closing the "alive" pipe asks it to exit; it does once its workers have.
-            with contextlib.suppress(OSError, TypeError):
-                os.close(server._forkserver_alive_fd)
-            server._forkserver_alive_fd = server._forkserver_pid = None
-            if running:
-                _RETIRED.append(pid)
+            if not running or old_key == key:
+                _SERVERS.remove(entry)
+                _retire(server, pid, running)
+        while len(_SERVERS) >= _MAX_SERVERS:
+            _, server, pid = _SERVERS.pop(0)  # the least recently used
+            _retire(server, pid, True)
         server = mp.forkserver.ForkServer()
-        server.set_forkserver_preload([__name__])  # torch and fshard, imported once
+        # torch and fshard, imported once; and the modules the user names
+        extra = [m.strip() for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m.strip()]
+        server.set_forkserver_preload([__name__, *extra])
         parent = {_SERVER_PARENT_ENV: str(os.getpid())} if pdeathsig else {}
         with _environ(PYTHONHASHSEED=seed, **parent):
             server.ensure_running()
@@ -273,7 +290,11 @@ class World:
     forkserver mechanism, not its global server, whose settings stay the program's), a fresh
     interpreter that imported ``torch`` and fshard once and does nothing else (no tensor
     work, no CUDA): a World starts in a fraction of the time of spawning N interpreters that
-    each import torch.
+    each import torch. ``FSHARD_PRELOAD`` (module names separated by commas) names more modules
+    for the server to import first, e.g. ``transformers.models.llama.modeling_llama``: each
+    worker then starts with them instead of importing them itself (about 5 s per worker for
+    that one here); a module that does not import is left to the workers, as multiprocessing's
+    preload does.
     The server is started with the driver's environment, ``sys.path`` and working directory,
     and serves only Worlds started under the same ones (a World started after ``os.environ``
     changed, e.g. ``FSHARD_CHECK_CONSISTENCY``, gets a new server, so what modules read from

@@ -403,6 +403,33 @@ def test_worlds_fork_from_one_server_per_environment(monkeypatch):
         third = world.run(env_config_server)
     assert [(m, c) for m, c, _ in third] == [("b", "every")] * 2
     assert third[0][2] == third[1][2] not in (server, os.getpid()), (server, third)
+    # back to the first environment: its server still serves (three are kept: a suite that
+    # unsets a variable for some tests does not restart a server, preloads and all, each time)
+    monkeypatch.setenv("FSHARD_TEST_MARK", "a")
+    monkeypatch.setenv("FSHARD_CHECK_CONSISTENCY", "default")
+    with World(2) as world:
+        assert [s for *_, s in world.run(env_config_server)] == [server] * 2
+
+
+def preloaded():
+    """Whether tests._preloaded came with the fork (the server imported it) and by whom."""
+    import sys
+
+    module = sys.modules.get("tests._preloaded")
+    return module is not None, module.PID if module else None, os.getppid()
+
+
+def test_fork_server_imports_the_modules_named_in_fshard_preload(monkeypatch):
+    """FSHARD_PRELOAD's modules are imported by the fork server before it forks: a worker has
+    them already, imported by its server (not by itself), and a name that does not import is
+    skipped (multiprocessing's preload), not an error."""
+    monkeypatch.setenv("FSHARD_PRELOAD", "tests._preloaded, no_such_module_here")
+    with World(2) as world:
+        for present, pid, server in world.run(preloaded):
+            assert present and pid == server, (present, pid, server)
+    monkeypatch.delenv("FSHARD_PRELOAD")
+    with World(1) as world:
+        assert world.run(preloaded)[0][0] is False
 
 
 def test_one_shot_run():
