@@ -645,3 +645,42 @@ def test_state_dict_of_a_module_trained_through_params_is_refused_until_load_par
     initial weights. It now raises, pointing to ``fs.nn.state_dict`` / ``load_params``, until
     ``load_params`` writes the trained values back (compared with dense SGD)."""
     assert world2.run(stale_state_dict_rank_fn) == [True, True]
+
+
+def shard_params_checks_rank_fn(case: str):
+    """shard_params under the default consistency mode: the all_reduces it issues, and the
+    error (or None) when the ranks' modules or plans differ (``case``)."""
+    import torch.distributed as dist
+
+    mesh = fs.Mesh.create((2,), ("x",))
+    rank = dist.get_rank()
+    torch.manual_seed(rank if case == "seed" else 0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    plan = {"0.weight": fs.P(None, "x") if case == "plan" and rank else fs.P("x")}
+    calls, real = [], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        with fs.config.consistency("default"):
+            fs.nn.shard_params(model, mesh, plan)
+    except fs.consistency.ConsistencyError as e:
+        return len(calls), str(e)
+    finally:
+        dist.all_reduce = real
+    return len(calls), None
+
+
+def test_shard_params_checks_the_whole_module_in_one_exchange(world2):
+    """Every rank must pass the same module (values) and plan: compared for all parameters in
+    one exchange (one all_reduce), not one per parameter (fs.shard's own check: 4 here); a
+    per-rank seed or plan is named by parameter."""
+    for n, error in world2.run(shard_params_checks_rank_fn, "same"):
+        assert error is None and n == 1, (n, error)
+    for _, error in world2.run(shard_params_checks_rank_fn, "seed"):
+        assert error and "0.weight values" in error and "2.bias values" in error, error
+    for _, error in world2.run(shard_params_checks_rank_fn, "plan"):
+        assert error and "disagree on 0.weight." in error and "P(None, 'x')" in error, error
