@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
-import fshard as fs
 from tests._opcheck import nan_max
 from tests.conftest import (
     MAX_WORKER_THREADS,
@@ -53,23 +53,24 @@ def test_the_lane_is_chosen_by_fixtures_and_the_list():
     assert not in_one_process_lane(listed + "[param]", ())
 
 
-def _meshes_of_new_names(n: int) -> tuple[int, int]:
-    """``n`` 2x2 meshes, each of its own axis names (each makes its own Gloo groups); this
-    process's pid and threads."""
-    for i in range(n):
-        fs.Mesh.create((2, 2), (f"crowd_a{i}", f"crowd_b{i}"))
+def _new_groups(n: int) -> tuple[int, int]:
+    """``n`` Gloo groups over ranks 0 and 1 made with ``dist.new_group`` (meshes share their
+    groups by rank set; a program's own groups do not); this process's pid and threads."""
+    for _ in range(n):
+        dist.new_group([0, 1])
     return os.getpid(), _thread_count()
 
 
 def test_a_crowded_session_world_gets_fresh_workers(world4):
     """Each Gloo group keeps a thread waking every 10 ms: a session World's workers that
     collected many are restarted after the test (tests/conftest.py), one with few is kept."""
-    before = world4.run(_meshes_of_new_names, 0)
+    before = world4.run(_new_groups, 0)
     _recycle_if_crowded(world4)
-    assert world4.run(_meshes_of_new_names, 0) == before  # few threads: the same workers
-    crowded = world4.run(_meshes_of_new_names, 12)
-    assert all(t > MAX_WORKER_THREADS for _, t in crowded), crowded  # 12 x 2 groups x 3 threads
+    assert world4.run(_new_groups, 0) == before  # few threads: the same workers
+    crowded = world4.run(_new_groups, 12)
+    crowded = [c for rank, c in enumerate(crowded) if rank < 2]  # the groups' members
+    assert all(t > MAX_WORKER_THREADS for _, t in crowded), crowded  # 12 groups x 3 threads
     _recycle_if_crowded(world4)
-    fresh = world4.run(_meshes_of_new_names, 0)
+    fresh = world4.run(_new_groups, 0)
     assert all(t <= MAX_WORKER_THREADS for _, t in fresh), fresh
     assert not {pid for pid, _ in fresh} & {pid for pid, _ in crowded}, (crowded, fresh)
