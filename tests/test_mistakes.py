@@ -254,7 +254,9 @@ def test_collective_on_one_rank_under_fs_launch_run(tmp_path):
 
 def test_a_gloo_timeout_in_a_rank_names_the_cause():
     """The rank whose collective timed out (Gloo's words) is reported with the usual cause."""
-    with World(2, timeout=40, pg_timeout=5) as world, pytest.raises(RankError) as info:
+    # pg_timeout: how long Gloo waits in the hung collective (both ranks are forked from one
+    # server within a fraction of a second: their group start is far inside it)
+    with World(2, timeout=40, pg_timeout=3) as world, pytest.raises(RankError) as info:
         world.run(collective_on_one_rank_after_some_steps, "")
     text = str(info.value)
     assert "Timed out" in text and all(w in text for w in _DISAGREE), text
