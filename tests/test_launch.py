@@ -149,10 +149,10 @@ def test_exception_on_one_rank(world2):
 def test_partial_collective_does_not_hang(world2):
     start = time.monotonic()
     with pytest.raises((TimeoutError, RankError)) as info:
-        world2.run(collective_on_rank0_only, timeout=5)
+        world2.run(collective_on_rank0_only, timeout=3)  # rank 1 returns at once
     assert time.monotonic() - start < 20
     if isinstance(info.value, TimeoutError):  # (a RankError if Gloo's own timeout fired first)
-        assert "ranks [0] did not finish within 5 s (ranks [1] did)" in str(info.value)
+        assert "ranks [0] did not finish within 3 s (ranks [1] did)" in str(info.value)
     assert world2.run(rank_info, 0)[1][:3] == (1, 2, 1.0)  # restarted and working
 
 

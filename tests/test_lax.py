@@ -538,9 +538,9 @@ def psum_on_rank0_only():
 def test_collective_on_some_ranks_fails_not_hangs(world2):
     start = time.monotonic()
     with pytest.raises((TimeoutError, RankError)) as info:
-        world2.run(psum_on_rank0_only, timeout=5)
+        world2.run(psum_on_rank0_only, timeout=3)  # rank 1 returns at once
     assert time.monotonic() - start < 25
-    assert "did not finish within 5 s" in str(info.value) or "rank 0" in str(info.value)
+    assert "did not finish within 3 s" in str(info.value) or "rank 0" in str(info.value)
     assert world2.run(bad_arguments)[0] == (0, 2)  # the world restarted and works
 
 
