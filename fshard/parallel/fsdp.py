@@ -570,11 +570,14 @@ class _Pcasts(lax.Handler):
             # on x's data as ``done`` (eager: a tensor of its own, not a view; under a
             # transform ``done`` would cross levels) and tracked as this pcast of what x
             # stands for: a later pcast over the FSDP axes gives the pcast of the varying
-            # gather. A pcast over some of the FSDP (or replicate) axes is not tracked: a later
-            # pcast of it stays a pcast (the varying gather would sum over those axes twice).
+            # gather (its psum in the policy's reduce dtype, as every gradient reduction). A
+            # pcast over some of the FSDP (or replicate) axes is not tracked: a later pcast of
+            # it stays a pcast (the varying gather would sum over those axes twice).
             out = proceed(b, x, x if done is None and s.eager else done)
             if not axes & set(s.axes + s.replicate):
-                self.track(out, name, lambda y: lax.apply(b, y if f is None else f(y)))
+                reduce = b.op.reduce_dtype or s.policy.reduce_in(s.params[name].dtype)
+                op = Bound(Pcast(b.op.axes, reduce), b.group)
+                self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)))
             return out
         if s.eager and name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
