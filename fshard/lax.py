@@ -151,11 +151,17 @@ def claim_of(group: AxisGroup) -> Bound | None:
 class _Collective(torch.autograd.Function):
     """Runs bound op ``b`` (``done``: its result, already computed, e.g. by an asynchronous
     gather). Backward: a linear op's transpose through this same Function; a nonlinear op's
-    ``vjp`` from its residuals."""
+    ``vjp`` from its residuals.
+
+    With ``done`` the result is a new tensor on ``done``'s data (``detach()``: an alias, not a
+    view), never ``done`` itself: autograd gives a Function's output its history in place, so
+    handing ``done`` back made the caller's tensor the op's result, and a second ``apply``
+    with the same ``done`` (FSDP's invariant and varying gathers of one param) rewrote the
+    first result's ``grad_fn``: its later uses were differentiated as the second op."""
 
     @staticmethod
     def forward(x, b, done):
-        return run(b, x) if done is None else done[0]
+        return run(b, x) if done is None else done[0].detach()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -301,7 +307,8 @@ def apply(b: Bound, x: torch.Tensor, done: torch.Tensor | None = None) -> torch.
     the active :class:`Handler` s.
 
     ``done``: the op's result on ``x``, computed already (FSDP's prefetched gathers); the
-    Function then only records the op for the backward.
+    Function then only records the op for the backward. The result is a new tensor on
+    ``done``'s data (not ``done``, not a view of it).
 
     A tensor no transform can see (:func:`fshard._function.untracked`: e.g. the input batch
     under ``torch.func.grad``, which wraps it but does not differentiate it) runs ``b``

@@ -238,6 +238,81 @@ def test_parallelize_composes_on_transformers_models(world4):
             assert worst < 1e-4, (kind, degrees, worst)
 
 
+def fsdp_cp_packed_rank_fn():
+    """FSDP x CP (``parallelize``, dp_shard=2 x cp=2) on a transformers Llama, one
+    fs.value_and_grad step: ``(worst, forward, backward, want_forward, want_backward)``, the
+    worst difference of the loss and every gradient from dense (relative to its largest
+    entry), the dp_shard and cp collectives comm_log records in the forward and after it, and
+    what per-unit FSDP gives from the param shapes alone (independent of fshard's code)."""
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(dp_shard=2, cp=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    forward: list = []
+
+    def logged(ps, batch):
+        with fs.debug.comm_log() as log:  # the forward's records go here, not to the outer log
+            out = loss(ps, batch)
+        forward.extend(log)
+        return out
+
+    with fs.debug.comm_log() as backward:
+        value, grads = fs.value_and_grad(logged)(params, {"input_ids": ids})
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    worst = abs(float(value) - float(want_value))
+    for k, g in grads.items():
+        assert g.layout == params[k].layout, k
+        scale = float(want[k].abs().max()) + 1e-6
+        worst = max(worst, float((fs.gather(g) - want[k]).abs().max()) / scale)
+
+    def fsdp_records(log):
+        return Counter(
+            (r.op, tuple(r.axes), r.nbytes)
+            for r in log
+            if tuple(r.axes) == ("dp_shard",) or (r.op, tuple(r.axes)) == ("all_reduce", ("cp",))
+        )
+
+    # Every param of this Llama has an even dim 0: each is sharded over dp_shard=2, its local
+    # block half of it (float32). Per unit, one all_gather of the unit's blocks in the forward
+    # and again in the backward (re-gathered, not kept); per param, one reduce_scatter of its
+    # gradient (input: the gathered gradient) and one all_reduce over cp of it (the param is
+    # invariant over cp, its uses vary: pcast, whose transpose sums over cp); the forward's
+    # only cp all_reduce is the loss's psum (4 bytes).
+    named = dict(model.named_parameters())
+    assert all(p.shape[0] % 2 == 0 for p in named.values())
+    want_forward, want_backward = Counter({("all_reduce", ("cp",), 4): 1}), Counter()
+    for names in fs.nn.fsdp_units(model).values():
+        local = sum(named[n].numel() // 2 * 4 for n in names)
+        want_forward[("all_gather", ("dp_shard",), local)] += 1
+        want_backward[("all_gather", ("dp_shard",), local)] += 1
+        for n in names:
+            want_backward[("reduce_scatter", ("dp_shard",), named[n].numel() * 4)] += 1
+            want_backward[("all_reduce", ("cp",), named[n].numel() * 4)] += 1
+    return worst, fsdp_records(forward), fsdp_records(backward), want_forward, want_backward
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
+    """FSDP x CP: inside the shard_map body over cp the unit's blocks are packed into one
+    all_gather (per unit, not per param), and the gradients equal dense. Packing there used
+    to give wrong gradients (0.92 off relative, the loss exact): the body's tracker pcasts the
+    gathered param over cp first, and the varying gather FSDP substituted for a view of that
+    pcast's result (found by ``_base``: pcast's forward is a view) dropped the cp psum; with
+    per-param gathers the same lookup missed, and every gradient was all-reduced over dp_shard
+    (21 all_reduces of the gathered gradients) instead of reduce-scattered."""
+    pytest.importorskip("transformers")
+    for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_packed_rank_fn):
+        assert worst < 1e-4, worst
+        assert forward == want_forward
+        assert backward == want_backward
+
+
 def _hf_model(kind: str):
     import transformers
 

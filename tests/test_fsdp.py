@@ -390,3 +390,65 @@ def _hsdp_errors(mesh):
         fs.nn.fsdp_call(model, params, (x,), mesh=mesh, axis="shard", replicate="dp")
     with pytest.raises(TypeError, match="replicate"):
         fs.nn.fsdp_call(model, params, (x,), mesh=mesh, axis="shard", replicate=3)
+
+
+def fsdp_in_cp_body_rank_fn(bf16: bool):
+    """One fs.value_and_grad step of FSDP inside a shard_map body over ``cp`` (partial-manual,
+    the global view: what ``parallelize`` does for FSDP x CP) on a Linear whose weight and bias
+    form one unit (``bf16``: gathered in bfloat16, gradients reduced in float32):
+    ``(gradient errors, comm_log records)``."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "cp"))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh))
+    x = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))
+    policy = (
+        fs.nn.MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if bf16 else None
+    )
+
+    def body(ps, xs):
+        out = fs.nn.fsdp_call(model, ps, (xs,), mesh=mesh, mp_policy=policy)
+        return fs.lax.psum(fs.gather((out * out).sum()), "cp")
+
+    def loss(ps, x):
+        run = fs.shard_map(body, mesh, (fs.P(), fs.P(None, "cp")), fs.P(), axis_names={"cp"})
+        return fs.gather(run(ps, fs.shard(x, mesh, fs.P("dp", "cp"))))
+
+    with fs.debug.comm_log() as log:
+        _, grads = fs.value_and_grad(loss)(params, x)
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    want = torch.func.grad(lambda ps: (torch.func.functional_call(model, ps, (x,)) ** 2).sum())(
+        dense
+    )
+    errors = {
+        k: float((fs.gather(grads[k]) - w).abs().max() / w.abs().max()) for k, w in want.items()
+    }
+    return errors, sorted((r.op, r.axes, r.nbytes) for r in log)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
+    """In a shard_map body over cp the unit's blocks are gathered in ONE all_gather (weight
+    2x4 + bias 2: 40 bytes in float32, 20 in bfloat16; was one per param, 32 and 8), and the
+    gradients equal dense: per param a reduce_scatter over dp of the gathered gradient and an
+    all_reduce over cp (the param is invariant over cp, the sequence split over it: a pcast,
+    summed in the backward), both in the reduce dtype (float32). Packed, this lost the cp sums
+    (the weight's gradient 0.68 off): the body's tracker pcasts the gathered param over cp
+    before the op rule pcasts it over dp, and FSDP stood its varying gather in for a view of
+    that pcast's result (pcast's forward is a view: found by ``_base``). Per param, the lookup
+    missed instead: each gradient all-reduced over dp (the whole gradient's bytes) where a
+    reduce_scatter does; in bfloat16 it matched, and the cp sums were lost there too."""
+    for errors, log in world4.run(fsdp_in_cp_body_rank_fn, bf16):
+        # bfloat16: its rounding of the weights and activations (as test_composition's bf16)
+        assert max(errors.values()) < (3e-2 if bf16 else 1e-5), errors
+        assert log == sorted(
+            [
+                ("all_gather", ("dp",), 20 if bf16 else 40),  # the unit: weight (2, 4) + bias (2,)
+                ("all_reduce", ("cp",), 4),  # the loss's psum
+                ("all_reduce", ("cp",), 16),  # bias's gradient over cp
+                ("all_reduce", ("cp",), 64),  # weight's
+                ("all_reduce", ("dp",), 4),  # the loss's gather over dp (a sum)
+                ("reduce_scatter", ("dp",), 16),  # bias's gradient, gathered size
+                ("reduce_scatter", ("dp",), 64),  # weight's
+            ]
+        )

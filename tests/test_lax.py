@@ -18,6 +18,7 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import fshard as fs
 from fshard import lax
+from fshard.collectives import AllGather, Bound
 from fshard.launch import RankError
 from fshard.mesh import _member_ranks
 
@@ -482,6 +483,29 @@ def test_psum_donated(world2):
 
 def test_psum_pytree_buckets(world2):
     assert world2.run(psum_pytree_buckets) == [True, True]
+
+
+def apply_with_done():
+    """Two ops applied with the same ``done`` (FSDP's invariant and varying gathers of one
+    param on the data gathered ahead): each result is a tensor of its own (not ``done``, not
+    a view of it) and differentiates as its own op. Was: both were ``done`` itself, the second
+    apply rewrote its ``grad_fn``, and the invariant gather's gradient came out summed over
+    the axis (2, not 1)."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    g = mesh.group("x")
+    x = torch.full((2,), float(mesh.rank + 1), requires_grad=True)
+    full = lax.all_gather(x.detach(), "x", mesh=mesh, to="varying")
+    inv = lax.apply(Bound(AllGather(g.axes, 0, None, invariant=True), g), x, done=full)
+    var = lax.apply(Bound(AllGather(g.axes, 0, None), g), x, done=full)
+    assert inv is not full and var is not full and var is not inv
+    assert inv._base is None and var._base is None and torch.equal(inv, var)
+    (g_inv,) = torch.autograd.grad(inv.sum(), x)  # transpose: this rank's block, no comm
+    (g_var,) = torch.autograd.grad(var.sum(), x)  # transpose: a reduce_scatter (2 ranks)
+    return g_inv.tolist(), g_var.tolist()
+
+
+def test_apply_with_done_gives_each_op_its_own_result(world2):
+    assert world2.run(apply_with_done) == [([1.0, 1.0], [2.0, 2.0])] * 2
 
 
 def bad_arguments(mesh=None):

@@ -257,12 +257,6 @@ class _Session:
                 key = (lows[n].dtype, self.params[n].dtype, lows[n].device)
                 packs.setdefault(key, []).append(n)
         launched = []
-        tracker = axis_env.tracker() if axis_env.in_body() else None
-        if tracker is not None and not tracker.paused:  # one gather per param (see gather)
-            for n, low in lows.items():
-                launched.append(([n], None, _comm.all_gather_start(low, self.group, 0, None)))
-            self.launched[unit] = launched
-            return
         for names in packs.values():
             flat = torch.cat([lows[n].reshape(-1) for n in names])
             shapes = [tuple(lows[n].shape) for n in names]
@@ -300,8 +294,10 @@ class _Session:
         unreduced = any(
             isinstance(h, GradSync) and h.mode == "unreduced" for h in lax.active_handlers()
         )
-        # in a shard_map body one per param too (see gather); a pipeline's step-mode gradient
-        # sync then takes each over and reduce-scatters the params once per step, packed
+        # in a shard_map body one per param too: a pipeline's stages (this path: untyped, in a
+        # body) run under its step-mode gradient sync, which takes each param's gather over and
+        # reduce-scatters the params once per step, packed (the typed path in a body makes its
+        # varying gathers in _Pcasts, one per param, where an op rule asks for one)
         if unreduced or axis_env.in_body() or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
             return {n: self._varying(n, full) for n, full in fulls.items()}
@@ -329,14 +325,11 @@ class _Session:
                 return {n: self._typed(n, None) for n in self.units[unit]}
             return {n: self._traced(n) for n in self.units[unit]}
         packs = self._wait(unit)
-        # In a shard_map body (FSDP x CP, a pipeline's stages) the differentiable varying
-        # gathers are made per param, in the global view where an op rule asks for one
-        # (_Pcasts), so the body's varying-axes tracker types them as it types the op's other
-        # values (packed varying gathers in a body gave wrong gradients: not yet understood);
-        # elsewhere one per pack, made here. The data itself is gathered per pack (_launch),
-        # except in a body whose tracker runs (FSDP x CP: packed there, a Llama's first-step
-        # gradients came out 0.92 off relative with the loss exact; not yet understood); a
-        # pipeline's stages run with its tracker paused.
+        # The data is gathered per pack (_launch), in a shard_map body too. In the global view
+        # in a body (FSDP x CP) the differentiable varying gathers are made per param where an
+        # op rule asks for one (_Pcasts: after the body's tracker has pcast the param over its
+        # manual axes, so the gather's backward keeps that pcast's psum); elsewhere one per
+        # pack, made here.
         lazy = self.typed and axis_env.in_body()
         vary = {} if lazy else self._vary(packs)
         fulls = self._unpack(packs) if lazy else {}
@@ -561,14 +554,35 @@ class _Pcasts(lax.Handler):
         if cast is not None and cast[0] is x:
             op = Pcast(b.op.axes, s.policy.reduce_in(cast[2]))
             return proceed(Bound(op, b.group), cast[1], None).to(x.dtype)
-        found = self._find(x) if set(s.axes) <= set(b.op.axes) else None
+        found = self._find(x)
         if found is None:
             return proceed(b, x, done)
         name, f = found
+        axes = set(b.op.axes)
+        if not set(s.axes) <= axes:
+            # A pcast over other axes first: a shard_map body's tracker making the gathered
+            # param varying over its manual axes (FSDP x CP: over cp) before the op rule
+            # pcasts it over the FSDP axes. Pcast's forward is a view (``view_as``): its result
+            # and every view of it have the gathered value as ``_base``, so ``_find`` read a
+            # view of it as the gathered param itself, and the varying gather standing for it
+            # dropped this pcast's psum from the backward (FSDP x CP with packed gathers: a
+            # Llama's gradients were the cp rank's own part, 0.92 off). So the result is made
+            # on x's data as ``done`` (eager: a tensor of its own, not a view; under a
+            # transform ``done`` would cross levels) and tracked as this pcast of what x
+            # stands for: a later pcast over the FSDP axes gives the pcast of the varying
+            # gather (its psum in the policy's reduce dtype, as every gradient reduction). A
+            # pcast over some of the FSDP (or replicate) axes is not tracked: a later pcast of
+            # it stays a pcast (the varying gather would sum over those axes twice).
+            out = proceed(b, x, x if done is None and s.eager else done)
+            if not axes & set(s.axes + s.replicate):
+                reduce = b.op.reduce_dtype or s.policy.reduce_in(s.params[name].dtype)
+                op = Bound(Pcast(b.op.axes, reduce), b.group)
+                self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)))
+            return out
         if s.eager and name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
-        elif s.eager:  # in a shard_map body: made here, per param
-            y = s._varying(name, s.whole[name])
+        elif s.eager:  # in a shard_map body: made here, per param, once for all its uses
+            y = s.vary[name] = s._varying(name, s.whole[name])
             s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
         else:
             y = s._traced(name)
