@@ -71,7 +71,11 @@ stand-in of the reducer too, whose gradient accumulates the whole param's cotang
 microbatches; after the schedule it is reduce-scattered once (packed per bucket), where each
 microbatch's backward reduce-scattered each param before (FSDP2's
 ``set_requires_gradient_sync(False)`` until the last microbatch: the stage's full gradients are
-held for the step). The loss value
+held for the step). The gathered data is kept by the reducer for the step too: each FSDP unit
+of a stage is all-gathered once per step, its first use, and every later microbatch's forward
+and backward reads it (FSDP2's ``reshard_after_forward=False``, which torchtitan sets under
+PP; was one gather per unit and microbatch in the forward and one in the backward: 16 of a
+2-layer stage's 17 gathers a 4-microbatch step). The loss value
 of each microbatch is still summed over dp in the forward (one scalar all_reduce per microbatch
 on the last stage).
 """
