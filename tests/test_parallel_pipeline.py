@@ -668,8 +668,9 @@ def test_one_pipeline_rank(world1):
 def dp_reduction_rank_fn():
     """pp=2 x dp=2, a 4-block residual MLP (rows split over dp, every weight replicated over
     dp): every schedule, 2 and 4 microbatches, against the dense loss and gradients, and the
-    dp all_reduces of one step: the loss value's (4 bytes, one per microbatch, on the last
-    stage) and one coalesced all_reduce of every stage weight's (and the head's) gradient."""
+    dp all_reduces of one step: the loss value's (on the last stage ONE float64 scalar, 8
+    bytes, the microbatches' pending sums added locally first; was one float32 per microbatch)
+    and one coalesced all_reduce of every stage weight's (and the head's) gradient."""
     mesh = fs.Mesh.create((2, 2), ("pp", "dp"))
     d = 8
     gen = torch.Generator().manual_seed(SEED)
@@ -729,7 +730,7 @@ def dp_reduction_rank_fn():
             # this rank's 2 blocks of (d x d + 2 d) floats, and on the last stage the head's
             weight_bytes = 4 * (2 * (d * d + 2 * d) + (d * d if last else 0))
             dp = [r.nbytes for r in log if r.op == "all_reduce" and r.axes == ("dp",)]
-            assert dp == [4] * (m if last else 0) + [weight_bytes], (schedule, m, dp)
+            assert dp == [8] * last + [weight_bytes], (schedule, m, dp)
             out.append((schedule, m))
     return out
 
