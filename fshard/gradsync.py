@@ -63,7 +63,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _comm, lax
+from . import _comm, _function, lax
 from .collectives import AllGather, Pcast
 from .mesh import AxisGroup
 
@@ -223,7 +223,9 @@ class GradSync(lax.Handler):
         # ``done`` (FSDP's invariant gather of the same data, whose output it is) is not
         # reached: the engine ran that node on a zero cotangent per use otherwise (a zero-filled
         # gradient of the param, sliced into the leaf's, per param, use and microbatch)
-        return _Alias.apply(self.gathers[k].v, done.detach())
+        # (the C++ apply: torch's Python one binds the arguments through inspect.signature,
+        # 60 us a call here, once per param, use and microbatch)
+        return _function.call(_Alias, self.gathers[k].v, done.detach())
 
     def _gathered(self, b, x, done, proceed) -> torch.Tensor | None:
         """FSDP's varying gather of a leaf, unreduced: a stand-in holding the gathered value,
