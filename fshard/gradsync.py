@@ -28,7 +28,9 @@ pipeline executor for a step's stage weights):
   view, group), holding no data: the gathered value of each use is FSDP's, its cotangent goes
   whole to the stand-in, and :meth:`GradSync.finish` reduce-scatters the whole param's
   accumulated gradient once per step (FSDP2's ``set_requires_gradient_sync(False)`` until the
-  last microbatch), the params packed per bucket as FSDP2 packs a unit's.
+  last microbatch), the params packed per bucket as FSDP2 packs a unit's. The gathered data
+  itself is kept for the step (:meth:`GradSync.hold_gather`, read back by FSDP's next use
+  through :meth:`GradSync.held_gather`): a unit is gathered once per step, not per microbatch.
 * ``mode="unreduced"`` (``fs.value_and_grad(..., sync=False)``): nothing is sent;
   :meth:`GradSync.finish` returns each param's gradient as the addends of a pending sum over the
   pcasts' axes (a partial layout), for accumulation over microbatches and one reduction per
@@ -61,7 +63,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _comm, lax
+from . import _comm, _function, lax
 from .collectives import AllGather, Pcast
 from .mesh import AxisGroup
 
@@ -166,6 +168,7 @@ class GradSync(lax.Handler):
         self.slot: dict[int, tuple[_Bucket, int]] = {}  # entry -> (its bucket, offset)
         self.next = 0  # the first bucket not launched yet
         self.arrived: set[int] = set()
+        self.held: dict[tuple, torch.Tensor] = {}  # "step" mode: FSDP's gathers, for the step
 
     # -- the handler ------------------------------------------------------------------------
 
@@ -188,7 +191,7 @@ class GradSync(lax.Handler):
         graph) whose cotangent goes whole to the stand-in, so the whole param's gradient
         accumulates over every use and microbatch, and :meth:`finish` reduce-scatters it once
         (bucketed). The stand-in holds no data (one element, stride 0): each use's gathered
-        value is its own, freed and re-gathered by FSDP as before."""
+        value is FSDP's (kept for the step by :meth:`hold_gather`)."""
         op = b.op
         base = x if x._base is None else x._base
         i = self.index.get(id(base))
@@ -216,7 +219,13 @@ class GradSync(lax.Handler):
             if x is not base:  # its geometry in the leaf's (offset from the leaf's start)
                 e.view = (tuple(x.shape), x.stride(), x.storage_offset() - base.storage_offset())
             self.gathers.append(e)
-        return _Alias.apply(self.gathers[k].v, done)
+        # detached: the use's gradient goes to the stand-in alone, and the graph that made
+        # ``done`` (FSDP's invariant gather of the same data, whose output it is) is not
+        # reached: the engine ran that node on a zero cotangent per use otherwise (a zero-filled
+        # gradient of the param, sliced into the leaf's, per param, use and microbatch)
+        # (the C++ apply: torch's Python one binds the arguments through inspect.signature,
+        # 60 us a call here, once per param, use and microbatch)
+        return _function.call(_Alias, self.gathers[k].v, done.detach())
 
     def _gathered(self, b, x, done, proceed) -> torch.Tensor | None:
         """FSDP's varying gather of a leaf, unreduced: a stand-in holding the gathered value,
@@ -266,6 +275,57 @@ class GradSync(lax.Handler):
                 v.register_post_accumulate_grad_hook(functools.partial(self._ready, k))
         v = self.entries[k].v
         return v if x is base else x._view_func(v)
+
+    # -- "step" mode: FSDP's gathered params, kept for the step ------------------------------
+
+    def _held_key(self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype) -> tuple | None:
+        base = x if x._base is None else x._base
+        i = self.index.get(id(base))
+        if self.mode != "step" or i is None or self.leaves[i] is not base:
+            return None
+        return (i, tuple(x.shape), x.stride(), x.storage_offset(), group.axes, id(group.pg), dtype)
+
+    def held_gather(
+        self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``"step"`` mode: the gathered value over ``group`` (in ``dtype``) of param block
+        ``x`` (one of the leaves, or a view of one: a layer's row of a stacked stage weight)
+        that FSDP handed to :meth:`hold_gather` earlier in the step; ``None`` if none. A
+        pipeline's stages gather each FSDP unit once per step and keep it for every
+        microbatch's forward and backward (FSDP2's ``reshard_after_forward=False``, as
+        torchtitan runs FSDP under pipelining): the params do not change within a step.
+
+        Example:
+            >>> w = torch.ones(2)
+            >>> sync = GradSync([w], mode="step")
+            >>> g = fs.Mesh.create((2,), ("x",)).group(("x",))  # 2 ranks
+            >>> sync.hold_gather(w, g, torch.ones(4))  # FSDP's gather of w over x, kept
+            True
+            >>> sync.held_gather(w, g, torch.float32)
+            tensor([1., 1., 1., 1.])
+        """
+        if self.mode != "step" or not self.held:
+            return None
+        key = self._held_key(x, group, dtype)
+        return None if key is None else self.held.get(key)
+
+    def hold_gather(self, x: torch.Tensor, group: AxisGroup, full: torch.Tensor) -> bool:
+        """``"step"`` mode: keep ``full``, FSDP's gather of param block ``x`` over ``group``,
+        until :meth:`close` (see :meth:`held_gather`). Returns whether it is kept (``x`` is
+        one of the leaves or a view of one, and the step's reduction has not begun).
+
+        Example:
+            >>> w = torch.ones(2)
+            >>> GradSync([w], mode="overlap").hold_gather(w, None, torch.ones(4))
+            False
+        """
+        if self.mode != "step" or self.buckets is not None:
+            return False
+        key = self._held_key(x, group, full.dtype)
+        if key is None:
+            return False
+        self.held[key] = full
+        return True
 
     def stand_ins(self, leaves: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The stand-ins made so far (of ``leaves`` only, when given): the leaves a backward
@@ -354,6 +414,7 @@ class GradSync(lax.Handler):
         """
         if self.mode == "unreduced":
             raise ValueError("GradSync.finish: an 'unreduced' reducer is read with unreduced()")
+        self.held = {}  # every backward has run: the step's gathered params go
         if not self.entries and not self.gathers:
             return list(grads)
         if self.buckets is None:  # no gradient arrived through a hook (mode "step")
@@ -492,4 +553,4 @@ class GradSync(lax.Handler):
         a moment (a reference released after the call returns): what it held must not, or
         each step's gradients stay alive into the next one (fresh pages)."""
         self.leaves, self.index, self.entries, self.keys = [], {}, [], {}
-        self.buckets, self.slot, self.gathers = [], {}, []
+        self.buckets, self.slot, self.gathers, self.held = [], {}, [], {}

@@ -443,11 +443,13 @@ def test_remat_of_fsdp_call_in_stages_matches_dense(world4):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_fsdp_call_in_stages_reduce_scatters_once_per_step(world4, schedule):
     """pp x FSDP composed by hand, each block one fs.nn.fsdp_call unit: equal to dense, and
-    FSDP2's granularity on the wire (issue 36 item 5): per block and microbatch one packed
-    all_gather of its shards in the forward and one in the backward (the gathered weights are
-    not kept), and per step ONE reduce_scatter of the stage's whole weight gradients (the
-    pipeline's step-mode gradient sync accumulates each gathered param's gradient over the
-    microbatches; was one reduce_scatter per param per microbatch: 2 blocks x 4 params x 4)."""
+    FSDP2's granularity on the wire under PP (issue 36 item 5; torchtitan's
+    reshard_after_forward=False): per block ONE packed all_gather of its shards a step (the
+    pipeline's step-mode gradient sync keeps the gathered weights for every microbatch's forward
+    and backward; was one per block and microbatch in the forward and one in the backward,
+    2 blocks x 4 x 2), and per step ONE reduce_scatter of the stage's whole weight gradients
+    (the sync accumulates each gathered param's gradient over the microbatches; was one
+    reduce_scatter per param per microbatch: 2 blocks x 4 params x 4)."""
     results = world4.run(pipeline_rank_fn, ("pp", "dp"), schedule, 1, False, True, "fsdp_call", True)  # fmt: skip
     block = sum(p.numel() * 4 for p in demo.GPT(CFG).blocks[0].parameters())  # full bytes
     per_stage = CFG.n_layers // 2
@@ -455,7 +457,7 @@ def test_fsdp_call_in_stages_reduce_scatters_once_per_step(world4, schedule):
         _assert_dense(result)
         dp = [(op, b) for op, axes, b in records if axes == ("dp",) and op != "all_reduce"]
         gathers = [b for op, b in dp if op == "all_gather"]
-        assert gathers == [block // 2] * (per_stage * M * 2), gathers
+        assert gathers == [block // 2] * per_stage, gathers
         assert [b for op, b in dp if op == "reduce_scatter"] == [per_stage * block]
         assert {op for op, _ in dp} == {"all_gather", "reduce_scatter"}
 
@@ -463,13 +465,17 @@ def test_fsdp_call_in_stages_reduce_scatters_once_per_step(world4, schedule):
 def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh(monkeypatch):
     """parallelize(pp=2, dp_shard=2) on a transformers Llama (2 layers, 2 microbatches), one
     fs.value_and_grad + AdamW step on the abstract mesh (the dry run's collectives are
-    fs.debug.comm_log's): over dp_shard, each rank's collectives at FSDP2's granularity. Per
-    microbatch one packed all_gather per unit (the stage's layer; on the last stage the norm
-    and the head, each called alone) in the forward and one in the backward, the embedding's
-    once (its backward needs no weight); ONE reduce_scatter of the stage's whole params (its
-    layer, and the norm and head on the last stage) after the schedule, one of the embedding's.
-    Was: a reduce_scatter per param per microbatch and a gather per param (here stage 0: 37
-    all_gathers and 19 reduce_scatters, 328,704 bytes; now 5 and 2, 180,736 bytes)."""
+    fs.debug.comm_log's): over dp_shard, each rank's collectives at FSDP2's granularity under
+    PP (torchtitan's reshard_after_forward=False). ONE packed all_gather per unit a step (the
+    stage's layer; on the last stage the norm and the head, each called alone), kept for every
+    microbatch's forward and backward, the embedding's once (outside the pipeline; its backward
+    needs no weight); ONE reduce_scatter of the stage's whole params (its layer, and the norm
+    and head on the last stage) after the schedule, one of the embedding's. Was: a
+    reduce_scatter per param per microbatch and a gather per param (here stage 0: 37
+    all_gathers and 19 reduce_scatters, 328,704 bytes), then a gather per unit and microbatch
+    in the forward and again in the backward (stage 0: 5 all_gathers, 16,384 + 4 x 73,984 =
+    312,320 bytes); now 2 all_gathers, 16,384 + 73,984 = 90,368 bytes (this rank's halves of
+    the embedding and of its layer), and the same 2 reduce_scatters (180,736 bytes)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -505,10 +511,12 @@ def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh(monkeypatch):
         units = [layer] + ([full["model.norm.weight"], full["lm_head.weight"]] if stage else [])
         dp = [(r.op, r.nbytes) for r in c.collectives if r.axes == ("dp_shard",)]
         gathers = sorted(b for op, b in dp if op == "all_gather")
-        assert gathers == sorted([embed // 2] + [u // 2 for u in units] * 2 * 2), stage
+        assert gathers == sorted([embed // 2] + [u // 2 for u in units]), stage
         scatters = sorted(b for op, b in dp if op == "reduce_scatter")
         assert scatters == sorted([embed, sum(units)]), stage
         assert len(dp) == len(gathers) + len(scatters)
+        if stage == 0:
+            assert (sum(gathers), sum(scatters)) == (90_368, 180_736)
 
 
 def transforms_rank_fn():
@@ -660,8 +668,9 @@ def test_one_pipeline_rank(world1):
 def dp_reduction_rank_fn():
     """pp=2 x dp=2, a 4-block residual MLP (rows split over dp, every weight replicated over
     dp): every schedule, 2 and 4 microbatches, against the dense loss and gradients, and the
-    dp all_reduces of one step: the loss value's (4 bytes, one per microbatch, on the last
-    stage) and one coalesced all_reduce of every stage weight's (and the head's) gradient."""
+    dp all_reduces of one step: the loss value's (on the last stage ONE float64 scalar, 8
+    bytes, the microbatches' pending sums added locally first; was one float32 per microbatch)
+    and one coalesced all_reduce of every stage weight's (and the head's) gradient."""
     mesh = fs.Mesh.create((2, 2), ("pp", "dp"))
     d = 8
     gen = torch.Generator().manual_seed(SEED)
@@ -721,7 +730,7 @@ def dp_reduction_rank_fn():
             # this rank's 2 blocks of (d x d + 2 d) floats, and on the last stage the head's
             weight_bytes = 4 * (2 * (d * d + 2 * d) + (d * d if last else 0))
             dp = [r.nbytes for r in log if r.op == "all_reduce" and r.axes == ("dp",)]
-            assert dp == [4] * (m if last else 0) + [weight_bytes], (schedule, m, dp)
+            assert dp == [8] * last + [weight_bytes], (schedule, m, dp)
             out.append((schedule, m))
     return out
 

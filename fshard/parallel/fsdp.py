@@ -236,6 +236,11 @@ class _Session:
         self.active: dict[int, tuple[str, str, torch.Tensor]] = {}  # storage -> (unit, name, full)
         self.seen: list[str] = []  # units in forward order
         self.cache: dict[str, dict] = {}  # backward: unit -> {name: full}
+        # a pipeline's stage (eager, in its shard_map body): the step's gradient sync keeps
+        # each param's gather for the step (FSDP2's reshard_after_forward=False under PP), so
+        # a unit is gathered once per step, not twice per microbatch; kept: those params
+        self.held = _step_holder() if self.eager and axis_env.in_body() else None
+        self.kept: set[str] = set()
 
     def sharded(self, name: str) -> bool:
         spec = self.params[name].spec
@@ -251,12 +256,18 @@ class _Session:
             return
         packs: dict = {}  # (gathered dtype, master dtype, device) -> [names]
         lows = {}
+        launched = []
         for n in self.units[unit]:
             if self.sharded(n):
-                lows[n] = self._low(n).detach()
-                key = (lows[n].dtype, self.params[n].dtype, lows[n].device)
+                low = self._low(n).detach()
+                if self.held is not None:  # gathered earlier in the step: no communication
+                    full = self.held.held_gather(self.params[n].local, self.group, low.dtype)
+                    if full is not None:
+                        launched.append(([n], None, _comm.Pending(full)))
+                        continue
+                lows[n] = low
+                key = (low.dtype, self.params[n].dtype, low.device)
                 packs.setdefault(key, []).append(n)
-        launched = []
         for names in packs.values():
             flat = torch.cat([lows[n].reshape(-1) for n in names])
             shapes = [tuple(lows[n].shape) for n in names]
@@ -282,6 +293,10 @@ class _Session:
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
                 out[n] = piece.reshape(k * shape[0], *shape[1:])
+        if self.held is not None and flats is None:  # kept for the step's other uses
+            for n, full in out.items():
+                if self.held.hold_gather(self.params[n].local, self.group, full):
+                    self.kept.add(n)
         return out
 
     def _vary(self, packs: list) -> dict:
@@ -479,8 +494,8 @@ class _Session:
         if not self.active:
             return t
         hit = self.active.get(_compat.storage_id(t))
-        if hit is None or hit[2].dtype != t.dtype:
-            return t
+        if hit is None or hit[2].dtype != t.dtype or hit[1] in self.kept:
+            return t  # a kept gather stays alive for the step anyway: saved as it is
         return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, packed):
@@ -646,6 +661,14 @@ def fsdp_gather(
     )
     with _gathering(session) as get:
         yield get
+
+
+def _step_holder() -> GradSync | None:
+    """The innermost active ``"step"``-mode gradient sync (a pipeline's), or ``None``."""
+    for h in reversed(lax.active_handlers()):
+        if isinstance(h, GradSync) and h.mode == "step":
+            return h
+    return None
 
 
 def _sharded(v) -> bool:

@@ -71,9 +71,15 @@ stand-in of the reducer too, whose gradient accumulates the whole param's cotang
 microbatches; after the schedule it is reduce-scattered once (packed per bucket), where each
 microbatch's backward reduce-scattered each param before (FSDP2's
 ``set_requires_gradient_sync(False)`` until the last microbatch: the stage's full gradients are
-held for the step). The loss value
-of each microbatch is still summed over dp in the forward (one scalar all_reduce per microbatch
-on the last stage).
+held for the step). The gathered data is kept by the reducer for the step too: each FSDP unit
+of a stage is all-gathered once per step, its first use, and every later microbatch's forward
+and backward reads it (FSDP2's ``reshard_after_forward=False``, which torchtitan sets under
+PP; was one gather per unit and microbatch in the forward and one in the backward: 16 of a
+2-layer stage's 17 gathers a 4-microbatch step). A loss that is a pending sum over dp (a
+cross entropy summed over the rank's rows) is differentiated as this rank's addend (the sum's
+transpose hands the addend the cotangent as it is) and its value summed over dp once a step:
+one float64 scalar all_reduce on the last stage, where there was one per microbatch (each a
+wait on the dp peers inside the schedule).
 """
 
 from __future__ import annotations
@@ -90,10 +96,10 @@ from torch._C._functorch import TransformType as _TransformType
 from .. import _compat, axis_env, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
-from ..collectives import Bound, Ppermute
+from ..collectives import Bound, Ppermute, Psum
 from ..executor import reshard_one
 from ..gradsync import GradSync
-from ..mesh import Mesh
+from ..mesh import AxisGroup, Mesh
 from ..nn_plan import match_plan
 from ..shard_map import shard_map
 from ..spec import Layout, P
@@ -559,6 +565,7 @@ class _Run:
         inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
         total = torch.zeros((), dtype=torch.float64)
+        pending: dict = {}  # the last stage's pending-sum losses: axes -> (group, local sum)
 
         own = [_block(lf) for c in chunks for lf in c[0]] if need_p else []
         own += [_block(lf) for lf in lp_leaves] if need_lp else []
@@ -591,8 +598,13 @@ class _Run:
                             target = optree.tree_unflatten(
                                 t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
                             )
-                            loss = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target)) / m
-                            total = total + loss.detach().double()
+                            loss, over = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target))
+                            loss = loss / m
+                            if over is None:
+                                total = total + loss.detach().double()
+                            else:  # this rank's addend: summed over ``over`` once, below
+                                held = pending.get(over.axes, (over, 0.0))[1]
+                                pending[over.axes] = (over, held + loss.detach().double())
                             out = loss
                         else:
                             sent_f = out.detach()
@@ -618,6 +630,8 @@ class _Run:
                 self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox)
+        for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
+            total = total + lax.apply(Bound(Psum(g.axes), g), addend)
         for c in chunks:
             for lf in c[0]:
                 if isinstance(lf, _Stacked):
@@ -784,12 +798,22 @@ def _as_layout(out, meta: _Leaf, what: str) -> torch.Tensor:
     return out
 
 
-def _scalar(loss) -> torch.Tensor:
+def _scalar(loss) -> tuple[torch.Tensor, AxisGroup | None]:
+    """``loss_fn``'s value as a local scalar, and the group it is a pending sum over (``None``:
+    none). A loss that is a pending sum (a cross entropy summed over a batch split over dp) is
+    not summed per microbatch: its backward is the same without the sum (the sum's transpose
+    hands each rank's addend the cotangent as it is), so only the value is summed, once a
+    step (one all_reduce over dp on the last stage where there were ``m``)."""
+    over = None
     if isinstance(loss, ShardedArray):
-        loss = reshard_one(loss, P()).local
+        spec = loss.spec
+        if spec.partial and not any(spec.dims) and loss.numel() == 1:
+            over, loss = loss.layout.mesh.group(spec.partial), loss.local
+        else:
+            loss = reshard_one(loss, P()).local
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar (tensor or one-element ShardedArray)")
-    return loss.reshape(())
+    return loss.reshape(()), over
 
 
 class _Pipeline(torch.autograd.Function):
