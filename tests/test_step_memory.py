@@ -123,10 +123,13 @@ def _dry_step(degrees: dict, rows: int):
 
 
 def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does(monkeypatch):
-    """FSDP x PP at the rows per rank of PP alone: the forward saves what PP alone saves (the
-    gathered weights are re-gathered in the backward, not kept), and after the step only the
-    new state is live (before: each fsdp_call's session kept its gathered values and tracked
-    tensors in a cycle through the backward's hooks: 2x the activations, 3x the end bytes)."""
+    """FSDP x PP at the rows per rank of PP alone: the forward saves what PP alone saves plus
+    at most one gathered copy of the stage's params (a stage gathers each unit once per step and
+    keeps it for the step's microbatches, as torchtitan's FSDP2 under PP with
+    reshard_after_forward=False: 149,540 B here, under the 213,760 B of the stage's params), and
+    after the step only the new state is live (before: each fsdp_call's session kept its
+    gathered values and tracked tensors in a cycle through the backward's hooks: 2x the
+    activations, 3x the end bytes)."""
     # the pipelined loss counts its targets (int(...)): a value read the dry run refuses on
     # meta data; any count gives the same bytes
     read = fs.dryrun._Tracker._read
@@ -135,9 +138,9 @@ def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does(monkeypatch):
     )
     both = _dry_step({"dp_shard": 2, "pp": 2}, rows=8)
     pp = _dry_step({"pp": 2}, rows=4)
-    # within less than one gathered weight (q_proj, 64 x 64 floats; each microbatch of each
-    # layer kept all of its gathered weights before)
-    assert abs(both.activations - pp.activations) < 64 * 64 * 4
+    # one copy of the stage's gathered weights, not one per microbatch (PP alone holds the
+    # stage's whole params as its arguments: pp.args["params"])
+    assert 0 < both.activations - pp.activations <= pp.args["params"], (both, pp)
     # at the end: the arguments and the new params and optimizer state, and at most what the
     # pipeline alone keeps besides (its cached layer kwargs, reduce buckets: 35 KB here)
     def kept(c):
