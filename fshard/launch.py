@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -62,8 +62,6 @@ _SERVER_PARENT_ENV = "_FSHARD_FORKSERVER_PARENT"
 #: Variables that may differ between the driver and the fork server serving it: pytest names
 #: the current test in one; the workers see its value at the server's start.
 _ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
-#: More modules for the fork server to import before it forks workers (see :class:`World`).
-_PRELOAD_ENV = "FSHARD_PRELOAD"
 
 
 def is_worker() -> bool:
@@ -175,13 +173,16 @@ def _retire(server: mp.forkserver.ForkServer, pid: int, running: bool) -> None:
         _RETIRED.append(pid)
 
 
-def _fork_server(seed: str, pdeathsig: bool) -> tuple[mp.forkserver.ForkServer, int]:
+def _fork_server(
+    seed: str, pdeathsig: bool, preload: tuple = ()
+) -> tuple[mp.forkserver.ForkServer, int]:
     """A running fork server (and its pid) started with this process's environment and
-    ``PYTHONHASHSEED=seed``, having imported torch and fshard; started if there is none."""
+    ``PYTHONHASHSEED=seed``, having imported torch, fshard and ``preload``; started if there is
+    none."""
     env = frozenset(
         (k, v) for k, v in os.environ.items() if k not in _ENV_IGNORED and k != "PYTHONHASHSEED"
     )
-    key = (seed, pdeathsig, env, tuple(sys.path), os.getcwd(), mp.spawn.get_executable())
+    key = (seed, pdeathsig, preload, env, tuple(sys.path), os.getcwd(), mp.spawn.get_executable())
     with _SERVER_LOCK:
         for pid in list(_RETIRED):  # reap the retired servers that exited
             with contextlib.suppress(ChildProcessError):
@@ -203,9 +204,7 @@ def _fork_server(seed: str, pdeathsig: bool) -> tuple[mp.forkserver.ForkServer, 
             _, server, pid = _SERVERS.pop(0)  # the least recently used
             _retire(server, pid, True)
         server = mp.forkserver.ForkServer()
-        # torch and fshard, imported once; and the modules the user names
-        extra = [m.strip() for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m.strip()]
-        server.set_forkserver_preload([__name__, *extra])
+        server.set_forkserver_preload([__name__, *preload])  # torch and fshard, imported once
         parent = {_SERVER_PARENT_ENV: str(os.getpid())} if pdeathsig else {}
         with _environ(PYTHONHASHSEED=seed, **parent):
             server.ensure_running()
@@ -290,11 +289,11 @@ class World:
     forkserver mechanism, not its global server, whose settings stay the program's), a fresh
     interpreter that imported ``torch`` and fshard once and does nothing else (no tensor
     work, no CUDA): a World starts in a fraction of the time of spawning N interpreters that
-    each import torch. ``FSHARD_PRELOAD`` (module names separated by commas) names more modules
-    for the server to import first, e.g. ``transformers.models.llama.modeling_llama``: each
-    worker then starts with them instead of importing them itself (about 5 s per worker for
-    that one here); a module that does not import is left to the workers, as multiprocessing's
-    preload does.
+    each import torch. ``preload`` names more modules for the server to import first, e.g.
+    ``transformers.models.llama.modeling_llama``: each worker then starts with them instead of
+    importing them itself (about 5 s per worker for that one here); a module that does not
+    import is left to the workers, as multiprocessing's preload does. Worlds with other
+    ``preload`` lists fork from other servers.
     The server is started with the driver's environment, ``sys.path`` and working directory,
     and serves only Worlds started under the same ones (a World started after ``os.environ``
     changed, e.g. ``FSHARD_CHECK_CONSISTENCY``, gets a new server, so what modules read from
@@ -313,6 +312,8 @@ class World:
       timeout: Default per-call limit in seconds for :meth:`run`; also bounds worker start-up.
       pg_timeout: Timeout in seconds of the Gloo process group (how long a collective waits
         for the other ranks before raising).
+      preload: module names the workers start with, imported once by the fork server (see
+        Start-up).
 
     Example:
         >>> import torch.distributed as dist, fshard as fs
@@ -321,8 +322,21 @@ class World:
         ([2, 2], [0, 1])
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 300.0, pg_timeout: float = 60.0):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        pg_timeout: float = 60.0,
+        preload: Sequence[str] = (),
+    ):
         _check_world_size(world_size)
+        if isinstance(preload, str) or not all(isinstance(m, str) for m in preload):
+            raise TypeError(
+                f"World: preload must be a sequence of module names, got {preload!r} (e.g. "
+                "preload=('transformers.models.llama.modeling_llama',))"
+            )
+        self.preload = tuple(preload)
         self.world_size = world_size
         self.timeout = timeout
         self.pg_timeout = pg_timeout
@@ -442,7 +456,7 @@ class World:
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only safe to
         # ask for from the main thread (the watchdog pipe covers every case anyway).
         pdeathsig = threading.current_thread() is threading.main_thread()
-        server, server_pid = _fork_server(self._hash_seed, pdeathsig)
+        server, server_pid = _fork_server(self._hash_seed, pdeathsig, self.preload)
         for rank in range(self.world_size):
             parent_conn, child_conn = mp.Pipe()
             # Never written to: the worker sees EOF on it exactly when this process is gone.

@@ -14,12 +14,6 @@ import pytest
 # (fs.config.consistency("every"), the fault tests); FSHARD_CHECK_CONSISTENCY=every in the
 # shell runs everything strict. Set before fshard is imported; spawned workers inherit it.
 os.environ.setdefault("FSHARD_CHECK_CONSISTENCY", "default")
-# The launch Worlds' fork server imports transformers' Llama (what the HF tests' ranks run) once,
-# before it forks: each worker of each World (the session's, the tests' own, every restart)
-# would otherwise import it itself, about 5 s of CPU each (measured: a World(4) started and
-# importing it, 34-45 s at load 12; with the preload 10 s for the first, 0.6 s after).
-if importlib.util.find_spec("transformers") is not None:
-    os.environ.setdefault("FSHARD_PRELOAD", "transformers.models.llama.modeling_llama")
 
 from fshard.launch import World  # noqa: E402
 
@@ -61,7 +55,7 @@ STARTS_PROCESSES = {
     "tests/test_devices.py::test_readme_quickstart_under_torchrun",
     "tests/test_doc_blocks.py::test_scripts_run",
     "tests/test_dry_run.py::test_dry_run_figures_do_not_depend_on_the_hash_seed_or_earlier_runs",
-    "tests/test_launch.py::test_fork_server_imports_the_modules_named_in_fshard_preload",
+    "tests/test_launch.py::test_fork_server_imports_the_modules_preload_names",
     "tests/test_launch.py::test_one_shot_run",
     "tests/test_launch.py::test_readme_multinode_torchrun_command",
     "tests/test_launch.py::test_results_in_rank_order",
@@ -188,8 +182,20 @@ def _recycle_session_worlds(request):
         _recycle_if_crowded(request.getfixturevalue(name))
 
 
+#: What the session Worlds' fork server imports before it forks: transformers' Llama (what the
+#: HF tests' ranks run), else each worker of each World (and every restart) imports it itself,
+#: about 5 s of CPU each (measured: a World(4) started and importing it, 34-45 s at load 12;
+#: with the preload 10 s for the first, 0.6 s after). Only the session Worlds: a test's own
+#: World or script imports what it uses.
+PRELOAD = (
+    ("transformers.models.llama.modeling_llama",)
+    if importlib.util.find_spec("transformers") is not None
+    else ()
+)
+
+
 def _world(n: int, start_timeout: float = 120):
-    world = World(n, timeout=start_timeout)  # workers start on the first run
+    world = World(n, timeout=start_timeout, preload=PRELOAD)  # workers start on the first run
     yield world
     world.close()
 

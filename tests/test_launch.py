@@ -419,17 +419,18 @@ def preloaded():
     return module is not None, module.PID if module else None, os.getppid()
 
 
-def test_fork_server_imports_the_modules_named_in_fshard_preload(monkeypatch):
-    """FSHARD_PRELOAD's modules are imported by the fork server before it forks: a worker has
-    them already, imported by its server (not by itself), and a name that does not import is
-    skipped (multiprocessing's preload), not an error."""
-    monkeypatch.setenv("FSHARD_PRELOAD", "tests._preloaded, no_such_module_here")
-    with World(2) as world:
+def test_fork_server_imports_the_modules_preload_names():
+    """``World(preload=...)``'s modules are imported by the fork server before it forks: a
+    worker has them already, imported by its server (not by itself), and a name that does not
+    import is skipped (multiprocessing's preload), not an error; a World without them forks
+    from another server."""
+    with World(2, preload=("tests._preloaded", "no_such_module_here")) as world:
         for present, pid, server in world.run(preloaded):
             assert present and pid == server, (present, pid, server)
-    monkeypatch.delenv("FSHARD_PRELOAD")
     with World(1) as world:
         assert world.run(preloaded)[0][0] is False
+    with pytest.raises(TypeError, match="preload must be a sequence of module names"):
+        World(1, preload="tests._preloaded")
 
 
 def test_one_shot_run():
