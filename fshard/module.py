@@ -174,18 +174,23 @@ def shard_params(
             what="shard_params (every rank must pass the same module and plan: the parameters' "
             "specs, shapes, dtypes and values)",
         )
-    for name, p in named.items():
-        spec, t = specs[name], p.detach()
-        if src is None:
-            with config.consistency(False) if checked else contextlib.nullcontext():
+    with config.consistency(False) if checked else contextlib.nullcontext():  # checked above
+        for name, p in named.items():
+            spec, t = specs[name], p.detach()
+            if src is None:
                 x = shard(t, mesh, spec)
-        else:
-            x = shard(
-                t if mesh.rank == src else None, mesh, spec, src=src, shape=t.shape, dtype=t.dtype
-            )
-        if _shares_storage(x.local, t):
-            x = ShardedArray._raw(x.local.clone(), x.layout)
-        out[name] = x
+            else:
+                x = shard(
+                    t if mesh.rank == src else None,
+                    mesh,
+                    spec,
+                    src=src,
+                    shape=t.shape,
+                    dtype=t.dtype,
+                )
+            if _shares_storage(x.local, t):
+                x = ShardedArray._raw(x.local.clone(), x.layout)
+            out[name] = x
     if src is not None:
         _broadcast_buffers(module, mesh, src)
     _record(_OUTPUTS, module, outputs)

@@ -413,8 +413,6 @@ def test_worlds_fork_from_one_server_per_environment(monkeypatch):
 
 def preloaded():
     """Whether tests._preloaded came with the fork (the server imported it) and by whom."""
-    import sys
-
     module = sys.modules.get("tests._preloaded")
     return module is not None, module.PID if module else None, os.getppid()
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -650,8 +651,6 @@ def test_state_dict_of_a_module_trained_through_params_is_refused_until_load_par
 def shard_params_checks_rank_fn(case: str):
     """shard_params under the default consistency mode: the all_reduces it issues, and the
     error (or None) when the ranks' modules or plans differ (``case``)."""
-    import torch.distributed as dist
-
     mesh = fs.Mesh.create((2,), ("x",))
     rank = dist.get_rank()
     torch.manual_seed(rank if case == "seed" else 0)

@@ -239,7 +239,7 @@ class _Session:
         # a pipeline's stage (eager, in its shard_map body): the step's gradient sync keeps
         # each param's gather for the step (FSDP2's reshard_after_forward=False under PP), so
         # a unit is gathered once per step, not twice per microbatch; kept: those params
-        self.held = _step_holder() if self.eager and axis_env.in_body() else None
+        self.held = _active_sync("step") if self.eager and axis_env.in_body() else None
         self.kept: set[str] = set()
 
     def sharded(self, name: str) -> bool:
@@ -306,9 +306,7 @@ class _Session:
         the policy's reduce dtype, cast to each param's. Under ``fs.value_and_grad(...,
         sync=False)`` one per param (the unreduced gradient sync takes each param's gather
         over, keeping the whole param's addend)."""
-        unreduced = any(
-            isinstance(h, GradSync) and h.mode == "unreduced" for h in lax.active_handlers()
-        )
+        unreduced = _active_sync("unreduced") is not None
         # in a shard_map body one per param too: a pipeline's stages (this path: untyped, in a
         # body) run under its step-mode gradient sync, which takes each param's gather over and
         # reduce-scatters the params once per step, packed (the typed path in a body makes its
@@ -663,10 +661,11 @@ def fsdp_gather(
         yield get
 
 
-def _step_holder() -> GradSync | None:
-    """The innermost active ``"step"``-mode gradient sync (a pipeline's), or ``None``."""
+def _active_sync(mode: str) -> GradSync | None:
+    """The innermost active gradient sync of ``mode`` (``"step"``: a pipeline's;
+    ``"unreduced"``: ``fs.value_and_grad(..., sync=False)``'s), or ``None``."""
     for h in reversed(lax.active_handlers()):
-        if isinstance(h, GradSync) and h.mode == "step":
+        if isinstance(h, GradSync) and h.mode == mode:
             return h
     return None
 
