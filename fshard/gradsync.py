@@ -79,6 +79,23 @@ _POOL: dict[tuple, list[torch.Tensor]] = {}
 _POOL_DEPTH = 2
 
 
+def _chunked(g: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> torch.Tensor:
+    """``g``'s ``k`` chunks of dim 0 as the rows of a ``(k, -1)`` matrix (``rows``: uneven
+    chunks' sizes, each padded with zeros to the largest)."""
+    if rows is None:
+        return g.reshape(k, -1)
+    m = max(rows)
+    out = g.new_zeros(k, m, *g.shape[1:])
+    for j, c in enumerate(torch.split(g, list(rows))):
+        out[j, : rows[j]] = c
+    return out.reshape(k, -1)
+
+
+def _chunk_numel(v: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> int:
+    """The elements of one (padded) chunk of ``v`` over ``k`` ranks."""
+    return v.numel() // k if rows is None else max(rows) * (v[0].numel() if v.dim() else 1)
+
+
 def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     free = _POOL.setdefault((numel, dtype, device), [])
     for buf in free:
@@ -185,8 +202,8 @@ class GradSync(lax.Handler):
         return proceed(b, x, done)
 
     def _gather_stand_in(self, b, x, done, proceed) -> torch.Tensor | None:
-        """``"step"`` mode: FSDP's varying gather (dim 0, even blocks) of a leaf, or of a view
-        of one (a layer's row of a stacked stage weight), reads a stand-in per (param view,
+        """``"step"`` mode: FSDP's varying gather (dim 0, even or uneven blocks) of a leaf, or
+        of a view of one (a layer's row of a stacked stage weight), reads a stand-in per (param view,
         group) for the whole call: the gathered data (``done``, or gathered now without a
         graph) whose cotangent goes whole to the stand-in, so the whole param's gradient
         accumulates over every use and microbatch, and :meth:`finish` reduce-scatters it once
@@ -197,7 +214,6 @@ class GradSync(lax.Handler):
         i = self.index.get(id(base))
         if (
             op.dim != 0
-            or op.sizes is not None
             or i is None
             or self.leaves[i] is not base
             or self.buckets is not None
@@ -476,15 +492,19 @@ class GradSync(lax.Handler):
                 e = es[j]
                 g, e.v.grad = e.v.grad, None
                 grads.append(torch.zeros(e.v.shape, dtype=e.dtype, device=e.v.device) if g is None else g)  # fmt: skip
-            if len(grads) == 1:
+            rows = [es[j].gather.sizes for j in cut.idx]
+            if len(grads) == 1 and rows[0] is None:
                 flat = grads[0].reshape(-1)
-            else:
-                flat = torch.cat([g.reshape(k, -1) for g in grads], 1).reshape(-1)
+            else:  # each one's chunks side by side (an uneven one's padded to its largest)
+                flat = torch.cat([_chunked(g, k, r) for g, r in zip(grads, rows)], 1).reshape(-1)
             del grads
             mine = _comm.reduce_scatter(flat, group, 0, None)
             del flat
-            sizes = [es[j].v.numel() // k for j in cut.idx]
-            out.extend(zip((es[j] for j in cut.idx), torch.split(mine, sizes)))
+            sizes = [_chunk_numel(es[j].v, k, r) for j, r in zip(cut.idx, rows)]
+            for j, r, piece in zip(cut.idx, rows, torch.split(mine, sizes)):
+                if r is not None:  # this rank's rows of the padded chunk
+                    piece = piece.view(max(r), *es[j].v.shape[1:])[: r[group.index]]
+                out.append((es[j], piece))
         return out
 
     def unreduced(self, grads: list[torch.Tensor | None], keep_own) -> list:

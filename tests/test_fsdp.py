@@ -25,13 +25,14 @@ class Net(nn.Module):
         self.inp = nn.Linear(D, H)
         self.layers = nn.ModuleList([nn.Linear(H, H) for _ in range(2)])
         self.out = nn.Linear(H, OUT)
-        self.gain = nn.Parameter(torch.full((3,), 0.5))  # 3 does not split over dp=2
+        self.gain = nn.Parameter(torch.full((3,), 0.5))  # 3 rows over dp=2: blocks of 2 and 1
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-d: stays whole, all-reduced like DDP's
 
     def forward(self, x):
         h = F.gelu(self.inp(x))
         for layer in self.layers:
             h = h + F.gelu(layer(h))
-        return self.out(h) * self.gain.sum()
+        return self.out(h) * (self.gain.sum() * self.scale)
 
 
 def _setup():
@@ -44,7 +45,20 @@ def _setup():
 
 
 TX = dict(learning_rate=1e-2, weight_decay=0.1)
-UNITS = fs.nn.fsdp_units(Net())  # the root (inp, out, gain), layers.0, layers.1
+UNITS = fs.nn.fsdp_units(Net())  # the root (inp, out, gain, scale), layers.0, layers.1
+
+
+def _blocks(model, n, rank=None):
+    """Each sharded param's float64 block bytes over ``n`` ranks: ``rank``'s own (uneven dim
+    0: ``ceil(rows / n)`` rows, the last ranks fewer), or (``None``) the largest block, to which
+    FSDP's packed gathers pad every rank's (as FSDP2 pads)."""
+    out = {}
+    for k, p in model.named_parameters():
+        if p.dim():
+            c = -(-p.shape[0] // n)
+            rows = c if rank is None else max(0, min(c, p.shape[0] - rank * c))
+            out[k] = rows * (p.numel() // p.shape[0]) * 8
+    return out
 
 
 def dense_run():
@@ -82,7 +96,8 @@ def fsdp_rank_fn(traced, shape=(2,), names=("dp",), axis="dp"):
     mesh = fs.Mesh.create(shape, names)
     model, data = _setup()
     plan = fs.nn.fsdp_plan(model, mesh, axis)
-    assert plan["inp.weight"] == fs.P(axis) and plan["gain"] == fs.P()
+    assert plan["inp.weight"] == fs.P(axis) and plan["gain"] == fs.P(axis)
+    assert plan["scale"] == fs.P()
     params = fs.nn.shard_params(model, mesh, plan)
     tx = fs.optim.adamw(**TX)
     state = tx.init(params)
@@ -120,22 +135,22 @@ def dense():
 def test_fsdp_training_matches_dense(world2, dense, traced):
     ref_losses, ref_params = dense
     model, _ = _setup()
-    sizes = {k: p.numel() * 8 for k, p in model.named_parameters()}  # float64 bytes
-    sharded = [k for k in sizes if k != "gain"]
-    for losses, params, logs in world2.run(fsdp_rank_fn, traced):
+    block = _blocks(model, 2)  # gain's 3 rows: blocks of 2 and 1, a pack pads to 2 + 2
+    for rank, (losses, params, logs) in enumerate(world2.run(fsdp_rank_fn, traced)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         for k in params:
             torch.testing.assert_close(params[k], ref_params[k])
+        own = _blocks(model, 2, rank)
         for log in logs:
-            want = [("all_reduce", 8), ("all_reduce", sizes["gain"])]  # the loss pmean, gain
-            if traced:  # each sharded param gathered from its half, its gradient scattered
-                want += [("all_gather", sizes[k] // 2) for k in sharded]
-                want += [("reduce_scatter", sizes[k]) for k in sharded]
+            want = [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
+            if traced:  # each sharded param gathered from its block, its gradient scattered
+                want += [("all_gather", own[k]) for k in own]
+                want += [("reduce_scatter", p.numel() * 8) for p in model.parameters() if p.dim()]
             else:  # FSDP2's granularity: one all_gather per unit (forward, and again in the
                 # backward instead of keeping the weights), one reduce_scatter per unit
-                units = [[k for k in names if k in sharded] for names in UNITS.values()]
-                want += [("all_gather", sum(sizes[k] for k in u) // 2) for u in units] * 2
-                want += [("reduce_scatter", sum(sizes[k] for k in u)) for u in units]
+                units = [[k for k in names if k in block] for names in UNITS.values()]
+                want += [("all_gather", sum(block[k] for k in u)) for u in units] * 2
+                want += [("reduce_scatter", 2 * sum(block[k] for k in u)) for u in units]
             assert sorted(log) == sorted(want)
             # no weight gradient is ever all-reduced (then sliced)
             assert not [r for r in log if r[0] == "all_reduce" and r[1] > 24]
@@ -146,25 +161,22 @@ def test_fsdp_over_reversed_axes_matches_dense(world4, dense):
     too. That group's process group lists the ranks in another order than its chunks (0, 1, 2, 3
     against 0, 2, 1, 3), which kept FSDP off its eager path (prefetch, freeing) before its gathers
     went through ``_comm`` (whose fix-up puts blocks in chunk order). The eager log shows the
-    backward's re-gathers (the eager path ran); params whose dim 0 does not split over 4 stay whole, their gradients
-    all-reduced in one bucket."""
+    backward's re-gathers (the eager path ran); params whose dim 0 does not split over 4 are
+    sharded unevenly (blocks padded for the packed gathers), the 0-d one all-reduced."""
     ref_losses, ref_params = dense
     model, _ = _setup()
-    sizes = {k: p.numel() * 8 for k, p in model.named_parameters()}
-    whole = ["out.weight", "out.bias", "gain"]  # 6, 6, 3 rows: not a multiple of 4
-    sharded = [k for k in sizes if k not in whole]
+    block = _blocks(model, 4)  # out.weight, out.bias, gain: 6, 6, 3 rows padded to 4 x 2, 4 x 1
     for losses, params, logs in world4.run(fsdp_rank_fn, False, (2, 2), ("a", "b"), ("b", "a")):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         for k in params:
             torch.testing.assert_close(params[k], ref_params[k])
         for log in logs:
-            units = [[k for k in names if k in sharded] for names in UNITS.values()]
-            want = [("all_gather", sum(sizes[k] for k in u) // 4) for u in units]  # per unit
-            # the backward re-gathers the blocks' units; the root's sharded params (inp) are not
-            # saved for it (its input needs no gradient)
-            want += [("all_gather", sum(sizes[k] for k in u) // 4) for u in units[1:]]
-            want += [("reduce_scatter", sum(sizes[k] for k in u)) for u in units]
-            want += [("all_reduce", 8), ("all_reduce", sum(sizes[k] for k in whole))]
+            units = [[k for k in names if k in block] for names in UNITS.values()]
+            want = [("all_gather", sum(block[k] for k in u)) for u in units]  # per unit
+            # the backward re-gathers every unit (the root's for out.weight, saved by its linear)
+            want += [("all_gather", sum(block[k] for k in u)) for u in units]
+            want += [("reduce_scatter", 4 * sum(block[k] for k in u)) for u in units]
+            want += [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
             assert sorted(log) == sorted(want)
 
 
@@ -349,27 +361,30 @@ def test_hsdp_matches_dense(world4, dense, traced):
     ref_losses, ref_params = dense
     model, _ = _setup()
     sizes = {k: p.numel() * 8 for k, p in model.named_parameters()}
-    sharded = [k for k in sizes if k != "gain"]
-    for losses, params, logs in world4.run(hsdp_rank_fn, traced):
+    block = _blocks(model, 2)  # the largest block over "shard" (a pack's padding)
+    for rank, (losses, params, logs) in enumerate(world4.run(hsdp_rank_fn, traced)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         for k in params:
             torch.testing.assert_close(params[k], ref_params[k])
+        own = _blocks(model, 2, rank % 2)  # this rank's blocks over "shard"
         for log in logs:
             gathers = [n for op, axes, n in log if op == "all_gather"]
             rs = [(axes, n) for op, axes, n in log if op == "reduce_scatter"]
             if traced:
-                assert sorted(gathers) == sorted(sizes[k] // 2 for k in sharded)
-                assert sorted(rs) == sorted((("shard",), sizes[k]) for k in sharded)
+                assert sorted(gathers) == sorted(own.values())
+                assert sorted(rs) == sorted((("shard",), sizes[k]) for k in own)
             else:  # per unit (see test_fsdp_training_matches_dense)
-                units = [[k for k in names if k in sharded] for names in UNITS.values()]
-                assert sorted(gathers) == sorted([sum(sizes[k] for k in u) // 2 for u in units] * 2)
-                assert sorted(rs) == sorted((("shard",), sum(sizes[k] for k in u)) for u in units)
-            reduced = [(axes, n) for op, axes, n in log if op == "all_reduce" and n > 8]
-            # the shards' gradients over "rep" (bucketed at top level), gain's over both
-            assert sum(n for axes, n in reduced if axes == ("rep",)) == sum(
-                sizes[k] // 2 for k in sharded
-            )
-            assert [n for axes, n in reduced if axes == ("rep", "shard")] == [sizes["gain"]]
+                units = [[k for k in names if k in block] for names in UNITS.values()]
+                assert sorted(gathers) == sorted([sum(block[k] for k in u) for u in units] * 2)
+                assert sorted(rs) == sorted(
+                    (("shard",), 2 * sum(block[k] for k in u)) for u in units
+                )
+            reduced = [(axes, n) for op, axes, n in log if op == "all_reduce"]
+            # this rank's shards of the gradients over "rep" (bucketed at top level); over
+            # both axes the loss's pmean and scale's (0-d, whole) gradient
+            assert sum(n for axes, n in reduced if axes == ("rep",)) == sum(own.values())
+            both = [(op, n) for op, axes, n in log if axes == ("rep", "shard")]
+            assert both == [("all_reduce", 8)] * 2
             if not traced:
                 assert len([a for a, _ in reduced if a == ("rep",)]) == 1  # one bucket
 
@@ -452,3 +467,134 @@ def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
                 ("reduce_scatter", ("dp",), 64),  # weight's
             ]
         )
+
+
+def test_fsdp_plan_splits_uneven_rows_and_keeps_unnestable_ones_whole():
+    """FSDP2 shards every param, padding uneven ones: so does fsdp_plan (fshard's uneven
+    chunks). Only a dim 0 its base already splits unevenly over base x dp stays whole (the dp
+    blocks would not nest in the base blocks), and a param of a hand-written plan like that is
+    refused by name before anything is gathered."""
+    mesh = fs.Mesh.abstract((2, 2), ("tp", "dp"))
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(3, 8))
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base={"1.weight": fs.P("tp"), "2.weight": fs.P("tp")})
+    assert plan == {
+        "0.weight": fs.P("dp", None),  # 6 rows over 2: even
+        "0.bias": fs.P("dp"),
+        "1.weight": fs.P("tp"),  # 3 rows over tp x dp: whole over dp
+        "1.bias": fs.P("dp"),  # 3 rows over dp: blocks of 2 and 1
+        "2.weight": fs.P(("tp", "dp"), None),  # 8 over 4: nests
+        "2.bias": fs.P("dp"),
+    }
+    rank = mesh.simulate(0)
+    params = fs.nn.shard_params(model, rank, {"1.weight": fs.P(("tp", "dp"))})
+    with pytest.raises(ValueError, match=r"over \('tp',\) and the FSDP axes \('dp',\) unevenly"):
+        fs.nn.fsdp_call(model, params, (torch.ones(2, 4),), mesh=rank, axis="dp")
+
+
+def fsdp_uneven_rank_fn(where: str):
+    """One fs.value_and_grad step of FSDP on params whose rows do not split over dp=2 (3 and 5
+    rows: blocks of 2 and 1, 3 and 2), in the global view (the batch a ShardedArray split over
+    dp) or in a shard_map body over cp (FSDP x CP): ``(gradient errors, comm_log)``."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "cp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 5)).double()
+    plan = fs.nn.fsdp_plan(model, mesh)
+    assert all(spec.axes == ("dp",) for spec in plan.values()), plan
+    params = fs.nn.shard_params(model, mesh, plan)
+    x = torch.randn(4, 2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def body(ps, xs):
+        out = fs.nn.fsdp_call(model, ps, (xs,), mesh=mesh)
+        return fs.lax.psum(fs.gather((out * out).sum()), "cp")
+
+    def loss(ps, x):
+        if where == "global":
+            out = fs.nn.fsdp_call(model, ps, (fs.shard(x, mesh, fs.P("dp")),), mesh=mesh)
+            return fs.gather((out * out).sum())
+        run = fs.shard_map(body, mesh, (fs.P(), fs.P(None, "cp")), fs.P(), axis_names={"cp"})
+        return fs.gather(run(ps, fs.shard(x, mesh, fs.P("dp", "cp"))))
+
+    with fs.debug.comm_log() as log:
+        _, grads = fs.value_and_grad(loss)(params, x)
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    want = torch.func.grad(lambda ps: (torch.func.functional_call(model, ps, (x,)) ** 2).sum())(
+        dense
+    )
+    assert all(grads[k].layout == params[k].layout for k in grads)
+    errors = {k: float((fs.gather(grads[k]) - w).abs().max()) for k, w in want.items()}
+    return errors, [(r.op, r.axes, r.nbytes) for r in log if r.axes == ("dp",)]
+
+
+@pytest.mark.parametrize("where", ["global", "cp body"])
+def test_fsdp_of_uneven_params_matches_dense(world4, where):
+    """The unit's blocks padded to the largest (2 rows of (3, 4) + 3 of (5, 3) + biases 2 + 3:
+    8 + 2 + 9 + 3 = 22 float64 values) in one all_gather; the gradients reduce-scattered, never
+    all-reduced over dp, equal to dense in float64."""
+    for errors, log in world4.run(fsdp_uneven_rank_fn, where):
+        assert max(errors.values()) < 1e-12, errors
+        assert ("all_gather", ("dp",), 22 * 8) in log, log
+        scattered = sorted(n for op, _, n in log if op == "reduce_scatter")
+        if where == "global":  # the unit's gradients, packed and padded: 2 x 22 values
+            assert scattered == [2 * 22 * 8], log
+        else:  # per param in a body (the gathered gradient's size)
+            assert scattered == sorted(8 * n for n in (12, 3, 15, 5)), log
+        assert not [r for r in log if r[0] == "all_reduce" and r[2] > 8], log
+
+
+def fsdp_uneven_pp_rank_fn():
+    """A pipeline over pp=2 of one Linear(5, 5) + tanh per stage, its params FSDP-sharded over
+    dp=2 with 5 rows (blocks of 3 and 2), by fs.nn.fsdp_call in the stage; 4 microbatches,
+    1F1B: ``(gradient errors against dense, the dp collectives)``."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "dp"))
+    gen = torch.Generator().manual_seed(2)
+    f64 = torch.float64
+    block = nn.Linear(5, 5).double()
+    dense = {"weight": torch.randn(2, 1, 5, 5, generator=gen, dtype=f64) / 2}
+    dense["bias"] = torch.randn(2, 1, 5, generator=gen, dtype=f64)
+    x = torch.randn(4, 4, 5, generator=gen, dtype=f64)  # 4 microbatches of 4 rows
+    t = torch.randn(4, 4, 5, generator=gen, dtype=f64)
+    specs = {"weight": fs.P("pp", None, "dp"), "bias": fs.P("pp", None, "dp")}
+    params = {k: fs.shard(v, mesh, specs[k]) for k, v in dense.items()}
+
+    def stage(ps, h):
+        for i in range(next(iter(ps.values())).shape[0]):
+            p = {n: v[i] for n, v in ps.items()}
+            h = torch.tanh(fs.nn.fsdp_call(block, p, (h,), mesh=mesh, axis="dp"))
+        return h
+
+    def loss(ps, x, t):
+        return fs.parallel.pipeline(
+            stage, ps, x, mesh, loss_fn=lambda _, y, tm: ((y - tm) ** 2).mean(), targets=t,
+            schedule="1f1b",
+        )  # fmt: skip
+
+    batch = fs.P(None, "dp")
+    xs, ts = fs.shard(x, mesh, batch), fs.shard(t, mesh, batch)
+    with fs.debug.comm_log() as log:
+        _, grads = fs.value_and_grad(loss)(params, xs, ts)
+
+    def dense_loss(ps):
+        total = 0
+        for m in range(4):
+            h = x[m]
+            for s in range(2):
+                h = torch.tanh(F.linear(h, ps["weight"][s, 0], ps["bias"][s, 0]))
+            total = total + ((h - t[m]) ** 2).mean()
+        return total / 4
+
+    want = torch.func.grad(dense_loss)(dense)
+    errors = {k: float((fs.gather(grads[k]) - w).abs().max()) for k, w in want.items()}
+    return errors, [(r.op, r.nbytes) for r in log if r.axes == ("dp",)]
+
+
+def test_fsdp_of_uneven_params_in_pipeline_stages_reduces_once_per_step(world4):
+    """Uneven FSDP params in pipeline stages: each stage's unit gathered once a step (its
+    blocks padded to 3 rows: weight 15 + bias 3 float64 values) and reduce-scattered once a
+    step (the pipeline's step-mode gradient sync pads the accumulated gradient's chunks, 2 x
+    18 values), never all-reduced over dp; equal to dense."""
+    for rank, (errors, log) in enumerate(world4.run(fsdp_uneven_pp_rank_fn)):
+        assert max(errors.values()) < 1e-12, errors
+        want = [("all_gather", 18 * 8), ("reduce_scatter", 2 * 18 * 8)]
+        if rank >= 2:  # the last stage: the loss (a mean over dp's rows) summed once a step
+            want += [("all_reduce", 8)]
+        assert sorted(log) == sorted(want), log

@@ -23,8 +23,8 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = torch.nn.Linear(D, H)  # (6, 8): FSDP splits it (and its bias) over dp
-        self.out = torch.nn.Linear(H, OUT)  # (3, 6): 3 rows stay whole over 2 ranks
-        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, OUT))
+        self.out = torch.nn.Linear(H, OUT)  # (3, 6): the FSDP test's plan keeps it whole
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, OUT))  # 3 rows: blocks of 2, 1
         self.register_buffer("shift", torch.full((OUT,), 0.25))  # buffers are never cast
 
     def forward(self, x):
@@ -131,7 +131,8 @@ def fsdp_rank_fn(which: str, how: str):
     mesh = fs.Mesh.create((2,), ("dp",))
     model = _model()
     plan = fs.nn.fsdp_plan(model, mesh)
-    assert plan["inp.weight"] == fs.P("dp", None) and plan["out.weight"] == fs.P()
+    assert plan["inp.weight"] == fs.P("dp", None) and plan["gain"] == fs.P("dp")  # uneven
+    plan |= {"out.weight": fs.P(), "out.bias": fs.P()}  # kept whole: pcast, all-reduced
     params = fs.nn.shard_params(model, mesh, plan)
 
     def loss(ps, x, c):
@@ -178,17 +179,23 @@ def test_fsdp_mixed_precision_equals_dense_with_the_same_casts(world2, which, ho
     results = world2.run(fsdp_rank_fn, which, how)
     _check(results, which)
     width = 4 if which == "reduce_f32" else 2
-    split = NUMEL["inp.weight"] + NUMEL["inp.bias"]
-    whole = NUMEL["out.weight"] + NUMEL["out.bias"] + NUMEL["gain"]
-    for _, _, logs in results:
+    split = NUMEL["inp.weight"] + NUMEL["inp.bias"]  # even over 2; gain's 3 rows: 2 and 1
+    whole = NUMEL["out.weight"] + NUMEL["out.bias"]
+    for rank, (_, _, logs) in enumerate(results):
+        # the eager path packs the unit, gain's block padded to 2 rows on both ranks; under
+        # torch.func each param is gathered alone from this rank's block, scattered whole
+        gain_block, gain_scatter = (2 - rank, 3) if how == "torch.func" else (2, 4)
         for log in logs:
             gathers = [n for op, n in log if op == "all_gather"]
-            # each rank's bf16 blocks gathered once (2 B per value: half the fp32 bytes; the
-            # root unit stays gathered for the backward). Under torch.func with an fp32
-            # reduction the gather moves fp32 (see fshard.precision)
+            # each rank's bf16 blocks gathered (2 B per value: half the fp32 bytes), the eager
+            # path's twice: the product with gain saves it, so the backward re-gathers the
+            # unit. Under torch.func with an fp32 reduction the gather moves fp32 (see
+            # fshard.precision)
             gather_width = 4 if (how, which) == ("torch.func", "reduce_f32") else 2
-            assert sum(gathers) == gather_width * (split // 2)
-            assert sum(n for op, n in log if op == "reduce_scatter") == width * split
+            times = 1 if how == "torch.func" else 2
+            assert sum(gathers) == times * gather_width * (split // 2 + gain_block)
+            scattered = sum(n for op, n in log if op == "reduce_scatter")
+            assert scattered == width * (split + gain_scatter)
             assert sum(n for op, n in log if op == "all_reduce") == width * whole + 4
 
 

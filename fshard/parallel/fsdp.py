@@ -60,7 +60,7 @@ from ..mesh import Mesh
 from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
 from ..precision import MixedPrecisionPolicy
-from ..spec import P, Parts
+from ..spec import Layout, P, Parts, chunk_bounds
 from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -77,9 +77,13 @@ def fsdp_plan(
     Dim 0 of each param's base spec gets ``axis`` as its least significant axis (``None`` ->
     ``'dp'``, ``'tp'`` -> ``('tp', 'dp')``; a tuple of axes is appended as a whole), so
     all-gathering this rank's block over ``axis`` along dim 0 gives exactly its block under the
-    base plan. A param whose dim 0 does not split
-    evenly over those axes (or a 0-d one), or whose base splits it per part (a fused projection,
-    :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its block), keeps
+    base plan. Dim 0 need not split evenly over ``axis`` (FSDP2 shards every param too): the
+    blocks are fshard's uneven chunks (``ceil(rows / n)`` rows, the last ranks fewer or none),
+    padded to the largest for the unit's one all_gather and reduce_scatter, as FSDP2 pads.
+    A param whose base plan already splits dim 0 and whose rows do not split evenly over the
+    base axes and ``axis`` together (its blocks over ``axis`` would not nest in the base
+    blocks), a 0-d one, or one whose base splits it per part (a fused projection,
+    :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its block) keeps
     its base spec: it stays whole over ``axis`` and its gradient is all-reduced like DDP's.
 
     Args:
@@ -94,8 +98,8 @@ def fsdp_plan(
     Example:
         >>> mesh = fs.Mesh.create((2,), ("dp",))  # 2 ranks
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-        >>> fs.nn.fsdp_plan(model, mesh)  # 3 rows do not split over 2 ranks: left whole
-        {'0.weight': P('dp', None), '0.bias': P('dp'), '2.weight': P(), '2.bias': P()}
+        >>> fs.nn.fsdp_plan(model, mesh)  # 3 rows over 2 ranks: blocks of 2 and 1
+        {'0.weight': P('dp', None), '0.bias': P('dp'), '2.weight': P('dp', None), '2.bias': P('dp')}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -117,8 +121,8 @@ def fsdp_plan(
             continue
         dims = spec.padded(p.dim())
         first = (*dims[0], *axes)
-        if p.shape[0] % math.prod(mesh.size(a) for a in first):
-            out[name] = spec
+        if dims[0] and p.shape[0] % math.prod(mesh.size(a) for a in first):
+            out[name] = spec  # uneven under a base split of dim 0: the blocks would not nest
             continue
         entries = [first, *dims[1:]]  # P writes an entry of one axis as its name, none as None
         out[name] = P(
@@ -248,10 +252,19 @@ class _Session:
             return False
         return bool(spec.dims) and all(a in spec.dims[0] for a in self.axes)
 
+    def rows(self, n: str) -> tuple[int, ...] | None:
+        """Sharded param ``n``'s rows in each chunk of the FSDP axes (group order), or
+        ``None`` when they are equal."""
+        return _chunk_rows(self.params[n].layout, self.axes, self.group.size)
+
+    def _gather_op(self, n: str, invariant: bool = False) -> Bound:
+        """Param ``n``'s all_gather over the FSDP axes (its uneven blocks' sizes)."""
+        return Bound(AllGather(self.group.axes, 0, self.rows(n), invariant), self.group)
+
     def _launch(self, unit: str) -> None:
         """One all_gather per unit (and dtype), as FSDP2's: this rank's blocks of the unit's
-        params packed back to back, gathered at once (their sizes are equal on every rank:
-        ``fsdp_plan`` shards only dims that split evenly)."""
+        params packed back to back, gathered at once (an uneven param's block padded to its
+        largest, so every rank's pack has one size)."""
         if unit in self.launched:
             return
         packs: dict = {}  # (gathered dtype, master dtype, device) -> [names]
@@ -265,7 +278,7 @@ class _Session:
                     if full is not None:
                         launched.append(([n], None, _comm.Pending(full)))
                         continue
-                lows[n] = low
+                lows[n] = _padded(low, self.rows(n))
                 key = (low.dtype, self.params[n].dtype, low.device)
                 packs.setdefault(key, []).append(n)
         for names in packs.values():
@@ -283,7 +296,8 @@ class _Session:
     def _unpack(self, packs: list, flats: list | None = None) -> dict:
         """``{name: gathered param}`` out of ``packs`` (or of ``flats``, the packs' gathered
         buffers as other tensors: the differentiable varying gather): each param's blocks in
-        chunk order along dim 0, a copy with its own storage."""
+        chunk order along dim 0 (an uneven param's padding cut off), a copy with its own
+        storage."""
         out = {}
         k = self.group.size
         for (names, shapes, _), buf in zip(packs, flats or [p[2] for p in packs]):
@@ -292,7 +306,12 @@ class _Session:
                 continue
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
-                out[n] = piece.reshape(k * shape[0], *shape[1:])
+                rows = self.rows(n)
+                if rows is None:
+                    out[n] = piece.reshape(k * shape[0], *shape[1:])
+                else:
+                    blocks = piece.reshape(k, *shape)
+                    out[n] = torch.cat([blocks[j, :r] for j, r in enumerate(rows)])
         if self.held is not None and flats is None:  # kept for the step's other uses
             for n, full in out.items():
                 if self.held.hold_gather(self.params[n].local, self.group, full):
@@ -326,7 +345,7 @@ class _Session:
                 ins, done = [self.policy.cast_param(t) for t in srcs], flat
             else:
                 ins, done = [t.to(reduce) for t in srcs], flat.to(reduce)
-            packed = torch.cat([t.reshape(-1) for t in ins])
+            packed = torch.cat([_padded(t, self.rows(n)).reshape(-1) for n, t in zip(names, ins)])
             flats.append(lax.apply(self.gathered, packed, done=done).to(flat.dtype))
         return self._unpack(packs, flats)
 
@@ -396,7 +415,7 @@ class _Session:
         if not local.requires_grad and full is not None:
             inv = full
         else:
-            invariant = Bound(AllGather(self.group.axes, 0, None, invariant=True), self.group)
+            invariant = self._gather_op(n, invariant=True)
             reduce = self.policy.reduce_in(local.dtype)
             if reduce == low.dtype:
                 inv = lax.apply(invariant, low, done=full)
@@ -427,9 +446,10 @@ class _Session:
             return full
         reduce = self.policy.reduce_in(x.dtype)
         src = self._replicated(x, reduce)
+        op = self._gather_op(n)
         if reduce == full.dtype:
-            return lax.apply(self.gathered, self.policy.cast_param(src), done=full)
-        return lax.apply(self.gathered, src.to(reduce), done=full.to(reduce)).to(full.dtype)
+            return lax.apply(op, self.policy.cast_param(src), done=full)
+        return lax.apply(op, src.to(reduce), done=full.to(reduce)).to(full.dtype)
 
     def _pcast(self, n: str) -> torch.Tensor:
         """Param ``n``, left whole over the axis: a pcast over the axis (and the replicate
@@ -447,12 +467,13 @@ class _Session:
         reduce = self.policy.reduce_in(x.dtype)
         src = self._replicated(x, reduce)
         low = self.policy.cast_param(src)
+        rows = self.rows(n)
         if reduce == low.dtype:
-            return lax.all_gather(low, self.axis, dim=0, to="varying", mesh=self.mesh)
+            return lax.all_gather(low, self.axis, sizes=rows, to="varying", mesh=self.mesh)
         # Under a transform an edge carries its forward dtype's gradient, so a gather of
         # param_dtype values cannot reduce-scatter in another dtype: gather in the reduce dtype
         # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
-        y = lax.all_gather(src.to(reduce), self.axis, dim=0, to="varying", mesh=self.mesh)
+        y = lax.all_gather(src.to(reduce), self.axis, sizes=rows, to="varying", mesh=self.mesh)
         return y.to(low.dtype)
 
     def _block(self, n: str) -> torch.Tensor:
@@ -659,6 +680,34 @@ def fsdp_gather(
     )
     with _gathering(session) as get:
         yield get
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...] | None:
+    """The rows of each of the ``k`` chunks a param of ``layout`` has over the FSDP ``axes``
+    (its dim 0's least significant axes), ``None`` when they are equal. Uneven chunks are
+    fshard's flat ones (:func:`~fshard.spec.chunk_bounds`); gathering them over ``axes``
+    gives the param's base block only when no other axis splits dim 0."""
+    rows = layout.shape[0]
+    others = [a for a in layout.spec.padded(len(layout.shape))[0] if a not in axes]
+    if rows % (k * math.prod(layout.mesh.size(a) for a in others)) == 0:
+        return None
+    if others:
+        raise ValueError(
+            f"fsdp_gather: a param of shape {tuple(layout.shape)} and spec {layout.spec} splits "
+            f"dim 0 over {tuple(others)} and the FSDP axes {axes} unevenly: its blocks over "
+            f"{axes} would not nest in its blocks over {tuple(others)}; fs.nn.fsdp_plan "
+            "leaves such a param whole over the FSDP axes"
+        )
+    return tuple(b - a for a, b in (chunk_bounds(rows, k, j) for j in range(k)))
+
+
+def _padded(t: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:
+    """``t`` (a block of dim 0) with zero rows after it up to the largest of ``rows``
+    (differentiable: the padding's gradient is dropped)."""
+    if rows is None or t.shape[0] == max(rows):
+        return t
+    return torch.cat([t, t.new_zeros(max(rows) - t.shape[0], *t.shape[1:])])
 
 
 def _active_sync(mode: str) -> GradSync | None:
