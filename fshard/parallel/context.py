@@ -439,30 +439,41 @@ def _ring_forward(call: _RingCall, qg, kv, keep, fused: bool = False) -> tuple:
     """The ring: ``(out, lse, blocks)``, the output ``(..., hkv, group, seq/cp, head_dim)`` and
     its rows' log-sum-exp in the accumulation dtype, and the key/value blocks received (ring
     steps ``1..cp-1``). Differentiable by autograd (each ppermute's transpose) with
-    ``fused=False``; run as :class:`_Ring`'s forward with ``fused`` (the blocks on the fused
-    kernel where :func:`_fused`)."""
+    ``fused=False``; run as :class:`_Ring`'s forward (no autograd) with ``fused``: the blocks on
+    the fused kernel where :func:`_fused`, each merged in place into one output and log-sum-exp
+    (:func:`_merge_into`) instead of a new pair per block and a concatenation at the end."""
     cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
     ring = [(r, (r + 1) % cp) for r in range(cp)]
     acc = [None] * pieces
+    if fused:
+        out, lse = torch.empty_like(qg), qg.new_empty((*qg.shape[:-1], 1))
     blocks = []
-    fused = fused and _fused(qg)
+    kernel = fused and _fused(qg)
     for t, (src, tiles) in enumerate(_ring_tiles(cp, call.index, call.causal, call.balanced)):
         pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
         kt, vt = kv.to(qg.dtype).unbind(0)
         for tile in tiles:
-            out, lse = _block(
+            o, lo = _block(
                 qg[..., tile.q0 * c : tile.q1 * c, :],
                 kt[..., tile.k0 * c : tile.k1 * c, :],
                 vt[..., tile.k0 * c : tile.k1 * c, :],
                 call.scale,
                 tile.causal,
                 _tile_keys(call, tile, src, keep),
-                fused,
+                kernel,
             )
             for p in range(tile.q0, tile.q1):
                 rows = slice((p - tile.q0) * c, (p - tile.q0 + 1) * c)
-                acc[p] = _merge(acc[p], (out[..., rows, :], lse[..., rows, :]))
-        if not tiles:
+                if fused:
+                    at = slice(p * c, (p + 1) * c)
+                    first = acc[p] is None
+                    _merge_into(
+                        out[..., at, :], lse[..., at, :], o[..., rows, :], lo[..., rows, :], first
+                    )
+                    acc[p] = True
+                else:
+                    acc[p] = _merge(acc[p], (o[..., rows, :], lo[..., rows, :]))
+        if not tiles and not fused:
             # no query here attends this block (contiguous causal layout), yet its ppermute must
             # be in this rank's graph: the backward runs the same collectives on every rank
             o0, l0 = acc[0]
@@ -470,7 +481,26 @@ def _ring_forward(call: _RingCall, qg, kv, keep, fused: bool = False) -> tuple:
         if pending is not None:
             kv = pending.wait()
             blocks.append(kv)
+    assert all(a is not None for a in acc), acc  # every query chunk attends its own chunk
+    if fused:
+        return out, lse, blocks
     return torch.cat([o for o, _ in acc], -2), torch.cat([lse for _, lse in acc], -2), blocks
+
+
+def _merge_into(out, lse, o, lo, first: bool) -> None:
+    """:func:`_merge` in place (no autograd: :class:`_Ring`'s forward): ``out`` and ``lse``, a
+    block's rows of the accumulated output and log-sum-exp, take the block ``(o, lo)``
+    (``first``: copied). The output is scaled and added to in place, the rows' weights computed
+    on the small log-sum-exp."""
+    if first:
+        out.copy_(o)
+        lse.copy_(lo)
+        return
+    m = torch.maximum(lse, lo)
+    wa, wb = torch.exp(lse - m), torch.exp(lo - m)
+    z = wa + wb
+    out.mul_(wa.div_(z)).addcmul_(o, wb.div_(z))
+    lse.copy_(m.add_(z.log_()))
 
 
 def _block_grads(q, k, v, scale: float, causal: bool, keys, out, lse, do, fused: bool):
@@ -504,8 +534,22 @@ def _block_grads(q, k, v, scale: float, causal: bool, keys, out, lse, do, fused:
     return dq, dk, dv
 
 
-def _add(acc, x):
-    return x if acc is None else acc + x
+def _accumulate(bufs, seen: list, lo: int, hi: int, c: int, grads) -> None:
+    """Chunks ``lo:hi`` of each of ``bufs`` (``(..., seq/cp, head_dim)`` accumulators, no
+    autograd) take the matching one of ``grads`` (``(..., (hi - lo) * c, head_dim)``), copied
+    into a chunk not yet written (``seen``), added in place to one that is."""
+    for p in range(lo, hi):
+        at, rows = slice(p * c, (p + 1) * c), slice((p - lo) * c, (p - lo + 1) * c)
+        for buf, g in zip(bufs, grads):
+            dst, src = buf[..., at, :], g[..., rows, :]
+            dst.add_(src) if seen[p] else dst.copy_(src)
+        seen[p] = True
+
+
+def _zero_unseen(buf, seen: list, c: int) -> None:
+    for p, s in enumerate(seen):
+        if not s:
+            buf[..., p * c : (p + 1) * c, :].zero_()
 
 
 def _ring_backward(call: _RingCall, qg, kv, keep, out, lse, blocks, dout) -> tuple:
@@ -513,18 +557,26 @@ def _ring_backward(call: _RingCall, qg, kv, keep, out, lse, blocks, dout) -> tup
     gradient accumulates on its way back to its rank (step ``t``'s sum goes to the rank that
     held the same block at step ``t - 1``, by the inverse rotation), and each step's sum is put
     on the wire with ``fs.lax.ppermute_start`` before the next step's block is computed, taken
-    only after it (ring-flash-attention's and torch context_parallel's overlap)."""
+    only after it (ring-flash-attention's and torch context_parallel's overlap). No autograd:
+    the blocks' gradients are copied or added in place into one ``dq`` and into one key/value
+    gradient per step (the sum received from the next rank added in place), which is sent as
+    it is (contiguous, no copy)."""
     cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
     back = [(r, (r - 1) % cp) for r in range(cp)]
     dout = dout.to(out.dtype)
     fused = _fused(qg)
-    dq = [None] * pieces
+    if fused:
+        # seq before heads in memory, the layout the backward kernel reads grad_out in (it
+        # copies a grad_out in any other, at every call: here one copy)
+        shape = (*dout.shape[:-4], dout.shape[-2], *dout.shape[-4:-2], dout.shape[-1])
+        dout = dout.new_empty(shape).movedim(-4, -2).copy_(dout)
+    dq, dq_seen = torch.empty_like(qg), [False] * pieces
     pending = dkv = None
     plan = _ring_tiles(cp, call.index, call.causal, call.balanced)
     for t in reversed(range(cp)):
         src, tiles = plan[t]
         kt, vt = (kv if t == 0 else blocks[t - 1]).to(qg.dtype).unbind(0)
-        dk, dv = [None] * pieces, [None] * pieces
+        parts = []
         for tile in tiles:
             rows, cols = slice(tile.q0 * c, tile.q1 * c), slice(tile.k0 * c, tile.k1 * c)
             gq, gk, gv = _block_grads(
@@ -539,21 +591,20 @@ def _ring_backward(call: _RingCall, qg, kv, keep, out, lse, blocks, dout) -> tup
                 dout[..., rows, :],
                 fused,
             )
-            for p in range(tile.q0, tile.q1):
-                dq[p] = _add(dq[p], gq[..., (p - tile.q0) * c : (p - tile.q0 + 1) * c, :])
-            for j in range(tile.k0, tile.k1):
-                piece = slice((j - tile.k0) * c, (j - tile.k0 + 1) * c)
-                dk[j], dv[j] = _add(dk[j], gk[..., piece, :]), _add(dv[j], gv[..., piece, :])
-        zero = torch.zeros_like(kt[..., :c, :])
-        dkv = torch.stack(
-            [torch.cat([zero if d is None else d for d in ds], -2) for ds in (dk, dv)]
-        )
-        if pending is not None:
-            dkv = dkv + pending.wait()
+            _accumulate((dq,), dq_seen, tile.q0, tile.q1, c, (gq,))
+            parts.append((tile.k0, tile.k1, gk, gv))
+        dkv, seen = kt.new_empty((2, *kt.shape)), [False] * pieces
+        for k0, k1, gk, gv in parts:
+            _accumulate(dkv.unbind(0), seen, k0, k1, c, (gk, gv))
+        if pending is not None:  # the later steps' sum (every chunk), added into this one's
+            # (not the reverse: under torch.func.grad the received tensor is outside the level)
+            _accumulate((dkv,), seen, 0, pieces, c, (pending.wait(),))
+        else:
+            _zero_unseen(dkv, seen, c)
         if t > 0:
             pending = lax.ppermute_start(dkv, call.axis, back, mesh=call.mesh)
-    zero = torch.zeros_like(qg[..., :c, :])
-    return torch.cat([zero if d is None else d for d in dq], -2), dkv.to(kv.dtype)
+    _zero_unseen(dq, dq_seen, c)
+    return dq, dkv.to(kv.dtype)
 
 
 class _Ring(torch.autograd.Function):
@@ -771,9 +822,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    out = attention(
-        query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask
-    )
+    out = attention(query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -949,7 +998,9 @@ def forward_kwargs(module: torch.nn.Module, kwargs: dict, where: str) -> dict:
     params = inspect.signature(module.forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
-    unknown = [k for k, v in kwargs.items() if k not in params and v is not None and k != "use_cache"]
+    unknown = [
+        k for k, v in kwargs.items() if k not in params and v is not None and k != "use_cache"
+    ]
     if unknown:
         raise ValueError(
             f"{where}: {type(module).__name__}.forward takes no {unknown} (its parameters: "
