@@ -233,24 +233,26 @@ _STAIR = 128
 def _cuts(tiles: tuple, c: int, stair: int) -> tuple:
     """A ring step's :class:`_Tile` s as block calls in tokens (chunks of ``c`` tokens). With
     ``stair`` (the fused kernel), a causal ``c``-square of at least two ``stair``-squares is cut
-    into a staircase: per ``stair``-wide column of keys, the unmasked rectangle of the rows
-    below its diagonal, then the ``stair``-squares on the diagonal (causal). The CPU kernel
-    computes keys in blocks of 512 and, causal, every block up to a row block's diagonal in
-    full: a 1024-square costs ~3/4 of the unmasked one there, its staircase of 128-squares
-    ~9/16 (+1/16 for the diagonal's masked halves), in calls whose keys are few (their key and
-    value gradients small)."""
+    in halves, recursively: the unmasked rectangle of the lower half's rows against the upper
+    half's keys, then the two causal half squares, down to squares of ``stair`` tokens. The
+    CPU kernel computes keys in blocks of 512 and, causal, every block up to a row block's
+    diagonal in full: a causal 1024-square costs ~3/4 of the unmasked one there, cut down to
+    128-squares ~9/16 (the diagonal's masked halves included), in calls whose rectangles
+    cover half the square's rows per level (what the merges and gradient sums move)."""
+
+    def square(r: int, s: int, n: int) -> list:  # rows r:r+n against keys s:s+n
+        if n < 2 * stair:
+            return [_Cut(r, r + n, s, s + n, True)]
+        h = n // (2 * stair) * stair
+        return [_Cut(r + h, r + n, s, s + h, False), *square(r, s, h), *square(r + h, s + h, n - h)]
+
     cuts = []
     for t in tiles:
         r0, r1, s0, s1 = t.q0 * c, t.q1 * c, t.k0 * c, t.k1 * c
-        if not (t.causal and stair and c % stair == 0 and c >= 2 * stair):
+        if t.causal and stair and c % stair == 0:
+            cuts += square(r0, s0, c)
+        else:
             cuts.append(_Cut(r0, r1, s0, s1, t.causal))
-            continue
-        n = c // stair
-        # the widest rectangle first: the rows' first block (written, not merged)
-        cuts += [_Cut(r0 + (j + 1) * stair, r1, s0 + j * stair, s0 + (j + 1) * stair, False)
-                 for j in range(n - 1)]  # fmt: skip
-        cuts += [_Cut(r0 + i * stair, r0 + (i + 1) * stair, s0 + i * stair,
-                      s0 + (i + 1) * stair, True) for i in range(n)]  # fmt: skip
     return tuple(cuts)
 
 
