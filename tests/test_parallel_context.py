@@ -372,8 +372,8 @@ def test_ring_attention_runs_fused_kernels(world2):
     assert world2.run(fused_rank_fn) == [True, True]
 
 
-def staircase_rank_fn(cp, cases):
-    """The fused path's causal chunk squares cut into a staircase of sub-squares
+def cut_squares_rank_fn(cp, cases):
+    """The fused path's causal chunk squares cut in halves down to sub-squares
     (``C._STAIR``, 128 tokens, here 2 so that the tests' chunks of 4 and 8 tokens are cut):
     one forward and one backward kernel call per cut, values and gradients equal dense
     sdpa's (every case of :func:`dense_equal_rank_fn`: causal or not, padding, grouped
@@ -403,14 +403,14 @@ def staircase_rank_fn(cp, cases):
 
 
 @pytest.mark.timeout(300)
-def test_ring_attention_staircase_two_ranks(world2):
-    assert world2.run(staircase_rank_fn, 2, CASES) == [True, True]
+def test_ring_attention_cut_causal_squares_two_ranks(world2):
+    assert world2.run(cut_squares_rank_fn, 2, CASES) == [True, True]
 
 
 @pytest.mark.timeout(300)
-def test_ring_attention_staircase_four_ranks(world4):
+def test_ring_attention_cut_causal_squares_four_ranks(world4):
     cases = [(True, True, True, True), (True, True, False, False), (False, True, True, True)]
-    assert world4.run(staircase_rank_fn, 4, cases) == [True] * 4
+    assert world4.run(cut_squares_rank_fn, 4, cases) == [True] * 4
 
 
 def padded_chunks_rank_fn():
