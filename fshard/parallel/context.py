@@ -15,7 +15,9 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
   CPU's fused flash attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
   which returns the rows' log-sum-exp; its backward kernel is called with the merged output and
   log-sum-exp, as torch's ``_templated_ring_attention``), causal chunk pairs cut so the kernel's
-  ``is_causal`` skips the masked half; on other devices (CUDA: not wired, untested here) and
+  ``is_causal`` skips the masked half (each causal square cut in halves down to 128-token
+  squares, as the kernel skips masked keys only in blocks of 512), the blocks' outputs merged
+  and their gradients summed in place; on other devices (CUDA: not wired, untested here) and
   dtypes the blocks are matmuls. Under other transforms
   (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, and
   for an eager ``create_graph=True`` backward, the ring is differentiated op by op (each
