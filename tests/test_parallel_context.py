@@ -372,6 +372,47 @@ def test_ring_attention_runs_fused_kernels(world2):
     assert world2.run(fused_rank_fn) == [True, True]
 
 
+def cut_squares_rank_fn(cp, cases):
+    """The fused path's causal chunk squares cut in halves down to sub-squares
+    (``C._STAIR``, 128 tokens, here 2 so that the tests' chunks of 4 and 8 tokens are cut):
+    one forward and one backward kernel call per cut, values and gradients equal dense
+    sdpa's (every case of :func:`dense_equal_rank_fn`: causal or not, padding, grouped
+    heads, balanced or contiguous)."""
+    mesh = fs.Mesh.create((cp,), ("cp",))
+    fwd = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    stair = C._STAIR
+    C._STAIR = 2
+    try:
+        q, k, v, keep = _qkv(s=8 * cp)
+        local = [C.load_balance(t, cp).chunk(cp, -2)[mesh.rank] for t in (q, k, v)]
+        m = C.load_balance(keep, cp, -1).chunk(cp, -1)[mesh.rank]
+        leaves = [t.clone().requires_grad_() for t in local]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = C.ring_attention(*leaves, "cp", causal=True, padding_mask=m, mesh=mesh)
+            _objective(out).backward()
+        names = [e.name for e in prof.events()]
+        c = 8 // 2  # a chunk's tokens: 8 per rank, 2 chunks
+        cuts = sum(len(C._cuts(t, c, 2)) for _, t in C._ring_tiles(cp, mesh.rank, True, True))
+        plain = sum(len(t) for _, t in C._ring_tiles(cp, mesh.rank, True, True))
+        assert cuts > plain, (cuts, plain)  # the causal squares are cut
+        assert names.count(fwd) == names.count(fwd + "_backward") == cuts, names.count(fwd)
+        assert dense_equal_rank_fn("ring", cp, cases)
+    finally:
+        C._STAIR = stair
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_ring_attention_cut_causal_squares_two_ranks(world2):
+    assert world2.run(cut_squares_rank_fn, 2, CASES) == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_ring_attention_cut_causal_squares_four_ranks(world4):
+    cases = [(True, True, True, True), (True, True, False, False), (False, True, True, True)]
+    assert world4.run(cut_squares_rank_fn, 4, cases) == [True] * 4
+
+
 def padded_chunks_rank_fn():
     """Whole chunks of padding: a block (or the causal square) where some rows see no key.
     Values, gradients (``.backward()``: the fused kernels; ``vmap(grad)``: op by op) and an

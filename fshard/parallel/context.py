@@ -15,7 +15,9 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
   CPU's fused flash attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
   which returns the rows' log-sum-exp; its backward kernel is called with the merged output and
   log-sum-exp, as torch's ``_templated_ring_attention``), causal chunk pairs cut so the kernel's
-  ``is_causal`` skips the masked half; on other devices (CUDA: not wired, untested here) and
+  ``is_causal`` skips the masked half (each causal square cut in halves down to 128-token
+  squares, as the kernel skips masked keys only in blocks of 512), the blocks' outputs merged
+  and their gradients summed in place; on other devices (CUDA: not wired, untested here) and
   dtypes the blocks are matmuls. Under other transforms
   (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, and
   for an eager ``create_graph=True`` backward, the ring is differentiated op by op (each
@@ -213,12 +215,76 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
 
 
-def _tile_keys(call: _RingCall, tile: _Tile, src: int, keep) -> torch.Tensor | None:
-    """The gathered padding mask's keys of ``tile`` on the block of rank ``src``."""
+class _Cut(NamedTuple):
+    """One block call in tokens: this rank's query rows ``r0:r1`` against keys ``s0:s1`` of the
+    block held; ``causal``: a square on the diagonal (masked top-left)."""
+
+    r0: int
+    r1: int
+    s0: int
+    s1: int
+    causal: bool
+
+
+#: Tokens: the side of the sub-squares a causal chunk square is cut into on the fused kernel
+#: (:func:`_cuts`); 0 turns the cut off.
+_STAIR = 128
+
+
+@functools.cache
+def _cuts(tiles: tuple, c: int, stair: int) -> tuple:
+    """A ring step's :class:`_Tile` s as block calls in tokens (chunks of ``c`` tokens). With
+    ``stair`` (the fused kernel), a causal ``c``-square of at least two ``stair``-squares is cut
+    in halves, recursively: the unmasked rectangle of the lower half's rows against the upper
+    half's keys, then the two causal half squares, down to squares of ``stair`` tokens. The
+    CPU kernel computes keys in blocks of 512 and, causal, every block up to a row block's
+    diagonal in full: a causal 1024-square costs ~3/4 of the unmasked one there, cut down to
+    128-squares ~9/16 (the diagonal's masked halves included), in calls whose rectangles
+    cover half the square's rows per level (what the merges and gradient sums move)."""
+
+    def square(r: int, s: int, n: int) -> list:  # rows r:r+n against keys s:s+n
+        if n < 2 * stair:
+            return [_Cut(r, r + n, s, s + n, True)]
+        h = n // (2 * stair) * stair
+        return [_Cut(r + h, r + n, s, s + h, False), *square(r, s, h), *square(r + h, s + h, n - h)]
+
+    cuts = []
+    for t in tiles:
+        r0, r1, s0, s1 = t.q0 * c, t.q1 * c, t.k0 * c, t.k1 * c
+        if t.causal and stair and c % stair == 0:
+            cuts += square(r0, s0, c)
+        else:
+            cuts.append(_Cut(r0, r1, s0, s1, t.causal))
+    return tuple(cuts)
+
+
+def _cut_keys(call: _RingCall, cut: _Cut, src: int, keep) -> torch.Tensor | None:
+    """The gathered padding mask's keys of ``cut`` on the block of rank ``src``."""
     if keep is None:
         return None
     s_loc = call.c * (2 if call.balanced else 1)
-    return keep[..., src * s_loc + tile.k0 * call.c : src * s_loc + tile.k1 * call.c]
+    return keep[..., src * s_loc + cut.s0 : src * s_loc + cut.s1]
+
+
+def _stair(qg, c: int) -> tuple[int, int]:
+    """``(stair, unit)``: the :func:`_cuts` stair of a :class:`_Ring` call on ``qg`` (0 where
+    its blocks are not on the fused kernel or a chunk is not whole sub-squares) and the
+    tokens every cut's rows and keys are whole multiples of (its accumulators' unit)."""
+    stair = _STAIR if _fused(qg) and _STAIR and c % _STAIR == 0 and c >= 2 * _STAIR else 0
+    return stair, stair or c
+
+
+def _runs(seen: list, a: int, b: int, unit: int):
+    """Tokens ``a:b`` (whole units) as maximal runs ``(start, stop, written)`` of units that
+    ``seen`` says are all written or all not; then marks them written."""
+    i, end = a // unit, b // unit
+    while i < end:
+        j = i
+        while j < end and seen[j] == seen[i]:
+            j += 1
+        yield i * unit, j * unit, seen[i]
+        i = j
+    seen[a // unit : end] = [True] * (end - a // unit)
 
 
 def _as_bhsd(q, k, v, keys):
@@ -435,32 +501,30 @@ def _paused(tracker):
         tracker.paused -= 1
 
 
-def _ring_forward(call: _RingCall, qg, kv, keep, fused: bool = False) -> tuple:
-    """The ring: ``(out, lse, blocks)``, the output ``(..., hkv, group, seq/cp, head_dim)`` and
-    its rows' log-sum-exp in the accumulation dtype, and the key/value blocks received (ring
-    steps ``1..cp-1``). Differentiable by autograd (each ppermute's transpose) with
-    ``fused=False``; run as :class:`_Ring`'s forward with ``fused`` (the blocks on the fused
-    kernel where :func:`_fused`)."""
+def _ring_forward(call: _RingCall, qg, kv, keep) -> tuple:
+    """The ring op by op: ``(out, lse, blocks)``, the output ``(..., hkv, group, seq/cp,
+    head_dim)`` and its rows' log-sum-exp in the accumulation dtype, and the key/value blocks
+    received (ring steps ``1..cp-1``); the blocks are matmuls. Differentiable by autograd (each
+    ppermute's transpose)."""
     cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
     ring = [(r, (r + 1) % cp) for r in range(cp)]
     acc = [None] * pieces
     blocks = []
-    fused = fused and _fused(qg)
     for t, (src, tiles) in enumerate(_ring_tiles(cp, call.index, call.causal, call.balanced)):
         pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
         kt, vt = kv.to(qg.dtype).unbind(0)
-        for tile in tiles:
+        for cut in _cuts(tiles, c, 0):
             out, lse = _block(
-                qg[..., tile.q0 * c : tile.q1 * c, :],
-                kt[..., tile.k0 * c : tile.k1 * c, :],
-                vt[..., tile.k0 * c : tile.k1 * c, :],
+                qg[..., cut.r0 : cut.r1, :],
+                kt[..., cut.s0 : cut.s1, :],
+                vt[..., cut.s0 : cut.s1, :],
                 call.scale,
-                tile.causal,
-                _tile_keys(call, tile, src, keep),
-                fused,
+                cut.causal,
+                _cut_keys(call, cut, src, keep),
+                False,
             )
-            for p in range(tile.q0, tile.q1):
-                rows = slice((p - tile.q0) * c, (p - tile.q0 + 1) * c)
+            for p in range(cut.r0 // c, cut.r1 // c):
+                rows = slice(p * c - cut.r0, (p + 1) * c - cut.r0)
                 acc[p] = _merge(acc[p], (out[..., rows, :], lse[..., rows, :]))
         if not tiles:
             # no query here attends this block (contiguous causal layout), yet its ppermute must
@@ -471,6 +535,57 @@ def _ring_forward(call: _RingCall, qg, kv, keep, fused: bool = False) -> tuple:
             kv = pending.wait()
             blocks.append(kv)
     return torch.cat([o for o, _ in acc], -2), torch.cat([lse for _, lse in acc], -2), blocks
+
+
+def _ring_forward_fused(call: _RingCall, qg, kv, keep) -> tuple:
+    """:func:`_ring_forward` as :class:`_Ring`'s forward (no autograd): the blocks on the fused
+    kernel where :func:`_fused` (causal chunk squares cut by :func:`_cuts`), each merged in
+    place into one output and log-sum-exp (:func:`_merge_into`)."""
+    cp, c = call.cp, call.c
+    ring = [(r, (r + 1) % cp) for r in range(cp)]
+    stair, unit = _stair(qg, c)
+    fused = _fused(qg)
+    out, lse = torch.empty_like(qg), qg.new_empty((*qg.shape[:-1], 1))
+    seen = [False] * (qg.shape[-2] // unit)
+    blocks = []
+    for t, (src, tiles) in enumerate(_ring_tiles(cp, call.index, call.causal, call.balanced)):
+        pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
+        kt, vt = kv.to(qg.dtype).unbind(0)
+        for cut in _cuts(tiles, c, stair):
+            o, lo = _block(
+                qg[..., cut.r0 : cut.r1, :],
+                kt[..., cut.s0 : cut.s1, :],
+                vt[..., cut.s0 : cut.s1, :],
+                call.scale,
+                cut.causal,
+                _cut_keys(call, cut, src, keep),
+                fused,
+            )
+            for a, b, written in _runs(seen, cut.r0, cut.r1, unit):
+                rows = slice(a - cut.r0, b - cut.r0)
+                _merge_into(out[..., a:b, :], lse[..., a:b, :], o[..., rows, :], lo[..., rows, :],
+                            not written)  # fmt: skip
+        if pending is not None:
+            kv = pending.wait()
+            blocks.append(kv)
+    assert all(seen), seen  # every query chunk attends its own chunk
+    return out, lse, blocks
+
+
+def _merge_into(out, lse, o, lo, first: bool) -> None:
+    """:func:`_merge` in place (no autograd: :class:`_Ring`'s forward): ``out`` and ``lse``, a
+    block's rows of the accumulated output and log-sum-exp, take the block ``(o, lo)``
+    (``first``: copied). The output moves towards the block's by the block's weight (one
+    ``lerp_``), the rows' weights computed on the small log-sum-exp."""
+    if first:
+        out.copy_(o)
+        lse.copy_(lo)
+        return
+    m = torch.maximum(lse, lo)
+    wa, wb = torch.exp(lse - m), torch.exp(lo - m)
+    z = wa + wb
+    out.lerp_(o, wb.div_(z))  # out * wa / z + o * wb / z, one pass over the rows
+    lse.copy_(m.add_(z.log_()))
 
 
 def _block_grads(q, k, v, scale: float, causal: bool, keys, out, lse, do, fused: bool):
@@ -504,60 +619,81 @@ def _block_grads(q, k, v, scale: float, causal: bool, keys, out, lse, do, fused:
     return dq, dk, dv
 
 
-def _add(acc, x):
-    return x if acc is None else acc + x
+def _accumulate(bufs, seen: list, a: int, b: int, unit: int, grads) -> None:
+    """Tokens ``a:b`` of each of ``bufs`` (``(..., seq/cp, head_dim)`` accumulators, no
+    autograd) take the matching one of ``grads`` (``(..., b - a, head_dim)``): copied into the
+    units not yet written (``seen``), added in place to those that are."""
+    for x, y, written in _runs(seen, a, b, unit):
+        for buf, g in zip(bufs, grads):
+            dst, src = buf[..., x:y, :], g[..., x - a : y - a, :]
+            dst.add_(src) if written else dst.copy_(src)
+
+
+def _zero_unseen(buf, seen: list, unit: int) -> None:
+    for p, s in enumerate(seen):
+        if not s:
+            buf[..., p * unit : (p + 1) * unit, :].zero_()
 
 
 def _ring_backward(call: _RingCall, qg, kv, keep, out, lse, blocks, dout) -> tuple:
-    """``(dq, dkv)`` of :func:`_ring_forward`, the ring steps in reverse: a block's key/value
-    gradient accumulates on its way back to its rank (step ``t``'s sum goes to the rank that
-    held the same block at step ``t - 1``, by the inverse rotation), and each step's sum is put
-    on the wire with ``fs.lax.ppermute_start`` before the next step's block is computed, taken
-    only after it (ring-flash-attention's and torch context_parallel's overlap)."""
-    cp, c, pieces = call.cp, call.c, 2 if call.balanced else 1
+    """``(dq, dkv)`` of :func:`_ring_forward_fused`, the ring steps in reverse: a block's
+    key/value gradient accumulates on its way back to its rank (step ``t``'s sum goes to the
+    rank that held the same block at step ``t - 1``, by the inverse rotation), and each step's
+    sum is put on the wire with ``fs.lax.ppermute_start`` before the next step's block is
+    computed, taken only after it (ring-flash-attention's and torch context_parallel's
+    overlap). No autograd: the blocks' gradients are copied or added in place into one ``dq``
+    and into one key/value gradient per step (the sum received from the next rank added in
+    place), which is sent as it is (contiguous, no copy)."""
+    cp, c = call.cp, call.c
     back = [(r, (r - 1) % cp) for r in range(cp)]
     dout = dout.to(out.dtype)
     fused = _fused(qg)
-    dq = [None] * pieces
+    stair, unit = _stair(qg, c)
+    if fused:
+        # seq before heads in memory, the layout the backward kernel reads grad_out in (it
+        # copies a grad_out in any other, at every call: here one copy)
+        shape = (*dout.shape[:-4], dout.shape[-2], *dout.shape[-4:-2], dout.shape[-1])
+        dout = dout.new_empty(shape).movedim(-4, -2).copy_(dout)
+    units = qg.shape[-2] // unit
+    dq, dq_seen = torch.empty_like(qg), [False] * units
     pending = dkv = None
     plan = _ring_tiles(cp, call.index, call.causal, call.balanced)
     for t in reversed(range(cp)):
         src, tiles = plan[t]
         kt, vt = (kv if t == 0 else blocks[t - 1]).to(qg.dtype).unbind(0)
-        dk, dv = [None] * pieces, [None] * pieces
-        for tile in tiles:
-            rows, cols = slice(tile.q0 * c, tile.q1 * c), slice(tile.k0 * c, tile.k1 * c)
+        parts = []
+        for cut in _cuts(tiles, c, stair):
+            rows, cols = slice(cut.r0, cut.r1), slice(cut.s0, cut.s1)
             gq, gk, gv = _block_grads(
                 qg[..., rows, :],
                 kt[..., cols, :],
                 vt[..., cols, :],
                 call.scale,
-                tile.causal,
-                _tile_keys(call, tile, src, keep),
+                cut.causal,
+                _cut_keys(call, cut, src, keep),
                 out[..., rows, :],
                 lse[..., rows, :],
                 dout[..., rows, :],
                 fused,
             )
-            for p in range(tile.q0, tile.q1):
-                dq[p] = _add(dq[p], gq[..., (p - tile.q0) * c : (p - tile.q0 + 1) * c, :])
-            for j in range(tile.k0, tile.k1):
-                piece = slice((j - tile.k0) * c, (j - tile.k0 + 1) * c)
-                dk[j], dv[j] = _add(dk[j], gk[..., piece, :]), _add(dv[j], gv[..., piece, :])
-        zero = torch.zeros_like(kt[..., :c, :])
-        dkv = torch.stack(
-            [torch.cat([zero if d is None else d for d in ds], -2) for ds in (dk, dv)]
-        )
-        if pending is not None:
-            dkv = dkv + pending.wait()
+            _accumulate((dq,), dq_seen, cut.r0, cut.r1, unit, (gq,))
+            parts.append((cut.s0, cut.s1, gk, gv))
+        dkv, seen = kt.new_empty((2, *kt.shape)), [False] * units
+        for s0, s1, gk, gv in parts:
+            _accumulate(dkv.unbind(0), seen, s0, s1, unit, (gk, gv))
+        if pending is not None:  # the later steps' sum (every chunk), added into this one's
+            # (not the reverse: under torch.func.grad the received tensor is outside the level)
+            _accumulate((dkv,), seen, 0, kt.shape[-2], unit, (pending.wait(),))
+        else:
+            _zero_unseen(dkv, seen, unit)
         if t > 0:
             pending = lax.ppermute_start(dkv, call.axis, back, mesh=call.mesh)
-    zero = torch.zeros_like(qg[..., :c, :])
-    return torch.cat([zero if d is None else d for d in dq], -2), dkv.to(kv.dtype)
+    _zero_unseen(dq, dq_seen, unit)
+    return dq, dkv.to(kv.dtype)
 
 
 class _Ring(torch.autograd.Function):
-    """Ring attention as one Function: forward :func:`_ring_forward` (returning the output,
+    """Ring attention as one Function: forward :func:`_ring_forward_fused` (returning the output,
     its log-sum-exp and the received blocks, kept for the backward), backward
     :func:`_ring_backward`, whose transfers overlap its block computations as the forward's
     do (autograd through the ring runs each ppermute's transpose where it reaches it, after
@@ -567,7 +703,7 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(call, qg, kv, keep):
-        out, lse, blocks = _ring_forward(call, qg, kv, keep, fused=True)
+        out, lse, blocks = _ring_forward_fused(call, qg, kv, keep)
         return (out, lse, *blocks)
 
     @staticmethod
@@ -771,9 +907,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    out = attention(
-        query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask
-    )
+    out = attention(query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -949,7 +1083,9 @@ def forward_kwargs(module: torch.nn.Module, kwargs: dict, where: str) -> dict:
     params = inspect.signature(module.forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
-    unknown = [k for k, v in kwargs.items() if k not in params and v is not None and k != "use_cache"]
+    unknown = [
+        k for k, v in kwargs.items() if k not in params and v is not None and k != "use_cache"
+    ]
     if unknown:
         raise ValueError(
             f"{where}: {type(module).__name__}.forward takes no {unknown} (its parameters: "
