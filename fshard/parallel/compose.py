@@ -654,6 +654,10 @@ def _pipeline_loss(
             if n == name or n.startswith(name + ".")
         }
         pieces[key] = (model.get_submodule(name), rel)
+    # fsdp_call's default units of each piece, found once (fsdp_call walks the module's
+    # params to find them at every call: 16 calls a step on a 2-layer stage, 4 microbatches)
+    fsdp = isinstance(call, functools.partial) and call.func is fsdp_call
+    units = {k: {"units": fsdp_units(mod)} if fsdp else {} for k, (mod, _) in pieces.items()}
 
     def run(key, params, args, kwargs):
         # the plan's output layouts, as the whole model's call applies them: the same
@@ -661,7 +665,7 @@ def _pipeline_loss(
         # the pipeline passes its stages' inputs as intermediates, issue 36)
         module, rel = pieces[key]
         inner = {n: spec for n, spec in rel.items() if n}
-        out = call(module, params, args, kwargs, outputs=inner)
+        out = call(module, params, args, kwargs, outputs=inner, **units[key])
         return reshard(out, rel[""]) if "" in rel and isinstance(out, ShardedArray) else out
 
     def layer(params, x, kwargs):
