@@ -8,8 +8,8 @@ same microbatches.
 The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
 head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stages are the
-blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embedding computed before the
-pipeline on both ranks, the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
+blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embeddings in ``input_fn`` (on
+rank 0 only, as torch's), the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
 of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
 (``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer. Each
 configuration runs in its own pair of rank processes (peak RSS is the process's high-water
@@ -157,16 +157,21 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
         h = F.layer_norm(y, y.shape[-1:], hp["ln_f.weight"], hp["ln_f.bias"])
         return _ce(F.linear(h, hp["head.weight"]), target)
 
+    def input_fn(ep, tokens):  # the first stage's piece: every microbatch's embeddings
+        x = F.embedding(tokens, ep["embed.tok.weight"])
+        return x + ep["embed.pos.weight"][: tokens.shape[-1]]
+
+    b, t = tokens.shape
+    act = torch.empty(b // mb, t, gpt.embed.tok.weight.shape[1], device="meta")
+
     def loss(params, tokens, targets):
-        x = F.embedding(tokens, params["emb"]["embed.tok.weight"])
-        x = x + params["emb"]["embed.pos.weight"][: tokens.shape[-1]]
         return fs.parallel.pipeline(
-            stage_fn, params["stages"], x, mesh, loss_fn=loss_fn, loss_params=params["head"],
-            targets=targets, schedule=schedule, virtual=virtual,
+            stage_fn, params["stages"], tokens, mesh, loss_fn=loss_fn, loss_params=params["head"],
+            targets=targets, input_fn=input_fn, input_params=params["emb"], activation=act,
+            schedule=schedule, virtual=virtual,
         )  # fmt: skip
 
     vg = fs.value_and_grad(loss)
-    b, t = tokens.shape
     tok_mb = tokens.reshape(mb, b // mb, t)
     tgt_mb = targets.reshape(mb, b // mb, t)
     return lambda: vg(params, tok_mb, tgt_mb)

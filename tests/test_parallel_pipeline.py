@@ -264,7 +264,10 @@ def _pp_loss(mesh, block, schedule, virtual, remat_fsdp=False):
 
     def loss(params, tokens, targets):
         t = tokens.shape[-1]
-        x = F.embedding(tokens, params["emb"]["embed.tok.weight"]) + params["emb"]["embed.pos.weight"][:t]
+        x = (
+            F.embedding(tokens, params["emb"]["embed.tok.weight"])
+            + params["emb"]["embed.pos.weight"][:t]
+        )
         return pipeline(
             stage, params["stages"], x, mesh, loss_fn=_head_loss,
             loss_params=params["head"], targets=targets, schedule=schedule, virtual=virtual,
@@ -467,15 +470,18 @@ def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh(monkeypatch):
     fs.value_and_grad + AdamW step on the abstract mesh (the dry run's collectives are
     fs.debug.comm_log's): over dp_shard, each rank's collectives at FSDP2's granularity under
     PP (torchtitan's reshard_after_forward=False). ONE packed all_gather per unit a step (the
-    stage's layer; on the last stage the norm and the head, each called alone), kept for every
-    microbatch's forward and backward, the embedding's once (outside the pipeline; its backward
-    needs no weight); ONE reduce_scatter of the stage's whole params (its layer, and the norm
-    and head on the last stage) after the schedule, one of the embedding's. Was: a
+    stage's layer; on the first stage the embedding, on the last the norm and the head, each
+    called alone), kept for every microbatch's forward and backward; ONE reduce_scatter of the
+    stage's whole params (its layer, and the embedding on the first stage, the norm and head on
+    the last) after the schedule. The embedding is the pipeline's input_fn, on the first
+    stage only: the last stage neither gathers it nor reduce-scatters its gradient (it did
+    while the embedding ran before the pipeline on every pp rank). Was: a
     reduce_scatter per param per microbatch and a gather per param (here stage 0: 37
     all_gathers and 19 reduce_scatters, 328,704 bytes), then a gather per unit and microbatch
     in the forward and again in the backward (stage 0: 5 all_gathers, 16,384 + 4 x 73,984 =
     312,320 bytes); now 2 all_gathers, 16,384 + 73,984 = 90,368 bytes (this rank's halves of
-    the embedding and of its layer), and the same 2 reduce_scatters (180,736 bytes)."""
+    the embedding and of its layer), and ONE reduce_scatter (180,736 bytes: the embedding's
+    and the layer's, packed; were 2)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -508,12 +514,13 @@ def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh(monkeypatch):
     embed = full["model.embed_tokens.weight"]
     for stage, c in enumerate(report.classes):
         layer = sum(b for n, b in full.items() if n.startswith(f"model.layers.{stage}."))
-        units = [layer] + ([full["model.norm.weight"], full["lm_head.weight"]] if stage else [])
+        ends = [full["model.norm.weight"], full["lm_head.weight"]] if stage else [embed]
+        units = [layer, *ends]
         dp = [(r.op, r.nbytes) for r in c.collectives if r.axes == ("dp_shard",)]
         gathers = sorted(b for op, b in dp if op == "all_gather")
-        assert gathers == sorted([embed // 2] + [u // 2 for u in units]), stage
+        assert gathers == sorted(u // 2 for u in units), stage
         scatters = sorted(b for op, b in dp if op == "reduce_scatter")
-        assert scatters == sorted([embed, sum(units)]), stage
+        assert scatters == [sum(units)], stage
         assert len(dp) == len(gathers) + len(scatters)
         if stage == 0:
             assert (sum(gathers), sum(scatters)) == (90_368, 180_736)
@@ -781,3 +788,126 @@ def pending_input_rank_fn():
 @pytest.mark.timeout(300)
 def test_pipeline_of_a_pending_sum_matches_dense(world4):
     assert world4.run(pending_input_rank_fn) == [True] * 4
+
+
+def input_fn_rank_fn(schedule):
+    """The embedding as the pipeline's ``input_fn`` (run by the first stage's rank only)
+    against the embedding computed before the pipeline on every pp rank and against dense
+    (one process): the same loss and gradients. What changes is what crosses ``pp``: the
+    replicated stage inputs' cotangent (this rank's rows of every microbatch) was all-reduced
+    over pp; with ``input_fn`` the inputs are token ids, and only the embedding's gradient is
+    summed over pp, in the one bucket of the replicated params' (with the head's)."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "dp"))
+    gen = torch.Generator().manual_seed(0)
+    V, D, M, B = 11, 6, 4, 4  # vocabulary, width, microbatches, rows per microbatch (over dp)
+    E, W = torch.randn(V, D, generator=gen), torch.randn(2, D, D, generator=gen) / 2
+    H = torch.randn(D, V, generator=gen)
+    ids, tgt = (
+        torch.randint(0, V, (M, B), generator=gen),
+        torch.randint(0, V, (M, B), generator=gen),
+    )
+
+    def stage(w, x):
+        return torch.tanh(x @ w)
+
+    def head(h, y, t):  # a sum over the rows split over dp: summed once a step
+        return F.cross_entropy(y @ h, t, reduction="sum") / B
+
+    def dense(E, W, H):
+        return sum(head(H, stage(W[1], stage(W[0], F.embedding(ids[m], E))), tgt[m])
+                   for m in range(M)) / M  # fmt: skip
+
+    rows = fs.P(None, "dp")
+    ids_s, tgt_s = fs.shard(ids, mesh, rows), fs.shard(tgt, mesh, rows)
+
+    def new(p):
+        return fs.gather(pipeline(
+            stage, p["w"], {"ids": ids_s}, mesh, loss_fn=head, loss_params=p["h"], targets=tgt_s,
+            input_fn=lambda e, mb: F.embedding(mb["ids"], e), input_params=p["e"],
+            activation=fs.Layout(mesh, fs.P("dp"), (B, D)), schedule=schedule,
+        ))  # fmt: skip
+
+    def old(p):
+        x = F.embedding(ids_s, p["e"])  # (M, B, D), on every pp rank
+        return fs.gather(pipeline(stage, p["w"], x, mesh, loss_fn=head, loss_params=p["h"],
+                                  targets=tgt_s, schedule=schedule))  # fmt: skip
+
+    params = {
+        "e": fs.shard(E, mesh, fs.P()),
+        "w": fs.shard(W, mesh, fs.P("pp")),
+        "h": fs.shard(H, mesh, fs.P()),
+    }
+    want_v = dense(E, W, H)
+    want_g = torch.func.grad(dense, argnums=(0, 1, 2))(E, W, H)
+    logs = []
+    for f in (new, old):
+        with fs.debug.comm_log() as log:
+            value, grads = fs.value_and_grad(f)(params)
+        torch.testing.assert_close(value, want_v, **TOL)
+        for k, w in zip("ewh", want_g):
+            torch.testing.assert_close(fs.gather(grads[k]), w, **TOL)
+        logs.append(sorted((r.op, r.axes, r.nbytes) for r in log if r.op != "ppermute"))
+    return logs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_input_fn_runs_on_the_first_stage_only(world4, schedule):
+    V, D, M, B = 11, 6, 4, 4
+    for rank, (new, old) in enumerate(world4.run(input_fn_rank_fn, schedule)):
+        first = rank < 2  # pp is the outer axis: ranks 0, 1 hold stage 0
+        # both: the loss's float64 scalar summed over dp on the last stage, the float32 loss
+        # over pp, one bucket of the replicated params' gradients over dp (the embedding, the
+        # head and this rank's stage; the last stage reduces only what it uses)
+        stage, emb, hd = 2 * D * D * 4 // 2, V * D * 4, D * V * 4
+        common = [("all_reduce", ("pp",), 4)]
+        common += [] if first else [("all_reduce", ("dp",), 8)]
+        # input_fn: the embedding's and the head's gradients summed over pp in one bucket
+        want_new = common + [
+            ("all_reduce", ("dp",), stage + (emb if first else hd)),
+            ("all_reduce", ("pp",), emb + hd),
+        ]
+        # before: every pp rank embeds all microbatches; their cotangent (this rank's B / 2
+        # rows of each) is summed over pp, the embedding's gradient over dp on every rank (in
+        # a bucket of its own, outside the pipeline's), the head's over pp alone
+        want_old = common + [
+            ("all_reduce", ("dp",), stage + (0 if first else hd)),
+            ("all_reduce", ("dp",), emb),
+            ("all_reduce", ("pp",), M * B // 2 * D * 4),
+            ("all_reduce", ("pp",), hd),
+        ]
+        assert new == sorted(want_new), (rank, new)
+        assert old == sorted(want_old), (rank, old)
+
+
+def per_rank_batch_rank_fn(bad_step):
+    """parallelize's pipelined loss checks the batch as one boundary a step (was one exchange
+    per fs.shard of its ids, targets, positions): exchanged at the 1st, 2nd, 4th ... step,
+    else folded into the digest the pipeline's shard_map compares before anything is sent.
+    Either way a batch that differs on one rank raises on every rank, at that step."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, vocab_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    dims = fs.parallel.ParallelDims(pp=2, pp_schedule="1f1b")
+    params, loss = fs.parallel.parallelize(transformers.LlamaForCausalLM(cfg), dims.mesh(), dims)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    for step in range(1, 5):
+        batch = ids
+        if step == bad_step and torch.distributed.get_rank() == 1:
+            batch = (ids + 1) % 32  # this rank's loader gave other tokens, same shape
+        try:
+            fs.value_and_grad(loss)(params, {"input_ids": batch})
+        except fs.consistency.ConsistencyError as e:
+            return step, "every rank must pass the same batch" in str(e)
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bad_step", [1, 3])
+def test_parallelize_pp_refuses_a_per_rank_batch(world2, bad_step):
+    assert world2.run(per_rank_batch_rank_fn, bad_step) == [(bad_step, True)] * 2

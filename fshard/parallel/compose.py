@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import config, consistency
 from ..api import gather, reshard, shard
 from ..array import ShardedArray
 from ..mesh import Mesh
@@ -66,7 +68,7 @@ from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
-from ..spec import P
+from ..spec import Layout, P
 from .context import _ACTIVE, _attention_of, context_parallel_loss, forward_kwargs, load_balance
 from .context import _ATTENTION as _RING
 from .expert import expert_parallel_call, expert_parallel_plan
@@ -305,7 +307,9 @@ def parallelize(
         raise ValueError(
             f"parallelize: mesh must be dims.mesh() (axes {AXES}, shape {dims.shape}), got {mesh!r}"
         )
-    if not isinstance(remat, (bool, str)) or (isinstance(remat, str) and remat not in REMAT_POLICIES):
+    if not isinstance(remat, (bool, str)) or (
+        isinstance(remat, str) and remat not in REMAT_POLICIES
+    ):
         raise ValueError(
             f"parallelize: remat must be True, False or a fs.remat policy {REMAT_POLICIES}, "
             f"got {remat!r}"
@@ -441,7 +445,9 @@ class _RematLayers:
         if module is not self.model:
             raise ValueError("parallelize: the composed call runs the model it was built for")
         active = _ACTIVE.get()  # cp's attention: entered again in the recompute
-        per = [{n[len(pre) :]: v for n, v in params.items() if n.startswith(pre)} for pre in self.pres]
+        per = [
+            {n[len(pre) :]: v for n, v in params.items() if n.startswith(pre)} for pre in self.pres
+        ]
         outer = {n: v for n, v in params.items() if not n.startswith(f"{self.layers}.")}
         forwards = [self._forward(i, per[i], active) for i in range(len(self.modules))]
         options = {**options, "outputs": self.outer}
@@ -461,8 +467,10 @@ class _RematLayers:
         def run(ps, args, kwargs):
             patched = layer.__dict__.pop("forward", None)  # the layer's own forward inside
             try:
-                with _attention_of(model, active[2], active[0], active[1]) if active else (
-                    contextlib.nullcontext()
+                with (
+                    _attention_of(model, active[2], active[0], active[1])
+                    if active
+                    else (contextlib.nullcontext())
                 ):
                     return call(layer, ps, args, kwargs, outputs=inner)
             finally:
@@ -627,11 +635,11 @@ def _layer_kwargs(model: torch.nn.Module, parts: _Parts, positions: tuple, devic
 def _pipeline_loss(
     model, parts: _Parts, mesh: Mesh, dims: ParallelDims, call, mp_policy, outputs, remat=False
 ):
-    """The causal-LM loss with the decoder layers pipelined over ``pp``: the embedding before
-    the pipeline (on every pp rank), each stage's layers, the norm, head and loss on the last
-    stage (:func:`pipeline`), every piece run by ``call`` with the plan's output layouts;
-    each layer under :func:`fshard.remat` with ``remat`` (its policy, or ``None``) unless it
-    is ``False``."""
+    """The causal-LM loss with the decoder layers pipelined over ``pp``: the embedding on the
+    first stage (the pipeline's ``input_fn``), each stage's layers, the norm, head and loss on
+    the last stage (:func:`pipeline`), every piece run by ``call`` with the plan's output
+    layouts; each layer under :func:`fshard.remat` with ``remat`` (its policy, or ``None``)
+    unless it is ``False``."""
     layer_name = f"{parts.layers}.0"
     axes = dims.batch_axes
     pieces = {}
@@ -646,6 +654,10 @@ def _pipeline_loss(
             if n == name or n.startswith(name + ".")
         }
         pieces[key] = (model.get_submodule(name), rel)
+    # fsdp_call's default units of each piece, found once (fsdp_call walks the module's
+    # params to find them at every call: 16 calls a step on a 2-layer stage, 4 microbatches)
+    fsdp = isinstance(call, functools.partial) and call.func is fsdp_call
+    units = {k: {"units": fsdp_units(mod)} if fsdp else {} for k, (mod, _) in pieces.items()}
 
     def run(key, params, args, kwargs):
         # the plan's output layouts, as the whole model's call applies them: the same
@@ -653,7 +665,7 @@ def _pipeline_loss(
         # the pipeline passes its stages' inputs as intermediates, issue 36)
         module, rel = pieces[key]
         inner = {n: spec for n, spec in rel.items() if n}
-        out = call(module, params, args, kwargs, outputs=inner)
+        out = call(module, params, args, kwargs, outputs=inner, **units[key])
         return reshard(out, rel[""]) if "" in rel and isinstance(out, ShardedArray) else out
 
     def layer(params, x, kwargs):
@@ -666,10 +678,14 @@ def _pipeline_loss(
     rows = m * math.prod(mesh.size(a) for a in axes)
     dtype = mp_policy.param_dtype if mp_policy is not None and mp_policy.param_dtype else None
     dtype = dtype or next(model.parameters()).dtype
+    # the embedding's output: the policy's output dtype, else the (cast) params'
+    act_dtype = mp_policy.output_dtype if mp_policy is not None else None
+    act_dtype = act_dtype or dtype
     kwargs_of = functools.lru_cache(maxsize=8)(
         lambda positions, device: _layer_kwargs(model, parts, positions, device, dtype)
     )
     cp = dims.cp
+    width = _out_width(pieces["embed"][0])
 
     def piece(params, name):
         return {r: params[k] for r, k in parts.names[name].items()}
@@ -713,6 +729,23 @@ def _pipeline_loss(
         def split(t):
             return shard(t.reshape(m, b // m, s, *t.shape[2:]), mesh, P(None, *seq))
 
+        # the batch's values, checked together as one boundary crossed every step (each
+        # fs.shard compared its own, one exchange each): exchanged at the 1st, 2nd, 4th, ...
+        # step, else folded into the mesh's running digest, which the pipeline's shard_map
+        # compares (one exchange) before anything is sent: a per-rank batch still raises,
+        # before the step's first collective
+        data = {"ids": ids, "targets": targets}
+        if "position_ids" in inspect.signature(pieces["embed"][0].forward).parameters:
+            # an embedding of your own may add position embeddings
+            data["position_ids"] = torch.tensor(order, device=ids.device).expand(b, s)
+        if rope is not None:
+            data["rope"] = torch.cat(rope, -1).expand(b, s, -1).to(act_dtype)
+        consistency.boundary(
+            mesh, "parallelize's loss (every rank must pass the same batch)", **data
+        )
+        with config.consistency(False):
+            data = {k: split(v) for k, v in data.items()}
+
         def stage(p, x):
             kwargs, extra = layer_kwargs, None
             if rope is not None:  # (hidden | cos | sin) on the last dim
@@ -734,14 +767,18 @@ def _pipeline_loss(
             )  # fmt: skip
             return ce * (m / count)  # the pipeline means over the m microbatches
 
-        embed_kwargs = {}  # an embedding of your own may add position embeddings
-        if "position_ids" in inspect.signature(pieces["embed"][0].forward).parameters:
-            positions = torch.tensor(order, device=ids.device).expand(b, s)
-            embed_kwargs["position_ids"] = split(positions)
-        x = run("embed", piece(params, "embed"), (split(ids),), embed_kwargs)
-        if rope is not None:
-            full = torch.cat(rope, -1).expand(b, s, -1).to(x.dtype)
-            x = torch.cat([x, split(full)], -1)
+        def first(ep, mbs):  # the first stage's piece: the embedding of every microbatch
+            kwargs = {"position_ids": mbs["position_ids"]} if "position_ids" in mbs else {}
+            x = run("embed", ep, (mbs["ids"],), kwargs)
+            return x if rope is None else torch.cat([x, mbs["rope"]], -1)
+
+        # one microbatch's activation (its layout: the plan's for the embedding's output, else
+        # the rows over the batch axes and, with cp, the sequence over cp)
+        hidden = width + (0 if rope is None else 2 * rope[0].shape[-1])
+        embed_out = pieces["embed"][1].get("", P(None, *seq))
+        spec = P(*embed_out.dims[1:], partial=embed_out.partial)
+        act = Layout(mesh, spec, (b // m, s, hidden), act_dtype)
+        inputs = {k: v for k, v in data.items() if k != "targets"}
         hp = {"norm": piece(params, "norm"), "head": piece(params, "head")}
         with (
             _attention_of(model, mesh, "cp", _RING[dims.cp_attention])
@@ -749,12 +786,22 @@ def _pipeline_loss(
             else contextlib.nullcontext()
         ):
             out = pipeline(
-                stage, params[parts.layers], x, mesh, loss_fn=last, loss_params=hp,
-                targets=split(targets), schedule=dims.pp_schedule, virtual=dims.pp_virtual,
+                stage, params[parts.layers], inputs, mesh, loss_fn=last, loss_params=hp,
+                targets=data["targets"], input_fn=first, input_params=piece(params, "embed"),
+                activation=act, schedule=dims.pp_schedule, virtual=dims.pp_virtual,
             )  # fmt: skip
         return gather(out)
 
     return loss
+
+
+def _out_width(embed: torch.nn.Module) -> int:
+    """The last dim of ``embed``'s output (the hidden size), from a call on ``meta`` copies of
+    its params and one token (no memory, no compute)."""
+    named = itertools.chain(embed.named_parameters(), embed.named_buffers())
+    meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in named}
+    ids = torch.zeros((1, 1), dtype=torch.long, device="meta")
+    return int(torch.func.functional_call(embed, meta, (ids,)).shape[-1])
 
 
 def _batch(batch) -> tuple:

@@ -11,13 +11,25 @@ Design decisions (issue 22 item 2):
   structure for every stage (MaxText's repeated layers, JAX pipelines' stacked weights): every
   leaf of ``stage_params`` carries the stages on dim 0, split over ``axis`` (``P('pp', ...)``),
   so each rank holds only its own stages, and the other dims keep any dp / tp / fsdp layout.
-  What differs per model end (embedding, final norm + head + loss) runs outside the stages: the
-  inputs (``microbatches``) are computed before the pipeline on every ``pp`` rank (replicated
-  over ``pp``, cheap next to the blocks), the loss is ``loss_fn(loss_params, y, target)`` on
-  the last stage. Virtual stages (``virtual=v``): stage ``s`` lives on rank ``s % pp`` (Megatron's
-  interleaved assignment), so rank ``r``'s dim-0 block lists stages ``r, r + pp, ...``: dim 0 of
-  a leaf is ordered *rank-major* (row ``r * v + j`` is stage ``j * pp + r``);
-  :func:`stage_order` gives the permutation.
+  What differs per model end runs outside the stages, on the rank of the stage that needs it
+  (torchtitan's and torch.distributed.pipelining's split): the first piece is
+  ``input_fn(input_params, microbatches)`` on the first stage's rank (the embedding:
+  ``microbatches`` are then its data, token ids and positions), run once a step on all the
+  microbatches (one call and one backward, after the schedule, with every microbatch's cotangent:
+  each call of a piece costs fshard a dispatch per op; one call per microbatch cost the first
+  stage of ``benchmarks/composed_step.py``'s FSDP x PP ~12 ms of CPU a step more), the last is
+  ``loss_fn(loss_params, y, target)`` on the last stage (final norm, head, loss). Every rank needs
+  the stage input's shape before the first stage computes one (the transfer buffers, and the zeros
+  a rank that receives nothing passes to the tick's ppermute), so ``activation=`` declares one
+  microbatch's (a :class:`fshard.Layout`); ``input_fn``'s output is resharded to it, stacked.
+  ``input_params`` and ``loss_params`` are replicated over ``pp``: their gradients (zero off their
+  stage) are summed over ``pp`` once a step, in the replicated params' one bucket. Without
+  ``input_fn``, ``microbatches`` are the stage inputs themselves, computed before the pipeline on
+  every ``pp`` rank (that computation, and its backward, then runs on every rank, and the inputs'
+  cotangent, the activations' size, is all-reduced over ``pp``). Virtual stages (``virtual=v``):
+  stage ``s`` lives on rank ``s % pp`` (Megatron's interleaved assignment), so rank ``r``'s dim-0
+  block lists stages ``r, r + pp, ...``: dim 0 of a leaf is ordered *rank-major* (row ``r * v +
+  j`` is stage ``j * pp + r``); :func:`stage_order` gives the permutation.
 * **The loss is inside the pipeline.** 1F1B-family schedules start a microbatch's backward as
   soon as its loss exists, so the pipeline returns the (mean over microbatches) loss, not the
   outputs.
@@ -483,6 +495,48 @@ class _Leaf:
         return t if self.layout is None else ShardedArray._raw(t, self.layout)
 
 
+class _Act:
+    """A stage input's (one microbatch's activation's) local shape, dtype and layout (``None``:
+    a plain tensor), what every rank needs before the first stage's rank computes one: the
+    receive buffers and the zeros of ranks that receive nothing."""
+
+    __slots__ = ("shape", "dtype", "layout")
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, layout: Layout | None):
+        self.shape, self.dtype, self.layout = tuple(shape), dtype, layout
+
+    @staticmethod
+    def of_leaf(meta: _Leaf) -> _Act:
+        """A ``(M, ...)`` microbatches leaf's activation (dim 0 dropped)."""
+        return _Act(meta.local.shape[1:], meta.local.dtype, meta.layout)
+
+    @staticmethod
+    def of_template(template, auto: Mesh | None) -> _Act:
+        """``activation=``'s (a Layout, ShardedArray or tensor) in a body whose auto axes form
+        ``auto`` (``None``: none; values are plain local tensors there)."""
+        if isinstance(template, ShardedArray):
+            template = template.layout
+        if isinstance(template, Layout):
+            shape, dtype, spec = template.shape, template.dtype, template.spec
+        else:
+            shape, dtype, spec = tuple(template.shape), template.dtype, P()
+        if auto is None:
+            return _Act(shape, dtype, None)
+        lay = Layout(auto, spec, shape, dtype)
+        return _Act(lay.local_shape(auto.rank), dtype, lay)
+
+    def stacked(self, m: int) -> _Act:
+        """The activations of ``m`` microbatches stacked on a new dim 0 (not split)."""
+        lay = self.layout
+        if lay is not None:
+            spec = P(None, *lay.spec.dims, partial=lay.spec.partial)
+            lay = Layout(lay.mesh, spec, (m, *lay.shape), lay.dtype)
+        return _Act((m, *self.shape), self.dtype, lay)
+
+    def wrap(self, t: torch.Tensor):
+        return t if self.layout is None else ShardedArray._raw(t, self.layout)
+
+
 def _block(v) -> torch.Tensor:
     return v.local if isinstance(v, ShardedArray) else v
 
@@ -529,19 +583,29 @@ class _Stacked(torch.Tensor):
 class _Run:
     """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
 
-    def __init__(self, sched, group, stage_fn, loss_fn, defs, metas, need):
+    def __init__(self, sched, group, fns, defs, metas, act, need):
         self.sched, self.group = sched, group
-        self.stage_fn, self.loss_fn = stage_fn, loss_fn
+        self.stage_fn, self.loss_fn, self.input_fn = fns
         self.defs, self.metas, self.need = defs, metas, need  # per input group
+        self.act = act  # the stage input's local shape, dtype and layout
+
+    def split(self, tensors: tuple) -> list[tuple]:
+        """``tensors`` per input group: stage params, microbatches, input params, loss
+        params, targets."""
+        out, i = [], 0
+        for d in self.defs:
+            out.append(tensors[i : i + d.num_leaves])
+            i += d.num_leaves
+        return out
 
     def __call__(self, tensors: tuple) -> tuple:
-        p_def, x_def, lp_def, t_def = self.defs
-        n_p, n_lp = p_def.num_leaves, lp_def.num_leaves
-        params, x, lparams = tensors[:n_p], tensors[n_p], tensors[n_p + 1 : n_p + 1 + n_lp]
-        targets = tensors[n_p + 1 + n_lp :]
-        p_meta, x_meta, lp_meta, t_meta = self.metas
+        p_def, x_def, ip_def, lp_def, t_def = self.defs
+        params, xs, iparams, lparams, targets = self.split(tensors)
+        p_meta, x_meta, ip_meta, lp_meta, t_meta = self.metas
         grad_on = self.need is not None
-        need_p, need_x, need_lp = self.need if grad_on else (False, False, False)
+        need_p, need_x, need_ip, need_lp = self.need if grad_on else (False,) * 4
+        x = xs[0] if self.input_fn is None else None  # the stage inputs as given
+        first = None  # input_fn's (M, ...) output on the first stage's rank
         sched, r, pp = self.sched, self.group.index, self.sched.pp
         v, m, last = sched.virtual, sched.microbatches, sched.stages - 1
         zb = sched.name == "zb"
@@ -558,9 +622,11 @@ class _Run:
             chunks.append((leaves, optree.tree_unflatten(p_def, leaves)))
         lp_leaves = [meta.wrap(_leaf_tensor(t, need_lp)) for meta, t in zip(lp_meta, lparams)]
         lp_tree = optree.tree_unflatten(lp_def, lp_leaves)
-        x_grad = torch.zeros_like(x) if need_x else None
-        act_meta = x_meta[0]
-        zero = torch.zeros_like(x[0])
+        ip_leaves = [meta.wrap(_leaf_tensor(t, need_ip)) for meta, t in zip(ip_meta, iparams)]
+        ip_tree = optree.tree_unflatten(ip_def, ip_leaves)
+        act_meta = self.act
+        device = _block(params[0]).device
+        zero = torch.zeros(act_meta.shape, dtype=act_meta.dtype, device=device)
 
         inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
@@ -569,6 +635,7 @@ class _Run:
 
         own = [_block(lf) for c in chunks for lf in c[0]] if need_p else []
         own += [_block(lf) for lf in lp_leaves] if need_lp else []
+        own += [_block(lf) for lf in ip_leaves] if need_ip else []
         own = [t for t in own if t.requires_grad]
         sync = GradSync(own, mode="step")  # the dp reduction, once per step
 
@@ -581,6 +648,15 @@ class _Run:
             return ws + sync.stand_ins(ws)
 
         with lax.handling(*((sync,) if grad_on else ())):
+            if self.input_fn is not None and r == 0:  # the first stage's piece, once a step
+                data = [mt.wrap(t) for mt, t in zip(x_meta, xs)]
+                with torch.set_grad_enabled(grad_on):
+                    out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
+                    first = _as_layout(out, act_meta.stacked(m), "input_fn")
+                # each microbatch's stage input a leaf, as given inputs are: their cotangents
+                # gather in x_grad, and input_fn's backward runs once, after the schedule
+                x, need_x = first.detach(), need_ip and first.requires_grad
+            x_grad = torch.zeros_like(x) if need_x else None
             for t, row in enumerate(sched.table):
                 a = row[r]
                 sent_f = sent_b = None
@@ -630,6 +706,9 @@ class _Run:
                 self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox)
+            if first is not None and need_x:  # input_fn's backward, with every cotangent
+                ws = [_block(lf) for lf in ip_leaves]
+                torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
         for c in chunks:
@@ -642,7 +721,7 @@ class _Run:
         sync.close()
 
         # at least float32: a bf16 pipeline's loss is not rounded to 8 bits of mantissa
-        loss = total.to(torch.promote_types(x.dtype, torch.float32))
+        loss = total.to(torch.promote_types(act_meta.dtype, torch.float32))
         if not grad_on:
             return (loss,)
         grads = []
@@ -650,7 +729,11 @@ class _Run:
             for i, t in enumerate(params):
                 per = [_block(chunks[j][0][i]).grad for j in range(v)]
                 grads.append(torch.stack([torch.zeros_like(t[0]) if g is None else g for g in per]))
-        grads += [x_grad] if need_x else []
+        grads += [x_grad] if need_x and self.input_fn is None else []
+        if need_ip:
+            for t, lf in zip(iparams, ip_leaves):
+                g = _block(lf).grad
+                grads.append(torch.zeros_like(t) if g is None else g)
         if need_lp:
             for t, lf in zip(lparams, lp_leaves):
                 g = _block(lf).grad
@@ -709,7 +792,9 @@ def _weight_cut(root, source, targets: set) -> dict:
     for node in order:
         if to_source[node]:
             below = [
-                (n, nr) for n, nr in edges[node] if n is not None and not to_source[n] and to_weights[n]
+                (n, nr)
+                for n, nr in edges[node]
+                if n is not None and not to_source[n] and to_weights[n]
             ]
             if below:
                 if not _compat.GRAD_FROM_FUNCTION_NODES and isinstance(node, _FUNCTION_NODE):
@@ -775,25 +860,25 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     return weight_pass
 
 
-def _as_layout(out, meta: _Leaf, what: str) -> torch.Tensor:
-    """A stage's output as a local tensor in the activation's layout (resharded over the auto
-    axes if the op rules left it in another, e.g. partial after a row-parallel layer)."""
+def _as_layout(out, act: _Act, what: str) -> torch.Tensor:
+    """A stage's (or ``input_fn``'s) output as a local tensor in the activation's layout
+    (resharded over the auto axes if the op rules left it in another, e.g. partial after a
+    row-parallel layer)."""
+    shape = act.layout.shape if act.layout is not None else act.shape
+    whose = "its input's" if what == "stage_fn" else "the activation's (activation=)"
     if isinstance(out, ShardedArray):
-        if meta.layout is None or (out.layout.shape, out.dtype) != (
-            meta.layout.shape,
-            meta.layout.dtype,
-        ):
+        if act.layout is None or (out.layout.shape, out.dtype) != (shape, act.dtype):
             raise ValueError(
-                f"{what} must return its input's shape and dtype {tuple(meta.local.shape[1:])} "
-                f"{meta.local.dtype}, got {tuple(out.shape)} {out.dtype}"
+                f"{what} must return {whose} shape and dtype {shape} {act.dtype}, got "
+                f"{tuple(out.shape)} {out.dtype}"
             )
-        return reshard_one(out, meta.layout.spec).local
+        return reshard_one(out, act.layout.spec).local
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{what} must return a tensor or ShardedArray, got {type(out).__name__}")
-    if out.shape != meta.local.shape[1:] or out.dtype != meta.local.dtype:
+    if tuple(out.shape) != act.shape or out.dtype != act.dtype:
         raise ValueError(
-            f"{what} must return its input's shape and dtype {tuple(meta.local.shape[1:])} "
-            f"{meta.local.dtype}, got {tuple(out.shape)} {out.dtype}"
+            f"{what} must return {whose} shape and dtype {act.shape} {act.dtype}, got "
+            f"{tuple(out.shape)} {out.dtype}"
         )
     return out
 
@@ -830,11 +915,8 @@ class _Pipeline(torch.autograd.Function):
         grads = output[1:]
         ctx.mark_non_differentiable(*grads)
         ctx.save_for_backward(*grads)
-        n_p = run.defs[0].num_leaves
-        n_lp = run.defs[2].num_leaves
-        n = len(inputs) - 1
-        need_p, need_x, need_lp = run.need if run.need is not None else (False,) * 3
-        ctx.slots = [need_p] * n_p + [need_x] + [need_lp] * n_lp + [False] * (n - n_p - 1 - n_lp)
+        need = (*run.need, False) if run.need is not None else (False,) * 5
+        ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -854,7 +936,9 @@ def _leaves(tree, what: str) -> tuple[list, object]:
     return leaves, treedef
 
 
-def _check_inputs(stage_params, microbatches, loss_params, targets, mesh, axis, stages):
+def _check_inputs(
+    stage_params, microbatches, input_params, loss_params, targets, mesh, axis, stages, inputs
+):
     p_leaves, _ = _leaves(stage_params, "stage_params")
     if not p_leaves:
         raise ValueError("pipeline: stage_params has no tensors")
@@ -874,9 +958,10 @@ def _check_inputs(stage_params, microbatches, loss_params, targets, mesh, axis, 
                     f"dims not over {axis!r}, and no pending sum"
                 )
     x_leaves, _ = _leaves(microbatches, "microbatches")
-    if len(x_leaves) != 1 or x_leaves[0].ndim < 1:
+    if (len(x_leaves) != 1 and not inputs) or not x_leaves or x_leaves[0].ndim < 1:
         raise ValueError(
             "pipeline: microbatches must be one tensor / ShardedArray of shape (M, ...)"
+            + (" (or, with input_fn, a pytree of them)" if not inputs else " per leaf")
         )
     m = x_leaves[0].shape[0]
     for what, tree in (("microbatches", microbatches), ("targets", targets)):
@@ -893,13 +978,34 @@ def _check_inputs(stage_params, microbatches, loss_params, targets, mesh, axis, 
                     f"pipeline: {what} leaf {i} has layout {leaf.spec}; dim 0 (the "
                     f"microbatches) must not be split, and nothing over {axis!r}"
                 )
-    for i, leaf in enumerate(_leaves(loss_params, "loss_params")[0]):
-        if isinstance(leaf, ShardedArray) and axis in leaf.spec.axes:
-            raise ValueError(
-                f"pipeline: loss_params leaf {i} has layout {leaf.spec}; it must be "
-                f"replicated over {axis!r} (the last stage uses it)"
-            )
+    for what, tree, who in (
+        ("loss_params", loss_params, "the last stage uses it"),
+        ("input_params", input_params, "the first stage uses it"),
+    ):
+        for i, leaf in enumerate(_leaves(tree, what)[0]):
+            if isinstance(leaf, ShardedArray) and axis in leaf.spec.axes:
+                raise ValueError(
+                    f"pipeline: {what} leaf {i} has layout {leaf.spec}; it must be "
+                    f"replicated over {axis!r} ({who})"
+                )
     return m
+
+
+def _check_activation(activation, mesh: Mesh, axis: str) -> None:
+    if isinstance(activation, ShardedArray):
+        activation = activation.layout
+    if isinstance(activation, Layout):
+        if activation.mesh != mesh or axis in activation.spec.axes:
+            raise ValueError(
+                f"pipeline: activation {activation!r} must be a Layout on the pipeline's mesh "
+                f"and not split or pending over {axis!r}"
+            )
+    elif not isinstance(activation, torch.Tensor):
+        raise TypeError(
+            "pipeline: with input_fn, activation= must describe one microbatch's stage input: a "
+            "fs.Layout (global shape, dtype, spec on the mesh), a ShardedArray or a tensor (a "
+            f"meta tensor will do), got {type(activation).__name__}"
+        )
 
 
 def _needs_grad(tree) -> bool:
@@ -937,12 +1043,16 @@ def pipeline(
     loss_fn: Callable,
     loss_params=None,
     targets=None,
+    input_fn: Callable | None = None,
+    input_params=None,
+    activation=None,
     axis: str = "pp",
     schedule: str = "gpipe",
     virtual: int = 1,
 ):
     """The mean over microbatches of ``loss_fn(loss_params, stage_S-1(...stage_0(x_m)), t_m)``,
-    run as a pipeline over mesh axis ``axis`` with ``schedule``.
+    run as a pipeline over mesh axis ``axis`` with ``schedule``; with ``input_fn``, ``x_m`` is
+    ``input_fn(input_params, microbatches)[m]``, computed by the first stage's rank.
 
     Args:
         stage_fn: ``(params, x) -> y``, one stage; ``params`` one stage's slice of
@@ -952,31 +1062,45 @@ def pipeline(
             :func:`stage_order`), ShardedArrays split over ``axis`` on dim 0 (``P('pp',
             ...)``; other dims may be split over other axes) or full tensors (split here).
         microbatches: ``(M, ...)``, microbatch ``m`` is ``microbatches[m]``; replicated over
-            ``axis`` (e.g. the embedding's output, computed on every pipeline rank); dim 0 not
-            split (other dims may be, e.g. the batch over ``dp``).
+            ``axis``; dim 0 not split (other dims may be, e.g. the batch over ``dp``). Without
+            ``input_fn`` the stage inputs themselves (e.g. an embedding's output, computed on
+            every pipeline rank); with it, a pytree of such ``(M, ...)`` values (e.g. token
+            ids and positions), not differentiated, ``input_fn``'s data.
         mesh: a real mesh with ``axis``.
         loss_fn: ``(loss_params, y, target) -> scalar`` on the last stage's output.
         loss_params: a pytree used by ``loss_fn`` (e.g. the final norm and the head),
             replicated over ``axis``.
         targets: a pytree of ``(M, ...)`` values; ``target`` is its ``[m]`` slice.
+        input_fn: ``(input_params, microbatches) -> x``, the first piece (e.g. the
+            embedding), run by the first stage's rank only, once a step on every microbatch
+            (``(M, ...)`` in, ``(M, ...)`` out, ``x[m]`` microbatch ``m``'s stage input; its
+            backward runs once, after the schedule); the counterpart of ``loss_fn``. Its
+            output is resharded to ``activation``'s layout (with dim 0 not split).
+        input_params: a pytree used by ``input_fn``, replicated over ``axis``; its gradient
+            is computed on the first stage's rank (summed over ``axis``, as ``loss_params``').
+        activation: with ``input_fn``, one microbatch's stage input, which every rank needs
+            before the first stage computes one (the transfer buffers): a :class:`fshard.Layout`
+            on ``mesh`` (global shape, dtype, spec, not over ``axis``), a ShardedArray of that
+            layout or a tensor of that shape and dtype (a ``meta`` tensor will do).
         axis: the pipeline axis.
         schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` (with ``virtual >= 2``, ``M`` a
             multiple of the axis size) or ``'zb'`` (ZB-H1). See :func:`pipeline_schedule`.
         virtual: stages per rank (``'interleaved'``).
 
     Returns:
-        The loss, a scalar ShardedArray replicated over ``mesh``, in the microbatches'
+        The loss, a scalar ShardedArray replicated over ``mesh``, in the activation's
         dtype promoted to at least ``float32``. Differentiating it
         (``fs.value_and_grad``, ``torch.func.grad`` of ``fs.gather(loss)``) gives
-        ``stage_params``, ``microbatches`` and ``loss_params`` their dense gradients with their
-        layouts. Higher-order and forward-mode derivatives and ``vmap`` are refused (see the
-        module docstring).
+        ``stage_params``, ``microbatches`` (without ``input_fn``), ``input_params`` and
+        ``loss_params`` their dense gradients with their layouts. Higher-order and
+        forward-mode derivatives and ``vmap`` are refused (see the module docstring).
 
     Raises:
         ValueError: naming the argument, before any communication: an unknown ``schedule``,
             ``virtual`` not fitting it, ``M`` not a multiple of the axis size
             (interleaved), a ``stage_params`` leaf whose dim 0 is not the ``pp * virtual``
-            stages split over ``axis``, inputs split over ``axis`` or on the microbatch dim.
+            stages split over ``axis``, inputs split over ``axis`` or on the microbatch dim,
+            ``input_fn`` without ``activation`` or with differentiated ``microbatches``.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
@@ -990,49 +1114,75 @@ def pipeline(
         9.0
         >>> torch.func.grad(run)(w).flatten()  # d/dw0 = w1 * mean(x), d/dw1 = w0 * mean(x)
         tensor([4.5000, 3.0000])
+        >>> scale = torch.tensor([10.0])  # the first piece, on stage 0's rank only
+        >>> run2 = lambda w, e: fs.gather(fs.parallel.pipeline(lambda w, x: w * x, w, x, mesh,
+        ...     loss_fn=loss, targets=torch.ones(4, 1), schedule="1f1b",
+        ...     input_fn=lambda e, mb: e * mb, input_params=e, activation=torch.empty(1)))
+        >>> float(run2(w, scale)), torch.func.grad(run2, argnums=1)(w, scale)
+        (90.0, tensor([9.]))
     """
     if not callable(stage_fn):
         raise TypeError(f"pipeline: stage_fn must be callable, got {type(stage_fn).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"pipeline: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if input_fn is not None and not callable(input_fn):
+        raise TypeError(f"pipeline: input_fn must be callable, got {type(input_fn).__name__}")
+    if input_fn is None and (input_params is not None or activation is not None):
+        raise ValueError("pipeline: input_params and activation go with input_fn")
     if not isinstance(mesh, Mesh) or axis not in mesh.axis_names:
         raise ValueError(f"pipeline: mesh must be a fshard.Mesh with axis {axis!r}, got {mesh!r}")
+    if input_fn is not None:
+        _check_activation(activation, mesh, axis)
     _refuse_transforms()
     pp = mesh.size(axis)
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"pipeline: virtual must be a positive int, got {virtual!r}")
-    m = _check_inputs(stage_params, microbatches, loss_params, targets, mesh, axis, pp * virtual)
+    m = _check_inputs(
+        stage_params, microbatches, input_params, loss_params, targets, mesh, axis,
+        pp * virtual, input_fn is not None,
+    )  # fmt: skip
     try:
         sched = pipeline_schedule(schedule, pp, m, virtual)
     except ValueError as e:
         raise ValueError(f"pipeline: {e}") from None
     # which gradients the backward actions compute (None: a forward-only schedule); under
     # torch.func.grad the differentiated inputs' wrappers require grad, closed-over ones not
-    need = tuple(map(_needs_grad, (stage_params, microbatches, loss_params)))
+    need = tuple(map(_needs_grad, (stage_params, microbatches, input_params, loss_params)))
+    if input_fn is not None and need[1]:
+        raise ValueError(
+            "pipeline: with input_fn the microbatches are its data and get no gradient; pass "
+            "what is differentiated as input_params"
+        )
     need = need if any(need) else None
 
-    def body(params, x, lparams, tgts):
+    def body(params, xs, iparams, lparams, tgts):
         g = axis_env.current_mesh().group((axis,))
         tracker = axis_env.tracker()
-        p_leaves, p_def = optree.tree_flatten(params, is_leaf=is_sharded)
-        lp_leaves, lp_def = optree.tree_flatten(lparams, is_leaf=is_sharded)
-        t_leaves, t_def = optree.tree_flatten(tgts, is_leaf=is_sharded)
-        metas = (
-            [_Leaf(v, True) for v in p_leaves],
-            [_Leaf(x, True)],
-            [_Leaf(v, False) for v in lp_leaves],
-            [_Leaf(v, True) for v in t_leaves],
-        )
-        x_def = optree.tree_structure(0)
-        run = _Run(sched, g, stage_fn, loss_fn, (p_def, x_def, lp_def, t_def), metas, need)
+        trees = (params, xs, iparams, lparams, tgts)
+        flat = [optree.tree_flatten(t, is_leaf=is_sharded) for t in trees]
+        # dim 0: the stages or the microbatches (dropped; input_fn's data keeps it)
+        drop = (True, input_fn is None, False, False, True)
+        metas = tuple([_Leaf(v, d) for v in lv] for (lv, _), d in zip(flat, drop))
+        defs = tuple(td for _, td in flat)
+        if input_fn is None:
+            act = _Act.of_leaf(metas[1][0])
+        else:
+            p0 = flat[0][0][0]
+            auto = p0.layout.mesh if isinstance(p0, ShardedArray) else None
+            act = _Act.of_template(activation, auto)
+        fns = (stage_fn, loss_fn, input_fn)
+        run = _Run(sched, g, fns, defs, metas, act, need)
         # Values replicated over the axis are used by one stage's rank only: pcast them, so
-        # their gradient (zero on the other ranks) is summed over the axis once.
-        x_local = lax.pcast(metas[1][0].local, axis)
-        lp_locals = [lax.pcast(mt.local, axis) for mt in metas[2]]
-        tensors = (*[mt.local for mt in metas[0]], x_local, *lp_locals)
-        tensors += tuple(mt.local for mt in metas[3])
+        # their gradient (zero on the other ranks) is summed over the axis once. (The data of
+        # input_fn is not differentiated.)
+        x_locals = [mt.local for mt in metas[1]]
+        x_locals = x_locals if input_fn is not None else [lax.pcast(x_locals[0], axis)]
+        ip_locals = [lax.pcast(mt.local, axis) for mt in metas[2]]
+        lp_locals = [lax.pcast(mt.local, axis) for mt in metas[3]]
+        tensors = (*[mt.local for mt in metas[0]], *x_locals, *ip_locals, *lp_locals)
+        tensors += tuple(mt.local for mt in metas[4])
         if tracker is not None:
             tracker.paused += 1
         try:
@@ -1042,11 +1192,12 @@ def pipeline(
                 tracker.paused -= 1
         loss = out[0] if isinstance(out, tuple) else out
         if tracker is not None:
-            tracker.tag(loss, frozenset({axis}) | tracker.vma(metas[1][0].local))
+            vma = frozenset({axis}).union(*(tracker.vma(t) for t in x_locals))
+            tracker.tag(loss, vma)
         return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
 
-    mapped = shard_map(body, mesh, (P(axis), P(), P(), P()), P(), axis_names={axis})
-    loss = mapped(stage_params, microbatches, loss_params, targets)
+    mapped = shard_map(body, mesh, (P(axis), P(), P(), P(), P()), P(), axis_names={axis})
+    loss = mapped(stage_params, microbatches, input_params, loss_params, targets)
     # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
     # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
     others = tuple(a for a in mesh.axis_names if a != axis and mesh.size(a) > 1)
