@@ -470,6 +470,15 @@ def _hsdp_errors(mesh):
         fs.nn.fsdp_call(model, params, (x,), mesh=mesh, axis="shard", replicate=3)
 
 
+def _dense_square_grads(model: nn.Module, x: torch.Tensor) -> dict:
+    """The oracle of the one-step tests below: the gradient of ``sum(model(x) ** 2)`` over
+    the module's own (dense) parameters, in one process."""
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    return torch.func.grad(lambda ps: (torch.func.functional_call(model, ps, (x,)) ** 2).sum())(
+        dense
+    )
+
+
 def fsdp_in_cp_body_rank_fn(bf16: bool):
     """One fs.value_and_grad step of FSDP inside a shard_map body over ``cp`` (partial-manual,
     the global view: what ``parallelize`` does for FSDP x CP) on a Linear whose weight and bias
@@ -494,10 +503,7 @@ def fsdp_in_cp_body_rank_fn(bf16: bool):
 
     with fs.debug.comm_log() as log:
         _, grads = fs.value_and_grad(loss)(params, x)
-    dense = {k: p.detach() for k, p in model.named_parameters()}
-    want = torch.func.grad(lambda ps: (torch.func.functional_call(model, ps, (x,)) ** 2).sum())(
-        dense
-    )
+    want = _dense_square_grads(model, x)
     errors = {
         k: float((fs.gather(grads[k]) - w).abs().max() / w.abs().max()) for k, w in want.items()
     }
@@ -579,10 +585,7 @@ def fsdp_uneven_rank_fn(where: str):
 
     with fs.debug.comm_log() as log:
         _, grads = fs.value_and_grad(loss)(params, x)
-    dense = {k: p.detach() for k, p in model.named_parameters()}
-    want = torch.func.grad(lambda ps: (torch.func.functional_call(model, ps, (x,)) ** 2).sum())(
-        dense
-    )
+    want = _dense_square_grads(model, x)
     assert all(grads[k].layout == params[k].layout for k in grads)
     errors = {k: float((fs.gather(grads[k]) - w).abs().max()) for k, w in want.items()}
     return errors, [(r.op, r.axes, r.nbytes) for r in log if r.axes == ("dp",)]
