@@ -76,7 +76,7 @@ def saved_bytes(fn: Callable[[], object], params) -> int:
         s = t.untyped_storage()
         if s.data_ptr() not in skip:
             saved[s.data_ptr()] = s.nbytes()
-        return t
+        return t.detach()  # detached: a saved output would hold its own node (a cycle)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()

@@ -108,7 +108,7 @@ def rank_fn(name: str, seq: int, heads: int, dim: int, reps: int) -> dict:
         s = t.untyped_storage()
         if s.data_ptr() not in ptrs:
             saved[s.data_ptr()] = s.nbytes()
-        return t
+        return t.detach()  # detached: a saved output would hold its own node (a cycle)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()

@@ -96,7 +96,7 @@ class _Saved:
             self.cur += n
             self.peak = max(self.peak, self.cur)
         self.refs[key] = (n, c + 1)
-        h = self._Handle(t)
+        h = self._Handle(t.detach())  # detached: a saved output would hold its own node
         weakref.finalize(h, self._release, key)
         return h
 
