@@ -252,7 +252,9 @@ def _even_sizes(total: int, n: int) -> tuple[int, ...]:
     return (total // n,) * n
 
 
-def _pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
+def pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t`` with zero rows after it up to ``size`` rows on dim 0 (an uneven block padded to
+    the largest for the wire; differentiable)."""
     if t.shape[0] == size:
         return t.contiguous()
     out = t.new_zeros((size, *t.shape[1:]))
@@ -367,7 +369,7 @@ def _all_gather_launch(t, g: AxisGroup, dim: int, sizes, async_op: bool) -> tupl
     _wire(t, g, "all_gather")
     _consistent("all_gather", g, t, dim=dim, chunk_sizes=sizes, other_dims=tuple(x.shape[1:]))
     record("all_gather", g.axes, nbytes(t))
-    out, works = _gather_wire(_pad_dim0(x, max(sizes)), g, async_op)
+    out, works = _gather_wire(pad_dim0(x, max(sizes)), g, async_op)
     return out, works, sizes
 
 
@@ -588,7 +590,7 @@ def reduce_scatter(
     if g.identity_order and all(s == m for s in sizes):
         send = x.contiguous().view(g.size, m, *x.shape[1:])  # no copy
     else:
-        pieces = [_pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)]
+        pieces = [pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)]
         send = torch.stack([pieces[j] for j in _chunk_of_group_rank(g)])
     if lowering(g).reduce_scatter_via_all_to_all:
         # A left fold, not .sum(0): torch's sum starts from +0.0, so -0.0 addends gave +0.0.

@@ -85,10 +85,7 @@ def _chunked(g: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> torch.Ten
     if rows is None:
         return g.reshape(k, -1)
     m = max(rows)
-    out = g.new_zeros(k, m, *g.shape[1:])
-    for j, c in enumerate(torch.split(g, list(rows))):
-        out[j, : rows[j]] = c
-    return out.reshape(k, -1)
+    return torch.stack([_comm.pad_dim0(c, m) for c in torch.split(g, list(rows))]).reshape(k, -1)
 
 
 def _chunk_numel(v: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> int:

@@ -501,6 +501,14 @@ def _paused(tracker):
         tracker.paused -= 1
 
 
+def _cut_block(call: _RingCall, cut: _Cut, qg, kt, vt, keys, fused: bool) -> tuple:
+    """:func:`_block` of ``cut``: its query rows against its keys of the block ``(kt, vt)``."""
+    rows, cols = slice(cut.r0, cut.r1), slice(cut.s0, cut.s1)
+    return _block(
+        qg[..., rows, :], kt[..., cols, :], vt[..., cols, :], call.scale, cut.causal, keys, fused
+    )
+
+
 def _ring_forward(call: _RingCall, qg, kv, keep) -> tuple:
     """The ring op by op: ``(out, lse, blocks)``, the output ``(..., hkv, group, seq/cp,
     head_dim)`` and its rows' log-sum-exp in the accumulation dtype, and the key/value blocks
@@ -514,15 +522,7 @@ def _ring_forward(call: _RingCall, qg, kv, keep) -> tuple:
         pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
         kt, vt = kv.to(qg.dtype).unbind(0)
         for cut in _cuts(tiles, c, 0):
-            out, lse = _block(
-                qg[..., cut.r0 : cut.r1, :],
-                kt[..., cut.s0 : cut.s1, :],
-                vt[..., cut.s0 : cut.s1, :],
-                call.scale,
-                cut.causal,
-                _cut_keys(call, cut, src, keep),
-                False,
-            )
+            out, lse = _cut_block(call, cut, qg, kt, vt, _cut_keys(call, cut, src, keep), False)
             for p in range(cut.r0 // c, cut.r1 // c):
                 rows = slice(p * c - cut.r0, (p + 1) * c - cut.r0)
                 acc[p] = _merge(acc[p], (out[..., rows, :], lse[..., rows, :]))
@@ -552,15 +552,7 @@ def _ring_forward_fused(call: _RingCall, qg, kv, keep) -> tuple:
         pending = lax.ppermute_start(kv, call.axis, ring, mesh=call.mesh) if t < cp - 1 else None
         kt, vt = kv.to(qg.dtype).unbind(0)
         for cut in _cuts(tiles, c, stair):
-            o, lo = _block(
-                qg[..., cut.r0 : cut.r1, :],
-                kt[..., cut.s0 : cut.s1, :],
-                vt[..., cut.s0 : cut.s1, :],
-                call.scale,
-                cut.causal,
-                _cut_keys(call, cut, src, keep),
-                fused,
-            )
+            o, lo = _cut_block(call, cut, qg, kt, vt, _cut_keys(call, cut, src, keep), fused)
             for a, b, written in _runs(seen, cut.r0, cut.r1, unit):
                 rows = slice(a - cut.r0, b - cut.r0)
                 _merge_into(out[..., a:b, :], lse[..., a:b, :], o[..., rows, :], lo[..., rows, :],

@@ -59,8 +59,9 @@ from ..gradsync import GradSync
 from ..mesh import Mesh
 from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
+from ..planner import chunk_sizes
 from ..precision import MixedPrecisionPolicy
-from ..spec import Layout, P, Parts, chunk_bounds
+from ..spec import Layout, P, Parts
 from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -693,7 +694,7 @@ def fsdp_gather(
 def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...] | None:
     """The rows of each of the ``k`` chunks a param of ``layout`` has over the FSDP ``axes``
     (its dim 0's least significant axes), ``None`` when they are equal. Uneven chunks are
-    fshard's flat ones (:func:`~fshard.spec.chunk_bounds`); gathering them over ``axes``
+    fshard's flat ones (:func:`~fshard.planner.chunk_sizes`); gathering them over ``axes``
     gives the param's base block only when no other axis splits dim 0."""
     rows = layout.shape[0]
     others = [a for a in layout.spec.padded(len(layout.shape))[0] if a not in axes]
@@ -706,15 +707,13 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
             f"{axes} would not nest in its blocks over {tuple(others)}; fs.nn.fsdp_plan "
             "leaves such a param whole over the FSDP axes"
         )
-    return tuple(b - a for a, b in (chunk_bounds(rows, k, j) for j in range(k)))
+    return chunk_sizes(rows, layout.mesh, axes)
 
 
 def _padded(t: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:
     """``t`` (a block of dim 0) with zero rows after it up to the largest of ``rows``
     (differentiable: the padding's gradient is dropped)."""
-    if rows is None or t.shape[0] == max(rows):
-        return t
-    return torch.cat([t, t.new_zeros(max(rows) - t.shape[0], *t.shape[1:])])
+    return t if rows is None else _comm.pad_dim0(t, max(rows))
 
 
 def _active_sync(mode: str) -> GradSync | None:
