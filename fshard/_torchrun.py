@@ -16,6 +16,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported now, while no process group exists: its functions' defaults are ``group.WORLD``
+# evaluated at import, and torch imports it lazily (torch._dynamo -> fsdp -> _shard). Imported
+# after the default group exists, it would hold that group for the life of the process, so
+# destroying the group (fshard.launch.shutdown) could never free it and join Gloo's threads.
+import torch.distributed.nn.functional  # noqa: F401
+
 __all__ = ["BACKENDS", "default_backend", "init_torchrun_group", "under_torchrun"]
 
 

@@ -161,7 +161,9 @@ def shard(
         DTensor's ``distribute_tensor``): a CPU tensor sharded onto a CUDA mesh is copied to
         this rank's GPU. Only the block is copied, unless ``t`` is being differentiated (then
         ``t`` moves first and the block is cut there, so that the backward gathers on the
-        mesh's device and hands ``t`` its gradient on ``t``'s device).
+        mesh's device and hands ``t`` its gradient on ``t``'s device). The block never keeps
+        the rest of ``t`` alive: a part of ``t`` is copied out of it (a replicated value is
+        ``t`` itself, as DTensor's ``Replicate``).
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
@@ -183,7 +185,13 @@ def shard(
         _agree(layout, "shard (every rank must pass the same full tensor)", values=t)
     moved = _on_mesh_device(t, mesh)
     if moved is t:
-        return reshard_one(ShardedArray._raw(t, full), layout.spec)
+        out = reshard_one(ShardedArray._raw(t, full), layout.spec)
+        block = out.local
+        if block._is_view() and block.numel() < t.numel():
+            # A block of its own, as DTensor's distribute_tensor clones its shard: a view would
+            # keep all of t alive on every rank for as long as the sharded value lives.
+            return ShardedArray._raw(block.clone(), out.layout)
+        return out
     if _differentiated(t):
         # The backward all-gathers the cotangent over the mesh: on its device, then `.to`'s
         # backward returns it to t's device. The block is copied out of the moved whole.

@@ -49,8 +49,9 @@ import torch.distributed as dist
 
 from . import _by_value, consistency
 from ._torchrun import BACKENDS, default_backend, init_torchrun_group, under_torchrun
+from .mesh import release_groups
 
-__all__ = ["RankError", "World", "default_backend", "is_worker", "run"]
+__all__ = ["RankError", "World", "default_backend", "is_worker", "run", "shutdown"]
 
 _WORKER_ENV = "FSHARD_LAUNCH_WORKER"
 _GRACE_S = 5.0  # after one rank raises, how long the others get to finish
@@ -594,9 +595,10 @@ def run(
     this process instead, initialising the default process group if needed (with ``timeout``
     as its timeout: a collective that waits longer, e.g. one issued on one rank only, raises a
     ``TimeoutError`` naming that usual cause instead of hanging), and gathers every rank's
-    result. A group ``run`` initialised is destroyed
-    before it returns (a Gloo group left to interpreter teardown can abort the process after
-    its output); initialise it yourself (``dist.init_process_group``) to keep using it after. The backend there is ``backend``, else
+    result. A group ``run`` initialised is closed by :func:`shutdown` before it returns (a
+    Gloo group left to interpreter teardown can abort the process after its output);
+    initialise it yourself (``dist.init_process_group``) to keep using it after. The backend
+    there is ``backend``, else
     :func:`default_backend`: NCCL when this node has a GPU per rank, else Gloo (said on
     stderr by rank 0 when GPUs are present). Meshes follow the backend: ``Mesh.create``
     defaults to CUDA blocks under NCCL and CPU blocks under Gloo.
@@ -648,12 +650,8 @@ def run(
                 raise
             raise wrapped from e
         if owned:
-            # The group run() made is closed here, every rank past its last collective: a Gloo
-            # group left to interpreter teardown aborted a rank after its correct output
-            # ("terminate called without an active exception", SIGABRT; 2 clean-clone CI runs
-            # in 4 here). Not from an atexit hook: on torch 2.11 that raced torchrun's agents.
-            dist.barrier()
-            dist.destroy_process_group()
+            # Not from an atexit hook: on torch 2.11 that raced torchrun's agents.
+            shutdown()
         return gathered
     if backend == "nccl":
         raise ValueError(
@@ -662,6 +660,47 @@ def run(
         )
     with World(world_size, timeout=timeout) as world:
         return world.run(fn, *args)
+
+
+def shutdown() -> None:
+    """Closes this torchrun rank's world: a barrier, ``dist.destroy_process_group()``, and the
+    release of every process group fshard's meshes hold (:func:`fshard.mesh.release_groups`),
+    so each group is freed, and its Gloo threads joined, before this returns.
+
+    Call it at the end of a script that initialised the process group itself (or let
+    :func:`run` do it for the group it made). ``dist.destroy_process_group()`` alone leaves
+    the groups alive in fshard's meshes until interpreter teardown, where a Gloo worker still
+    releasing a finished collective's tensors aborts the process after its output
+    ("terminate called without an active exception": 3 of 36 two-node runs on a loaded
+    machine). Meshes made before are unusable after it; a new world makes new ones.
+
+    Raises:
+      RuntimeError: no default process group is initialised (nothing to close), or called in
+        a :class:`World`'s worker (the World owns its group and keeps it between runs).
+
+    Example (one rank here; under torchrun the same last line ends the script)::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> mesh = fs.Mesh.create((1,), ("dp",))
+        >>> fs.launch.shutdown()
+        >>> dist.is_initialized()
+        False
+    """
+    if is_worker():
+        raise RuntimeError(
+            "fshard.launch.shutdown: called inside a World worker, whose World owns the process "
+            "group and keeps it between runs; World.close() ends it"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fshard.launch.shutdown: no default process group is initialised; it closes the "
+            "world dist.init_process_group (or Mesh.create under torchrun) started"
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    release_groups()
+    consistency.reset()  # its running digests are keyed by the groups
 
 
 def _check_world_size(world_size: object) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -123,9 +124,11 @@ class Mesh:
         "device_type",
         "device_mesh",
         "_coords",
+        "_kind",
         "_hash",
         "_groups",
         "_simulated",
+        "__weakref__",
     )
 
     def __init__(
@@ -155,7 +158,10 @@ class Mesh:
         set_(self, "_simulated", simulated)  # (this rank, its SimulatedGroup) or None
         if simulated is not None and simulated[0] not in coords:
             raise ValueError(f"Mesh.simulate: rank {simulated[0]} is not in the mesh (0..{n - 1})")
+        set_(self, "_kind", self._kind_of())
         set_(self, "_hash", hash((shape, axis_names, ranks, device_type, self._kind)))
+        if device_mesh is not None:
+            _REAL[id(self)] = self
         set_(self, "_groups", {})  # axes tuple -> AxisGroup, filled once by Mesh.create
 
     def __setattr__(self, name, value):
@@ -184,10 +190,11 @@ class Mesh:
         Under ``torchrun`` with no process group yet, this initialises the default one, as
         DTensor's ``init_device_mesh`` does (NCCL when every local rank has its own GPU, else
         Gloo: :func:`fshard._torchrun.default_backend`). It is not destroyed at exit: call
-        ``dist.barrier(); dist.destroy_process_group()`` at the end of the script (a Gloo group left
-        to interpreter teardown aborts a rank after its output in about 1 run in 6, with
-        "terminate called without an active exception", in plain torch too), or run the script's
-        body with :func:`fshard.launch.run`, which does.
+        :func:`fshard.launch.shutdown` at the end of the script (a Gloo group left to interpreter
+        teardown aborts a rank after its output in some runs, with "terminate called without an
+        active exception", in plain torch too; ``dist.destroy_process_group()`` alone cannot free
+        the groups fshard's meshes hold), or run the script's body with
+        :func:`fshard.launch.run`, which does.
 
         Args:
             shape: ranks along each axis; their product must equal the world size.
@@ -278,12 +285,13 @@ class Mesh:
         """The rank a simulated mesh (:meth:`simulate`) stands for; ``None`` on other meshes."""
         return None if self._simulated is None else self._simulated[0]
 
-    @property
-    def _kind(self) -> tuple:
+    def _kind_of(self) -> tuple:
         """What, besides shape, names, ranks and device type, makes two meshes equal."""
         if self._simulated is not None:
             return ("simulated", *self._simulated)
-        return ("abstract",) if self.device_mesh is None else ("real",)
+        # A real mesh is its world's: after release_groups() and a new world, Mesh.create's mesh
+        # of the same shape is another mesh, so nothing cached for the old one serves it.
+        return ("abstract",) if self.device_mesh is None else ("real", _WORLDS[0])
 
     def abstract_mesh(self) -> Mesh:
         """The abstract mesh of the same shape, names, ranks and device type.
@@ -463,6 +471,9 @@ def _member_ranks(mesh: Mesh, axes: tuple[str, ...], rank: int) -> tuple[int, ..
 
 _GROUPS: dict = {}
 _LIVE: dict = {}
+# Every real mesh alive, by identity (equal meshes of one world are distinct objects).
+_REAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_WORLDS = [0]  # worlds released so far: part of a real mesh's equality
 _SHARED: dict = {}  # (world, member ranks) -> the process group over them
 
 
@@ -496,6 +507,49 @@ def _create(shape, names, device_type, _world_key) -> Mesh:
         for axes in itertools.permutations(names, k):
             mesh._groups[axes] = _axis_group(mesh, axes)
     return mesh
+
+
+class _ReleasedGroup:
+    """What a released mesh's groups hold instead of their process group
+    (:func:`release_groups`): any use raises, naming why."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(
+            "this mesh's process groups were released (fs.launch.shutdown, or fs.launch.run "
+            "closing the group it made): create a new mesh with Mesh.create in the new world"
+        )
+
+    def __repr__(self) -> str:
+        return "<released process group: its world was shut down; use a new Mesh.create>"
+
+
+def release_groups() -> None:
+    """Drops every reference fshard's meshes hold to this process's process groups.
+
+    fshard builds each group once and keeps it for the life of the world (:func:`_create`),
+    so ``dist.destroy_process_group()`` alone frees nothing: the groups, and Gloo's worker
+    threads, lived on into interpreter teardown, where a worker still releasing a finished
+    collective's tensors needs the GIL the finalising interpreter no longer gives, and the
+    process aborted after its output ("terminate called without an active exception").
+    Called after the destroy, this lets the last reference go here: each group's destructor
+    joins its threads while the interpreter is whole. Every real mesh made so far is unusable
+    afterwards (its groups raise when used) and unequal to the meshes of a later world.
+
+    Example:
+        >>> dist.destroy_process_group(); release_groups()  # doctest: +SKIP
+    """
+    released = _ReleasedGroup()
+    for mesh in list(_REAL.values()):
+        # The meshes live on in cached layouts and programs: what they hold of the world goes.
+        object.__setattr__(mesh, "device_mesh", released)
+        for g in mesh._groups.values():
+            object.__setattr__(g, "pg", released)
+    _REAL.clear()
+    _WORLDS[0] += 1
+    _LIVE.clear()
+    _SHARED.clear()
+    _GROUPS.clear()
+    _create.cache_clear()
 
 
 def _shared_group(world_key, member_sets: list, me: int):

@@ -316,3 +316,29 @@ def test_meshes_share_process_groups_over_the_same_ranks(world2):
         # the 2-rank axes are the default group; the size-1 axes one group per rank
         assert len(by_ranks) == 2 and all(len(ids) == 1 for ids in by_ranks.values()), by_ranks
         assert threads < 32, threads  # 5 to start, 3 for the default group, 3 for the size-1 one
+
+
+def shard_block_storage_rank_fn():
+    mesh = fs.Mesh.create((2,), ("x",))
+    full = torch.arange(16.0).reshape(8, 2)
+    out = {}
+    for spec in (fs.P("x"), fs.P(None, "x"), fs.P()):
+        x = fs.shard(full, mesh, spec)
+        shares = x.local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        out[str(spec)] = (x.local.untyped_storage().nbytes(), shares, fs.gather(x).equal(full))
+    w = full.clone().requires_grad_()
+    (fs.gather(fs.shard(w, mesh, fs.P("x"))) * torch.arange(16.0).reshape(8, 2)).sum().backward()
+    out["grad"] = w.grad.equal(torch.arange(16.0).reshape(8, 2))
+    return out
+
+
+def test_shard_blocks_do_not_keep_the_whole_tensor(world2):
+    """A block of fs.shard owns its storage (as DTensor's distribute_tensor clones its shard):
+    before, a dim-0 block was a view of the full tensor, and every rank held all of it for as
+    long as the sharded value lived (found by the pipeline's saved-bytes count: each rank held
+    both ranks' stage weights). A replicated value is the tensor itself."""
+    for got in world2.run(shard_block_storage_rank_fn):
+        assert got["P('x')"] == (32, False, True), got  # 4 rows x 2 x 4 bytes
+        assert got["P(None, 'x')"] == (32, False, True), got
+        assert got["P()"] == (64, True, True), got
+        assert got["grad"], got

@@ -602,9 +602,10 @@ import fshard as fs
 mesh = fs.Mesh.create((2,), ("tp",))  # no init_process_group: Mesh.create does it
 y = fs.gather(fs.shard(torch.arange(4.0), mesh, fs.P("tp")) * 2)
 print(f"rank {dist.get_rank()} gathered {y.tolist()} over {dist.get_backend()}", flush=True)
-dist.barrier()
-dist.destroy_process_group()
-os._exit(0)  # no interpreter teardown: torch's own rare exit abort is not what this tests
+fs.launch.shutdown()  # the group Mesh.create started, and the groups the mesh holds
+tasks = os.listdir("/proc/self/task")
+left = sorted(n for t in tasks if "gloo" in (n := open(f"/proc/self/task/{t}/comm").read()))
+print(f"gloo threads left after shutdown: {left}", flush=True)
 """
 
 
@@ -619,6 +620,7 @@ def test_mesh_create_initialises_the_group_under_torchrun(tmp_path):
     backend = "nccl" if HAS_CUDA and torch.cuda.device_count() >= 2 else "gloo"
     for r in (0, 1):
         assert f"rank {r} gathered [0.0, 2.0, 4.0, 6.0] over {backend}" in out, out[-3000:]
+    assert out.count("gloo threads left after shutdown: []") == 2, out[-3000:]
 
 
 def test_mesh_create_outside_torchrun_names_the_fix(monkeypatch):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import fshard.config
 import fshard.launch as launch
 from fshard.launch import RankError, World, is_worker, run
+from tests._two_nodes import gloo_threads
 
 # Functions run on the workers: module level, so they pickle by reference.
 
@@ -332,7 +333,8 @@ def _two_node_run(cmd, env):
 @pytest.mark.timeout(250)
 def test_readme_multinode_torchrun_command(tmp_path):
     """The README's multi-node torchrun command on two loopback "nodes": each worker's block and
-    the gather. One rerun is allowed only for torchrun's agent-side shutdown after both workers
+    the gather, and no Gloo thread left once ``run`` returned (``fs.launch.shutdown`` freed the
+    group; a thread left to teardown can abort the process: docs/reliability.md#exit). One rerun is allowed only for torchrun's agent-side shutdown after both workers
     printed correct results (its store race, :data:`_AGENT_STORE_RACE`, or an agent still
     waiting on the store 110 s later, seen once on the loaded 2-core machine); a worker failure
     or a wrong result fails at once."""
@@ -367,9 +369,13 @@ def test_readme_multinode_torchrun_command(tmp_path):
         ]  # fmt: skip
         for got in results:
             assert got in ([], [want]), got  # a wrong result fails at once
+        for _, out in runs:  # run() freed its group: Gloo's threads joined before it returned
+            left = [ln for ln in out.splitlines() if ln.startswith("GLOO THREADS")]
+            assert left in ([], ["GLOO THREADS []"]), left
         failed = [out for rc, out in runs if rc != 0]
         if not failed:
             assert results == [[want], [want]]
+            assert all("GLOO THREADS []" in out for _, out in runs)
             return
         shutdown = [out for rc, out in runs if rc is None or (rc != 0 and _AGENT_STORE_RACE in out)]
         raced = len(shutdown) == len(failed) and results == [[want], [want]]
@@ -539,3 +545,50 @@ def test_by_value_pickling_keeps_references_where_a_worker_can_import():
 
     payload = _by_value.dumps((os.getpid, launch.run))
     assert b"marshal" not in payload and b"_make_function" not in payload
+
+
+def test_shutdown_frees_the_groups_the_meshes_hold():
+    """``fs.launch.shutdown`` frees the world's groups although fshard's meshes (kept alive by
+    cached layouts) held them: Gloo's threads are joined when it returns (left to interpreter
+    teardown they can abort the process: docs/reliability.md#exit). A mesh of the closed world
+    then raises when it would communicate, naming why (a 1-rank mesh never communicates: its
+    group is asked directly), and a later world's mesh is another mesh. One rank, in this
+    process."""
+    import fshard as fs
+
+    with pytest.raises(RuntimeError, match="no default process group is initialised"):
+        launch.shutdown()
+    before = gloo_threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = fs.Mesh.create((1,), ("x",))
+    x = fs.shard(torch.arange(4.0), mesh, fs.P("x"))  # caches the mesh in its layout
+    assert fs.gather(x).tolist() == [0.0, 1.0, 2.0, 3.0]
+    dist.all_reduce(torch.zeros(1))  # run by a Gloo thread, which names itself when it starts
+    assert "pt_gloo_runloop" in gloo_threads()
+    launch.shutdown()
+    assert not dist.is_initialized()
+    assert gloo_threads() == before  # freed, not only unregistered
+    released = "process groups were released .*fs.launch.shutdown"
+    with pytest.raises(RuntimeError, match=released):  # what a collective on it reaches first
+        mesh.group("x").pg.size()
+    with pytest.raises(RuntimeError, match=released):
+        mesh.device_mesh.get_group("x")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        again = fs.Mesh.create((1,), ("x",))
+        assert again != mesh and again is not mesh
+        assert fs.gather(fs.shard(torch.arange(2.0), again, fs.P("x"))).tolist() == [0.0, 1.0]
+    finally:
+        launch.shutdown()
+
+
+def _shutdown_here():
+    launch.shutdown()
+
+
+def test_shutdown_in_a_world_worker_refuses(world2):
+    with pytest.raises(
+        RankError, match="inside a World worker, whose World owns the process group"
+    ):
+        world2.run(_shutdown_here)
+    assert world2.run(dist.get_world_size) == [2, 2]  # the World's group is untouched

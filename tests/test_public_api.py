@@ -129,7 +129,7 @@ def test_public_examples_run_on_two_ranks(world2):
 def test_launch_examples_run_here():
     """``fs.launch``'s examples start their own ranks (a World's worker may not)."""
     names = [n for n in public_names() if _launches(n)]
-    assert len(names) == 6, names
+    assert len(names) == 7, names
     failures = run_examples(names)
     assert not failures, "\n".join(failures)
 
