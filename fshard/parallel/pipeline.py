@@ -449,8 +449,19 @@ def stack_stages(
                 for s in stage_order(mesh.size(axis), virtual)
             ]
         )
-        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
+        out[name] = _own_storage(shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial)))
     return out
+
+
+def _own_storage(a: ShardedArray) -> ShardedArray:
+    """``a`` with its block in a storage of its own: :func:`fshard.shard` on the tensor's
+    device keeps the block as a view of the whole, and the whole here is the stack of every
+    stage, so each rank would hold every rank's stages for as long as the params live (and a
+    matmul saving a layer's weight for the backward would keep the whole stack)."""
+    local = a.local
+    if local.untyped_storage().nbytes() == local.numel() * local.element_size():
+        return a
+    return ShardedArray._raw(local.clone(memory_format=torch.contiguous_format), a.layout)
 
 
 def unstack_stages(
@@ -654,15 +665,29 @@ class _Run:
                     out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
                     first = _as_layout(out, act_meta.stacked(m), "input_fn")
                 # each microbatch's stage input a leaf, as given inputs are: their cotangents
-                # gather in x_grad, and input_fn's backward runs once, after the schedule
-                x, need_x = first.detach(), need_ip and first.requires_grad
-            x_grad = torch.zeros_like(x) if need_x else None
+                # gather in x_grad, and input_fn's backward runs once, after the schedule, from
+                # its output's gradient edge. Each row is a copy: the output is not kept, so a
+                # microbatch's input is freed with its backward, not at the end of the step
+                # (torch.distributed.pipelining's first stage holds only the microbatches in
+                # flight)
+                need_x = need_ip and first.requires_grad
+                x = [row.clone() for row in first.detach()]
+                edge = first if first.grad_fn is None else _gradient_edge(first)
+                first = edge if need_x else None
+            x_grad = None
+            if need_x:  # every microbatch's stage input's cotangent
+                x_grad = torch.zeros(m, *act_meta.shape, dtype=act_meta.dtype, device=device)
             for t, row in enumerate(sched.table):
                 a = row[r]
                 sent_f = sent_b = None
                 if a is not None and a.kind == "F":
                     s, mb = a.stage, a.microbatch
-                    src = x[mb] if s == 0 else inbox.pop(("F", s, mb))
+                    if s == 0:
+                        src = x[mb]
+                        if isinstance(x, list):  # input_fn's row: held by its leaf from now
+                            x[mb] = None
+                    else:
+                        src = inbox.pop(("F", s, mb))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
                     with torch.set_grad_enabled(grad_on):
                         # an alias: the activation is an intermediate of the step, not a leaf
@@ -755,6 +780,8 @@ class _Run:
         if r in dests:
             inbox[dests[r]] = got
 
+
+_gradient_edge = torch.autograd.graph.get_gradient_edge
 
 #: A custom autograd.Function's backward node.
 _FUNCTION_NODE = torch.autograd.function.BackwardCFunction
