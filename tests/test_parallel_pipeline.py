@@ -213,6 +213,58 @@ def test_stack_stages_blocks_hold_only_their_stages(world2, schedule, virtual):
     assert world2.run(stack_stages_memory_rank_fn, schedule, virtual) == [0, 1]
 
 
+def plain_inputs_rank_fn():
+    """Plain tensors as every input (stage weights, microbatches, loss params, targets):
+    the loss and gradients against dense, one consistency exchange for all of them (shard_map
+    made one per tensor: 4 here, plus its own: 5 a step), and a rank passing different values raises
+    a ConsistencyError naming the input."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    h, tgt = torch.randn(3, generator=gen), torch.randn(4, 2, generator=gen)
+
+    def loss_fn(h, y, t):
+        return ((y @ h - t) ** 2).sum()
+
+    def loss(w, x, h):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+                        loss_params=h, targets=tgt, schedule="1f1b")  # fmt: skip
+
+    def dense(w, x, h):
+        ys = [torch.tanh(torch.tanh(x[k] @ w[0]) @ w[1]) for k in range(4)]
+        return sum(loss_fn(h, y, tgt[k]) for k, y in enumerate(ys)) / 4
+
+    exchanges = []
+    real = fs.consistency._exchange
+
+    def counted(*a):
+        exchanges.append(a)
+        return real(*a)
+
+    value, grads = fs.value_and_grad(loss, argnums=(0, 1, 2))(w, x, h)
+    fs.consistency._exchange = counted  # a later step's (the group's first collective checks)
+    try:
+        fs.value_and_grad(loss, argnums=(0, 1, 2))(w, x, h)
+    finally:
+        fs.consistency._exchange = real
+    torch.testing.assert_close(value, dense(w, x, h), **TOL)
+    for got, want in zip(grads, torch.func.grad(dense, argnums=(0, 1, 2))(w, x, h)):
+        torch.testing.assert_close(
+            fs.gather(got) if isinstance(got, fs.ShardedArray) else got, want, **TOL
+        )
+    bad = h + mesh.rank  # rank 1's head differs
+    try:
+        fs.value_and_grad(loss, argnums=2)(w, x, bad)
+    except fs.consistency.ConsistencyError as e:
+        return len(exchanges), "loss_params leaf 0" in str(e)
+    return len(exchanges), "no error"
+
+
+@pytest.mark.timeout(120)
+def test_plain_inputs_are_checked_once(world2):
+    assert world2.run(plain_inputs_rank_fn) == [(2, True)] * 2
+
+
 def test_bad_arguments_raise_before_any_collective():
     """On an abstract mesh (no process group): every check runs before communication."""
     mesh = fs.Mesh.abstract((2,), ("pp",))

@@ -105,7 +105,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import _compat, axis_env, consistency, lax
+from .. import _compat, axis_env, config, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
@@ -753,6 +753,9 @@ class _Run:
         if need_p:
             for i, t in enumerate(params):
                 per = [_block(chunks[j][0][i]).grad for j in range(v)]
+                if v == 1 and per[0] is not None:  # a view: the stack's rows were copied once
+                    grads.append(per[0].unsqueeze(0))
+                    continue
                 grads.append(torch.stack([torch.zeros_like(t[0]) if g is None else g for g in per]))
         grads += [x_grad] if need_x and self.input_fn is None else []
         if need_ip:
@@ -942,6 +945,9 @@ class _Pipeline(torch.autograd.Function):
         grads = output[1:]
         ctx.mark_non_differentiable(*grads)
         ctx.save_for_backward(*grads)
+        # the gradients are outputs no one differentiates: no zero cotangents made for them
+        # (one memset of every stage gradient a step)
+        ctx.set_materialize_grads(False)
         need = (*run.need, False) if run.need is not None else (False,) * 5
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
 
@@ -1016,6 +1022,44 @@ def _check_inputs(
                     f"replicated over {axis!r} ({who})"
                 )
     return m
+
+
+_INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targets")
+
+
+def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
+    """``trees`` with their plain tensors sharded to their group's spec, after one consistency
+    check that every rank passes the same ones (layout and values). shard_map would shard each
+    itself, each with a check of its own: one all_reduce per tensor (every step, a batch's
+    token ids, targets and each plain embedding or head weight; 7 of a GPT step's 8)."""
+    plain: dict = {}
+    flat = []
+    for what, tree, spec in zip(_INPUTS, trees, specs):
+        leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
+                plain[(what, i)] = (leaf, spec)
+        flat.append((leaves, treedef))
+    if not plain:
+        return trees
+    if consistency.enabled():
+        fields = {
+            f"{what} leaf {i}": {"spec": spec, "global shape": tuple(t.shape), "dtype": t.dtype,
+                                 "values": t}
+            for (what, i), (t, spec) in plain.items()
+        }  # fmt: skip
+        consistency.check_equal(
+            fields, mesh, what="fs.parallel.pipeline's tensors (every rank must pass the same)"
+        )
+    out = []
+    with config.consistency(False):  # checked above, all at once
+        for what, (leaves, treedef) in zip(_INPUTS, flat):
+            leaves = [
+                shard(leaf, mesh, plain[(what, i)][1]) if (what, i) in plain else leaf
+                for i, leaf in enumerate(leaves)
+            ]
+            out.append(optree.tree_unflatten(treedef, leaves))
+    return tuple(out)
 
 
 def _check_activation(activation, mesh: Mesh, axis: str) -> None:
@@ -1223,8 +1267,12 @@ def pipeline(
             tracker.tag(loss, vma)
         return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
 
-    mapped = shard_map(body, mesh, (P(axis), P(), P(), P(), P()), P(), axis_names={axis})
-    loss = mapped(stage_params, microbatches, input_params, loss_params, targets)
+    specs = (P(axis), P(), P(), P(), P())
+    inputs = _shard_plain(
+        (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
+    )
+    mapped = shard_map(body, mesh, specs, P(), axis_names={axis})
+    loss = mapped(*inputs)
     # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
     # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
     others = tuple(a for a in mesh.axis_names if a != axis and mesh.size(a) > 1)
