@@ -408,7 +408,9 @@ def stack_stages(
         axis, virtual: as in :func:`pipeline` (``pp * virtual`` stages must divide the blocks).
 
     Returns:
-        ``{name: ShardedArray}``, ``name`` relative to a block (``"attn.qkv.weight"``).
+        ``{name: ShardedArray}``, ``name`` relative to a block (``"attn.qkv.weight"``), each
+        rank's block in a storage of its own (not a view of the whole stack: a rank holds only
+        its own stages).
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
