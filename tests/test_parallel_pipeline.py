@@ -156,8 +156,9 @@ def stack_stages_memory_rank_fn(schedule, virtual):
     """``stack_stages``' blocks own their storage (``fs.shard`` keeps a view of the whole
     stack, every rank's stages), and what a step saves for its backward holds only this rank's
     stages: the stage weights the matmuls save (``x @ w[i]``, found by their shape) are this
-    rank's stage bytes exactly (were the whole stack's: twice them on pp=2). Values and
-    gradients against the dense chain."""
+    rank's stage bytes exactly (were the whole stack's: twice them on pp=2). The stages run
+    without the shard_map body's torch-function mode. Values and gradients against the dense
+    chain."""
     mesh = fs.Mesh.create((2,), ("pp",))
     r, blocks, per = mesh.rank, 4 * virtual, 2
     gen = torch.Generator().manual_seed(3)
@@ -171,8 +172,10 @@ def stack_stages_memory_rank_fn(schedule, virtual):
     )
     assert torch.equal(fs.gather(st), want)
     x = torch.randn(4, 3, 5, generator=gen)
+    modes = []
 
     def stage(w, x):
+        modes.append(type(torch.overrides._get_current_function_mode()).__name__)
         for i in range(per):
             x = torch.tanh(x @ w[i])
         return x
@@ -191,6 +194,8 @@ def stack_stages_memory_rank_fn(schedule, virtual):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         value, g = fs.value_and_grad(loss)(st)
     assert sum(saved.values()) == virtual * per * 5 * 5 * 4, saved
+    # the body's tracker (paused for the schedule) is off the mode stack: no Python call per op
+    assert modes and "_Tracker" not in modes, modes
 
     def dense(w):  # the stages in order, one process
         out = 0
