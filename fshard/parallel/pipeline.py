@@ -957,6 +957,8 @@ class _Pipeline(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
+        if g is None:  # grads are not materialised: no cotangent reached the loss
+            return (None,) * (1 + len(ctx.slots))
         saved = iter(ctx.saved_tensors)
         return (None, *[g * next(saved) if has else None for has in ctx.slots])
 
