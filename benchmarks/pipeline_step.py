@@ -4,6 +4,7 @@
 same microbatches.
 
     python benchmarks/pipeline_step.py [--layers 4] [--dim 64] [--ctx 32] [--batch 8] [--mb 4]
+        [--interleave ROUNDS]
 
 The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
@@ -19,7 +20,9 @@ hooks per storage (the activations a schedule stashes, plus the weights the matm
 for fshard the stage gradients its Function keeps for its backward); the step time is the
 median over ``--reps`` of the slowest rank's mean over ``--steps`` steps; *CPU ms* the same
 steps' process CPU time (``time.process_time``, all of a rank's threads; the larger rank's),
-which other jobs on a shared machine disturb less than the step time.
+which other jobs on a shared machine disturb less than the step time. ``--interleave ROUNDS``
+runs every configuration's step in one pair of ranks, in turn, and prints each one's CPU time
+and its ratio to torch's same schedule measured in the same rounds (load drift cancels).
 """
 
 from __future__ import annotations
@@ -177,19 +180,41 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
     return lambda: vg(params, tok_mb, tgt_mb)
 
 
-def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
+def _step(lib, schedule, virtual, layers, dim, ctx, batch, mb):
     import train_gpt as tg
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     gpt = tg.GPT(tg.GPTConfig(vocab=256, d_model=dim, n_heads=4, n_layers=layers, ctx=ctx))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (batch, ctx + 1), generator=gen)
     tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     if lib == "torch":
-        step = _torch_step(gpt, schedule, tokens, targets, mb)
-    else:
-        step = _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
+        return _torch_step(gpt, schedule, tokens, targets, mb)
+    return _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
+
+
+def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds):
+    """Every configuration's step in the same pair of rank processes, run in turn one step at
+    a time: each step's process CPU time, per configuration (median, min), so that a shared
+    machine's load drifting over the run hits every configuration alike."""
+    torch.set_num_threads(1)
+    steps = {c[0]: _step(*c[1:], layers, dim, ctx, batch, mb) for c in configs}
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    cpu: dict = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            c0 = time.process_time()
+            step()
+            cpu[name].append(time.process_time() - c0)
+    return {name: (statistics.median(v), min(v)) for name, v in cpu.items()}
+
+
+def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
+    torch.set_num_threads(1)
+    step = _step(lib, schedule, virtual, layers, dim, ctx, batch, mb)
     for _ in range(2):
         step()
     times, cpu = [], []
@@ -218,9 +243,21 @@ def main(argv=None):
     ap.add_argument("--mb", type=int, default=4, help="microbatches")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: every configuration in one pair of ranks, one step each in turn for "
+        "ROUNDS rounds; prints per-rank process CPU ms (median, min) and the ratio to torch's "
+        "same schedule (GPipe for interleaved v=2; 1F1B for ZB-H1), the measure to use on a "
+        "shared machine",
+    )
     a = ap.parse_args(argv)
     if a.layers % 4 or a.batch % a.mb or a.mb % 2:
         ap.error("--layers must divide by 4, --batch by --mb, --mb by 2")
+    if a.interleave:
+        return _interleaved(a)
     rows = []
     for name, lib, schedule, virtual in CONFIGS:
         args = (lib, schedule, virtual, a.layers, a.dim, a.ctx, a.batch, a.mb, a.steps, a.reps)
@@ -246,6 +283,28 @@ def main(argv=None):
         s = fs.parallel.pipeline_schedule(sched, 2, a.mb, v)
         print(f"table {name:12s} ticks {s.ticks:3d}  bubble {s.bubble_fraction[0]:.3f} "
               f"(theory {s.theory_bubble:.3f})  peak stash per rank {s.peak_stash}")  # fmt: skip
+
+
+def _interleaved(a) -> None:
+    world = World(2, timeout=1800)
+    try:
+        res = world.run(
+            interleaved_fn, CONFIGS, a.layers, a.dim, a.ctx, a.batch, a.mb, a.interleave
+        )
+    finally:
+        world.close()
+    ref = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "interleaved": "torch GPipe"}
+    ref["zb"] = "torch 1F1B"
+    print(f"pp=2, GPT layers={a.layers} d_model={a.dim} ctx={a.ctx}, batch {a.batch} in "
+          f"{a.mb} microbatches; {a.interleave} rounds, configurations in turn; process CPU "
+          "ms per step, median (min), per rank")  # fmt: skip
+    for name, _, schedule, _ in CONFIGS:
+        cells = []
+        for r in res:
+            med, low = r[name]
+            base = r[ref[schedule]][0]
+            cells.append(f"{med * 1e3:7.1f} ({low * 1e3:6.1f}) x{med / base:.3f}")
+        print(f"{name:26s} " + "   ".join(f"r{i}: {c}" for i, c in enumerate(cells)))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,124 @@ def test_unstack_stages_inverts_the_stacking(stages, pp):
     assert all(torch.equal(got[k], blocks[k]) for k in blocks)
 
 
+def stack_stages_memory_rank_fn(schedule, virtual):
+    """``stack_stages``' blocks own their storage (``fs.shard`` keeps a view of the whole
+    stack, every rank's stages), and what a step saves for its backward holds only this rank's
+    stages: the stage weights the matmuls save (``x @ w[i]``, found by their shape) are this
+    rank's stage bytes exactly (were the whole stack's: twice them on pp=2). The stages run
+    without the shard_map body's torch-function mode. Values and gradients against the dense
+    chain."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    r, blocks, per = mesh.rank, 4 * virtual, 2
+    gen = torch.Generator().manual_seed(3)
+    named = {f"blocks.{i}.w": torch.randn(5, 5, generator=gen) / 2 for i in range(blocks)}
+    st = stack_stages(named, mesh, prefix="blocks", virtual=virtual)["w"]
+    local = st.local
+    assert local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    order = stage_order(2, virtual)
+    want = torch.stack(
+        [torch.stack([named[f"blocks.{s * per + i}.w"] for i in range(per)]) for s in order]
+    )
+    assert torch.equal(fs.gather(st), want)
+    x = torch.randn(4, 3, 5, generator=gen)
+    modes = []
+
+    def stage(w, x):
+        modes.append(type(torch.overrides._get_current_function_mode()).__name__)
+        for i in range(per):
+            x = torch.tanh(x @ w[i])
+        return x
+
+    def loss(w):
+        return pipeline(stage, w, x, mesh, loss_fn=lambda _, y, t: (y * y).sum(),
+                        schedule=schedule, virtual=virtual)  # fmt: skip
+
+    saved = {}
+
+    def pack(t):
+        if tuple(t.shape) == (5, 5):  # a layer's weight (activations are (3, 5))
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value, g = fs.value_and_grad(loss)(st)
+    assert sum(saved.values()) == virtual * per * 5 * 5 * 4, saved
+    # the body's tracker (paused for the schedule) is off the mode stack: no Python call per op
+    assert modes and "_Tracker" not in modes, modes
+
+    def dense(w):  # the stages in order, one process
+        out = 0
+        for k in range(4):
+            xk = x[k]
+            for s in range(2 * virtual):
+                xk = stage(w[order.index(s)], xk)
+            out = out + (xk * xk).sum()
+        return out / 4
+
+    want_g, want_v = torch.func.grad_and_value(dense)(want)
+    assert float(value) == pytest.approx(float(want_v), rel=1e-5)
+    torch.testing.assert_close(fs.gather(g), want_g, **TOL)
+    return r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("zb", 1), ("interleaved", 2)])
+def test_stack_stages_blocks_hold_only_their_stages(world2, schedule, virtual):
+    assert world2.run(stack_stages_memory_rank_fn, schedule, virtual) == [0, 1]
+
+
+def plain_inputs_rank_fn():
+    """Plain tensors as every input (stage weights, microbatches, loss params, targets):
+    the loss and gradients against dense, one consistency exchange for all of them (shard_map
+    made one per tensor: 4 here, plus its own: 5 a step), and a rank passing different values raises
+    a ConsistencyError naming the input."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    h, tgt = torch.randn(3, generator=gen), torch.randn(4, 2, generator=gen)
+
+    def loss_fn(h, y, t):
+        return ((y @ h - t) ** 2).sum()
+
+    def loss(w, x, h):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+                        loss_params=h, targets=tgt, schedule="1f1b")  # fmt: skip
+
+    def dense(w, x, h):
+        ys = [torch.tanh(torch.tanh(x[k] @ w[0]) @ w[1]) for k in range(4)]
+        return sum(loss_fn(h, y, tgt[k]) for k, y in enumerate(ys)) / 4
+
+    exchanges = []
+    real = fs.consistency._exchange
+
+    def counted(*a):
+        exchanges.append(a)
+        return real(*a)
+
+    value, grads = fs.value_and_grad(loss, argnums=(0, 1, 2))(w, x, h)
+    fs.consistency._exchange = counted  # a later step's (the group's first collective checks)
+    try:
+        fs.value_and_grad(loss, argnums=(0, 1, 2))(w, x, h)
+    finally:
+        fs.consistency._exchange = real
+    torch.testing.assert_close(value, dense(w, x, h), **TOL)
+    for got, want in zip(grads, torch.func.grad(dense, argnums=(0, 1, 2))(w, x, h)):
+        torch.testing.assert_close(
+            fs.gather(got) if isinstance(got, fs.ShardedArray) else got, want, **TOL
+        )
+    bad = h + mesh.rank  # rank 1's head differs
+    try:
+        fs.value_and_grad(loss, argnums=2)(w, x, bad)
+    except fs.consistency.ConsistencyError as e:
+        return len(exchanges), "loss_params leaf 0" in str(e)
+    return len(exchanges), "no error"
+
+
+@pytest.mark.timeout(120)
+def test_plain_inputs_are_checked_once(world2):
+    assert world2.run(plain_inputs_rank_fn) == [(2, True)] * 2
+
+
 def test_bad_arguments_raise_before_any_collective():
     """On an abstract mesh (no process group): every check runs before communication."""
     mesh = fs.Mesh.abstract((2,), ("pp",))
@@ -840,9 +958,21 @@ def input_fn_rank_fn(schedule):
     want_v = dense(E, W, H)
     want_g = torch.func.grad(dense, argnums=(0, 1, 2))(E, W, H)
     logs = []
+    storages = {}  # what the step saves of one microbatch's activation shape, by storage
+
+    def pack(t):
+        if tuple(t.shape) == (B // 2, D):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t.detach()
+
     for f in (new, old):
-        with fs.debug.comm_log() as log:
+        with (
+            fs.debug.comm_log() as log,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             value, grads = fs.value_and_grad(f)(params)
+        if f is new:  # input_fn's rows are not views of its whole output: freed one by one
+            assert storages and set(storages.values()) == {B // 2 * D * 4}, storages
         torch.testing.assert_close(value, want_v, **TOL)
         for k, w in zip("ewh", want_g):
             torch.testing.assert_close(fs.gather(grads[k]), w, **TOL)

@@ -96,6 +96,7 @@ wait on the dp peers inside the schedule).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import _compat, axis_env, consistency, lax
+from .. import _compat, axis_env, config, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
@@ -408,7 +409,9 @@ def stack_stages(
         axis, virtual: as in :func:`pipeline` (``pp * virtual`` stages must divide the blocks).
 
     Returns:
-        ``{name: ShardedArray}``, ``name`` relative to a block (``"attn.qkv.weight"``).
+        ``{name: ShardedArray}``, ``name`` relative to a block (``"attn.qkv.weight"``), each
+        rank's block in a storage of its own (not a view of the whole stack: a rank holds only
+        its own stages).
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
@@ -449,8 +452,19 @@ def stack_stages(
                 for s in stage_order(mesh.size(axis), virtual)
             ]
         )
-        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
+        out[name] = _own_storage(shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial)))
     return out
+
+
+def _own_storage(a: ShardedArray) -> ShardedArray:
+    """``a`` with its block in a storage of its own: :func:`fshard.shard` on the tensor's
+    device keeps the block as a view of the whole, and the whole here is the stack of every
+    stage, so each rank would hold every rank's stages for as long as the params live (and a
+    matmul saving a layer's weight for the backward would keep the whole stack)."""
+    local = a.local
+    if local.untyped_storage().nbytes() == local.numel() * local.element_size():
+        return a
+    return ShardedArray._raw(local.clone(memory_format=torch.contiguous_format), a.layout)
 
 
 def unstack_stages(
@@ -654,15 +668,29 @@ class _Run:
                     out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
                     first = _as_layout(out, act_meta.stacked(m), "input_fn")
                 # each microbatch's stage input a leaf, as given inputs are: their cotangents
-                # gather in x_grad, and input_fn's backward runs once, after the schedule
-                x, need_x = first.detach(), need_ip and first.requires_grad
-            x_grad = torch.zeros_like(x) if need_x else None
+                # gather in x_grad, and input_fn's backward runs once, after the schedule, from
+                # its output's gradient edge. Each row is a copy: the output is not kept, so a
+                # microbatch's input is freed with its backward, not at the end of the step
+                # (torch.distributed.pipelining's first stage holds only the microbatches in
+                # flight)
+                need_x = need_ip and first.requires_grad
+                x = [row.clone() for row in first.detach()]
+                edge = first if first.grad_fn is None else _gradient_edge(first)
+                first = edge if need_x else None
+            x_grad = None
+            if need_x:  # every microbatch's stage input's cotangent
+                x_grad = torch.zeros(m, *act_meta.shape, dtype=act_meta.dtype, device=device)
             for t, row in enumerate(sched.table):
                 a = row[r]
                 sent_f = sent_b = None
                 if a is not None and a.kind == "F":
                     s, mb = a.stage, a.microbatch
-                    src = x[mb] if s == 0 else inbox.pop(("F", s, mb))
+                    if s == 0:
+                        src = x[mb]
+                        if isinstance(x, list):  # input_fn's row: held by its leaf from now
+                            x[mb] = None
+                    else:
+                        src = inbox.pop(("F", s, mb))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
                     with torch.set_grad_enabled(grad_on):
                         # an alias: the activation is an intermediate of the step, not a leaf
@@ -728,6 +756,9 @@ class _Run:
         if need_p:
             for i, t in enumerate(params):
                 per = [_block(chunks[j][0][i]).grad for j in range(v)]
+                if v == 1 and per[0] is not None:  # a view: the stack's rows were copied once
+                    grads.append(per[0].unsqueeze(0))
+                    continue
                 grads.append(torch.stack([torch.zeros_like(t[0]) if g is None else g for g in per]))
         grads += [x_grad] if need_x and self.input_fn is None else []
         if need_ip:
@@ -755,6 +786,8 @@ class _Run:
         if r in dests:
             inbox[dests[r]] = got
 
+
+_gradient_edge = torch.autograd.graph.get_gradient_edge
 
 #: A custom autograd.Function's backward node.
 _FUNCTION_NODE = torch.autograd.function.BackwardCFunction
@@ -915,14 +948,35 @@ class _Pipeline(torch.autograd.Function):
         grads = output[1:]
         ctx.mark_non_differentiable(*grads)
         ctx.save_for_backward(*grads)
+        # the gradients are outputs no one differentiates: no zero cotangents made for them
+        # (one memset of every stage gradient a step)
+        ctx.set_materialize_grads(False)
         need = (*run.need, False) if run.need is not None else (False,) * 5
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
+        if g is None:  # grads are not materialised: no cotangent reached the loss
+            return (None,) * (1 + len(ctx.slots))
         saved = iter(ctx.saved_tensors)
         return (None, *[g * next(saved) if has else None for has in ctx.slots])
+
+
+@contextlib.contextmanager
+def _mode_popped(tracker):
+    """Within: the body's varying-axes tracker off the torch-function mode stack when it is on
+    top (it is paused for the schedule, so it would only hand each op back: a Python call per
+    torch call of every stage, loss and input piece and backward hook, ~1000 a GPT step)."""
+    if (
+        tracker is None
+        or torch.compiler.is_compiling()
+        or torch.overrides._get_current_function_mode() is not tracker
+    ):
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
 
 
 def _leaves(tree, what: str) -> tuple[list, object]:
@@ -989,6 +1043,44 @@ def _check_inputs(
                     f"replicated over {axis!r} ({who})"
                 )
     return m
+
+
+_INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targets")
+
+
+def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
+    """``trees`` with their plain tensors sharded to their group's spec, after one consistency
+    check that every rank passes the same ones (layout and values). shard_map would shard each
+    itself, each with a check of its own: one all_reduce per tensor (every step, a batch's
+    token ids, targets and each plain embedding or head weight; 7 of a GPT step's 8)."""
+    plain: dict = {}
+    flat = []
+    for what, tree, spec in zip(_INPUTS, trees, specs):
+        leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
+                plain[(what, i)] = (leaf, spec)
+        flat.append((leaves, treedef))
+    if not plain:
+        return trees
+    if consistency.enabled():
+        fields = {
+            f"{what} leaf {i}": {"spec": spec, "global shape": tuple(t.shape), "dtype": t.dtype,
+                                 "values": t}
+            for (what, i), (t, spec) in plain.items()
+        }  # fmt: skip
+        consistency.check_equal(
+            fields, mesh, what="fs.parallel.pipeline's tensors (every rank must pass the same)"
+        )
+    out = []
+    with config.consistency(False):  # checked above, all at once
+        for what, (leaves, treedef) in zip(_INPUTS, flat):
+            leaves = [
+                shard(leaf, mesh, plain[(what, i)][1]) if (what, i) in plain else leaf
+                for i, leaf in enumerate(leaves)
+            ]
+            out.append(optree.tree_unflatten(treedef, leaves))
+    return tuple(out)
 
 
 def _check_activation(activation, mesh: Mesh, axis: str) -> None:
@@ -1186,7 +1278,8 @@ def pipeline(
         if tracker is not None:
             tracker.paused += 1
         try:
-            out = _Pipeline.apply(run, *tensors)
+            with _mode_popped(tracker):
+                out = _Pipeline.apply(run, *tensors)
         finally:
             if tracker is not None:
                 tracker.paused -= 1
@@ -1196,8 +1289,12 @@ def pipeline(
             tracker.tag(loss, vma)
         return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
 
-    mapped = shard_map(body, mesh, (P(axis), P(), P(), P(), P()), P(), axis_names={axis})
-    loss = mapped(stage_params, microbatches, input_params, loss_params, targets)
+    specs = (P(axis), P(), P(), P(), P())
+    inputs = _shard_plain(
+        (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
+    )
+    mapped = shard_map(body, mesh, specs, P(), axis_names={axis})
+    loss = mapped(*inputs)
     # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
     # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
     others = tuple(a for a in mesh.axis_names if a != axis and mesh.size(a) > 1)
