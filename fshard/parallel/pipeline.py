@@ -452,19 +452,8 @@ def stack_stages(
                 for s in stage_order(mesh.size(axis), virtual)
             ]
         )
-        out[name] = _own_storage(shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial)))
+        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
     return out
-
-
-def _own_storage(a: ShardedArray) -> ShardedArray:
-    """``a`` with its block in a storage of its own: :func:`fshard.shard` on the tensor's
-    device keeps the block as a view of the whole, and the whole here is the stack of every
-    stage, so each rank would hold every rank's stages for as long as the params live (and a
-    matmul saving a layer's weight for the backward would keep the whole stack)."""
-    local = a.local
-    if local.untyped_storage().nbytes() == local.numel() * local.element_size():
-        return a
-    return ShardedArray._raw(local.clone(memory_format=torch.contiguous_format), a.layout)
 
 
 def unstack_stages(
