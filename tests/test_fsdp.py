@@ -390,6 +390,27 @@ def test_fsdp_call_checks_units_up_front():
     assert module_state(model) == before
 
 
+def test_fsdp_call_checks_units_again_when_the_module_changes():
+    """fsdp_call reuses its units check for a module whose structure, units and given names it
+    checked before (a pipeline stage's layer: once per layer and microbatch), and checks again
+    once any of them changed: a tie made after a passing call is refused (an abstract mesh and
+    plain tensors: the units check passes or raises before the params' types are)."""
+    mesh = fs.Mesh.abstract((2,), ("dp",))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ModuleList([nn.Linear(3, 3) for _ in range(2)]))
+    ids = torch.ones(2, 3)
+    units = fs.nn.fsdp_units(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    for _ in range(2):  # the check passes (first call, then its reuse): the types are next
+        with pytest.raises(TypeError, match="ShardedArrays"):
+            fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    model[1][1].weight = model[0].weight  # now one tensor in the root and in unit '1.1'
+    with pytest.raises(ValueError, match=r"params\['1.1.weight'\]: tied to params\['0.weight'\]"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    model[1][1].weight = nn.Parameter(params["1.1.weight"].clone())  # untied: passes again
+    with pytest.raises(TypeError, match="ShardedArrays"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+
+
 def hsdp_rank_fn(traced):
     """HSDP on a (2, 2) mesh: params sharded over "shard", replicated over "rep"; the batch
     split over both."""

@@ -764,13 +764,56 @@ def _gathering(session: _Session) -> Iterator[Callable]:
         session.end_forward()
 
 
+#: module -> {(structure, units, names given): its aliases}: what ``_check_units`` found for
+#: one structure of the module (weak: a module's entries go with it, and its aliases' owners,
+#: the module among them, are weak references, or the entry would keep its key alive)
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """Everything :func:`_check_units` reads of ``module``: each submodule's name and object,
+    and the names and objects of the tensors it holds (a hashable snapshot; equal snapshots
+    give equal checks and equal aliases)."""
+    return tuple(
+        (name, id(m), *((a, id(t)) for a, t in m._parameters.items() if t is not None),
+         None, *((a, id(t)) for a, t in m._buffers.items() if t is not None))
+        for name, m in module.named_modules(remove_duplicate=False)
+    )  # fmt: skip
+
+
 def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
     """Every unit's names resolve in ``module`` (ties: one value), no tensor is in two units,
     and a unit other than the root holds every name of its tensors (a tied alias outside the
     unit's submodule would read the module's own tensor, not the gathered one). Returns the
-    module's aliases, read before any swap; raises listing every problem."""
+    module's aliases, read before any swap; raises listing every problem.
+
+    The checks depend on the module's structure, the units and which of their names
+    ``params`` gives (the values' types are :func:`_check_gather`'s): a call that repeats all
+    three (a pipeline stage's layer, once per layer and microbatch) reuses the first's
+    result, found by a snapshot of the structure (:func:`_structure`) instead of the checks'
+    walks and name lookups."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    try:
+        key = (
+            _structure(module),
+            tuple((u, tuple(ns)) for u, ns in units.items()),
+            tuple(n in params for ns in units.values() for n in ns),
+        )
+        cached = _CHECKED.setdefault(module, {})
+    except TypeError:  # an unhashable unit name or a module without weak references
+        key, cached = None, {}
+    if key in cached:  # the aliases' owners are held weakly: the module is one of them
+        return {k: [(o(), a, s) for o, a, s in v] for k, v in cached[key].items()}
+    held = _check_units_now(module, params, units)
+    if key is not None:
+        if len(cached) >= 8:  # a module whose structure keeps changing: keep the latest
+            cached.clear()
+        cached[key] = {k: [(weakref.ref(o), a, s) for o, a, s in v] for k, v in held.items()}
+    return held
+
+
+def _check_units_now(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
     held = _swap.aliases(module)
     values = {n: params[n] for names in units.values() for n in names if n in params}
     _swap.targets(module, values, "fsdp_call", held)  # names, value types, ties
