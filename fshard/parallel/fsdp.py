@@ -247,6 +247,21 @@ class _Session:
         self.held = _active_sync("step") if self.eager and axis_env.in_body() else None
         self.kept: set[str] = set()
 
+    def keeps_all(self) -> bool:
+        """In a pipeline's stage: whether the step's gradient sync keeps every sharded param's
+        gather for the step (each a leaf of it or a view of one), so that the saved-tensor
+        hooks would save every gathered weight as it is (305 pack and 305 unpack calls a step
+        on a stage of ``benchmarks/composed_step.py``'s FSDP x PP, each from C++ into
+        Python)."""
+        if self.held is None:
+            return False
+        return all(
+            self.held.holds(self.params[n].local)
+            for names in self.units.values()
+            for n in names
+            if self.sharded(n)
+        )
+
     def sharded(self, name: str) -> bool:
         spec = self.params[name].spec
         if isinstance(spec, Parts):  # fsdp_plan leaves per-part params whole over the axis
@@ -756,8 +771,11 @@ def _gathering(session: _Session) -> Iterator[Callable]:
             if not session.eager:
                 yield session.gather
                 return
-            with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+            if session.keeps_all():  # no saved tensor is ever a token: no hooks to run
                 yield session.gather
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+                    yield session.gather
             for unit in list(session.launched):  # prefetched, never used: finish the collective
                 session._wait(unit)
     finally:
