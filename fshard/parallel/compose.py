@@ -671,6 +671,9 @@ def _pipeline_loss(
         and not pieces["layer"][1]
         and dims.tp == dims.cp == dims.ep == dims.dp_replicate == 1
     )
+    # the last stage's norm, head and cross entropy too (row-wise; the loss this rank's addend
+    # of the sum over the batch axes, as the global view's is)
+    local_last = local_layers and not pieces["norm"][1] and not pieces["head"][1]
 
     def run(key, params, args, kwargs):
         # the plan's output layouts, as the whole model's call applies them: the same
@@ -776,12 +779,19 @@ def _pipeline_loss(
         def last(hp, y, target):
             if rope is not None:
                 y = y[..., : -2 * rope[0].shape[-1]]
+            rows = None  # the local view (as the layers'): the axes this rank's rows split over
+            if local_last and _sharded(y) and _sharded(target) and not y.layout.partial:
+                rows = y.spec.padded(y.ndim)[0]
+                y, target = y.local, target.local
             logits = run("head", hp["head"], (run("norm", hp["norm"], (y,), {}),), {})
             ce = F.cross_entropy(
                 logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100,
                 reduction="sum",
             )  # fmt: skip
-            return ce * (m / count)  # the pipeline means over the m microbatches
+            ce = ce * (m / count)  # the pipeline means over the m microbatches
+            if rows:  # this rank's addend of the sum over its rows' axes, as the op rule's
+                ce = ShardedArray._raw(ce, Layout.of(mesh, P(partial=rows), (), ce.dtype))
+            return ce
 
         def first(ep, mbs):  # the first stage's piece: the embedding of every microbatch
             kwargs = {"position_ids": mbs["position_ids"]} if "position_ids" in mbs else {}
@@ -809,6 +819,10 @@ def _pipeline_loss(
         return gather(out)
 
     return loss
+
+
+def _sharded(v) -> bool:
+    return isinstance(v, ShardedArray)
 
 
 def _row(v, i: int):
