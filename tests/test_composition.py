@@ -449,6 +449,50 @@ def test_pipelined_fsdp_step_exchanges_three_digests(world4):
     assert world4.run(pp_fsdp_exchanges_rank_fn) == [3] * 4
 
 
+def pp_fsdp_remat_comm_rank_fn():
+    """The dp_shard collectives of one step of parallelize's pipelined FSDP loss with each
+    layer under fs.remat (pp=2, dp_shard=2: one layer a stage, 2 microbatches), by op and
+    bytes, and the module's sizes to predict them."""
+    model = _hf_model("llama")
+    numel = {k: sum(p.numel() for p in m.parameters()) for k, m in (
+        ("layer", model.model.layers[0]), ("embed", model.model.embed_tokens),
+        ("norm", model.model.norm), ("head", model.lm_head),
+    )}  # fmt: skip
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=True)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    fs.value_and_grad(loss)(params, {"input_ids": ids})
+    with fs.debug.comm_log() as log:
+        fs.value_and_grad(loss)(params, {"input_ids": ids})
+    got = Counter((r.op, r.nbytes) for r in log if r.axes == ("dp_shard",))
+    return torch.distributed.get_rank() // 2, dict(got), numel
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_fsdp_remat_gathers_each_unit_packed(world4):
+    """FSDP x PP with fs.remat: the recompute runs under torch.func, where FSDP gathers a
+    unit as one packed all_gather too (FSDP2's granularity), its backward one reduce_scatter.
+    Per rank and step: the layer's unit gathered by the forward (kept for the step) and again
+    by each microbatch's recompute (3), each recompute's gradient reduce-scattered (2, the
+    whole layer's: its bytes are the gathered pack's), and the first stage's embedding or the
+    last's norm and head gathered once and reduce-scattered once by the step's gradient sync.
+    Was one all_gather and one reduce_scatter per param and recompute (20 all_gathers and 19
+    reduce_scatters on stage 0's ranks here; issue 36: 1,522 and 721 a composed step). Gradients
+    equal to dense:
+    test_parallelize_pipelines_transformers_models (pp=2, dp_shard=2, remat=True)."""
+    pytest.importorskip("transformers")
+    for stage, got, numel in world4.run(pp_fsdp_remat_comm_rank_fn):
+        block = {k: n * 4 // 2 for k, n in numel.items()}  # float32, half a rank (even rows)
+        ends = block["embed"] if stage == 0 else block["norm"] + block["head"]
+        want = Counter(
+            {("all_gather", block["layer"]): 3, ("reduce_scatter", 2 * block["layer"]): 2}
+        )
+        want[("reduce_scatter", 2 * ends)] += 1
+        for k in ("embed",) if stage == 0 else ("norm", "head"):
+            want[("all_gather", block[k])] += 1
+        assert got == dict(want), (stage, got, dict(want))
+
+
 #: pp=1: each decoder layer under fs.remat inside the one call of the whole model
 REMATTED = [
     ("llama", {"dp_shard": 2, "tp": 2}, {"remat": True}),

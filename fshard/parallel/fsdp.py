@@ -371,7 +371,7 @@ class _Session:
         if not self.eager:
             if self.typed:
                 return {n: self._typed(n, None) for n in self.units[unit]}
-            return {n: self._traced(n) for n in self.units[unit]}
+            return self._traced_unit(unit)
         packs = self._wait(unit)
         # The data is gathered per pack (_launch), in a shard_map body too. In the global view
         # in a body (FSDP x CP) the differentiable varying gathers are made per param where an
@@ -475,6 +475,42 @@ class _Session:
         axes = self.replicate + self.axes
         y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
+
+    def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
+        """Under a ``torch.func`` transform (``fs.remat``'s recompute): the unit's sharded
+        params gathered as FSDP2 gathers them, one differentiable varying all_gather per
+        (gathered dtype, param dtype) pack of their blocks (uneven ones padded), whose
+        backward is one reduce_scatter of the pack's gradients (was one all_gather and one
+        reduce_scatter per param: 9 each per decoder layer and recompute on a Llama); a
+        param left whole, its pcast."""
+        out: dict[str, torch.Tensor] = {}
+        packs: dict = {}  # (gathered dtype, param_dtype) -> [(name, padded block)]
+        for n in self.units[unit]:
+            if not self.sharded(n):
+                out[n] = self._pcast(n)
+                continue
+            x = self._block(n)
+            reduce = self.policy.reduce_in(x.dtype)
+            src = self._replicated(x, reduce)
+            low = self.policy.cast_param(src)
+            # gathered in the reduce dtype where it differs (as _traced: under a transform an
+            # edge carries its forward dtype's gradient), then cast to param_dtype
+            t = low if reduce == low.dtype else src.to(reduce)
+            packs.setdefault((t.dtype, low.dtype), []).append((n, _padded(t, self.rows(n))))
+        k = self.group.size
+        for (_, low_dtype), items in packs.items():
+            flat = torch.cat([b.reshape(-1) for _, b in items])
+            full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
+            pieces = torch.split(full, [b.numel() for _, b in items], dim=1)
+            for (n, b), piece in zip(items, pieces):
+                rows = self.rows(n)
+                if rows is None:
+                    y = piece.reshape(k * b.shape[0], *b.shape[1:])
+                else:
+                    blocks = piece.reshape(k, *b.shape)
+                    y = torch.cat([blocks[j, :r] for j, r in enumerate(rows)])
+                out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
+        return {n: out[n] for n in self.units[unit]}
 
     def _traced(self, n: str) -> torch.Tensor:
         if not self.sharded(n):
