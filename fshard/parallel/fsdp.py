@@ -21,9 +21,11 @@ which differentiates at top level) it also does what FSDP2 does for memory and s
   re-gathers the unit when it first needs it (prefetching the unit before it), keeping at most
   two units gathered at once.
 
-Under a ``torch.func`` transform each param is ``fs.lax.all_gather(..., to="varying")`` (same
-values, same collectives, no prefetch or freeing: torch.func does not support saved-tensor
-hooks). Both paths gather through ``fshard._comm`` (the asynchronous one with
+Under a ``torch.func`` transform (``fs.remat``'s recompute) a unit's blocks are packed as the
+eager path packs them and gathered with one ``fs.lax.all_gather(..., to="varying")``, whose
+backward is one reduce_scatter (same values, same collectives, no prefetch or freeing:
+torch.func does not support saved-tensor hooks); in the global view (``fsdp_call`` on
+ShardedArrays) each param is still gathered alone there. Both paths gather through ``fshard._comm`` (the asynchronous one with
 ``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
 
 The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
