@@ -24,7 +24,8 @@ is forward + backward + the optimizer update.
 Each (configuration, library) runs in its own World (so the peak RSS, the process's high-water
 mark growth over the mark taken before the model is built, holds nothing of the other); a rep
 times ``--steps`` steps after a barrier (the slowest rank's mean); the table shows the median
-over reps. The first step's losses of the two libraries are printed (equal up to float
+over reps, and a second table each rank's process CPU time a step (median over reps: what a
+rank computes, which other load on the machine moves less than the wall time). The first step's losses of the two libraries are printed (equal up to float
 rounding: the same weights, the same batch). Run only on an otherwise idle machine (load < 1):
 8 ranks (``--eight``) oversubscribe 2 cores 4x.
 """
@@ -197,14 +198,19 @@ def _build(lib: str, degrees: dict, batch: int, seq: int):
     return first
 
 
-def _time(steps: int) -> float:
+def _time(steps: int) -> tuple[float, list[float]]:
+    """The slowest rank's mean step time, and every rank's mean process CPU time a step (all
+    its threads: the step's own and Gloo's), in rank order."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         _STEP["fn"]()
+    cpu = torch.tensor([(time.process_time() - c0) / steps])
     out = torch.tensor([(time.perf_counter() - t0) / steps])
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out)
+    cpus = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(cpus, cpu)
+    return float(out), [float(c) for c in cpus]
 
 
 def _peak_rss_mib() -> float:
@@ -232,10 +238,12 @@ def main(argv=None) -> None:
         for lib in ("torch", "fshard"):
             with World(n, timeout=3600) as world:
                 losses = world.run(_build, lib, degrees, a.batch, a.seq)
-                times = [world.run(_time, a.steps)[0] for _ in range(a.reps)]
+                reps = [world.run(_time, a.steps)[0] for _ in range(a.reps)]
                 rss = world.run(_peak_rss_mib)[0]
             loss = [x for x in losses if x is not None]
-            result[lib] = (statistics.median(times), rss, sum(loss) / len(loss))
+            times = [t for t, _ in reps]
+            cpus = [statistics.median(c[r] for _, c in reps) for r in range(n)]
+            result[lib] = (statistics.median(times), rss, sum(loss) / len(loss), cpus)
         rows.append((name, n, result))
         print(name, result, flush=True)
     print()
@@ -245,10 +253,24 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, n, r in rows:
-        (tt, tm, tl), (ft, fm, fl) = r["torch"], r["fshard"]
+        (tt, tm, tl, _), (ft, fm, fl, _) = r["torch"], r["fshard"]
         print(
             f"| {name} | {n} | {tt * 1e3:.0f} | {ft * 1e3:.0f} | {ft / tt:.2f}x | {tm:.0f} "
             f"| {fm:.0f} | {fm / tm:.2f}x | {tl:.4f} / {fl:.4f} |"
+        )
+    print()
+    print(
+        "Process CPU ms a step per rank (median over reps; all threads; less sensitive to other "
+        "load than the wall time):"
+    )
+    print("| configuration | torch | fshard | ratio of the sums |")
+    print("|---|---|---|---|")
+    for name, _, r in rows:
+        tc, fc = r["torch"][3], r["fshard"][3]
+        show = " / ".join
+        print(
+            f"| {name} | {show(f'{c * 1e3:.0f}' for c in tc)} | "
+            f"{show(f'{c * 1e3:.0f}' for c in fc)} | {sum(fc) / sum(tc):.2f}x |"
         )
 
 

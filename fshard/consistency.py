@@ -110,6 +110,7 @@ _SEQ: dict = {}  # process group -> exchanges issued on it by this rank ("every"
 _RUNNING: dict = {}  # process group -> _Running
 _CROSSED: dict = {}  # (process group, boundary) -> times this rank crossed it (default mode)
 _CLAIMED: set = set()  # (call site, mesh, op, input) whose plain tensor was checked (default)
+_SETTLED: set = set()  # process groups whose digests a settle() compared and cleared
 
 
 def enabled() -> bool:
@@ -135,6 +136,7 @@ def reset() -> None:
     _RUNNING.clear()
     _CROSSED.clear()
     _CLAIMED.clear()
+    _SETTLED.clear()
 
 
 def _canonical(obj):
@@ -279,6 +281,9 @@ def _running(g: AxisGroup) -> _Running:
     r = _RUNNING.get(g.pg)
     if r is None:
         r = _RUNNING[g.pg] = _Running(g)
+        # a group settle() compared already is not new: its next collective is not its first
+        # (each step of a pipeline's stage re-exchanged there, once a step, after the settle)
+        r.exchanged = g.pg in _SETTLED
     return r
 
 
@@ -504,8 +509,10 @@ def settle(group: Mesh | AxisGroup, what: str) -> None:
     clear them (default mode; one small all_reduce). For programs that are the same only within
     sub-groups of a mesh (MPMD: a pipeline's stages issue their own tensor-parallel collectives):
     each sub-group settles its history where it ends, so a later boundary over the whole mesh
-    compares only what every rank ran since. No-op in the other modes (``"every"`` checked each
-    collective already) and on one rank.
+    compares only what every rank ran since. A settled group's next collective is not its first
+    (no exchange there: it folds into the group's fresh digest, compared at the next settle or
+    boundary). No-op in the other modes (``"every"`` checked each collective already) and on
+    one rank.
 
     Example:
         >>> consistency.settle(mesh, "fs.parallel.pipeline")  # doctest: +SKIP
@@ -518,6 +525,8 @@ def settle(group: Mesh | AxisGroup, what: str) -> None:
         settled = {id(r) for r in _within(g)}  # agreed: forgotten, so later checks over
         for pg in [pg for pg, r in _RUNNING.items() if id(r) in settled]:  # bigger groups
             del _RUNNING[pg]  # compare only what every rank ran since
+            _SETTLED.add(pg)  # ... and its next collective folds in (compared at the next
+            # settle or boundary; its first one ever was exchanged)
 
 
 def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> None:

@@ -298,6 +298,20 @@ class GradSync(lax.Handler):
             return None
         return (i, tuple(x.shape), x.stride(), x.storage_offset(), group.axes, id(group.pg), dtype)
 
+    def holds(self, x: torch.Tensor) -> bool:
+        """``"step"`` mode: whether :meth:`hold_gather` keeps a gather of ``x`` (one of the
+        leaves or a view of one) while the step's reduction has not begun.
+
+        Example:
+            >>> GradSync([torch.ones(2)], mode="step").holds(torch.ones(2))
+            False
+        """
+        if self.mode != "step" or self.buckets is not None:
+            return False
+        base = x if x._base is None else x._base
+        i = self.index.get(id(base))
+        return i is not None and self.leaves[i] is base
+
     def held_gather(
         self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype
     ) -> torch.Tensor | None:

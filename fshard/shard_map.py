@@ -97,7 +97,31 @@ class _Tracker(TorchFunctionMode):
         # The axes tracked: the body's manual axes and those of every enclosing body.
         self.manual = frozenset(mesh.axis_names) if manual is None else manual
         self.auto = auto  # the mesh of the body's global-view values (partial-manual), or None
-        self.paused = 0
+        self._paused = 0
+        self._popped = False  # off torch's mode stack while paused (see ``paused``)
+
+    @property
+    def paused(self) -> int:
+        """How many pauses are open: while any is, every op passes through untracked. A pause
+        opened where the tracker is the innermost torch-function mode (a pipeline's schedule,
+        an inner body's run) also takes the mode off torch's stack until the last pause
+        closes: a paused mode's only work is passing each call on, and every torch call and
+        tensor attribute read in the pause went through it (~3,700 Python calls a step on a
+        stage of ``benchmarks/composed_step.py``'s FSDP x PP). Not under ``torch.compile``
+        (the stack is dynamo's to trace)."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, n: int) -> None:
+        was, self._paused = self._paused, n
+        if was == 0 and n > 0 and not _compiling():
+            top = torch._C._len_torch_function_stack() - 1
+            if top >= 0 and torch._C._get_function_stack_at(top) is self:
+                torch._C._pop_torch_function_stack()
+                self._popped = True
+        elif was > 0 and n == 0 and self._popped:
+            self._popped = False
+            torch._C._push_on_torch_function_stack(self)
 
     # -- marks --------------------------------------------------------------------------
     def vma(self, t: torch.Tensor) -> frozenset:

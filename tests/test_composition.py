@@ -405,6 +405,94 @@ def test_parallelize_pipelines_transformers_models(world4):
             assert worst < 1e-4, (kind, degrees, options, worst)
 
 
+def pp_fsdp_exchanges_rank_fn():
+    """The consistency exchanges (all_reduces no comm-log record shows) of one steady step of
+    parallelize's pipelined FSDP loss (pp=2, dp_shard=2) and fs.optim.step: the 5th step, so
+    the batch's and the update's boundaries fold into the digest (exchanged at steps 1, 2, 4)."""
+    import torch.distributed as dist
+
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    tx = fs.optim.adamw(1e-2)
+    state = tx.init(params)
+
+    def step():
+        nonlocal params, state
+        _, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+        params, state = fs.optim.step(tx, grads, state, params)
+
+    for _ in range(4):
+        step()
+    calls = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+    try:
+        with fs.debug.comm_log() as log:
+            step()
+    finally:
+        dist.all_reduce = all_reduce
+    return len(calls) - sum(r.op == "all_reduce" for r in log)
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_fsdp_step_exchanges_three_digests(world4):
+    """A steady step of the pipelined FSDP loss exchanges consistency digests three times on
+    every rank: the pipeline's shard_map compares its arguments and the mesh's digest (the
+    batch folded in: a per-rank batch still raises at its step,
+    test_parallelize_pp_refuses_a_per_rank_batch) in one all_reduce and its pp sub-groups' in
+    a second, and each stage's dp_shard group settles its history after the schedule (one).
+    Was four: the dp_shard group, settled and so forgotten, exchanged again at its first
+    collective of the next step (its all_gather), though the settle had compared it."""
+    pytest.importorskip("transformers")
+    assert world4.run(pp_fsdp_exchanges_rank_fn) == [3] * 4
+
+
+def pp_fsdp_remat_comm_rank_fn():
+    """The dp_shard collectives of one step of parallelize's pipelined FSDP loss with each
+    layer under fs.remat (pp=2, dp_shard=2: one layer a stage, 2 microbatches), by op and
+    bytes, and the module's sizes to predict them."""
+    model = _hf_model("llama")
+    numel = {k: sum(p.numel() for p in m.parameters()) for k, m in (
+        ("layer", model.model.layers[0]), ("embed", model.model.embed_tokens),
+        ("norm", model.model.norm), ("head", model.lm_head),
+    )}  # fmt: skip
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=True)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    fs.value_and_grad(loss)(params, {"input_ids": ids})
+    with fs.debug.comm_log() as log:
+        fs.value_and_grad(loss)(params, {"input_ids": ids})
+    got = Counter((r.op, r.nbytes) for r in log if r.axes == ("dp_shard",))
+    return torch.distributed.get_rank() // 2, dict(got), numel
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_fsdp_remat_gathers_each_unit_packed(world4):
+    """FSDP x PP with fs.remat: the recompute runs under torch.func, where FSDP gathers a
+    unit as one packed all_gather too (FSDP2's granularity), its backward one reduce_scatter.
+    Per rank and step: the layer's unit gathered by the forward (kept for the step) and again
+    by each microbatch's recompute (3), each recompute's gradient reduce-scattered (2, the
+    whole layer's: its bytes are the gathered pack's), and the first stage's embedding or the
+    last's norm and head gathered once and reduce-scattered once by the step's gradient sync.
+    Was one all_gather and one reduce_scatter per param and recompute (20 all_gathers and 19
+    reduce_scatters on stage 0's ranks here; issue 36: 1,522 and 721 a composed step). Gradients
+    equal to dense:
+    test_parallelize_pipelines_transformers_models (pp=2, dp_shard=2, remat=True)."""
+    pytest.importorskip("transformers")
+    for stage, got, numel in world4.run(pp_fsdp_remat_comm_rank_fn):
+        block = {k: n * 4 // 2 for k, n in numel.items()}  # float32, half a rank (even rows)
+        ends = block["embed"] if stage == 0 else block["norm"] + block["head"]
+        want = Counter(
+            {("all_gather", block["layer"]): 3, ("reduce_scatter", 2 * block["layer"]): 2}
+        )
+        want[("reduce_scatter", 2 * ends)] += 1
+        for k in ("embed",) if stage == 0 else ("norm", "head"):
+            want[("all_gather", block[k])] += 1
+        assert got == dict(want), (stage, got, dict(want))
+
+
 #: pp=1: each decoder layer under fs.remat inside the one call of the whole model
 REMATTED = [
     ("llama", {"dp_shard": 2, "tp": 2}, {"remat": True}),
@@ -624,13 +712,22 @@ def test_per_layer_remat_without_pp_on_a_simulated_mesh():
     act = 4 * 16 * 64 * 4  # rows x seq x hidden, float32: one row-parallel output
     extra = {}
     for layers in (2, 4):
-        plain, rematted = _dry_class({"tp": 2}, 4, layers=layers), _dry_class({"tp": 2}, 4, True, layers)
+        plain, rematted = (
+            _dry_class({"tp": 2}, 4, layers=layers),
+            _dry_class({"tp": 2}, 4, True, layers),
+        )
         (n0, b0), (n1, b1) = (c.comm_summary()[(("tp",), "all_reduce")] for c in (plain, rematted))
         assert (n1 - n0, b1 - b0) == (2 * layers, 2 * layers * act), layers
-        assert rematted.activations < plain.activations / 2, (rematted.activations, plain.activations)
+        assert rematted.activations < plain.activations / 2, (
+            rematted.activations,
+            plain.activations,
+        )
         extra[layers] = rematted.flops[torch.float32] - plain.flops[torch.float32]
     assert extra[4] == 2 * extra[2] > 0, extra
-    plain, rematted = _dry_class({"dp_shard": 2, "tp": 2}, 4), _dry_class({"dp_shard": 2, "tp": 2}, 4, True)
+    plain, rematted = (
+        _dry_class({"dp_shard": 2, "tp": 2}, 4),
+        _dry_class({"dp_shard": 2, "tp": 2}, 4, True),
+    )
     assert rematted.activations < plain.activations, (rematted.activations, plain.activations)
     (g0, s0), (g1, s1) = [
         [c.comm_summary()[(("dp_shard",), k)][1] for k in ("all_gather", "reduce_scatter")]
@@ -733,18 +830,32 @@ def test_parallelize_takes_a_model_of_your_own_by_its_parts():
     with pytest.raises(ValueError, match=r"parts.embed = 'tok' is not a submodule of GPT"):
         _pipeline_parts(model, dims, fs.parallel.ModelParts(embed="tok", layers="blocks"))
     bad = fs.parallel.ModelParts(embed="embed", layers="blocks.0", norm="ln_f", head="head")
-    with pytest.raises(ValueError, match=r"parts.layers = 'blocks.0' must name a torch.nn.ModuleList"):
+    with pytest.raises(
+        ValueError, match=r"parts.layers = 'blocks.0' must name a torch.nn.ModuleList"
+    ):
         _pipeline_parts(model, dims, bad)
     parts = _pipeline_parts(model, dims, demo.gpt_parts(CFG))
-    assert (parts.embed, parts.layers, parts.norm, parts.head) == ("embed", "blocks", "ln_f", "head")
-    assert parts.names["embed"] == {"tok.weight": "embed.tok.weight", "pos.weight": "embed.pos.weight"}
+    assert (parts.embed, parts.layers, parts.norm, parts.head) == (
+        "embed",
+        "blocks",
+        "ln_f",
+        "head",
+    )
+    assert parts.names["embed"] == {
+        "tok.weight": "embed.tok.weight",
+        "pos.weight": "embed.pos.weight",
+    }
     ids = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="'labels' .* and 'targets' .*give one"):
         _batch({"input_ids": ids, "labels": ids, "targets": ids})
-    with pytest.raises(ValueError, match=r"batch\['targets'\] must be a tensor shaped as input_ids"):
+    with pytest.raises(
+        ValueError, match=r"batch\['targets'\] must be a tensor shaped as input_ids"
+    ):
         _batch({"input_ids": ids, "targets": ids[:, 1:]})
     assert _batch({"input_ids": ids, "targets": ids})[3] is ids
     # the composition passes what a forward takes; a real value it does not take is an error
-    assert forward_kwargs(model, {"position_ids": ids, "use_cache": False}, "x") == {"position_ids": ids}
+    assert forward_kwargs(model, {"position_ids": ids, "use_cache": False}, "x") == {
+        "position_ids": ids
+    }
     with pytest.raises(ValueError, match=r"x: GPT.forward takes no \['attention_mask'\]"):
         forward_kwargs(model, {"attention_mask": ids}, "x")

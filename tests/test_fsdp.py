@@ -199,21 +199,20 @@ def test_fsdp_training_matches_dense(world2, dense, traced):
     ref_losses, ref_params = dense
     model, _ = _setup()
     block = _blocks(model, 2)  # gain's 3 rows: blocks of 2 and 1, a pack pads to 2 + 2
-    for rank, (losses, params, logs) in enumerate(world2.run(fsdp_rank_fn, traced)):
+    for losses, params, logs in world2.run(fsdp_rank_fn, traced):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         for k in params:
             torch.testing.assert_close(params[k], ref_params[k])
-        own = _blocks(model, 2, rank)
         for log in logs:
             want = [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
-            if traced:  # each sharded param gathered from its block, its gradient scattered
-                want += [("all_gather", own[k]) for k in own]
-                want += [("reduce_scatter", p.numel() * 8) for p in model.parameters() if p.dim()]
-            else:  # FSDP2's granularity: one all_gather per unit (forward, and again in the
-                # backward instead of keeping the weights), one reduce_scatter per unit
-                units = [[k for k in names if k in block] for names in UNITS.values()]
-                want += [("all_gather", sum(block[k] for k in u)) for u in units] * 2
-                want += [("reduce_scatter", 2 * sum(block[k] for k in u)) for u in units]
+            # FSDP2's granularity: one all_gather per unit (the padded blocks packed), one
+            # reduce_scatter per unit; eager, the backward gathers again instead of keeping
+            # the weights. Traced (torch.func: fs.remat's recompute) was one all_gather of
+            # each param's own block and one reduce_scatter per param (9 each per Llama
+            # layer); packed like the eager path's since (its blocks padded the same way)
+            units = [[k for k in names if k in block] for names in UNITS.values()]
+            want += [("all_gather", sum(block[k] for k in u)) for u in units] * (1 + (not traced))
+            want += [("reduce_scatter", 2 * sum(block[k] for k in u)) for u in units]
             assert sorted(log) == sorted(want)
             # no weight gradient is ever all-reduced (then sliced)
             assert not [r for r in log if r[0] == "all_reduce" and r[1] > 24]
@@ -390,6 +389,27 @@ def test_fsdp_call_checks_units_up_front():
     assert module_state(model) == before
 
 
+def test_fsdp_call_checks_units_again_when_the_module_changes():
+    """fsdp_call reuses its units check for a module whose structure, units and given names it
+    checked before (a pipeline stage's layer: once per layer and microbatch), and checks again
+    once any of them changed: a tie made after a passing call is refused (an abstract mesh and
+    plain tensors: the units check passes or raises before the params' types are)."""
+    mesh = fs.Mesh.abstract((2,), ("dp",))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ModuleList([nn.Linear(3, 3) for _ in range(2)]))
+    ids = torch.ones(2, 3)
+    units = fs.nn.fsdp_units(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    for _ in range(2):  # the check passes (first call, then its reuse): the types are next
+        with pytest.raises(TypeError, match="ShardedArrays"):
+            fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    model[1][1].weight = model[0].weight  # now one tensor in the root and in unit '1.1'
+    with pytest.raises(ValueError, match=r"params\['1.1.weight'\]: tied to params\['0.weight'\]"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    model[1][1].weight = nn.Parameter(params["1.1.weight"].clone())  # untied: passes again
+    with pytest.raises(TypeError, match="ShardedArrays"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+
+
 def hsdp_rank_fn(traced):
     """HSDP on a (2, 2) mesh: params sharded over "shard", replicated over "rep"; the batch
     split over both."""
@@ -423,7 +443,6 @@ def test_hsdp_matches_dense(world4, dense, traced):
     all-reduced over the replicate axis (half the bytes of the full gradient), equal to dense."""
     ref_losses, ref_params = dense
     model, _ = _setup()
-    sizes = {k: p.numel() * 8 for k, p in model.named_parameters()}
     block = _blocks(model, 2)  # the largest block over "shard" (a pack's padding)
     for rank, (losses, params, logs) in enumerate(world4.run(hsdp_rank_fn, traced)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
@@ -433,15 +452,11 @@ def test_hsdp_matches_dense(world4, dense, traced):
         for log in logs:
             gathers = [n for op, axes, n in log if op == "all_gather"]
             rs = [(axes, n) for op, axes, n in log if op == "reduce_scatter"]
-            if traced:
-                assert sorted(gathers) == sorted(own.values())
-                assert sorted(rs) == sorted((("shard",), sizes[k]) for k in own)
-            else:  # per unit (see test_fsdp_training_matches_dense)
-                units = [[k for k in names if k in block] for names in UNITS.values()]
-                assert sorted(gathers) == sorted([sum(block[k] for k in u) for u in units] * 2)
-                assert sorted(rs) == sorted(
-                    (("shard",), 2 * sum(block[k] for k in u)) for u in units
-                )
+            # per unit, traced too (see test_fsdp_training_matches_dense)
+            units = [[k for k in names if k in block] for names in UNITS.values()]
+            packs = [sum(block[k] for k in u) for u in units]
+            assert sorted(gathers) == sorted(packs * (1 + (not traced)))
+            assert sorted(rs) == sorted((("shard",), 2 * n) for n in packs)
             reduced = [(axes, n) for op, axes, n in log if op == "all_reduce"]
             # this rank's shards of the gradients over "rep" (bucketed at top level); over
             # both axes the loss's pmean and scale's (0-d, whole) gradient

@@ -181,10 +181,11 @@ def test_fsdp_mixed_precision_equals_dense_with_the_same_casts(world2, which, ho
     width = 4 if which == "reduce_f32" else 2
     split = NUMEL["inp.weight"] + NUMEL["inp.bias"]  # even over 2; gain's 3 rows: 2 and 1
     whole = NUMEL["out.weight"] + NUMEL["out.bias"]
-    for rank, (_, _, logs) in enumerate(results):
-        # the eager path packs the unit, gain's block padded to 2 rows on both ranks; under
-        # torch.func each param is gathered alone from this rank's block, scattered whole
-        gain_block, gain_scatter = (2 - rank, 3) if how == "torch.func" else (2, 4)
+    for _, _, logs in results:
+        # both paths pack the unit, gain's block padded to 2 rows on both ranks (under
+        # torch.func each param was gathered alone from this rank's block, 2 - rank rows, and
+        # scattered whole, 3: one collective per param where FSDP2 issues one per unit)
+        gain_block, gain_scatter = 2, 4
         for log in logs:
             gathers = [n for op, n in log if op == "all_gather"]
             # each rank's bf16 blocks gathered (2 B per value: half the fp32 bytes), the eager

@@ -658,6 +658,22 @@ def _pipeline_loss(
     # params to find them at every call: 16 calls a step on a 2-layer stage, 4 microbatches)
     fsdp = isinstance(call, functools.partial) and call.func is fsdp_call
     units = {k: {"units": fsdp_units(mod)} if fsdp else {} for k, (mod, _) in pieces.items()}
+    # A decoder layer whose params only FSDP splits (no tp, ep, cp or HSDP, no output layout
+    # inside it, no mixed precision: untested there) runs on this rank's rows as plain
+    # tensors: the layer is row-wise, so its local view is exact, and fsdp_call gives its
+    # params gathered as plain tensors (the varying gathers, whose backward the pipeline's
+    # step-mode gradient sync takes over). In the global view every op of the layer went
+    # through an op rule (~400 a step on a stage of benchmarks/composed_step.py's FSDP x PP,
+    # each a Python dispatch) for the same numbers.
+    local_layers = (
+        fsdp
+        and mp_policy is None
+        and not pieces["layer"][1]
+        and dims.tp == dims.cp == dims.ep == dims.dp_replicate == 1
+    )
+    # the last stage's norm, head and cross entropy too (row-wise; the loss this rank's addend
+    # of the sum over the batch axes, as the global view's is)
+    local_last = local_layers and not pieces["norm"][1] and not pieces["head"][1]
 
     def run(key, params, args, kwargs):
         # the plan's output layouts, as the whole model's call applies them: the same
@@ -752,20 +768,30 @@ def _pipeline_loss(
                 hd = rope[0].shape[-1]
                 x, extra = x[..., : -2 * hd], x[..., -2 * hd :]
                 kwargs = {**kwargs, "position_embeddings": (extra[..., :hd], extra[..., hd:])}
+            typed = local_layers and isinstance(x, ShardedArray) and not x.layout.partial
+            h = x.local if typed else x
             for i in range(next(iter(p.values())).shape[0]):
-                out = layer({k: v[i] for k, v in p.items()}, x, kwargs)
-                x = out[0] if isinstance(out, tuple) else out
+                out = layer({k: _row(v, i) for k, v in p.items()}, h, kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+            x = ShardedArray._derived(h, x.layout) if typed else h
             return x if extra is None else torch.cat([x, extra], -1)
 
         def last(hp, y, target):
             if rope is not None:
                 y = y[..., : -2 * rope[0].shape[-1]]
+            rows = None  # the local view (as the layers'): the axes this rank's rows split over
+            if local_last and _sharded(y) and _sharded(target) and not y.layout.partial:
+                rows = y.spec.padded(y.ndim)[0]
+                y, target = y.local, target.local
             logits = run("head", hp["head"], (run("norm", hp["norm"], (y,), {}),), {})
             ce = F.cross_entropy(
                 logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100,
                 reduction="sum",
             )  # fmt: skip
-            return ce * (m / count)  # the pipeline means over the m microbatches
+            ce = ce * (m / count)  # the pipeline means over the m microbatches
+            if rows:  # this rank's addend of the sum over its rows' axes, as the op rule's
+                ce = ShardedArray._raw(ce, Layout.of(mesh, P(partial=rows), (), ce.dtype))
+            return ce
 
         def first(ep, mbs):  # the first stage's piece: the embedding of every microbatch
             kwargs = {"position_ids": mbs["position_ids"]} if "position_ids" in mbs else {}
@@ -793,6 +819,27 @@ def _pipeline_loss(
         return gather(out)
 
     return loss
+
+
+def _sharded(v) -> bool:
+    return isinstance(v, ShardedArray)
+
+
+def _row(v, i: int):
+    """Layer ``i`` of a stage's stacked param ``v``: ``v[i]``; of a ShardedArray whose dim 0
+    (the layers) no axis splits, its block's row in the layout of the other dims, as the
+    indexing op rule gives it, without the rule's dispatch (one per param and layer each
+    microbatch)."""
+    if type(v) is ShardedArray and type(v.layout) is Layout and not v.spec.padded(1)[0]:
+        return ShardedArray._raw(v.local[i], _row_layout(v.layout))
+    return v[i]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_layout(layout: Layout) -> Layout:
+    spec = layout.spec
+    rest = P(*spec.padded(len(layout.shape))[1:], partial=spec.partial)
+    return Layout.of(layout.mesh, rest, layout.shape[1:], layout.dtype)
 
 
 def _out_width(embed: torch.nn.Module) -> int:

@@ -21,9 +21,11 @@ which differentiates at top level) it also does what FSDP2 does for memory and s
   re-gathers the unit when it first needs it (prefetching the unit before it), keeping at most
   two units gathered at once.
 
-Under a ``torch.func`` transform each param is ``fs.lax.all_gather(..., to="varying")`` (same
-values, same collectives, no prefetch or freeing: torch.func does not support saved-tensor
-hooks). Both paths gather through ``fshard._comm`` (the asynchronous one with
+Under a ``torch.func`` transform (``fs.remat``'s recompute) a unit's blocks are packed as the
+eager path packs them and gathered with one ``fs.lax.all_gather(..., to="varying")``, whose
+backward is one reduce_scatter (same values, same collectives, no prefetch or freeing:
+torch.func does not support saved-tensor hooks); in the global view (``fsdp_call`` on
+ShardedArrays) each param is still gathered alone there. Both paths gather through ``fshard._comm`` (the asynchronous one with
 ``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
 
 The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
@@ -247,6 +249,21 @@ class _Session:
         self.held = _active_sync("step") if self.eager and axis_env.in_body() else None
         self.kept: set[str] = set()
 
+    def keeps_all(self) -> bool:
+        """In a pipeline's stage: whether the step's gradient sync keeps every sharded param's
+        gather for the step (each a leaf of it or a view of one), so that the saved-tensor
+        hooks would save every gathered weight as it is (305 pack and 305 unpack calls a step
+        on a stage of ``benchmarks/composed_step.py``'s FSDP x PP, each from C++ into
+        Python)."""
+        if self.held is None:
+            return False
+        return all(
+            self.held.holds(self.params[n].local)
+            for names in self.units.values()
+            for n in names
+            if self.sharded(n)
+        )
+
     def sharded(self, name: str) -> bool:
         spec = self.params[name].spec
         if isinstance(spec, Parts):  # fsdp_plan leaves per-part params whole over the axis
@@ -356,7 +373,7 @@ class _Session:
         if not self.eager:
             if self.typed:
                 return {n: self._typed(n, None) for n in self.units[unit]}
-            return {n: self._traced(n) for n in self.units[unit]}
+            return self._traced_unit(unit)
         packs = self._wait(unit)
         # The data is gathered per pack (_launch), in a shard_map body too. In the global view
         # in a body (FSDP x CP) the differentiable varying gathers are made per param where an
@@ -460,6 +477,42 @@ class _Session:
         axes = self.replicate + self.axes
         y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
+
+    def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
+        """Under a ``torch.func`` transform (``fs.remat``'s recompute): the unit's sharded
+        params gathered as FSDP2 gathers them, one differentiable varying all_gather per
+        (gathered dtype, param dtype) pack of their blocks (uneven ones padded), whose
+        backward is one reduce_scatter of the pack's gradients (was one all_gather and one
+        reduce_scatter per param: 9 each per decoder layer and recompute on a Llama); a
+        param left whole, its pcast."""
+        out: dict[str, torch.Tensor] = {}
+        packs: dict = {}  # (gathered dtype, param_dtype) -> [(name, padded block)]
+        for n in self.units[unit]:
+            if not self.sharded(n):
+                out[n] = self._pcast(n)
+                continue
+            x = self._block(n)
+            reduce = self.policy.reduce_in(x.dtype)
+            src = self._replicated(x, reduce)
+            low = self.policy.cast_param(src)
+            # gathered in the reduce dtype where it differs (as _traced: under a transform an
+            # edge carries its forward dtype's gradient), then cast to param_dtype
+            t = low if reduce == low.dtype else src.to(reduce)
+            packs.setdefault((t.dtype, low.dtype), []).append((n, _padded(t, self.rows(n))))
+        k = self.group.size
+        for (_, low_dtype), items in packs.items():
+            flat = torch.cat([b.reshape(-1) for _, b in items])
+            full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
+            pieces = torch.split(full, [b.numel() for _, b in items], dim=1)
+            for (n, b), piece in zip(items, pieces):
+                rows = self.rows(n)
+                if rows is None:
+                    y = piece.reshape(k * b.shape[0], *b.shape[1:])
+                else:
+                    blocks = piece.reshape(k, *b.shape)
+                    y = torch.cat([blocks[j, :r] for j, r in enumerate(rows)])
+                out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
+        return {n: out[n] for n in self.units[unit]}
 
     def _traced(self, n: str) -> torch.Tensor:
         if not self.sharded(n):
@@ -756,21 +809,67 @@ def _gathering(session: _Session) -> Iterator[Callable]:
             if not session.eager:
                 yield session.gather
                 return
-            with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+            if session.keeps_all():  # no saved tensor is ever a token: no hooks to run
                 yield session.gather
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+                    yield session.gather
             for unit in list(session.launched):  # prefetched, never used: finish the collective
                 session._wait(unit)
     finally:
         session.end_forward()
 
 
+#: module -> {(structure, units, names given): its aliases}: what ``_check_units`` found for
+#: one structure of the module (weak: a module's entries go with it, and its aliases' owners,
+#: the module among them, are weak references, or the entry would keep its key alive)
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """Everything :func:`_check_units` reads of ``module``: each submodule's name and object,
+    and the names and objects of the tensors it holds (a hashable snapshot; equal snapshots
+    give equal checks and equal aliases)."""
+    return tuple(
+        (name, id(m), *((a, id(t)) for a, t in m._parameters.items() if t is not None),
+         None, *((a, id(t)) for a, t in m._buffers.items() if t is not None))
+        for name, m in module.named_modules(remove_duplicate=False)
+    )  # fmt: skip
+
+
 def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
     """Every unit's names resolve in ``module`` (ties: one value), no tensor is in two units,
     and a unit other than the root holds every name of its tensors (a tied alias outside the
     unit's submodule would read the module's own tensor, not the gathered one). Returns the
-    module's aliases, read before any swap; raises listing every problem."""
+    module's aliases, read before any swap; raises listing every problem.
+
+    The checks depend on the module's structure, the units and which of their names
+    ``params`` gives (the values' types are :func:`_check_gather`'s): a call that repeats all
+    three (a pipeline stage's layer, once per layer and microbatch) reuses the first's
+    result, found by a snapshot of the structure (:func:`_structure`) instead of the checks'
+    walks and name lookups."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    try:
+        key = (
+            _structure(module),
+            tuple((u, tuple(ns)) for u, ns in units.items()),
+            tuple(n in params for ns in units.values() for n in ns),
+        )
+        cached = _CHECKED.setdefault(module, {})
+    except TypeError:  # an unhashable unit name or a module without weak references
+        key, cached = None, {}
+    if key in cached:  # the aliases' owners are held weakly: the module is one of them
+        return {k: [(o(), a, s) for o, a, s in v] for k, v in cached[key].items()}
+    held = _check_units_now(module, params, units)
+    if key is not None:
+        if len(cached) >= 8:  # a module whose structure keeps changing: keep the latest
+            cached.clear()
+        cached[key] = {k: [(weakref.ref(o), a, s) for o, a, s in v] for k, v in held.items()}
+    return held
+
+
+def _check_units_now(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
     held = _swap.aliases(module)
     values = {n: params[n] for names in units.values() for n in names if n in params}
     _swap.targets(module, values, "fsdp_call", held)  # names, value types, ties
