@@ -96,7 +96,6 @@ wait on the dp peers inside the schedule).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -952,22 +951,6 @@ class _Pipeline(torch.autograd.Function):
         return (None, *[g * next(saved) if has else None for has in ctx.slots])
 
 
-@contextlib.contextmanager
-def _mode_popped(tracker):
-    """Within: the body's varying-axes tracker off the torch-function mode stack when it is on
-    top (it is paused for the schedule, so it would only hand each op back: a Python call per
-    torch call of every stage, loss and input piece and backward hook, ~1000 a GPT step)."""
-    if (
-        tracker is None
-        or torch.compiler.is_compiling()
-        or torch.overrides._get_current_function_mode() is not tracker
-    ):
-        yield
-        return
-    with torch.overrides._pop_mode_temporarily():
-        yield
-
-
 def _leaves(tree, what: str) -> tuple[list, object]:
     leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
     for i, leaf in enumerate(leaves):
@@ -1267,8 +1250,7 @@ def pipeline(
         if tracker is not None:
             tracker.paused += 1
         try:
-            with _mode_popped(tracker):
-                out = _Pipeline.apply(run, *tensors)
+            out = _Pipeline.apply(run, *tensors)  # paused: the tracker is off the mode stack
         finally:
             if tracker is not None:
                 tracker.paused -= 1
