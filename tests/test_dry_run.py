@@ -3,12 +3,15 @@
 One-process tests (no ranks): the simulated mesh, the rank-class rule checked against running
 every rank, argument and memory errors, the roofline. Multi-rank tests: the dry run's
 collectives equal ``fs.debug.comm_log`` of the real run on Gloo ranks exactly, for DDP, TP, FSDP
-and FSDP x TP of a transformers Llama, and its memory is within 10% of the peak that
-torch.profiler's CPU allocator events show for the real step.
+and FSDP x TP of a transformers Llama, and its memory is within 10% of the peak of the CPU
+allocator's live bytes in the real step (torch.profiler's allocator events, with frees made on
+any thread counted: ``_real_rank``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import os
 import subprocess
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
+from fshard import gradsync
 from fshard.dryrun import OutOfMemoryError, rank_classes
 
 transformers = pytest.importorskip("transformers")
@@ -293,24 +297,76 @@ def test_bad_arguments():
 # -- exactness against real runs ----------------------------------------------------------------------
 
 
-def _real_rank(degrees: dict, batch: int) -> tuple:
-    """One real step on this rank: its comm_log and the peak of the CPU allocator's live bytes
-    above the start (torch.profiler memory events: an oracle independent of the dry run's)."""
+#: Real steps per rank in ``_real_rank``: each rank's figure is its lowest (see there).
+REAL_STEPS = 3
+
+
+def _real_rank(degrees: dict, batch: int) -> list:
+    """``REAL_STEPS`` real first steps on this rank (each of a freshly built model, as the dry
+    run's: its peak counts the buffers a step keeps for the next, the gradient buckets, which
+    later steps reuse): per step its comm_log and the peak of the CPU allocator's live bytes
+    above the start (an oracle independent of the dry run's).
+
+    The live bytes are the allocator's running total at each of this thread's allocator events
+    (torch.profiler), with the allocator counting the allocations and frees of every thread
+    (``_allocator_counts_every_thread``). A Gloo Work holds the tensors of its collective, and
+    the group's worker thread drops the Work after completing it: when that comes after fshard
+    dropped its own references, the worker thread frees the buffers, and torch.profiler, which
+    records the frees of the threads it profiles only, never records those frees: the running
+    sum of its events counted them live to the end of the step (issue 38's flake: 233,112 and
+    190,408 bytes against 155-166 KB, a gather's and a reduce_scatter's buffers never freed).
+
+    A worker thread the scheduler keeps waiting does free those buffers late, so a real step can
+    peak above fshard's own figure by whatever Gloo still holds (measured at load 7: 5 of 60
+    steps by more than 10%, up to 190 KB against 155 KB); scheduling only ever adds, so the
+    lowest of a rank's steps is its figure."""
     dims = fs.parallel.ParallelDims(**degrees)
-    args = _make(dims.mesh(), dims, _cfg(), batch, 8, "cpu")
-    # the first step, as the dry run's: its peak counts the buffers a step keeps for the next
-    # (gradient buckets), which later steps reuse
-    gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:  # fmt: skip
-        with fs.debug.comm_log() as log:
-            out = _step(*args)
-        del out
-    live = peak = 0
-    for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-        if e.name() == "[memory]":
-            live += e.nbytes()
-            peak = max(peak, live)
-    return [(r.op, r.axes, r.nbytes) for r in log], peak
+    steps = []
+    for _ in range(REAL_STEPS):
+        gradsync._POOL.clear()  # a first step in this process too: no bucket kept from before
+        args = _make(dims.mesh(), dims, _cfg(), batch, 8, "cpu")
+        gc.collect()
+        with (
+            _allocator_counts_every_thread(),
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+        ):  # fmt: skip
+            with fs.debug.comm_log() as log:
+                out = _step(*args)
+            del out
+        steps.append(([(r.op, r.axes, r.nbytes) for r in log], _peak_above_start(prof)))
+        del args
+    return steps
+
+
+@contextlib.contextmanager
+def _allocator_counts_every_thread():
+    """c10's ``caffe2_report_cpu_memory_usage`` switched on inside the block: the CPU
+    allocator then keeps its running total of live bytes (the ``total_allocated`` of
+    torch.profiler's allocator events) for the allocations and frees of every thread, where by
+    default it counts only those of threads under the profiler."""
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    was, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = was
+
+
+def _peak_above_start(prof) -> int:
+    """The allocator's highest running total at ``prof``'s allocator events above its total
+    before the first of them."""
+
+    def walk(nodes):
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    events = (n for n in walk(tree) if n.tag == torch._C._profiler._EventType.Allocation)
+    allocs = [n.extra_fields for n in sorted(events, key=lambda n: n.start_time_ns)]
+    start = allocs[0].total_allocated - allocs[0].alloc_size
+    return max(a.total_allocated for a in allocs) - start
 
 
 CONFIGS = [
@@ -333,14 +389,13 @@ def test_dry_run_equals_the_real_run(world2, world4, name, degrees, world):
         ranks=list(range(world)),
     )  # fmt: skip
     by_figure: dict = {}
-    for (records, peak), c in zip(real, report.classes):
-        assert [(r.op, r.axes, r.nbytes) for r in c.collectives] == records, c.rank
-        by_figure.setdefault(c.peak - sum(c.args.values()), []).append(peak)
-    # The step's peak above its arguments against the CPU allocator's (torch.profiler), over the
-    # ranks the dry run gives the same figure: their lowest. Gloo's worker threads drop their
-    # references to the gradient buckets when each collective completes, which only delays
-    # frees, so a real rank can peak higher than its class's others (measured in these tiny
-    # models: 209 vs 166-168 KB, 345 vs 271 KB); the dry run frees at the last use.
+    for steps, c in zip(real, report.classes):
+        for records, peak in steps:
+            assert [(r.op, r.axes, r.nbytes) for r in c.collectives] == records, c.rank
+            by_figure.setdefault(c.peak - sum(c.args.values()), []).append(peak)
+    # The step's peak above its arguments against the CPU allocator's, over the real steps of
+    # the ranks the dry run gives the same figure: their lowest. The dry run frees at the last
+    # use; a real step peaks higher where Gloo's worker thread frees a buffer late (_real_rank).
     for dry, peaks in by_figure.items():
         assert abs(dry - min(peaks)) <= 0.1 * min(peaks), (dry, peaks)
 
