@@ -324,12 +324,7 @@ class _Session:
                 continue
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
-                rows = self.rows(n)
-                if rows is None:
-                    out[n] = piece.reshape(k * shape[0], *shape[1:])
-                else:
-                    blocks = piece.reshape(k, *shape)
-                    out[n] = torch.cat([blocks[j, :r] for j, r in enumerate(rows)])
+                out[n] = _unpadded(piece, k, shape, self.rows(n))
         if self.held is not None and flats is None:  # kept for the step's other uses
             for n, full in out.items():
                 if self.held.hold_gather(self.params[n].local, self.group, full):
@@ -505,12 +500,7 @@ class _Session:
             full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for _, b in items], dim=1)
             for (n, b), piece in zip(items, pieces):
-                rows = self.rows(n)
-                if rows is None:
-                    y = piece.reshape(k * b.shape[0], *b.shape[1:])
-                else:
-                    blocks = piece.reshape(k, *b.shape)
-                    y = torch.cat([blocks[j, :r] for j, r in enumerate(rows)])
+                y = _unpadded(piece, k, b.shape, self.rows(n))
                 out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
         return {n: out[n] for n in self.units[unit]}
 
@@ -761,6 +751,16 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
             "leaves such a param whole over the FSDP axes"
         )
     return chunk_sizes(rows, layout.mesh, axes)
+
+
+def _unpadded(piece: torch.Tensor, k: int, shape, rows: tuple[int, ...] | None) -> torch.Tensor:
+    """A param gathered out of ``piece``, its ``k`` chunks' (padded) blocks of ``shape`` as the
+    rows of a ``(k, -1)`` matrix: the blocks in chunk order along dim 0, each uneven one's
+    padding (:func:`_padded`) cut off."""
+    if rows is None:
+        return piece.reshape(k * shape[0], *shape[1:])
+    blocks = piece.reshape(k, *shape)
+    return torch.cat([blocks[j, :r] for j, r in enumerate(rows)])
 
 
 def _padded(t: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:
