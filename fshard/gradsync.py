@@ -198,6 +198,13 @@ class GradSync(lax.Handler):
             return proceed(b, x, done) if v is None else v
         return proceed(b, x, done)
 
+    def _leaf(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """``x``'s base (``x`` itself unless it is a view) and its index among the leaves, or
+        ``None`` when it is not one of them."""
+        base = x if x._base is None else x._base
+        i = self.index.get(id(base))
+        return base, (i if i is not None and self.leaves[i] is base else None)
+
     def _gather_stand_in(self, b, x, done, proceed) -> torch.Tensor | None:
         """``"step"`` mode: FSDP's varying gather (dim 0, even or uneven blocks) of a leaf, or
         of a view of one (a layer's row of a stacked stage weight), reads a stand-in per (param view,
@@ -207,12 +214,10 @@ class GradSync(lax.Handler):
         (bucketed). The stand-in holds no data (one element, stride 0): each use's gathered
         value is FSDP's (kept for the step by :meth:`hold_gather`)."""
         op = b.op
-        base = x if x._base is None else x._base
-        i = self.index.get(id(base))
+        base, i = self._leaf(x)
         if (
             op.dim != 0
             or i is None
-            or self.leaves[i] is not base
             or self.buckets is not None
             or not torch.is_grad_enabled()
             or torch._C._are_functorch_transforms_active()
@@ -264,11 +269,9 @@ class GradSync(lax.Handler):
         return self.entries[k].v
 
     def _stand_in(self, x: torch.Tensor, group: AxisGroup, dtype) -> torch.Tensor | None:
-        base = x if x._base is None else x._base
-        i = self.index.get(id(base))
+        base, i = self._leaf(x)
         if (
             i is None
-            or self.leaves[i] is not base
             or self.buckets is not None
             or not torch.is_grad_enabled()
             or torch._C._are_functorch_transforms_active()
@@ -292,9 +295,8 @@ class GradSync(lax.Handler):
     # -- "step" mode: FSDP's gathered params, kept for the step ------------------------------
 
     def _held_key(self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype) -> tuple | None:
-        base = x if x._base is None else x._base
-        i = self.index.get(id(base))
-        if self.mode != "step" or i is None or self.leaves[i] is not base:
+        i = self._leaf(x)[1]
+        if self.mode != "step" or i is None:
             return None
         return (i, tuple(x.shape), x.stride(), x.storage_offset(), group.axes, id(group.pg), dtype)
 
@@ -308,9 +310,7 @@ class GradSync(lax.Handler):
         """
         if self.mode != "step" or self.buckets is not None:
             return False
-        base = x if x._base is None else x._base
-        i = self.index.get(id(base))
-        return i is not None and self.leaves[i] is base
+        return self._leaf(x)[1] is not None
 
     def held_gather(
         self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype
