@@ -10,8 +10,6 @@ any thread counted: ``_real_rank``).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import os
 import subprocess
@@ -25,6 +23,7 @@ import torch.distributed as dist
 import fshard as fs
 from fshard import gradsync
 from fshard.dryrun import OutOfMemoryError, rank_classes
+from tests._memory import allocator_counts_every_thread, peak_above_start
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -309,7 +308,7 @@ def _real_rank(degrees: dict, batch: int) -> list:
 
     The live bytes are the allocator's running total at each of this thread's allocator events
     (torch.profiler), with the allocator counting the allocations and frees of every thread
-    (``_allocator_counts_every_thread``). A Gloo Work holds the tensors of its collective, and
+    (``allocator_counts_every_thread``). A Gloo Work holds the tensors of its collective, and
     the group's worker thread drops the Work after completing it: when that comes after fshard
     dropped its own references, the worker thread frees the buffers, and torch.profiler, which
     records the frees of the threads it profiles only, never records those frees: the running
@@ -327,46 +326,15 @@ def _real_rank(degrees: dict, batch: int) -> list:
         args = _make(dims.mesh(), dims, _cfg(), batch, 8, "cpu")
         gc.collect()
         with (
-            _allocator_counts_every_thread(),
+            allocator_counts_every_thread(),
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
         ):  # fmt: skip
             with fs.debug.comm_log() as log:
                 out = _step(*args)
             del out
-        steps.append(([(r.op, r.axes, r.nbytes) for r in log], _peak_above_start(prof)))
+        steps.append(([(r.op, r.axes, r.nbytes) for r in log], peak_above_start(prof)))
         del args
     return steps
-
-
-@contextlib.contextmanager
-def _allocator_counts_every_thread():
-    """c10's ``caffe2_report_cpu_memory_usage`` switched on inside the block: the CPU
-    allocator then keeps its running total of live bytes (the ``total_allocated`` of
-    torch.profiler's allocator events) for the allocations and frees of every thread, where by
-    default it counts only those of threads under the profiler."""
-    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
-    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-    was, flag.value = flag.value, True
-    try:
-        yield
-    finally:
-        flag.value = was
-
-
-def _peak_above_start(prof) -> int:
-    """The allocator's highest running total at ``prof``'s allocator events above its total
-    before the first of them."""
-
-    def walk(nodes):
-        for n in nodes:
-            yield n
-            yield from walk(n.children)
-
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    events = (n for n in walk(tree) if n.tag == torch._C._profiler._EventType.Allocation)
-    allocs = [n.extra_fields for n in sorted(events, key=lambda n: n.start_time_ns)]
-    start = allocs[0].total_allocated - allocs[0].alloc_size
-    return max(a.total_allocated for a in allocs) - start
 
 
 CONFIGS = [
