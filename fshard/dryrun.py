@@ -356,6 +356,7 @@ def _members(ranks: Sequence[int]) -> str:
 
 # -- the tracker ---------------------------------------------------------------------------------
 
+
 class _Tracker(TorchDispatchMode):
     """Live storage bytes (each storage once, freed by a weak-reference finalizer), the peak,
     the live bytes at the first backward op, FLOPs per dtype and bytes accessed."""
@@ -414,7 +415,9 @@ class _Tracker(TorchDispatchMode):
             self.peak = self.live
         packet = func._overloadpacket
         if packet in flop_registry:
-            first = next(a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+            first = next(
+                a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+            )
             self.flops[first.dtype] += int(flop_registry[packet](*args, **kwargs, out_val=out))
         if not _is_view(func) and packet not in _UNTOUCHED:
             ins = [a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -508,7 +511,9 @@ def _fresh(args: tuple) -> tuple:
     def own(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" or t.untyped_storage().nbytes() <= _nbytes(t):
             return t
-        return torch.empty_like(t, memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)
+        return torch.empty_like(t, memory_format=torch.contiguous_format).requires_grad_(
+            t.requires_grad
+        )
 
     def leaf(x):
         if isinstance(x, ShardedArray):
@@ -589,7 +594,9 @@ def uneven_splits(args, names: Sequence[str] = ()) -> list[str]:
         ["['w']: dim 0 of size 6 split over ('x',) (4 ranks): blocks of 3 x 2, 1 x 0"]
     """
     out = []
-    paths, leaves, _ = optree.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, ShardedArray))
+    paths, leaves, _ = optree.tree_flatten_with_path(
+        args, is_leaf=lambda x: isinstance(x, ShardedArray)
+    )
     for path, x in zip(paths, leaves):
         lay = getattr(x, "layout", None)
         dim_axes = getattr(lay, "dim_axes", None)
@@ -868,5 +875,3 @@ def _check_memory(report: DryRunReport) -> None:
         f"{_gib(mem)} of device memory:\n  " + "\n  ".join(lines),
         report,
     )
-
-

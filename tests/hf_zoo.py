@@ -34,8 +34,17 @@ _SIZES = {
     # widths
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim"), 32),
     **dict.fromkeys(
-        ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim",
-         "decoder_ffn_dim", "hidden_dim", "ffn_hidden_size", "mlp_dim"),
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "d_ff",
+            "n_inner",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "hidden_dim",
+            "ffn_hidden_size",
+            "mlp_dim",
+        ),
         64,
     ),  # fmt: skip
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
@@ -44,14 +53,27 @@ _SIZES = {
     "kv_channels": 8,
     # depth
     **dict.fromkeys(
-        ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers",
-         "encoder_layers", "decoder_layers"),
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "num_layers",
+            "n_layers",
+            "num_decoder_layers",
+            "encoder_layers",
+            "decoder_layers",
+        ),
         2,
     ),  # fmt: skip
     # heads
     **dict.fromkeys(
-        ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
-         "decoder_attention_heads"),
+        (
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "n_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+        ),
         4,
     ),  # fmt: skip
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads"), 2),

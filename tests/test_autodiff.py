@@ -315,7 +315,6 @@ def dp_in_place_rank_fn():
     overwritten by step 2, and two param sets never share a buffer."""
     import gc
 
-
     mesh, model, xs, ys, loss = _dp_setup()
     params = fs.nn.shard_params(model, mesh)
     other = {k: fs.from_local(v.local * 2, mesh, fs.P(), shape=v.shape) for k, v in params.items()}

@@ -764,7 +764,9 @@ ARCH_CONFIGS += [("phi3", "tp-replicated")]
 # issue 37 item 7: MoE blocks in dp on each rank's rows (fs.nn.LocalRows): transformers' eager
 # experts (torch.where over the expert mask, refused on an even dp batch before) and the
 # grouped_mm ones (which gathered every token before), even and odd batches
-ARCH_CONFIGS += [(a, j) for a in ("mixtral_eager", "qwen2_moe") for j in ("dp-local", "dp-local-even")]
+ARCH_CONFIGS += [
+    (a, j) for a in ("mixtral_eager", "qwen2_moe") for j in ("dp-local", "dp-local-even")
+]
 # configurations that stop with a clear error (docs/models.md), and the error they raise
 ARCH_ERRORS = {
     # torch refuses the context_fn fshard's recompute needs on a reentrant checkpoint
@@ -859,7 +861,9 @@ def dp_forward_comm_rank_fn():
     params = fs.nn.shard_params(model, mesh)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     with fs.debug.comm_log() as log:
-        fs.nn.functional_call(model, params, (fs.shard(ids, mesh, fs.P("dp")),), {"use_cache": False})
+        fs.nn.functional_call(
+            model, params, (fs.shard(ids, mesh, fs.P("dp")),), {"use_cache": False}
+        )
     return [(r.op, r.nbytes) for r in log]
 
 

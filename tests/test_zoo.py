@@ -29,7 +29,9 @@ def test_zoo_is_generated_from_the_registry():
 @pytest.mark.parametrize("arch", SAMPLE)
 def test_zoo_sample_matches_dense(world2, arch):
     for result in world2.run(hf_zoo.zoo_rank_fn, arch):
-        assert {m: o[0] for m, o in result.items()} == dict.fromkeys(("dp", "tp", "fsdp"), "equal"), result
+        assert {m: o[0] for m, o in result.items()} == dict.fromkeys(
+            ("dp", "tp", "fsdp"), "equal"
+        ), result
 
 
 @pytest.mark.zoo
