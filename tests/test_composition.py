@@ -449,6 +449,55 @@ def test_pipelined_fsdp_step_exchanges_three_digests(world4):
     assert world4.run(pp_fsdp_exchanges_rank_fn) == [3] * 4
 
 
+def pp_fsdp_dispatch_rank_fn():
+    """Per-use costs of one steady step of parallelize's pipelined FSDP loss (pp=2,
+    dp_shard=2, 2 microbatches): op-rule dispatches and applications of the gradient sync's
+    alias Function (one per gathered param, use and microbatch before), and the step's
+    gradients against a fresh step's (the same params and batch: equal)."""
+    from fshard import array, gradsync
+
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    want = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    counts = Counter()
+    dispatch, alias = array._DISPATCH, gradsync._Alias.forward
+
+    def counted_dispatch(*a):
+        counts["dispatch"] += 1
+        return dispatch(*a)
+
+    def counted_alias(*a):
+        counts["alias"] += 1
+        return alias(*a)
+
+    array._DISPATCH, gradsync._Alias.forward = counted_dispatch, staticmethod(counted_alias)
+    try:
+        got = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    finally:
+        array._DISPATCH, gradsync._Alias.forward = dispatch, staticmethod(alias)
+    local = [getattr(t, "local", t) for t in fs.tree_leaves((got, want))]
+    same = all(
+        torch.equal(g, w) for g, w in zip(local[: len(local) // 2], local[len(local) // 2 :])
+    )
+    return dict(counts), same
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_fsdp_step_runs_locally_without_a_node_per_use(world4):
+    """A step of the pipelined FSDP loss runs every piece on the rank's rows as plain tensors
+    (the decoder layers, the last stage's norm, head and loss, and the first stage's
+    embedding, which ran in the global view: one op-rule dispatch a step there), and each use
+    of a gathered param kept for the step reads the gradient sync's stand-in, the gathered
+    data itself, with no autograd Function between (was a Python _Alias per param, use and
+    microbatch: 72 forward and 72 backward calls a step on a 2-layer stage of
+    benchmarks/composed_step.py's FSDP x PP). The gradients are exact:
+    test_parallelize_pipelines_transformers_models (pp=2, dp_shard=2)."""
+    pytest.importorskip("transformers")
+    assert world4.run(pp_fsdp_dispatch_rank_fn) == [({}, True)] * 4
+
+
 def pp_fsdp_remat_comm_rank_fn():
     """The dp_shard collectives of one step of parallelize's pipelined FSDP loss with each
     layer under fs.remat (pp=2, dp_shard=2: one layer a stage, 2 microbatches), by op and
