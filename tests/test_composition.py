@@ -437,16 +437,16 @@ def pp_fsdp_exchanges_rank_fn():
 
 
 @pytest.mark.timeout(300)
-def test_pipelined_fsdp_step_exchanges_three_digests(world4):
-    """A steady step of the pipelined FSDP loss exchanges consistency digests three times on
-    every rank: the pipeline's shard_map compares its arguments and the mesh's digest (the
-    batch folded in: a per-rank batch still raises at its step,
-    test_parallelize_pp_refuses_a_per_rank_batch) in one all_reduce and its pp sub-groups' in
-    a second, and each stage's dp_shard group settles its history after the schedule (one).
-    Was four: the dp_shard group, settled and so forgotten, exchanged again at its first
+def test_pipelined_fsdp_step_exchanges_two_digests(world4):
+    """A steady step of the pipelined FSDP loss exchanges consistency digests twice on every
+    rank: the pipeline's shard_map compares its arguments, the mesh's digest (the batch folded
+    in: a per-rank batch still raises at its step, test_parallelize_pp_refuses_a_per_rank_batch)
+    and its pp sub-groups' digests in one all_reduce (the sub-groups' were a second one), and
+    each stage's dp_shard group settles its history after the schedule (one). Was four before
+    that: the dp_shard group, settled and so forgotten, exchanged again at its first
     collective of the next step (its all_gather), though the settle had compared it."""
     pytest.importorskip("transformers")
-    assert world4.run(pp_fsdp_exchanges_rank_fn) == [3] * 4
+    assert world4.run(pp_fsdp_exchanges_rank_fn) == [2] * 4
 
 
 def pp_fsdp_dispatch_rank_fn():
