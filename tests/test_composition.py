@@ -387,6 +387,9 @@ PIPELINED = [
     # automatic) was pcast over dp by the body's tracker: gradients summed twice
     ("llama", {"pp": 2, "dp_shard": 2}, {"remat": True}),
     ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}, {"remat": True}),
+    # ZB-H1's weight pass reaches FSDP's gathered params through the gradient sync's stand-ins
+    # (leaves: the gathered data itself, read by every use)
+    ("llama", {"pp": 2, "dp_shard": 2, "pp_schedule": "zb"}, {}),
 ]
 
 
