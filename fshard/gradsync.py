@@ -356,6 +356,41 @@ class GradSync(lax.Handler):
         key = self._held_key(x, group, dtype)
         return None if key is None else self.held.get(key)
 
+    def kept_use(
+        self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``"step"`` mode: what a use of the kept gather over ``group`` (in ``dtype``) of
+        param block ``x`` reads, once a use made it: the gather's stand-in, the kept data
+        itself as a leaf (its cotangent accumulated for the step's one reduce_scatter), what
+        the use's varying all_gather would come back as from this reducer (read here without
+        the op's dispatch: ~20 Python calls per param, use and microbatch). ``None`` before
+        the first use, for other data, and where this reducer is not the innermost handler
+        (the all_gather then goes through the handlers inside it).
+
+        Example:
+            >>> GradSync([torch.ones(2)], mode="step").kept_use(torch.ones(2), None, torch.float32)
+        """
+        if (
+            self.mode != "step"
+            or not self.held
+            or self.buckets is not None
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        handlers = lax.active_handlers()
+        if not handlers or handlers[-1] is not self:
+            return None
+        key = self._held_key(x, group, dtype)
+        full = None if key is None else self.held.get(key)
+        if full is None:
+            return None
+        k = self.keys.get((key[0], "gather", *key[1:6]))
+        if k is None:
+            return None
+        v = self.gathers[k].v
+        return v if _same_data(v, full) else None
+
     def hold_gather(self, x: torch.Tensor, group: AxisGroup, full: torch.Tensor) -> bool:
         """``"step"`` mode: keep ``full``, FSDP's gather of param block ``x`` over ``group``,
         until :meth:`close` (see :meth:`held_gather`). Returns whether it is kept (``x`` is
