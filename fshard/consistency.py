@@ -24,9 +24,11 @@ aborts the process). Three modes (``fs.config.check_consistency``, the
     issued in between may have moved mismatched data (a size or dtype mismatch there can still
     abort Gloo or time out first: use ``"every"`` to find it).
     A boundary over a mesh compares the digest of each of its sub-groups (the ``x`` groups of
-    an ``("x", "y")`` mesh) among that group's members only, in a second small all_reduce:
-    sibling groups of a correct program legitimately differ (an uneven split gives their
-    blocks different shapes); across groups only the kinds of sub-groups used are compared.
+    an ``("x", "y")`` mesh) among that group's members only, a ``(d, -d)`` pair per
+    sub-group in the same all_reduce (a fixed room of 32 pairs, kinds x group size; a second
+    small all_reduce where they do not fit): sibling groups of a correct program legitimately
+    differ (an uneven split gives their blocks different shapes); across groups only the kinds
+    of sub-groups used are compared.
 ``"every"`` (strict; the test suite's fault tests)
     The digest of each collective is exchanged before it runs: the error is raised before any
     mismatched data moves, including mismatches that would abort Gloo.
@@ -226,12 +228,19 @@ def _device(group: AxisGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _exchange(g: AxisGroup, h: int, seq: int, device: torch.device | None) -> bool:
-    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq``: whether every rank of ``g`` holds both."""
-    words = torch.tensor([h, -h, seq, -seq], dtype=torch.int64, device=device or _device(g))
+def _exchange(
+    g: AxisGroup, h: int, seq: int, device: torch.device | None, extra: list | None = None
+):
+    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq``: whether every rank of ``g`` holds both.
+    With ``extra`` (more int64 words, as many on every rank of ``g``), reduced in the same
+    message: ``(whether they agree, the reduced extra words)``."""
+    words = torch.tensor(
+        [h, -h, seq, -seq, *(extra or ())], dtype=torch.int64, device=device or _device(g)
+    )
     dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
     top = words.tolist()
-    return top[0] == -top[1] and top[2] == -top[3]
+    same = top[0] == -top[1] and top[2] == -top[3]
+    return same if extra is None else (same, top[4:])
 
 
 def _raise(what: str, g: AxisGroup, mine: dict, note: str = "") -> None:
@@ -329,11 +338,12 @@ def _check_running(
     """Exchange ``h`` (the boundary's own arguments) with the running digests of ``states``
     over ``g``; on success they are settled (history cleared).
 
-    Ranks compare what they must agree on: the digests of the groups spanning all of ``g`` in
-    one exchange (with the set of sub-group kinds every rank used), then, when there are
-    sub-groups (the ``x`` groups of an ``("x", "y")`` mesh), each sub-group's digest among its
-    own members only: two sub-groups of a correct SPMD program legitimately differ (an uneven
-    split gives their blocks different shapes)."""
+    Ranks compare what they must agree on: the digests of the groups spanning all of ``g``
+    (with the set of sub-group kinds every rank used) and, when there are sub-groups (the
+    ``x`` groups of an ``("x", "y")`` mesh), each sub-group's digest among its own members
+    only, in one exchange (a second where the sub-groups do not fit its room): two
+    sub-groups of a correct SPMD program legitimately differ (an uneven split gives their
+    blocks different shapes)."""
     states = sorted(states, key=_Running.key)
     whole = frozenset(g.ranks)
     subs = [r for r in states if r.ranks != whole]
@@ -344,19 +354,38 @@ def _check_running(
             total = _fold(total, _cached_hash(r.key()))
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    if not _exchange(g, total, seq, device):
+    # The sub-groups' words ride in the same all_reduce where there is room for them (a size
+    # fixed by the group's size alone, so every rank sends as many words whatever it used):
+    # the kinds are in ``total``, so when it agrees every rank laid its words out alike. Was a
+    # second all_reduce at every check with sub-groups (a pipeline's step: its pp groups',
+    # every step, at its shard_map's check)
+    room = _MERGED_PAIRS // g.size
+    merged = bool(room) and len(kinds) <= room
+    extra = None
+    if room:
+        extra = [_ABSENT] * (2 * room * g.size)
+        if merged:
+            extra, slots = _subgroup_words(g, kinds, subs, extra)
+    got = _exchange(g, total, seq, device, extra)
+    same, top = got if room else (got, None)
+    if not same:
         mine = {k: _show(v) for k, v in fields.items()}
         mine.update(_history_views([r for r in states if r.ranks == whole]))
         mine["sub-group kinds used"] = str(kinds)
         mine["checks on the group"] = str(seq)
         _raise(what, g, mine, "the first line that differs is where the ranks parted")
     if subs:
-        _check_subgroups(g, what, subs, kinds, fields, device)
+        if merged:
+            _subgroup_verdict(g, what, top, kinds, slots, fields)
+        else:
+            _check_subgroups(g, what, subs, kinds, fields, device)
     for r in states:
         r.exchanged, r.history = True, []
 
 
 _ABSENT = -(1 << 63)  # a slot this rank is not a member of (below every digest word)
+#: the sub-group word pairs a check's one all_reduce carries at most (kinds x group size)
+_MERGED_PAIRS = 32
 
 
 def _slot(g: AxisGroup, kinds: list, r: _Running) -> int:
@@ -365,11 +394,9 @@ def _slot(g: AxisGroup, kinds: list, r: _Running) -> int:
     return kinds.index(r.kind) * g.size + g.ranks.index(min(r.ranks))
 
 
-def _check_subgroups(g: AxisGroup, what: str, subs: list, kinds: list, fields: dict, device):
-    """One ``all_reduce(MAX)`` over ``g`` of a ``(d, -d)`` pair per sub-group: every member
-    writes its digest ``d`` in its group's pair, the others a word below every digest; a pair
-    whose maximum is not ``(d, -d)`` is a sub-group whose members disagree."""
-    words = torch.full((2 * len(kinds) * g.size,), _ABSENT, dtype=torch.int64)
+def _subgroup_words(g: AxisGroup, kinds: list, subs: list, words: list) -> tuple[list, dict]:
+    """``words`` (``_ABSENT`` throughout) with a ``(d, -d)`` pair per sub-group this rank is a
+    member of, ``d`` its digest, at its slot; and ``{slot: its sub-groups}``."""
     mine: dict = {}
     for r in subs:
         i = _slot(g, kinds, r)
@@ -379,9 +406,22 @@ def _check_subgroups(g: AxisGroup, what: str, subs: list, kinds: list, fields: d
         for r in rs:
             d = _fold(d, _cached_hash(r.key()))
         words[2 * i], words[2 * i + 1] = d, -d
-    words = words.to(device or _device(g))
+    return words, mine
+
+
+def _check_subgroups(g: AxisGroup, what: str, subs: list, kinds: list, fields: dict, device):
+    """One ``all_reduce(MAX)`` over ``g`` of a ``(d, -d)`` pair per sub-group: every member
+    writes its digest ``d`` in its group's pair, the others a word below every digest; a pair
+    whose maximum is not ``(d, -d)`` is a sub-group whose members disagree."""
+    words, mine = _subgroup_words(g, kinds, subs, [_ABSENT] * (2 * len(kinds) * g.size))
+    words = torch.tensor(words, dtype=torch.int64, device=device or _device(g))
     dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
-    top = words.tolist()
+    _subgroup_verdict(g, what, words.tolist(), kinds, mine, fields)
+
+
+def _subgroup_verdict(g: AxisGroup, what: str, top: list, kinds: list, mine: dict, fields: dict):
+    """Raise :class:`ConsistencyError` on every rank of ``g`` if a pair of the reduced
+    sub-group words ``top`` shows members that disagree (naming the first such sub-group)."""
     pairs = range(len(top) // 2)
     bad = [i for i in pairs if top[2 * i] != _ABSENT and top[2 * i] != -top[2 * i + 1]]
     if not bad:

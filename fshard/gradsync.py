@@ -25,8 +25,9 @@ pipeline executor for a step's stage weights):
   gradients accumulate over the passes, and :meth:`GradSync.finish` reduces them once, every
   bucket launched before the first is waited on. FSDP's varying all_gather of a leaf (or of a
   view of one: a layer's row of a stacked stage weight) reads a stand-in too, one per (param
-  view, group), holding no data: the gathered value of each use is FSDP's, its cotangent goes
-  whole to the stand-in, and :meth:`GradSync.finish` reduce-scatters the whole param's
+  view, group): a leaf that is the gathered data itself, which every use of the gather kept
+  for the step reads as it is (no autograd node per use), its cotangent accumulating whole in
+  the stand-in, and :meth:`GradSync.finish` reduce-scatters the whole param's
   accumulated gradient once per step (FSDP2's ``set_requires_gradient_sync(False)`` until the
   last microbatch), the params packed per bucket as FSDP2 packs a unit's. The gathered data
   itself is kept for the step (:meth:`GradSync.hold_gather`, read back by FSDP's next use
@@ -121,6 +122,17 @@ class _Entry:
         self.view: tuple | None = None
 
 
+def _same_data(v: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` is ``v``'s data: the same storage, offset, shape, strides and dtype."""
+    return (
+        t.data_ptr() == v.data_ptr()
+        and t.dtype == v.dtype
+        and t.shape == v.shape
+        and t.stride() == v.stride()
+        and t.device == v.device
+    )
+
+
 class _Alias(torch.autograd.Function):
     """``done`` (a gather's result, computed already) as a function of the stand-in ``v``:
     the cotangent goes to ``v`` whole (it is accumulated, then reduce-scattered once)."""
@@ -211,8 +223,10 @@ class GradSync(lax.Handler):
         group) for the whole call: the gathered data (``done``, or gathered now without a
         graph) whose cotangent goes whole to the stand-in, so the whole param's gradient
         accumulates over every use and microbatch, and :meth:`finish` reduce-scatters it once
-        (bucketed). The stand-in holds no data (one element, stride 0): each use's gathered
-        value is FSDP's (kept for the step by :meth:`hold_gather`)."""
+        (bucketed). The stand-in is the first use's gathered data, detached, as a leaf: FSDP
+        keeps the gather for the step (:meth:`hold_gather`), so a later use of the same data
+        returns the stand-in itself; a use of other data (a gather not kept) is an alias of it
+        whose cotangent goes to the stand-in (:class:`_Alias`)."""
         op = b.op
         base, i = self._leaf(x)
         if (
@@ -232,18 +246,24 @@ class GradSync(lax.Handler):
         k = self.keys.get(key)
         if k is None:
             k = self.keys[key] = len(self.gathers)
-            v = torch.empty_strided(done.shape, (0,) * done.dim(), dtype=x.dtype, device=x.device)
-            e = _Entry(i, b.group, x.dtype, v.requires_grad_(), gather=op)
+            # the stand-in is the gathered data itself, detached (the graph that made ``done``,
+            # FSDP's invariant gather of the same data, is not reached: the engine ran that node
+            # on a zero cotangent per use otherwise): FSDP keeps a unit's gather for the step
+            # (hold_gather), so every later use passes this same tensor back as ``done``
+            e = _Entry(i, b.group, x.dtype, done.detach().requires_grad_(), gather=op)
             if x is not base:  # its geometry in the leaf's (offset from the leaf's start)
                 e.view = (tuple(x.shape), x.stride(), x.storage_offset() - base.storage_offset())
             self.gathers.append(e)
-        # detached: the use's gradient goes to the stand-in alone, and the graph that made
-        # ``done`` (FSDP's invariant gather of the same data, whose output it is) is not
-        # reached: the engine ran that node on a zero cotangent per use otherwise (a zero-filled
-        # gradient of the param, sliced into the leaf's, per param, use and microbatch)
-        # (the C++ apply: torch's Python one binds the arguments through inspect.signature,
-        # 60 us a call here, once per param, use and microbatch)
-        return _function.call(_Alias, self.gathers[k].v, done.detach())
+        v = self.gathers[k].v
+        if _same_data(v, done):
+            # the use reads the stand-in leaf itself: its cotangent accumulates in v.grad, with
+            # no node per use (was a Python autograd Function per param, use and microbatch:
+            # 72 forward and 72 backward calls a step on a stage of benchmarks/composed_step.py's
+            # FSDP x PP)
+            return v
+        # other data for the same param (a gather not kept): its value, the stand-in's gradient
+        # (the C++ apply: torch's Python one binds the arguments through inspect.signature)
+        return _function.call(_Alias, v, done.detach())
 
     def _gathered(self, b, x, done, proceed) -> torch.Tensor | None:
         """FSDP's varying gather of a leaf, unreduced: a stand-in holding the gathered value,
@@ -335,6 +355,41 @@ class GradSync(lax.Handler):
             return None
         key = self._held_key(x, group, dtype)
         return None if key is None else self.held.get(key)
+
+    def kept_use(
+        self, x: torch.Tensor, group: AxisGroup, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``"step"`` mode: what a use of the kept gather over ``group`` (in ``dtype``) of
+        param block ``x`` reads, once a use made it: the gather's stand-in, the kept data
+        itself as a leaf (its cotangent accumulated for the step's one reduce_scatter), what
+        the use's varying all_gather would come back as from this reducer (read here without
+        the op's dispatch: ~20 Python calls per param, use and microbatch). ``None`` before
+        the first use, for other data, and where this reducer is not the innermost handler
+        (the all_gather then goes through the handlers inside it).
+
+        Example:
+            >>> GradSync([torch.ones(2)], mode="step").kept_use(torch.ones(2), None, torch.float32)
+        """
+        if (
+            self.mode != "step"
+            or not self.held
+            or self.buckets is not None
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        handlers = lax.active_handlers()
+        if not handlers or handlers[-1] is not self:
+            return None
+        key = self._held_key(x, group, dtype)
+        full = None if key is None else self.held.get(key)
+        if full is None:
+            return None
+        k = self.keys.get((key[0], "gather", *key[1:6]))
+        if k is None:
+            return None
+        v = self.gathers[k].v
+        return v if _same_data(v, full) else None
 
     def hold_gather(self, x: torch.Tensor, group: AxisGroup, full: torch.Tensor) -> bool:
         """``"step"`` mode: keep ``full``, FSDP's gather of param block ``x`` over ``group``,
@@ -493,6 +548,10 @@ class GradSync(lax.Handler):
         es = self.gathers
         if not es:
             return []
+        taken = []
+        for e in es:  # the stand-ins hold the step's gathered data: it goes now, as the held
+            taken.append(e.v.grad)  # gathers go, before the reduce_scatters' buffers
+            e.v = torch.empty_strided(e.v.shape, (0,) * e.v.dim(), dtype=e.v.dtype, device=e.v.device)  # fmt: skip
         shapes = [torch.empty(e.v.shape, dtype=e.dtype, device="meta") for e in es]
         out = []
         for cut in lax.buckets(shapes, [e.group for e in es], order="in_place_first"):
@@ -501,7 +560,7 @@ class GradSync(lax.Handler):
             grads = []
             for j in cut.idx:
                 e = es[j]
-                g, e.v.grad = e.v.grad, None
+                g, taken[j] = taken[j], None
                 grads.append(torch.zeros(e.v.shape, dtype=e.dtype, device=e.v.device) if g is None else g)  # fmt: skip
             rows = [es[j].gather.sizes for j in cut.idx]
             if len(grads) == 1 and rows[0] is None:

@@ -387,6 +387,9 @@ PIPELINED = [
     # automatic) was pcast over dp by the body's tracker: gradients summed twice
     ("llama", {"pp": 2, "dp_shard": 2}, {"remat": True}),
     ("mixtral", {"pp": 2, "ep": 2, "pp_schedule": "gpipe"}, {"remat": True}),
+    # ZB-H1's weight pass reaches FSDP's gathered params through the gradient sync's stand-ins
+    # (leaves: the gathered data itself, read by every use)
+    ("llama", {"pp": 2, "dp_shard": 2, "pp_schedule": "zb"}, {}),
 ]
 
 
@@ -437,16 +440,81 @@ def pp_fsdp_exchanges_rank_fn():
 
 
 @pytest.mark.timeout(300)
-def test_pipelined_fsdp_step_exchanges_three_digests(world4):
-    """A steady step of the pipelined FSDP loss exchanges consistency digests three times on
-    every rank: the pipeline's shard_map compares its arguments and the mesh's digest (the
-    batch folded in: a per-rank batch still raises at its step,
-    test_parallelize_pp_refuses_a_per_rank_batch) in one all_reduce and its pp sub-groups' in
-    a second, and each stage's dp_shard group settles its history after the schedule (one).
-    Was four: the dp_shard group, settled and so forgotten, exchanged again at its first
+def test_pipelined_fsdp_step_exchanges_two_digests(world4):
+    """A steady step of the pipelined FSDP loss exchanges consistency digests twice on every
+    rank: the pipeline's shard_map compares its arguments, the mesh's digest (the batch folded
+    in: a per-rank batch still raises at its step, test_parallelize_pp_refuses_a_per_rank_batch)
+    and its pp sub-groups' digests in one all_reduce (the sub-groups' were a second one), and
+    each stage's dp_shard group settles its history after the schedule (one). Was four before
+    that: the dp_shard group, settled and so forgotten, exchanged again at its first
     collective of the next step (its all_gather), though the settle had compared it."""
     pytest.importorskip("transformers")
-    assert world4.run(pp_fsdp_exchanges_rank_fn) == [3] * 4
+    assert world4.run(pp_fsdp_exchanges_rank_fn) == [2] * 4
+
+
+def pp_fsdp_dispatch_rank_fn():
+    """Per-use costs of one steady step of parallelize's pipelined FSDP loss (pp=2,
+    dp_shard=2, 2 microbatches): op-rule dispatches, applications of the gradient sync's
+    alias Function (one per gathered param, use and microbatch before) and varying
+    all_gathers reaching the gradient sync (one per gathered param, use and microbatch
+    before), and the step's gradients against a fresh step's (the same params and batch:
+    equal)."""
+    from fshard import array, gradsync
+
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    want = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    counts, gathered = Counter(), []
+    dispatch, alias = array._DISPATCH, gradsync._Alias.forward
+    stand_in = gradsync.GradSync._gather_stand_in
+
+    def counted_dispatch(*a):
+        counts["dispatch"] += 1
+        return dispatch(*a)
+
+    def counted_alias(*a):
+        counts["alias"] += 1
+        return alias(*a)
+
+    def counted_stand_in(self, b, x, done, proceed):
+        gathered.append((id(x if x._base is None else x._base), x.storage_offset()))
+        return stand_in(self, b, x, done, proceed)
+
+    array._DISPATCH, gradsync._Alias.forward = counted_dispatch, staticmethod(counted_alias)
+    gradsync.GradSync._gather_stand_in = counted_stand_in
+    try:
+        got = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    finally:
+        array._DISPATCH, gradsync._Alias.forward = dispatch, staticmethod(alias)
+        gradsync.GradSync._gather_stand_in = stand_in
+    # each gathered param's varying all_gather reaches the gradient sync once a step (its first
+    # use makes the stand-in; the later microbatches' uses read it as it is)
+    if not gathered or len(gathered) != len(set(gathered)):
+        counts["gathers reaching the gradient sync"] = len(gathered)
+        counts["gathered params"] = len(set(gathered))
+    local = [getattr(t, "local", t) for t in fs.tree_leaves((got, want))]
+    same = all(
+        torch.equal(g, w) for g, w in zip(local[: len(local) // 2], local[len(local) // 2 :])
+    )
+    return dict(counts), same
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_fsdp_step_runs_locally_without_a_node_per_use(world4):
+    """A step of the pipelined FSDP loss runs every piece on the rank's rows as plain tensors
+    (the decoder layers, the last stage's norm, head and loss, and the first stage's
+    embedding, which ran in the global view: one op-rule dispatch a step there), and each use
+    of a gathered param kept for the step reads the gradient sync's stand-in, the gathered
+    data itself, with no autograd Function between (was a Python _Alias per param, use and
+    microbatch: 72 forward and 72 backward calls a step on a 2-layer stage of
+    benchmarks/composed_step.py's FSDP x PP) and, after the first use, without the varying
+    all_gather's dispatch through the handlers (~1,100-1,400 Python calls a step there). The
+    gradients are exact:
+    test_parallelize_pipelines_transformers_models (pp=2, dp_shard=2)."""
+    pytest.importorskip("transformers")
+    assert world4.run(pp_fsdp_dispatch_rank_fn) == [({}, True)] * 4
 
 
 def pp_fsdp_remat_comm_rank_fn():

@@ -672,8 +672,11 @@ def _pipeline_loss(
         and dims.tp == dims.cp == dims.ep == dims.dp_replicate == 1
     )
     # the last stage's norm, head and cross entropy too (row-wise; the loss this rank's addend
-    # of the sum over the batch axes, as the global view's is)
+    # of the sum over the batch axes, as the global view's is), and the first stage's
+    # embedding (row-wise: a lookup per token; in the global view ~100 op-rule dispatches a
+    # step on a stage-0 rank of benchmarks/composed_step.py's FSDP x PP)
     local_last = local_layers and not pieces["norm"][1] and not pieces["head"][1]
+    local_first = local_layers and not pieces["embed"][1]
 
     def run(key, params, args, kwargs):
         # the plan's output layouts, as the whole model's call applies them: the same
@@ -794,6 +797,9 @@ def _pipeline_loss(
             return ce
 
         def first(ep, mbs):  # the first stage's piece: the embedding of every microbatch
+            if local_first and all(_sharded(v) and not v.layout.partial for v in mbs.values()):
+                # the local view (as the layers'): this rank's rows, its block of the output
+                mbs = {k: v.local for k, v in mbs.items()}
             kwargs = {"position_ids": mbs["position_ids"]} if "position_ids" in mbs else {}
             x = run("embed", ep, (mbs["ids"],), kwargs)
             return x if rope is None else torch.cat([x, mbs["rope"]], -1)

@@ -248,6 +248,9 @@ class _Session:
         # a unit is gathered once per step, not twice per microbatch; kept: those params
         self.held = _active_sync("step") if self.eager and axis_env.in_body() else None
         self.kept: set[str] = set()
+        # untyped, in a pipeline's stage: the uses of kept gathers, the step's stand-ins (read
+        # as they are, not through a varying all_gather of the kept data each use)
+        self.uses: dict[str, torch.Tensor] = {}
 
     def keeps_all(self) -> bool:
         """In a pipeline's stage: whether the step's gradient sync keeps every sharded param's
@@ -292,6 +295,12 @@ class _Session:
             if self.sharded(n):
                 low = self._low(n).detach()
                 if self.held is not None:  # gathered earlier in the step: no communication
+                    if not self.typed:  # the use the gradient sync made of it already
+                        use = self.held.kept_use(self.params[n].local, self.group, low.dtype)
+                        if use is not None:
+                            self.uses[n] = use
+                            launched.append(([n], None, _comm.Pending(use)))
+                            continue
                     full = self.held.held_gather(self.params[n].local, self.group, low.dtype)
                     if full is not None:
                         launched.append(([n], None, _comm.Pending(full)))
@@ -327,7 +336,8 @@ class _Session:
                 out[n] = _unpadded(piece, k, shape, self.rows(n))
         if self.held is not None and flats is None:  # kept for the step's other uses
             for n, full in out.items():
-                if self.held.hold_gather(self.params[n].local, self.group, full):
+                # (a use of the step's stand-in: kept already)
+                if n in self.uses or self.held.hold_gather(self.params[n].local, self.group, full):
                     self.kept.add(n)
         return out
 
@@ -345,7 +355,8 @@ class _Session:
         # varying gathers in _Pcasts, one per param, where an op rule asks for one)
         if unreduced or axis_env.in_body() or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
-            return {n: self._varying(n, full) for n, full in fulls.items()}
+            uses = {n: self.uses.pop(n) for n in fulls if n in self.uses}
+            return {n: uses[n] if n in uses else self._varying(n, full) for n, full in fulls.items()}  # fmt: skip
         flats = []
         for names, _, flat in packs:
             xs = [self.params[n].local for n in names]
@@ -547,7 +558,7 @@ class _Session:
         stayed alive after the step, every step (issue 36 item 7: +28 MiB a step on the
         composed FSDP x TP Llama). The handler's link back to the session goes too: a cycle
         the collector frees only when it runs, holding the session's gathered units."""
-        self.active, self.vary, self.whole = {}, {}, {}
+        self.active, self.vary, self.whole, self.uses = {}, {}, {}, {}
         if self.pcasts is not None:  # and the session <-> handler cycle (gc-only otherwise)
             self.pcasts.tracked, self.pcasts.casts, self.pcasts.session = {}, {}, None
 
