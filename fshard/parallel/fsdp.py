@@ -25,7 +25,9 @@ Under a ``torch.func`` transform (``fs.remat``'s recompute) a unit's blocks are 
 eager path packs them and gathered with one ``fs.lax.all_gather(..., to="varying")``, whose
 backward is one reduce_scatter (same values, same collectives, no prefetch or freeing:
 torch.func does not support saved-tensor hooks); in the global view (``fsdp_call`` on
-ShardedArrays) each param is still gathered alone there. Both paths gather through ``fshard._comm`` (the asynchronous one with
+ShardedArrays) the invariant gathers reuse that one gather's data (``done=``) and ``_Pcasts``
+hands out its per-param results as the varying gathers (in a ``shard_map`` body, FSDP x CP,
+still one per param). Both paths gather through ``fshard._comm`` (the asynchronous one with
 ``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
 
 The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
@@ -367,7 +369,7 @@ class _Session:
             raise ValueError(f"fsdp_gather: unknown unit {unit!r}; the units are {self.order}")
         if not self.eager:
             if self.typed:
-                return {n: self._typed(n, None) for n in self.units[unit]}
+                return self._typed_unit(unit)
             return self._traced_unit(unit)
         packs = self._wait(unit)
         # The data is gathered per pack (_launch), in a shard_map body too. In the global view
@@ -473,18 +475,44 @@ class _Session:
         y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
 
+    def _typed_unit(self, unit: str) -> dict[str, ShardedArray]:
+        """The global view under a ``torch.func`` transform (``fs.remat``'s recompute): the
+        unit's sharded params gathered as the eager path gathers them, one packed varying
+        all_gather (:meth:`_traced_packs`; its backward one reduce_scatter) whose data the
+        invariant gathers reuse (``done=``, no communication) and whose per-param results
+        ``_Pcasts`` hands out where an op rule pcasts a param over the FSDP axes (was an
+        invariant and a varying all_gather per param: 18 all_gathers and 9 reduce_scatters
+        per decoder layer and recompute on a Llama). In a ``shard_map`` body (FSDP x CP) one
+        invariant gather per param, ``_Pcasts`` making the varying one (:meth:`_traced`)."""
+        if axis_env.in_body():
+            return {n: self._typed(n, None) for n in self.units[unit]}
+        vary = self._traced_packs(unit)
+        self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
+        out = {}
+        for n in self.units[unit]:
+            if n in vary:
+                self.vary[n] = vary[n]
+                out[n] = self._typed(n, vary[n].detach())
+            else:
+                out[n] = self._typed(n, None)  # left whole: no gather
+        return out
+
     def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
         """Under a ``torch.func`` transform (``fs.remat``'s recompute): the unit's sharded
-        params gathered as FSDP2 gathers them, one differentiable varying all_gather per
-        (gathered dtype, param dtype) pack of their blocks (uneven ones padded), whose
-        backward is one reduce_scatter of the pack's gradients (was one all_gather and one
-        reduce_scatter per param: 9 each per decoder layer and recompute on a Llama); a
-        param left whole, its pcast."""
+        params' varying gathers (:meth:`_traced_packs`); a param left whole, its pcast."""
+        out = self._traced_packs(unit)
+        return {n: out[n] if n in out else self._pcast(n) for n in self.units[unit]}
+
+    def _traced_packs(self, unit: str) -> dict[str, torch.Tensor]:
+        """Under a ``torch.func`` transform: the unit's sharded params gathered as FSDP2
+        gathers them, one differentiable varying all_gather per (gathered dtype, param dtype)
+        pack of their blocks (uneven ones padded), whose backward is one reduce_scatter of the
+        pack's gradients (was one all_gather and one reduce_scatter per param: 9 each per
+        decoder layer and recompute on a Llama). ``{name: gathered}``, sharded params only."""
         out: dict[str, torch.Tensor] = {}
         packs: dict = {}  # (gathered dtype, param_dtype) -> [(name, padded block)]
         for n in self.units[unit]:
             if not self.sharded(n):
-                out[n] = self._pcast(n)
                 continue
             x = self._block(n)
             reduce = self.policy.reduce_in(x.dtype)
@@ -502,7 +530,7 @@ class _Session:
             for (n, b), piece in zip(items, pieces):
                 y = _unpadded(piece, k, b.shape, self.rows(n))
                 out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
-        return {n: out[n] for n in self.units[unit]}
+        return out
 
     def _traced(self, n: str) -> torch.Tensor:
         if not self.sharded(n):
@@ -664,7 +692,7 @@ class _Pcasts(lax.Handler):
                 op = Bound(Pcast(b.op.axes, reduce), b.group)
                 self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)))
             return out
-        if s.eager and name in s.vary:
+        if name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
         elif s.eager:  # in a shard_map body: made here, per param, once for all its uses
             y = s.vary[name] = s._varying(name, s.whole[name])
