@@ -244,14 +244,14 @@ def test_parallelize_composes_on_transformers_models(world4):
             assert worst < 1e-4, (kind, degrees, worst)
 
 
-def fsdp_cp_packed_rank_fn():
-    """FSDP x CP (``parallelize``, dp_shard=2 x cp=2) on a transformers Llama, one
+def fsdp_cp_packed_rank_fn(replicate: int = 1):
+    """FSDP x CP (``parallelize``, dp_shard=2 x cp=2; HSDP with ``replicate``) on a transformers Llama, one
     fs.value_and_grad step: ``(worst, forward, backward, want_forward, want_backward)``, the
     worst difference of the loss and every gradient from dense (relative to its largest
     entry), the dp_shard and cp collectives comm_log records in the forward and after it, and
     what per-unit FSDP gives from the param shapes alone (independent of fshard's code)."""
     model = _hf_model("llama")
-    dims = fs.parallel.ParallelDims(dp_shard=2, cp=2)
+    dims = fs.parallel.ParallelDims(dp_replicate=replicate, dp_shard=2, cp=2)
     params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     forward: list = []
@@ -270,32 +270,42 @@ def fsdp_cp_packed_rank_fn():
         return Counter(
             (r.op, tuple(r.axes), r.nbytes)
             for r in log
-            if tuple(r.axes) == ("dp_shard",) or (r.op, tuple(r.axes)) == ("all_reduce", ("cp",))
+            if tuple(r.axes) in (("dp_shard",), ("dp_replicate",))
+            or (r.op == "all_reduce" and "cp" in r.axes)
         )
 
     # Every param of this Llama has an even dim 0: each is sharded over dp_shard=2, its local
     # block half of it (float32). Per unit, one all_gather of the unit's blocks in the forward
     # and again in the backward (re-gathered, not kept); per param, one reduce_scatter of its
-    # gradient (input: the gathered gradient) and one all_reduce over cp of it (the param is
-    # invariant over cp, its uses vary: pcast, whose transpose sums over cp); the forward's
-    # only cp all_reduce is the loss's psum (4 bytes).
+    # gradient (input: the gathered gradient). The param is invariant over cp and its uses
+    # vary (pcast, whose transpose sums over cp): the sum runs on the shards after the
+    # reduce_scatters, all of them in one bucket (all_reduce) of their bytes (under
+    # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together), with HSDP over
+    # dp_replicate too (its sum of the shards, in the same all_reduce); the forward's only cp
+    # all_reduce is the loss's psum (4 bytes).
     named = dict(model.named_parameters())
     assert all(p.shape[0] % 2 == 0 for p in named.values())
     want_forward, want_backward = Counter({("all_reduce", ("cp",), 4): 1}), Counter()
+    shards = [p.numel() // 2 * 4 for p in named.values()]
+    assert max(shards) < fs.lax.PSUM_INPLACE_MIN_BYTES and sum(shards) < fs.lax.PSUM_BUCKET_BYTES
+    sums = ("dp_replicate", "cp") if replicate > 1 else ("cp",)
+    want_backward[("all_reduce", sums, sum(shards))] += 1
     for names in fs.nn.fsdp_units(model).values():
         local = sum(named[n].numel() // 2 * 4 for n in names)
         want_forward[("all_gather", ("dp_shard",), local)] += 1
         want_backward[("all_gather", ("dp_shard",), local)] += 1
         for n in names:
             want_backward[("reduce_scatter", ("dp_shard",), named[n].numel() * 4)] += 1
-            want_backward[("all_reduce", ("cp",), named[n].numel() * 4)] += 1
     return worst, fsdp_records(forward), fsdp_records(backward), want_forward, want_backward
 
 
 @pytest.mark.timeout(600)
 def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
     """FSDP x CP: inside the shard_map body over cp the unit's blocks are packed into one
-    all_gather (per unit, not per param), and the gradients equal dense. Packing there used
+    all_gather (per unit, not per param), each gradient's sum over cp runs on its shard
+    after the reduce_scatter, bucketed (one all_reduce of 45,376 bytes a step; was one per
+    param of the whole gathered gradient, 21 all_reduces of 90,752 bytes), and the gradients
+    equal dense. Packing there used
     to give wrong gradients (0.92 off relative, the loss exact): the body's tracker pcasts the
     gathered param over cp first, and the varying gather FSDP substituted for a view of that
     pcast's result (found by ``_base``: pcast's forward is a view) dropped the cp psum; with
@@ -303,6 +313,23 @@ def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
     (21 all_reduces of the gathered gradients) instead of reduce-scattered."""
     pytest.importorskip("transformers")
     for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_packed_rank_fn):
+        assert worst < 1e-4, worst
+        assert forward == want_forward
+        assert backward == want_backward
+
+
+def hsdp_cp_packed_rank_fn():
+    return fsdp_cp_packed_rank_fn(replicate=2)
+
+
+@pytest.mark.timeout(900)
+def test_hsdp_x_cp_sums_each_shard_over_both_axes_at_once(world8):
+    """HSDP x CP (dp_replicate=2 x dp_shard=2 x cp=2): each gradient reduce-scattered over
+    dp_shard, then its shard summed over dp_replicate and cp in one bucketed all_reduce (45,376
+    bytes a step; was one all_reduce over cp per param of the whole gathered gradient, 21 of
+    90,752 bytes, and one over dp_replicate of the shards, 45,376), equal to dense."""
+    pytest.importorskip("transformers")
+    for worst, forward, backward, want_forward, want_backward in world8.run(hsdp_cp_packed_rank_fn):
         assert worst < 1e-4, worst
         assert forward == want_forward
         assert backward == want_backward

@@ -529,9 +529,11 @@ def fsdp_in_cp_body_rank_fn(bf16: bool):
 def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
     """In a shard_map body over cp the unit's blocks are gathered in ONE all_gather (weight
     2x4 + bias 2: 40 bytes in float32, 20 in bfloat16; was one per param, 32 and 8), and the
-    gradients equal dense: per param a reduce_scatter over dp of the gathered gradient and an
-    all_reduce over cp (the param is invariant over cp, the sequence split over it: a pcast,
-    summed in the backward), both in the reduce dtype (float32). Packed, this lost the cp sums
+    gradients equal dense: per param a reduce_scatter over dp of the gathered gradient, then
+    the sum over cp (the param is invariant over cp, the sequence split over it: a pcast,
+    summed in the backward) of the shards, bucketed: one all_reduce of 2x4 + 2 values (was
+    one per param of the whole gathered gradient, 64 + 16 bytes), both in the reduce dtype
+    (float32). Packed, this lost the cp sums
     (the weight's gradient 0.68 off): the body's tracker pcasts the gathered param over cp
     before the op rule pcasts it over dp, and FSDP stood its varying gather in for a view of
     that pcast's result (pcast's forward is a view: found by ``_base``). Per param, the lookup
@@ -544,8 +546,7 @@ def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
             [
                 ("all_gather", ("dp",), 20 if bf16 else 40),  # the unit: weight (2, 4) + bias (2,)
                 ("all_reduce", ("cp",), 4),  # the loss's psum
-                ("all_reduce", ("cp",), 16),  # bias's gradient over cp
-                ("all_reduce", ("cp",), 64),  # weight's
+                ("all_reduce", ("cp",), 40),  # the shards' gradients over cp, one bucket
                 ("all_reduce", ("dp",), 4),  # the loss's gather over dp (a sum)
                 ("reduce_scatter", ("dp",), 16),  # bias's gradient, gathered size
                 ("reduce_scatter", ("dp",), 64),  # weight's

@@ -11,6 +11,12 @@ TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-g
     left whole (dim 0 too small) pcast over dp (no comm)         psum (all_reduce, bucketed
                                                                  under fs.value_and_grad)
 
+In a ``shard_map`` body (FSDP x CP, the global view) a param invariant over the body's manual
+axes (``cp``) that meets varying data is pcast over them: ``_Pcasts`` makes that pcast on the
+param's *block*, before the gather, so its sum runs after the reduce_scatter, on ``1/dp`` of the
+bytes, bucketed by :func:`fshard.value_and_grad`'s gradient sync (sums over other axes commute
+with the gather's transpose).
+
 :func:`fsdp_gather` gathers one *unit* (e.g. a transformer block: :func:`fsdp_units`) at a
 time. Outside ``torch.func`` transforms (plain ``.backward()`` or :func:`fshard.value_and_grad`,
 which differentiates at top level) it also does what FSDP2 does for memory and speed:
@@ -228,6 +234,9 @@ class _Session:
         self.unit_of = {n: u for u, names in units.items() for n in names}
         self.vary: dict[str, torch.Tensor] = {}  # typed, eager: each param's varying gather
         self.whole: dict[str, torch.Tensor] = {}  # typed, in a shard_map body: its gathered data
+        # typed, in a body: (name, axes) -> its invariant gather of its block pcast over axes
+        # (_on_shard), (name, axes, "vary") -> the varying one
+        self.over: dict[tuple, torch.Tensor] = {}
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
@@ -387,6 +396,7 @@ class _Session:
         self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
         self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
         self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
+        self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
@@ -426,41 +436,87 @@ class _Session:
             if low is not x:
                 self.pcasts.casts[id(low.local)] = (low.local, x.local, x.dtype)
             return low
-        local, low = x.local, self._low(n)
-        if not local.requires_grad and full is not None:
+        if not x.local.requires_grad and full is not None:
             inv = full
         else:
-            invariant = self._gather_op(n, invariant=True)
-            reduce = self.policy.reduce_in(local.dtype)
-            if reduce == low.dtype:
-                inv = lax.apply(invariant, low, done=full)
-            else:
-                done = None if full is None else full.to(reduce)
-                inv = lax.apply(invariant, local.to(reduce), done=done).to(low.dtype)
+            inv = self._invariant(n, x.local, full)
         self.pcasts.track(inv, n)
         return ShardedArray._raw(inv, self.base_layout(n).with_dtype(inv.dtype))
+
+    def _invariant(self, n: str, src: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor:
+        """The invariant gather of param ``n`` from ``src`` (its block, or the block pcast over
+        other axes: :meth:`_on_shard`), in ``param_dtype`` (``full``: the data gathered
+        already; ``None``: gathered now); its backward keeps this rank's block of the
+        cotangent, in the policy's reduce dtype."""
+        invariant = self._gather_op(n, invariant=True)
+        reduce = self.policy.reduce_in(src.dtype)
+        low = self.policy.cast_param(src)
+        if reduce == low.dtype:
+            return lax.apply(invariant, low, done=full)
+        done = None if full is None else full.to(reduce)
+        return lax.apply(invariant, src.to(reduce), done=done).to(low.dtype)
+
+    def on_shard(self, n: str) -> bool:
+        """Whether a pcast of param ``n``'s gathered value over other axes (a ``shard_map``
+        body's manual axes: FSDP x CP's ``cp``) can be made on its block instead
+        (:meth:`_on_shard`): in a body, eager, its gathered data at hand, a gradient wanted,
+        and not under ``fs.value_and_grad(..., sync=False)`` (whose gradient sync takes over
+        the varying gather of the block itself, not of a pcast of it)."""
+        return (
+            self.eager
+            and n in self.whole
+            and self.params[n].local.requires_grad
+            and _active_sync("unreduced") is None
+        )
+
+    def _on_shard(self, n: str, axes: tuple[str, ...], reduce=None) -> torch.Tensor:
+        """Param ``n``'s invariant gather over the FSDP axes of its block pcast over ``axes``
+        (on the gathered data, no communication): what the gathered value pcast over ``axes``
+        is, with the pcast's sum in the backward on the block, after the gather's transpose
+        (sums over other axes commute with it): ``1/n`` of the bytes, and a pcast of a leaf,
+        which ``fs.value_and_grad``'s gradient sync buckets (FSDP x CP: each gradient's sum
+        over cp was an all_reduce of the whole gathered gradient, per param)."""
+        key = (n, axes)
+        if key not in self.over:
+            x = self.params[n].local
+            src = self._pcast_block(x, axes, reduce)
+            self.over[key] = self._invariant(n, src, self.whole[n])
+        return self.over[key]
 
     def _low(self, n: str) -> torch.Tensor:
         """Param ``n``'s block in the policy's ``param_dtype``: what is gathered."""
         return self.policy.cast_param(self.params[n].local)
 
-    def _replicated(self, x: torch.Tensor, reduce: torch.dtype) -> torch.Tensor:
-        """HSDP: ``x`` (a param's shard) pcast over the replicate axes, its gradient
-        all-reduced over them in ``reduce``; ``x`` itself without them."""
-        if self.rep_group is None:
-            return x
-        if reduce == x.dtype:
-            return lax.pcast(x, self.replicate, mesh=self.mesh)
-        return lax.apply(Bound(Pcast(self.rep_group.axes, reduce), self.rep_group), x)
+    def _replicated(
+        self, x: torch.Tensor, reduce: torch.dtype | None, over: tuple[str, ...] = ()
+    ) -> torch.Tensor:
+        """HSDP: ``x`` (a param's shard) pcast over the replicate axes (and ``over``), its
+        gradient all-reduced over them in ``reduce`` (``None``: the policy's for ``x``);
+        ``x`` itself without them."""
+        return self._pcast_block(x, (*self.replicate, *over), reduce)
 
-    def _varying(self, n: str, full: torch.Tensor) -> torch.Tensor:
+    def _pcast_block(
+        self, x: torch.Tensor, axes: tuple[str, ...], reduce: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``x`` (a param's shard) pcast over ``axes``, its gradient summed over them in
+        ``reduce`` (``None``: the policy's reduce dtype for ``x``); ``x`` without axes."""
+        if not axes:
+            return x
+        reduce = reduce or self.policy.reduce_in(x.dtype)
+        if reduce == x.dtype:
+            return lax.pcast(x, axes, mesh=self.mesh)
+        group = self.rep_group if axes == self.replicate else self.mesh.group(axes)
+        return lax.apply(Bound(Pcast(group.axes, reduce), group), x)
+
+    def _varying(self, n: str, full: torch.Tensor, over: tuple[str, ...] = ()) -> torch.Tensor:
         """The gathered ``full`` as the differentiable varying gather of param ``n`` alone
-        (its backward reduce-scatters in the policy's reduce dtype, then casts)."""
+        (its backward reduce-scatters in the policy's reduce dtype, then casts); ``over``: of
+        its block pcast over those axes too (:meth:`_on_shard`)."""
         x = self.params[n].local
         if not x.requires_grad:
             return full
         reduce = self.policy.reduce_in(x.dtype)
-        src = self._replicated(x, reduce)
+        src = self._replicated(x, reduce, over)
         op = self._gather_op(n)
         if reduce == full.dtype:
             return lax.apply(op, self.policy.cast_param(src), done=full)
@@ -575,7 +631,7 @@ class _Session:
         stayed alive after the step, every step (issue 36 item 7: +28 MiB a step on the
         composed FSDP x TP Llama). The handler's link back to the session goes too: a cycle
         the collector frees only when it runs, holding the session's gathered units."""
-        self.active, self.vary, self.whole = {}, {}, {}
+        self.active, self.vary, self.whole, self.over = {}, {}, {}, {}
         if self.pcasts is not None:  # and the session <-> handler cycle (gc-only otherwise)
             self.pcasts.tracked, self.pcasts.casts, self.pcasts.session = {}, {}, None
 
@@ -639,18 +695,18 @@ class _Pcasts(lax.Handler):
         self.tracked: dict[int, tuple] = {}
         self.casts: dict[int, tuple] = {}  # id(cast local) -> (it, master local, master dtype)
 
-    def track(self, t: torch.Tensor, name: str, f=None) -> None:
-        self.tracked[id(t)] = (weakref.ref(t), name, f)
+    def track(self, t: torch.Tensor, name: str, f=None, over: tuple = ()) -> None:
+        self.tracked[id(t)] = (weakref.ref(t), name, f, over)
 
     def _find(self, x: torch.Tensor):
         hit = self.tracked.get(id(x))
         if hit is not None and hit[0]() is x:
-            return hit[1], hit[2]
+            return hit[1:]
         if x._base is not None:
             hit = self.tracked.get(id(x._base))
             if hit is not None and hit[0]() is x._base:
                 f, view = hit[2], x._view_func
-                return hit[1], (lambda y: view(y if f is None else f(y)))
+                return hit[1], (lambda y: view(y if f is None else f(y))), hit[3]
         return None
 
     def process(self, b, x, done, proceed):
@@ -660,8 +716,8 @@ class _Pcasts(lax.Handler):
             if b.op.local:  # no communication: the result stays tracked
                 found = self._find(x)
                 if found is not None:
-                    name, f = found
-                    self.track(out, name, lambda y: lax.apply(b, y if f is None else f(y)))
+                    name, f, over = found
+                    self.track(out, name, lambda y: lax.apply(b, y if f is None else f(y)), over)
             return out
         cast = self.casts.get(id(x))
         if cast is not None and cast[0] is x:
@@ -670,7 +726,7 @@ class _Pcasts(lax.Handler):
         found = self._find(x)
         if found is None:
             return proceed(b, x, done)
-        name, f = found
+        name, f, over = found
         axes = set(b.op.axes)
         if not set(s.axes) <= axes:
             # A pcast over other axes first: a shard_map body's tracker making the gathered
@@ -686,13 +742,39 @@ class _Pcasts(lax.Handler):
             # gather (its psum in the policy's reduce dtype, as every gradient reduction). A
             # pcast over some of the FSDP (or replicate) axes is not tracked: a later pcast of
             # it stays a pcast (the varying gather would sum over those axes twice).
-            out = proceed(b, x, x if done is None and s.eager else done)
+            # In an eager body the sum moves onto the block (Session._on_shard): a later pcast
+            # over the FSDP axes gives the varying gather of the block pcast over these axes
+            # (and the replicate ones), its sum after the reduce_scatter, on 1/n of the bytes,
+            # bucketed by the gradient sync. This pcast's own result (a use that never meets
+            # data split over the FSDP axes) is the invariant gather of the block pcast over
+            # them; with HSDP a pcast of the gathered value instead (a stand-in over these
+            # axes alone would be a second bucket, all-reduced with zeros when every use is
+            # varying; this pcast's psum runs only for a use that reaches the loss).
             if not axes & set(s.axes + s.replicate):
+                if s.on_shard(name):
+                    moved = (*over, *b.op.axes)
+                    if s.replicate:
+                        out = proceed(b, x, x if done is None else done)
+                    else:
+                        inv = s._on_shard(name, moved, b.op.reduce_dtype)
+                        out = inv if f is None else f(inv)
+                    self.track(out, name, f, moved)
+                    return out
+                out = proceed(b, x, x if done is None and s.eager else done)
                 reduce = b.op.reduce_dtype or s.policy.reduce_in(s.params[name].dtype)
                 op = Bound(Pcast(b.op.axes, reduce), b.group)
-                self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)))
-            return out
-        if name in s.vary:
+                self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)), over)
+                return out
+            return proceed(b, x, x if done is None and s.eager else done)
+        if over:  # the varying gather of the block pcast over ``over`` (Session._on_shard)
+            key = (name, over, "vary")
+            if key not in s.over and name not in s.whole:  # its unit's data is gone: a pcast
+                return proceed(b, x, done)
+            if key not in s.over:
+                y = s.over[key] = s._varying(name, s.whole[name], over)
+                s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
+            y = s.over[key]
+        elif name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
         elif s.eager:  # in a shard_map body: made here, per param, once for all its uses
             y = s.vary[name] = s._varying(name, s.whole[name])
