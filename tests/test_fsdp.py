@@ -206,12 +206,16 @@ def test_fsdp_training_matches_dense(world2, dense, traced):
         for log in logs:
             want = [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
             # FSDP2's granularity: one all_gather per unit (the padded blocks packed), one
-            # reduce_scatter per unit; eager, the backward gathers again instead of keeping
-            # the weights. Traced (torch.func: fs.remat's recompute) was one all_gather of
-            # each param's own block and one reduce_scatter per param (9 each per Llama
-            # layer); packed like the eager path's since (its blocks padded the same way)
+            # reduce_scatter per unit; eager, the backward gathers each layer again instead of
+            # keeping its weights, and keeps the root's (FSDP2 applies no reshard after forward
+            # to its root: was gathered again too). Traced (torch.func: fs.remat's recompute)
+            # was one all_gather of each param's own block and one reduce_scatter per param (9
+            # each per Llama layer); packed like the eager path's since (its blocks padded the
+            # same way)
             units = [[k for k in names if k in block] for names in UNITS.values()]
-            want += [("all_gather", sum(block[k] for k in u)) for u in units] * (1 + (not traced))
+            want += [("all_gather", sum(block[k] for k in u)) for u in units]
+            if not traced:  # the layers' units (the root, first, kept)
+                want += [("all_gather", sum(block[k] for k in u)) for u in units[1:]]
             want += [("reduce_scatter", 2 * sum(block[k] for k in u)) for u in units]
             assert sorted(log) == sorted(want)
             # no weight gradient is ever all-reduced (then sliced)
@@ -235,8 +239,9 @@ def test_fsdp_over_reversed_axes_matches_dense(world4, dense):
         for log in logs:
             units = [[k for k in names if k in block] for names in UNITS.values()]
             want = [("all_gather", sum(block[k] for k in u)) for u in units]  # per unit
-            # the backward re-gathers every unit (the root's for out.weight, saved by its linear)
-            want += [("all_gather", sum(block[k] for k in u)) for u in units]
+            # the backward re-gathers every layer's unit; the root's (out.weight, saved by its
+            # linear) is kept from the forward, as FSDP2 keeps its root (was re-gathered too)
+            want += [("all_gather", sum(block[k] for k in u)) for u in units[1:]]
             want += [("reduce_scatter", 4 * sum(block[k] for k in u)) for u in units]
             want += [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
             assert sorted(log) == sorted(want)
@@ -455,7 +460,8 @@ def test_hsdp_matches_dense(world4, dense, traced):
             # per unit, traced too (see test_fsdp_training_matches_dense)
             units = [[k for k in names if k in block] for names in UNITS.values()]
             packs = [sum(block[k] for k in u) for u in units]
-            assert sorted(gathers) == sorted(packs * (1 + (not traced)))
+            # eager: the layers gathered again in the backward, the root kept (FSDP2's root)
+            assert sorted(gathers) == sorted(packs + ([] if traced else packs[1:]))
             assert sorted(rs) == sorted((("shard",), 2 * n) for n in packs)
             reduced = [(axes, n) for op, axes, n in log if op == "all_reduce"]
             # this rank's shards of the gradients over "rep" (bucketed at top level); over

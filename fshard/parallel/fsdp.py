@@ -25,7 +25,9 @@ which differentiates at top level) it also does what FSDP2 does for memory and s
 * a gathered weight saved for the backward (``F.linear`` saves it) is not kept: a
   ``saved_tensors_hooks`` pack stores a token while its unit is in use, and the backward
   re-gathers the unit when it first needs it (prefetching the unit before it), keeping at most
-  two units gathered at once.
+  two units gathered at once; a model's root unit (``""`` of a module with layers: embedding,
+  final norm, head) keeps what the backward reads of it from the forward, as FSDP2 applies no
+  ``reshard_after_forward`` to its root (the backward's first use is the forward's last).
 
 Under a ``torch.func`` transform (``fs.remat``'s recompute) a unit's blocks are packed as the
 eager path packs them and gathered with one ``fs.lax.all_gather(..., to="varying")``, whose
@@ -224,8 +226,9 @@ class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
     def __init__(
-        self, params, units, axis, mesh, prefetch, policy=None, replicate=None, typed=False
-    ):
+        self, params, units, axis, mesh, prefetch, policy=None, replicate=None, typed=False,
+        root=None,
+    ):  # fmt: skip
         self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
         # typed (the global view): get(unit) gives ShardedArrays in the base layouts, whose
         # locals are invariant gathers; _Pcasts turns their pcasts into the varying gather
@@ -259,6 +262,14 @@ class _Session:
         # a unit is gathered once per step, not twice per microbatch; kept: those params
         self.held = _active_sync("step") if self.eager and axis_env.in_body() else None
         self.kept: set[str] = set()
+        # units whose gathered weights the backward reads as saved, not re-gathered: a model's
+        # root unit (embedding, final norm, head; ``root``: whether the call's unit "" is one,
+        # None: whether there are other units), as FSDP2 applies no reshard_after_forward to
+        # its root (gathered from its forward to the backward, whose first use, the head's,
+        # follows the forward's last); a layer called alone (fs.remat's, a pipeline stage's)
+        # is gathered again
+        root = len(units) > 1 if root is None else root
+        self.keep = {""} if root and "" in units else set()
 
     def keeps_all(self) -> bool:
         """In a pipeline's stage: whether the step's gradient sync keeps every sharded param's
@@ -648,7 +659,7 @@ class _Session:
         if not self.active:
             return t.detach()
         hit = self.active.get(_compat.storage_id(t))
-        if hit is None or hit[2].dtype != t.dtype or hit[1] in self.kept:
+        if hit is None or hit[2].dtype != t.dtype or hit[1] in self.kept or hit[0] in self.keep:
             return t.detach()  # a kept gather stays alive for the step anyway: saved as it is
         return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
 
@@ -1098,7 +1109,10 @@ def fsdp_call(
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
     typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
     _check_gather(params, units, mesh, policy)
-    session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed)
+    # the model's root (its unit "" kept from the forward to the backward): a module whose
+    # layers are units of their own, here or in a call inside this one (fs.remat's layers)
+    root = any(isinstance(m, torch.nn.ModuleList) for m in module.modules())
+    session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed, root)
     with _gathering(session) as get:
         try:
             for unit in units:
