@@ -35,7 +35,8 @@ backward is one reduce_scatter (same values, same collectives, no prefetch or fr
 torch.func does not support saved-tensor hooks); in the global view (``fsdp_call`` on
 ShardedArrays) the invariant gathers reuse that one gather's data (``done=``) and ``_Pcasts``
 hands out its per-param results as the varying gathers (in a ``shard_map`` body, FSDP x CP,
-still one per param). Both paths gather through ``fshard._comm`` (the asynchronous one with
+the unit's data is gathered once without a graph and the varying gathers made on it per param,
+as on the eager path there). Both paths gather through ``fshard._comm`` (the asynchronous one with
 ``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
 
 The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
@@ -470,12 +471,11 @@ class _Session:
     def on_shard(self, n: str) -> bool:
         """Whether a pcast of param ``n``'s gathered value over other axes (a ``shard_map``
         body's manual axes: FSDP x CP's ``cp``) can be made on its block instead
-        (:meth:`_on_shard`): in a body, eager, its gathered data at hand, a gradient wanted,
+        (:meth:`_on_shard`): in a body, its gathered data at hand, a gradient wanted,
         and not under ``fs.value_and_grad(..., sync=False)`` (whose gradient sync takes over
         the varying gather of the block itself, not of a pcast of it)."""
         return (
-            self.eager
-            and n in self.whole
+            n in self.whole
             and self.params[n].local.requires_grad
             and _active_sync("unreduced") is None
         )
@@ -549,10 +549,17 @@ class _Session:
         invariant gathers reuse (``done=``, no communication) and whose per-param results
         ``_Pcasts`` hands out where an op rule pcasts a param over the FSDP axes (was an
         invariant and a varying all_gather per param: 18 all_gathers and 9 reduce_scatters
-        per decoder layer and recompute on a Llama). In a ``shard_map`` body (FSDP x CP) one
-        invariant gather per param, ``_Pcasts`` making the varying one (:meth:`_traced`)."""
+        per decoder layer and recompute on a Llama). In a ``shard_map`` body (FSDP x CP) as the
+        eager path there: the unit's data gathered in one all_gather without a graph
+        (:meth:`_data`), the invariant gathers on it, ``_Pcasts`` making each param's varying
+        one on it where an op rule asks (was an invariant and a varying all_gather per param
+        too)."""
         if axis_env.in_body():
-            return {n: self._typed(n, None) for n in self.units[unit]}
+            fulls = self._data(unit)
+            self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
+            self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+            self.whole.update(fulls)
+            return {n: self._typed(n, fulls.get(n)) for n in self.units[unit]}
         vary = self._traced_packs(unit)
         self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
         out = {}
@@ -562,6 +569,27 @@ class _Session:
                 out[n] = self._typed(n, vary[n].detach())
             else:
                 out[n] = self._typed(n, None)  # left whole: no gather
+        return out
+
+    def _data(self, unit: str) -> dict[str, torch.Tensor]:
+        """Under a ``torch.func`` transform: the unit's sharded params gathered without a graph
+        (``{name: gathered}``), one all_gather per pack (gathered dtype, param dtype) of their
+        blocks in the policy's ``param_dtype`` (uneven ones padded), as :meth:`_launch` packs
+        them."""
+        packs: dict = {}  # (gathered dtype, param dtype) -> [(name, padded block)]
+        for n in self.units[unit]:
+            if self.sharded(n):
+                low = self._low(n).detach()
+                packs.setdefault((low.dtype, self.params[n].dtype), []).append((n, low))
+        out = {}
+        k = self.group.size
+        for items in packs.values():
+            blocks = [_padded(b, self.rows(n)) for n, b in items]
+            flat = torch.cat([b.reshape(-1) for b in blocks])
+            full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
+            pieces = torch.split(full, [b.numel() for b in blocks], dim=1)
+            for (n, _), b, piece in zip(items, blocks, pieces):
+                out[n] = _unpadded(piece, k, b.shape, self.rows(n))
         return out
 
     def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
@@ -783,13 +811,15 @@ class _Pcasts(lax.Handler):
                 return proceed(b, x, done)
             if key not in s.over:
                 y = s.over[key] = s._varying(name, s.whole[name], over)
-                s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
+                if s.eager:  # for the saved-tensor hooks (none under a transform)
+                    s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
             y = s.over[key]
         elif name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
-        elif s.eager:  # in a shard_map body: made here, per param, once for all its uses
+        elif name in s.whole:  # in a shard_map body: made here, per param, once for all its uses
             y = s.vary[name] = s._varying(name, s.whole[name])
-            s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
+            if s.eager:
+                s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
         else:
             y = s._traced(name)
         y = y if f is None else f(y)
