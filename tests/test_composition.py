@@ -278,8 +278,8 @@ def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
     # Every param of this Llama has an even dim 0: each is sharded over dp_shard=2, its local
     # block half of it (float32). Per unit, one all_gather of the unit's blocks in the forward
     # and, for a layer's, again in the backward (re-gathered, not kept; the root's, embedding,
-    # norm and head, kept from the forward, as FSDP2 keeps its root); per param, one reduce_scatter of its
-    # gradient (input: the gathered gradient). The param is invariant over cp and its uses
+    # norm and head, kept from the forward, as FSDP2 keeps its root); per param, one
+    # reduce_scatter of its gradient (input: the gathered gradient). The param is invariant over cp and its uses
     # vary (pcast, whose transpose sums over cp): the sum runs on the shards after the
     # reduce_scatters, all of them in one bucket (all_reduce) of their bytes (under
     # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together), with HSDP over

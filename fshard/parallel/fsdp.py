@@ -775,17 +775,17 @@ class _Pcasts(lax.Handler):
             # view of it as the gathered param itself, and the varying gather standing for it
             # dropped this pcast's psum from the backward (FSDP x CP with packed gathers: a
             # Llama's gradients were the cp rank's own part, 0.92 off). So the result is made
-            # on x's data as ``done`` (eager: a tensor of its own, not a view; under a
-            # transform ``done`` would cross levels) and tracked as this pcast of what x
-            # stands for: a later pcast over the FSDP axes gives the pcast of the varying
+            # on x's data as ``done`` (a tensor of its own, not a view; under a transform too)
+            # and tracked as this pcast of what x stands for: a later pcast over the FSDP axes
+            # gives the pcast of the varying
             # gather (its psum in the policy's reduce dtype, as every gradient reduction). A
             # pcast over some of the FSDP (or replicate) axes is not tracked: a later pcast of
             # it stays a pcast (the varying gather would sum over those axes twice).
-            # In an eager body the sum moves onto the block (Session._on_shard): a later pcast
+            # In a body the sum moves onto the block (Session._on_shard): a later pcast
             # over the FSDP axes gives the varying gather of the block pcast over these axes
             # (and the replicate ones), its sum after the reduce_scatter, on 1/n of the bytes,
-            # bucketed by the gradient sync. This pcast's own result (a use that never meets
-            # data split over the FSDP axes) is the invariant gather of the block pcast over
+            # bucketed by the gradient sync (eager). This pcast's own result (a use that never
+            # meets data split over the FSDP axes) is the invariant gather of the block pcast over
             # them; with HSDP a pcast of the gathered value instead (a stand-in over these
             # axes alone would be a second bucket, all-reduced with zeros when every use is
             # varying; this pcast's psum runs only for a use that reaches the loss).
@@ -799,12 +799,12 @@ class _Pcasts(lax.Handler):
                         out = inv if f is None else f(inv)
                     self.track(out, name, f, moved)
                     return out
-                out = proceed(b, x, x if done is None and s.eager else done)
+                out = proceed(b, x, x if done is None else done)
                 reduce = b.op.reduce_dtype or s.policy.reduce_in(s.params[name].dtype)
                 op = Bound(Pcast(b.op.axes, reduce), b.group)
                 self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)), over)
                 return out
-            return proceed(b, x, x if done is None and s.eager else done)
+            return proceed(b, x, x if done is None else done)
         if over:  # the varying gather of the block pcast over ``over`` (Session._on_shard)
             key = (name, over, "vary")
             if key not in s.over and name not in s.whole:  # its unit's data is gone: a pcast
