@@ -278,8 +278,8 @@ def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
     # Every param of this Llama has an even dim 0: each is sharded over dp_shard=2, its local
     # block half of it (float32). Per unit, one all_gather of the unit's blocks in the forward
     # and, for a layer's, again in the backward (re-gathered, not kept; the root's, embedding,
-    # norm and head, kept from the forward, as FSDP2 keeps its root); per param, one
-    # reduce_scatter of its gradient (input: the gathered gradient). The param is invariant over cp and its uses
+    # norm and head, kept from the forward, as FSDP2 keeps its root); per unit, one
+    # reduce_scatter of its gradients (input: the gathered gradients, packed). The param is invariant over cp and its uses
     # vary (pcast, whose transpose sums over cp): the sum runs on the shards after the
     # reduce_scatters, all of them in one bucket (all_reduce) of their bytes (under
     # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together), with HSDP over
@@ -304,18 +304,18 @@ def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
         want_forward[("all_gather", ("dp_shard",), local)] += 1
         if unit:  # a layer's
             want_backward[("all_gather", ("dp_shard",), local)] += 1
-        for n in names:
-            want_backward[("reduce_scatter", ("dp_shard",), named[n].numel() * 4)] += 1
+        want_backward[("reduce_scatter", ("dp_shard",), 2 * local)] += 1
     return worst, fsdp_records(forward), fsdp_records(backward), want_forward, want_backward
 
 
 @pytest.mark.timeout(600)
 def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
     """FSDP x CP: inside the shard_map body over cp the unit's blocks are packed into one
-    all_gather (per unit, not per param), each gradient's sum over cp runs on its shard
-    after the reduce_scatter, bucketed (one all_reduce of 45,376 bytes a step; was one per
-    param of the whole gathered gradient, 21 all_reduces of 90,752 bytes), and the gradients
-    equal dense. Packing there used
+    all_gather (per unit, not per param), and its gradients into one reduce_scatter (was one
+    per param, 21 a step); each gradient's sum over cp runs on its shard after the
+    reduce_scatter, bucketed (one all_reduce of 45,376 bytes a step; was one per param of the
+    whole gathered gradient, 21 all_reduces of 90,752 bytes), and the gradients equal dense.
+    Packing there used
     to give wrong gradients (0.92 off relative, the loss exact): the body's tracker pcasts the
     gathered param over cp first, and the varying gather FSDP substituted for a view of that
     pcast's result (found by ``_base``: pcast's forward is a view) dropped the cp psum; with
@@ -335,10 +335,11 @@ def fsdp_cp_remat_rank_fn():
 @pytest.mark.timeout(600)
 def test_fsdp_x_cp_with_remat_gathers_each_unit_once_per_pass(world4):
     """FSDP x CP with each decoder layer under fs.remat: the recompute (torch.func, in the
-    shard_map body over cp) gathers the layer's unit in one all_gather too, its invariant and
-    varying gathers on that data (was one invariant and one varying all_gather per param: 39
-    all_gathers a step, now 5), and sums each param's gradient over cp on its shard (18
-    all_reduces of 37,120 bytes, was of 74,240); equal to dense."""
+    shard_map body over cp) gathers the layer's unit in one all_gather too, its invariant
+    gathers on that data, its varying one of the blocks pcast over cp (was one invariant and
+    one varying all_gather per param: 39 all_gathers a step, now 5; 21 reduce_scatters, now
+    3), and sums each param's gradient over cp on its shard (18 all_reduces of 37,120 bytes,
+    was of 74,240); equal to dense."""
     pytest.importorskip("transformers")
     for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_remat_rank_fn):
         assert worst < 1e-4, worst

@@ -535,11 +535,11 @@ def fsdp_in_cp_body_rank_fn(bf16: bool):
 def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
     """In a shard_map body over cp the unit's blocks are gathered in ONE all_gather (weight
     2x4 + bias 2: 40 bytes in float32, 20 in bfloat16; was one per param, 32 and 8), and the
-    gradients equal dense: per param a reduce_scatter over dp of the gathered gradient, then
-    the sum over cp (the param is invariant over cp, the sequence split over it: a pcast,
-    summed in the backward) of the shards, bucketed: one all_reduce of 2x4 + 2 values (was
-    one per param of the whole gathered gradient, 64 + 16 bytes), both in the reduce dtype
-    (float32). Packed, this lost the cp sums
+    gradients equal dense: ONE reduce_scatter over dp of the unit's gathered gradients (80
+    bytes; was one per param, 64 + 16), then the sum over cp (the param is invariant over cp,
+    the sequence split over it: a pcast, summed in the backward) of the shards, bucketed: one
+    all_reduce of 2x4 + 2 values (was one per param of the whole gathered gradient, 64 + 16
+    bytes), both in the reduce dtype (float32). Packed, this lost the cp sums
     (the weight's gradient 0.68 off): the body's tracker pcasts the gathered param over cp
     before the op rule pcasts it over dp, and FSDP stood its varying gather in for a view of
     that pcast's result (pcast's forward is a view: found by ``_base``). Per param, the lookup
@@ -554,8 +554,7 @@ def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
                 ("all_reduce", ("cp",), 4),  # the loss's psum
                 ("all_reduce", ("cp",), 40),  # the shards' gradients over cp, one bucket
                 ("all_reduce", ("dp",), 4),  # the loss's gather over dp (a sum)
-                ("reduce_scatter", ("dp",), 16),  # bias's gradient, gathered size
-                ("reduce_scatter", ("dp",), 64),  # weight's
+                ("reduce_scatter", ("dp",), 80),  # the unit's gradients, gathered size
             ]
         )
 
@@ -622,10 +621,9 @@ def test_fsdp_of_uneven_params_matches_dense(world4, where):
         assert max(errors.values()) < 1e-12, errors
         assert ("all_gather", ("dp",), 22 * 8) in log, log
         scattered = sorted(n for op, _, n in log if op == "reduce_scatter")
-        if where == "global":  # the unit's gradients, packed and padded: 2 x 22 values
-            assert scattered == [2 * 22 * 8], log
-        else:  # per param in a body (the gathered gradient's size)
-            assert scattered == sorted(8 * n for n in (12, 3, 15, 5)), log
+        # the unit's gradients, packed and padded: 2 x 22 values (in a body too: was one per
+        # param there, each the gathered gradient's size, 12, 3, 15 and 5 values)
+        assert scattered == [2 * 22 * 8], log
         assert not [r for r in log if r[0] == "all_reduce" and r[2] > 8], log
 
 

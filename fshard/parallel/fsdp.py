@@ -12,8 +12,9 @@ TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-g
                                                                  under fs.value_and_grad)
 
 In a ``shard_map`` body (FSDP x CP, the global view) a param invariant over the body's manual
-axes (``cp``) that meets varying data is pcast over them: ``_Pcasts`` makes that pcast on the
-param's *block*, before the gather, so its sum runs after the reduce_scatter, on ``1/dp`` of the
+axes (``cp``) that meets varying data is pcast over them: that pcast is made on the param's
+*block*, before the gather (the unit's varying gather is of its blocks pcast over the manual
+axes, one reduce_scatter per unit), so its sum runs after the reduce_scatter, on ``1/dp`` of the
 bytes, bucketed by :func:`fshard.value_and_grad`'s gradient sync (sums over other axes commute
 with the gather's transpose).
 
@@ -35,8 +36,7 @@ backward is one reduce_scatter (same values, same collectives, no prefetch or fr
 torch.func does not support saved-tensor hooks); in the global view (``fsdp_call`` on
 ShardedArrays) the invariant gathers reuse that one gather's data (``done=``) and ``_Pcasts``
 hands out its per-param results as the varying gathers (in a ``shard_map`` body, FSDP x CP,
-the unit's data is gathered once without a graph and the varying gathers made on it per param,
-as on the eager path there). Both paths gather through ``fshard._comm`` (the asynchronous one with
+of the blocks pcast over the body's manual axes). Both paths gather through ``fshard._comm`` (the asynchronous one with
 ``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
 
 The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
@@ -354,19 +354,21 @@ class _Session:
                     self.kept.add(n)
         return out
 
-    def _vary(self, packs: list) -> dict:
+    def _vary(self, packs: list, over: tuple[str, ...] = ()) -> dict:
         """The varying gathers of the packs' params, one differentiable all_gather per pack
         on the data gathered ahead (``done=``): its backward is ONE reduce_scatter of the
         pack's gradients (then, with HSDP, each shard's all_reduce over the replicate axes), in
         the policy's reduce dtype, cast to each param's. Under ``fs.value_and_grad(...,
         sync=False)`` one per param (the unreduced gradient sync takes each param's gather
-        over, keeping the whole param's addend)."""
+        over, keeping the whole param's addend). ``over``: of the blocks pcast over those axes
+        too (a body's manual axes, :meth:`_body_pack`; the caller checks it may pack)."""
         unreduced = _active_sync("unreduced") is not None
         # in a shard_map body one per param too: a pipeline's stages (this path: untyped, in a
         # body) run under its step-mode gradient sync, which takes each param's gather over and
-        # reduce-scatters the params once per step, packed (the typed path in a body makes its
-        # varying gathers in _Pcasts, one per param, where an op rule asks for one)
-        if unreduced or axis_env.in_body() or any(shapes is None for _, shapes, _ in packs):
+        # reduce-scatters the params once per step, packed (the typed path in a body packs
+        # its varying gathers of the blocks pcast over the body's manual axes: _body_pack)
+        body = axis_env.in_body() and not over
+        if unreduced or body or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
             return {n: self._varying(n, full) for n, full in fulls.items()}
         flats = []
@@ -376,7 +378,7 @@ class _Session:
                 flats.append(flat)
                 continue
             reduce = self.policy.reduce_in(xs[0].dtype)
-            srcs = [self._replicated(x, reduce) for x in xs]
+            srcs = [self._replicated(x, reduce, over) for x in xs]
             if reduce == flat.dtype:
                 ins, done = [self.policy.cast_param(t) for t in srcs], flat
             else:
@@ -394,13 +396,17 @@ class _Session:
             return self._traced_unit(unit)
         packs = self._wait(unit)
         # The data is gathered per pack (_launch), in a shard_map body too. In the global view
-        # in a body (FSDP x CP) the differentiable varying gathers are made per param where an
-        # op rule asks for one (_Pcasts: after the body's tracker has pcast the param over its
-        # manual axes, so the gather's backward keeps that pcast's psum); elsewhere one per
-        # pack, made here.
+        # in a body (FSDP x CP) the differentiable varying gathers are of the blocks pcast over
+        # the body's manual axes, one per pack (_body_pack: _Pcasts hands them out after the
+        # body's tracker has pcast the param over those axes), or made per param where an op
+        # rule asks for one; elsewhere one per pack, made here.
         lazy = self.typed and axis_env.in_body()
         vary = {} if lazy else self._vary(packs)
-        fulls = self._unpack(packs) if lazy else {}
+        packed, over = self._body_pack(packs) if lazy else ({}, ())
+        if packed:  # the data: the packed varying gathers' (one copy of the unit)
+            fulls = {n: v.detach() for n, v in packed.items()}
+        else:
+            fulls = self._unpack(packs) if lazy else {}
         if self.prefetch:
             i = self.order.index(unit)
             if i + 1 < len(self.order):
@@ -409,6 +415,7 @@ class _Session:
         self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
         self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
         self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+        self.over.update({(n, over, "vary"): v for n, v in packed.items()})
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
@@ -429,6 +436,33 @@ class _Session:
                 y = self._pcast(n)
             out[n] = y
         return out
+
+    def _body_pack(self, packs: list) -> tuple[dict, tuple[str, ...]]:
+        """In a ``shard_map`` body (the global view, eager): ``({name: varying gather}, axes)``,
+        the unit's varying gathers of its blocks pcast over the body's other manual axes
+        ``axes`` (FSDP x CP: ``cp``), one differentiable all_gather per pack on the gathered
+        data (:meth:`_vary`), so that its backward is one reduce_scatter per pack (then the
+        shards' sums over ``axes``, bucketed by the gradient sync), not one per param. The
+        body's tracker pcasts a param over the manual axes its use varies over, then the op
+        rule over the FSDP axes: ``_Pcasts`` hands out these where the first pcast was over
+        exactly ``axes``, and makes a param's own otherwise (a use varying over fewer manual
+        axes, or none: then this pack's gradient slot stays zero). ``({}, ())`` where it does
+        not pack: no other manual axes, under ``fs.value_and_grad(..., sync=False)``, or the
+        step's gradient sync holding gathers."""
+        over = self._manual_axes()
+        if not over or self.held is not None or any(shapes is None for _, shapes, _ in packs):
+            return {}, ()
+        return self._vary(packs, over), over
+
+    def _manual_axes(self) -> tuple[str, ...]:
+        """The body's manual axes other than the FSDP and replicate axes (mesh order, as the
+        tracker's pcasts name them); ``()`` outside a body and under ``fs.value_and_grad(...,
+        sync=False)`` (its gradient sync takes over each block's own varying gather)."""
+        tracker = axis_env.tracker(self.mesh)
+        if tracker is None or _active_sync("unreduced") is not None:
+            return ()
+        skip = set(self.axes + self.replicate)
+        return tuple(a for a in self.mesh.axis_names if a in tracker.manual and a not in skip)
 
     def base_layout(self, n: str):
         """Param ``n``'s layout with the FSDP axes gathered away (its base plan's)."""
@@ -549,16 +583,18 @@ class _Session:
         invariant gathers reuse (``done=``, no communication) and whose per-param results
         ``_Pcasts`` hands out where an op rule pcasts a param over the FSDP axes (was an
         invariant and a varying all_gather per param: 18 all_gathers and 9 reduce_scatters
-        per decoder layer and recompute on a Llama). In a ``shard_map`` body (FSDP x CP) as the
-        eager path there: the unit's data gathered in one all_gather without a graph
-        (:meth:`_data`), the invariant gathers on it, ``_Pcasts`` making each param's varying
-        one on it where an op rule asks (was an invariant and a varying all_gather per param
-        too)."""
+        per decoder layer and recompute on a Llama). In a ``shard_map`` body (FSDP x CP) the
+        packed varying gather is of the blocks pcast over the body's other manual axes (as
+        :meth:`_body_pack`; without such axes the data gathered without a graph, :meth:`_data`,
+        ``_Pcasts`` making each param's varying gather on it where an op rule asks)."""
         if axis_env.in_body():
-            fulls = self._data(unit)
+            over = self._manual_axes()
+            packed = self._traced_packs(unit, over) if over else {}
+            fulls = {n: v.detach() for n, v in packed.items()} if over else self._data(unit)
             self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
             self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
             self.whole.update(fulls)
+            self.over.update({(n, over, "vary"): v for n, v in packed.items()})
             return {n: self._typed(n, fulls.get(n)) for n in self.units[unit]}
         vary = self._traced_packs(unit)
         self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
@@ -598,12 +634,13 @@ class _Session:
         out = self._traced_packs(unit)
         return {n: out[n] if n in out else self._pcast(n) for n in self.units[unit]}
 
-    def _traced_packs(self, unit: str) -> dict[str, torch.Tensor]:
+    def _traced_packs(self, unit: str, over: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """Under a ``torch.func`` transform: the unit's sharded params gathered as FSDP2
         gathers them, one differentiable varying all_gather per (gathered dtype, param dtype)
         pack of their blocks (uneven ones padded), whose backward is one reduce_scatter of the
         pack's gradients (was one all_gather and one reduce_scatter per param: 9 each per
-        decoder layer and recompute on a Llama). ``{name: gathered}``, sharded params only."""
+        decoder layer and recompute on a Llama). ``{name: gathered}``, sharded params only;
+        ``over``: of the blocks pcast over those axes too (a body's manual axes)."""
         out: dict[str, torch.Tensor] = {}
         packs: dict = {}  # (gathered dtype, param_dtype) -> [(name, padded block)]
         for n in self.units[unit]:
@@ -611,7 +648,7 @@ class _Session:
                 continue
             x = self._block(n)
             reduce = self.policy.reduce_in(x.dtype)
-            src = self._replicated(x, reduce)
+            src = self._replicated(x, reduce, over)
             low = self.policy.cast_param(src)
             # gathered in the reduce dtype where it differs (as _traced: under a transform an
             # edge carries its forward dtype's gradient), then cast to param_dtype
