@@ -340,7 +340,7 @@ def fsdp_loss(
     """:func:`tp_loss` with params sharded over ``dp`` too (``fs.nn.fsdp_plan``): each block's
     weights are all-gathered over ``dp`` just before use (to a varying value, so their gradient
     is a reduce_scatter), the next block's gather prefetched, and re-gathered in the backward
-    instead of kept. Averaged over ``dp``: the gradients come out already reduced. ``units``:
+    instead of kept (the root's, embedding and head, kept, as FSDP2 keeps its root). Averaged over ``dp``: the gradients come out already reduced. ``units``:
     ``fs.nn.fsdp_units(model)`` (the root, then each block). With ``dtype`` (``--bf16``) the
     blocks are gathered in it and the gradients reduce-scattered in float32
     (``fs.nn.MixedPrecisionPolicy``)."""

@@ -146,14 +146,23 @@ def untracked(t: torch.Tensor) -> torch.Tensor | None:
     return None if t.requires_grad else t
 
 
+def _unwrap(a, level: int):
+    """Operand ``a`` one grad/jvp level down: a tensor unwrapped from ``level``, and so is each
+    tensor of a tuple (``fs.lax.apply``'s boxed ``done``, a result computed at this level: kept
+    boxed so the Function does not take it as an input, unwrapped so it does not cross levels)."""
+    if isinstance(a, torch.Tensor):
+        return _unwrap_for_grad(a, level)
+    if type(a) is tuple:
+        return tuple(_unwrap_for_grad(t, level) if isinstance(t, torch.Tensor) else t for t in a)
+    return a
+
+
 class _AtLevel(_SingleLevelFunction):
     """``fn`` at one grad/jvp level (torch's ``generate_single_level_function``, built once)."""
 
     @staticmethod
     def forward(fn, level, interpreter, *args):
-        inner = tuple(
-            _unwrap_for_grad(a, level) if isinstance(a, torch.Tensor) else a for a in args
-        )
+        inner = tuple(_unwrap(a, level) for a in args)
         with torch.enable_grad(), _set_fwd_grad_enabled(True), interpreter.lower():
             out = call(fn, *inner)
         for a, u in zip(args, inner):

@@ -244,15 +244,16 @@ def test_parallelize_composes_on_transformers_models(world4):
             assert worst < 1e-4, (kind, degrees, worst)
 
 
-def fsdp_cp_packed_rank_fn():
-    """FSDP x CP (``parallelize``, dp_shard=2 x cp=2) on a transformers Llama, one
+def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
+    """FSDP x CP (``parallelize``, dp_shard=2 x cp=2; HSDP with ``replicate``; each decoder
+    layer under fs.remat with ``remat``) on a transformers Llama, one
     fs.value_and_grad step: ``(worst, forward, backward, want_forward, want_backward)``, the
     worst difference of the loss and every gradient from dense (relative to its largest
     entry), the dp_shard and cp collectives comm_log records in the forward and after it, and
     what per-unit FSDP gives from the param shapes alone (independent of fshard's code)."""
     model = _hf_model("llama")
-    dims = fs.parallel.ParallelDims(dp_shard=2, cp=2)
-    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    dims = fs.parallel.ParallelDims(dp_replicate=replicate, dp_shard=2, cp=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=remat)
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     forward: list = []
 
@@ -270,32 +271,51 @@ def fsdp_cp_packed_rank_fn():
         return Counter(
             (r.op, tuple(r.axes), r.nbytes)
             for r in log
-            if tuple(r.axes) == ("dp_shard",) or (r.op, tuple(r.axes)) == ("all_reduce", ("cp",))
+            if tuple(r.axes) in (("dp_shard",), ("dp_replicate",))
+            or (r.op == "all_reduce" and "cp" in r.axes)
         )
 
     # Every param of this Llama has an even dim 0: each is sharded over dp_shard=2, its local
     # block half of it (float32). Per unit, one all_gather of the unit's blocks in the forward
-    # and again in the backward (re-gathered, not kept); per param, one reduce_scatter of its
-    # gradient (input: the gathered gradient) and one all_reduce over cp of it (the param is
-    # invariant over cp, its uses vary: pcast, whose transpose sums over cp); the forward's
-    # only cp all_reduce is the loss's psum (4 bytes).
+    # and, for a layer's, again in the backward (re-gathered, not kept; the root's, embedding,
+    # norm and head, kept from the forward, as FSDP2 keeps its root); per unit, one
+    # reduce_scatter of its gradients (input: the gathered gradients, packed). The param is invariant over cp and its uses
+    # vary (pcast, whose transpose sums over cp): the sum runs on the shards after the
+    # reduce_scatters, all of them in one bucket (all_reduce) of their bytes (under
+    # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together), with HSDP over
+    # dp_replicate too (its sum of the shards, in the same all_reduce); the forward's only cp
+    # all_reduce is the loss's psum (4 bytes). With remat a layer is gathered again by its
+    # recompute (in the backward, as without remat), and its params' sums over cp run on their
+    # shards there, one all_reduce each (torch.func: no gradient sync buckets them).
     named = dict(model.named_parameters())
     assert all(p.shape[0] % 2 == 0 for p in named.values())
     want_forward, want_backward = Counter({("all_reduce", ("cp",), 4): 1}), Counter()
-    for names in fs.nn.fsdp_units(model).values():
+    shards = {k: p.numel() // 2 * 4 for k, p in named.items()}
+    bucketed = [b for k, b in shards.items() if not (remat and k.startswith("model.layers."))]
+    assert max(shards.values()) < fs.lax.PSUM_INPLACE_MIN_BYTES
+    assert sum(bucketed) < fs.lax.PSUM_BUCKET_BYTES
+    sums = ("dp_replicate", "cp") if replicate > 1 else ("cp",)
+    want_backward[("all_reduce", sums, sum(bucketed))] += 1
+    for k, b in shards.items():
+        if remat and k.startswith("model.layers."):
+            want_backward[("all_reduce", sums, b)] += 1
+    for unit, names in fs.nn.fsdp_units(model).items():
         local = sum(named[n].numel() // 2 * 4 for n in names)
         want_forward[("all_gather", ("dp_shard",), local)] += 1
-        want_backward[("all_gather", ("dp_shard",), local)] += 1
-        for n in names:
-            want_backward[("reduce_scatter", ("dp_shard",), named[n].numel() * 4)] += 1
-            want_backward[("all_reduce", ("cp",), named[n].numel() * 4)] += 1
+        if unit:  # a layer's
+            want_backward[("all_gather", ("dp_shard",), local)] += 1
+        want_backward[("reduce_scatter", ("dp_shard",), 2 * local)] += 1
     return worst, fsdp_records(forward), fsdp_records(backward), want_forward, want_backward
 
 
 @pytest.mark.timeout(600)
 def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
     """FSDP x CP: inside the shard_map body over cp the unit's blocks are packed into one
-    all_gather (per unit, not per param), and the gradients equal dense. Packing there used
+    all_gather (per unit, not per param), and its gradients into one reduce_scatter (was one
+    per param, 21 a step); each gradient's sum over cp runs on its shard after the
+    reduce_scatter, bucketed (one all_reduce of 45,376 bytes a step; was one per param of the
+    whole gathered gradient, 21 all_reduces of 90,752 bytes), and the gradients equal dense.
+    Packing there used
     to give wrong gradients (0.92 off relative, the loss exact): the body's tracker pcasts the
     gathered param over cp first, and the varying gather FSDP substituted for a view of that
     pcast's result (found by ``_base``: pcast's forward is a view) dropped the cp psum; with
@@ -303,6 +323,42 @@ def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
     (21 all_reduces of the gathered gradients) instead of reduce-scattered."""
     pytest.importorskip("transformers")
     for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_packed_rank_fn):
+        assert worst < 1e-4, worst
+        assert forward == want_forward
+        assert backward == want_backward
+
+
+def fsdp_cp_remat_rank_fn():
+    return fsdp_cp_packed_rank_fn(remat=True)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_cp_with_remat_gathers_each_unit_once_per_pass(world4):
+    """FSDP x CP with each decoder layer under fs.remat: the recompute (torch.func, in the
+    shard_map body over cp) gathers the layer's unit in one all_gather too, its invariant
+    gathers on that data, its varying one of the blocks pcast over cp (was one invariant and
+    one varying all_gather per param: 39 all_gathers a step, now 5; 21 reduce_scatters, now
+    3), and sums each param's gradient over cp on its shard (18 all_reduces of 37,120 bytes,
+    was of 74,240); equal to dense."""
+    pytest.importorskip("transformers")
+    for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_remat_rank_fn):
+        assert worst < 1e-4, worst
+        assert forward == want_forward
+        assert backward == want_backward
+
+
+def hsdp_cp_packed_rank_fn():
+    return fsdp_cp_packed_rank_fn(replicate=2)
+
+
+@pytest.mark.timeout(900)
+def test_hsdp_x_cp_sums_each_shard_over_both_axes_at_once(world8):
+    """HSDP x CP (dp_replicate=2 x dp_shard=2 x cp=2): each gradient reduce-scattered over
+    dp_shard, then its shard summed over dp_replicate and cp in one bucketed all_reduce (45,376
+    bytes a step; was one all_reduce over cp per param of the whole gathered gradient, 21 of
+    90,752 bytes, and one over dp_replicate of the shards, 45,376), equal to dense."""
+    pytest.importorskip("transformers")
+    for worst, forward, backward, want_forward, want_backward in world8.run(hsdp_cp_packed_rank_fn):
         assert worst < 1e-4, worst
         assert forward == want_forward
         assert backward == want_backward
@@ -561,6 +617,53 @@ def test_pipelined_fsdp_remat_gathers_each_unit_packed(world4):
         assert got == dict(want), (stage, got, dict(want))
 
 
+def fsdp_remat_comm_rank_fn():
+    """One fs.value_and_grad step (after a first) of parallelize's FSDP x TP loss (dp_shard=2 x
+    tp=2, pp=1) with each decoder layer under fs.remat: ``(worst, dp_shard collectives by op
+    and bytes, each unit's local bytes)``, the worst difference of the loss and every gradient
+    from dense, and each FSDP unit's local bytes from the params' shards (a layer's, and the
+    root's: embedding, norm and head)."""
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(dp_shard=2, tp=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=True)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    fs.value_and_grad(loss)(params, {"input_ids": ids})
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    worst = _worst_against_dense(model, ids, params, value, grads)
+    got = Counter((r.op, r.nbytes) for r in log if r.axes == ("dp_shard",))
+    units = {}
+    for n, p in params.items():
+        unit = ".".join(n.split(".")[:3]) if n.startswith("model.layers.") else "root"
+        units[unit] = units.get(unit, 0) + p.local.numel() * p.local.element_size()
+    return worst, dict(got), units
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_remat_gathers_each_unit_packed_in_the_global_view(world4):
+    """FSDP x TP with fs.remat and no pipeline (the global view): the recompute runs under
+    torch.func, where each layer's unit is gathered as one packed all_gather (its invariant
+    gathers reuse the data, its varying one is the same collective) whose backward is one
+    reduce_scatter. Per rank and step: each layer gathered by its forward and again by its
+    recompute (2), the root (embedding, norm, head) by the forward only, kept for the backward
+    as FSDP2 keeps its root (1); one reduce_scatter per unit of the unit's gathered bytes. Was
+    40 all_gathers and 19 reduce_scatters (each param gathered alone, invariant and varying, in
+    the recompute, the root gathered again); without remat 5 and 3 (the backward re-gathers
+    each layer instead). Loss and gradients equal to dense."""
+    pytest.importorskip("transformers")
+    for worst, got, units in world4.run(fsdp_remat_comm_rank_fn):
+        assert worst < 1e-4, worst
+        layers = [u for u in units if u != "root"]
+        assert len(layers) == 2, units
+        want = Counter()
+        for unit, nbytes in units.items():
+            want[("all_gather", nbytes)] += 1 if unit == "root" else 2
+            want[("reduce_scatter", 2 * nbytes)] += 1
+        assert got == dict(want), (got, dict(want))
+        assert sum(c for (op, _), c in got.items() if op == "all_gather") == 5
+        assert sum(c for (op, _), c in got.items() if op == "reduce_scatter") == 3
+
+
 #: pp=1: each decoder layer under fs.remat inside the one call of the whole model
 REMATTED = [
     ("llama", {"dp_shard": 2, "tp": 2}, {"remat": True}),
@@ -775,7 +878,9 @@ def test_per_layer_remat_without_pp_on_a_simulated_mesh():
     recompute issues each layer's two row-parallel all_reduces again (exactly 2 per layer, of
     one activation each), computes each layer's forward once more (the extra FLOPs grow by the
     same amount per layer) and keeps less for the backward; under FSDP x TP the same, and the
-    recompute gathers the layers over dp_shard again."""
+    recompute gathers each layer over dp_shard again, packed, in place of the backward's
+    re-gather (FSDP2 with activation checkpointing: the same gathered bytes; was more, each
+    param gathered alone twice in the recompute)."""
     pytest.importorskip("transformers")
     act = 4 * 16 * 64 * 4  # rows x seq x hidden, float32: one row-parallel output
     extra = {}
@@ -801,7 +906,8 @@ def test_per_layer_remat_without_pp_on_a_simulated_mesh():
         [c.comm_summary()[(("dp_shard",), k)][1] for k in ("all_gather", "reduce_scatter")]
         for c in (plain, rematted)
     ]
-    assert g1 > g0 and s1 == s0, (g0, g1, s0, s1)  # gathered again; each gradient scattered once
+    # the recompute's gather stands for the backward's re-gather; each gradient scattered once
+    assert g1 == g0 and s1 == s0, (g0, g1, s0, s1)
 
 
 def test_data_parallel_x_tp_costs_tp_what_tp_alone_costs():
@@ -821,14 +927,18 @@ def test_data_parallel_x_tp_costs_tp_what_tp_alone_costs():
         assert data.pop((("dp_replicate", "dp_shard", "ep"), "all_reduce")) == (2, 8)
         if dp == "dp_replicate":  # DDP: each gradient reduced once, all in one step
             assert data == {(("dp_replicate",), "all_reduce"): (1, param_bytes)}
-        else:  # FSDP per unit: gathered twice (forward, backward), reduce-scattered once (the
-            # input of a reduce_scatter is the gathered gradient: dp x the local bytes)
+        else:  # FSDP per unit: a layer's gathered twice (forward, backward), the root's once
+            # (kept from the forward, as FSDP2 keeps its root: embedding and head, 128 x 64
+            # over tp and dp_shard, and the final norm, 64 over dp_shard, float32), each
+            # reduce-scattered once (the input of a reduce_scatter is the gathered gradient: dp
+            # x the local bytes)
+            root = (2 * 128 * 64 // 4 + 64 // 2) * 4
             (n_gather, gathered), (n_scatter, scattered) = (
                 data.pop((("dp_shard",), "all_gather")),
                 data.pop((("dp_shard",), "reduce_scatter")),
             )
-            assert data == {} and n_gather == 2 * n_scatter
-            assert gathered == 2 * param_bytes and scattered == 2 * param_bytes
+            assert data == {} and n_gather == 2 * n_scatter - 1
+            assert gathered == 2 * param_bytes - root and scattered == 2 * param_bytes
 
 
 def test_pipelined_step_bytes_on_a_simulated_mesh_are_the_real_ones():

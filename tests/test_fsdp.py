@@ -206,12 +206,16 @@ def test_fsdp_training_matches_dense(world2, dense, traced):
         for log in logs:
             want = [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
             # FSDP2's granularity: one all_gather per unit (the padded blocks packed), one
-            # reduce_scatter per unit; eager, the backward gathers again instead of keeping
-            # the weights. Traced (torch.func: fs.remat's recompute) was one all_gather of
-            # each param's own block and one reduce_scatter per param (9 each per Llama
-            # layer); packed like the eager path's since (its blocks padded the same way)
+            # reduce_scatter per unit; eager, the backward gathers each layer again instead of
+            # keeping its weights, and keeps the root's (FSDP2 applies no reshard after forward
+            # to its root: was gathered again too). Traced (torch.func: fs.remat's recompute)
+            # was one all_gather of each param's own block and one reduce_scatter per param (9
+            # each per Llama layer); packed like the eager path's since (its blocks padded the
+            # same way)
             units = [[k for k in names if k in block] for names in UNITS.values()]
-            want += [("all_gather", sum(block[k] for k in u)) for u in units] * (1 + (not traced))
+            want += [("all_gather", sum(block[k] for k in u)) for u in units]
+            if not traced:  # the layers' units (the root, first, kept)
+                want += [("all_gather", sum(block[k] for k in u)) for u in units[1:]]
             want += [("reduce_scatter", 2 * sum(block[k] for k in u)) for u in units]
             assert sorted(log) == sorted(want)
             # no weight gradient is ever all-reduced (then sliced)
@@ -235,8 +239,9 @@ def test_fsdp_over_reversed_axes_matches_dense(world4, dense):
         for log in logs:
             units = [[k for k in names if k in block] for names in UNITS.values()]
             want = [("all_gather", sum(block[k] for k in u)) for u in units]  # per unit
-            # the backward re-gathers every unit (the root's for out.weight, saved by its linear)
-            want += [("all_gather", sum(block[k] for k in u)) for u in units]
+            # the backward re-gathers every layer's unit; the root's (out.weight, saved by its
+            # linear) is kept from the forward, as FSDP2 keeps its root (was re-gathered too)
+            want += [("all_gather", sum(block[k] for k in u)) for u in units[1:]]
             want += [("reduce_scatter", 4 * sum(block[k] for k in u)) for u in units]
             want += [("all_reduce", 8), ("all_reduce", 8)]  # the loss pmean, scale
             assert sorted(log) == sorted(want)
@@ -455,7 +460,8 @@ def test_hsdp_matches_dense(world4, dense, traced):
             # per unit, traced too (see test_fsdp_training_matches_dense)
             units = [[k for k in names if k in block] for names in UNITS.values()]
             packs = [sum(block[k] for k in u) for u in units]
-            assert sorted(gathers) == sorted(packs * (1 + (not traced)))
+            # eager: the layers gathered again in the backward, the root kept (FSDP2's root)
+            assert sorted(gathers) == sorted(packs + ([] if traced else packs[1:]))
             assert sorted(rs) == sorted((("shard",), 2 * n) for n in packs)
             reduced = [(axes, n) for op, axes, n in log if op == "all_reduce"]
             # this rank's shards of the gradients over "rep" (bucketed at top level); over
@@ -529,9 +535,11 @@ def fsdp_in_cp_body_rank_fn(bf16: bool):
 def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
     """In a shard_map body over cp the unit's blocks are gathered in ONE all_gather (weight
     2x4 + bias 2: 40 bytes in float32, 20 in bfloat16; was one per param, 32 and 8), and the
-    gradients equal dense: per param a reduce_scatter over dp of the gathered gradient and an
-    all_reduce over cp (the param is invariant over cp, the sequence split over it: a pcast,
-    summed in the backward), both in the reduce dtype (float32). Packed, this lost the cp sums
+    gradients equal dense: ONE reduce_scatter over dp of the unit's gathered gradients (80
+    bytes; was one per param, 64 + 16), then the sum over cp (the param is invariant over cp,
+    the sequence split over it: a pcast, summed in the backward) of the shards, bucketed: one
+    all_reduce of 2x4 + 2 values (was one per param of the whole gathered gradient, 64 + 16
+    bytes), both in the reduce dtype (float32). Packed, this lost the cp sums
     (the weight's gradient 0.68 off): the body's tracker pcasts the gathered param over cp
     before the op rule pcasts it over dp, and FSDP stood its varying gather in for a view of
     that pcast's result (pcast's forward is a view: found by ``_base``). Per param, the lookup
@@ -544,11 +552,9 @@ def test_fsdp_in_a_cp_body_packs_the_unit_and_matches_dense(world4, bf16):
             [
                 ("all_gather", ("dp",), 20 if bf16 else 40),  # the unit: weight (2, 4) + bias (2,)
                 ("all_reduce", ("cp",), 4),  # the loss's psum
-                ("all_reduce", ("cp",), 16),  # bias's gradient over cp
-                ("all_reduce", ("cp",), 64),  # weight's
+                ("all_reduce", ("cp",), 40),  # the shards' gradients over cp, one bucket
                 ("all_reduce", ("dp",), 4),  # the loss's gather over dp (a sum)
-                ("reduce_scatter", ("dp",), 16),  # bias's gradient, gathered size
-                ("reduce_scatter", ("dp",), 64),  # weight's
+                ("reduce_scatter", ("dp",), 80),  # the unit's gradients, gathered size
             ]
         )
 
@@ -615,10 +621,9 @@ def test_fsdp_of_uneven_params_matches_dense(world4, where):
         assert max(errors.values()) < 1e-12, errors
         assert ("all_gather", ("dp",), 22 * 8) in log, log
         scattered = sorted(n for op, _, n in log if op == "reduce_scatter")
-        if where == "global":  # the unit's gradients, packed and padded: 2 x 22 values
-            assert scattered == [2 * 22 * 8], log
-        else:  # per param in a body (the gathered gradient's size)
-            assert scattered == sorted(8 * n for n in (12, 3, 15, 5)), log
+        # the unit's gradients, packed and padded: 2 x 22 values (in a body too: was one per
+        # param there, each the gathered gradient's size, 12, 3, 15 and 5 values)
+        assert scattered == [2 * 22 * 8], log
         assert not [r for r in log if r[0] == "all_reduce" and r[2] > 8], log
 
 

@@ -11,6 +11,13 @@ TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-g
     left whole (dim 0 too small) pcast over dp (no comm)         psum (all_reduce, bucketed
                                                                  under fs.value_and_grad)
 
+In a ``shard_map`` body (FSDP x CP, the global view) a param invariant over the body's manual
+axes (``cp``) that meets varying data is pcast over them: that pcast is made on the param's
+*block*, before the gather (the unit's varying gather is of its blocks pcast over the manual
+axes, one reduce_scatter per unit), so its sum runs after the reduce_scatter, on ``1/dp`` of the
+bytes, bucketed by :func:`fshard.value_and_grad`'s gradient sync (sums over other axes commute
+with the gather's transpose).
+
 :func:`fsdp_gather` gathers one *unit* (e.g. a transformer block: :func:`fsdp_units`) at a
 time. Outside ``torch.func`` transforms (plain ``.backward()`` or :func:`fshard.value_and_grad`,
 which differentiates at top level) it also does what FSDP2 does for memory and speed:
@@ -19,13 +26,17 @@ which differentiates at top level) it also does what FSDP2 does for memory and s
 * a gathered weight saved for the backward (``F.linear`` saves it) is not kept: a
   ``saved_tensors_hooks`` pack stores a token while its unit is in use, and the backward
   re-gathers the unit when it first needs it (prefetching the unit before it), keeping at most
-  two units gathered at once.
+  two units gathered at once; a model's root unit (``""`` of a module with layers: embedding,
+  final norm, head) keeps what the backward reads of it from the forward, as FSDP2 applies no
+  ``reshard_after_forward`` to its root (the backward's first use is the forward's last).
 
 Under a ``torch.func`` transform (``fs.remat``'s recompute) a unit's blocks are packed as the
 eager path packs them and gathered with one ``fs.lax.all_gather(..., to="varying")``, whose
 backward is one reduce_scatter (same values, same collectives, no prefetch or freeing:
 torch.func does not support saved-tensor hooks); in the global view (``fsdp_call`` on
-ShardedArrays) each param is still gathered alone there. Both paths gather through ``fshard._comm`` (the asynchronous one with
+ShardedArrays) the invariant gathers reuse that one gather's data (``done=``) and ``_Pcasts``
+hands out its per-param results as the varying gathers (in a ``shard_map`` body, FSDP x CP,
+of the blocks pcast over the body's manual axes). Both paths gather through ``fshard._comm`` (the asynchronous one with
 ``_comm.all_gather_start``): the same lowering, wire and consistency checks and comm-log records.
 
 The data-parallel ``axis`` may be a tuple of mesh axes (``("dp", "fsdp")``): params are then
@@ -216,8 +227,9 @@ class _Session:
     """One forward (and its backward) of an FSDP model: see :func:`fsdp_gather`."""
 
     def __init__(
-        self, params, units, axis, mesh, prefetch, policy=None, replicate=None, typed=False
-    ):
+        self, params, units, axis, mesh, prefetch, policy=None, replicate=None, typed=False,
+        root=None,
+    ):  # fmt: skip
         self.params, self.units, self.axis, self.mesh = params, units, axis, mesh
         # typed (the global view): get(unit) gives ShardedArrays in the base layouts, whose
         # locals are invariant gathers; _Pcasts turns their pcasts into the varying gather
@@ -226,6 +238,9 @@ class _Session:
         self.unit_of = {n: u for u, names in units.items() for n in names}
         self.vary: dict[str, torch.Tensor] = {}  # typed, eager: each param's varying gather
         self.whole: dict[str, torch.Tensor] = {}  # typed, in a shard_map body: its gathered data
+        # typed, in a body: (name, axes) -> its invariant gather of its block pcast over axes
+        # (_on_shard), (name, axes, "vary") -> the varying one
+        self.over: dict[tuple, torch.Tensor] = {}
         self.policy = policy or MixedPrecisionPolicy()
         self.axes = _axes(axis, mesh, "fsdp_gather")
         self.replicate = _replicate_axes(replicate, self.axes, mesh, "fsdp_gather")
@@ -251,6 +266,14 @@ class _Session:
         # untyped, in a pipeline's stage: the uses of kept gathers, the step's stand-ins (read
         # as they are, not through a varying all_gather of the kept data each use)
         self.uses: dict[str, torch.Tensor] = {}
+        # units whose gathered weights the backward reads as saved, not re-gathered: a model's
+        # root unit (embedding, final norm, head; ``root``: whether the call's unit "" is one,
+        # None: whether there are other units), as FSDP2 applies no reshard_after_forward to
+        # its root (gathered from its forward to the backward, whose first use, the head's,
+        # follows the forward's last); a layer called alone (fs.remat's, a pipeline stage's)
+        # is gathered again
+        root = len(units) > 1 if root is None else root
+        self.keep = {""} if root and "" in units else set()
 
     def keeps_all(self) -> bool:
         """In a pipeline's stage: whether the step's gradient sync keeps every sharded param's
@@ -341,19 +364,21 @@ class _Session:
                     self.kept.add(n)
         return out
 
-    def _vary(self, packs: list) -> dict:
+    def _vary(self, packs: list, over: tuple[str, ...] = ()) -> dict:
         """The varying gathers of the packs' params, one differentiable all_gather per pack
         on the data gathered ahead (``done=``): its backward is ONE reduce_scatter of the
         pack's gradients (then, with HSDP, each shard's all_reduce over the replicate axes), in
         the policy's reduce dtype, cast to each param's. Under ``fs.value_and_grad(...,
         sync=False)`` one per param (the unreduced gradient sync takes each param's gather
-        over, keeping the whole param's addend)."""
+        over, keeping the whole param's addend). ``over``: of the blocks pcast over those axes
+        too (a body's manual axes, :meth:`_body_pack`; the caller checks it may pack)."""
         unreduced = _active_sync("unreduced") is not None
         # in a shard_map body one per param too: a pipeline's stages (this path: untyped, in a
         # body) run under its step-mode gradient sync, which takes each param's gather over and
-        # reduce-scatters the params once per step, packed (the typed path in a body makes its
-        # varying gathers in _Pcasts, one per param, where an op rule asks for one)
-        if unreduced or axis_env.in_body() or any(shapes is None for _, shapes, _ in packs):
+        # reduce-scatters the params once per step, packed (the typed path in a body packs
+        # its varying gathers of the blocks pcast over the body's manual axes: _body_pack)
+        body = axis_env.in_body() and not over
+        if unreduced or body or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
             uses = {n: self.uses.pop(n) for n in fulls if n in self.uses}
             return {n: uses[n] if n in uses else self._varying(n, full) for n, full in fulls.items()}  # fmt: skip
@@ -364,7 +389,7 @@ class _Session:
                 flats.append(flat)
                 continue
             reduce = self.policy.reduce_in(xs[0].dtype)
-            srcs = [self._replicated(x, reduce) for x in xs]
+            srcs = [self._replicated(x, reduce, over) for x in xs]
             if reduce == flat.dtype:
                 ins, done = [self.policy.cast_param(t) for t in srcs], flat
             else:
@@ -378,17 +403,21 @@ class _Session:
             raise ValueError(f"fsdp_gather: unknown unit {unit!r}; the units are {self.order}")
         if not self.eager:
             if self.typed:
-                return {n: self._typed(n, None) for n in self.units[unit]}
+                return self._typed_unit(unit)
             return self._traced_unit(unit)
         packs = self._wait(unit)
         # The data is gathered per pack (_launch), in a shard_map body too. In the global view
-        # in a body (FSDP x CP) the differentiable varying gathers are made per param where an
-        # op rule asks for one (_Pcasts: after the body's tracker has pcast the param over its
-        # manual axes, so the gather's backward keeps that pcast's psum); elsewhere one per
-        # pack, made here.
+        # in a body (FSDP x CP) the differentiable varying gathers are of the blocks pcast over
+        # the body's manual axes, one per pack (_body_pack: _Pcasts hands them out after the
+        # body's tracker has pcast the param over those axes), or made per param where an op
+        # rule asks for one; elsewhere one per pack, made here.
         lazy = self.typed and axis_env.in_body()
         vary = {} if lazy else self._vary(packs)
-        fulls = self._unpack(packs) if lazy else {}
+        packed, over = self._body_pack(packs) if lazy else ({}, ())
+        if packed:  # the data: the packed varying gathers' (one copy of the unit)
+            fulls = {n: v.detach() for n, v in packed.items()}
+        else:
+            fulls = self._unpack(packs) if lazy else {}
         if self.prefetch:
             i = self.order.index(unit)
             if i + 1 < len(self.order):
@@ -396,6 +425,8 @@ class _Session:
         self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
         self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
         self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
+        self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+        self.over.update({(n, over, "vary"): v for n, v in packed.items()})
         self.seen.append(unit)
         out = {}
         for n in self.units[unit]:
@@ -417,6 +448,33 @@ class _Session:
             out[n] = y
         return out
 
+    def _body_pack(self, packs: list) -> tuple[dict, tuple[str, ...]]:
+        """In a ``shard_map`` body (the global view, eager): ``({name: varying gather}, axes)``,
+        the unit's varying gathers of its blocks pcast over the body's other manual axes
+        ``axes`` (FSDP x CP: ``cp``), one differentiable all_gather per pack on the gathered
+        data (:meth:`_vary`), so that its backward is one reduce_scatter per pack (then the
+        shards' sums over ``axes``, bucketed by the gradient sync), not one per param. The
+        body's tracker pcasts a param over the manual axes its use varies over, then the op
+        rule over the FSDP axes: ``_Pcasts`` hands out these where the first pcast was over
+        exactly ``axes``, and makes a param's own otherwise (a use varying over fewer manual
+        axes, or none: then this pack's gradient slot stays zero). ``({}, ())`` where it does
+        not pack: no other manual axes, under ``fs.value_and_grad(..., sync=False)``, or the
+        step's gradient sync holding gathers."""
+        over = self._manual_axes()
+        if not over or self.held is not None or any(shapes is None for _, shapes, _ in packs):
+            return {}, ()
+        return self._vary(packs, over), over
+
+    def _manual_axes(self) -> tuple[str, ...]:
+        """The body's manual axes other than the FSDP and replicate axes (mesh order, as the
+        tracker's pcasts name them); ``()`` outside a body and under ``fs.value_and_grad(...,
+        sync=False)`` (its gradient sync takes over each block's own varying gather)."""
+        tracker = axis_env.tracker(self.mesh)
+        if tracker is None or _active_sync("unreduced") is not None:
+            return ()
+        skip = set(self.axes + self.replicate)
+        return tuple(a for a in self.mesh.axis_names if a in tracker.manual and a not in skip)
+
     def base_layout(self, n: str):
         """Param ``n``'s layout with the FSDP axes gathered away (its base plan's)."""
         layout = self.params[n].layout
@@ -435,41 +493,86 @@ class _Session:
             if low is not x:
                 self.pcasts.casts[id(low.local)] = (low.local, x.local, x.dtype)
             return low
-        local, low = x.local, self._low(n)
-        if not local.requires_grad and full is not None:
+        if not x.local.requires_grad and full is not None:
             inv = full
         else:
-            invariant = self._gather_op(n, invariant=True)
-            reduce = self.policy.reduce_in(local.dtype)
-            if reduce == low.dtype:
-                inv = lax.apply(invariant, low, done=full)
-            else:
-                done = None if full is None else full.to(reduce)
-                inv = lax.apply(invariant, local.to(reduce), done=done).to(low.dtype)
+            inv = self._invariant(n, x.local, full)
         self.pcasts.track(inv, n)
         return ShardedArray._raw(inv, self.base_layout(n).with_dtype(inv.dtype))
+
+    def _invariant(self, n: str, src: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor:
+        """The invariant gather of param ``n`` from ``src`` (its block, or the block pcast over
+        other axes: :meth:`_on_shard`), in ``param_dtype`` (``full``: the data gathered
+        already; ``None``: gathered now); its backward keeps this rank's block of the
+        cotangent, in the policy's reduce dtype."""
+        invariant = self._gather_op(n, invariant=True)
+        reduce = self.policy.reduce_in(src.dtype)
+        low = self.policy.cast_param(src)
+        if reduce == low.dtype:
+            return lax.apply(invariant, low, done=full)
+        done = None if full is None else full.to(reduce)
+        return lax.apply(invariant, src.to(reduce), done=done).to(low.dtype)
+
+    def on_shard(self, n: str) -> bool:
+        """Whether a pcast of param ``n``'s gathered value over other axes (a ``shard_map``
+        body's manual axes: FSDP x CP's ``cp``) can be made on its block instead
+        (:meth:`_on_shard`): in a body, its gathered data at hand, a gradient wanted,
+        and not under ``fs.value_and_grad(..., sync=False)`` (whose gradient sync takes over
+        the varying gather of the block itself, not of a pcast of it)."""
+        return (
+            n in self.whole
+            and self.params[n].local.requires_grad
+            and _active_sync("unreduced") is None
+        )
+
+    def _on_shard(self, n: str, axes: tuple[str, ...], reduce=None) -> torch.Tensor:
+        """Param ``n``'s invariant gather over the FSDP axes of its block pcast over ``axes``
+        (on the gathered data, no communication): what the gathered value pcast over ``axes``
+        is, with the pcast's sum in the backward on the block, after the gather's transpose
+        (sums over other axes commute with it): ``1/n`` of the bytes, and a pcast of a leaf,
+        which ``fs.value_and_grad``'s gradient sync buckets (FSDP x CP: each gradient's sum
+        over cp was an all_reduce of the whole gathered gradient, per param)."""
+        key = (n, axes)
+        if key not in self.over:
+            x = self.params[n].local
+            src = self._pcast_block(x, axes, reduce)
+            self.over[key] = self._invariant(n, src, self.whole[n])
+        return self.over[key]
 
     def _low(self, n: str) -> torch.Tensor:
         """Param ``n``'s block in the policy's ``param_dtype``: what is gathered."""
         return self.policy.cast_param(self.params[n].local)
 
-    def _replicated(self, x: torch.Tensor, reduce: torch.dtype) -> torch.Tensor:
-        """HSDP: ``x`` (a param's shard) pcast over the replicate axes, its gradient
-        all-reduced over them in ``reduce``; ``x`` itself without them."""
-        if self.rep_group is None:
-            return x
-        if reduce == x.dtype:
-            return lax.pcast(x, self.replicate, mesh=self.mesh)
-        return lax.apply(Bound(Pcast(self.rep_group.axes, reduce), self.rep_group), x)
+    def _replicated(
+        self, x: torch.Tensor, reduce: torch.dtype | None, over: tuple[str, ...] = ()
+    ) -> torch.Tensor:
+        """HSDP: ``x`` (a param's shard) pcast over the replicate axes (and ``over``), its
+        gradient all-reduced over them in ``reduce`` (``None``: the policy's for ``x``);
+        ``x`` itself without them."""
+        return self._pcast_block(x, (*self.replicate, *over), reduce)
 
-    def _varying(self, n: str, full: torch.Tensor) -> torch.Tensor:
+    def _pcast_block(
+        self, x: torch.Tensor, axes: tuple[str, ...], reduce: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``x`` (a param's shard) pcast over ``axes``, its gradient summed over them in
+        ``reduce`` (``None``: the policy's reduce dtype for ``x``); ``x`` without axes."""
+        if not axes:
+            return x
+        reduce = reduce or self.policy.reduce_in(x.dtype)
+        if reduce == x.dtype:
+            return lax.pcast(x, axes, mesh=self.mesh)
+        group = self.rep_group if axes == self.replicate else self.mesh.group(axes)
+        return lax.apply(Bound(Pcast(group.axes, reduce), group), x)
+
+    def _varying(self, n: str, full: torch.Tensor, over: tuple[str, ...] = ()) -> torch.Tensor:
         """The gathered ``full`` as the differentiable varying gather of param ``n`` alone
-        (its backward reduce-scatters in the policy's reduce dtype, then casts)."""
+        (its backward reduce-scatters in the policy's reduce dtype, then casts); ``over``: of
+        its block pcast over those axes too (:meth:`_on_shard`)."""
         x = self.params[n].local
         if not x.requires_grad:
             return full
         reduce = self.policy.reduce_in(x.dtype)
-        src = self._replicated(x, reduce)
+        src = self._replicated(x, reduce, over)
         op = self._gather_op(n)
         if reduce == full.dtype:
             return lax.apply(op, self.policy.cast_param(src), done=full)
@@ -484,22 +587,79 @@ class _Session:
         y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
 
+    def _typed_unit(self, unit: str) -> dict[str, ShardedArray]:
+        """The global view under a ``torch.func`` transform (``fs.remat``'s recompute): the
+        unit's sharded params gathered as the eager path gathers them, one packed varying
+        all_gather (:meth:`_traced_packs`; its backward one reduce_scatter) whose data the
+        invariant gathers reuse (``done=``, no communication) and whose per-param results
+        ``_Pcasts`` hands out where an op rule pcasts a param over the FSDP axes (was an
+        invariant and a varying all_gather per param: 18 all_gathers and 9 reduce_scatters
+        per decoder layer and recompute on a Llama). In a ``shard_map`` body (FSDP x CP) the
+        packed varying gather is of the blocks pcast over the body's other manual axes (as
+        :meth:`_body_pack`; without such axes the data gathered without a graph, :meth:`_data`,
+        ``_Pcasts`` making each param's varying gather on it where an op rule asks)."""
+        if axis_env.in_body():
+            over = self._manual_axes()
+            packed = self._traced_packs(unit, over) if over else {}
+            fulls = {n: v.detach() for n, v in packed.items()} if over else self._data(unit)
+            self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
+            self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+            self.whole.update(fulls)
+            self.over.update({(n, over, "vary"): v for n, v in packed.items()})
+            return {n: self._typed(n, fulls.get(n)) for n in self.units[unit]}
+        vary = self._traced_packs(unit)
+        self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
+        out = {}
+        for n in self.units[unit]:
+            if n in vary:
+                self.vary[n] = vary[n]
+                out[n] = self._typed(n, vary[n].detach())
+            else:
+                out[n] = self._typed(n, None)  # left whole: no gather
+        return out
+
+    def _data(self, unit: str) -> dict[str, torch.Tensor]:
+        """Under a ``torch.func`` transform: the unit's sharded params gathered without a graph
+        (``{name: gathered}``), one all_gather per pack (gathered dtype, param dtype) of their
+        blocks in the policy's ``param_dtype`` (uneven ones padded), as :meth:`_launch` packs
+        them."""
+        packs: dict = {}  # (gathered dtype, param dtype) -> [(name, padded block)]
+        for n in self.units[unit]:
+            if self.sharded(n):
+                low = self._low(n).detach()
+                packs.setdefault((low.dtype, self.params[n].dtype), []).append((n, low))
+        out = {}
+        k = self.group.size
+        for items in packs.values():
+            blocks = [_padded(b, self.rows(n)) for n, b in items]
+            flat = torch.cat([b.reshape(-1) for b in blocks])
+            full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
+            pieces = torch.split(full, [b.numel() for b in blocks], dim=1)
+            for (n, _), b, piece in zip(items, blocks, pieces):
+                out[n] = _unpadded(piece, k, b.shape, self.rows(n))
+        return out
+
     def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
         """Under a ``torch.func`` transform (``fs.remat``'s recompute): the unit's sharded
-        params gathered as FSDP2 gathers them, one differentiable varying all_gather per
-        (gathered dtype, param dtype) pack of their blocks (uneven ones padded), whose
-        backward is one reduce_scatter of the pack's gradients (was one all_gather and one
-        reduce_scatter per param: 9 each per decoder layer and recompute on a Llama); a
-        param left whole, its pcast."""
+        params' varying gathers (:meth:`_traced_packs`); a param left whole, its pcast."""
+        out = self._traced_packs(unit)
+        return {n: out[n] if n in out else self._pcast(n) for n in self.units[unit]}
+
+    def _traced_packs(self, unit: str, over: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """Under a ``torch.func`` transform: the unit's sharded params gathered as FSDP2
+        gathers them, one differentiable varying all_gather per (gathered dtype, param dtype)
+        pack of their blocks (uneven ones padded), whose backward is one reduce_scatter of the
+        pack's gradients (was one all_gather and one reduce_scatter per param: 9 each per
+        decoder layer and recompute on a Llama). ``{name: gathered}``, sharded params only;
+        ``over``: of the blocks pcast over those axes too (a body's manual axes)."""
         out: dict[str, torch.Tensor] = {}
         packs: dict = {}  # (gathered dtype, param_dtype) -> [(name, padded block)]
         for n in self.units[unit]:
             if not self.sharded(n):
-                out[n] = self._pcast(n)
                 continue
             x = self._block(n)
             reduce = self.policy.reduce_in(x.dtype)
-            src = self._replicated(x, reduce)
+            src = self._replicated(x, reduce, over)
             low = self.policy.cast_param(src)
             # gathered in the reduce dtype where it differs (as _traced: under a transform an
             # edge carries its forward dtype's gradient), then cast to param_dtype
@@ -513,7 +673,7 @@ class _Session:
             for (n, b), piece in zip(items, pieces):
                 y = _unpadded(piece, k, b.shape, self.rows(n))
                 out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
-        return {n: out[n] for n in self.units[unit]}
+        return out
 
     def _traced(self, n: str) -> torch.Tensor:
         if not self.sharded(n):
@@ -558,7 +718,7 @@ class _Session:
         stayed alive after the step, every step (issue 36 item 7: +28 MiB a step on the
         composed FSDP x TP Llama). The handler's link back to the session goes too: a cycle
         the collector frees only when it runs, holding the session's gathered units."""
-        self.active, self.vary, self.whole, self.uses = {}, {}, {}, {}
+        self.active, self.vary, self.whole, self.uses, self.over = {}, {}, {}, {}, {}
         if self.pcasts is not None:  # and the session <-> handler cycle (gc-only otherwise)
             self.pcasts.tracked, self.pcasts.casts, self.pcasts.session = {}, {}, None
 
@@ -575,7 +735,7 @@ class _Session:
         if not self.active:
             return t.detach()
         hit = self.active.get(_compat.storage_id(t))
-        if hit is None or hit[2].dtype != t.dtype or hit[1] in self.kept:
+        if hit is None or hit[2].dtype != t.dtype or hit[1] in self.kept or hit[0] in self.keep:
             return t.detach()  # a kept gather stays alive for the step anyway: saved as it is
         return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
 
@@ -622,18 +782,18 @@ class _Pcasts(lax.Handler):
         self.tracked: dict[int, tuple] = {}
         self.casts: dict[int, tuple] = {}  # id(cast local) -> (it, master local, master dtype)
 
-    def track(self, t: torch.Tensor, name: str, f=None) -> None:
-        self.tracked[id(t)] = (weakref.ref(t), name, f)
+    def track(self, t: torch.Tensor, name: str, f=None, over: tuple = ()) -> None:
+        self.tracked[id(t)] = (weakref.ref(t), name, f, over)
 
     def _find(self, x: torch.Tensor):
         hit = self.tracked.get(id(x))
         if hit is not None and hit[0]() is x:
-            return hit[1], hit[2]
+            return hit[1:]
         if x._base is not None:
             hit = self.tracked.get(id(x._base))
             if hit is not None and hit[0]() is x._base:
                 f, view = hit[2], x._view_func
-                return hit[1], (lambda y: view(y if f is None else f(y)))
+                return hit[1], (lambda y: view(y if f is None else f(y))), hit[3]
         return None
 
     def process(self, b, x, done, proceed):
@@ -643,8 +803,8 @@ class _Pcasts(lax.Handler):
             if b.op.local:  # no communication: the result stays tracked
                 found = self._find(x)
                 if found is not None:
-                    name, f = found
-                    self.track(out, name, lambda y: lax.apply(b, y if f is None else f(y)))
+                    name, f, over = found
+                    self.track(out, name, lambda y: lax.apply(b, y if f is None else f(y)), over)
             return out
         cast = self.casts.get(id(x))
         if cast is not None and cast[0] is x:
@@ -653,7 +813,7 @@ class _Pcasts(lax.Handler):
         found = self._find(x)
         if found is None:
             return proceed(b, x, done)
-        name, f = found
+        name, f, over = found
         axes = set(b.op.axes)
         if not set(s.axes) <= axes:
             # A pcast over other axes first: a shard_map body's tracker making the gathered
@@ -663,23 +823,51 @@ class _Pcasts(lax.Handler):
             # view of it as the gathered param itself, and the varying gather standing for it
             # dropped this pcast's psum from the backward (FSDP x CP with packed gathers: a
             # Llama's gradients were the cp rank's own part, 0.92 off). So the result is made
-            # on x's data as ``done`` (eager: a tensor of its own, not a view; under a
-            # transform ``done`` would cross levels) and tracked as this pcast of what x
-            # stands for: a later pcast over the FSDP axes gives the pcast of the varying
+            # on x's data as ``done`` (a tensor of its own, not a view; under a transform too)
+            # and tracked as this pcast of what x stands for: a later pcast over the FSDP axes
+            # gives the pcast of the varying
             # gather (its psum in the policy's reduce dtype, as every gradient reduction). A
             # pcast over some of the FSDP (or replicate) axes is not tracked: a later pcast of
             # it stays a pcast (the varying gather would sum over those axes twice).
-            out = proceed(b, x, x if done is None and s.eager else done)
+            # In a body the sum moves onto the block (Session._on_shard): a later pcast
+            # over the FSDP axes gives the varying gather of the block pcast over these axes
+            # (and the replicate ones), its sum after the reduce_scatter, on 1/n of the bytes,
+            # bucketed by the gradient sync (eager). This pcast's own result (a use that never
+            # meets data split over the FSDP axes) is the invariant gather of the block pcast over
+            # them; with HSDP a pcast of the gathered value instead (a stand-in over these
+            # axes alone would be a second bucket, all-reduced with zeros when every use is
+            # varying; this pcast's psum runs only for a use that reaches the loss).
             if not axes & set(s.axes + s.replicate):
+                if s.on_shard(name):
+                    moved = (*over, *b.op.axes)
+                    if s.replicate:
+                        out = proceed(b, x, x if done is None else done)
+                    else:
+                        inv = s._on_shard(name, moved, b.op.reduce_dtype)
+                        out = inv if f is None else f(inv)
+                    self.track(out, name, f, moved)
+                    return out
+                out = proceed(b, x, x if done is None else done)
                 reduce = b.op.reduce_dtype or s.policy.reduce_in(s.params[name].dtype)
                 op = Bound(Pcast(b.op.axes, reduce), b.group)
-                self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)))
-            return out
-        if s.eager and name in s.vary:
+                self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)), over)
+                return out
+            return proceed(b, x, x if done is None else done)
+        if over:  # the varying gather of the block pcast over ``over`` (Session._on_shard)
+            key = (name, over, "vary")
+            if key not in s.over and name not in s.whole:  # its unit's data is gone: a pcast
+                return proceed(b, x, done)
+            if key not in s.over:
+                y = s.over[key] = s._varying(name, s.whole[name], over)
+                if s.eager:  # for the saved-tensor hooks (none under a transform)
+                    s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
+            y = s.over[key]
+        elif name in s.vary:
             y = s.vary[name]  # the unit's varying gather, made with the invariant one
-        elif s.eager:  # in a shard_map body: made here, per param, once for all its uses
+        elif name in s.whole:  # in a shard_map body: made here, per param, once for all its uses
             y = s.vary[name] = s._varying(name, s.whole[name])
-            s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
+            if s.eager:
+                s.active[_compat.storage_id(y)] = (s.unit_of[name], name, y)
         else:
             y = s._traced(name)
         y = y if f is None else f(y)
@@ -999,7 +1187,10 @@ def fsdp_call(
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
     typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
     _check_gather(params, units, mesh, policy)
-    session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed)
+    # the model's root (its unit "" kept from the forward to the backward): a module whose
+    # layers are units of their own, here or in a call inside this one (fs.remat's layers)
+    root = any(isinstance(m, torch.nn.ModuleList) for m in module.modules())
+    session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed, root)
     with _gathering(session) as get:
         try:
             for unit in units:
