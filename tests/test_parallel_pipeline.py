@@ -220,9 +220,10 @@ def test_stack_stages_blocks_hold_only_their_stages(world2, schedule, virtual):
 
 def plain_inputs_rank_fn():
     """Plain tensors as every input (stage weights, microbatches, loss params, targets):
-    the loss and gradients against dense, one consistency exchange for all of them (shard_map
-    made one per tensor: 4 here, plus its own: 5 a step), and a rank passing different values raises
-    a ConsistencyError naming the input."""
+    the loss and gradients against dense, one consistency exchange a step for all of them and
+    the shard_map call (shard_map made one per tensor: 4 here, plus its own: 5 a step; then 2,
+    the inputs' and the call's), and a rank passing different values raises a
+    ConsistencyError naming the input."""
     mesh = fs.Mesh.create((2,), ("pp",))
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
@@ -267,7 +268,7 @@ def plain_inputs_rank_fn():
 
 @pytest.mark.timeout(120)
 def test_plain_inputs_are_checked_once(world2):
-    assert world2.run(plain_inputs_rank_fn) == [(2, True)] * 2
+    assert world2.run(plain_inputs_rank_fn) == [(1, True)] * 2
 
 
 def test_bad_arguments_raise_before_any_collective():

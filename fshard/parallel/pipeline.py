@@ -113,7 +113,7 @@ from ..executor import reshard_one
 from ..gradsync import GradSync
 from ..mesh import AxisGroup, Mesh
 from ..nn_plan import match_plan
-from ..shard_map import shard_map
+from ..shard_map import call_signature, shard_map_checked_by_caller
 from ..spec import Layout, P
 
 __all__ = [
@@ -1022,9 +1022,11 @@ _INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targe
 
 def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
     """``trees`` with their plain tensors sharded to their group's spec, after one consistency
-    check that every rank passes the same ones (layout and values). shard_map would shard each
-    itself, each with a check of its own: one all_reduce per tensor (every step, a batch's
-    token ids, targets and each plain embedding or head weight; 7 of a GPT step's 8)."""
+    check that every rank passes the same inputs: the plain tensors' layout and values, and the
+    shard_map call's signature (what shard_map's call would check in an exchange of its own).
+    shard_map would shard each plain tensor itself, each with a check of its own: one
+    all_reduce per tensor (every step, a batch's token ids, targets and each plain embedding or
+    head weight; 7 of a GPT step's 8), and one more for the call."""
     plain: dict = {}
     flat = []
     for what, tree, spec in zip(_INPUTS, trees, specs):
@@ -1033,17 +1035,18 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
             if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
                 plain[(what, i)] = (leaf, spec)
         flat.append((leaves, treedef))
-    if not plain:
-        return trees
     if consistency.enabled():
         fields = {
             f"{what} leaf {i}": {"spec": spec, "global shape": tuple(t.shape), "dtype": t.dtype,
                                  "values": t}
             for (what, i), (t, spec) in plain.items()
         }  # fmt: skip
+        fields["shard_map"] = call_signature(trees, specs, P())
         consistency.check_equal(
             fields, mesh, what="fs.parallel.pipeline's tensors (every rank must pass the same)"
         )
+    if not plain:
+        return trees
     out = []
     with config.consistency(False):  # checked above, all at once
         for what, (leaves, treedef) in zip(_INPUTS, flat):
@@ -1264,7 +1267,8 @@ def pipeline(
     inputs = _shard_plain(
         (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
     )
-    mapped = shard_map(body, mesh, specs, P(), axis_names={axis})
+    # checked by _shard_plain's exchange, with the inputs: one a step
+    mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
     loss = mapped(*inputs)
     # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
     # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
