@@ -271,6 +271,61 @@ def test_plain_inputs_are_checked_once(world2):
     assert world2.run(plain_inputs_rank_fn) == [(1, True)] * 2
 
 
+class _PpermuteBlocks(fs.lax.Handler):
+    """Sees each ppermute's perm and the sizes of the block passed and the block got."""
+
+    def __init__(self):
+        self.seen = []
+
+    def process(self, b, x, done, proceed):
+        out = proceed(b, x, done)
+        if b.op.name == "ppermute":
+            self.seen.append((b.op.perm, x.numel(), out.numel()))
+        return out
+
+
+def exchange_blocks_rank_fn(schedule):
+    """A tick's ppermute takes an empty block from a rank that sends nothing and gives one to
+    a rank that receives nothing (no zero-filled activation either way), with the loss,
+    gradients and the bytes on the wire (the comm log) as before."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    tgt = torch.randn(4, 2, 3, generator=gen)
+
+    def loss_fn(_, y, t):
+        return ((y - t) ** 2).sum()
+
+    def loss(w):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+                        targets=tgt, schedule=schedule)  # fmt: skip
+
+    def dense(w):
+        ys = [torch.tanh(torch.tanh(x[k] @ w[0]) @ w[1]) for k in range(4)]
+        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 4
+
+    blocks = _PpermuteBlocks()
+    with fs.debug.comm_log() as log, fs.lax.handling(blocks):
+        value, grad = fs.value_and_grad(loss)(w)
+    torch.testing.assert_close(value, dense(w), **TOL)
+    torch.testing.assert_close(grad, torch.func.grad(dense)(w), **TOL)
+    me = mesh.rank
+    assert len(blocks.seen) == 8  # 4 activations and 4 cotangents
+    for perm, passed, got in blocks.seen:
+        assert passed == (6 if any(s == me for s, _ in perm) else 0), (perm, passed)
+        assert got == (6 if any(d == me for _, d in perm) else 0), (perm, got)
+    wire = [r.nbytes for r in log if r.op == "ppermute"]
+    sends = [any(s == me for s, _ in perm) for perm, _, _ in blocks.seen]
+    assert wire == [24 if sent else 0 for sent in sends]
+    return sum(sends)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_exchanges_pass_empty_blocks_where_nothing_moves(world2, schedule):
+    assert world2.run(exchange_blocks_rank_fn, schedule) == [4, 4]
+
+
 def test_bad_arguments_raise_before_any_collective():
     """On an abstract mesh (no process group): every check runs before communication."""
     mesh = fs.Mesh.abstract((2,), ("pp",))

@@ -768,9 +768,23 @@ class _Run:
             if r in dests:  # pp == 1: the next stage is on this rank
                 inbox[dests[r]] = sent
             return
-        buf = sent if sent is not None and any(src == r for src, _ in pairs) else zero
         g = self.group
-        got = lax.apply(Bound(Ppermute(g.axes, pairs), g), buf.contiguous())
+        buf = None
+        if any(src == r for src, _ in pairs):
+            buf = sent if sent is not None else zero
+        if zero.dim() == 0:  # a scalar activation: every rank passes and gets one
+            op = Ppermute(g.axes, pairs)
+            buf = zero if buf is None else buf
+        else:
+            # what a rank that sends nothing passes, and what one that receives nothing gets
+            # (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick
+            full, none = tuple(zero.shape), (0, *zero.shape[1:])
+            srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
+            ins = tuple(full if j in srcs else none for j in range(g.size))
+            outs = tuple(full if j in dsts else none for j in range(g.size))
+            op = Ppermute(g.axes, pairs, ins, outs)
+            buf = zero[:0] if buf is None else buf
+        got = lax.apply(Bound(op, g), buf.contiguous())
         if r in dests:
             inbox[dests[r]] = got
 
