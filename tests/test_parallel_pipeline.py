@@ -187,7 +187,9 @@ def stack_stages_memory_rank_fn(schedule, virtual):
     saved = {}
 
     def pack(t):
-        if tuple(t.shape) == (5, 5):  # a layer's weight (activations are (3, 5))
+        # a layer's weight (activations are (3, 5); the rows' gradients the Function keeps for
+        # its backward are (5, 5) too, and need no grad)
+        if tuple(t.shape) == (5, 5) and t.requires_grad:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t.detach()
 
@@ -269,6 +271,70 @@ def plain_inputs_rank_fn():
 @pytest.mark.timeout(120)
 def test_plain_inputs_are_checked_once(world2):
     assert world2.run(plain_inputs_rank_fn) == [(1, True)] * 2
+
+
+class _Passes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the stacks and products whose result has one of ``shapes``."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.seen = shapes, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("cat", "stack", "mul", "mul_") and tuple(out.shape) in self.shapes:
+            self.seen.append(name)
+        return out
+
+
+def rowwise_gradients_rank_fn():
+    """A stacked stage weight whose layers are indexed (``w[i]``) gets its gradient stacked
+    once, in the Function's backward, and not scaled by a cotangent of 1 (was stacked in the
+    forward and multiplied by the cotangent in the backward: two passes over every stage
+    gradient); with another cotangent it is scaled, and a second backward of a retained graph
+    adds the same again."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 2, 3, 3, generator=gen) / 2  # 2 stages of 2 layers
+    x, tgt = torch.randn(4, 2, 3, generator=gen), torch.randn(4, 2, 3, generator=gen)
+
+    def stage(w, x):
+        for i in range(2):
+            x = torch.tanh(x @ w[i])
+        return x
+
+    def loss_fn(_, y, t):
+        return ((y - t) ** 2).sum()
+
+    def run(w):
+        return fs.gather(pipeline(stage, w, x, mesh, loss_fn=loss_fn, targets=tgt,
+                                  schedule="1f1b"))  # fmt: skip
+
+    def dense(w):
+        ys = [stage(w[1], stage(w[0], x[k])) for k in range(4)]
+        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 4
+
+    want = torch.func.grad(dense)(w)
+    passes = _Passes({(2, 3, 3), (1, 2, 3, 3)})
+    with passes:
+        _, grad = fs.value_and_grad(run)(w)
+    torch.testing.assert_close(grad, want, **TOL)
+    assert passes.seen == ["stack"], passes.seen  # the rows stacked once, nothing multiplied
+    # under torch.func.grad the cotangent is the transform's wrapper: read as any cotangent
+    torch.testing.assert_close(torch.func.grad(run)(w), want, **TOL)
+    leaf = w.clone().requires_grad_()
+    out = run(leaf)
+    out.backward(torch.tensor(3.0), retain_graph=True)
+    torch.testing.assert_close(leaf.grad, 3 * want, **TOL)
+    out.backward(torch.tensor(3.0))
+    torch.testing.assert_close(leaf.grad, 6 * want, **TOL)
+    return passes.seen
+
+
+@pytest.mark.timeout(120)
+def test_rowwise_stage_gradients_are_stacked_once(world2):
+    assert world2.run(rowwise_gradients_rank_fn) == [["stack"]] * 2
 
 
 class _PpermuteBlocks(fs.lax.Handler):

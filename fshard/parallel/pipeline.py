@@ -727,9 +727,23 @@ class _Run:
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
+        # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
+        # to add (no dp stand-in, no FSDP gather): its rows' gradients are the Function's
+        # outputs, stacked in its backward (with the loss cotangent), not here and again there
+        rowwise = set()
+        if need_p and not sync.entries and not sync.gathers:
+            for i in range(len(params)):
+                lfs = [chunks[j][0][i] for j in range(v)]
+                if all(
+                    isinstance(lf, _Stacked)
+                    and lf.grad is None
+                    and all(row.grad is not None for row in lf.rows)
+                    for lf in lfs
+                ):
+                    rowwise.add(i)
         for c in chunks:
-            for lf in c[0]:
-                if isinstance(lf, _Stacked):
+            for i, lf in enumerate(c[0]):
+                if isinstance(lf, _Stacked) and i not in rowwise:
                     lf.fold()
         if grad_on:  # once per step, whatever the microbatch count
             for t, g in zip(own, sync.finish([t.grad for t in own])):
@@ -741,8 +755,15 @@ class _Run:
         if not grad_on:
             return (loss,)
         grads = []
+        self.parts = []  # per gradient: None (an output itself) or (outputs, shape) to stack
         if need_p:
             for i, t in enumerate(params):
+                if i in rowwise:
+                    rows = [r.grad for j in range(v) for r in chunks[j][0][i].rows]
+                    grads += rows
+                    self.parts.append((len(rows), tuple(t.shape)))
+                    continue
+                self.parts.append(None)
                 per = [_block(chunks[j][0][i]).grad for j in range(v)]
                 if v == 1 and per[0] is not None:  # a view: the stack's rows were copied once
                     grads.append(per[0].unsqueeze(0))
@@ -757,6 +778,7 @@ class _Run:
             for t, lf in zip(lparams, lp_leaves):
                 g = _block(lf).grad
                 grads.append(torch.zeros_like(t) if g is None else g)
+        self.parts += [None] * (len(grads) - sum(1 if p is None else p[0] for p in self.parts))
         return (loss, *grads)
 
     def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
@@ -938,7 +960,8 @@ def _scalar(loss) -> tuple[torch.Tensor, AxisGroup | None]:
 
 class _Pipeline(torch.autograd.Function):
     """Forward: the whole schedule (``run``), returning the loss and, when differentiated, the
-    gradients its backward actions accumulated; backward: those times the loss cotangent."""
+    gradients its backward actions accumulated (a stacked stage weight's as its rows'
+    gradients, ``run.parts``); backward: those (stacked) times the loss cotangent."""
 
     @staticmethod
     def forward(run, *tensors):
@@ -955,14 +978,40 @@ class _Pipeline(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         need = (*run.need, False) if run.need is not None else (False,) * 5
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
+        ctx.parts = getattr(run, "parts", [])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
         if g is None:  # grads are not materialised: no cotangent reached the loss
             return (None,) * (1 + len(ctx.slots))
-        saved = iter(ctx.saved_tensors)
-        return (None, *[g * next(saved) if has else None for has in ctx.slots])
+        saved, parts = iter(ctx.saved_tensors), iter(ctx.parts)
+        one = _is_one(g)
+        out = []
+        for has in ctx.slots:
+            part = next(parts) if has else None
+            if not has:
+                out.append(None)
+            elif part is None:
+                out.append(g * next(saved))
+            else:  # rows' gradients: stacked into a fresh tensor, scaled in place
+                n, shape = part
+                grad = torch.stack([next(saved) for _ in range(n)]).view(shape)
+                out.append(grad if one else grad.mul_(g))
+        return (None, *out)
+
+
+def _is_one(g: torch.Tensor) -> bool:
+    """Whether the loss cotangent is exactly 1 (``fs.value_and_grad``'s, ``.backward()``'s): a
+    product with it is the other factor. Read only where that costs no device sync nor meets
+    a transform's wrapper (a CPU tensor torch.func does not wrap)."""
+    return (
+        type(g) is torch.Tensor
+        and g.device.type == "cpu"
+        and g.numel() == 1
+        and not torch._C._functorch.is_functorch_wrapped_tensor(g)
+        and bool(g == 1)
+    )
 
 
 def _leaves(tree, what: str) -> tuple[list, object]:
