@@ -12,7 +12,10 @@ head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stage
 blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embeddings in ``input_fn`` (on
 rank 0 only, as torch's), the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
 of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
-(``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer. Each
+(``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer; each
+library's gradients live from its step's backward until its next step starts (torch's
+``.grad`` until ``zero_grad(set_to_none=True)``, fshard's returned tree until the next call:
+the memory the allocator holds between steps is alike). Each
 configuration runs in its own pair of rank processes (peak RSS is the process's high-water
 mark, ``ru_maxrss``, so nothing of another configuration is in it); *peak saved* is the most
 bytes autograd held for the backward at once during one more step, counted by saved-tensor
@@ -177,7 +180,15 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
     vg = fs.value_and_grad(loss)
     tok_mb = tokens.reshape(mb, b // mb, t)
     tgt_mb = targets.reshape(mb, b // mb, t)
-    return lambda: vg(params, tok_mb, tgt_mb)
+    held = [None]
+
+    def step():
+        # the gradients live until the next step starts, as torch's .grad until its step's
+        # zero_grad(set_to_none=True) (a training loop hands them to the optimizer)
+        held[0] = None
+        held[0] = vg(params, tok_mb, tgt_mb)
+
+    return step
 
 
 def _step(lib, schedule, virtual, layers, dim, ctx, batch, mb):

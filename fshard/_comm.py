@@ -721,19 +721,39 @@ def ppermute_start(
     # a buffer a message fills needs no zeros (ring attention: two per block round)
     receives = any(dst == me and src != me for src, dst in perm)
     out = wire.new_empty(out_shape) if receives else wire.new_zeros(out_shape)
-    ops = []
+    ops = []  # (send, tensor, global peer)
     for src, dst in perm:
         if src == me and dst == me:
             out = wire.clone()
         elif src == me:
-            ops.append(dist.P2POp(dist.isend, wire.contiguous(), g.ranks[dst], group=g.pg))
+            ops.append((True, wire.contiguous(), g.ranks[dst]))
         elif dst == me:
-            ops.append(dist.P2POp(dist.irecv, out, g.ranks[src], group=g.pg))
+            ops.append((False, out, g.ranks[src]))
     if g.size > 1:
         _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
-    works = dist.batch_isend_irecv(ops) if ops else ()
+    works = _point_to_point(ops, g) if ops else ()
     return Pending(out, works, (lambda o: o.to(t.device)) if host else None)
+
+
+def _point_to_point(ops: list, g: AxisGroup) -> list:
+    """Launch ``ops``, ``(send, tensor, global peer)`` each, over ``g``: their works. Gloo
+    cannot coalesce, and ``batch_isend_irecv`` on such a backend is this loop of ``isend`` and
+    ``irecv`` in order (torch 2.11-2.13, ``distributed_c10d.batch_isend_irecv``), after a
+    ``P2POp`` per message and a check of the list: on Gloo they are issued directly (a
+    pipeline step's ppermutes, 8-20 a step). Other backends (NCCL) get ``batch_isend_irecv``,
+    which groups the messages so that ranks sending to each other do not deadlock."""
+    if g.backend == "gloo":
+        return [
+            dist.isend(t, peer, group=g.pg) if send else dist.irecv(t, peer, group=g.pg)
+            for send, t, peer in ops
+        ]
+    return dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend if send else dist.irecv, t, peer, group=g.pg)
+            for send, t, peer in ops
+        ]
+    )
 
 
 def _ppermute_simulated(t, g: AxisGroup, perm, out_shape: tuple) -> Pending:

@@ -141,8 +141,14 @@ def reset() -> None:
     _SETTLED.clear()
 
 
+#: values that are their own stand-in (tested first: most of a signature's leaves)
+_ATOMS = frozenset({str, int, float, bool, type(None), torch.dtype})
+
+
 def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes)."""
+    if type(obj) in _ATOMS:
+        return obj
     if isinstance(obj, torch.Tensor):
         return ("tensor", str(obj.dtype), tuple(obj.shape), _content_hash(obj))
     if isinstance(obj, Mapping):

@@ -846,8 +846,10 @@ def _dim_size(where: str, d: int, axes: tuple, sizes: dict, mesh: Mesh) -> int:
     return n
 
 
-def _signature(args: tuple, in_specs, out_specs) -> dict:
-    """What every rank must agree on when calling a shard_map (consistency mode)."""
+def call_signature(args: tuple, in_specs, out_specs) -> dict:
+    """What every rank must agree on when calling a shard_map (consistency mode): what
+    :func:`shard_map`'s call compares, and what a caller of :func:`shard_map_checked_by_caller`
+    compares in a check of its own."""
 
     def describe(v):
         if isinstance(v, ShardedArray):
@@ -959,6 +961,32 @@ def shard_map(
         >>> out.spec, fs.gather(out).flatten()
         (P('pp', 'tp'), tensor([20., 30.,  0., 10.]))
     """
+    return _shard_map(
+        f, mesh, in_specs, out_specs, check_replication, out_shapes, check_vma, axis_names, True
+    )
+
+
+def shard_map_checked_by_caller(
+    f: Callable, mesh: Mesh, in_specs, out_specs, axis_names=None
+) -> Callable:
+    """:func:`shard_map` whose calls leave out the consistency check of their arguments (one
+    exchange over the mesh a call): for a caller that compares :func:`call_signature` of them
+    in a check it makes anyway (``fs.parallel.pipeline``: its plain inputs' values and the
+    call's signature in one exchange a step, where there were two). Not public: a caller that
+    checks nothing would let ranks that disagree reach the body's collectives.
+
+    Example::
+
+        mapped = shard_map_checked_by_caller(body, mesh, specs, P())
+        consistency.check_equal({"call": call_signature(args, specs, P())}, mesh, what="f")
+        out = mapped(*args)
+    """
+    return _shard_map(f, mesh, in_specs, out_specs, False, None, True, axis_names, False)
+
+
+def _shard_map(
+    f, mesh, in_specs, out_specs, check_replication, out_shapes, check_vma, axis_names, check_args
+) -> Callable:
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}")
     if not isinstance(mesh, Mesh):
@@ -986,8 +1014,8 @@ def shard_map(
                 "shard_map eagerly"
             )
         body = _body(mesh, names)
-        if consistency.enabled():
-            sig = _signature(args, in_specs, out_specs)
+        if check_args and consistency.enabled():
+            sig = call_signature(args, in_specs, out_specs)
             consistency.check_equal(sig, body.mesh, what="shard_map")
         local_args, marks = _inputs(args, in_specs, body)
         tracker = body.tracker()

@@ -326,3 +326,54 @@ def test_buckets_one_policy_two_orders():
         ]
     finally:
         lax.PSUM_BUCKET_BYTES, lax.PSUM_INPLACE_MIN_BYTES = old
+
+
+# -- ppermute on Gloo: isend / irecv issued directly ----------------------------------------
+
+
+def ppermute_gloo_rank_fn():
+    """On Gloo a ppermute issues one ``dist.isend`` / ``dist.irecv`` per message and no
+    ``batch_isend_irecv`` (which on Gloo is that loop after a P2POp per message): a ring, one
+    pair and a rank sending to itself, on a group in non-identity order, against the dense
+    expectation, with the comm log of every rank's record as before."""
+    mesh = fs.Mesh.create((2, 2), ("a", "b"))
+    g = mesh.group(("b", "a"))
+    assert not g.identity_order and g.backend == "gloo"
+    j = g.index
+    X = [_gen(30 + k, 2, 3) for k in range(4)]
+    perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((0, 2),), ((1, 1),)]
+    calls = {"isend": 0, "irecv": 0, "batch_isend_irecv": 0}
+    real = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*a, **k):
+            calls[name] += 1
+            return real[name](*a, **k)
+
+        return call
+
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        with fs.debug.comm_log() as log:
+            got = [_comm.ppermute(X[j], g, perm) for perm in perms]
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+    for perm, out in zip(perms, got):
+        src = [s for s, d in perm if d == j]
+        assert torch.equal(out, X[src[0]] if src else torch.zeros(2, 3, dtype=torch.float64))
+    sends = sum(s == j and d != j for p in perms for s, d in p)
+    recvs = sum(d == j and s != j for p in perms for s, d in p)
+    assert calls == {"isend": sends, "irecv": recvs, "batch_isend_irecv": 0}, calls
+    nbytes = 2 * 3 * 8
+    want = [("ppermute", ("b", "a"), nbytes if any(s == j for s, _ in p) else 0) for p in perms]
+    assert [(r.op, r.axes, r.nbytes) for r in log] == want
+    return calls
+
+
+def test_ppermute_on_gloo_sends_directly(world4):
+    got = world4.run(ppermute_gloo_rank_fn)
+    # chunks 0, 2, 1, 3 are ranks 0, 1, 2, 3: chunk 0 sends twice, chunk 2 receives twice
+    assert got[0] == {"isend": 2, "irecv": 1, "batch_isend_irecv": 0}
+    assert got[1] == {"isend": 1, "irecv": 2, "batch_isend_irecv": 0}

@@ -443,3 +443,21 @@ def _caught_here(fn):
         return ("value", fn())
     except ConsistencyError as e:
         return ("error", str(e))
+
+
+def test_canonical_form_of_a_signature():
+    """``_canonical`` (what a check hashes): atoms (str, int, float, bool, None, dtype) as they
+    are, containers tagged with their type, tensors by dtype, shape and a content hash; the
+    atoms' fast path (a type test before the Mapping ABC's) gives the same form."""
+    consistency = fs.consistency
+    t = torch.arange(3, dtype=torch.int64)
+    obj = {"a": ("x", 1, 2.5, True, None, torch.float32), "b": [t], 3: {"c": ()}}
+    want = (
+        "dict",
+        (
+            ("'a'", ("tuple", ("x", 1, 2.5, True, None, torch.float32))),
+            ("'b'", ("list", (("tensor", "torch.int64", (3,), consistency._content_hash(t)),))),
+            ("3", ("dict", (("'c'", ("tuple", ())),))),
+        ),
+    )
+    assert consistency._canonical(obj) == want

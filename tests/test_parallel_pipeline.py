@@ -187,7 +187,9 @@ def stack_stages_memory_rank_fn(schedule, virtual):
     saved = {}
 
     def pack(t):
-        if tuple(t.shape) == (5, 5):  # a layer's weight (activations are (3, 5))
+        # a layer's weight (activations are (3, 5); the rows' gradients the Function keeps for
+        # its backward are (5, 5) too, and need no grad)
+        if tuple(t.shape) == (5, 5) and t.requires_grad:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t.detach()
 
@@ -220,9 +222,10 @@ def test_stack_stages_blocks_hold_only_their_stages(world2, schedule, virtual):
 
 def plain_inputs_rank_fn():
     """Plain tensors as every input (stage weights, microbatches, loss params, targets):
-    the loss and gradients against dense, one consistency exchange for all of them (shard_map
-    made one per tensor: 4 here, plus its own: 5 a step), and a rank passing different values raises
-    a ConsistencyError naming the input."""
+    the loss and gradients against dense, one consistency exchange a step for all of them and
+    the shard_map call (shard_map made one per tensor: 4 here, plus its own: 5 a step; then 2,
+    the inputs' and the call's), and a rank passing different values raises a
+    ConsistencyError naming the input."""
     mesh = fs.Mesh.create((2,), ("pp",))
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
@@ -267,7 +270,126 @@ def plain_inputs_rank_fn():
 
 @pytest.mark.timeout(120)
 def test_plain_inputs_are_checked_once(world2):
-    assert world2.run(plain_inputs_rank_fn) == [(2, True)] * 2
+    assert world2.run(plain_inputs_rank_fn) == [(1, True)] * 2
+
+
+class _Passes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the stacks and products whose result has one of ``shapes``."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.seen = shapes, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("cat", "stack", "mul", "mul_") and tuple(out.shape) in self.shapes:
+            self.seen.append(name)
+        return out
+
+
+def rowwise_gradients_rank_fn():
+    """A stacked stage weight whose layers are indexed (``w[i]``) gets its gradient stacked
+    once, in the Function's backward, and not scaled by a cotangent of 1 (was stacked in the
+    forward and multiplied by the cotangent in the backward: two passes over every stage
+    gradient); with another cotangent it is scaled, and a second backward of a retained graph
+    adds the same again."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 2, 3, 3, generator=gen) / 2  # 2 stages of 2 layers
+    x, tgt = torch.randn(4, 2, 3, generator=gen), torch.randn(4, 2, 3, generator=gen)
+
+    def stage(w, x):
+        for i in range(2):
+            x = torch.tanh(x @ w[i])
+        return x
+
+    def loss_fn(_, y, t):
+        return ((y - t) ** 2).sum()
+
+    def run(w):
+        return fs.gather(pipeline(stage, w, x, mesh, loss_fn=loss_fn, targets=tgt,
+                                  schedule="1f1b"))  # fmt: skip
+
+    def dense(w):
+        ys = [stage(w[1], stage(w[0], x[k])) for k in range(4)]
+        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 4
+
+    want = torch.func.grad(dense)(w)
+    passes = _Passes({(2, 3, 3), (1, 2, 3, 3)})
+    with passes:
+        _, grad = fs.value_and_grad(run)(w)
+    torch.testing.assert_close(grad, want, **TOL)
+    assert passes.seen == ["stack"], passes.seen  # the rows stacked once, nothing multiplied
+    # under torch.func.grad the cotangent is the transform's wrapper: read as any cotangent
+    torch.testing.assert_close(torch.func.grad(run)(w), want, **TOL)
+    leaf = w.clone().requires_grad_()
+    out = run(leaf)
+    out.backward(torch.tensor(3.0), retain_graph=True)
+    torch.testing.assert_close(leaf.grad, 3 * want, **TOL)
+    out.backward(torch.tensor(3.0))
+    torch.testing.assert_close(leaf.grad, 6 * want, **TOL)
+    return passes.seen
+
+
+@pytest.mark.timeout(120)
+def test_rowwise_stage_gradients_are_stacked_once(world2):
+    assert world2.run(rowwise_gradients_rank_fn) == [["stack"]] * 2
+
+
+class _PpermuteBlocks(fs.lax.Handler):
+    """Sees each ppermute's perm and the sizes of the block passed and the block got."""
+
+    def __init__(self):
+        self.seen = []
+
+    def process(self, b, x, done, proceed):
+        out = proceed(b, x, done)
+        if b.op.name == "ppermute":
+            self.seen.append((b.op.perm, x.numel(), out.numel()))
+        return out
+
+
+def exchange_blocks_rank_fn(schedule):
+    """A tick's ppermute takes an empty block from a rank that sends nothing and gives one to
+    a rank that receives nothing (no zero-filled activation either way), with the loss,
+    gradients and the bytes on the wire (the comm log) as before."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    tgt = torch.randn(4, 2, 3, generator=gen)
+
+    def loss_fn(_, y, t):
+        return ((y - t) ** 2).sum()
+
+    def loss(w):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+                        targets=tgt, schedule=schedule)  # fmt: skip
+
+    def dense(w):
+        ys = [torch.tanh(torch.tanh(x[k] @ w[0]) @ w[1]) for k in range(4)]
+        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 4
+
+    blocks = _PpermuteBlocks()
+    with fs.debug.comm_log() as log, fs.lax.handling(blocks):
+        value, grad = fs.value_and_grad(loss)(w)
+    torch.testing.assert_close(value, dense(w), **TOL)
+    torch.testing.assert_close(grad, torch.func.grad(dense)(w), **TOL)
+    me = mesh.rank
+    assert len(blocks.seen) == 8  # 4 activations and 4 cotangents
+    for perm, passed, got in blocks.seen:
+        assert passed == (6 if any(s == me for s, _ in perm) else 0), (perm, passed)
+        assert got == (6 if any(d == me for _, d in perm) else 0), (perm, got)
+    wire = [r.nbytes for r in log if r.op == "ppermute"]
+    sends = [any(s == me for s, _ in perm) for perm, _, _ in blocks.seen]
+    assert wire == [24 if sent else 0 for sent in sends]
+    return sum(sends)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_exchanges_pass_empty_blocks_where_nothing_moves(world2, schedule):
+    assert world2.run(exchange_blocks_rank_fn, schedule) == [4, 4]
 
 
 def test_bad_arguments_raise_before_any_collective():

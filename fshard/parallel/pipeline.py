@@ -113,7 +113,7 @@ from ..executor import reshard_one
 from ..gradsync import GradSync
 from ..mesh import AxisGroup, Mesh
 from ..nn_plan import match_plan
-from ..shard_map import shard_map
+from ..shard_map import call_signature, shard_map_checked_by_caller
 from ..spec import Layout, P
 
 __all__ = [
@@ -727,9 +727,23 @@ class _Run:
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
+        # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
+        # to add (no dp stand-in, no FSDP gather): its rows' gradients are the Function's
+        # outputs, stacked in its backward (with the loss cotangent), not here and again there
+        rowwise = set()
+        if need_p and not sync.entries and not sync.gathers:
+            for i in range(len(params)):
+                lfs = [chunks[j][0][i] for j in range(v)]
+                if all(
+                    isinstance(lf, _Stacked)
+                    and lf.grad is None
+                    and all(row.grad is not None for row in lf.rows)
+                    for lf in lfs
+                ):
+                    rowwise.add(i)
         for c in chunks:
-            for lf in c[0]:
-                if isinstance(lf, _Stacked):
+            for i, lf in enumerate(c[0]):
+                if isinstance(lf, _Stacked) and i not in rowwise:
                     lf.fold()
         if grad_on:  # once per step, whatever the microbatch count
             for t, g in zip(own, sync.finish([t.grad for t in own])):
@@ -741,8 +755,15 @@ class _Run:
         if not grad_on:
             return (loss,)
         grads = []
+        self.parts = []  # per gradient: None (an output itself) or (outputs, shape) to stack
         if need_p:
             for i, t in enumerate(params):
+                if i in rowwise:
+                    rows = [r.grad for j in range(v) for r in chunks[j][0][i].rows]
+                    grads += rows
+                    self.parts.append((len(rows), tuple(t.shape)))
+                    continue
+                self.parts.append(None)
                 per = [_block(chunks[j][0][i]).grad for j in range(v)]
                 if v == 1 and per[0] is not None:  # a view: the stack's rows were copied once
                     grads.append(per[0].unsqueeze(0))
@@ -757,6 +778,7 @@ class _Run:
             for t, lf in zip(lparams, lp_leaves):
                 g = _block(lf).grad
                 grads.append(torch.zeros_like(t) if g is None else g)
+        self.parts += [None] * (len(grads) - sum(1 if p is None else p[0] for p in self.parts))
         return (loss, *grads)
 
     def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
@@ -768,9 +790,23 @@ class _Run:
             if r in dests:  # pp == 1: the next stage is on this rank
                 inbox[dests[r]] = sent
             return
-        buf = sent if sent is not None and any(src == r for src, _ in pairs) else zero
         g = self.group
-        got = lax.apply(Bound(Ppermute(g.axes, pairs), g), buf.contiguous())
+        buf = None
+        if any(src == r for src, _ in pairs):
+            buf = sent if sent is not None else zero
+        if zero.dim() == 0:  # a scalar activation: every rank passes and gets one
+            op = Ppermute(g.axes, pairs)
+            buf = zero if buf is None else buf
+        else:
+            # what a rank that sends nothing passes, and what one that receives nothing gets
+            # (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick
+            full, none = tuple(zero.shape), (0, *zero.shape[1:])
+            srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
+            ins = tuple(full if j in srcs else none for j in range(g.size))
+            outs = tuple(full if j in dsts else none for j in range(g.size))
+            op = Ppermute(g.axes, pairs, ins, outs)
+            buf = zero[:0] if buf is None else buf
+        got = lax.apply(Bound(op, g), buf.contiguous())
         if r in dests:
             inbox[dests[r]] = got
 
@@ -924,7 +960,8 @@ def _scalar(loss) -> tuple[torch.Tensor, AxisGroup | None]:
 
 class _Pipeline(torch.autograd.Function):
     """Forward: the whole schedule (``run``), returning the loss and, when differentiated, the
-    gradients its backward actions accumulated; backward: those times the loss cotangent."""
+    gradients its backward actions accumulated (a stacked stage weight's as its rows'
+    gradients, ``run.parts``); backward: those (stacked) times the loss cotangent."""
 
     @staticmethod
     def forward(run, *tensors):
@@ -941,14 +978,40 @@ class _Pipeline(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         need = (*run.need, False) if run.need is not None else (False,) * 5
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
+        ctx.parts = getattr(run, "parts", [])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
         if g is None:  # grads are not materialised: no cotangent reached the loss
             return (None,) * (1 + len(ctx.slots))
-        saved = iter(ctx.saved_tensors)
-        return (None, *[g * next(saved) if has else None for has in ctx.slots])
+        saved, parts = iter(ctx.saved_tensors), iter(ctx.parts)
+        one = _is_one(g)
+        out = []
+        for has in ctx.slots:
+            part = next(parts) if has else None
+            if not has:
+                out.append(None)
+            elif part is None:
+                out.append(g * next(saved))
+            else:  # rows' gradients: stacked into a fresh tensor, scaled in place
+                n, shape = part
+                grad = torch.stack([next(saved) for _ in range(n)]).view(shape)
+                out.append(grad if one else grad.mul_(g))
+        return (None, *out)
+
+
+def _is_one(g: torch.Tensor) -> bool:
+    """Whether the loss cotangent is exactly 1 (``fs.value_and_grad``'s, ``.backward()``'s): a
+    product with it is the other factor. Read only where that costs no device sync nor meets
+    a transform's wrapper (a CPU tensor torch.func does not wrap)."""
+    return (
+        type(g) is torch.Tensor
+        and g.device.type == "cpu"
+        and g.numel() == 1
+        and not torch._C._functorch.is_functorch_wrapped_tensor(g)
+        and bool(g == 1)
+    )
 
 
 def _leaves(tree, what: str) -> tuple[list, object]:
@@ -1022,9 +1085,11 @@ _INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targe
 
 def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
     """``trees`` with their plain tensors sharded to their group's spec, after one consistency
-    check that every rank passes the same ones (layout and values). shard_map would shard each
-    itself, each with a check of its own: one all_reduce per tensor (every step, a batch's
-    token ids, targets and each plain embedding or head weight; 7 of a GPT step's 8)."""
+    check that every rank passes the same inputs: the plain tensors' layout and values, and the
+    shard_map call's signature (what shard_map's call would check in an exchange of its own).
+    shard_map would shard each plain tensor itself, each with a check of its own: one
+    all_reduce per tensor (every step, a batch's token ids, targets and each plain embedding or
+    head weight; 7 of a GPT step's 8), and one more for the call."""
     plain: dict = {}
     flat = []
     for what, tree, spec in zip(_INPUTS, trees, specs):
@@ -1033,17 +1098,18 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
             if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
                 plain[(what, i)] = (leaf, spec)
         flat.append((leaves, treedef))
-    if not plain:
-        return trees
     if consistency.enabled():
         fields = {
             f"{what} leaf {i}": {"spec": spec, "global shape": tuple(t.shape), "dtype": t.dtype,
                                  "values": t}
             for (what, i), (t, spec) in plain.items()
         }  # fmt: skip
+        fields["shard_map"] = call_signature(trees, specs, P())
         consistency.check_equal(
             fields, mesh, what="fs.parallel.pipeline's tensors (every rank must pass the same)"
         )
+    if not plain:
+        return trees
     out = []
     with config.consistency(False):  # checked above, all at once
         for what, (leaves, treedef) in zip(_INPUTS, flat):
@@ -1264,7 +1330,8 @@ def pipeline(
     inputs = _shard_plain(
         (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
     )
-    mapped = shard_map(body, mesh, specs, P(), axis_names={axis})
+    # checked by _shard_plain's exchange, with the inputs: one a step
+    mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
     loss = mapped(*inputs)
     # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
     # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
