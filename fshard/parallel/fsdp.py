@@ -288,7 +288,7 @@ class _Session:
         largest, so every rank's pack has one size)."""
         if unit in self.launched:
             return
-        packs: dict = {}  # (gathered dtype, master dtype, device) -> [names]
+        packs: dict = {}  # (gathered dtype, master dtype, device) -> [names, numel]
         lows = {}
         launched = []
         for n in self.units[unit]:
@@ -305,13 +305,18 @@ class _Session:
                     if full is not None:
                         launched.append(([n], None, _comm.Pending(full)))
                         continue
-                lows[n] = _padded(low, self.rows(n))
+                lows[n] = low = _padded(low, self.rows(n))
                 key = (low.dtype, self.params[n].dtype, low.device)
-                packs.setdefault(key, []).append(n)
-        for names in packs.values():
-            flat = torch.cat([lows[n].reshape(-1) for n in names])
+                pack = packs.setdefault(key, [[], 0])
+                pack[0].append(n)
+                pack[1] += low.numel()
+        for names, numel in packs.values():
+            # packed in place, in this rank's block of the gather's output: no copy at launch
+            out, flat = _comm.gather_buffer(numel, self.group, lows[names[0]])
+            torch.cat([lows[n].reshape(-1) for n in names], out=flat)
             shapes = [tuple(lows[n].shape) for n in names]
-            launched.append((names, shapes, _comm.all_gather_start(flat, self.group, 0, None)))
+            pending = _comm.all_gather_start(flat, self.group, 0, None, out=out)
+            launched.append((names, shapes, pending))
         self.launched[unit] = launched
 
     def _wait(self, unit: str) -> list:
