@@ -141,8 +141,15 @@ def reset() -> None:
     _SETTLED.clear()
 
 
+#: types ``_canonical`` returns as they are, found by one set lookup (the isinstance checks,
+#: ``Mapping``'s an ABC's, cost more than the rest of a shard_map signature's hash)
+_ATOMS = frozenset({str, int, float, bool, type(None), torch.dtype})
+
+
 def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes)."""
+    if type(obj) in _ATOMS:
+        return obj
     if isinstance(obj, torch.Tensor):
         return ("tensor", str(obj.dtype), tuple(obj.shape), _content_hash(obj))
     if isinstance(obj, Mapping):
