@@ -360,7 +360,8 @@ def all_gather_start(
     Several launched back to back queue on the group's worker.
 
     ``out``: the buffer of :func:`gather_buffer` whose own block ``t`` is (a flat pack written
-    in place, ``dim`` 0, even sizes): gathered into, with no copy of ``t`` (FSDP's packed unit).
+    in place, ``dim`` 0, even sizes, the broadcast lowering): gathered into, with no copy of
+    ``t`` (FSDP's packed unit); ``None``: a buffer of its own.
     """
     if g.size == 1:
         return Pending(t)
@@ -369,12 +370,17 @@ def all_gather_start(
 
 
 def gather_buffer(numel: int, g: AxisGroup, like: torch.Tensor) -> tuple:
-    """``(out, block)``: an all_gather's output over ``g`` for flat blocks of ``numel`` elements
-    (``like``'s dtype and device), and this rank's block in it, to pack the block in place and
-    pass both to :func:`all_gather_start` (``all_gather_start(block, g, 0, None, out=out)``):
-    the gather then sends the block where it lies (no copy of it into the output)."""
+    """``(out, block)`` to pack a flat block of ``numel`` elements (``like``'s dtype and device)
+    for an all_gather over ``g``, then ``all_gather_start(block, g, 0, None, out=out)``. Where
+    the gather goes as one broadcast per rank (:class:`Lowering`, ``gather_broadcast_bytes``)
+    ``out`` is its output and ``block`` this rank's block in it: the block is sent where it
+    lies, with no copy into the output. Elsewhere ``out`` is ``None`` and ``block`` a tensor of
+    its own (the native all_gather's input, as :func:`all_gather` sends it)."""
+    big = lowering(g).gather_broadcast_bytes
+    if g.size == 1 or big is None or numel * like.element_size() < big:
+        return None, like.new_empty((numel,))
     out = like.new_empty((g.size * numel,))
-    j = g.group_rank[g.index] if g.size > 1 else 0
+    j = g.group_rank[g.index]
     return out, out[j * numel : (j + 1) * numel]
 
 
@@ -481,13 +487,12 @@ def _gather_wire(
 ) -> tuple:
     """Every rank's ``x`` (equal shapes) stacked along dim 0 in group-rank order: ``(out,
     works)``, ``out`` complete once every work in ``works`` is waited on (none when traced or
-    not ``async_op``). ``out`` given (:func:`gather_buffer`): ``x`` is its own block, gathered
-    in place (the native all_gather's input a view of its output, as FSDP2's; Gloo and NCCL
-    read it before writing the output)."""
+    not ``async_op``). ``out`` given (:func:`gather_buffer`, the broadcast lowering): ``x`` is
+    its own block, broadcast where it lies."""
     big = lowering(g).gather_broadcast_bytes
     big = big is not None and nbytes(x) >= big
     if g.simulated:
-        if out is None:
+        if out is None or not big:
             out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
         if big or str(g.backend) != "gloo":
             return out, ()
@@ -502,7 +507,7 @@ def _gather_wire(
         # the functional broadcast takes the source's rank inside the group
         k = range(g.size)
         return torch.cat([_compat.funcol().broadcast(x.detach(), i, g.pg) for i in k]), ()
-    if out is None:
+    if out is None or not big:  # (the native all_gather into a buffer of its own)
         out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
     if big:
         blocks = out.view(g.size, *x.shape)
