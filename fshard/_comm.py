@@ -348,28 +348,54 @@ def all_gather(
 
 
 def all_gather_start(
-    t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
+    t: torch.Tensor,
+    g: AxisGroup,
+    dim: int,
+    sizes: Sequence[int] | None,
+    out: torch.Tensor | None = None,
 ) -> Pending:
     """:func:`all_gather` launched asynchronously (FSDP's prefetch): ``.wait()`` returns what
     :func:`all_gather` returns. The wire check, the consistency check and the comm-log record
     happen at launch (on every rank in the same order), the chunk-order fix-up at ``wait``.
-    Several launched back to back queue on the group's worker."""
+    Several launched back to back queue on the group's worker.
+
+    ``out``: the buffer of :func:`gather_buffer` whose own block ``t`` is (a flat pack written
+    in place, ``dim`` 0, even sizes, the broadcast lowering): gathered into, with no copy of
+    ``t`` (FSDP's packed unit); ``None``: a buffer of its own.
+    """
     if g.size == 1:
         return Pending(t)
-    out, works, sizes = _all_gather_launch(t, g, dim, sizes, async_op=True)
+    out, works, sizes = _all_gather_launch(t, g, dim, sizes, async_op=True, out=out)
     return Pending(out, works, functools.partial(_chunk_order, g=g, sizes=sizes, dim=dim))
 
 
-def _all_gather_launch(t, g: AxisGroup, dim: int, sizes, async_op: bool) -> tuple:
+def gather_buffer(numel: int, g: AxisGroup, like: torch.Tensor) -> tuple:
+    """``(out, block)`` to pack a flat block of ``numel`` elements (``like``'s dtype and device)
+    for an all_gather over ``g``, then ``all_gather_start(block, g, 0, None, out=out)``. Where
+    the gather goes as one broadcast per rank (:class:`Lowering`, ``gather_broadcast_bytes``)
+    ``out`` is its output and ``block`` this rank's block in it: the block is sent where it
+    lies, with no copy into the output. Elsewhere ``out`` is ``None`` and ``block`` a tensor of
+    its own (the native all_gather's input, as :func:`all_gather` sends it)."""
+    big = lowering(g).gather_broadcast_bytes
+    if g.size == 1 or big is None or numel * like.element_size() < big:
+        return None, like.new_empty((numel,))
+    out = like.new_empty((g.size * numel,))
+    j = g.group_rank[g.index]
+    return out, out[j * numel : (j + 1) * numel]
+
+
+def _all_gather_launch(
+    t, g: AxisGroup, dim: int, sizes, async_op: bool, out: torch.Tensor | None = None
+) -> tuple:
     """Check, record and put :func:`all_gather` on the wire: ``(out, works, sizes)``, ``out``
     the blocks in group-rank order (padded to the largest), complete once ``works`` are
     waited on."""
-    x = t.movedim(dim, 0)
+    x = t.movedim(dim, 0) if dim else t
     sizes = tuple(sizes) if sizes is not None else (x.shape[0],) * g.size
     _wire(t, g, "all_gather")
     _consistent("all_gather", g, t, dim=dim, chunk_sizes=sizes, other_dims=tuple(x.shape[1:]))
     record("all_gather", g.axes, nbytes(t))
-    out, works = _gather_wire(pad_dim0(x, max(sizes)), g, async_op)
+    out, works = _gather_wire(pad_dim0(x, max(sizes)), g, async_op, out)
     return out, works, sizes
 
 
@@ -456,14 +482,18 @@ def agree_meta(meta: tuple | None, g: AxisGroup, src: int) -> tuple:
     )
 
 
-def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple:
+def _gather_wire(
+    x: torch.Tensor, g: AxisGroup, async_op: bool = False, out: torch.Tensor | None = None
+) -> tuple:
     """Every rank's ``x`` (equal shapes) stacked along dim 0 in group-rank order: ``(out,
     works)``, ``out`` complete once every work in ``works`` is waited on (none when traced or
-    not ``async_op``)."""
+    not ``async_op``). ``out`` given (:func:`gather_buffer`, the broadcast lowering): ``x`` is
+    its own block, broadcast where it lies."""
     big = lowering(g).gather_broadcast_bytes
     big = big is not None and nbytes(x) >= big
     if g.simulated:
-        out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+        if out is None or not big:
+            out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
         if big or str(g.backend) != "gloo":
             return out, ()
         # ProcessGroupGloo's allgather gathers into a flat tensor of its own and copies it
@@ -477,10 +507,13 @@ def _gather_wire(x: torch.Tensor, g: AxisGroup, async_op: bool = False) -> tuple
         # the functional broadcast takes the source's rank inside the group
         k = range(g.size)
         return torch.cat([_compat.funcol().broadcast(x.detach(), i, g.pg) for i in k]), ()
-    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    if out is None or not big:  # (the native all_gather into a buffer of its own)
+        out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
     if big:
         blocks = out.view(g.size, *x.shape)
-        blocks[g.group_rank[g.index]].copy_(x)
+        own = blocks[g.group_rank[g.index]]
+        if own.data_ptr() != x.data_ptr():  # (packed in place: gather_buffer)
+            own.copy_(x)
         works = [
             dist.broadcast(blocks[k], src=src, group=g.pg, async_op=async_op)
             for k, src in enumerate(_group_rank_order(g))

@@ -141,7 +141,8 @@ def reset() -> None:
     _SETTLED.clear()
 
 
-#: values that are their own stand-in (tested first: most of a signature's leaves)
+#: types ``_canonical`` returns as they are, found by one set lookup (the isinstance checks,
+#: ``Mapping``'s an ABC's, cost more than the rest of a shard_map signature's hash)
 _ATOMS = frozenset({str, int, float, bool, type(None), torch.dtype})
 
 
@@ -197,23 +198,26 @@ def _fold(digest: int, h: int) -> int:
 
 
 _SKIP_PREFIXES = ("fshard.", "torch.", "contextlib", "functools")
-_SKIP: dict = {}  # code object -> whether its frames are library frames
+# module name -> whether its frames are library frames. Keyed by the name (a str: its hash is
+# cached), not the code object, whose hash is recomputed at every lookup (its constants,
+# names and line table): the walk passes 20-27 frames a collective in a pipeline's step
+_SKIP: dict = {}
 
 
 def _site() -> tuple:
     """``(module, line, function)`` of the first frame outside fshard and torch: where the
     user's code issued the call (the same on every rank running the same program)."""
     f = sys._getframe(2)
+    skips = _SKIP
     while f is not None:
-        code = f.f_code
-        skip = _SKIP.get(code)
+        name = f.f_globals.get("__name__", "")
+        skip = skips.get(name)
         if skip is None:
-            name = f.f_globals.get("__name__", "")
             skip = name == "fshard" or name == "torch" or name.startswith(_SKIP_PREFIXES)
-            if len(_SKIP) < 65536:
-                _SKIP[code] = skip
+            if len(skips) < 65536:
+                skips[name] = skip
         if not skip:
-            return (f.f_globals.get("__name__", "?"), f.f_lineno, code.co_name)
+            return (f.f_globals.get("__name__", "?"), f.f_lineno, f.f_code.co_name)
         f = f.f_back
     return ("?", 0, "?")
 

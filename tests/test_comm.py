@@ -217,7 +217,7 @@ def gather_start_rank_fn():
     the chunks are ranks 0, 2, 1, 3): several gathers launched back to back, waited in reverse,
     equal the synchronous gather and the dense concatenation in chunk order, with the same comm
     log, under the Gloo lowering (broadcasts for every block here) and the native all_gather;
-    even and uneven chunks. The shape exchange returns the rows in chunk order."""
+    even and uneven chunks; a block packed in place in the output (``gather_buffer``). The shape exchange returns the rows in chunk order."""
     mesh = fs.Mesh.create((2, 2), ("a", "b"))
     g = mesh.group(("b", "a"))
     assert not g.identity_order and g.ranks == (0, 2, 1, 3)
@@ -251,6 +251,14 @@ def gather_start_rank_fn():
             records = [(r.op, r.axes, r.nbytes) for r in log]
             assert records[:3] == records[3:]
             logs[name] = records
+            # packed in place in this rank's block of the output (FSDP's units): the same
+            # gather, the block sent where it lies
+            with fs.debug.comm_log() as log:
+                out, block = _comm.gather_buffer(X[j].numel(), g, X[j])
+                torch.cat([X[j][0], X[j][1]], out=block)
+                got = _comm.all_gather_start(block, g, 0, None, out=out).wait()
+            assert torch.equal(got, torch.cat([x.reshape(-1) for x in X]))
+            assert [(r.op, r.nbytes) for r in log] == [("all_gather", 80)]
     finally:
         _comm._LOWERING_OF_PG.pop(g.pg, None)
     assert logs["broadcast"] == logs["native"]

@@ -397,8 +397,9 @@ def test_fsdp_call_checks_units_up_front():
 def test_fsdp_call_checks_units_again_when_the_module_changes():
     """fsdp_call reuses its units check for a module whose structure, units and given names it
     checked before (a pipeline stage's layer: once per layer and microbatch), and checks again
-    once any of them changed: a tie made after a passing call is refused (an abstract mesh and
-    plain tensors: the units check passes or raises before the params' types are)."""
+    once any of them changed: a tie made after a passing call is refused, as a submodule
+    shared at a second path and a buffer holding a param (an abstract mesh and plain tensors:
+    the units check passes or raises before the params' types are)."""
     mesh = fs.Mesh.abstract((2,), ("dp",))
     model = nn.Sequential(nn.Linear(3, 3), nn.ModuleList([nn.Linear(3, 3) for _ in range(2)]))
     ids = torch.ones(2, 3)
@@ -412,6 +413,15 @@ def test_fsdp_call_checks_units_again_when_the_module_changes():
         fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
     model[1][1].weight = nn.Parameter(params["1.1.weight"].clone())  # untied: passes again
     with pytest.raises(TypeError, match="ShardedArrays"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    model[1].append(model[1][0])  # no new tensor: unit '1.0's layer also at '1.2'
+    with pytest.raises(ValueError, match=r"in unit '1.0', but also held as \['1.2.weight'\]"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    del model[1][2]
+    with pytest.raises(TypeError, match="ShardedArrays"):
+        fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
+    model[1][1].register_buffer("scale", model[1][0].bias)  # a buffer holding unit 1.0's bias
+    with pytest.raises(ValueError, match=r"in unit '1.0', but also held as \['1.1.scale'\]"):
         fs.nn.fsdp_call(model, params, (ids,), mesh=mesh, units=units)
 
 

@@ -311,7 +311,7 @@ class _Session:
         largest, so every rank's pack has one size)."""
         if unit in self.launched:
             return
-        packs: dict = {}  # (gathered dtype, master dtype, device) -> [names]
+        packs: dict = {}  # (gathered dtype, master dtype, device) -> [names, numel]
         lows = {}
         launched = []
         for n in self.units[unit]:
@@ -328,13 +328,18 @@ class _Session:
                     if full is not None:
                         launched.append(([n], None, _comm.Pending(full)))
                         continue
-                lows[n] = _padded(low, self.rows(n))
+                lows[n] = low = _padded(low, self.rows(n))
                 key = (low.dtype, self.params[n].dtype, low.device)
-                packs.setdefault(key, []).append(n)
-        for names in packs.values():
-            flat = torch.cat([lows[n].reshape(-1) for n in names])
+                pack = packs.setdefault(key, [[], 0])
+                pack[0].append(n)
+                pack[1] += low.numel()
+        for names, numel in packs.values():
+            # packed in place, in this rank's block of the gather's output: no copy at launch
+            out, flat = _comm.gather_buffer(numel, self.group, lows[names[0]])
+            torch.cat([lows[n].reshape(-1) for n in names], out=flat)
             shapes = [tuple(lows[n].shape) for n in names]
-            launched.append((names, shapes, _comm.all_gather_start(flat, self.group, 0, None)))
+            pending = _comm.all_gather_start(flat, self.group, 0, None, out=out)
+            launched.append((names, shapes, pending))
         self.launched[unit] = launched
 
     def _wait(self, unit: str) -> list:
@@ -1025,15 +1030,42 @@ def _gathering(session: _Session) -> Iterator[Callable]:
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _structure(module: torch.nn.Module) -> tuple:
-    """Everything :func:`_check_units` reads of ``module``: each submodule's name and object,
-    and the names and objects of the tensors it holds (a hashable snapshot; equal snapshots
-    give equal checks and equal aliases)."""
-    return tuple(
-        (name, id(m), *((a, id(t)) for a, t in m._parameters.items() if t is not None),
-         None, *((a, id(t)) for a, t in m._buffers.items() if t is not None))
-        for name, m in module.named_modules(remove_duplicate=False)
-    )  # fmt: skip
+#: modules a structure snapshot walks at most (a module tree holding itself: no snapshot)
+_STRUCTURE_MODULES = 1 << 16
+
+
+def _structure(module: torch.nn.Module) -> tuple | None:
+    """Everything :func:`_check_units` reads of ``module``: each submodule's object, its
+    children's names and objects and the names and objects of the tensors it holds (a
+    hashable snapshot; equal snapshots give equal checks and equal aliases). One walk of the
+    tree by every path (a shared submodule at each), each module's dicts read in C (``extend``
+    with the keys, ``map(id, ...)`` over the values; their counts keep the fields apart)
+    instead of ``named_modules``' names and a tuple per tensor: 13.9-14.5 -> 10.1-11.4 us of
+    thread CPU for a Llama decoder layer (13 modules). ``None`` past ``_STRUCTURE_MODULES``
+    modules (a cycle): checked at every call then."""
+    out: list = []
+    stack = [module]
+    pop, push, put, add = stack.pop, stack.extend, out.append, out.extend
+    for _ in range(_STRUCTURE_MODULES):
+        if not stack:
+            return tuple(out)
+        m = pop()
+        if m is None:  # a child slot registered as None
+            put(None)
+            continue
+        subs, ps, bs = m._modules, m._parameters, m._buffers
+        put(id(m))
+        put(len(subs))
+        add(subs)
+        add(map(id, subs.values()))
+        put(len(ps))
+        add(ps)
+        add(map(id, ps.values()))
+        put(len(bs))
+        add(bs)
+        add(map(id, bs.values()))
+        push(subs.values())
+    return None
 
 
 def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
@@ -1049,13 +1081,14 @@ def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> di
     walks and name lookups."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
+    structure = _structure(module)
     try:
         key = (
-            _structure(module),
+            structure,
             tuple((u, tuple(ns)) for u, ns in units.items()),
             tuple(n in params for ns in units.values() for n in ns),
         )
-        cached = _CHECKED.setdefault(module, {})
+        cached = _CHECKED.setdefault(module, {}) if structure is not None else {}
     except TypeError:  # an unhashable unit name or a module without weak references
         key, cached = None, {}
     if key in cached:  # the aliases' owners are held weakly: the module is one of them
