@@ -239,18 +239,14 @@ def _device(group: AxisGroup) -> torch.device:
 
 
 def _exchange(
-    g: AxisGroup, h: int, seq: int, device: torch.device | None, extra: list | None = None
-):
-    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq``: whether every rank of ``g`` holds both.
-    With ``extra`` (more int64 words, as many on every rank of ``g``), reduced in the same
-    message: ``(whether they agree, the reduced extra words)``."""
-    words = torch.tensor(
-        [h, -h, seq, -seq, *(extra or ())], dtype=torch.int64, device=device or _device(g)
-    )
+    g: AxisGroup, h: int, seq: int, device: torch.device | None, extra: list = ()
+) -> tuple[bool, list]:
+    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq`` and ``extra`` (more int64 words, as many
+    on every rank of ``g``): ``(whether every rank of g holds both, the reduced extra words)``."""
+    words = torch.tensor([h, -h, seq, -seq, *extra], dtype=torch.int64, device=device or _device(g))
     dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
     top = words.tolist()
-    same = top[0] == -top[1] and top[2] == -top[3]
-    return same if extra is None else (same, top[4:])
+    return top[0] == -top[1] and top[2] == -top[3], top[4:]
 
 
 def _raise(what: str, g: AxisGroup, mine: dict, note: str = "") -> None:
@@ -263,7 +259,7 @@ def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = 
     """Raise :class:`ConsistencyError` on every rank of ``g`` unless all hold equal ``fields``."""
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    if _exchange(g, _hash(tuple(fields.items())), seq, device):
+    if _exchange(g, _hash(tuple(fields.items())), seq, device)[0]:
         return
     mine = {**{k: _show(v) for k, v in fields.items()}, "sequence number": seq}
     _raise(what, g, mine, "no data collective ran")
@@ -370,14 +366,11 @@ def _check_running(
     # second all_reduce at every check with sub-groups (a pipeline's step: its pp groups',
     # every step, at its shard_map's check)
     room = _MERGED_PAIRS // g.size
-    merged = bool(room) and len(kinds) <= room
-    extra = None
-    if room:
-        extra = [_ABSENT] * (2 * room * g.size)
-        if merged:
-            extra, slots = _subgroup_words(g, kinds, subs, extra)
-    got = _exchange(g, total, seq, device, extra)
-    same, top = got if room else (got, None)
+    merged = len(kinds) <= room
+    extra, slots = [_ABSENT] * (2 * room * g.size), {}
+    if merged:
+        extra, slots = _subgroup_words(g, kinds, subs, extra)
+    same, top = _exchange(g, total, seq, device, extra)
     if not same:
         mine = {k: _show(v) for k, v in fields.items()}
         mine.update(_history_views([r for r in states if r.ranks == whole]))

@@ -428,9 +428,7 @@ class _Session:
             if i + 1 < len(self.order):
                 self._launch(self.order[i + 1])
         self.active = {k: v for k, v in self.active.items() if v[0] == ""}  # root stays
-        self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
-        self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
-        self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+        self._next_unit()
         self.over.update({(n, over, "vary"): v for n, v in packed.items()})
         self.seen.append(unit)
         out = {}
@@ -592,6 +590,13 @@ class _Session:
         y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
 
+    def _next_unit(self) -> None:
+        """Drop the gathered values of the units before the one now gathered (a unit's are used
+        until the next is gathered); the root unit's stay for the call."""
+        self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
+        self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
+        self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+
     def _typed_unit(self, unit: str) -> dict[str, ShardedArray]:
         """The global view under a ``torch.func`` transform (``fs.remat``'s recompute): the
         unit's sharded params gathered as the eager path gathers them, one packed varying
@@ -607,13 +612,12 @@ class _Session:
             over = self._manual_axes()
             packed = self._traced_packs(unit, over) if over else {}
             fulls = {n: v.detach() for n, v in packed.items()} if over else self._data(unit)
-            self.whole = {k: v for k, v in self.whole.items() if self.unit_of[k] == ""}
-            self.over = {k: v for k, v in self.over.items() if self.unit_of[k[0]] == ""}
+            self._next_unit()
             self.whole.update(fulls)
             self.over.update({(n, over, "vary"): v for n, v in packed.items()})
             return {n: self._typed(n, fulls.get(n)) for n in self.units[unit]}
         vary = self._traced_packs(unit)
-        self.vary = {k: v for k, v in self.vary.items() if self.unit_of[k] == ""}
+        self._next_unit()
         out = {}
         for n in self.units[unit]:
             if n in vary:
@@ -1204,11 +1208,14 @@ def fsdp_call(
     if policy is not None:
         args, kwargs = cast_inputs(policy, args, kwargs)
     held = _check_units(module, params, units)
-    recomputing = [
-        n
-        for n, m in module.named_modules()
-        if m.training and getattr(m, "gradient_checkpointing", False)
-    ]
+    # one walk of the module: the layers under activation checkpointing, and whether it is a
+    # model's root (its unit "" kept from the forward to the backward): a module whose layers
+    # are units of their own, here or in a call inside this one (fs.remat's layers)
+    recomputing, root = [], False
+    for n, m in module.named_modules():
+        root = root or isinstance(m, torch.nn.ModuleList)
+        if m.training and getattr(m, "gradient_checkpointing", False):
+            recomputing.append(n)
     if recomputing:  # the backward would recompute those layers with the module's own tensors
         raise ValueError(
             f"fsdp_call: activation checkpointing is on for {recomputing[:3]} (transformers' "
@@ -1220,9 +1227,6 @@ def fsdp_call(
     handles, inside = [], []  # inside: the units' swaps now entered, innermost last
     typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
     _check_gather(params, units, mesh, policy)
-    # the model's root (its unit "" kept from the forward to the backward): a module whose
-    # layers are units of their own, here or in a call inside this one (fs.remat's layers)
-    root = any(isinstance(m, torch.nn.ModuleList) for m in module.modules())
     session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed, root)
     with _gathering(session) as get:
         try:
