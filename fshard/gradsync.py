@@ -122,6 +122,12 @@ class _Entry:
         self.view: tuple | None = None
 
 
+def _gather_key(i: int, x: torch.Tensor, group: AxisGroup) -> tuple:
+    """The key of the stand-in of FSDP's varying gather over ``group`` of ``x``, leaf ``i`` or
+    a view of it (its geometry in the leaf)."""
+    return (i, "gather", tuple(x.shape), x.stride(), x.storage_offset(), group.axes, id(group.pg))
+
+
 def _same_data(v: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``t`` is ``v``'s data: the same storage, offset, shape, strides and dtype."""
     return (
@@ -242,7 +248,7 @@ class GradSync(lax.Handler):
                 done = proceed(b, x.detach(), None)
         if done.dtype != x.dtype or done.shape[1:] != x.shape[1:]:
             return None
-        key = (i, "gather", tuple(x.shape), x.stride(), x.storage_offset(), b.group.axes, id(b.group.pg))  # fmt: skip
+        key = _gather_key(i, x, b.group)
         k = self.keys.get(key)
         if k is None:
             k = self.keys[key] = len(self.gathers)
@@ -385,7 +391,7 @@ class GradSync(lax.Handler):
         full = None if key is None else self.held.get(key)
         if full is None:
             return None
-        k = self.keys.get((key[0], "gather", *key[1:6]))
+        k = self.keys.get(_gather_key(key[0], x, group))
         if k is None:
             return None
         v = self.gathers[k].v
