@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
-from fshard import gradsync
+from fshard import _comm
 from fshard.dryrun import OutOfMemoryError, rank_classes
 from tests._memory import allocator_counts_every_thread, peak_above_start
 
@@ -322,7 +322,7 @@ def _real_rank(degrees: dict, batch: int) -> list:
     dims = fs.parallel.ParallelDims(**degrees)
     steps = []
     for _ in range(REAL_STEPS):
-        gradsync._POOL.clear()  # a first step in this process too: no bucket kept from before
+        _comm._POOL.clear()  # a first step in this process too: no bucket kept from before
         args = _make(dims.mesh(), dims, _cfg(), batch, 8, "cpu")
         gc.collect()
         with (
