@@ -364,7 +364,9 @@ def parallelize(
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
         policy = None if remat is True else remat
-        call = _RematLayers(model, layers, call, policy, batch_outputs, fsdp=dims.dp_shard > 1)
+        call = _RematLayers(
+            model, layers, call, policy, batch_outputs, fsdp=dims.dp_shard > 1, mp_policy=mp_policy
+        )
     if pieces is not None:  # the pieces of the model, the layers as stages
         policy = None if remat is True else remat  # False: no remat
         return params, _pipeline_loss(model, pieces, mesh, dims, call, mp_policy, outputs, policy)
@@ -426,10 +428,21 @@ class _RematLayers:
     recompute (FSDP2 with activation checkpointing); the plan's output layouts inside a layer
     apply there too, and context parallelism's attention (entered by
     :func:`context_parallel_loss` around the whole call) is entered again in the recompute,
-    which runs in the backward, after the call."""
+    which runs in the backward, after the call. A layer's call casts its params by the
+    mixed-precision policy but not its arguments or outputs: the policy's ``output_dtype`` and
+    input cast belong to the model's call, whose layers pass their activations on in the compute
+    dtype (a float32 cast of each layer's output met the final norm's bfloat16 weight: ``mixed
+    dtype``), so a checkpointed layer computes what it computes without remat."""
 
-    def __init__(self, model, layers: str, call, policy, outputs: Mapping, *, fsdp: bool):
+    def __init__(
+        self, model, layers: str, call, policy, outputs: Mapping, *, fsdp: bool, mp_policy=None
+    ):
         self.model, self.layers, self.call, self.policy = model, layers, call, policy
+        self.options = (
+            {}
+            if mp_policy is None
+            else {"mp_policy": mp_policy._replace(output_dtype=None, cast_forward_inputs=False)}
+        )
         self.modules = list(model.get_submodule(layers))
         self.pres = [f"{layers}.{i}." for i in range(len(self.modules))]
         self.inner = [
@@ -463,6 +476,7 @@ class _RematLayers:
 
     def _forward(self, i: int, params: dict, active):
         layer, call, inner, model = self.modules[i], self.call, self.inner[i], self.model
+        options = self.options
 
         def run(ps, args, kwargs):
             patched = layer.__dict__.pop("forward", None)  # the layer's own forward inside
@@ -472,7 +486,7 @@ class _RematLayers:
                     if active
                     else (contextlib.nullcontext())
                 ):
-                    return call(layer, ps, args, kwargs, outputs=inner)
+                    return call(layer, ps, args, kwargs, outputs=inner, **options)
             finally:
                 if patched is not None:
                     layer.forward = patched

@@ -765,6 +765,25 @@ class _Session:
         return self.cache[unit]
 
 
+def _replay_view(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """View ``x`` of its base, taken of ``y`` (what the base stands for: the same shape and
+    values). torch replays a view on a new base only of the base's strides; ``y`` may have
+    others (a param's rows in a packed gather, cast to ``param_dtype``: a mixed-precision
+    expert weight's row of FSDP x EP), then the view is taken of a copy of ``y`` in the base's
+    strides (differentiable: its cotangent goes to ``y``)."""
+    out = x._view_func(y)
+    if out is None:
+        base = x._base
+        same = torch.empty_strided(base.shape, base.stride(), dtype=y.dtype, device=y.device)
+        out = x._view_func(same.copy_(y))
+    if out is None:
+        raise RuntimeError(
+            f"FSDP: a view of a gathered param ({tuple(x.shape)} of {tuple(x._base.shape)}) "
+            "cannot be taken of its varying gather"
+        )
+    return out
+
+
 class _Pcasts(lax.Handler):
     """FSDP in the global view: where an op rule pcasts a gathered param over the FSDP axes
     (it met data split over them), the value becomes the *varying* gather of the param's
@@ -801,8 +820,8 @@ class _Pcasts(lax.Handler):
         if x._base is not None:
             hit = self.tracked.get(id(x._base))
             if hit is not None and hit[0]() is x._base:
-                f, view = hit[2], x._view_func
-                return hit[1], (lambda y: view(y if f is None else f(y))), hit[3]
+                f = hit[2]
+                return hit[1], (lambda y: _replay_view(x, y if f is None else f(y))), hit[3]
         return None
 
     def process(self, b, x, done, proceed):
