@@ -432,6 +432,46 @@ def test_fsdp_x_cp_splits_params_and_optimizer_state_over_dp_shard_x_cp(world4):
         assert worst < 1e-4, worst
 
 
+def fsdp_cp_unreduced_rank_fn():
+    """FSDP x CP (dp_shard=2 x cp=2) under ``fs.value_and_grad(..., sync=False)``: the worst
+    difference from dense of the gradients once ``fs.reshard`` to the params' specs, the
+    pending gradients' specs, the ops comm_log records in the step and at the reshard."""
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(dp_shard=2, cp=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as during:
+        value, grads = fs.value_and_grad(loss, sync=False)(params, {"input_ids": ids})
+    pending = {str(g.spec) for g in grads.values()}
+    with fs.debug.comm_log() as at_step:
+        reduced = fs.reshard(grads, {k: p.spec for k, p in params.items()})
+    worst = _worst_against_dense(model, ids, params, value, reduced)
+    ops = Counter(
+        (r.op, tuple(r.axes), r.nbytes)
+        for r in during
+        if r.op == "reduce_scatter" or (r.op == "all_reduce" and "cp" in r.axes)
+    )
+    return worst, pending, ops, Counter((r.op, tuple(r.axes)) for r in at_step)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_cp_unreduced_gradients_reduce_scatter_at_the_reshard(world4):
+    """FSDP x CP with sync=False: each gradient comes back as the whole param's addends,
+    pending a sum over dp_shard x cp (no reduce_scatter in the step and no all_reduce over cp
+    but the loss's), and fs.reshard to the params' specs reduce-scatters it over both, once per
+    param: equal to dense."""
+    pytest.importorskip("transformers")
+    n = len(dict(_hf_model("llama").named_parameters()))
+    for worst, pending, ops, at_step in world4.run(fsdp_cp_unreduced_rank_fn):
+        assert worst < 1e-4, worst
+        assert pending == {
+            "P(None, partial=('dp_shard', 'cp'))",
+            "P(None, None, partial=('dp_shard', 'cp'))",
+        }
+        assert ops == Counter({("all_reduce", ("cp",), 4): 1}), ops  # the loss's psum alone
+        assert at_step == Counter({("reduce_scatter", ("dp_shard", "cp")): n}), at_step
+
+
 FSDP_CP_EIGHT = [
     ("llama", {"pp": 2, "dp_shard": 2, "cp": 2}),
     ("mixtral", {"dp_shard": 2, "ep": 2, "cp": 2}),
