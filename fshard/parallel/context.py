@@ -969,9 +969,12 @@ def context_parallel_loss(
     entropy, ``psum``-ed over ``axis``, over the number of targets.
 
     Args:
-        module: the causal LM (its params are replicated over ``axis``).
-        params: ``{name: ShardedArray}`` from :func:`fshard.nn.shard_params` (a plan that does
-            not name ``axis``: ``{}`` replicates everything).
+        module: the causal LM.
+        params: ``{name: ShardedArray}`` from :func:`fshard.nn.shard_params`: whole over
+            ``axis`` (a plan that does not name it: ``{}`` replicates everything), or split
+            over it by FSDP (:func:`fshard.nn.fsdp_plan` over an axis tuple holding ``axis``,
+            as :func:`parallelize`'s FSDP x CP): those enter the body as they are and ``call``
+            must gather them (:func:`fshard.nn.fsdp_call` over the same axes).
         mesh: the mesh.
         input_ids: the full ``(batch, seq)`` token ids, the same on every rank; ``seq``
             divisible by ``2 * cp``.
@@ -1053,15 +1056,35 @@ def context_parallel_loss(
         return lax.psum(ce, axis) / count
 
     seq = P(None, axis)
+    # a param split over ``axis`` (parallelize's FSDP over dp_shard x cp: each rank holds
+    # 1/(dp_shard * cp) of it) enters the body as it is (in_specs None): ``call`` gathers its
+    # blocks over the FSDP group (fs.nn.fsdp_call over an axis tuple holding ``axis``), its
+    # gradient one reduce_scatter over that group; the others are whole over ``axis`` (P())
+    pspec: P | dict = P()
+    as_is = [k for k, v in params.items() if isinstance(v, ShardedArray) and _names(v, axis)]
+    if as_is:
+        if call is None:
+            raise ValueError(
+                f"context_parallel_loss: params {as_is[:3]} are split over {axis!r}; the default "
+                f"call (fs.nn.functional_call) needs them whole over it: fs.reshard them, or "
+                f"give call=functools.partial(fs.nn.fsdp_call, axis=(..., {axis!r}), ...)"
+            )
+        params = dict(params)
+        pspec = {k: None if k in as_is else P() for k in params}
     run = shard_map(
         body,
         mesh,
-        (P(), seq, seq, seq, None if mask is None else seq),
+        (pspec, seq, seq, seq, None if mask is None else seq),
         P(),
         axis_names={axis},
     )
     loss = run(params, split(input_ids), split(positions), split(targets), split(mask))
     return gather(loss)
+
+
+def _names(x: ShardedArray, axis: str) -> bool:
+    """Whether ``x``'s layout splits it over mesh axis ``axis``."""
+    return axis in getattr(x.layout.spec, "axes", ())
 
 
 def _call(call, module, params, ids, positions, mask):
