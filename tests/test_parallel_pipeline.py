@@ -841,10 +841,14 @@ def zb_weight_pass_rank_fn():
     """ZB-H1's W computes the weight gradients alone: a stage using one stacked weight in two
     layers (``w[1] * probe(w[0] * x)``) runs the probe's backward once per microbatch, as
     1F1B does (torch.distributed.pipelining's split, grouping by the shared weight, ran the
-    stage's whole backward again in W: twice); gradients equal the closed form."""
-    mesh = fs.Mesh.create((1,), ("pp",))
-    w, x = torch.tensor([[2.0, 3.0]]), torch.arange(4.0).reshape(4, 1)
+    stage's whole backward again in W: twice); gradients equal the closed form. pp=2: rank 1
+    splits each backward into B and W; rank 0 (the first stage, its W right after its B and
+    nothing to send) runs them as one backward."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x = torch.tensor([[2.0, 3.0], [0.5, 1.5]]), torch.arange(4.0).reshape(4, 1)
     xs = (x**2).mean()
+    prod = w.prod()
+    want_w = 2 * prod**2 / w * xs  # loss: mean over microbatches of (prod(w) x)^2
 
     def run(w, x, schedule):
         loss = pipeline(lambda w, x: w[1] * _Probe.apply(w[0] * x), w, x, mesh,
@@ -852,14 +856,12 @@ def zb_weight_pass_rank_fn():
         return fs.gather(loss)
 
     counts = []
-    w0, w1 = w[0]
-    want_w = torch.tensor([[2 * w0 * w1**2, 2 * w1 * w0**2]]) * xs
     for schedule in ("1f1b", "zb"):
         _Probe.calls = 0
         gw, gx = torch.func.grad(run, (0, 1))(w, x, schedule)
         counts.append(_Probe.calls)
         torch.testing.assert_close(gw, want_w)
-        torch.testing.assert_close(gx, 2 * (w0 * w1) ** 2 * x / 4)
+        torch.testing.assert_close(gx, 2 * prod**2 * x / 4)
     # a layer picked by an int index is a leaf (no select backward writing a zero stack per
     # use); a slice still differentiates through the stack, and the two gradients add up
     nodes = []
@@ -877,8 +879,12 @@ def zb_weight_pass_rank_fn():
 
 
 @pytest.mark.timeout(120)
-def test_zb_weight_pass_does_not_rerun_the_backward(world1):
-    assert world1.run(zb_weight_pass_rank_fn) == [[4, 4]]
+def test_zb_weight_pass_does_not_rerun_the_backward(world2):
+    assert world2.run(zb_weight_pass_rank_fn) == [[4, 4], [4, 4]]
+    # which backwards run B and W as one: the first stage's (nothing to send, its W next)
+    assert pipeline_schedule("zb", 2, 4)._joined == ({(0, mb) for mb in range(4)}, set())
+    assert pipeline_schedule("zb", 1, 3)._joined == ({(0, mb) for mb in range(3)},)
+    assert pipeline_schedule("1f1b", 2, 4)._joined == (set(), set())
 
 
 def one_rank_fn():

@@ -46,7 +46,10 @@ Design decisions (issue 22 item 2):
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
   keeping the cotangents that reach the nodes where the graph branches off to the weights, and
   W runs those nodes for their weight edges and the weight-only graph below them (no node of B
-  twice, however often a stage uses one stacked weight). The Function's
+  twice, however often a stage uses one stacked weight). Where a rank's W comes right after
+  its B and the B's input gradient stays on the rank (the first stage's, whose W ZB-H1 does
+  not defer), the two run as one backward: the split would only add its cost (the retained
+  graph, the cut's walk, an engine call per cut node). The Function's
   backward returns those gradients times the incoming cotangent. GPipe runs through the same
   executor (all F, then all B), so every schedule gives the same numbers.
 * **Ticks.** One action (F, B or W) per rank and tick; the bubble fraction is a rank's idle
@@ -304,6 +307,29 @@ class PipelineSchedule:
                         pairs.append((src, dst))
                 out[kind].append((tuple(pairs), dests))
         return {k: tuple(v) for k, v in out.items()}
+
+    @functools.cached_property
+    def _joined(self) -> tuple[frozenset, ...]:
+        """Per rank: the ``(stage, microbatch)`` of ZB-H1's backwards whose W is run with the B,
+        as one backward: the rank's next action after the B is that W, and the B's input
+        gradient does not leave the rank at its tick (the first stage: nothing to send; on
+        ``pp == 1`` every stage). Split, the rank would run the same two halves back to back
+        with nothing between, and pay for the split (a retained graph, the cut's walk, an
+        engine call per cut node); wall clock is the same, as nobody waits for what W holds."""
+        out = []
+        for r in range(self.pp):
+            done, nxt = set(), None
+            for t in reversed(range(self.ticks)):
+                a = self.table[t][r]
+                if a is None:
+                    continue
+                if a.kind == "B" and nxt == Action("W", a.stage, a.microbatch):
+                    pairs, _ = self.transfers["B"][t]
+                    if not any(src == r for src, _ in pairs):
+                        done.add((a.stage, a.microbatch))
+                nxt = a
+            out.append(frozenset(done))
+        return tuple(out)
 
     def __str__(self) -> str:
         def cell(a):
@@ -610,7 +636,7 @@ class _Run:
         first = None  # input_fn's (M, ...) output on the first stage's rank
         sched, r, pp = self.sched, self.group.index, self.sched.pp
         v, m, last = sched.virtual, sched.microbatches, sched.stages - 1
-        zb = sched.name == "zb"
+        joined = sched._joined[r] if sched.name == "zb" else None  # ZB-H1's B + W run as one
 
         # this rank's stages: chunk j is stage j * pp + r
         chunks = []
@@ -707,7 +733,7 @@ class _Run:
                     inp, out = saved.pop((s, mb))
                     ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
                     ins = [inp] if inp.requires_grad else []
-                    if zb:  # the input gradient now, the weights' at W
+                    if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
                     else:
                         torch.autograd.backward(out, ct, inputs=ins + weights(s))
@@ -716,9 +742,8 @@ class _Run:
                             sent_b = inp.grad
                         else:
                             x_grad[mb] = inp.grad
-                elif a is not None and grad_on:  # W
-                    s, mb = a.stage, a.microbatch
-                    saved.pop((s, mb))()
+                elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
+                    saved.pop((a.stage, a.microbatch))()
                 self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox)
