@@ -46,7 +46,9 @@ Design decisions (issue 22 item 2):
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
   keeping the cotangents that reach the nodes where the graph branches off to the weights, and
   W runs those nodes for their weight edges and the weight-only graph below them (no node of B
-  twice, however often a stage uses one stacked weight). Where a rank's W comes right after
+  twice, however often a stage uses one stacked weight; a branch that reaches only vector
+  weights, a norm's scale and shift, is not deferred: B computes it in the same kernel, where
+  W would cost an engine run and the kernel again). Where a rank's W comes right after
   its B and the B's input gradient stays on the rank (the first stage's, whose W ZB-H1 does
   not defer), the two run as one backward: the split would only add its cost (the retained
   graph, the cut's walk, an engine call per cut node). The Function's
@@ -845,15 +847,21 @@ _FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 _BELOW_DONE = object()
 
 
-def _weight_cut(root, source, targets: set) -> dict:
-    """Where the backward graph from ``root`` leaves the input gradient's part: ``{node:
-    [(next node, input nr), ...]}``, the nodes on a path to ``source`` (the input's gradient
-    accumulator) and those of their next edges that lead to a node in ``targets`` (the weights'
-    accumulators) but not to ``source`` (read now: torch 2.11 refuses a custom Function node's
-    ``next_functions`` once the backward has run). Everything below such an edge is weight-only. ``None`` where
-    ``root`` does not reach ``source``, or (:data:`fshard._compat.GRAD_FROM_FUNCTION_NODES`)
-    where a custom Function's node would be cut on a torch that cannot start a backward there:
-    W is then the whole backward."""
+def _weight_cut(root, source, targets: dict) -> tuple[dict, list] | None:
+    """Where the backward graph from ``root`` leaves the input gradient's part: ``({node:
+    [(next node, input nr), ...]}, early)``, the nodes on a path to ``source`` (the input's
+    gradient accumulator) and those of their next edges that lead to a node in ``targets``
+    (the weights' accumulators, ``{node: whether its weight is a matrix}``) but not to
+    ``source`` (read now: torch 2.11 refuses a custom Function node's ``next_functions`` once
+    the backward has run). Everything below such an edge is weight-only. A node whose weight
+    edges reach only vector weights (a norm's scale and shift, a bias alone) is not cut: its
+    gradient is a reduction its B computes in the same kernel (layer norm) or from the
+    cotangent it holds anyway, and deferring it would cost W an engine run and the kernel
+    again; ``early`` lists those weights' accumulators, for B (unless a cut branch reaches one
+    too: then every branch is cut, as before). ``None`` where ``root`` does not reach
+    ``source``, or (:data:`fshard._compat.GRAD_FROM_FUNCTION_NODES`) where a custom
+    Function's node would be cut on a torch that cannot start a backward there: W is then the
+    whole backward."""
     order, stack, edges = [], [root], {}
     push, pop = stack.append, stack.pop
     while stack:  # post-order: a node after everything below it
@@ -867,24 +875,51 @@ def _weight_cut(root, source, targets: set) -> dict:
         push(node)
         push(_BELOW_DONE)
         stack += [n for n, _ in nexts if n is not None and n not in edges]
-    reach = {}  # per node: 1 if it reaches source, 2 if a target (ints: ~2x the walk's speed)
+    # per node: 1 if it reaches source, 2 a target, 4 a matrix target (ints: ~2x the speed of
+    # any() over lists)
+    reach = {}
     for node in order:
-        f = (1 if node is source else 0) | (2 if node in targets else 0)
+        f = 1 if node is source else 0
+        if node in targets:
+            f |= 6 if targets[node] else 2
         for n, _ in edges[node]:
             if n is not None:
                 f |= reach[n]
         reach[node] = f
     if not reach[root] & 1:
         return None
-    cut = {}
+    cut, kept = {}, {}
     for node in order:
         if reach[node] & 1:
-            below = [(n, nr) for n, nr in edges[node] if n is not None and reach[n] == 2]
+            below = [(n, nr) for n, nr in edges[node] if n is not None and reach[n] & 3 == 2]
             if below:
-                if not _compat.GRAD_FROM_FUNCTION_NODES and isinstance(node, _FUNCTION_NODE):
-                    return None
-                cut[node] = below
-    return cut
+                (cut if any(reach[n] & 4 for n, _ in below) else kept)[node] = below
+    early = []
+    if kept:
+        deferred = _targets_below(cut, edges, targets)
+        early = _targets_below(kept, edges, targets)
+        if not early.isdisjoint(deferred):  # a weight reached from both halves: all in W
+            cut = {node: edges_ for node in order if (edges_ := cut.get(node, kept.get(node)))}
+            early = set()
+    for node in cut:
+        if not _compat.GRAD_FROM_FUNCTION_NODES and isinstance(node, _FUNCTION_NODE):
+            return None
+    return cut, list(early)
+
+
+def _targets_below(branches: dict, edges: dict, targets: dict) -> set:
+    """The nodes of ``targets`` in the weight-only graphs below ``branches``' edges."""
+    found, seen = set(), set()
+    stack = [n for below in branches.values() for n, _ in below]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in targets:
+            found.add(node)
+        stack += [n for n, _ in edges[node] if n is not None]
+    return found
 
 
 def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
@@ -898,21 +933,26 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     whole backward in W). Without an input gradient wanted, W is the whole backward."""
     weights = [w for w in weights if w.requires_grad]
     edge = torch.autograd.graph.get_gradient_edge
-    cut = None
+    found = None
     if ins and out.grad_fn is not None:
-        cut = _weight_cut(out.grad_fn, edge(ins[0]).node, {edge(w).node for w in weights})
-    if cut is None:  # B to the input, then W the whole backward again (the graph kept)
+        accs = {edge(w).node: w for w in weights}
+        targets = {node: w.dim() >= 2 for node, w in accs.items()}
+        found = _weight_cut(out.grad_fn, edge(ins[0]).node, targets)
+    if found is None:  # B to the input, then W the whole backward again (the graph kept)
         if ins:
             torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
         return lambda: torch.autograd.backward(out, ct, inputs=weights) if weights else None
+    cut, early = found
     held: dict = {}
 
     def hold(node, grads):
         held[node] = grads
 
     hooks = [node.register_prehook(functools.partial(hold, node)) for node in cut]
-    try:
-        torch.autograd.backward(out, ct, inputs=ins, retain_graph=bool(cut))
+    try:  # the vector weights whose branches are not cut get their gradients now
+        torch.autograd.backward(
+            out, ct, inputs=ins + [accs[n] for n in early], retain_graph=bool(cut)
+        )
     finally:
         for h in hooks:
             h.remove()
