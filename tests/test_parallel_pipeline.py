@@ -905,6 +905,31 @@ def test_zb_weight_pass_does_not_rerun_the_backward(world2):
     assert pipeline_schedule("1f1b", 2, 4)._joined == (set(), set())
 
 
+def loss_params_only_rank_fn():
+    """Only ``loss_params`` differentiated: the first stage's backward has nothing to compute
+    (no stage weight, no input gradient) and is skipped, in every schedule (it raised: the
+    stage's ``backward`` got no ``inputs``); gradients equal the closed form."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x, h = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1), torch.tensor([1.5])
+    xs = (x**2).mean()
+    for schedule in ("gpipe", "1f1b", "zb"):
+
+        def run(h, w, schedule=schedule):
+            loss = pipeline(lambda w, x: w * x, w, x, mesh, schedule=schedule, loss_params=h,
+                            loss_fn=lambda h, y, t: (h * y * y).sum())  # fmt: skip
+            return fs.gather(loss)
+
+        torch.testing.assert_close(torch.func.grad(run)(h, w), w.prod() ** 2 * xs.reshape(1))
+        gw = torch.func.grad(run, argnums=1)(h, w)  # and the stage weights alone, as before
+        torch.testing.assert_close(gw, 2 * h * w.prod() ** 2 / w * xs)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_loss_params_alone_differentiated(world2):
+    assert world2.run(loss_params_only_rank_fn) == [True, True]
+
+
 def one_rank_fn():
     """pp=1: every stage on the one rank (handed over locally, no ppermute)."""
     mesh = fs.Mesh.create((1,), ("pp",))

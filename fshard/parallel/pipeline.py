@@ -737,8 +737,10 @@ class _Run:
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
-                    else:
-                        torch.autograd.backward(out, ct, inputs=ins + weights(s))
+                    else:  # none on a first stage where only loss_params are differentiated
+                        inputs = ins + weights(s)
+                        if inputs:
+                            torch.autograd.backward(out, ct, inputs=inputs)
                     if ins:
                         if s > 0:
                             sent_b = inp.grad
