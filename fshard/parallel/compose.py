@@ -73,7 +73,14 @@ from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
 from ..spec import Layout, P
-from .context import _ACTIVE, _attention_of, context_parallel_loss, forward_kwargs, load_balance
+from .context import (
+    _ACTIVE,
+    _attention_of,
+    context_parallel_loss,
+    forward_kwargs,
+    load_balance,
+    target_count,
+)
 from .context import _ATTENTION as _RING
 from .expert import expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
@@ -422,7 +429,7 @@ def parallelize(
             logits.flatten(0, -2).float(), shard(targets, mesh, spec).flatten(),
             ignore_index=-100, reduction="sum",
         )  # fmt: skip
-        return gather(ce) / int((targets != -100).sum())
+        return gather(ce) / target_count(targets)
 
     return params, loss
 
@@ -766,7 +773,7 @@ def _pipeline_loss(
             )
         if targets is None:
             targets = _shifted(ids if labels is None else labels)
-        count = int((targets != -100).sum())  # the loss is the sum over every target / count
+        count = target_count(targets)  # the loss is the sum over every target / count
         order = tuple(range(s))
         if cp > 1:  # the sequence in load-balanced chunks, split over cp (ring attention)
             if s % (2 * cp):

@@ -881,7 +881,10 @@ def attention(
         mask = padding_mask
         specs = [t.spec for t in (query, key, value)]
         specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
-        local = shard_map(local, mesh, tuple(specs), query.spec)
+        # the output's global shape is the query's with the value's head dim: given, so no
+        # exchange of the blocks' shapes (none on a dry run's simulated ranks)
+        shape = (*query.shape[:-1], value.shape[-1])
+        local = shard_map(local, mesh, tuple(specs), query.spec, out_shapes=shape)
     return local(query, key, value, padding_mask)
 
 
@@ -936,6 +939,15 @@ def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
         if hf:
             config._attn_implementation = before
         _ACTIVE.reset(token)
+
+
+def target_count(targets: torch.Tensor) -> int:
+    """The targets a causal-LM loss averages over (those not ``-100``): its divisor. On meta
+    data (:func:`fshard.dry_run`) there is no value to read, and the count only scales the
+    loss, so any positive count gives the step's bytes and FLOPs: the number of targets."""
+    if targets.is_meta:
+        return max(targets.numel(), 1)
+    return int((targets != -100).sum())
 
 
 def context_parallel_loss(
@@ -1033,7 +1045,7 @@ def context_parallel_loss(
         )
     if targets is None:
         targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
-    count = int((targets != -100).sum())
+    count = target_count(targets)
     positions = torch.arange(s, device=input_ids.device).expand(b, s)  # split as the ids
 
     def split(t):
