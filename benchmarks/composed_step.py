@@ -2,7 +2,7 @@
 next to FSDP2 ``fully_shard`` + ``parallelize_module`` + ``torch.distributed.pipelining`` on the
 same transformers Llama, on local Gloo ranks (CPU), printed side by side in one run.
 
-    python benchmarks/composed_step.py [--reps 3] [--steps 3] [--eight]
+    python benchmarks/composed_step.py [--reps 6] [--steps 3] [--eight]
 
 The model: a transformers ``LlamaForCausalLM`` (hidden 256, intermediate 512, 4 layers, 8 heads,
 4 kv heads, vocab 1024, sdpa attention), batch 8 x 128, next-token cross entropy, AdamW. A step
@@ -22,9 +22,10 @@ is forward + backward + the optimizer update.
   parameter: foreach refuses a list mixing plain tensors and DTensors). Each dp rank feeds its block of the batch.
 
 Each (configuration, library) runs in its own World (so the peak RSS, the process's high-water
-mark growth over the mark taken before the model is built, holds nothing of the other); a rep
-times ``--steps`` steps after a barrier (the slowest rank's mean); the table shows the median
-over reps, and a second table each rank's process CPU time a step (median over reps: what a
+mark growth over the mark taken before the model is built, holds nothing of the other); the two
+libraries' Worlds are up together and take the reps in turn (torch first on even reps), so a
+drift of the machine's load lands on both; a rep times ``--steps`` steps after a barrier (the
+slowest rank's mean); the table shows the median over reps, and a second table each rank's process CPU time a step (median over reps: what a
 rank computes, which other load on the machine moves less than the wall time). The first step's losses of the two libraries are printed (equal up to float
 rounding: the same weights, the same batch). Run only on an otherwise idle machine (load < 1):
 8 ranks (``--eight``) oversubscribe 2 cores 4x.
@@ -222,7 +223,7 @@ def _peak_rss_mib() -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
@@ -234,16 +235,23 @@ def main(argv=None) -> None:
         if a.only and name not in a.only:
             continue
         n = fs.parallel.ParallelDims(**degrees).world_size
-        result = {}
-        for lib in ("torch", "fshard"):
-            with World(n, timeout=3600) as world:
-                losses = world.run(_build, lib, degrees, a.batch, a.seq)
-                reps = [world.run(_time, a.steps)[0] for _ in range(a.reps)]
-                rss = world.run(_peak_rss_mib)[0]
-            loss = [x for x in losses if x is not None]
-            times = [t for t, _ in reps]
-            cpus = [statistics.median(c[r] for _, c in reps) for r in range(n)]
-            result[lib] = (statistics.median(times), rss, sum(loss) / len(loss), cpus)
+        result, libs = {}, ("torch", "fshard")
+        # both libraries' worlds up at once (a waiting world's ranks sleep in a pipe read), the
+        # reps alternated between them, torch first on even reps: a drift of the machine's
+        # load lands on both (timed one library after the other, the ratio moved by 15-20%)
+        with World(n, timeout=3600) as wt, World(n, timeout=3600) as wf:
+            worlds = dict(zip(libs, (wt, wf)))
+            losses = {lib: w.run(_build, lib, degrees, a.batch, a.seq) for lib, w in worlds.items()}
+            reps: dict = {lib: [] for lib in libs}
+            for i in range(a.reps):
+                for lib in libs if i % 2 == 0 else libs[::-1]:
+                    reps[lib].append(worlds[lib].run(_time, a.steps)[0])
+            rss = {lib: w.run(_peak_rss_mib)[0] for lib, w in worlds.items()}
+        for lib in libs:
+            loss = [x for x in losses[lib] if x is not None]
+            times = [t for t, _ in reps[lib]]
+            cpus = [statistics.median(c[r] for _, c in reps[lib]) for r in range(n)]
+            result[lib] = (statistics.median(times), rss[lib], sum(loss) / len(loss), cpus)
         rows.append((name, n, result))
         print(name, result, flush=True)
     print()

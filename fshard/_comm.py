@@ -581,14 +581,48 @@ def _exchange(pieces: list[torch.Tensor], g: AxisGroup) -> torch.Tensor:
     return _exchange_stacked(send, g)
 
 
-def _exchange_stacked(send: torch.Tensor, g: AxisGroup) -> torch.Tensor:
-    """``send`` is ``[n, ...]`` in group-rank order; returns ``[n, ...]`` in chunk order."""
+#: Wire buffers kept between calls, per (numel, dtype, device), as DDP keeps its buckets: on
+#: CPU a fresh multi-MiB buffer is fresh pages every step (the faults cost more than the copy:
+#: glibc gives a large block freed at the top of the heap back to the OS, and the next step's
+#: first touch of each page is a fault and a page clear). A buffer is reused only once nothing
+#: else references its storage (the results handed out from it, which are views, are gone), so
+#: a returned value is never overwritten.
+_POOL: dict[tuple, list[torch.Tensor]] = {}
+_POOL_DEPTH = 2
+
+
+def pooled(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of ``numel`` elements from the pool (its contents undefined): one that no
+    one else references, else a new one (kept, up to two per size, for the next call).
+
+    Example:
+        >>> pooled(4, torch.float32, torch.device("cpu")).shape
+        torch.Size([4])
+    """
+    free = _POOL.setdefault((numel, dtype, device), [])
+    for buf in free:
+        # 2: the pool's tensor and the temporary storage object of this call
+        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
+            return buf.view(numel)  # a new tensor: it holds the storage while in use
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    if len(free) < _POOL_DEPTH:
+        free.append(buf)
+    return buf.view(numel)
+
+
+def _exchange_stacked(send: torch.Tensor, g: AxisGroup, pool: bool = False) -> torch.Tensor:
+    """``send`` is ``[n, ...]`` in group-rank order; returns ``[n, ...]`` in chunk order
+    (``pool``: received into a :func:`pooled` buffer)."""
     if g.simulated:
         recv = torch.empty_like(send)
     elif tracing():
         recv = _compat.funcol().all_to_all_single(send.detach(), None, None, g.pg)
     else:
-        recv = torch.empty_like(send)
+        recv = (
+            pooled(send.numel(), send.dtype, send.device).view(send.shape)
+            if pool
+            else torch.empty_like(send)
+        )
         dist.all_to_all_single(recv, send, group=g.pg)
     return recv if g.identity_order else recv[list(g.group_rank)]
 
@@ -609,9 +643,11 @@ def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def reduce_scatter(
-    t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None
+    t: torch.Tensor, g: AxisGroup, dim: int, sizes: Sequence[int] | None, pool: bool = False
 ) -> torch.Tensor:
-    """Sum over the group, keeping chunk ``g.index`` of ``dim``."""
+    """Sum over the group, keeping chunk ``g.index`` of ``dim``. ``pool``: the all_to_all
+    lowering receives into a :func:`pooled` buffer, of which the result is a view (a caller
+    that reduce-scatters the same bytes every step: no fresh pages each time)."""
     if g.size == 1:
         return t
     _wire(t, g, "reduce_scatter", "sum")
@@ -626,8 +662,11 @@ def reduce_scatter(
         pieces = [pad_dim0(p, m) for p in torch.split(x, list(sizes), 0)]
         send = torch.stack([pieces[j] for j in _chunk_of_group_rank(g)])
     if lowering(g).reduce_scatter_via_all_to_all:
-        # A left fold, not .sum(0): torch's sum starts from +0.0, so -0.0 addends gave +0.0.
-        mine = functools.reduce(torch.add, _exchange_stacked(send, g).unbind(0))
+        # A left fold, not .sum(0): torch's sum starts from +0.0, so -0.0 addends gave +0.0;
+        # in place in the received buffer (ours) unless traced (a collective's output there)
+        recv = _exchange_stacked(send, g, pool).unbind(0)
+        add = torch.add if tracing() else torch.Tensor.add_
+        mine = functools.reduce(add, recv)
     elif tracing() and not g.simulated:
         mine = _compat.funcol_reduce_scatter(send.flatten(0, 1).detach(), g.pg)
     else:

@@ -72,13 +72,6 @@ __all__ = ["GradSync", "MODES"]
 
 MODES = ("overlap", "step", "unreduced")
 
-#: Packed-bucket buffers kept between calls, per (numel, dtype, device), as DDP keeps its
-#: buckets: on CPU a fresh multi-MiB buffer is fresh pages every step (the faults cost more than
-#: the copy). A buffer is reused only once nothing else references its storage (the gradients
-#: returned from it, which are views, are gone), so returned gradients are never overwritten.
-_POOL: dict[tuple, list[torch.Tensor]] = {}
-_POOL_DEPTH = 2
-
 
 def _chunked(g: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> torch.Tensor:
     """``g``'s ``k`` chunks of dim 0 as the rows of a ``(k, -1)`` matrix (``rows``: uneven
@@ -92,18 +85,6 @@ def _chunked(g: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> torch.Ten
 def _chunk_numel(v: torch.Tensor, k: int, rows: tuple[int, ...] | None) -> int:
     """The elements of one (padded) chunk of ``v`` over ``k`` ranks."""
     return v.numel() // k if rows is None else max(rows) * (v[0].numel() if v.dim() else 1)
-
-
-def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    free = _POOL.setdefault((numel, dtype, device), [])
-    for buf in free:
-        # 2: the pool's tensor and the temporary storage object of this call
-        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
-            return buf.view(numel)  # a new tensor: it holds the storage while in use
-    buf = torch.empty(numel, dtype=dtype, device=device)
-    if len(free) < _POOL_DEPTH:
-        free.append(buf)
-    return buf.view(numel)
 
 
 class _Entry:
@@ -466,7 +447,7 @@ class GradSync(lax.Handler):
             b.flat = g.contiguous().view(-1)
         else:
             if b.flat is None:
-                b.flat = _buffer(b.numel, b.dtype, g.device)
+                b.flat = _comm.pooled(b.numel, b.dtype, g.device)
             b.flat[off : off + g.numel()].view_as(g).copy_(g)
         self.arrived.add(k)
         b.pending -= 1
@@ -481,7 +462,9 @@ class GradSync(lax.Handler):
                 if b.flat is None:
                     like = self.entries[b.entries[0][0]].v
                     b.flat = (
-                        like.new_empty(b.numel) if b.own else _buffer(b.numel, b.dtype, like.device)
+                        like.new_empty(b.numel)
+                        if b.own
+                        else _comm.pooled(b.numel, b.dtype, like.device)
                     ).zero_()
                 else:
                     for k, off, size in b.entries:
@@ -572,9 +555,14 @@ class GradSync(lax.Handler):
             if len(grads) == 1 and rows[0] is None:
                 flat = grads[0].reshape(-1)
             else:  # each one's chunks side by side (an uneven one's padded to its largest)
-                flat = torch.cat([_chunked(g, k, r) for g, r in zip(grads, rows)], 1).reshape(-1)
+                parts = [_chunked(g, k, r) for g, r in zip(grads, rows)]
+                numel = sum(p.numel() for p in parts)
+                flat = _comm.pooled(numel, parts[0].dtype, parts[0].device)
+                torch.cat(parts, 1, out=flat.view(k, numel // k))
+                del parts
             del grads
-            mine = _comm.reduce_scatter(flat, group, 0, None)
+            # the same bytes every step: the pack and the received chunks from the pool
+            mine = _comm.reduce_scatter(flat, group, 0, None, pool=True)
             del flat
             sizes = [_chunk_numel(es[j].v, k, r) for j, r in zip(cut.idx, rows)]
             for j, r, piece in zip(cut.idx, rows, torch.split(mine, sizes)):

@@ -26,6 +26,7 @@ def references():
         "dense": dense_run(),
         "moe": moe_dense_run(),
         "bf16": dense_run(torch.bfloat16),
+        "moe bf16": moe_dense_run(torch.bfloat16),
     }
 
 
@@ -40,6 +41,7 @@ ROWS = [
     ("--experts 4 --ep 2 --pp 2 --tp 1", "moe"),
     ("--bf16 --fsdp 2 --tp 2", "bf16"),
     ("--bf16 --pp 2 --tp 2", "bf16"),
+    ("--bf16 --fsdp 2 --cp 2 --tp 1", "bf16"),  # FSDP over dp_shard x cp in the reduce dtype
     ("--hsdp 2 --fsdp 2 --tp 1", "dense"),
     ("--hsdp 2 --fsdp 2 --tp 1 --view local", "dense"),
     ("--remat --pp 2 --tp 2", "dense"),
@@ -51,6 +53,13 @@ ROWS = [
     ("--remat --fsdp 2 --cp 2 --tp 1", "dense"),
     ("--remat --tp 2 --sp --dp 2", "dense"),  # was refused (no per-layer remat without pp)
     ("--remat --experts 4 --ep 2 --fsdp 2 --tp 1", "moe"),  # was refused (MoE with pp=1)
+    # --remat with --bf16: each checkpointed layer's call cast its output to float32, which
+    # met the final norm's bfloat16 weight ("mixed dtype"); MoE x FSDP with --bf16: a view of
+    # an expert weight's cast rows could not be replayed on its varying gather (AttributeError)
+    ("--remat --bf16 --fsdp 2 --tp 2", "bf16"),
+    ("--remat --bf16 --pp 2 --tp 2", "bf16"),
+    ("--bf16 --experts 4 --ep 2 --fsdp 2 --tp 1", "moe bf16"),
+    ("--remat --bf16 --experts 4 --ep 2 --fsdp 2 --tp 1", "moe bf16"),
 ]
 
 
@@ -63,7 +72,7 @@ def test_demo_flags_compose_like_dense(world4, references, flags, reference):
     out = world4.run(train_rank_fn, flags)[0]
     params = out["params"]
     assert set(params) == set(ref_params)
-    if reference == "bf16":  # as test_train_gpt's bf16 check: Adam turns bf16 noise into
+    if reference.endswith("bf16"):  # as test_train_gpt's bf16 check: Adam turns bf16 noise into
         for got, want in zip(out["losses"], ref_losses):  # +-lr steps on tiny gradients
             assert got == pytest.approx(want, abs=1e-3)
         for k, want in ref_params.items():
@@ -249,8 +258,10 @@ def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
     layer under fs.remat with ``remat``) on a transformers Llama, one
     fs.value_and_grad step: ``(worst, forward, backward, want_forward, want_backward)``, the
     worst difference of the loss and every gradient from dense (relative to its largest
-    entry), the dp_shard and cp collectives comm_log records in the forward and after it, and
-    what per-unit FSDP gives from the param shapes alone (independent of fshard's code)."""
+    entry), the FSDP collectives (over dp_shard x cp, dp_shard or dp_replicate) and every
+    all_reduce over cp comm_log records in the forward and after it, and what per-unit FSDP
+    over the dp_shard x cp ranks (torchtitan's ``dp_shard_cp``) gives from the param shapes
+    alone (independent of fshard's code)."""
     model = _hf_model("llama")
     dims = fs.parallel.ParallelDims(dp_replicate=replicate, dp_shard=2, cp=2)
     params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=remat)
@@ -266,61 +277,63 @@ def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
     with fs.debug.comm_log() as backward:
         value, grads = fs.value_and_grad(logged)(params, {"input_ids": ids})
     worst = _worst_against_dense(model, ids, params, value, grads)
+    fsdp_axes = (("dp_shard", "cp"), ("dp_shard",), ("dp_replicate",))
 
     def fsdp_records(log):
         return Counter(
             (r.op, tuple(r.axes), r.nbytes)
             for r in log
-            if tuple(r.axes) in (("dp_shard",), ("dp_replicate",))
-            or (r.op == "all_reduce" and "cp" in r.axes)
+            if tuple(r.axes) in fsdp_axes or (r.op == "all_reduce" and "cp" in r.axes)
         )
 
-    # Every param of this Llama has an even dim 0: each is sharded over dp_shard=2, its local
-    # block half of it (float32). Per unit, one all_gather of the unit's blocks in the forward
-    # and, for a layer's, again in the backward (re-gathered, not kept; the root's, embedding,
-    # norm and head, kept from the forward, as FSDP2 keeps its root); per unit, one
-    # reduce_scatter of its gradients (input: the gathered gradients, packed). The param is invariant over cp and its uses
-    # vary (pcast, whose transpose sums over cp): the sum runs on the shards after the
-    # reduce_scatters, all of them in one bucket (all_reduce) of their bytes (under
-    # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together), with HSDP over
-    # dp_replicate too (its sum of the shards, in the same all_reduce); the forward's only cp
-    # all_reduce is the loss's psum (4 bytes). With remat a layer is gathered again by its
-    # recompute (in the backward, as without remat), and its params' sums over cp run on their
-    # shards there, one all_reduce each (torch.func: no gradient sync buckets them).
+    # Every param of this Llama has a dim 0 divisible by 4: each is split over dp_shard x cp
+    # (FSDP over ("dp_shard", "cp")), its local block a quarter of it (float32). Per unit, one
+    # all_gather over dp_shard x cp of the unit's blocks in the forward and, for a layer's,
+    # again in the backward (re-gathered, not kept; the root's, embedding, norm and head, kept
+    # from the forward, as FSDP2 keeps its root; with remat the layer's recompute gathers it
+    # there); per unit, one reduce_scatter over dp_shard x cp of its gradients (input: the
+    # gathered gradients, packed), which sums them over cp too: no all_reduce over cp of any
+    # gradient (was: blocks split over dp_shard only, half of the param, gathered over
+    # dp_shard, reduce-scattered over it, then each shard summed over cp in one bucketed
+    # all_reduce of 45,376 bytes; with remat one per layer param). With HSDP each shard is then
+    # summed over dp_replicate, all of them in one bucket (all_reduce) of their bytes (under
+    # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together; with remat a
+    # layer's param one all_reduce each: torch.func, no gradient sync buckets them). The
+    # forward's only cp all_reduce is the loss's psum (4 bytes).
     named = dict(model.named_parameters())
-    assert all(p.shape[0] % 2 == 0 for p in named.values())
+    assert all(p.shape[0] % 4 == 0 for p in named.values())
     want_forward, want_backward = Counter({("all_reduce", ("cp",), 4): 1}), Counter()
-    shards = {k: p.numel() // 2 * 4 for k, p in named.items()}
-    bucketed = [b for k, b in shards.items() if not (remat and k.startswith("model.layers."))]
-    assert max(shards.values()) < fs.lax.PSUM_INPLACE_MIN_BYTES
-    assert sum(bucketed) < fs.lax.PSUM_BUCKET_BYTES
-    sums = ("dp_replicate", "cp") if replicate > 1 else ("cp",)
-    want_backward[("all_reduce", sums, sum(bucketed))] += 1
-    for k, b in shards.items():
-        if remat and k.startswith("model.layers."):
-            want_backward[("all_reduce", sums, b)] += 1
+    shards = {k: p.numel() // 4 * 4 for k, p in named.items()}
+    if replicate > 1:
+        bucketed = [b for k, b in shards.items() if not (remat and k.startswith("model.layers."))]
+        assert max(shards.values()) < fs.lax.PSUM_INPLACE_MIN_BYTES
+        assert sum(bucketed) < fs.lax.PSUM_BUCKET_BYTES
+        want_backward[("all_reduce", ("dp_replicate",), sum(bucketed))] += 1
+        for k, b in shards.items():
+            if remat and k.startswith("model.layers."):
+                want_backward[("all_reduce", ("dp_replicate",), b)] += 1
+    group = ("dp_shard", "cp")
     for unit, names in fs.nn.fsdp_units(model).items():
-        local = sum(named[n].numel() // 2 * 4 for n in names)
-        want_forward[("all_gather", ("dp_shard",), local)] += 1
+        local = sum(shards[n] for n in names)
+        want_forward[("all_gather", group, local)] += 1
         if unit:  # a layer's
-            want_backward[("all_gather", ("dp_shard",), local)] += 1
-        want_backward[("reduce_scatter", ("dp_shard",), 2 * local)] += 1
+            want_backward[("all_gather", group, local)] += 1
+        want_backward[("reduce_scatter", group, 4 * local)] += 1
     return worst, fsdp_records(forward), fsdp_records(backward), want_forward, want_backward
 
 
 @pytest.mark.timeout(600)
 def test_fsdp_x_cp_gathers_each_unit_once_and_matches_dense(world4):
-    """FSDP x CP: inside the shard_map body over cp the unit's blocks are packed into one
-    all_gather (per unit, not per param), and its gradients into one reduce_scatter (was one
-    per param, 21 a step); each gradient's sum over cp runs on its shard after the
-    reduce_scatter, bucketed (one all_reduce of 45,376 bytes a step; was one per param of the
-    whole gathered gradient, 21 all_reduces of 90,752 bytes), and the gradients equal dense.
-    Packing there used
-    to give wrong gradients (0.92 off relative, the loss exact): the body's tracker pcasts the
-    gathered param over cp first, and the varying gather FSDP substituted for a view of that
-    pcast's result (found by ``_base``: pcast's forward is a view) dropped the cp psum; with
-    per-param gathers the same lookup missed, and every gradient was all-reduced over dp_shard
-    (21 all_reduces of the gathered gradients) instead of reduce-scattered."""
+    """FSDP x CP, as torchtitan composes it (FSDP over dp_shard x cp): each param's block is a
+    quarter of it; inside the shard_map body over cp the unit's blocks are packed into one
+    all_gather over dp_shard x cp (per unit: 4,128 and 2 x 9,280 bytes, was 8,256 and
+    2 x 18,560 over dp_shard), and its gradients into one reduce_scatter over dp_shard x cp
+    (16,512 and 2 x 37,120 bytes of gathered gradients in, a quarter out), whose sum runs over
+    cp too: no all_reduce over cp of any gradient (was one bucketed all_reduce over cp of
+    45,376 bytes a step after the reduce_scatters over dp_shard); the gradients equal dense.
+    (Packing in the body used to give wrong gradients, 0.92 off relative, the loss exact: the
+    body's tracker pcasts the gathered param over cp first, and the varying gather FSDP
+    substituted for a view of that pcast's result, found by ``_base``, dropped the cp psum.)"""
     pytest.importorskip("transformers")
     for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_packed_rank_fn):
         assert worst < 1e-4, worst
@@ -335,11 +348,11 @@ def fsdp_cp_remat_rank_fn():
 @pytest.mark.timeout(600)
 def test_fsdp_x_cp_with_remat_gathers_each_unit_once_per_pass(world4):
     """FSDP x CP with each decoder layer under fs.remat: the recompute (torch.func, in the
-    shard_map body over cp) gathers the layer's unit in one all_gather too, its invariant
-    gathers on that data, its varying one of the blocks pcast over cp (was one invariant and
-    one varying all_gather per param: 39 all_gathers a step, now 5; 21 reduce_scatters, now
-    3), and sums each param's gradient over cp on its shard (18 all_reduces of 37,120 bytes,
-    was of 74,240); equal to dense."""
+    shard_map body over cp) gathers the layer's unit in one all_gather over dp_shard x cp too
+    (9,280 bytes, a quarter of the layer), its invariant gathers on that data, its varying one
+    packed, so each layer's gradients are one reduce_scatter over dp_shard x cp (was one
+    over dp_shard, then 18 all_reduces over cp of the layers' shards, 37,120 bytes together:
+    none now); equal to dense."""
     pytest.importorskip("transformers")
     for worst, forward, backward, want_forward, want_backward in world4.run(fsdp_cp_remat_rank_fn):
         assert worst < 1e-4, worst
@@ -353,15 +366,157 @@ def hsdp_cp_packed_rank_fn():
 
 @pytest.mark.timeout(900)
 def test_hsdp_x_cp_sums_each_shard_over_both_axes_at_once(world8):
-    """HSDP x CP (dp_replicate=2 x dp_shard=2 x cp=2): each gradient reduce-scattered over
-    dp_shard, then its shard summed over dp_replicate and cp in one bucketed all_reduce (45,376
-    bytes a step; was one all_reduce over cp per param of the whole gathered gradient, 21 of
-    90,752 bytes, and one over dp_replicate of the shards, 45,376), equal to dense."""
+    """HSDP x CP (dp_replicate=2 x dp_shard=2 x cp=2): each unit's gradients reduce-scattered
+    over dp_shard x cp (the sum over cp in it), then the shards (a quarter of each param)
+    summed over dp_replicate in one bucketed all_reduce (22,688 bytes a step; was the halves,
+    reduce-scattered over dp_shard, summed over dp_replicate and cp in one all_reduce of
+    45,376 bytes), equal to dense."""
     pytest.importorskip("transformers")
     for worst, forward, backward, want_forward, want_backward in world8.run(hsdp_cp_packed_rank_fn):
         assert worst < 1e-4, worst
         assert forward == want_forward
         assert backward == want_backward
+
+
+def fsdp_cp_layout_rank_fn():
+    """parallelize's FSDP x CP on 4 ranks (dp_shard=2 x cp=2), one AdamW step: the worst
+    difference of each param's local block, gradient block, AdamW moments and updated block
+    from the rows of the dense ones that rank (d, c) holds (chunk ``d * cp + c`` of dim 0 in
+    quarters, dp_shard outer, as torchtitan's ``dp_shard_cp``), and whether every layout is
+    its param's."""
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(dp_shard=2, cp=2)
+    mesh = dims.mesh()
+    params, loss = fs.parallel.parallelize(model, mesh, dims)
+    rank = torch.distributed.get_rank()
+    d, c = rank // 2, rank % 2  # the mesh (pp, dp_replicate, dp_shard, ep, cp, tp), row-major
+    chunk = d * 2 + c
+
+    def rows(t):
+        q = t.shape[0] // 4
+        return t[chunk * q : (chunk + 1) * q]
+
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    dense = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+    tx = fs.optim.adamw(1e-2, eps=1e-4, weight_decay=0.1)
+    state, dstate = tx.init(params), tx.init(dense)
+    layouts = all(
+        p.spec.padded(p.ndim)[0] == ("dp_shard", "cp") and p.local.shape[0] * 4 == p.shape[0]
+        for p in params.values()
+    )
+    worst = max(float((params[k].local - rows(v)).abs().max()) for k, v in dense.items())
+    value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    want = torch.func.grad(dense_loss)(dense)
+    for k, g in grads.items():
+        layouts &= g.layout == params[k].layout
+        scale = float(want[k].abs().max()) + 1e-6
+        worst = max(worst, float((g.local - rows(want[k])).abs().max()) / scale)
+    params, state = fs.optim.step(tx, grads, state, params)
+    updates, dstate = tx.update(want, dstate, dense)
+    dense = fs.optim.apply_updates(dense, updates)
+    for k, p in params.items():
+        worst = max(worst, float((p.local - rows(dense[k])).abs().max()))
+        for got, ref in ((state[0].mu[k], dstate[0].mu[k]), (state[0].nu[k], dstate[0].nu[k])):
+            layouts &= got.layout == p.layout and got.local.shape == p.local.shape
+            scale = float(ref.abs().max()) + 1e-12
+            worst = max(worst, float((got.local - rows(ref)).abs().max()) / scale)
+    return worst, layouts
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_cp_splits_params_and_optimizer_state_over_dp_shard_x_cp(world4):
+    """FSDP x CP (dp_shard=2 x cp=2): each rank holds a quarter of every param, gradient and
+    AdamW moment (1/(dp_shard * cp), torchtitan's ``dp_shard_cp``; was a half, replicated over
+    cp), exactly the dense tensors' rows of chunk ``d * cp + c`` (dp_shard outer), after one
+    step too."""
+    pytest.importorskip("transformers")
+    for worst, layouts in world4.run(fsdp_cp_layout_rank_fn):
+        assert layouts
+        assert worst < 1e-4, worst
+
+
+def fsdp_cp_unreduced_rank_fn():
+    """FSDP x CP (dp_shard=2 x cp=2) under ``fs.value_and_grad(..., sync=False)``: the worst
+    difference from dense of the gradients once ``fs.reshard`` to the params' specs, the
+    pending gradients' specs, the ops comm_log records in the step and at the reshard."""
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(dp_shard=2, cp=2)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as during:
+        value, grads = fs.value_and_grad(loss, sync=False)(params, {"input_ids": ids})
+    pending = {str(g.spec) for g in grads.values()}
+    with fs.debug.comm_log() as at_step:
+        reduced = fs.reshard(grads, {k: p.spec for k, p in params.items()})
+    worst = _worst_against_dense(model, ids, params, value, reduced)
+    ops = Counter(
+        (r.op, tuple(r.axes), r.nbytes)
+        for r in during
+        if r.op == "reduce_scatter" or (r.op == "all_reduce" and "cp" in r.axes)
+    )
+    return worst, pending, ops, Counter((r.op, tuple(r.axes)) for r in at_step)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_cp_unreduced_gradients_reduce_scatter_at_the_reshard(world4):
+    """FSDP x CP with sync=False: each gradient comes back as the whole param's addends,
+    pending a sum over dp_shard x cp (no reduce_scatter in the step and no all_reduce over cp
+    but the loss's), and fs.reshard to the params' specs reduce-scatters it over both, once per
+    param: equal to dense."""
+    pytest.importorskip("transformers")
+    n = len(dict(_hf_model("llama").named_parameters()))
+    for worst, pending, ops, at_step in world4.run(fsdp_cp_unreduced_rank_fn):
+        assert worst < 1e-4, worst
+        assert pending == {
+            "P(None, partial=('dp_shard', 'cp'))",
+            "P(None, None, partial=('dp_shard', 'cp'))",
+        }
+        assert ops == Counter({("all_reduce", ("cp",), 4): 1}), ops  # the loss's psum alone
+        assert at_step == Counter({("reduce_scatter", ("dp_shard", "cp")): n}), at_step
+
+
+FSDP_CP_EIGHT = [
+    ("llama", {"pp": 2, "dp_shard": 2, "cp": 2}),
+    ("mixtral", {"dp_shard": 2, "ep": 2, "cp": 2}),
+]
+
+
+def fsdp_cp_eight_rank_fn():
+    """For each of FSDP_CP_EIGHT: the worst difference from dense over 3 AdamW steps
+    (:func:`_parallelize_train`) and the specs of parallelize's params."""
+    out = []
+    for kind, degrees in FSDP_CP_EIGHT:
+        dims = fs.parallel.ParallelDims(**degrees)
+        params, _ = fs.parallel.parallelize(_hf_model(kind), dims.mesh(), dims)
+        leaves = fs.tree_leaves(params, is_leaf=lambda t: isinstance(t, fs.ShardedArray))
+        out.append((_parallelize_train(kind, degrees), {str(t.spec) for t in leaves}))
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_x_cp_composes_with_pp_and_ep_on_eight_ranks(world8):
+    """FSDP over dp_shard x cp with pipeline stages (the stacked layers split over it on
+    their dim 0, gathered and reduce-scattered over both in the stages' global view) and with
+    expert parallelism (ep, between dp_shard and cp in the mesh, is not in the FSDP group: a
+    dense param is split over ("dp_shard", "cp") and replicated over ep; Mixtral's 4 experts
+    do not split over ep x dp_shard x cp = 8 and stay split over ep alone, fsdp_plan's
+    nesting rule): 3 AdamW steps equal to dense."""
+    pytest.importorskip("transformers")
+    want = [
+        {"P('pp', None, ('dp_shard', 'cp'))", "P(('dp_shard', 'cp'), None)"},
+        {"P(('dp_shard', 'cp'), None)", "P('ep')"},
+    ]
+    for (kind, degrees), (worst, specs), must in zip(
+        FSDP_CP_EIGHT, world8.run(fsdp_cp_eight_rank_fn, timeout=900)[0], want
+    ):
+        assert worst < 1e-4, (kind, degrees, worst)
+        assert must <= specs, (kind, degrees, specs)
+        assert all("dp_shard" not in s or "'cp'" in s for s in specs), (kind, degrees, specs)
 
 
 def _hf_model(kind: str):

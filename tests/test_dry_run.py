@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
-from fshard import gradsync
+from fshard import _comm
 from fshard.dryrun import OutOfMemoryError, rank_classes
 from tests._memory import allocator_counts_every_thread, peak_above_start
 
@@ -322,7 +322,7 @@ def _real_rank(degrees: dict, batch: int) -> list:
     dims = fs.parallel.ParallelDims(**degrees)
     steps = []
     for _ in range(REAL_STEPS):
-        gradsync._POOL.clear()  # a first step in this process too: no bucket kept from before
+        _comm._POOL.clear()  # a first step in this process too: no bucket kept from before
         args = _make(dims.mesh(), dims, _cfg(), batch, 8, "cpu")
         gc.collect()
         with (
@@ -400,7 +400,27 @@ def _real_log(degrees: dict, batch: int, layers: int) -> list:
 
 
 @pytest.mark.timeout(600)
-def test_dry_run_equals_the_real_run_fsdp_x_pp(world4, monkeypatch):
+def test_dry_run_equals_the_real_run_fsdp_x_cp(world4):
+    """FSDP x CP (dp_shard=2 x cp=2: FSDP over both, ring attention over cp): the dry run runs
+    (it raised: the loss read its target count, a value read on meta data; the count only
+    scales the loss) and its collectives equal the real step's comm_log on every rank."""
+    degrees = {"dp_shard": 2, "cp": 2}
+    real = world4.run(_real_log, degrees, 4, 2)
+    dims = fs.parallel.ParallelDims(**degrees)
+    report = fs.dry_run(
+        _step, _init(dims, _cfg(layers=2), batch=4), dims.abstract_mesh(), backend="gloo",
+        ranks=list(range(4)),
+    )  # fmt: skip
+    assert sorted(r for c in report.classes for r in c.ranks) == [0, 1, 2, 3]
+    for c in report.classes:
+        dry = [(r.op, r.axes, r.nbytes) for r in c.collectives]
+        assert any(op == "ppermute" and axes == ("cp",) for op, axes, _ in dry), dry
+        for rank in c.ranks:
+            assert dry == real[rank], rank
+
+
+@pytest.mark.timeout(600)
+def test_dry_run_equals_the_real_run_fsdp_x_pp(world4):
     """FSDP x PP (dp_shard=2, pp=2, 2 microbatches, 1F1B): the dry run's collectives equal the
     real step's comm_log on every rank, and each stage all-gathers each FSDP unit it runs once
     a step (the pipeline's gradient sync keeps the gathered params for every microbatch's
@@ -409,11 +429,6 @@ def test_dry_run_equals_the_real_run_fsdp_x_pp(world4, monkeypatch):
     too while it ran before the pipeline on every pp rank, now the pipeline's input_fn)."""
     degrees = {"dp_shard": 2, "pp": 2, "pp_microbatches": 2}
     real = world4.run(_real_log, degrees, 4, 2)
-    # the pipelined loss counts its targets (a value read, refused on meta data): any count
-    read = fs.dryrun._Tracker._read
-    monkeypatch.setattr(
-        fs.dryrun._Tracker, "_read", lambda self, t: 7 if t.dtype == torch.int64 else read(self, t)
-    )
     dims = fs.parallel.ParallelDims(**degrees)
     report = fs.dry_run(
         _step, _init(dims, _cfg(layers=2), batch=4), dims.abstract_mesh(), backend="gloo",

@@ -705,7 +705,7 @@ def test_fsdp_call_in_stages_reduce_scatters_once_per_step(world4, schedule):
         assert {op for op, _ in dp} == {"all_gather", "reduce_scatter"}
 
 
-def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh(monkeypatch):
+def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh():
     """parallelize(pp=2, dp_shard=2) on a transformers Llama (2 layers, 2 microbatches), one
     fs.value_and_grad + AdamW step on the abstract mesh (the dry run's collectives are
     fs.debug.comm_log's): over dp_shard, each rank's collectives at FSDP2's granularity under
@@ -725,11 +725,6 @@ def test_parallelize_fsdp_x_pp_step_bytes_on_a_simulated_mesh(monkeypatch):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    # the pipelined loss counts its targets (a value read, refused on meta data)
-    read = fs.dryrun._Tracker._read
-    monkeypatch.setattr(
-        fs.dryrun._Tracker, "_read", lambda self, t: 7 if t.dtype == torch.int64 else read(self, t)
-    )
     dims = fs.parallel.ParallelDims(dp_shard=2, pp=2, pp_microbatches=2)
     cfg = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=2,
@@ -839,27 +834,47 @@ class _Probe(torch.autograd.Function):
 
 def zb_weight_pass_rank_fn():
     """ZB-H1's W computes the weight gradients alone: a stage using one stacked weight in two
-    layers (``w[1] * probe(w[0] * x)``) runs the probe's backward once per microbatch, as
+    layers (``probe(x @ w[0]) @ w[1]``) runs the probe's backward once per microbatch, as
     1F1B does (torch.distributed.pipelining's split, grouping by the shared weight, ran the
-    stage's whole backward again in W: twice); gradients equal the closed form."""
-    mesh = fs.Mesh.create((1,), ("pp",))
-    w, x = torch.tensor([[2.0, 3.0]]), torch.arange(4.0).reshape(4, 1)
+    stage's whole backward again in W: twice); gradients equal the closed form. pp=2: rank 1
+    splits each backward into B and W; rank 0 (the first stage, its W right after its B and
+    nothing to send) runs them as one backward. A vector weight's branch (a scale) is not
+    deferred: its gradient comes with B, and equals 1F1B's."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w = torch.tensor([[2.0, 3.0], [0.5, 1.5]]).reshape(2, 2, 1, 1)
+    x = torch.arange(4.0).reshape(4, 1, 1)
     xs = (x**2).mean()
+    prod = w.prod()
+    want_w = 2 * prod**2 / w * xs  # loss: mean over microbatches of (prod(w) x)^2
 
     def run(w, x, schedule):
-        loss = pipeline(lambda w, x: w[1] * _Probe.apply(w[0] * x), w, x, mesh,
+        loss = pipeline(lambda w, x: _Probe.apply(x @ w[0]) @ w[1], w, x, mesh,
                         loss_fn=lambda _, y, t: (y * y).sum(), schedule=schedule)  # fmt: skip
         return fs.gather(loss)
 
     counts = []
-    w0, w1 = w[0]
-    want_w = torch.tensor([[2 * w0 * w1**2, 2 * w1 * w0**2]]) * xs
     for schedule in ("1f1b", "zb"):
         _Probe.calls = 0
         gw, gx = torch.func.grad(run, (0, 1))(w, x, schedule)
         counts.append(_Probe.calls)
         torch.testing.assert_close(gw, want_w)
-        torch.testing.assert_close(gx, 2 * (w0 * w1) ** 2 * x / 4)
+        torch.testing.assert_close(gx, 2 * prod**2 * x / 4)
+    # a matrix weight's branch deferred to W, a vector weight's (a scale) computed in B
+    gen = torch.Generator().manual_seed(3)
+    mixed = {"w": torch.randn(2, 3, 3, generator=gen), "s": torch.randn(2, 3, generator=gen)}
+    xm = torch.randn(4, 2, 3, generator=gen)
+
+    def run_mixed(p, schedule):
+        loss = pipeline(lambda p, x: _Probe.apply(torch.tanh(x @ p["w"])) * p["s"], p, xm,
+                        mesh, loss_fn=lambda _, y, t: (y * y).sum(), schedule=schedule)  # fmt: skip
+        return fs.gather(loss)
+
+    got = {}
+    for schedule in ("1f1b", "zb"):
+        _Probe.calls = 0
+        got[schedule] = torch.func.grad(run_mixed)(mixed, schedule)
+        counts.append(_Probe.calls)
+    torch.testing.assert_close(got["zb"], got["1f1b"])
     # a layer picked by an int index is a leaf (no select backward writing a zero stack per
     # use); a slice still differentiates through the stack, and the two gradients add up
     nodes = []
@@ -877,8 +892,37 @@ def zb_weight_pass_rank_fn():
 
 
 @pytest.mark.timeout(120)
-def test_zb_weight_pass_does_not_rerun_the_backward(world1):
-    assert world1.run(zb_weight_pass_rank_fn) == [[4, 4]]
+def test_zb_weight_pass_does_not_rerun_the_backward(world2):
+    assert world2.run(zb_weight_pass_rank_fn) == [[4, 4, 4, 4], [4, 4, 4, 4]]
+    # which backwards run B and W as one: the first stage's (nothing to send, its W next)
+    assert pipeline_schedule("zb", 2, 4)._joined == ({(0, mb) for mb in range(4)}, set())
+    assert pipeline_schedule("zb", 1, 3)._joined == ({(0, mb) for mb in range(3)},)
+    assert pipeline_schedule("1f1b", 2, 4)._joined == (set(), set())
+
+
+def loss_params_only_rank_fn():
+    """Only ``loss_params`` differentiated: the first stage's backward has nothing to compute
+    (no stage weight, no input gradient) and is skipped, in every schedule (it raised: the
+    stage's ``backward`` got no ``inputs``); gradients equal the closed form."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x, h = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1), torch.tensor([1.5])
+    xs = (x**2).mean()
+    for schedule in ("gpipe", "1f1b", "zb"):
+
+        def run(h, w, schedule=schedule):
+            loss = pipeline(lambda w, x: w * x, w, x, mesh, schedule=schedule, loss_params=h,
+                            loss_fn=lambda h, y, t: (h * y * y).sum())  # fmt: skip
+            return fs.gather(loss)
+
+        torch.testing.assert_close(torch.func.grad(run)(h, w), w.prod() ** 2 * xs.reshape(1))
+        gw = torch.func.grad(run, argnums=1)(h, w)  # and the stage weights alone, as before
+        torch.testing.assert_close(gw, 2 * h * w.prod() ** 2 / w * xs)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_loss_params_alone_differentiated(world2):
+    assert world2.run(loss_params_only_rank_fn) == [True, True]
 
 
 def one_rank_fn():

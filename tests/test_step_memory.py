@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 import fshard as fs
+from fshard import _comm
 from tests._memory import allocator_counts_every_thread, peak_above_start
 
 
@@ -127,7 +128,17 @@ def _dry_step(degrees: dict, rows: int):
     return fs.dry_run(step, init, dims.abstract_mesh(), ranks=[0]).classes[0]
 
 
-def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does(monkeypatch):
+def _dry_step_pooled(degrees: dict, rows: int):
+    """:func:`_dry_step`, and the bytes of the wire buffers it left in the pool for the next
+    step (from an empty pool)."""
+    _comm._POOL.clear()
+    report = _dry_step(degrees, rows)
+    pooled = sum(b.numel() * b.element_size() for bs in _comm._POOL.values() for b in bs)
+    _comm._POOL.clear()
+    return report, pooled
+
+
+def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does():
     """FSDP x PP at the rows per rank of PP alone: the forward saves what PP alone saves plus
     at most one gathered copy of the stage's params (a stage gathers each unit once per step and
     keeps it for the step's microbatches, as torchtitan's FSDP2 under PP with
@@ -135,24 +146,22 @@ def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does(monkeypatch):
     after the step only the new state is live (before: each fsdp_call's session kept its
     gathered values and tracked tensors in a cycle through the backward's hooks: 2x the
     activations, 3x the end bytes)."""
-    # the pipelined loss counts its targets (int(...)): a value read the dry run refuses on
-    # meta data; any count gives the same bytes
-    read = fs.dryrun._Tracker._read
-    monkeypatch.setattr(
-        fs.dryrun._Tracker, "_read", lambda self, t: 7 if t.dtype == torch.int64 else read(self, t)
-    )
-    both = _dry_step({"dp_shard": 2, "pp": 2}, rows=8)
-    pp = _dry_step({"pp": 2}, rows=4)
+    both, pooled_both = _dry_step_pooled({"dp_shard": 2, "pp": 2}, rows=8)
+    pp, pooled_pp = _dry_step_pooled({"pp": 2}, rows=4)
     # one copy of the stage's gathered weights, not one per microbatch (PP alone holds the
     # stage's whole params as its arguments: pp.args["params"])
     assert 0 < both.activations - pp.activations <= pp.args["params"], (both, pp)
 
-    # at the end: the arguments and the new params and optimizer state, and at most what the
-    # pipeline alone keeps besides (its cached layer kwargs, reduce buckets: 35 KB here)
-    def kept(c):
-        return c.end - 2 * (c.args["params"] + c.args["opt_state"]) - c.args["batch"]
+    # at the end: the arguments and the new params and optimizer state, the wire buffers kept
+    # for the next step (fshard._comm.pooled: PP's reduce buckets, 65,792 B here; with FSDP the
+    # reduce_scatters' packs of the stage's gradients instead, 213,632 B: at most one copy of
+    # the stage's whole params, as DDP keeps its buckets), and at most what the pipeline alone
+    # keeps besides (its cached layer kwargs)
+    def kept(c, pooled):
+        return c.end - 2 * (c.args["params"] + c.args["opt_state"]) - c.args["batch"] - pooled
 
-    assert 0 <= kept(both) <= kept(pp)
+    assert 0 < pooled_both <= pp.args["params"]
+    assert 0 <= kept(both, pooled_both) <= kept(pp, pooled_pp)
 
 
 def _dry_forward(layers: int, grad: bool):

@@ -26,22 +26,27 @@ def _batches():
     return [demo.get_batch(data, BATCH, CFG.ctx, gen) for _ in range(STEPS)]
 
 
+def _dense_grad_and_value(dtype=None):
+    """``torch.func.grad_and_value`` of the demo's dense loss; with ``dtype`` the casts of
+    ``--bf16``: weights cast where read, logits back to float32."""
+    if dtype is None:
+        return torch.func.grad_and_value(demo.dense_loss)
+
+    def low_loss(params, model, tokens):
+        low = {k: v.to(dtype) for k, v in params.items()}
+        logits = torch.func.functional_call(model, low, (tokens[:, :-1],)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+    return torch.func.grad_and_value(low_loss)
+
+
 def dense_run(dtype=None):
     torch.manual_seed(SEED)
     model = demo.GPT(CFG)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     tx = demo.make_optimizer(**OPT)
     state = tx.init(params)
-    if dtype is None:
-        gv = torch.func.grad_and_value(demo.dense_loss)
-    else:  # the same casts as --bf16: weights cast where read, logits back to float32
-
-        def low_loss(params, model, tokens):
-            low = {k: v.to(dtype) for k, v in params.items()}
-            logits = torch.func.functional_call(model, low, (tokens[:, :-1],)).float()
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-        gv = torch.func.grad_and_value(low_loss)
+    gv = _dense_grad_and_value(dtype)
     losses, snaps = [], []
     for batch in _batches():
         grads, loss = gv(params, model, batch)
@@ -179,15 +184,16 @@ def test_bf16_training_matches_dense_bf16(world2, dp, tp, view):
 MOE = demo.GPTConfig(d_model=32, n_heads=4, n_layers=2, ctx=16, n_experts=4, top_k=2)
 
 
-def moe_dense_run():
+def moe_dense_run(dtype=None):
     torch.manual_seed(SEED)
     model = demo.GPT(MOE)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     tx = demo.make_optimizer(**OPT)
     state = tx.init(params)
+    gv = _dense_grad_and_value(dtype)
     losses = []
     for batch in _batches():
-        grads, loss = torch.func.grad_and_value(demo.dense_loss)(params, model, batch)
+        grads, loss = gv(params, model, batch)
         updates, state = tx.update(grads, state, params)
         params = fs.optim.apply_updates(params, updates)
         losses.append(float(loss))

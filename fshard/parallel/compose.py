@@ -12,10 +12,14 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 1. tensor parallel: the model's shipped plan (:func:`~fshard.parallel.hf_tp_plan`) over ``tp``;
 2. expert parallel: the MoE experts split over ``ep`` (:func:`expert_parallel_plan`);
 3. FSDP / HSDP: every param also split over ``dp_shard`` (:func:`fsdp_plan` over the plans
-   above), replicated over ``dp_replicate``;
+   above), replicated over ``dp_replicate``; with ``cp > 1`` over ``("dp_shard", "cp")``
+   (:attr:`ParallelDims.fsdp_axes`, torchtitan's ``dp_shard_cp``): params, gradients and
+   optimizer state ``1/(dp_shard * cp)`` a rank, each unit's gradient one reduce_scatter over
+   the dp_shard x cp ranks (its sum over cp included, no all_reduce over cp); with
+   ``dp_shard == 1`` nothing is split over cp (the params replicated over it);
 4. pipeline parallel: the decoder layers (``config.base_model_pp_plan``'s ``layers``) stacked
    as stages over ``pp`` (:func:`stack_stages`: each stage's layers keep the layouts of 1-3);
-5. the call: :func:`fsdp_call` (each block gathered over ``dp_shard`` just before use) or
+5. the call: :func:`fsdp_call` (each block gathered over the FSDP axes just before use) or
    :func:`fshard.nn.functional_call`, inside :func:`expert_parallel_call` with ``ep``; with
    ``pp`` run per piece of the model (embedding, each decoder layer of a stage, norm + head)
    by :func:`pipeline`, otherwise on the whole model, inside :func:`context_parallel_loss`'s
@@ -69,7 +73,14 @@ from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
 from ..spec import Layout, P
-from .context import _ACTIVE, _attention_of, context_parallel_loss, forward_kwargs, load_balance
+from .context import (
+    _ACTIVE,
+    _attention_of,
+    context_parallel_loss,
+    forward_kwargs,
+    load_balance,
+    target_count,
+)
 from .context import _ATTENTION as _RING
 from .expert import expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
@@ -89,8 +100,10 @@ class ParallelDims:
 
     Args:
         dp_replicate: data-parallel replicas (DDP; with ``dp_shard > 1``: HSDP's replicas).
-        dp_shard: FSDP: params, gradients and optimizer state split over these ranks.
-        cp: context parallel: the sequence split over these ranks.
+        dp_shard: FSDP: params, gradients and optimizer state split over these ranks (with
+            ``cp > 1`` over these x the cp ranks: :attr:`fsdp_axes`).
+        cp: context parallel: the sequence split over these ranks (with ``dp_shard > 1`` FSDP
+            splits the params over them too, as torchtitan's ``dp_shard_cp``).
         tp: tensor parallel (the model's shipped plan).
         ep: expert parallel: the MoE experts split over these ranks (which also split the
             batch).
@@ -149,6 +162,26 @@ class ParallelDims:
     def microbatches(self) -> int:
         """The pipeline's microbatches a step (1 without ``pp``)."""
         return self.pp_microbatches or self.pp * self.pp_virtual
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The mesh axes FSDP splits params, gradients and optimizer state over (with
+        ``dp_shard > 1``): ``("dp_shard", "cp")`` with ``cp > 1`` (torchtitan's ``dp_shard_cp``:
+        each rank holds ``1/(dp_shard * cp)`` of a param, the blocks in that order, dp_shard
+        outer; a unit's gradient is one reduce_scatter over the dp_shard x cp ranks, which sums
+        it over cp too), else ``("dp_shard",)``. The group is the ranks sharing every other
+        coordinate (pp, dp_replicate, ep, tp): with ``ep > 1`` (the axis between them in the
+        mesh) its ranks are not contiguous, and an expert (split over ``ep`` by its plan) is
+        split over ``("ep", "dp_shard", "cp")``. With ``dp_shard == 1`` nothing is split over
+        cp: the params stay whole over it (replicated, their gradients summed over cp).
+
+        Example:
+            >>> fs.parallel.ParallelDims(dp_shard=2, cp=2).fsdp_axes
+            ('dp_shard', 'cp')
+            >>> fs.parallel.ParallelDims(dp_shard=2, tp=2).fsdp_axes
+            ('dp_shard',)
+        """
+        return ("dp_shard", "cp") if self.dp_shard > 1 and self.cp > 1 else ("dp_shard",)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -339,8 +372,9 @@ def parallelize(
     if dims.ep > 1 and parts is None:
         plan.update(expert_parallel_plan(model, mesh, "ep"))
     outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
+    fsdp_axes = dims.fsdp_axes
     if dims.dp_shard > 1:
-        plan = fsdp_plan(model, mesh, "dp_shard", base=plan)
+        plan = fsdp_plan(model, mesh, fsdp_axes, base=plan)
     params = shard_params(model, mesh, plan, mp_policy=mp_policy)
     # 4: the decoder layers as stages over pp, each keeping the layouts of 1-3
     if pieces is not None:
@@ -357,14 +391,16 @@ def parallelize(
     if dims.dp_shard > 1:
         replicate = "dp_replicate" if dims.dp_replicate > 1 else None
         call = functools.partial(
-            fsdp_call, mesh=mesh, axis="dp_shard", replicate=replicate, mp_policy=mp_policy,
+            fsdp_call, mesh=mesh, axis=fsdp_axes, replicate=replicate, mp_policy=mp_policy,
             outputs=batch_outputs,
         )  # fmt: skip
     if dims.ep > 1 and parts is None:  # a model of your own calls moe_experts itself
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
         policy = None if remat is True else remat
-        call = _RematLayers(model, layers, call, policy, batch_outputs, fsdp=dims.dp_shard > 1)
+        call = _RematLayers(
+            model, layers, call, policy, batch_outputs, fsdp=dims.dp_shard > 1, mp_policy=mp_policy
+        )
     if pieces is not None:  # the pieces of the model, the layers as stages
         policy = None if remat is True else remat  # False: no remat
         return params, _pipeline_loss(model, pieces, mesh, dims, call, mp_policy, outputs, policy)
@@ -393,7 +429,7 @@ def parallelize(
             logits.flatten(0, -2).float(), shard(targets, mesh, spec).flatten(),
             ignore_index=-100, reduction="sum",
         )  # fmt: skip
-        return gather(ce) / int((targets != -100).sum())
+        return gather(ce) / target_count(targets)
 
     return params, loss
 
@@ -426,10 +462,21 @@ class _RematLayers:
     recompute (FSDP2 with activation checkpointing); the plan's output layouts inside a layer
     apply there too, and context parallelism's attention (entered by
     :func:`context_parallel_loss` around the whole call) is entered again in the recompute,
-    which runs in the backward, after the call."""
+    which runs in the backward, after the call. A layer's call casts its params by the
+    mixed-precision policy but not its arguments or outputs: the policy's ``output_dtype`` and
+    input cast belong to the model's call, whose layers pass their activations on in the compute
+    dtype (a float32 cast of each layer's output met the final norm's bfloat16 weight: ``mixed
+    dtype``), so a checkpointed layer computes what it computes without remat."""
 
-    def __init__(self, model, layers: str, call, policy, outputs: Mapping, *, fsdp: bool):
+    def __init__(
+        self, model, layers: str, call, policy, outputs: Mapping, *, fsdp: bool, mp_policy=None
+    ):
         self.model, self.layers, self.call, self.policy = model, layers, call, policy
+        self.options = (
+            {}
+            if mp_policy is None
+            else {"mp_policy": mp_policy._replace(output_dtype=None, cast_forward_inputs=False)}
+        )
         self.modules = list(model.get_submodule(layers))
         self.pres = [f"{layers}.{i}." for i in range(len(self.modules))]
         self.inner = [
@@ -463,6 +510,7 @@ class _RematLayers:
 
     def _forward(self, i: int, params: dict, active):
         layer, call, inner, model = self.modules[i], self.call, self.inner[i], self.model
+        options = self.options
 
         def run(ps, args, kwargs):
             patched = layer.__dict__.pop("forward", None)  # the layer's own forward inside
@@ -472,7 +520,7 @@ class _RematLayers:
                     if active
                     else (contextlib.nullcontext())
                 ):
-                    return call(layer, ps, args, kwargs, outputs=inner)
+                    return call(layer, ps, args, kwargs, outputs=inner, **options)
             finally:
                 if patched is not None:
                     layer.forward = patched
@@ -725,7 +773,7 @@ def _pipeline_loss(
             )
         if targets is None:
             targets = _shifted(ids if labels is None else labels)
-        count = int((targets != -100).sum())  # the loss is the sum over every target / count
+        count = target_count(targets)  # the loss is the sum over every target / count
         order = tuple(range(s))
         if cp > 1:  # the sequence in load-balanced chunks, split over cp (ring attention)
             if s % (2 * cp):

@@ -881,7 +881,10 @@ def attention(
         mask = padding_mask
         specs = [t.spec for t in (query, key, value)]
         specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
-        local = shard_map(local, mesh, tuple(specs), query.spec)
+        # the output's global shape is the query's with the value's head dim: given, so no
+        # exchange of the blocks' shapes (none on a dry run's simulated ranks)
+        shape = (*query.shape[:-1], value.shape[-1])
+        local = shard_map(local, mesh, tuple(specs), query.spec, out_shapes=shape)
     return local(query, key, value, padding_mask)
 
 
@@ -938,6 +941,15 @@ def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
         _ACTIVE.reset(token)
 
 
+def target_count(targets: torch.Tensor) -> int:
+    """The targets a causal-LM loss averages over (those not ``-100``): its divisor. On meta
+    data (:func:`fshard.dry_run`) there is no value to read, and the count only scales the
+    loss, so any positive count gives the step's bytes and FLOPs: the number of targets."""
+    if targets.is_meta:
+        return max(targets.numel(), 1)
+    return int((targets != -100).sum())
+
+
 def context_parallel_loss(
     module: torch.nn.Module,
     params: Mapping,
@@ -969,9 +981,12 @@ def context_parallel_loss(
     entropy, ``psum``-ed over ``axis``, over the number of targets.
 
     Args:
-        module: the causal LM (its params are replicated over ``axis``).
-        params: ``{name: ShardedArray}`` from :func:`fshard.nn.shard_params` (a plan that does
-            not name ``axis``: ``{}`` replicates everything).
+        module: the causal LM.
+        params: ``{name: ShardedArray}`` from :func:`fshard.nn.shard_params`: whole over
+            ``axis`` (a plan that does not name it: ``{}`` replicates everything), or split
+            over it by FSDP (:func:`fshard.nn.fsdp_plan` over an axis tuple holding ``axis``,
+            as :func:`parallelize`'s FSDP x CP): those enter the body as they are and ``call``
+            must gather them (:func:`fshard.nn.fsdp_call` over the same axes).
         mesh: the mesh.
         input_ids: the full ``(batch, seq)`` token ids, the same on every rank; ``seq``
             divisible by ``2 * cp``.
@@ -1030,7 +1045,7 @@ def context_parallel_loss(
         )
     if targets is None:
         targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
-    count = int((targets != -100).sum())
+    count = target_count(targets)
     positions = torch.arange(s, device=input_ids.device).expand(b, s)  # split as the ids
 
     def split(t):
@@ -1053,15 +1068,35 @@ def context_parallel_loss(
         return lax.psum(ce, axis) / count
 
     seq = P(None, axis)
+    # a param split over ``axis`` (parallelize's FSDP over dp_shard x cp: each rank holds
+    # 1/(dp_shard * cp) of it) enters the body as it is (in_specs None): ``call`` gathers its
+    # blocks over the FSDP group (fs.nn.fsdp_call over an axis tuple holding ``axis``), its
+    # gradient one reduce_scatter over that group; the others are whole over ``axis`` (P())
+    pspec: P | dict = P()
+    as_is = [k for k, v in params.items() if isinstance(v, ShardedArray) and _names(v, axis)]
+    if as_is:
+        if call is None:
+            raise ValueError(
+                f"context_parallel_loss: params {as_is[:3]} are split over {axis!r}; the default "
+                f"call (fs.nn.functional_call) needs them whole over it: fs.reshard them, or "
+                f"give call=functools.partial(fs.nn.fsdp_call, axis=(..., {axis!r}), ...)"
+            )
+        params = dict(params)
+        pspec = {k: None if k in as_is else P() for k in params}
     run = shard_map(
         body,
         mesh,
-        (P(), seq, seq, seq, None if mask is None else seq),
+        (pspec, seq, seq, seq, None if mask is None else seq),
         P(),
         axis_names={axis},
     )
     loss = run(params, split(input_ids), split(positions), split(targets), split(mask))
     return gather(loss)
+
+
+def _names(x: ShardedArray, axis: str) -> bool:
+    """Whether ``x``'s layout splits it over mesh axis ``axis``."""
+    return axis in getattr(x.layout.spec, "axes", ())
 
 
 def _call(call, module, params, ids, positions, mask):

@@ -16,7 +16,11 @@ axes (``cp``) that meets varying data is pcast over them: that pcast is made on 
 *block*, before the gather (the unit's varying gather is of its blocks pcast over the manual
 axes, one reduce_scatter per unit), so its sum runs after the reduce_scatter, on ``1/dp`` of the
 bytes, bucketed by :func:`fshard.value_and_grad`'s gradient sync (sums over other axes commute
-with the gather's transpose).
+with the gather's transpose). FSDP over the body's manual axes too (``axis=("dp_shard",
+"cp")``, :func:`fshard.parallel.parallelize`'s FSDP x CP, torchtitan's ``dp_shard_cp``: the
+params enter the body as they are, split over cp) gathers each unit over the whole group and
+holds the body's pcast over ``cp`` pending until the op rule's over ``dp_shard``: the unit's
+varying gather over both, one reduce_scatter that sums over ``cp`` too.
 
 :func:`fsdp_gather` gathers one *unit* (e.g. a transformer block: :func:`fsdp_units`) at a
 time. Outside ``torch.func`` transforms (plain ``.backward()`` or :func:`fshard.value_and_grad`,
@@ -382,7 +386,7 @@ class _Session:
         # body) run under its step-mode gradient sync, which takes each param's gather over and
         # reduce-scatters the params once per step, packed (the typed path in a body packs
         # its varying gathers of the blocks pcast over the body's manual axes: _body_pack)
-        body = axis_env.in_body() and not over
+        body = axis_env.in_body() and not over and not (self.typed and self._manual_fsdp())
         if unreduced or body or any(shapes is None for _, shapes, _ in packs):
             fulls = self._unpack(packs)
             uses = {n: self.uses.pop(n) for n in fulls if n in self.uses}
@@ -394,6 +398,10 @@ class _Session:
                 flats.append(flat)
                 continue
             reduce = self.policy.reduce_in(xs[0].dtype)
+            # in a body over some of the FSDP axes (FSDP over dp_shard x cp, in the body over
+            # cp) each block tagged as varying over them (_block): the gather's result varies
+            # over cp, so the body's tracker does not pcast it (a second sum in the backward)
+            xs = [self._block(n) for n in names]
             srcs = [self._replicated(x, reduce, over) for x in xs]
             if reduce == flat.dtype:
                 ins, done = [self.policy.cast_param(t) for t in srcs], flat
@@ -412,11 +420,13 @@ class _Session:
             return self._traced_unit(unit)
         packs = self._wait(unit)
         # The data is gathered per pack (_launch), in a shard_map body too. In the global view
-        # in a body (FSDP x CP) the differentiable varying gathers are of the blocks pcast over
-        # the body's manual axes, one per pack (_body_pack: _Pcasts hands them out after the
-        # body's tracker has pcast the param over those axes), or made per param where an op
-        # rule asks for one; elsewhere one per pack, made here.
-        lazy = self.typed and axis_env.in_body()
+        # in a body whose manual axes the FSDP axes leave out (FSDP over dp_shard x CP) the
+        # differentiable varying gathers are of the blocks pcast over the body's manual axes,
+        # one per pack (_body_pack: _Pcasts hands them out after the body's tracker has pcast
+        # the param over those axes), or made per param where an op rule asks for one;
+        # elsewhere (a body over some of the FSDP axes too: parallelize's FSDP over dp_shard x
+        # cp, whose blocks enter the body over cp as they are) one per pack, made here.
+        lazy = self.typed and axis_env.in_body() and not self._manual_fsdp()
         vary = {} if lazy else self._vary(packs)
         packed, over = self._body_pack(packs) if lazy else ({}, ())
         if packed:  # the data: the packed varying gathers' (one copy of the unit)
@@ -478,13 +488,43 @@ class _Session:
         skip = set(self.axes + self.replicate)
         return tuple(a for a in self.mesh.axis_names if a in tracker.manual and a not in skip)
 
+    def _manual_fsdp(self) -> tuple[str, ...]:
+        """The FSDP axes the enclosing ``shard_map`` body maps over (manual), in the FSDP
+        axes' order; ``()`` outside a body. ``parallelize``'s FSDP x CP (FSDP over
+        ``("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``; the model in a body over
+        ``cp``): the params split over ``cp`` enter the body as they are (``in_specs`` ``None``),
+        each unit is gathered over the whole group, and its varying gather (one per pack, its
+        backward one reduce_scatter over ``dp_shard x cp``) is what ``_Pcasts`` hands out once
+        the body's tracker (over ``cp``) and the op rule (over ``dp_shard``) have pcast the
+        gathered param over both."""
+        tracker = axis_env.tracker(self.mesh)
+        if tracker is None:
+            return ()
+        return tuple(a for a in self.axes if a in tracker.manual)
+
     def base_layout(self, n: str):
-        """Param ``n``'s layout with the FSDP axes gathered away (its base plan's)."""
+        """Param ``n``'s layout with the FSDP axes gathered away (its base plan's). In a
+        partial-manual ``shard_map`` body, of a param that entered it as it is (a mesh-wide
+        value, split over FSDP axes the body maps over): the body's value of it, on the body's
+        mesh of the automatic axes (what ``in_specs`` ``P()`` gives for a param whole over the
+        manual axes)."""
         layout = self.params[n].layout
         dims = list(layout.spec.padded(len(layout.shape)))
         dims[0] = tuple(a for a in dims[0] if a not in self.axes)
         entries = [d[0] if len(d) == 1 else (d or None) for d in dims]
-        return layout.with_spec(P(*entries, partial=layout.spec.partial))
+        base = layout.with_spec(P(*entries, partial=layout.spec.partial))
+        tracker = axis_env.tracker(self.mesh)
+        auto = tracker.auto if tracker is not None else None
+        if auto is None or layout.mesh == auto:
+            return base
+        names = set(auto.axis_names)
+        if any(a not in names for a in base.spec.axes):
+            raise ValueError(
+                f"fsdp_call: param {n!r} entered the shard_map body as it is, and its layout "
+                f"{layout.spec} names manual axes {sorted(set(base.spec.axes) - names)} "
+                f"besides the FSDP axes {self.axes}: give it in_specs naming them"
+            )
+        return Layout.of(auto, base.spec, base.shape, base.dtype)
 
     def _typed(self, n: str, full: torch.Tensor | None) -> ShardedArray:
         """The global view's value of param ``n`` for its unit: sharded over the FSDP axes,
@@ -608,7 +648,7 @@ class _Session:
         packed varying gather is of the blocks pcast over the body's other manual axes (as
         :meth:`_body_pack`; without such axes the data gathered without a graph, :meth:`_data`,
         ``_Pcasts`` making each param's varying gather on it where an op rule asks)."""
-        if axis_env.in_body():
+        if axis_env.in_body() and not self._manual_fsdp():
             over = self._manual_axes()
             packed = self._traced_packs(unit, over) if over else {}
             fulls = {n: v.detach() for n, v in packed.items()} if over else self._data(unit)
@@ -713,7 +753,8 @@ class _Session:
         if tracker is None or tracker.vma(x):
             return x
         axes = frozenset(self.params[n].spec.axes) & tracker.manual
-        if not set(self.axes) <= axes:
+        manual = set(self.axes) & tracker.manual  # FSDP x CP's body over cp: cp alone
+        if not manual or not manual <= axes:
             return x
         x = x.view_as(x)
         tracker.tag(x, axes)
@@ -765,6 +806,25 @@ class _Session:
         return self.cache[unit]
 
 
+def _replay_view(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """View ``x`` of its base, taken of ``y`` (what the base stands for: the same shape and
+    values). torch replays a view on a new base only of the base's strides; ``y`` may have
+    others (a param's rows in a packed gather, cast to ``param_dtype``: a mixed-precision
+    expert weight's row of FSDP x EP), then the view is taken of a copy of ``y`` in the base's
+    strides (differentiable: its cotangent goes to ``y``)."""
+    out = x._view_func(y)
+    if out is None:
+        base = x._base
+        same = torch.empty_strided(base.shape, base.stride(), dtype=y.dtype, device=y.device)
+        out = x._view_func(same.copy_(y))
+    if out is None:
+        raise RuntimeError(
+            f"FSDP: a view of a gathered param ({tuple(x.shape)} of {tuple(x._base.shape)}) "
+            "cannot be taken of its varying gather"
+        )
+    return out
+
+
 class _Pcasts(lax.Handler):
     """FSDP in the global view: where an op rule pcasts a gathered param over the FSDP axes
     (it met data split over them), the value becomes the *varying* gather of the param's
@@ -801,8 +861,8 @@ class _Pcasts(lax.Handler):
         if x._base is not None:
             hit = self.tracked.get(id(x._base))
             if hit is not None and hit[0]() is x._base:
-                f, view = hit[2], x._view_func
-                return hit[1], (lambda y: view(y if f is None else f(y))), hit[3]
+                f = hit[2]
+                return hit[1], (lambda y: _replay_view(x, y if f is None else f(y))), hit[3]
         return None
 
     def process(self, b, x, done, proceed):
@@ -824,7 +884,27 @@ class _Pcasts(lax.Handler):
             return proceed(b, x, done)
         name, f, over = found
         axes = set(b.op.axes)
-        if not set(s.axes) <= axes:
+        fsdp = set(s.axes)
+        # FSDP over axes a shard_map body maps over too (parallelize's FSDP over dp_shard x cp,
+        # the model in a body over cp): the body's tracker pcasts the gathered param over cp
+        # (the manual FSDP axes) when it meets the sequence's chunks; that pcast is held,
+        # tracked as pending (``over``), so the op rule's later pcast over the rest (dp_shard,
+        # the batch's rows) gives the varying gather over the whole group: one reduce_scatter
+        # over dp_shard x cp, no sum over cp of its own. A use that meets no data split over
+        # the rest keeps the pcast (its sum over cp, then the invariant gather's block).
+        hit = axes & fsdp
+        tracker = axis_env.tracker(s.mesh)
+        if (
+            hit
+            and not fsdp <= axes | set(over)
+            and tracker is not None
+            and hit <= tracker.manual
+            and not axes & set(s.replicate)
+        ):
+            out = proceed(b, x, x if done is None else done)
+            self.track(out, name, f, (*over, *b.op.axes))
+            return out
+        if not fsdp <= axes | set(over):
             # A pcast over other axes first: a shard_map body's tracker making the gathered
             # param varying over its manual axes (FSDP x CP: over cp) before the op rule
             # pcasts it over the FSDP axes. Pcast's forward is a view (``view_as``): its result
@@ -862,6 +942,7 @@ class _Pcasts(lax.Handler):
                 self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)), over)
                 return out
             return proceed(b, x, x if done is None else done)
+        over = tuple(a for a in over if a not in fsdp)  # FSDP's own: in the varying gather
         if over:  # the varying gather of the block pcast over ``over`` (Session._on_shard)
             key = (name, over, "vary")
             if key not in s.over and name not in s.whole:  # its unit's data is gone: a pcast

@@ -46,7 +46,12 @@ Design decisions (issue 22 item 2):
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
   keeping the cotangents that reach the nodes where the graph branches off to the weights, and
   W runs those nodes for their weight edges and the weight-only graph below them (no node of B
-  twice, however often a stage uses one stacked weight). The Function's
+  twice, however often a stage uses one stacked weight; a branch that reaches only vector
+  weights, a norm's scale and shift, is not deferred: B computes it in the same kernel, where
+  W would cost an engine run and the kernel again). Where a rank's W comes right after
+  its B and the B's input gradient stays on the rank (the first stage's, whose W ZB-H1 does
+  not defer), the two run as one backward: the split would only add its cost (the retained
+  graph, the cut's walk, an engine call per cut node). The Function's
   backward returns those gradients times the incoming cotangent. GPipe runs through the same
   executor (all F, then all B), so every schedule gives the same numbers.
 * **Ticks.** One action (F, B or W) per rank and tick; the bubble fraction is a rank's idle
@@ -304,6 +309,29 @@ class PipelineSchedule:
                         pairs.append((src, dst))
                 out[kind].append((tuple(pairs), dests))
         return {k: tuple(v) for k, v in out.items()}
+
+    @functools.cached_property
+    def _joined(self) -> tuple[frozenset, ...]:
+        """Per rank: the ``(stage, microbatch)`` of ZB-H1's backwards whose W is run with the B,
+        as one backward: the rank's next action after the B is that W, and the B's input
+        gradient does not leave the rank at its tick (the first stage: nothing to send; on
+        ``pp == 1`` every stage). Split, the rank would run the same two halves back to back
+        with nothing between, and pay for the split (a retained graph, the cut's walk, an
+        engine call per cut node); wall clock is the same, as nobody waits for what W holds."""
+        out = []
+        for r in range(self.pp):
+            done, nxt = set(), None
+            for t in reversed(range(self.ticks)):
+                a = self.table[t][r]
+                if a is None:
+                    continue
+                if a.kind == "B" and nxt == Action("W", a.stage, a.microbatch):
+                    pairs, _ = self.transfers["B"][t]
+                    if not any(src == r for src, _ in pairs):
+                        done.add((a.stage, a.microbatch))
+                nxt = a
+            out.append(frozenset(done))
+        return tuple(out)
 
     def __str__(self) -> str:
         def cell(a):
@@ -610,7 +638,7 @@ class _Run:
         first = None  # input_fn's (M, ...) output on the first stage's rank
         sched, r, pp = self.sched, self.group.index, self.sched.pp
         v, m, last = sched.virtual, sched.microbatches, sched.stages - 1
-        zb = sched.name == "zb"
+        joined = sched._joined[r] if sched.name == "zb" else None  # ZB-H1's B + W run as one
 
         # this rank's stages: chunk j is stage j * pp + r
         chunks = []
@@ -707,18 +735,19 @@ class _Run:
                     inp, out = saved.pop((s, mb))
                     ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
                     ins = [inp] if inp.requires_grad else []
-                    if zb:  # the input gradient now, the weights' at W
+                    if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
-                    else:
-                        torch.autograd.backward(out, ct, inputs=ins + weights(s))
+                    else:  # none on a first stage where only loss_params are differentiated
+                        inputs = ins + weights(s)
+                        if inputs:
+                            torch.autograd.backward(out, ct, inputs=inputs)
                     if ins:
                         if s > 0:
                             sent_b = inp.grad
                         else:
                             x_grad[mb] = inp.grad
-                elif a is not None and grad_on:  # W
-                    s, mb = a.stage, a.microbatch
-                    saved.pop((s, mb))()
+                elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
+                    saved.pop((a.stage, a.microbatch))()
                 self._exchange(t, "F", sent_f, zero, inbox)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox)
@@ -816,48 +845,83 @@ _gradient_edge = torch.autograd.graph.get_gradient_edge
 #: A custom autograd.Function's backward node.
 _FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 
+#: :func:`_weight_cut`'s stack marker: the node below it has had everything below it walked.
+_BELOW_DONE = object()
 
-def _weight_cut(root, source, targets: set) -> dict:
-    """Where the backward graph from ``root`` leaves the input gradient's part: ``{node:
-    [(next node, input nr), ...]}``, the nodes on a path to ``source`` (the input's gradient
-    accumulator) and those of their next edges that lead to a node in ``targets`` (the weights'
-    accumulators) but not to ``source`` (read now: torch 2.11 refuses a custom Function node's
-    ``next_functions`` once the backward has run). Everything below such an edge is weight-only. ``None`` where
-    ``root`` does not reach ``source``, or (:data:`fshard._compat.GRAD_FROM_FUNCTION_NODES`)
-    where a custom Function's node would be cut on a torch that cannot start a backward there:
-    W is then the whole backward."""
-    order, seen, stack, edges = [], set(), [(root, False)], {}
+
+def _weight_cut(root, source, targets: dict) -> tuple[dict, list] | None:
+    """Where the backward graph from ``root`` leaves the input gradient's part: ``({node:
+    [(next node, input nr), ...]}, early)``, the nodes on a path to ``source`` (the input's
+    gradient accumulator) and those of their next edges that lead to a node in ``targets``
+    (the weights' accumulators, ``{node: whether its weight is a matrix}``) but not to
+    ``source`` (read now: torch 2.11 refuses a custom Function node's ``next_functions`` once
+    the backward has run). Everything below such an edge is weight-only. A node whose weight
+    edges reach only vector weights (a norm's scale and shift, a bias alone) is not cut: its
+    gradient is a reduction its B computes in the same kernel (layer norm) or from the
+    cotangent it holds anyway, and deferring it would cost W an engine run and the kernel
+    again; ``early`` lists those weights' accumulators, for B (unless a cut branch reaches one
+    too: then every branch is cut, as before). ``None`` where ``root`` does not reach
+    ``source``, or (:data:`fshard._compat.GRAD_FROM_FUNCTION_NODES`) where a custom
+    Function's node would be cut on a torch that cannot start a backward there: W is then the
+    whole backward."""
+    order, stack, edges = [], [root], {}
+    push, pop = stack.append, stack.pop
     while stack:  # post-order: a node after everything below it
-        node, done = stack.pop()
-        if done:
-            order.append(node)
+        node = pop()
+        if node is _BELOW_DONE:
+            order.append(pop())
             continue
+        if node in edges:
+            continue
+        nexts = edges[node] = node.next_functions
+        push(node)
+        push(_BELOW_DONE)
+        stack += [n for n, _ in nexts if n is not None and n not in edges]
+    # per node: 1 if it reaches source, 2 a target, 4 a matrix target (ints: ~2x the speed of
+    # any() over lists)
+    reach = {}
+    for node in order:
+        f = 1 if node is source else 0
+        if node in targets:
+            f |= 6 if targets[node] else 2
+        for n, _ in edges[node]:
+            if n is not None:
+                f |= reach[n]
+        reach[node] = f
+    if not reach[root] & 1:
+        return None
+    cut, kept = {}, {}
+    for node in order:
+        if reach[node] & 1:
+            below = [(n, nr) for n, nr in edges[node] if n is not None and reach[n] & 3 == 2]
+            if below:
+                (cut if any(reach[n] & 4 for n, _ in below) else kept)[node] = below
+    early = []
+    if kept:
+        deferred = _targets_below(cut, edges, targets)
+        early = _targets_below(kept, edges, targets)
+        if not early.isdisjoint(deferred):  # a weight reached from both halves: all in W
+            cut = {node: edges_ for node in order if (edges_ := cut.get(node, kept.get(node)))}
+            early = set()
+    for node in cut:
+        if not _compat.GRAD_FROM_FUNCTION_NODES and isinstance(node, _FUNCTION_NODE):
+            return None
+    return cut, list(early)
+
+
+def _targets_below(branches: dict, edges: dict, targets: dict) -> set:
+    """The nodes of ``targets`` in the weight-only graphs below ``branches``' edges."""
+    found, seen = set(), set()
+    stack = [n for below in branches.values() for n, _ in below]
+    while stack:
+        node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        edges[node] = node.next_functions
-        stack.append((node, True))
-        stack.extend((n, False) for n, _ in edges[node] if n is not None and n not in seen)
-    to_source, to_weights = {}, {}
-    for node in order:
-        below = [n for n, _ in edges[node] if n is not None]
-        to_source[node] = node is source or any(to_source[n] for n in below)
-        to_weights[node] = node in targets or any(to_weights[n] for n in below)
-    if not to_source[root]:
-        return None
-    cut = {}
-    for node in order:
-        if to_source[node]:
-            below = [
-                (n, nr)
-                for n, nr in edges[node]
-                if n is not None and not to_source[n] and to_weights[n]
-            ]
-            if below:
-                if not _compat.GRAD_FROM_FUNCTION_NODES and isinstance(node, _FUNCTION_NODE):
-                    return None
-                cut[node] = below
-    return cut
+        if node in targets:
+            found.add(node)
+        stack += [n for n, _ in edges[node] if n is not None]
+    return found
 
 
 def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
@@ -871,21 +935,26 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     whole backward in W). Without an input gradient wanted, W is the whole backward."""
     weights = [w for w in weights if w.requires_grad]
     edge = torch.autograd.graph.get_gradient_edge
-    cut = None
+    found = None
     if ins and out.grad_fn is not None:
-        cut = _weight_cut(out.grad_fn, edge(ins[0]).node, {edge(w).node for w in weights})
-    if cut is None:  # B to the input, then W the whole backward again (the graph kept)
+        accs = {edge(w).node: w for w in weights}
+        targets = {node: w.dim() >= 2 for node, w in accs.items()}
+        found = _weight_cut(out.grad_fn, edge(ins[0]).node, targets)
+    if found is None:  # B to the input, then W the whole backward again (the graph kept)
         if ins:
             torch.autograd.backward(out, ct, inputs=ins, retain_graph=True)
         return lambda: torch.autograd.backward(out, ct, inputs=weights) if weights else None
+    cut, early = found
     held: dict = {}
 
     def hold(node, grads):
         held[node] = grads
 
     hooks = [node.register_prehook(functools.partial(hold, node)) for node in cut]
-    try:
-        torch.autograd.backward(out, ct, inputs=ins, retain_graph=bool(cut))
+    try:  # the vector weights whose branches are not cut get their gradients now
+        torch.autograd.backward(
+            out, ct, inputs=ins + [accs[n] for n in early], retain_graph=bool(cut)
+        )
     finally:
         for h in hooks:
             h.remove()
