@@ -893,14 +893,9 @@ class _Pcasts(lax.Handler):
         # over dp_shard x cp, no sum over cp of its own. A use that meets no data split over
         # the rest keeps the pcast (its sum over cp, then the invariant gather's block).
         hit = axes & fsdp
-        tracker = axis_env.tracker(s.mesh)
-        if (
-            hit
-            and not fsdp <= axes | set(over)
-            and tracker is not None
-            and hit <= tracker.manual
-            and not axes & set(s.replicate)
-        ):
+        pending = hit and not fsdp <= axes | set(over) and not axes & set(s.replicate)
+        tracker = axis_env.tracker(s.mesh) if pending else None
+        if pending and tracker is not None and hit <= tracker.manual:
             out = proceed(b, x, x if done is None else done)
             self.track(out, name, f, (*over, *b.op.axes))
             return out
