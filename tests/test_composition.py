@@ -84,7 +84,12 @@ def test_demo_flags_compose_like_dense(world4, references, flags, reference):
         torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=k)
 
 
-EIGHT = ["--fsdp 2 --tp 2 --pp 2", "--fsdp 2 --tp 2 --cp 2"]
+EIGHT = [
+    "--fsdp 2 --tp 2 --pp 2", "--fsdp 2 --tp 2 --cp 2",
+    # sequence parallel in the pipeline's stages with the sequence split over cp: each rank's
+    # cp chunk split over tp between the layers ("cp", "tp"), the attention on the cp chunk
+    "--tp 2 --sp --pp 2 --cp 2 --remat",
+]  # fmt: skip
 
 
 def eight_rank_fn():
@@ -93,8 +98,8 @@ def eight_rank_fn():
 
 @pytest.mark.timeout(900)
 def test_three_strategies_on_eight_ranks(world8, references):
-    """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations) on 8 local
-    ranks, in one run: 3 steps like dense."""
+    """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations) and
+    TP x SP x PP x CP on 8 local ranks, in one run: 3 steps like dense."""
     ref_losses, ref_snaps = references["dense"]
     for flags, out in zip(EIGHT, world8.run(eight_rank_fn, timeout=900)[0]):
         params = out["params"]
