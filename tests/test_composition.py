@@ -1151,6 +1151,33 @@ def test_parallelize_refuses_what_pp_does_not_compose():
             fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=policy)
 
 
+def ddp_tp_rank_fn():
+    """One step of the demo GPT under DDP x TP: this rank's collectives over dp_replicate
+    (comm_log) and its local param bytes."""
+    from tests.test_train_gpt import CFG, demo
+
+    dims = fs.parallel.ParallelDims(dp_replicate=2, tp=2)
+    torch.manual_seed(0)
+    model = demo.GPT(CFG)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, parts=demo.gpt_parts(CFG))
+    ids = torch.randint(0, CFG.vocab, (4, 16), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as log:
+        fs.value_and_grad(loss)(params, {"input_ids": ids})
+    over_dp = [r.nbytes for r in log if r.axes == ("dp_replicate",)]
+    return over_dp, sum(v.local.numel() * v.local.element_size() for v in params.values())
+
+
+@pytest.mark.timeout(300)
+def test_ddp_x_tp_reduces_every_gradient_in_one_bucket_on_every_rank(world4):
+    """Each rank's gradients go over dp in one bucketed all_reduce of all its param bytes, on
+    every tp rank: a row-parallel bias's replicated -> partial step (zeros on tp rank 1) came
+    before its pcast, so tp rank 1's pcast read the zeros, not the param, and reduced each use
+    on its own (4 all_reduces of 128 B a step; the pipeline's consistency check then saw the
+    tp ranks use different groups)."""
+    for over_dp, param_bytes in world4.run(ddp_tp_rank_fn):
+        assert over_dp == [param_bytes], (over_dp, param_bytes)
+
+
 def test_parallelize_takes_a_model_of_your_own_by_its_parts():
     """``parts=`` is checked before anything is sharded: its type, each piece a submodule,
     the layers a ModuleList; the loss's batch takes labels or targets, not both; a forward
