@@ -89,6 +89,8 @@ EIGHT = [
     # sequence parallel in the pipeline's stages with the sequence split over cp: each rank's
     # cp chunk split over tp between the layers ("cp", "tp"), the attention on the cp chunk
     "--tp 2 --sp --pp 2 --cp 2 --remat",
+    # DDP x TP x PP: every tp rank's gradient sync over dp alike (the pipeline checks it)
+    "--tp 2 --pp 2 --dp 2",
 ]  # fmt: skip
 
 
@@ -98,8 +100,8 @@ def eight_rank_fn():
 
 @pytest.mark.timeout(900)
 def test_three_strategies_on_eight_ranks(world8, references):
-    """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations) and
-    TP x SP x PP x CP on 8 local ranks, in one run: 3 steps like dense."""
+    """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations),
+    TP x SP x PP x CP and DDP x TP x PP on 8 local ranks, in one run: 3 steps like dense."""
     ref_losses, ref_snaps = references["dense"]
     for flags, out in zip(EIGHT, world8.run(eight_rank_fn, timeout=900)[0]):
         params = out["params"]
