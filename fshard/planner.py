@@ -12,6 +12,9 @@ cached per ``(layout, dst_spec)``. Lowering, per mesh axis (DESIGN §5, n ranks,
     Partial -> Shard(i)      reduce_scatter   (n-1)/n·L   (all_to_all + local sum on Gloo)
     Replicate -> Partial     zero (local)     0
     any block permutation    ppermute         L           (e.g. P('x','y') -> P('y','x'))
+    Shard over (a, b) <-> Shard over a, Partial(b) -> Shard over (a, b), where b splits each
+    a block as the flat split does (an even dim): the all_gather, local slice or
+    reduce_scatter over b alone, inside the a blocks (sequence parallelism in a cp chunk)
     Layout.explicit -> any   gather_blocks    (N-1)·max block   (then local slices)
     Parts -> any             gather_parts     (n-1)·L     (the parts dim; then as from P)
     any -> Parts             slice_parts      0           (after making the parts dim whole)
@@ -214,12 +217,18 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
     removing = [a for a in cur.partial if a not in dst.partial]
     if removing:
         for d in range(cur.ndim):
-            axes = dst.dim_axes[d]
-            if axes and not cur.dim_axes[d] and set(axes) <= set(removing):
+            have, want = cur.dim_axes[d], dst.dim_axes[d]
+            # the target splits the dim over exactly those axes, or over them inside the
+            # blocks it has (P("cp", partial="tp") -> P(("cp", "tp")): within each cp block)
+            kept = have if want[: len(have)] == have else ()
+            axes = want[len(kept) :]
+            if kept and _nested(cur.shape[d], mesh, kept, axes) is None:
+                continue
+            if axes and (not have or kept) and set(axes) <= set(removing):
                 dims = list(cur.dim_axes)
-                dims[d] = axes
+                dims[d] = want
                 nxt = _with(cur, dims, [a for a in cur.partial if a not in axes])
-                sizes = chunk_sizes(cur.shape[d], mesh, axes)
+                sizes = _nested(cur.shape[d], mesh, kept, axes)
                 out.append(Step(PsumScatter(axes, d, sizes), cur, nxt))
                 cur = nxt
                 removing = [a for a in removing if a not in axes]
@@ -255,9 +264,13 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
             out.append(Step(Ppermute(mesh.axis_names, perm, *shapes), cur, target))
             cur = target
         else:
+            # A dim whose target keeps its leading (major) axes, each block split again over
+            # the rest as the flat split does (P(("cp", "tp")) <-> P("cp") on an even dim),
+            # gathers or slices only the rest, inside its blocks.
+            kept = {d: _kept(cur.shape[d], mesh, cur.dim_axes[d], target_dims[d]) for d in changed}
             axes_out = set()
             for d in gathers:
-                axes_out |= set(cur.dim_axes[d])
+                axes_out |= set(cur.dim_axes[d][len(kept[d]) :])
             # Closure: a dim split over any gathered axis is gathered too.
             grow = True
             to_gather = set(gathers)
@@ -266,23 +279,28 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
                 for d in range(cur.ndim):
                     if d not in to_gather and set(cur.dim_axes[d]) & axes_out:
                         to_gather.add(d)
+                        kept[d] = ()
                         axes_out |= set(cur.dim_axes[d])
                         grow = True
             for d in sorted(to_gather):
+                keep = kept.get(d, ())
+                if keep == cur.dim_axes[d]:  # only split further (below)
+                    continue
                 dims = list(cur.dim_axes)
-                dims[d] = ()
+                dims[d] = keep
                 nxt = _with(cur, dims)
-                axes = cur.dim_axes[d]
-                sizes = chunk_sizes(cur.shape[d], mesh, axes)
+                axes = cur.dim_axes[d][len(keep) :]
+                sizes = _nested(cur.shape[d], mesh, keep, axes)
                 out.append(Step(AllGather(axes, d, sizes, invariant=True), cur, nxt))
                 cur = nxt
             for d in range(cur.ndim):
                 if cur.dim_axes[d] != target_dims[d]:
+                    keep = cur.dim_axes[d]  # () or what the target keeps (the gathers above)
                     dims = list(cur.dim_axes)
                     dims[d] = target_dims[d]
                     nxt = _with(cur, dims)
-                    axes = target_dims[d]
-                    sizes = chunk_sizes(cur.shape[d], mesh, axes)
+                    axes = target_dims[d][len(keep) :]
+                    sizes = _nested(cur.shape[d], mesh, keep, axes)
                     out.append(Step(LocalSlice(axes, d, sizes), cur, nxt))
                     cur = nxt
 
@@ -294,6 +312,45 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
         cur = dst
     assert cur == dst, (cur, dst)
     return tuple(out)
+
+
+def _kept(n: int, mesh, have: tuple[str, ...], want: tuple[str, ...]) -> tuple[str, ...]:
+    """The leading axes a dim of size ``n`` split over ``have`` keeps on its way to ``want``:
+    their common leading axes where each of their blocks splits over the rest of ``have`` and
+    of ``want`` exactly as the flat splits do (:func:`_nested`), else ``()``."""
+    k = 0
+    while k < min(len(have), len(want)) and have[k] == want[k]:
+        k += 1
+    prefix = have[:k]
+    if not prefix or any(_nested(n, mesh, prefix, rest) is None for rest in (have[k:], want[k:])):
+        return ()
+    return prefix
+
+
+def _nested(n: int, mesh, outer: tuple[str, ...], inner: tuple[str, ...]):
+    """The chunk sizes of a block of ``outer``'s split of a dim of size ``n``, split again over
+    ``inner``, if every such block is as long and its chunks are the flat split's over
+    ``outer + inner`` (``n`` divisible by ``outer``'s size, say, with even or equally uneven
+    inner chunks), else None; with no ``outer``, the chunks of the dim over ``inner``.
+
+    Example:
+        >>> from fshard import Mesh
+        >>> m = Mesh.abstract((2, 2), ("cp", "tp"))
+        >>> _nested(8, m, ("cp",), ("tp",)), _nested(6, m, ("cp",), ("tp",))
+        ((2, 2), None)
+    """
+    if not outer:
+        return chunk_sizes(n, mesh, inner)
+    ko, ki = mesh.size(outer), mesh.size(inner) if inner else 1
+    if n % ko:
+        return None
+    block = n // ko
+    for i in range(ko):
+        for t in range(ki):
+            a, b = chunk_bounds(block, ki, t)
+            if chunk_bounds(n, ko * ki, i * ki + t) != (i * block + a, i * block + b):
+                return None
+    return chunk_sizes(block, mesh, inner)
 
 
 def _parts_stay(src: PartsLayout, dst) -> bool:

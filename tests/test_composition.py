@@ -84,7 +84,14 @@ def test_demo_flags_compose_like_dense(world4, references, flags, reference):
         torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=k)
 
 
-EIGHT = ["--fsdp 2 --tp 2 --pp 2", "--fsdp 2 --tp 2 --cp 2"]
+EIGHT = [
+    "--fsdp 2 --tp 2 --pp 2", "--fsdp 2 --tp 2 --cp 2",
+    # sequence parallel in the pipeline's stages with the sequence split over cp: each rank's
+    # cp chunk split over tp between the layers ("cp", "tp"), the attention on the cp chunk
+    "--tp 2 --sp --pp 2 --cp 2 --remat",
+    # DDP x TP x PP: every tp rank's gradient sync over dp alike (the pipeline checks it)
+    "--tp 2 --pp 2 --dp 2",
+]  # fmt: skip
 
 
 def eight_rank_fn():
@@ -93,8 +100,8 @@ def eight_rank_fn():
 
 @pytest.mark.timeout(900)
 def test_three_strategies_on_eight_ranks(world8, references):
-    """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations) on 8 local
-    ranks, in one run: 3 steps like dense."""
+    """FSDP x TP x PP and FSDP x TP x CP (the standard large-model configurations),
+    TP x SP x PP x CP and DDP x TP x PP on 8 local ranks, in one run: 3 steps like dense."""
     ref_losses, ref_snaps = references["dense"]
     for flags, out in zip(EIGHT, world8.run(eight_rank_fn, timeout=900)[0]):
         params = out["params"]
@@ -1144,6 +1151,33 @@ def test_parallelize_refuses_what_pp_does_not_compose():
     for policy in ("collectives", "dots"):
         with pytest.raises(ValueError, match=f"remat='{policy}' with dp_shard > 1 is not composed"):
             fs.parallel.parallelize(_hf_model("llama"), dims.abstract_mesh(), dims, remat=policy)
+
+
+def ddp_tp_rank_fn():
+    """One step of the demo GPT under DDP x TP: this rank's collectives over dp_replicate
+    (comm_log) and its local param bytes."""
+    from tests.test_train_gpt import CFG, demo
+
+    dims = fs.parallel.ParallelDims(dp_replicate=2, tp=2)
+    torch.manual_seed(0)
+    model = demo.GPT(CFG)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, parts=demo.gpt_parts(CFG))
+    ids = torch.randint(0, CFG.vocab, (4, 16), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as log:
+        fs.value_and_grad(loss)(params, {"input_ids": ids})
+    over_dp = [r.nbytes for r in log if r.axes == ("dp_replicate",)]
+    return over_dp, sum(v.local.numel() * v.local.element_size() for v in params.values())
+
+
+@pytest.mark.timeout(300)
+def test_ddp_x_tp_reduces_every_gradient_in_one_bucket_on_every_rank(world4):
+    """Each rank's gradients go over dp in one bucketed all_reduce of all its param bytes, on
+    every tp rank: a row-parallel bias's replicated -> partial step (zeros on tp rank 1) came
+    before its pcast, so tp rank 1's pcast read the zeros, not the param, and reduced each use
+    on its own (4 all_reduces of 128 B a step; the pipeline's consistency check then saw the
+    tp ranks use different groups)."""
+    for over_dp, param_bytes in world4.run(ddp_tp_rank_fn):
+        assert over_dp == [param_bytes], (over_dp, param_bytes)
 
 
 def test_parallelize_takes_a_model_of_your_own_by_its_parts():

@@ -216,6 +216,61 @@ def test_attention_under_vmap_and_value_and_grad(world2, which):
     assert world2.run(transforms_rank_fn, which) == [True, True]
 
 
+def global_view_rank_fn():
+    """``fs.parallel.attention`` in the global view under cp (as ``parallelize`` runs a
+    pipelined stage): ShardedArrays over a (cp, tp) mesh, heads over tp, the sequence (in the
+    load-balanced order) over cp, gathered (a layer before gathered it), or over cp and tp
+    (the body's block would be half the rank's cp chunk), and inside a shard_map over cp with
+    the chunk split over tp: the attention splits the sequence over cp alone (whole in the
+    chunk), and the values and gradients equal dense causal sdpa's for each layout."""
+    mesh = fs.Mesh.create((2, 2), ("cp", "tp"))
+    q, k, v, _ = _qkv(hkv=4)
+    want = _dense(q, k, v, None, True, False)
+    dgrads = torch.func.grad(lambda q, k, v: _objective(_dense(q, k, v, None, True, False)),
+                             (0, 1, 2))(q, k, v)  # fmt: skip
+    lb = [C.load_balance(t, 2) for t in (q, k, v)]
+    seen = []
+    for spec in (fs.P(None, "tp", "cp"), fs.P(None, "tp"), fs.P(None, None, ("cp", "tp"))):
+        xs = [fs.shard(t, mesh, spec) for t in lb]
+
+        def loss(q, k, v):
+            with C._attention_of(torch.nn.Module(), mesh, "cp", C.ring_attention):
+                out = fs.parallel.attention(q, k, v, is_causal=True)
+            seen.append(out.spec)
+            return _objective(C.load_balance_inverse(fs.gather(out), 2))
+
+        value, grads = fs.value_and_grad(loss, argnums=(0, 1, 2))(*xs)
+        _close(value, _objective(want), f"{spec}: value")
+        for name, g, x, dg in zip("qkv", grads, xs, dgrads):
+            assert g.layout == x.layout, (spec, name, g.layout)
+            _close(C.load_balance_inverse(fs.gather(g), 2), dg, f"{spec}: grad {name}")
+
+    # inside a shard_map over cp (parallelize without pp): each rank's chunk, its sequence split
+    # over tp by a layer before; the attention needs the chunk whole
+    def body(q, k, v):
+        q, k, v = (fs.reshard(t, fs.P(None, None, "tp")) for t in (q, k, v))
+        with C._attention_of(torch.nn.Module(), mesh, "cp", C.ring_attention):
+            out = fs.parallel.attention(q, k, v, is_causal=True)
+        seen.append(out.spec)
+        return out
+
+    chunk = fs.P(None, None, "cp")
+    run = fs.shard_map(body, mesh, (chunk,) * 3, chunk, axis_names={"cp"})
+    out = run(*(fs.shard(t, mesh, chunk) for t in lb))
+    _close(C.load_balance_inverse(fs.gather(out), 2), want, "in a shard_map over cp: value")
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_attention_in_the_global_view_splits_the_sequence_over_cp(world4):
+    for seen in world4.run(global_view_rank_fn):
+        # the output's sequence is split over cp alone, whatever the input's layout
+        assert seen == [
+            fs.P(None, "tp", "cp", None), fs.P(None, "tp", "cp", None), fs.P(None, None, "cp", None),
+            fs.P(None, None, None, None),
+        ], seen  # fmt: skip
+
+
 def comm_rank_fn():
     """Ring attention moves the stacked k/v block cp - 1 times forward and its cotangent back
     (the inverse rotation); the padding mask costs one all_gather (no backward)."""

@@ -222,6 +222,28 @@ def test_every_2x2_plan_reaches_its_target():
                 assert s.dst == t.src
 
 
+def test_nested_splits_move_only_their_inner_axes():
+    """A dim split over ("cp", "tp") (sequence parallelism inside a cp chunk) nests in its
+    split over "cp" when the dim is even: gathering, slicing or reduce-scattering tp works
+    inside the cp blocks (the bytes of tp alone); where the blocks do not nest (6 over 2 x 2:
+    flat chunks 2, 2, 2, 0; nested 2, 1, 2, 1) the plan goes through the whole dim."""
+    m = fs.Mesh.abstract((2, 2), ("cp", "tp"))
+
+    def moves(a, b, n=8):
+        return [(s.op.name, s.axes, s.nbytes) for s in fs.plan(fs.Layout(m, a, (2, n, 4)), b)]
+
+    seq, both = fs.P(None, "cp"), fs.P(None, ("cp", "tp"))
+    assert moves(both, seq) == [("all_gather", ("tp",), 2 * 2 * 4 * 4)]
+    assert moves(seq, both) == [("slice", ("tp",), 0)]
+    assert moves(fs.P(None, "cp", partial="tp"), both) == [
+        ("reduce_scatter", ("tp",), 2 * 4 * 4 * 4)
+    ]
+    assert moves(both, seq, n=6) == [
+        ("all_gather", ("cp", "tp"), 2 * 2 * 4 * 4),
+        ("slice", ("cp",), 0),
+    ]
+
+
 @pytest.mark.parametrize("mesh_shape,names", MESHES)
 def test_chunk_index_is_the_one_mixed_radix(mesh_shape, names):
     """spec.chunk_index (which layouts, Mesh.axis_index and shard_map's size check all use)

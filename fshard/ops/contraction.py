@@ -58,11 +58,15 @@ def _assign(operands, letters, out_letters, kept, first=None):
     for i in order:
         x = operands[i]
         for d, letter in enumerate(letters[i]):
-            axes = x.dim_axes[d]
-            if letter is None or not axes or letter in assign or used & set(axes):
+            if letter is None or letter in assign:
                 continue
-            assign[letter] = axes
-            used |= set(axes)
+            # the dim's major axes up to the first one taken: the rest are gathered (a dim
+            # split over ("cp", "tp") whose tp another operand takes stays split over cp)
+            axes = x.dim_axes[d]
+            free = next((j for j, a in enumerate(axes) if a in used), len(axes))
+            if free:
+                assign[letter] = axes[:free]
+                used |= set(axes[:free])
     specs = []
     for i, ls in enumerate(letters):
         dims = [assign.get(letter, ()) if letter is not None else () for letter in ls]

@@ -204,26 +204,32 @@ def cross_entropy_rule(op, args, kwargs):
         )
     if bound["reduce"] is not None:
         raise NotImplementedError("F.cross_entropy: legacy reduce= is not supported")
-    if x.ndim != 2 or not isinstance(target, BaseLayout) or target.ndim != 1:
+    if x.ndim < 2 or not isinstance(target, BaseLayout) or target.ndim != x.ndim - 1:
         raise NotImplementedError(
-            "F.cross_entropy on a ShardedArray expects (N, C) logits and (N,) class indices; "
-            "reshape first (logits.reshape(-1, C), target.reshape(-1))"
+            "F.cross_entropy on a ShardedArray expects (N, C, d1, ...) logits and (N, d1, ...) "
+            "class indices (torch's K-dimensional form; (N, C) and (N,) most often); reshape "
+            "first (logits.reshape(-1, C), target.reshape(-1))"
         )
     reduction = bound["reduction"]
     mesh = x.mesh
     if x.is_explicit or target.is_explicit:  # row blocks (fshard.ops.rows): taken as they are
         bounds = rows.same_rows([x, target])
-        if bounds is None:
+        if bounds is None or x.ndim != 2:
             raise rows.explicit_error("F.cross_entropy", [x, target])
         n_axes, c_axes = rows.row_axes(x), ()
         specs = {"input": None, "target": None}
         if reduction == "none":
             out = rows.rows_layout(mesh, bounds, (x.shape[0],), x.dtype, n_axes)
     else:
-        n_axes, c_axes = x.dim_axes
-        specs = {"input": spec(x.dim_axes), "target": spec([n_axes])}
+        # the class dim (1) over c_axes (a vocab-parallel loss); every other dim, the target's,
+        # keeps its split: a sum over them is a pending sum over their axes (a sequence split
+        # over cp is not gathered, as flattening (rows, seq) would gather it)
+        c_axes = x.dim_axes[1]
+        row_dims = [x.dim_axes[0], *x.dim_axes[2:]]
+        n_axes = tuple(a for axes in row_dims for a in axes)
+        specs = {"input": spec(x.dim_axes), "target": spec(row_dims)}
         if reduction == "none":
-            out = Layout(mesh, spec([n_axes]), (x.shape[0],), x.dtype)
+            out = Layout(mesh, spec(row_dims), tuple(target.shape), x.dtype)
     if reduction != "none":
         out = Layout(mesh, spec([], in_mesh_order(mesh, n_axes)), (), x.dtype)
     c_group, n_group = group_of(mesh, c_axes), group_of(mesh, n_axes)

@@ -39,7 +39,7 @@ from torch.utils import _python_dispatch
 from .. import _compat, config
 from .._traced import constant
 from ..array import ShardedArray, expose_operators, install_dispatch
-from ..collectives import Bound, Pcast
+from ..collectives import Bound, Pcast, ZeroOthers
 from ..consistency import check_replicated
 from ..executor import check_plain_tensor, gather_varying, program
 from ..executor import run as run_program
@@ -681,6 +681,11 @@ class _Input:
     pcast: Bound | None  # Pcast over the axes other inputs vary on, or None
     plain: bool
     cast: torch.dtype | None = None  # the dtype autocast gives this input, None: as is
+    # the pcast before the program: a program of zero steps only (replicated -> partial: the
+    # group's other ranks hold zeros, not a view of the input), so that the pcast reads the
+    # input itself on every rank (the gradient sync's stand-in for a param, or a view of one:
+    # once a step, where the pcast of the zeros summed each microbatch's gradient)
+    pcast_first: bool = False
 
 
 class _Compiled:
@@ -757,7 +762,12 @@ class _Compiled:
             claim_op = None
             if src.partial and not mesh.is_abstract:
                 claim_op = claim_of(mesh.group(src.partial))
-            inputs.append(_Input(i, src, prog, claim_op, pcast, plain, casts.get(i)))
+            first = (
+                pcast is not None
+                and prog is not None
+                and all(type(step.op) is ZeroOthers for step in prog.steps)
+            )
+            inputs.append(_Input(i, src, prog, claim_op, pcast, plain, casts.get(i), first))
         self = _Compiled()
         self.name = name
         self.inputs = tuple(inputs)
@@ -795,9 +805,11 @@ class _Compiled:
                 loc = a if inp.plain else a.local
                 if inp.claim is not None:  # a partial leaf's gradient holds addends (DESIGN §4)
                     loc = claim(loc, inp.claim)
+                if inp.pcast_first and loc.requires_grad:
+                    loc = apply(inp.pcast, loc)
                 if inp.program is not None:
                     loc = run_program(loc, inp.program)
-                if inp.pcast is not None and loc.requires_grad:
+                if inp.pcast is not None and not inp.pcast_first and loc.requires_grad:
                     loc = apply(inp.pcast, loc)
                 if inp.cast is not None:
                     loc = loc.to(inp.cast)

@@ -31,7 +31,8 @@ one entry under the layers' name (``"model.layers"``): ``{name in a layer: (pp *
 layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back). With ``pp``
 and ``cp`` the sequence is split over ``cp`` in the pipeline's activations (load-balanced
 chunks; each layer's attention a ring or all-to-all over ``cp``, the rotary embeddings of the
-rank's chunks carried with the activations). Not composed yet: an ``attention_mask`` with
+rank's chunks carried with the activations; a plan's sequence-parallel output layout splits
+each cp chunk over ``tp``: ``("cp", "tp")``). Not composed yet: an ``attention_mask`` with
 ``pp``, models whose layers differ (``config.layer_types``) or whose loss adds the router's
 auxiliary loss (``output_router_logits``) with ``pp`` (refused by name).
 
@@ -386,7 +387,7 @@ def parallelize(
     # output layouts apply on every path (a row-parallel output reduced where it leaves its
     # layer, as Megatron does, not left pending into the residual stream, where each later use
     # reduces it again), the batch dim keeping its split (a replicated P() would gather it)
-    batch_outputs = {n: _with_batch(spec, 0, dims.batch_axes) for n, spec in outputs.items()}
+    batch_outputs = {n: _with_batch(spec, dims.batch_axes) for n, spec in outputs.items()}
     call: Callable = functools.partial(functional_call, mp_policy=mp_policy, outputs=batch_outputs)
     if dims.dp_shard > 1:
         replicate = "dp_replicate" if dims.dp_replicate > 1 else None
@@ -632,13 +633,25 @@ def _outputs(model: torch.nn.Module, plan: Mapping) -> dict[str, P]:
     return {n: rules[int(t.dims[0][0])][1] for n, t in tags.items() if t.dims}
 
 
-def _with_batch(spec: P, dim: int, axes: tuple[str, ...]) -> P:
-    """``spec`` with dim ``dim`` split over ``axes`` where it leaves that dim whole."""
-    dims = list(spec.padded(dim + 1))
-    if dims[dim]:
-        return spec
-    dims[dim] = axes
-    return P(*dims)
+def _with_batch(spec: P, axes: tuple[str, ...], *, lead: int = 0, seq: tuple[str, ...] = ()) -> P:
+    """A plan's output layout ``spec`` (its dims: rows, sequence, ...) for a call on
+    activations: ``lead`` whole dims put in front (the pipeline's embedding output has the
+    microbatches' dim first), the rows split over the batch ``axes`` where ``spec`` leaves
+    them whole, and the sequence split over ``seq`` first, outer to ``spec``'s own split of it
+    (the pipeline's activations hold the sequence split over cp: with sequence parallelism
+    each rank's cp chunk is split over tp, ``("cp", "tp")``).
+
+    Example:
+        >>> _with_batch(P(None, "tp"), ("dp",), lead=1, seq=("cp",))
+        P(None, 'dp', ('cp', 'tp'))
+    """
+    rows, sequence, *rest = spec.padded(2)
+    if seq and not set(seq) & set(sequence):
+        sequence = (*seq, *sequence)
+    dims = [()] * lead + [rows or axes, sequence, *rest]
+    while len(dims) > 1 and not dims[-1]:
+        dims.pop()
+    return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims), partial=spec.partial)
 
 
 class _Captured(Exception):
@@ -690,14 +703,18 @@ def _pipeline_loss(
     unless it is ``False``."""
     layer_name = f"{parts.layers}.0"
     axes = dims.batch_axes
+    seq_axes = ("cp",) if dims.cp > 1 else ()
     pieces = {}
     for key, name in (("embed", parts.embed), ("layer", layer_name), ("norm", parts.norm),
                       ("head", parts.head)):  # fmt: skip
-        # a plan's output layout names the model axes; the batch dim (1 for the embedding's
-        # (microbatch, rows, ...) output, else 0) keeps its split over the batch axes
-        b = 1 if key == "embed" else 0
+        # a plan's output layout names the model axes of (rows, sequence, ...); the rows keep
+        # their split over the batch axes and the sequence its split over cp; the embedding's
+        # output has the microbatches' dim in front
+        lead = 1 if key == "embed" else 0
         rel = {
-            n[len(name) + 1 :] if n != name else "": _with_batch(spec, b, axes)
+            n[len(name) + 1 :] if n != name else "": _with_batch(
+                spec, axes, lead=lead, seq=seq_axes
+            )
             for n, spec in outputs.items()
             if n == name or n.startswith(name + ".")
         }
@@ -835,10 +852,11 @@ def _pipeline_loss(
                 rows = y.spec.padded(y.ndim)[0]
                 y, target = y.local, target.local
             logits = run("head", hp["head"], (run("norm", hp["norm"], (y,), {}),), {})
+            # (rows, vocab, seq): torch's K-dimensional form, each dim keeping its split (the
+            # sequence over cp; flattening (rows, seq) would gather the logits over cp)
             ce = F.cross_entropy(
-                logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100,
-                reduction="sum",
-            )  # fmt: skip
+                logits.float().movedim(-1, 1), target, ignore_index=-100, reduction="sum"
+            )
             ce = ce * (m / count)  # the pipeline means over the m microbatches
             if rows:  # this rank's addend of the sum over its rows' axes, as the op rule's
                 ce = ShardedArray._raw(ce, Layout.of(mesh, P(partial=rows), (), ce.dtype))

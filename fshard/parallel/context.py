@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch._C._functorch import get_interpreter_stack
 
 from .. import axis_env, lax
-from ..api import gather, shard
+from ..api import gather, reshard, shard
 from ..array import ShardedArray
 from ..axis_env import current_mesh
 from ..mesh import Mesh
@@ -877,7 +877,15 @@ def attention(
         return attend(q, k, v, axis, causal=is_causal, padding_mask=mask, scale=scale)
 
     if isinstance(query, ShardedArray):
-        # partial-manual body (cp x tp): map the blocks of the other axes (heads over tp)
+        # a body over the blocks of every axis (heads over tp, rows over the batch axes: each
+        # attends on its own). Its ring or all-to-all takes the rank's block of the sequence
+        # as its cp chunk, so the sequence must be split over cp alone (whole inside a
+        # shard_map over cp): one gathered over cp by a layer before is split again, one split
+        # over more axes (cp x tp, or tp) gathered over the others (the block would be a part
+        # of the chunk: a wrong attention)
+        query, key, value = (_sequence_over(t, axis, -2) for t in (query, key, value))
+        if isinstance(padding_mask, ShardedArray):
+            padding_mask = _sequence_over(padding_mask, axis, -1)
         mask = padding_mask
         specs = [t.spec for t in (query, key, value)]
         specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
@@ -886,6 +894,19 @@ def attention(
         shape = (*query.shape[:-1], value.shape[-1])
         local = shard_map(local, mesh, tuple(specs), query.spec, out_shapes=shape)
     return local(query, key, value, padding_mask)
+
+
+def _sequence_over(t, axis: str, dim: int):
+    """``t`` (a ShardedArray) with its sequence dim ``dim`` split over ``axis`` alone (taken off
+    the other dims), its other dims as they are; inside a ``shard_map`` over ``axis`` (not an
+    axis of ``t``'s mesh: ``t`` is the rank's chunk already) the sequence dim whole."""
+    dims = list(t.spec.padded(t.ndim))
+    want = (axis,) if axis in t.layout.mesh.axis_names else ()
+    if dims[dim] == want:
+        return t
+    dims = [tuple(a for a in d if a != axis) for d in dims]
+    dims[dim] = want
+    return reshard(t, P(*(d or None for d in dims), partial=t.spec.partial))
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):

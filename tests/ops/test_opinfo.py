@@ -19,7 +19,7 @@ layout), so an op that starts refusing instead of computing fails the test, and 
 the equal count is exact (:data:`EQUAL`). 547 entries equal dense in every layout they ran in;
 the other 6 are refused in some layout by design: nonzero/argwhere/masked_select of a split
 value, 'nuc' norms over a split dim, tensor_split with tensor indices, meshgrid of a list
-(and one cross_entropy sample with (N, C, d) logits, in every layout). Since issue 37 a
+(and cross_entropy's sample with class probabilities as its target, in every layout). Since issue 37 a
 reshape (flatten, ravel, squeeze) whose uneven blocks cannot stay local moves them (it was
 refused: 15 runs). Not registered: ops torch cannot
 evaluate on meta tensors (geqrf, histogram, linalg.lstsq, cov, combinations), data-dependent

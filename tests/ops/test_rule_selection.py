@@ -29,6 +29,11 @@ CASES = {
         {"input": P("dp", None, "tp"), "weight": P(None, "tp")},
         P("dp", None, None, partial="tp"), (8, 5, 4),
     ),
+    "sequence-parallel input to a column linear keeps its major axis": (
+        # the sequence over (dp, tp) (a cp chunk split over tp): only tp, the weight's, gathered
+        F.linear, (L(P(None, ("dp", "tp")), (2, 8, 6)), L(P("tp", None), (4, 6))),
+        {"input": P(None, "dp"), "weight": P("tp", None)}, P(None, "dp", "tp"), (2, 8, 4),
+    ),
     "matmul over a split contraction": (
         torch.matmul, (L(P(None, "tp"), (8, 6)), L(P("tp", None), (6, 4))),
         [P(None, "tp"), P("tp", None)], P(None, None, partial="tp"), (8, 4),

@@ -285,6 +285,17 @@ def nn_cases():
         f = lambda x, t, red=red, ls=ls: F.cross_entropy(x, t, reduction=red, label_smoothing=ls)  # noqa: E731
         check(mesh, f, [logits, tgt], [sl, st], label=f"ce {sl} {st} {red} {ls}")
         n += 1
+    # the K-dimensional form (N, C, d): the class dim over x is a vocab-parallel loss, d over x
+    # (a sequence split over cp) a pending sum over x, nothing gathered
+    logits, tgt = randn(3, 11, 4, seed=8), torch.tensor([[0, 10, 5, -100], [6, 3, 3, 1], [2] * 4])
+    for sl, st, red in itertools.product(
+        [P(), P("x"), P(None, "x"), P(None, None, "x"), P(partial="x")],
+        [P(), None, P(None, "x")],
+        ["mean", "sum", "none"],
+    ):
+        f = lambda x, t, red=red: F.cross_entropy(x, t, reduction=red, label_smoothing=0.1)  # noqa: E731
+        check(mesh, f, [logits, tgt], [sl, st], label=f"ce (N, C, d) {sl} {st} {red}")
+        n += 1
     q, k, v = randn(2, 4, 5, 3, seed=5), randn(2, 4, 6, 3, seed=6), randn(2, 4, 6, 3, seed=7)
     for s in [P(), P("x"), P(None, "x"), P(None, None, "x")]:
         check(mesh, F.scaled_dot_product_attention, [q, k, v], [s, s, P(None, "x")], label="sdpa")
