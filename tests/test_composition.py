@@ -242,6 +242,10 @@ PARALLELIZE = [
     ("llama", {"dp_shard": 2, "cp": 2}),
     ("llama", {"tp": 2, "cp": 2}),
     ("mixtral", {"dp_shard": 2, "ep": 2}),
+    # the experts' I dim over tp (transformers' packed_colwise / rowwise / moe_tp_experts):
+    # with ep (torchtitan's ETP) and with FSDP
+    ("mixtral", {"tp": 2, "ep": 2}),
+    ("mixtral", {"tp": 2, "dp_shard": 2}),
 ]
 
 
