@@ -488,13 +488,28 @@ FSDP_CP_EIGHT = [
 
 def fsdp_cp_eight_rank_fn():
     """For each of FSDP_CP_EIGHT: the worst difference from dense over 3 AdamW steps
-    (:func:`_parallelize_train`) and the specs of parallelize's params."""
+    (:func:`_parallelize_train`), the specs of parallelize's params, each param's
+    ``(spec, local shape)`` and the FSDP collectives of the first step (over dp_shard x cp or
+    dp_shard, and every all_reduce over cp) with their bytes."""
     out = []
     for kind, degrees in FSDP_CP_EIGHT:
         dims = fs.parallel.ParallelDims(**degrees)
         params, _ = fs.parallel.parallelize(_hf_model(kind), dims.mesh(), dims)
         leaves = fs.tree_leaves(params, is_leaf=lambda t: isinstance(t, fs.ShardedArray))
-        out.append((_parallelize_train(kind, degrees), {str(t.spec) for t in leaves}))
+        local = {
+            k: (str(v.spec), tuple(v.local.shape))
+            for k, v in params.items()
+            if isinstance(v, fs.ShardedArray)
+        }
+        log: list = []
+        worst = _parallelize_train(kind, degrees, log=log)
+        fsdp = Counter(
+            (r.op, tuple(r.axes), r.nbytes)
+            for r in log
+            if tuple(r.axes) in (("dp_shard", "cp"), ("dp_shard",))
+            or (r.op == "all_reduce" and "cp" in r.axes)
+        )
+        out.append((worst, {str(t.spec) for t in leaves}, local, fsdp))
     return out
 
 
@@ -503,20 +518,55 @@ def test_fsdp_x_cp_composes_with_pp_and_ep_on_eight_ranks(world8):
     """FSDP over dp_shard x cp with pipeline stages (the stacked layers split over it on
     their dim 0, gathered and reduce-scattered over both in the stages' global view) and with
     expert parallelism (ep, between dp_shard and cp in the mesh, is not in the FSDP group: a
-    dense param is split over ("dp_shard", "cp") and replicated over ep; Mixtral's 4 experts
-    do not split over ep x dp_shard x cp = 8 and stay split over ep alone, fsdp_plan's
-    nesting rule): 3 AdamW steps equal to dense."""
+    dense param is split over ("dp_shard", "cp") and replicated over ep): 3 AdamW steps equal
+    to dense. Mixtral's 4 experts do not split over ep x dp_shard x cp = 8 but do over ep x
+    dp_shard = 4: split over ("ep", "dp_shard"), the longest prefix of the FSDP axes that
+    nests (torchtitan shards experts over fewer FSDP ranks than the dense params), a
+    quarter of each expert weight a rank (was whole over the FSDP axes, split over ep
+    alone: a half). Per step each layer's experts are gathered and reduce-scattered over
+    dp_shard (one pack: gate_up + down, 2,048 + 1,024 bytes a rank), the dense params over
+    dp_shard x cp (one pack per unit), and the experts' shards summed over cp in one
+    bucketed all_reduce (was one all_reduce of the whole experts' gradients over
+    (dp_replicate, dp_shard, cp), 12,288 bytes); expected from the param shapes alone."""
     pytest.importorskip("transformers")
     want = [
         {"P('pp', None, ('dp_shard', 'cp'))", "P(('dp_shard', 'cp'), None)"},
-        {"P(('dp_shard', 'cp'), None)", "P('ep')"},
+        {"P(('dp_shard', 'cp'), None)", "P(('ep', 'dp_shard'), None, None)"},
     ]
-    for (kind, degrees), (worst, specs), must in zip(
-        FSDP_CP_EIGHT, world8.run(fsdp_cp_eight_rank_fn, timeout=900)[0], want
-    ):
-        assert worst < 1e-4, (kind, degrees, worst)
-        assert must <= specs, (kind, degrees, specs)
-        assert all("dp_shard" not in s or "'cp'" in s for s in specs), (kind, degrees, specs)
+    results = world8.run(fsdp_cp_eight_rank_fn, timeout=900)
+    for rank_results in results:
+        for (kind, degrees), (worst, specs, _, _), must in zip(FSDP_CP_EIGHT, rank_results, want):
+            assert worst < 1e-4, (kind, degrees, worst)
+            assert must <= specs, (kind, degrees, specs)
+            expert = "P(('ep', 'dp_shard'), None, None)"
+            assert all("dp_shard" not in s or "'cp'" in s or s == expert for s in specs), specs
+    # Mixtral (dp_shard=2 x ep=2 x cp=2), from the shapes alone: every dense param a quarter
+    # (1/(dp_shard * cp)), every expert weight a quarter (1/(ep * dp_shard)), float32
+    named = dict(_hf_model("mixtral").named_parameters())
+    experts = {k for k in named if ".mlp.experts." in k}
+    assert len(experts) == 4 and all(named[k].shape[0] == 4 for k in experts)
+    assert all(p.shape[0] % 4 == 0 for p in named.values())
+    block = {k: p.numel() // 4 * 4 for k, p in named.items()}
+    want_log = Counter({("all_reduce", ("cp",), 4): 1})  # the loss's psum over cp
+    for unit, names in fs.nn.fsdp_units(_hf_model("mixtral")).items():
+        for axes, group, k in ((("dp_shard", "cp"), set(names) - experts, 4), (("dp_shard",), set(names) & experts, 2)):  # fmt: skip
+            if not group:
+                continue
+            local = sum(block[n] for n in group)
+            # gathered in the forward and, a layer's, again in the backward (the root kept)
+            want_log[("all_gather", axes, local)] += 2 if unit else 1
+            want_log[("reduce_scatter", axes, k * local)] += 1  # the gathered gradients in
+    shards = sum(block[k] for k in experts)  # the experts' shards' sums over cp: one bucket
+    assert max(block[k] for k in experts) < fs.lax.PSUM_INPLACE_MIN_BYTES
+    assert shards < fs.lax.PSUM_BUCKET_BYTES
+    want_log[("all_reduce", ("cp",), shards)] += 1
+    for rank_results in results:
+        _, _, local, log = rank_results[1]
+        for k, p in named.items():
+            spec = "P(('ep', 'dp_shard'), None, None)" if k in experts else None
+            assert local[k][1] == (p.shape[0] // 4, *p.shape[1:]), (k, local[k])
+            assert spec is None or local[k][0] == spec, (k, local[k])
+        assert log == want_log, log
 
 
 def _hf_model(kind: str):
@@ -549,10 +599,11 @@ def _by_name(tree: dict, dims, layers: str = "model.layers") -> dict:
     return out
 
 
-def _parallelize_train(kind: str, degrees: dict, **options) -> float:
+def _parallelize_train(kind: str, degrees: dict, log: list | None = None, **options) -> float:
     """3 AdamW steps of ``fs.parallel.parallelize``'s loss under fs.value_and_grad against
     dense torch.func on the same weights: the worst difference of the loss, of every gradient
-    (relative to its largest entry) and of every parameter after the last step."""
+    (relative to its largest entry) and of every parameter after the last step; ``log``: a
+    list that gets the comm_log records of the first step's fs.value_and_grad."""
     model = _hf_model(kind)
     dims = fs.parallel.ParallelDims(**degrees)
     params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, **options)
@@ -566,8 +617,11 @@ def _parallelize_train(kind: str, degrees: dict, **options) -> float:
     tx = fs.optim.adamw(1e-2, eps=1e-4, weight_decay=0.1)
     state, dstate = tx.init(params), tx.init(dense)
     worst = 0.0
-    for _ in range(3):
-        value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    for step in range(3):
+        with fs.debug.comm_log() as records:
+            value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+        if log is not None and step == 0:
+            log.extend(records)
         for g, p in zip(fs.tree_leaves(grads), fs.tree_leaves(params)):
             assert g.layout == p.layout
         want, want_value = torch.func.grad_and_value(dense_loss)(dense)
