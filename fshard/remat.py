@@ -372,6 +372,14 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                     if tracker is not None:  # its mode, and a partial-manual body's dispatch
                         stack.enter_context(tracker)
                         stack.enter_context(tracker.dispatch())
+                elif tracker is not None and not _mode_on(tracker):
+                    # Under torch.func the Function's apply reaches the body's tracker (which
+                    # aligns its operands) and fn's forward runs inside the tracker's own
+                    # handler, where torch turns the mode off: fn's ops went untracked and its
+                    # outputs read as invariant (out_vma), so every later use of a layer's
+                    # output skipped its pcasts (parallelize's Llama, cp=2, remat=True under
+                    # torch.func.grad: every gradient wrong, 2.8 relative, the loss exact)
+                    stack.enter_context(tracker)
                 if again and not set(map(id, again)) <= set(map(id, lax.active_handlers())):
                     stack.enter_context(lax.handling(*again))
                 for t, axes in zip(tensors, in_vma):
@@ -407,6 +415,11 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         return optree.tree_unflatten(out_def[0], list(outs))
 
     return rematted
+
+
+def _mode_on(mode: torch.overrides.TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on torch's function-mode stack now (off inside its own handler)."""
+    return any(m is mode for m in torch.overrides._get_current_function_mode_stack())
 
 
 def _claimed(args):
