@@ -40,8 +40,9 @@ import torch
 
 from . import axis_env, lax
 from .array import ShardedArray, is_sharded
-from .collectives import AllGather, AllToAll, Ppermute, Psum, PsumScatter
+from .collectives import AllGather, AllToAll, Pcast, Ppermute, Psum, PsumScatter
 from .executor import claimed_local
+from .gradsync import GradSync
 
 __all__ = ["remat"]
 
@@ -116,6 +117,61 @@ _DOTS = (
     torch.Tensor.mm,
     torch.Tensor.bmm,
 )
+
+
+class _Defer(lax.Handler):
+    """The recompute under a gradient sync (``fs.value_and_grad``'s, a pipeline's): a
+    ``pcast`` of one of its leaves that the recompute makes at its own ``torch.func.vjp``
+    level (a param replicated over cp, pcast where it meets the sequence's chunks) is taken
+    over by the sync (:meth:`~fshard.gradsync.GradSync.defer`): the pcast's cotangent goes to
+    the sync (:class:`_Deposit`), which sums it with the other uses' and reduces it in a
+    bucket with the other params' after the backward, instead of one all_reduce per param and
+    recompute (the sync's stand-ins cannot be read under the vjp: its level would not
+    differentiate them). A pcast inside a transform of fn's own (a deeper level) is left as
+    it is: its cotangent is not the loss's."""
+
+    def __init__(self, sync: GradSync, level: list, leaf_of: dict):
+        # leaf_of: id(the recompute's primal, below the vjp) -> the sync's leaf it stands for
+        # (saved for the backward, it may be another tensor object: FSDP's saved-tensor
+        # hooks save a leaf detached)
+        self.sync, self.level, self.leaf_of = sync, level, leaf_of
+
+    def process(self, b, x, done, proceed):
+        if (
+            type(b.op) is Pcast
+            and self.level
+            and _FUNCTORCH.maybe_current_level() == self.level[0]
+            and _FUNCTORCH.maybe_get_level(x) == self.level[0]
+        ):
+            inner = _FUNCTORCH.get_unwrapped(x)
+            base = inner if inner._base is None else inner._base
+            i = self.leaf_of.get(id(base))
+            if i is not None and inner.shape == base.shape and inner.stride() == base.stride():
+                k = self.sync.defer(i, b.group, b.op.reduce_dtype)
+                if k is not None:
+                    return _Deposit.apply(x, self.sync, k)
+        return proceed(b, x, done)
+
+
+class _Deposit(torch.autograd.Function):
+    """A deferred ``pcast`` (:class:`_Defer`): forward a view (no communication), backward
+    the cotangent handed to the gradient sync's late entry ``k`` (no communication; its sum
+    over the pcast's axes is the sync's, in :meth:`~fshard.gradsync.GradSync.finish`)."""
+
+    @staticmethod
+    def forward(x, sync, k):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.sync, ctx.k = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        while _FUNCTORCH.is_functorch_wrapped_tensor(g):
+            g = _FUNCTORCH.get_unwrapped(g)
+        ctx.sync.deposit(ctx.k, g)
+        return None, None, None
 
 
 def _unbroadcast(t: torch.Tensor, shape) -> torch.Tensor:
@@ -248,7 +304,11 @@ class _Remat(torch.autograd.Function):
             i for i, need in enumerate(ctx.needs_input_grad[2:]) if need and i not in ctx.run.unread
         ]
 
+        sync = ctx.run.sync
+        level: list = []  # the recompute's vjp level, where its pcasts of leaves are deferred
+
         def of_wanted(*ts):
+            level[:] = [_FUNCTORCH.maybe_current_level()]
             filled = list(primals)
             for i, t in zip(wanted, ts):
                 filled[i] = t
@@ -256,8 +316,12 @@ class _Remat(torch.autograd.Function):
 
         dots = ctx.replays and ctx.policy == "dots"
         replay = (_Replay(residuals),) if ctx.replays and not dots else ()
+        defer = ()
+        if sync is not None and any(h is sync for h in lax.active_handlers()):
+            leaf_of = {id(p): i for p, i in zip(primals, ctx.run.leaf_of) if i is not None}
+            defer = (_Defer(sync, level, leaf_of),)
         with (
-            lax.handling(*replay),
+            lax.handling(*replay, *defer),
             torch.enable_grad(),
             _DotsMode(residuals) if dots else contextlib.nullcontext(),
         ):
@@ -408,6 +472,11 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
             return tuple(out_leaves)
 
         run.first, run.unread = True, frozenset()
+        # the innermost gradient sync (fs.value_and_grad's, a pipeline's) and which of its
+        # leaves each input is: the recompute's pcasts of those are deferred to it (_Defer)
+        syncs = [h for h in lax.active_handlers() if isinstance(h, GradSync)]
+        sync = run.sync = syncs[-1] if syncs and differentiated else None
+        run.leaf_of = [None if sync is None else sync.leaf_index(t) for t in inputs]
         outs = _Remat.apply(run, policy, *inputs)[: run.n_out]
         if tracker is not None:  # what the body's tracker saw in fn (psum: invariant, ...)
             for o, axes in zip(outs, out_vma):

@@ -297,21 +297,23 @@ def fsdp_cp_packed_rank_fn(replicate: int = 1, remat: bool = False):
     # dp_shard, reduce-scattered over it, then each shard summed over cp in one bucketed
     # all_reduce of 45,376 bytes; with remat one per layer param). With HSDP each shard is then
     # summed over dp_replicate, all of them in one bucket (all_reduce) of their bytes (under
-    # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together; with remat a
-    # layer's param one all_reduce each: torch.func, no gradient sync buckets them). The
+    # fs.lax.PSUM_INPLACE_MIN_BYTES each, under PSUM_BUCKET_BYTES together; with remat the
+    # layers' shards, pcast in the recompute under its torch.func.vjp, in a bucket of their own
+    # that the gradient sync reduces after the backward: was one all_reduce each). The
     # forward's only cp all_reduce is the loss's psum (4 bytes).
     named = dict(model.named_parameters())
     assert all(p.shape[0] % 4 == 0 for p in named.values())
     want_forward, want_backward = Counter({("all_reduce", ("cp",), 4): 1}), Counter()
     shards = {k: p.numel() // 4 * 4 for k, p in named.items()}
     if replicate > 1:
+        late = [b for k, b in shards.items() if remat and k.startswith("model.layers.")]
         bucketed = [b for k, b in shards.items() if not (remat and k.startswith("model.layers."))]
         assert max(shards.values()) < fs.lax.PSUM_INPLACE_MIN_BYTES
         assert sum(bucketed) < fs.lax.PSUM_BUCKET_BYTES
         want_backward[("all_reduce", ("dp_replicate",), sum(bucketed))] += 1
-        for k, b in shards.items():
-            if remat and k.startswith("model.layers."):
-                want_backward[("all_reduce", ("dp_replicate",), b)] += 1
+        if late:
+            assert sum(late) < fs.lax.PSUM_BUCKET_BYTES
+            want_backward[("all_reduce", ("dp_replicate",), sum(late))] += 1
     group = ("dp_shard", "cp")
     for unit, names in fs.nn.fsdp_units(model).items():
         local = sum(shards[n] for n in names)
@@ -1271,3 +1273,58 @@ def test_parallelize_remat_with_cp_under_torch_func_matches_dense(world2, attent
     pytest.importorskip("transformers")
     for worst in world2.run(remat_cp_torch_func_rank_fn, attention):
         assert worst < 1e-4, worst
+
+
+def remat_sums_rank_fn(degrees: dict):
+    """parallelize(remat=True) on a transformers Llama, one fs.value_and_grad step: the worst
+    difference from dense and every all_reduce over cp or dp_replicate (bytes, count)."""
+    model = _hf_model("llama")
+    dims = fs.parallel.ParallelDims(**degrees)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=True)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    worst = _worst_against_dense(model, ids, params, value, grads)
+    sums = (("cp",), ("dp_replicate",))
+    return worst, Counter((tuple(r.axes), r.nbytes) for r in log if r.op == "all_reduce" and tuple(r.axes) in sums)  # fmt: skip
+
+
+def _remat_sums(world, degrees: dict, axes: tuple, split: int) -> None:
+    """The sums over ``axes`` of parallelize(remat=True)'s step (:func:`remat_sums_rank_fn`)
+    against the param shapes (each param, or its FSDP shard, ``1/split`` of it, float32): one
+    bucket of the decoder layers' (reduced after the backward), one of the embedding's, final
+    norm's and head's, and over cp the loss's psum; equal to dense."""
+    named = dict(_hf_model("llama").named_parameters())
+    root = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    assert set(root) | {k for k in named if k.startswith("model.layers.")} == set(named)
+    layers = sum(p.numel() // split * 4 for k, p in named.items() if k not in root)
+    outer = sum(named[k].numel() // split * 4 for k in root)
+    assert max(p.numel() * 4 for p in named.values()) < fs.lax.PSUM_INPLACE_MIN_BYTES
+    assert layers + outer < fs.lax.PSUM_BUCKET_BYTES
+    want = Counter({(axes, layers): 1, (axes, outer): 1})
+    if axes == ("cp",):
+        want[(axes, 4)] += 1  # the loss's psum over cp
+    for worst, sums in world.run(remat_sums_rank_fn, degrees):
+        assert worst < 1e-4, worst
+        assert sums == want, sums
+
+
+@pytest.mark.timeout(600)
+def test_parallelize_remat_with_cp_buckets_the_recomputed_layers_sums(world2):
+    """parallelize(remat=True, cp=2) under fs.value_and_grad: the params are replicated over
+    cp and pcast where they meet the sequence's chunks; the pcasts the layers' recompute makes
+    (under its torch.func.vjp, in the backward) are taken over by the gradient sync, their
+    sums over cp reduced in one bucket after the backward: one all_reduce over cp of the 18
+    layer params (74,240 bytes; was 18, one per param), beside the bucket of the embedding,
+    final norm and head (16,512 bytes) and the loss's psum (4 bytes); equal to dense."""
+    pytest.importorskip("transformers")
+    _remat_sums(world2, {"cp": 2}, ("cp",), 1)
+
+
+@pytest.mark.timeout(600)
+def test_parallelize_remat_with_hsdp_buckets_the_recomputed_layers_sums(world4):
+    """HSDP (dp_replicate=2 x dp_shard=2) with remat=True: the layers' FSDP shards, pcast
+    over dp_replicate in the recompute, summed in one all_reduce after the backward (37,120
+    bytes; was 18, one per param) beside the root's bucket (8,256 bytes); equal to dense."""
+    pytest.importorskip("transformers")
+    _remat_sums(world4, {"dp_replicate": 2, "dp_shard": 2}, ("dp_replicate",), 2)
