@@ -289,7 +289,13 @@ class _Session:
         self.split: dict[str, tuple[str, ...]] = {}
         self.groups = {self.axes: self.group}
         # a 1-rank group has nothing to gather or free: the lax path (no hooks, no copy)
-        self.eager = not torch._C._are_functorch_transforms_active() and self.group.size > 1
+        # (a Function's forward under a torch.func transform, fs.remat's under torch.func.grad,
+        # runs with the transforms peeled off but saved-tensor hooks still refused: not eager)
+        self.eager = (
+            not torch._C._are_functorch_transforms_active()
+            and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and self.group.size > 1
+        )
         self.launched: dict[str, dict] = {}  # unit -> {name: _comm.Pending} gathers in flight
         self.active: dict[int, tuple[str, str, torch.Tensor]] = {}  # storage -> (unit, name, full)
         self.seen: list[str] = []  # units in forward order
