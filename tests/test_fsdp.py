@@ -770,3 +770,15 @@ def test_fsdp_splits_params_over_a_prefix_of_the_axes_that_nests(world4, where):
             loss = [("all_reduce", rest, 8)]
         scatters = [("reduce_scatter", prefix, 240), ("reduce_scatter", rest, 448)]
         assert log == sorted(gathers + sums + loss + scatters), log
+
+
+def test_fsdp_call_refuses_fsdp_axes_before_others_in_dim_0():
+    """A hand-written spec splitting dim 0 over the FSDP axis before another (P(("dp", "tp"))
+    with axis "dp") is refused by name before anything is gathered: its blocks over dp are not
+    contiguous rows of its tp block, so the gather gave a wrong weight silently (main c2f6699:
+    the output 1.86 off dense on 4 ranks)."""
+    rank = fs.Mesh.abstract((2, 2), ("tp", "dp")).simulate(0)
+    model = nn.Linear(4, 8)
+    params = fs.nn.shard_params(model, rank, {"weight": fs.P(("dp", "tp")), "bias": fs.P("dp")})
+    with pytest.raises(ValueError, match=r"'weight'.*FSDP axes \('dp',\) before \('tp',\)"):
+        fs.nn.fsdp_call(model, params, (torch.ones(2, 4),), mesh=rank, axis="dp")

@@ -350,7 +350,15 @@ class _Session:
             if isinstance(spec, Parts) or not spec.dims:
                 axes = ()
             else:
-                axes = tuple(a for a in self.axes if a in spec.dims[0])
+                first = spec.padded(len(self.params[n].shape))[0]
+                axes = tuple(a for a in self.axes if a in first)
+                if set(first[len(first) - len(axes) :]) != set(axes):
+                    raise ValueError(
+                        f"fsdp_call: param {n!r} of spec {spec} splits dim 0 over the FSDP axes "
+                        f"{axes} before {first[len(first) - len(axes) :]}: gathering them would "
+                        "not give its block; put the FSDP axes last in dim 0 (fs.nn.fsdp_plan "
+                        "does)"
+                    )
             self.split[n] = axes
         return axes
 
