@@ -15,8 +15,10 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
    above), replicated over ``dp_replicate``; with ``cp > 1`` over ``("dp_shard", "cp")``
    (:attr:`ParallelDims.fsdp_axes`, torchtitan's ``dp_shard_cp``): params, gradients and
    optimizer state ``1/(dp_shard * cp)`` a rank, each unit's gradient one reduce_scatter over
-   the dp_shard x cp ranks (its sum over cp included, no all_reduce over cp); with
-   ``dp_shard == 1`` nothing is split over cp (the params replicated over it);
+   the dp_shard x cp ranks (its sum over cp included, no all_reduce over cp); an expert
+   whose count does not split over ``ep x dp_shard x cp`` over the longest prefix of the
+   FSDP axes that does (``("ep", "dp_shard")``: its own group, its shard summed over cp);
+   with ``dp_shard == 1`` nothing is split over cp (the params replicated over it);
 4. pipeline parallel: the decoder layers (``config.base_model_pp_plan``'s ``layers``) stacked
    as stages over ``pp`` (:func:`stack_stages`: each stage's layers keep the layouts of 1-3);
 5. the call: :func:`fsdp_call` (each block gathered over the FSDP axes just before use) or
@@ -173,8 +175,12 @@ class ParallelDims:
         it over cp too), else ``("dp_shard",)``. The group is the ranks sharing every other
         coordinate (pp, dp_replicate, ep, tp): with ``ep > 1`` (the axis between them in the
         mesh) its ranks are not contiguous, and an expert (split over ``ep`` by its plan) is
-        split over ``("ep", "dp_shard", "cp")``. With ``dp_shard == 1`` nothing is split over
-        cp: the params stay whole over it (replicated, their gradients summed over cp).
+        split over ``("ep", "dp_shard", "cp")``, or, where its count does not split over
+        those, over the longest prefix of these axes that it does (4 experts at ep 2 x
+        dp_shard 2 x cp 2: ``("ep", "dp_shard")``, gathered and reduce-scattered over
+        dp_shard, its shard's gradient summed over cp; :func:`fsdp_plan`). With
+        ``dp_shard == 1`` nothing is split over cp: the params stay whole over it
+        (replicated, their gradients summed over cp).
 
         Example:
             >>> fs.parallel.ParallelDims(dp_shard=2, cp=2).fsdp_axes
