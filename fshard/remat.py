@@ -40,8 +40,9 @@ import torch
 
 from . import axis_env, lax
 from .array import ShardedArray, is_sharded
-from .collectives import AllGather, AllToAll, Ppermute, Psum, PsumScatter
+from .collectives import AllGather, AllToAll, Pcast, Ppermute, Psum, PsumScatter
 from .executor import claimed_local
+from .gradsync import GradSync
 
 __all__ = ["remat"]
 
@@ -116,6 +117,64 @@ _DOTS = (
     torch.Tensor.mm,
     torch.Tensor.bmm,
 )
+
+
+class _Defer(lax.Handler):
+    """The recompute under a gradient sync (``fs.value_and_grad``'s, a pipeline's): a
+    ``pcast`` of one of its leaves that the recompute makes at its own ``torch.func.vjp``
+    level (a param replicated over cp, pcast where it meets the sequence's chunks) is taken
+    over by the sync (:meth:`~fshard.gradsync.GradSync.defer`): the pcast's cotangent goes to
+    the sync (:class:`_Deposit`), which sums it with the other uses' and reduces it in a
+    bucket with the other params' after the backward, instead of one all_reduce per param and
+    recompute (the sync's stand-ins cannot be read under the vjp: its level would not
+    differentiate them). A pcast inside a transform of fn's own (a deeper level) is left as
+    it is: its cotangent is not the loss's."""
+
+    def __init__(self, sync: GradSync, level: list, leaf_of: dict):
+        # leaf_of: id(the recompute's primal, below the vjp) -> the sync's leaf it stands for
+        # (saved for the backward, it may be another tensor object: FSDP's saved-tensor
+        # hooks save a leaf detached)
+        self.sync, self.level, self.leaf_of = sync, level, leaf_of
+
+    def process(self, b, x, done, proceed):
+        if (
+            type(b.op) is Pcast
+            and self.level
+            and _FUNCTORCH.maybe_current_level() == self.level[0]
+            and _FUNCTORCH.maybe_get_level(x) == self.level[0]
+        ):
+            inner = _FUNCTORCH.get_unwrapped(x)
+            base = inner if inner._base is None else inner._base
+            i = self.leaf_of.get(id(base))
+            if i is not None and inner.shape == base.shape and inner.stride() == base.stride():
+                k = self.sync.defer(i, b.group, b.op.reduce_dtype)
+                if k is not None:
+                    return _Deposit.apply(x, self.sync, k)
+        return proceed(b, x, done)
+
+
+class _Deposit(torch.autograd.Function):
+    """A deferred ``pcast`` (:class:`_Defer`): forward a copy (no communication), backward
+    the cotangent handed to the gradient sync's late entry ``k`` (no communication; its sum
+    over the pcast's axes is the sync's, in :meth:`~fshard.gradsync.GradSync.finish`). A
+    copy, not a view: a view's base is the leaf, so a later pcast of the result (an op rule's
+    over the batch axes after the body's tracker's over cp) read as a pcast of the leaf, was
+    deferred too, and the first one's sum was lost (Mixtral ep=2 x cp=2: 1.03 off)."""
+
+    @staticmethod
+    def forward(x, sync, k):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.sync, ctx.k = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        while _FUNCTORCH.is_functorch_wrapped_tensor(g):
+            g = _FUNCTORCH.get_unwrapped(g)
+        ctx.sync.deposit(ctx.k, g)
+        return None, None, None
 
 
 def _unbroadcast(t: torch.Tensor, shape) -> torch.Tensor:
@@ -248,7 +307,11 @@ class _Remat(torch.autograd.Function):
             i for i, need in enumerate(ctx.needs_input_grad[2:]) if need and i not in ctx.run.unread
         ]
 
+        sync = ctx.run.sync
+        level: list = []  # the recompute's vjp level, where its pcasts of leaves are deferred
+
         def of_wanted(*ts):
+            level[:] = [_FUNCTORCH.maybe_current_level()]
             filled = list(primals)
             for i, t in zip(wanted, ts):
                 filled[i] = t
@@ -256,8 +319,12 @@ class _Remat(torch.autograd.Function):
 
         dots = ctx.replays and ctx.policy == "dots"
         replay = (_Replay(residuals),) if ctx.replays and not dots else ()
+        defer = ()
+        if sync is not None and any(h is sync for h in lax.active_handlers()):
+            leaf_of = {id(p): i for p, i in zip(primals, ctx.run.leaf_of) if i is not None}
+            defer = (_Defer(sync, level, leaf_of),)
         with (
-            lax.handling(*replay),
+            lax.handling(*replay, *defer),
             torch.enable_grad(),
             _DotsMode(residuals) if dots else contextlib.nullcontext(),
         ):
@@ -347,21 +414,19 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         again = tuple(h for h in lax.active_handlers() if h.recompute)
         out_vma: list = []  # the varying axes of the outputs, as fn computed them
         inputs = [leaves[i] for i in where] + extra
-        # The varying axes of the inputs as the forward got them (the body's tracker aligns
-        # the operands of remat's Function: an invariant one is pcast there). The backward's
-        # recompute gets other tensor objects (the saved inputs, wrapped by its vjp), which the
+        # The varying axes of the inputs as the caller has them (read here: under torch.func
+        # fn's forward gets them unwrapped, other tensor objects). The backward's recompute
+        # gets other tensor objects too (the saved inputs, wrapped by its vjp), which the
         # tracker has never seen, so they are tagged again; untagged, an input varying over a
         # manual axis would read as invariant there and be pcast (a nested shard_map's inputs,
         # a collective's operand): its cotangent summed over that axis, a wrong gradient.
-        in_vma: list = []
+        in_vma: list = [] if tracker is None else [tracker.vma(t) for t in inputs]
 
         def run(*tensors):
             # Aliases: in the backward's recompute the inputs are the leaves of its vjp, yet
             # intermediates of the caller's graph; an alias is no leaf, so a partial input
             # gets the invariant cotangent of a pending sum (the Claim a partial leaf needs
             # was applied where the caller passed it, by _claimed), not a leaf's addends.
-            if tracker is not None and run.first:
-                in_vma[:] = [tracker.vma(t) for t in tensors]
             tensors = tuple(t.view_as(t) for t in tensors)
             filled = list(leaves)
             for i, t in zip(where, tensors):
@@ -372,6 +437,16 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                     if tracker is not None:  # its mode, and a partial-manual body's dispatch
                         stack.enter_context(tracker)
                         stack.enter_context(tracker.dispatch())
+                elif tracker is not None and tracker.paused:
+                    # Under torch.func the Function's apply reaches the body's tracker, paused
+                    # for it (below), and fn's forward runs inside the tracker's own handler,
+                    # where torch turns the mode off: fn's ops went untracked and its outputs
+                    # read as invariant (out_vma), so every later use of a layer's output
+                    # skipped its pcasts (parallelize's Llama, cp=2, remat=True under
+                    # torch.func.grad: every gradient wrong, 2.8 relative, the loss exact)
+                    stack.enter_context(_unpaused(tracker))
+                    if not _mode_on(tracker):
+                        stack.enter_context(tracker)
                 if again and not set(map(id, again)) <= set(map(id, lax.active_handlers())):
                     stack.enter_context(lax.handling(*again))
                 for t, axes in zip(tensors, in_vma):
@@ -400,13 +475,45 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
             return tuple(out_leaves)
 
         run.first, run.unread = True, frozenset()
-        outs = _Remat.apply(run, policy, *inputs)[: run.n_out]
+        # the innermost gradient sync (fs.value_and_grad's, a pipeline's) and which of its
+        # leaves each input is: the recompute's pcasts of those are deferred to it (_Defer)
+        syncs = [h for h in lax.active_handlers() if isinstance(h, GradSync)]
+        sync = run.sync = syncs[-1] if syncs and differentiated else None
+        run.leaf_of = [None if sync is None else sync.leaf_index(t) for t in inputs]
+        # Under torch.func the apply reaches the body's tracker, which would align its operands
+        # (pcast every input it reads as invariant over the others' axes): a param block split
+        # over a manual axis as it is (FSDP over dp_shard x cp in a body over cp) read as
+        # invariant, and its gradient was summed over cp (wrong, 1.4 relative). Paused, the
+        # apply passes as in eager autograd (which never reaches the mode): fn's own ops align.
+        pause = tracker is not None and torch._C._are_functorch_transforms_active()
+        if pause:
+            tracker.paused += 1
+        try:
+            outs = _Remat.apply(run, policy, *inputs)[: run.n_out]
+        finally:
+            if pause:
+                tracker.paused -= 1
         if tracker is not None:  # what the body's tracker saw in fn (psum: invariant, ...)
             for o, axes in zip(outs, out_vma):
                 tracker.tag(o, axes)
         return optree.tree_unflatten(out_def[0], list(outs))
 
     return rematted
+
+
+@contextlib.contextmanager
+def _unpaused(tracker):
+    """The tracker tracking again while fn's forward runs inside its paused handler."""
+    paused, tracker.paused = tracker.paused, 0
+    try:
+        yield
+    finally:
+        tracker.paused = paused
+
+
+def _mode_on(mode: torch.overrides.TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on torch's function-mode stack now (off inside its own handler)."""
+    return any(m is mode for m in torch.overrides._get_current_function_mode_stack())
 
 
 def _claimed(args):

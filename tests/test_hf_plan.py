@@ -36,15 +36,39 @@ def test_llama_plan_is_the_megatron_plan():
     assert fs.nn.hf_tp_plan(model) == want
 
 
+class _Planned(torch.nn.Module):
+    """A module shipping a plan with a style fshard has no equivalent of."""
+
+    tp_plan = {"proj": "sequence_parallel", "out": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+
 def test_unsupported_styles_are_named_or_replicated():
-    model = _llama("MixtralForCausalLM", "MixtralConfig", num_local_experts=4)
-    with pytest.raises(ValueError, match="packed_colwise.*unsupported='replicate'"):
+    model = _Planned()
+    with pytest.raises(ValueError, match="'proj': 'sequence_parallel'.*unsupported='replicate'"):
         fs.nn.hf_tp_plan(model)
     plan = fs.nn.hf_tp_plan(model, unsupported="replicate")
-    assert not any("experts" in k for k in plan)
-    assert plan["model.layers.*.self_attn.q_proj.weight"] == fs.P("tp", None)
+    assert "proj.weight" not in plan and plan["out.weight"] == fs.P(None, "tp")
     with pytest.raises(ValueError, match="ships no tensor-parallel plan"):
         fs.nn.hf_tp_plan(torch.nn.Linear(2, 2))
+
+
+def test_mixtral_experts_split_over_tp():
+    """Mixtral's stacked experts (``packed_colwise`` gate_up_proj, ``rowwise`` down_proj, the
+    ``moe_tp_experts`` module): each expert's [gate | up] halves split on I (a Parts of two
+    halves), down split on I; the experts module's output sum is moe_experts's."""
+    model = _llama("MixtralForCausalLM", "MixtralConfig", num_local_experts=4)
+    plan = fs.nn.hf_tp_plan(model)
+    i = model.config.intermediate_size
+    for layer in range(model.config.num_hidden_layers):
+        pre = f"model.layers.{layer}.mlp.experts"
+        assert plan[f"{pre}.gate_up_proj"] == fs.Parts(fs.P(None, "tp", None), 1, (i, i))
+        assert plan[f"{pre}.down_proj"] == fs.P(None, None, "tp")
+        assert pre not in plan
+    assert plan["model.layers.*.self_attn.q_proj.weight"] == fs.P("tp", None)
 
 
 def hf_plan_forward_rank_fn(cls, cfg, extra):
@@ -52,8 +76,7 @@ def hf_plan_forward_rank_fn(cls, cfg, extra):
     model = _llama(cls, cfg, **extra)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     dense = model(ids).logits
-    unsupported = "replicate" if "Mixtral" in cls else "error"  # Mixtral's experts
-    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model, unsupported=unsupported))
+    params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model))
     sharded = {k: v.spec for k, v in params.items() if v.spec != fs.P()}
     x = fs.shard(ids, mesh, fs.P())
     out = fs.nn.functional_call(model, params, (x,)).logits
@@ -74,7 +97,8 @@ def _dense_grads(cls, cfg, extra):
     [
         ("LlamaForCausalLM", "LlamaConfig", {}),
         ("Qwen2ForCausalLM", "Qwen2Config", {}),  # q/k/v biases
-        # MoE experts (grouped_mm, histc routing) replicated: issue 21 item 7
+        # MoE experts split over tp (issue 36; replicated before), run by transformers' own
+        # experts code in the global view
         ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4}),
         # issue 37 item 5: the plan's lm_head entry names the embedding's weight, which
         # named_parameters() lists once (shard_params refused the entry as matching nothing)

@@ -4,6 +4,7 @@ expert_parallel_call, against the same computation on dense tensors in one proce
 exact bytes each exchange moves."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -147,6 +148,50 @@ def test_moe_experts_equals_dense(world2, capacity_factor, token_spec, how):
         assert a2a[0] == kept * H * 4
         assert sum(a2a) == 4 * kept * H * 4  # dispatch + combine, each also in the backward
         assert ("size_exchange", E * 8) in log  # the counts, before the data
+
+
+def moe_tp_rank_fn(experts_axis):
+    """The experts' I dim split over tp (each of [gate | up] on its own: a Parts of two halves,
+    down on dim 2), their dim 0 over ep or whole, the tokens over ep (a batch axis without
+    experts): value and gradients in their layouts, and the collectives."""
+    mesh = fs.Mesh.create((2, 2), ("ep", "tp"))
+    x, idx, w, gate_up, down = _problem()
+    tok = lambda t: fs.shard(t, mesh, fs.P("ep"))  # noqa: E731
+    ex = (
+        fs.shard(gate_up, mesh, fs.Parts(fs.P(experts_axis, "tp", None), 1, (INNER, INNER))),
+        fs.shard(down, mesh, fs.P(experts_axis, None, "tp")),
+    )
+    c = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
+
+    def loss(gu, dn, x, w):
+        y = fs.parallel.moe_experts(x, tok(idx), w, gu, dn)
+        return fs.gather((y * tok(c)).sum()), y
+
+    with fs.debug.comm_log() as log:
+        (v, y), g = fs.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*ex, tok(x), tok(w))
+    assert y.spec == fs.P("ep")
+    assert [a.layout == b.layout for a, b in zip(g, (*ex, tok(x), tok(w)))] == [True] * 4
+    return fs.gather(y), [fs.gather(t) for t in g], Counter((r.op, r.axes) for r in log)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("experts_axis", ["ep", None])
+def test_moe_experts_split_over_tp_equal_dense(world4, experts_axis):
+    x, idx, w, gate_up, down = _problem()
+    c = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
+    ref = dense_moe(x, idx, w, gate_up, down)[0]
+    ref_g = torch.func.grad(lambda p: (dense_moe(p[2], idx, p[3], p[0], p[1])[0] * c).sum())(
+        (gate_up, down, x, w)
+    )
+    for y, grads, ops in world4.run(moe_tp_rank_fn, experts_axis):
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        for g, want in zip(grads, ref_g):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+        # the expert outputs' sum over tp: one all_reduce forward (its backward: none, the
+        # cotangent of a sum is whole); x's gradient summed over tp once (the pcast)
+        assert ops[("all_reduce", ("tp",))] == 2, ops
+        dispatch = {("size_exchange", ("ep",)): 1, ("all_to_all", ("ep",)): 4}
+        assert all(ops[k] == (n if experts_axis else 0) for k, n in dispatch.items()), ops
 
 
 def _lm(name, cfg_name, **kw):

@@ -466,3 +466,41 @@ def _remat_blocks_in_pipeline_stages():
 
 def test_remat_blocks_in_pipeline_stages(world4):
     assert world4.run(_remat_blocks_in_pipeline_stages) == [True] * 4
+
+
+def _remat_output_in_a_body_under_torch_func(partial: bool):
+    """fs.remat in a shard_map body over cp under torch.func.grad: the rematted block's output
+    varies over cp (its input does), so a weight invariant over cp that meets it after the
+    block (the head) is pcast and its gradient summed over cp. Was: under torch.func the
+    Function's apply reaches the body's tracker, which runs fn's forward with its own mode off,
+    so the output read as invariant and the head's gradient was this rank's addend alone
+    (parallelize's Llama with cp=2 and remat=True: every gradient wrong). ``partial``: a body
+    manual over cp alone on a (cp, tp) mesh (tp of 1), as parallelize's."""
+    shape, names = ((2, 1), ("cp", "tp")) if partial else ((2,), ("cp",))
+    mesh = fs.Mesh.create(shape, names)
+    X, W, H = _gen(31, 6, 4), _gen(32, 4, 4), _gen(33, 4, 3)
+
+    def loss(w, h, x, wrap):
+        def body(w, h, x):
+            y = wrap(lambda x, w: torch.tanh(x @ w))(x, w) @ h
+            return fs.lax.psum((y**2).sum(), "cp")
+
+        manual = {"axis_names": {"cp"}} if partial else {}
+        run = fs.shard_map(body, mesh, (P(), P(), P("cp")), P(), **manual)
+        return fs.gather(run(w, h, x))
+
+    def dense(w, h):
+        return ((torch.tanh(X @ w) @ h) ** 2).sum()
+
+    want = grad(dense, argnums=(0, 1))(W, H)
+    args = [fs.shard(t, mesh, P()) for t in (W, H)] + [fs.shard(X, mesh, P("cp"))]
+    for wrap in (lambda f: f, fs.remat):
+        got = grad(loss, argnums=(0, 1))(*args, wrap)
+        for g, w, what in zip(got, want, ("w", "h")):
+            _close(fs.gather(g), w, what)
+    return True
+
+
+def test_remat_output_in_a_body_varies_under_torch_func(world2):
+    assert world2.run(_remat_output_in_a_body_under_torch_func, False) == [True, True]
+    assert world2.run(_remat_output_in_a_body_under_torch_func, True) == [True, True]

@@ -15,8 +15,10 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
    above), replicated over ``dp_replicate``; with ``cp > 1`` over ``("dp_shard", "cp")``
    (:attr:`ParallelDims.fsdp_axes`, torchtitan's ``dp_shard_cp``): params, gradients and
    optimizer state ``1/(dp_shard * cp)`` a rank, each unit's gradient one reduce_scatter over
-   the dp_shard x cp ranks (its sum over cp included, no all_reduce over cp); with
-   ``dp_shard == 1`` nothing is split over cp (the params replicated over it);
+   the dp_shard x cp ranks (its sum over cp included, no all_reduce over cp); an expert
+   whose count does not split over ``ep x dp_shard x cp`` over the longest prefix of the
+   FSDP axes that does (``("ep", "dp_shard")``: its own group, its shard summed over cp);
+   with ``dp_shard == 1`` nothing is split over cp (the params replicated over it);
 4. pipeline parallel: the decoder layers (``config.base_model_pp_plan``'s ``layers``) stacked
    as stages over ``pp`` (:func:`stack_stages`: each stage's layers keep the layouts of 1-3);
 5. the call: :func:`fsdp_call` (each block gathered over the FSDP axes just before use) or
@@ -73,7 +75,7 @@ from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
-from ..spec import Layout, P
+from ..spec import Layout, P, Parts
 from .context import (
     _ACTIVE,
     _attention_of,
@@ -83,7 +85,7 @@ from .context import (
     target_count,
 )
 from .context import _ATTENTION as _RING
-from .expert import expert_parallel_call, expert_parallel_plan
+from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
@@ -173,8 +175,12 @@ class ParallelDims:
         it over cp too), else ``("dp_shard",)``. The group is the ranks sharing every other
         coordinate (pp, dp_replicate, ep, tp): with ``ep > 1`` (the axis between them in the
         mesh) its ranks are not contiguous, and an expert (split over ``ep`` by its plan) is
-        split over ``("ep", "dp_shard", "cp")``. With ``dp_shard == 1`` nothing is split over
-        cp: the params stay whole over it (replicated, their gradients summed over cp).
+        split over ``("ep", "dp_shard", "cp")``, or, where its count does not split over
+        those, over the longest prefix of these axes that it does (4 experts at ep 2 x
+        dp_shard 2 x cp 2: ``("ep", "dp_shard")``, gathered and reduce-scattered over
+        dp_shard, its shard's gradient summed over cp; :func:`fsdp_plan`). With
+        ``dp_shard == 1`` nothing is split over cp: the params stay whole over it
+        (replicated, their gradients summed over cp).
 
         Example:
             >>> fs.parallel.ParallelDims(dp_shard=2, cp=2).fsdp_axes
@@ -370,8 +376,16 @@ def parallelize(
         plan.update(parts.plan)
     if dims.tp > 1 and parts is None:
         plan.update(hf_tp_plan(model, "tp"))
-    if dims.ep > 1 and parts is None:
-        plan.update(expert_parallel_plan(model, mesh, "ep"))
+    if dims.ep > 1 and parts is None:  # the experts' dim over ep, their I dim as tp gave it
+        for name, spec in expert_parallel_plan(model, mesh, "ep").items():
+            plan[name] = _on_experts_axis(plan.get(name), spec)
+    fused = sorted(k for k, v in plan.items() if isinstance(v, Parts))
+    if fused and pieces is not None:
+        raise ValueError(
+            f"parallelize: pp > 1 with fused projections split per part over tp ({fused[:3]}"
+            f"{' ...' if len(fused) > 3 else ''}: fs.Parts layouts) is not composed yet (the "
+            "pipeline's stages take P layouts only); use tp = 1 with pp, or pp = 1"
+        )
     outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
     fsdp_axes = dims.fsdp_axes
     if dims.dp_shard > 1:
@@ -395,7 +409,9 @@ def parallelize(
             fsdp_call, mesh=mesh, axis=fsdp_axes, replicate=replicate, mp_policy=mp_policy,
             outputs=batch_outputs,
         )  # fmt: skip
-    if dims.ep > 1 and parts is None:  # a model of your own calls moe_experts itself
+    # transformers' experts run by fs.parallel.moe_experts with ep, or with tp splitting them
+    # (a model of your own calls moe_experts itself)
+    if parts is None and (dims.ep > 1 or (dims.tp > 1 and _experts_modules(model))):
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
         policy = None if remat is True else remat
@@ -528,6 +544,19 @@ class _RematLayers:
 
         checkpointed = remat_fn(run, self.policy)
         return lambda *args, **kwargs: checkpointed(params, args, kwargs)
+
+
+def _on_experts_axis(tp_spec, ep_spec: P):
+    """A stacked experts param's layout: ``ep_spec``'s split of the experts' dim (0) with
+    ``tp_spec``'s (:func:`hf_tp_plan`: a :class:`~fshard.Parts` of the [gate | up] halves, or
+    down's I dim) of the others."""
+    if tp_spec is None:
+        return ep_spec
+    (axis,) = ep_spec.dims[0]
+    if isinstance(tp_spec, Parts):
+        rest = tp_spec.spec.padded(3)[1:]
+        return Parts(P(axis, *(d or None for d in rest)), tp_spec.dim, tp_spec.sizes)
+    return P(axis, *(d or None for d in tp_spec.padded(3)[1:]))
 
 
 def _experts(model, params, args, kwargs, *, call, **options):

@@ -41,11 +41,11 @@ import torch
 from .. import _comm
 from ..api import reshard
 from ..array import ShardedArray
-from ..lax import axis_index, ragged_all_to_all
+from ..lax import axis_index, pcast, ragged_all_to_all
 from ..mesh import Mesh
 from ..module import functional_call
 from ..shard_map import shard_map
-from ..spec import P
+from ..spec import P, PartsLayout
 
 __all__ = ["moe_experts", "expert_parallel_plan", "expert_parallel_call"]
 
@@ -64,7 +64,7 @@ def _expert_rows(rows, gate_up, down, counts, apply_gate):
 def _dispatch_local(x, idx, w, gate_up, down, *, axis, mesh, apply_gate, capacity_factor):
     """The per-rank body (see the module docstring): ``x`` (T, H), ``idx``/``w`` (T, k), the
     local experts ``gate_up`` (E_l, 2I, H), ``down`` (E_l, H, I). Returns (T, H)."""
-    ep = mesh.size(axis)
+    ep = mesh.size(axis) if axis else 1
     e_local = gate_up.shape[0]
     n_experts = e_local * ep
     t, k = idx.shape
@@ -78,6 +78,10 @@ def _dispatch_local(x, idx, w, gate_up, down, *, axis, mesh, apply_gate, capacit
         order = order[rank_in_expert < cap]
         counts = counts.clamp(max=cap)
     counts_l = counts.tolist()
+    if axis is None:  # every expert here: this rank's rows, no exchange
+        y = _expert_rows(x[order // k], gate_up, down, counts_l, apply_gate)
+        y = y * w.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add(0, order // k, y.to(x.dtype))
     table = _comm.size_exchange(counts_l, mesh.group(axis), x.device)  # [source][expert]
     me = int(axis_index(axis, mesh=mesh))
     mine = [row[me * e_local : (me + 1) * e_local] for row in table]  # [source][local expert]
@@ -116,8 +120,11 @@ def moe_experts(
         top_k_index: ``(T, k)`` each token's experts, laid out like ``hidden``.
         top_k_weights: ``(T, k)`` their weights, laid out like ``hidden``.
         gate_up_proj: ``(E, 2I, H)`` stacked ``[gate; up]`` weights, dim 0 split over one mesh
-            axis (the expert axis); other dims replicated.
-        down_proj: ``(E, H, I)``, laid out like ``gate_up_proj`` on dim 0.
+            axis (the expert axis) or whole; with tensor parallelism inside the experts each
+            of gate and up split on I over tp (``fs.Parts(P(ep, "tp", None), 1, (I, I))``,
+            :func:`fshard.nn.hf_tp_plan`); replicated otherwise.
+        down_proj: ``(E, H, I)``, laid out like ``gate_up_proj`` on dim 0, and on dim 2 over
+            the same tp axes (the output is then summed over tp: one all_reduce).
         apply_gate: ``(rows, 2I) -> (rows, I)``; default ``silu(gate) * up``.
         capacity_factor: ``None``: dropless. Else each rank sends an expert at most
             ``ceil(capacity_factor * T_local * k / E)`` assignments, the first in token order.
@@ -142,15 +149,8 @@ def moe_experts(
         if not isinstance(v, ShardedArray):
             raise TypeError(f"moe_experts: {name} must be a ShardedArray, got {type(v).__name__}")
     mesh = gate_up_proj.mesh
-    dims = gate_up_proj.spec.padded(3)
-    if len(dims[0]) != 1 or any(dims[1:]) or down_proj.spec.padded(3) != dims:
-        raise ValueError(
-            f"moe_experts: gate_up_proj and down_proj must be split on dim 0 (the experts) over "
-            f"one mesh axis and replicated otherwise, got {gate_up_proj.spec} and "
-            f"{down_proj.spec}; use fs.parallel.expert_parallel_plan"
-        )
-    (axis,) = dims[0]
-    n_experts, ep = gate_up_proj.shape[0], mesh.size(axis)
+    axis, tp = _experts_axes(gate_up_proj, down_proj)
+    n_experts, ep = gate_up_proj.shape[0], mesh.size(axis) if axis else 1
     if n_experts % ep:
         raise ValueError(
             f"moe_experts: {n_experts} experts do not split evenly over {axis!r} ({ep})"
@@ -168,28 +168,80 @@ def moe_experts(
         )
     if any(token_spec.padded(2)[1:]) or token_spec.partial:
         raise ValueError(f"moe_experts: hidden must be split on dim 0 only, got {token_spec}")
-    split = tokens if axis in tokens else (*tokens, axis)
-    spec = P(split if len(split) > 1 else split[0])
+    if set(tp) & set(tokens):
+        raise ValueError(
+            f"moe_experts: hidden's tokens ({token_spec}) are split over the experts' "
+            f"tensor-parallel axes {tp}; the tokens must be whole over them"
+        )
+    split = tokens if axis is None or axis in tokens else (*tokens, axis)
+    spec = P(split if len(split) > 1 else split[0] if split else None)
     args = [hidden, top_k_index, top_k_weights]
     if split != tokens:  # a slice of each rank's tokens: no communication
         args = [reshard(a, spec) for a in args]
     apply_gate = apply_gate or _silu_gate
-    body = shard_map(
-        lambda x, i, wt, gu, dn: _dispatch_local(
-            x, i, wt, gu, dn, axis=axis, mesh=mesh, apply_gate=apply_gate,
+    e = axis  # the experts' dim: split over axis, or whole
+    if tp:  # [gate | up] split per part over tp: the two parts at the part boundary (no comm)
+        half = gate_up_proj.shape[1] // 2
+        weights = (*gate_up_proj.split(half, 1), down_proj)
+        specs = (P(e, tp), P(e, tp), P(e, None, tp))
+    else:
+        weights, specs = (gate_up_proj, down_proj), (P(e), P(e))
+
+    def local(x, i, wt, *ws):
+        gu = torch.cat(ws[:2], 1) if tp else ws[0]  # this rank's [gate | up] rows
+        if tp:  # the tokens (whole over tp) meet tp's blocks here, once: their gradients'
+            # sums over tp are of x and wt (not of every dispatched row: k x x's bytes)
+            x, wt = pcast(x, tp), pcast(wt, tp)
+        return _dispatch_local(
+            x, i, wt, gu, ws[-1], axis=axis, mesh=mesh, apply_gate=apply_gate,
             capacity_factor=capacity_factor,
-        ),
+        )  # fmt: skip
+
+    body = shard_map(
+        local,
         mesh,
-        in_specs=(spec, spec, spec, P(axis), P(axis)),
-        out_specs=spec,
+        in_specs=(spec, spec, spec, *specs),
+        # with tp each rank's expert output is its addend of the sum over the I dim
+        out_specs=P(*spec.dims, partial=tp) if tp else spec,
         out_shapes=tuple(hidden.shape),  # known: no exchange of the local shapes
         # manual over every axis: the routing runs on plain local tensors (the experts are
-        # whole over the axes other than ``axis``, so the body needs no collective over them)
+        # whole over the axes other than ``axis`` and ``tp``, so the body needs no collective
+        # over them)
     )  # fmt: skip
-    out = body(*args, gate_up_proj, down_proj)
-    if split != tokens:
+    out = body(*args, *weights)
+    if split != tokens or tp:  # with tp: the sum over tp (all_reduce), as Megatron's row layer
         out = reshard(out, token_spec)
     return out
+
+
+def _experts_axes(gate_up, down) -> tuple[str | None, tuple[str, ...]]:
+    """``(the experts' axis or None, the tensor-parallel axes of their I dim)`` of stacked
+    experts laid out as :func:`expert_parallel_plan` (dim 0 over one axis) and, with tensor
+    parallelism, :func:`fshard.nn.hf_tp_plan` (``gate_up`` ``(E, 2I, H)``: each of gate and up
+    split on dim 1 over tp, a :class:`~fshard.Parts` of two halves; ``down`` ``(E, H, I)``:
+    dim 2 over tp); else ``ValueError``."""
+    parts = isinstance(gate_up.layout, PartsLayout)
+    gdims = (gate_up.layout.base if parts else gate_up.layout).spec.padded(3)
+    ddims = down.spec.padded(3)
+    tp = gdims[1] if parts else ()
+    ok = (
+        len(gdims[0]) <= 1
+        and not gdims[2]
+        and (not parts or (gate_up.layout.dim == 1 and len(set(gate_up.layout.sizes)) == 1))
+        and (parts or not gdims[1])
+        and ddims == (gdims[0], (), tp)
+        and not gate_up.spec.partial
+        and not down.spec.partial
+    )
+    if not ok:
+        raise ValueError(
+            f"moe_experts: gate_up_proj and down_proj must be split on dim 0 (the experts) over "
+            f"one mesh axis (or none), and with tensor parallelism gate_up_proj's [gate | up] "
+            f"halves on dim 1 (fs.Parts(P(ep, tp), 1, (I, I))) and down_proj on dim 2 over the "
+            f"same axes, replicated otherwise; got {gate_up.spec} and {down.spec}; use "
+            "fs.parallel.expert_parallel_plan and fs.nn.hf_tp_plan"
+        )
+    return (gdims[0][0] if gdims[0] else None), tp
 
 
 def _silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
@@ -260,8 +312,10 @@ def expert_parallel_plan(model: torch.nn.Module, mesh: Mesh, axis: str = "ep") -
     return plan
 
 
-def _check_experts(name: str, m: torch.nn.Module) -> None:
-    unsupported = [
+def _unsupported_experts(m: torch.nn.Module) -> list[str]:
+    """What :func:`moe_experts` cannot run of transformers' experts module ``m`` (empty: it
+    runs it)."""
+    return [
         what
         for what, bad in (
             ("interleaved gate/up", not getattr(m, "is_concatenated", True)),
@@ -272,6 +326,10 @@ def _check_experts(name: str, m: torch.nn.Module) -> None:
         )
         if bad
     ]
+
+
+def _check_experts(name: str, m: torch.nn.Module) -> None:
+    unsupported = _unsupported_experts(m)
     if unsupported:
         raise ValueError(
             f"expert parallelism: experts {name!r} ({type(m).__name__}) have {unsupported}; "

@@ -20,7 +20,11 @@ with the gather's transpose). FSDP over the body's manual axes too (``axis=("dp_
 "cp")``, :func:`fshard.parallel.parallelize`'s FSDP x CP, torchtitan's ``dp_shard_cp``: the
 params enter the body as they are, split over cp) gathers each unit over the whole group and
 holds the body's pcast over ``cp`` pending until the op rule's over ``dp_shard``: the unit's
-varying gather over both, one reduce_scatter that sums over ``cp`` too.
+varying gather over both, one reduce_scatter that sums over ``cp`` too. A param split over a
+prefix of the FSDP axes (an expert over ``("ep", "dp_shard")``: 4 do not split over ep x
+dp_shard x cp) has a group of its own (``_Session.axes_of``): the unit packs it with the others
+of that group, gathers and reduce-scatters it over ``dp_shard``, and pcasts its block over
+``cp`` in its varying gather (the sum on the shard, bucketed, as HSDP's replicas).
 
 :func:`fsdp_gather` gathers one *unit* (e.g. a transformer block: :func:`fsdp_units`) at a
 time. Outside ``torch.func`` transforms (plain ``.backward()`` or :func:`fshard.value_and_grad`,
@@ -98,11 +102,17 @@ def fsdp_plan(
     base plan. Dim 0 need not split evenly over ``axis`` (FSDP2 shards every param too): the
     blocks are fshard's uneven chunks (``ceil(rows / n)`` rows, the last ranks fewer or none),
     padded to the largest for the unit's one all_gather and reduce_scatter, as FSDP2 pads.
-    A param whose base plan already splits dim 0 and whose rows do not split evenly over the
-    base axes and ``axis`` together (its blocks over ``axis`` would not nest in the base
-    blocks), a 0-d one, or one whose base splits it per part (a fused projection,
-    :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its block) keeps
-    its base spec: it stays whole over ``axis`` and its gradient is all-reduced like DDP's.
+    A param whose base plan already splits dim 0 must split evenly over the base axes and the
+    FSDP axes together (else its blocks over ``axis`` would not nest in the base blocks): with
+    a tuple of axes it is split over the longest prefix of them that does (4 experts split
+    over ``ep`` = 2, FSDP over ``("dp_shard", "cp")`` of 2 x 2: ``P(("ep", "dp_shard"))``, as
+    torchtitan shards experts over fewer FSDP ranks than the dense params); :func:`fsdp_call`
+    gathers and reduce-scatters it over those axes (its own group, packed with the unit's
+    params of that group) and sums its gradient over the others like HSDP's replicas. One
+    that nests over none of them, a 0-d one, or one whose base splits it per part (a fused
+    projection, :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its
+    block) keeps its base spec: it stays whole over ``axis`` and its gradient is all-reduced
+    like DDP's.
 
     Args:
         module: the module.
@@ -118,6 +128,9 @@ def fsdp_plan(
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
         >>> fs.nn.fsdp_plan(model, mesh)  # 3 rows over 2 ranks: blocks of 2 and 1
         {'0.weight': P('dp', None), '0.bias': P('dp'), '2.weight': P('dp', None), '2.bias': P('dp')}
+        >>> am = fs.Mesh.abstract((2, 2, 2), ("ep", "dp_shard", "cp"))  # a prefix of the axes:
+        >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 4), am, ("dp_shard", "cp"), base={"weight": fs.P("ep")})
+        {'weight': P(('ep', 'dp_shard'), None), 'bias': P(('dp_shard', 'cp'))}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -138,8 +151,8 @@ def fsdp_plan(
             out[name] = spec
             continue
         dims = spec.padded(p.dim())
-        first = (*dims[0], *axes)
-        if dims[0] and p.shape[0] % math.prod(mesh.size(a) for a in first):
+        first = _nested(dims[0], axes, p.shape[0], mesh)
+        if first is None:
             out[name] = spec  # uneven under a base split of dim 0: the blocks would not nest
             continue
         entries = [first, *dims[1:]]  # P writes an entry of one axis as its name, none as None
@@ -147,6 +160,23 @@ def fsdp_plan(
             *[d[0] if len(d) == 1 else (d or None) for d in entries], partial=spec.partial
         )
     return out
+
+
+def _nested(base: tuple[str, ...], axes: tuple[str, ...], rows: int, mesh: Mesh):
+    """Dim 0's entry for a param of ``rows`` rows split over ``base`` by its base plan: ``base``
+    and then the longest prefix of the FSDP ``axes`` whose blocks nest in the base blocks (the
+    rows divide evenly over ``base`` and the prefix together; without a base split, all of
+    ``axes``: uneven blocks are padded), ``None`` when no prefix nests (not even the first
+    axis). E.g. 4 experts split over ``ep`` = 2 with ``axes`` ``("dp_shard", "cp")`` of 2 x 2:
+    ``("ep", "dp_shard")`` (4 do not split over 8), as torchtitan shards its experts over
+    fewer FSDP ranks than the dense params."""
+    if not base:
+        return axes
+    for n in range(len(axes), 0, -1):
+        first = (*base, *axes[:n])
+        if rows % math.prod(mesh.size(a) for a in first) == 0:
+            return first
+    return None
 
 
 def _axes(axis, mesh: Mesh, where: str) -> tuple[str, ...]:
@@ -254,10 +284,18 @@ class _Session:
         self.order = list(units)
         self.prefetch = prefetch
         self.group = mesh.group(axis)
-        # an eager gather's op, for the backward: varying result, transpose psum_scatter
-        self.gathered = Bound(AllGather(self.group.axes, 0, None), self.group)
+        # each param's FSDP axes (all of them, or a prefix: fsdp_plan's nesting rule) and
+        # their group, gathered and reduce-scattered over it (axes_of, group_of)
+        self.split: dict[str, tuple[str, ...]] = {}
+        self.groups = {self.axes: self.group}
         # a 1-rank group has nothing to gather or free: the lax path (no hooks, no copy)
-        self.eager = not torch._C._are_functorch_transforms_active() and self.group.size > 1
+        # (a Function's forward under a torch.func transform, fs.remat's under torch.func.grad,
+        # runs with the transforms peeled off but saved-tensor hooks still refused: not eager)
+        self.eager = (
+            not torch._C._are_functorch_transforms_active()
+            and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and self.group.size > 1
+        )
         self.launched: dict[str, dict] = {}  # unit -> {name: _comm.Pending} gathers in flight
         self.active: dict[int, tuple[str, str, torch.Tensor]] = {}  # storage -> (unit, name, full)
         self.seen: list[str] = []  # units in forward order
@@ -295,19 +333,58 @@ class _Session:
         )
 
     def sharded(self, name: str) -> bool:
-        spec = self.params[name].spec
-        if isinstance(spec, Parts):  # fsdp_plan leaves per-part params whole over the axis
-            return False
-        return bool(spec.dims) and all(a in spec.dims[0] for a in self.axes)
+        return bool(self.axes_of(name))
+
+    def axes_of(self, n: str) -> tuple[str, ...]:
+        """The FSDP axes param ``n``'s dim 0 is split over, in the FSDP axes' order: all of
+        them, or some (a prefix, :func:`fsdp_plan`'s nesting rule: 4 experts split over
+        ``("ep", "dp_shard")`` of FSDP over ``("dp_shard", "cp")``); ``()``: whole over them
+        (a per-part param too: gathering sub-chunks of every part would not give its block).
+        A param split over some is gathered and reduce-scattered over those (:meth:`group_of`,
+        packed with the unit's params of that group) and its block pcast over the others
+        (:meth:`rest_of`) in its varying gather: its gradient's sum over them runs on the shard,
+        as HSDP's over the replicate axes."""
+        axes = self.split.get(n)
+        if axes is None:
+            spec = self.params[n].spec
+            if isinstance(spec, Parts) or not spec.dims:
+                axes = ()
+            else:
+                first = spec.padded(len(self.params[n].shape))[0]
+                axes = tuple(a for a in self.axes if a in first)
+                if set(first[len(first) - len(axes) :]) != set(axes):
+                    raise ValueError(
+                        f"fsdp_call: param {n!r} of spec {spec} splits dim 0 over the FSDP axes "
+                        f"{axes} before {first[len(first) - len(axes) :]}: gathering them would "
+                        "not give its block; put the FSDP axes last in dim 0 (fs.nn.fsdp_plan "
+                        "does)"
+                    )
+            self.split[n] = axes
+        return axes
+
+    def rest_of(self, n: str) -> tuple[str, ...]:
+        """The FSDP axes sharded param ``n`` is whole over (``()`` for most: see
+        :meth:`axes_of`)."""
+        axes = self.axes_of(n)
+        return tuple(a for a in self.axes if a not in axes)
+
+    def group_of(self, n: str):
+        """Sharded param ``n``'s FSDP group: the ranks it is gathered over."""
+        axes = self.axes_of(n)
+        group = self.groups.get(axes)
+        if group is None:
+            group = self.groups[axes] = self.mesh.group(axes)
+        return group
 
     def rows(self, n: str) -> tuple[int, ...] | None:
-        """Sharded param ``n``'s rows in each chunk of the FSDP axes (group order), or
+        """Sharded param ``n``'s rows in each chunk of its FSDP axes (group order), or
         ``None`` when they are equal."""
-        return _chunk_rows(self.params[n].layout, self.axes, self.group.size)
+        return _chunk_rows(self.params[n].layout, self.axes_of(n), self.group_of(n).size)
 
     def _gather_op(self, n: str, invariant: bool = False) -> Bound:
-        """Param ``n``'s all_gather over the FSDP axes (its uneven blocks' sizes)."""
-        return Bound(AllGather(self.group.axes, 0, self.rows(n), invariant), self.group)
+        """Param ``n``'s all_gather over its FSDP axes (its uneven blocks' sizes)."""
+        g = self.group_of(n)
+        return Bound(AllGather(g.axes, 0, self.rows(n), invariant), g)
 
     def _launch(self, unit: str) -> None:
         """One all_gather per unit (and dtype), as FSDP2's: this rank's blocks of the unit's
@@ -321,28 +398,30 @@ class _Session:
         for n in self.units[unit]:
             if self.sharded(n):
                 low = self._low(n).detach()
+                group = self.group_of(n)
                 if self.held is not None:  # gathered earlier in the step: no communication
                     if not self.typed:  # the use the gradient sync made of it already
-                        use = self.held.kept_use(self.params[n].local, self.group, low.dtype)
+                        use = self.held.kept_use(self.params[n].local, group, low.dtype)
                         if use is not None:
                             self.uses[n] = use
                             launched.append(([n], None, _comm.Pending(use)))
                             continue
-                    full = self.held.held_gather(self.params[n].local, self.group, low.dtype)
+                    full = self.held.held_gather(self.params[n].local, group, low.dtype)
                     if full is not None:
                         launched.append(([n], None, _comm.Pending(full)))
                         continue
                 lows[n] = low = _padded(low, self.rows(n))
-                key = (low.dtype, self.params[n].dtype, low.device)
+                key = (group.axes, low.dtype, self.params[n].dtype, low.device)
                 pack = packs.setdefault(key, [[], 0])
                 pack[0].append(n)
                 pack[1] += low.numel()
         for names, numel in packs.values():
             # packed in place, in this rank's block of the gather's output: no copy at launch
-            out, flat = _comm.gather_buffer(numel, self.group, lows[names[0]])
+            group = self.group_of(names[0])
+            out, flat = _comm.gather_buffer(numel, group, lows[names[0]])
             torch.cat([lows[n].reshape(-1) for n in names], out=flat)
             shapes = [tuple(lows[n].shape) for n in names]
-            pending = _comm.all_gather_start(flat, self.group, 0, None, out=out)
+            pending = _comm.all_gather_start(flat, group, 0, None, out=out)
             launched.append((names, shapes, pending))
         self.launched[unit] = launched
 
@@ -358,18 +437,19 @@ class _Session:
         chunk order along dim 0 (an uneven param's padding cut off), a copy with its own
         storage."""
         out = {}
-        k = self.group.size
         for (names, shapes, _), buf in zip(packs, flats or [p[2] for p in packs]):
             if shapes is None:  # one param, gathered as it is
                 out[names[0]] = buf
                 continue
+            k = self.group_of(names[0]).size
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
                 out[n] = _unpadded(piece, k, shape, self.rows(n))
         if self.held is not None and flats is None:  # kept for the step's other uses
             for n, full in out.items():
                 # (a use of the step's stand-in: kept already)
-                if n in self.uses or self.held.hold_gather(self.params[n].local, self.group, full):
+                group = self.group_of(n)
+                if n in self.uses or self.held.hold_gather(self.params[n].local, group, full):
                     self.kept.add(n)
         return out
 
@@ -402,13 +482,16 @@ class _Session:
             # cp) each block tagged as varying over them (_block): the gather's result varies
             # over cp, so the body's tracker does not pcast it (a second sum in the backward)
             xs = [self._block(n) for n in names]
-            srcs = [self._replicated(x, reduce, over) for x in xs]
+            srcs = [self._replicated(x, reduce, over, n) for n, x in zip(names, xs)]
             if reduce == flat.dtype:
                 ins, done = [self.policy.cast_param(t) for t in srcs], flat
             else:
                 ins, done = [t.to(reduce) for t in srcs], flat.to(reduce)
             packed = torch.cat([_padded(t, self.rows(n)).reshape(-1) for n, t in zip(names, ins)])
-            flats.append(lax.apply(self.gathered, packed, done=done).to(flat.dtype))
+            # an eager gather's op, for the backward: varying, its transpose a reduce_scatter
+            group = self.group_of(names[0])
+            gathered = Bound(AllGather(group.axes, 0, None), group)
+            flats.append(lax.apply(gathered, packed, done=done).to(flat.dtype))
         return self._unpack(packs, flats)
 
     def gather(self, unit: str) -> dict[str, torch.Tensor]:
@@ -587,12 +670,13 @@ class _Session:
         return self.policy.cast_param(self.params[n].local)
 
     def _replicated(
-        self, x: torch.Tensor, reduce: torch.dtype | None, over: tuple[str, ...] = ()
+        self, x: torch.Tensor, reduce: torch.dtype | None, over: tuple[str, ...], n: str
     ) -> torch.Tensor:
-        """HSDP: ``x`` (a param's shard) pcast over the replicate axes (and ``over``), its
-        gradient all-reduced over them in ``reduce`` (``None``: the policy's for ``x``);
-        ``x`` itself without them."""
-        return self._pcast_block(x, (*self.replicate, *over), reduce)
+        """HSDP: ``x`` (param ``n``'s shard) pcast over the replicate axes (and ``over``, and
+        the FSDP axes ``n`` is whole over: :meth:`rest_of`), its gradient all-reduced over
+        them in ``reduce`` (``None``: the policy's for ``x``); ``x`` itself without them."""
+        rest = tuple(a for a in self.rest_of(n) if a not in over)
+        return self._pcast_block(x, (*self.replicate, *over, *rest), reduce)
 
     def _pcast_block(
         self, x: torch.Tensor, axes: tuple[str, ...], reduce: torch.dtype | None = None
@@ -615,7 +699,7 @@ class _Session:
         if not x.requires_grad:
             return full
         reduce = self.policy.reduce_in(x.dtype)
-        src = self._replicated(x, reduce, over)
+        src = self._replicated(x, reduce, over, n)
         op = self._gather_op(n)
         if reduce == full.dtype:
             return lax.apply(op, self.policy.cast_param(src), done=full)
@@ -672,17 +756,18 @@ class _Session:
         (``{name: gathered}``), one all_gather per pack (gathered dtype, param dtype) of their
         blocks in the policy's ``param_dtype`` (uneven ones padded), as :meth:`_launch` packs
         them."""
-        packs: dict = {}  # (gathered dtype, param dtype) -> [(name, padded block)]
+        packs: dict = {}  # (FSDP axes, gathered dtype, param dtype) -> [(name, padded block)]
         for n in self.units[unit]:
             if self.sharded(n):
                 low = self._low(n).detach()
-                packs.setdefault((low.dtype, self.params[n].dtype), []).append((n, low))
+                key = (self.axes_of(n), low.dtype, self.params[n].dtype)
+                packs.setdefault(key, []).append((n, low))
         out = {}
-        k = self.group.size
-        for items in packs.values():
+        for (axes, _, _), items in packs.items():
+            k = self.group_of(items[0][0]).size
             blocks = [_padded(b, self.rows(n)) for n, b in items]
             flat = torch.cat([b.reshape(-1) for b in blocks])
-            full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
+            full = lax.all_gather(flat, axes, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for b in blocks], dim=1)
             for (n, _), b, piece in zip(items, blocks, pieces):
                 out[n] = _unpadded(piece, k, b.shape, self.rows(n))
@@ -702,22 +787,23 @@ class _Session:
         decoder layer and recompute on a Llama). ``{name: gathered}``, sharded params only;
         ``over``: of the blocks pcast over those axes too (a body's manual axes)."""
         out: dict[str, torch.Tensor] = {}
-        packs: dict = {}  # (gathered dtype, param_dtype) -> [(name, padded block)]
+        packs: dict = {}  # (FSDP axes, gathered dtype, param_dtype) -> [(name, padded block)]
         for n in self.units[unit]:
             if not self.sharded(n):
                 continue
             x = self._block(n)
             reduce = self.policy.reduce_in(x.dtype)
-            src = self._replicated(x, reduce, over)
+            src = self._replicated(x, reduce, over, n)
             low = self.policy.cast_param(src)
             # gathered in the reduce dtype where it differs (as _traced: under a transform an
             # edge carries its forward dtype's gradient), then cast to param_dtype
             t = low if reduce == low.dtype else src.to(reduce)
-            packs.setdefault((t.dtype, low.dtype), []).append((n, _padded(t, self.rows(n))))
-        k = self.group.size
-        for (_, low_dtype), items in packs.items():
+            key = (self.axes_of(n), t.dtype, low.dtype)
+            packs.setdefault(key, []).append((n, _padded(t, self.rows(n))))
+        for (axes, _, low_dtype), items in packs.items():
+            k = self.group_of(items[0][0]).size
             flat = torch.cat([b.reshape(-1) for _, b in items])
-            full = lax.all_gather(flat, self.axis, to="varying", mesh=self.mesh).view(k, -1)
+            full = lax.all_gather(flat, axes, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for _, b in items], dim=1)
             for (n, b), piece in zip(items, pieces):
                 y = _unpadded(piece, k, b.shape, self.rows(n))
@@ -729,15 +815,15 @@ class _Session:
             return self._pcast(n)
         x = self._block(n)
         reduce = self.policy.reduce_in(x.dtype)
-        src = self._replicated(x, reduce)
+        src = self._replicated(x, reduce, (), n)
         low = self.policy.cast_param(src)
-        rows = self.rows(n)
+        rows, axes = self.rows(n), self.axes_of(n)
         if reduce == low.dtype:
-            return lax.all_gather(low, self.axis, sizes=rows, to="varying", mesh=self.mesh)
+            return lax.all_gather(low, axes, sizes=rows, to="varying", mesh=self.mesh)
         # Under a transform an edge carries its forward dtype's gradient, so a gather of
         # param_dtype values cannot reduce-scatter in another dtype: gather in the reduce dtype
         # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
-        y = lax.all_gather(src.to(reduce), self.axis, sizes=rows, to="varying", mesh=self.mesh)
+        y = lax.all_gather(src.to(reduce), axes, sizes=rows, to="varying", mesh=self.mesh)
         return y.to(low.dtype)
 
     def _block(self, n: str) -> torch.Tensor:
@@ -753,7 +839,7 @@ class _Session:
         if tracker is None or tracker.vma(x):
             return x
         axes = frozenset(self.params[n].spec.axes) & tracker.manual
-        manual = set(self.axes) & tracker.manual  # FSDP x CP's body over cp: cp alone
+        manual = set(self.axes_of(n)) & tracker.manual  # FSDP x CP's body over cp: cp alone
         if not manual or not manual <= axes:
             return x
         x = x.view_as(x)
@@ -884,7 +970,7 @@ class _Pcasts(lax.Handler):
             return proceed(b, x, done)
         name, f, over = found
         axes = set(b.op.axes)
-        fsdp = set(s.axes)
+        fsdp = set(s.axes_of(name))  # a param split over some of the FSDP axes: those
         # FSDP over axes a shard_map body maps over too (parallelize's FSDP over dp_shard x cp,
         # the model in a body over cp): the body's tracker pcasts the gathered param over cp
         # (the manual FSDP axes) when it meets the sequence's chunks; that pcast is held,
@@ -892,10 +978,14 @@ class _Pcasts(lax.Handler):
         # the batch's rows) gives the varying gather over the whole group: one reduce_scatter
         # over dp_shard x cp, no sum over cp of its own. A use that meets no data split over
         # the rest keeps the pcast (its sum over cp, then the invariant gather's block).
+        # A param split over some of the FSDP axes (experts over dp_shard of dp_shard x cp)
+        # has its block pcast over the others (``rest``) in its varying gather: a pcast over
+        # some of those (the body's tracker's over cp) is held pending the same way.
+        rest = set(s.rest_of(name))
         hit = axes & fsdp
         pending = hit and not fsdp <= axes | set(over) and not axes & set(s.replicate)
         tracker = axis_env.tracker(s.mesh) if pending else None
-        if pending and tracker is not None and hit <= tracker.manual:
+        if (pending and tracker is not None and hit <= tracker.manual) or (axes and axes <= rest):
             out = proceed(b, x, x if done is None else done)
             self.track(out, name, f, (*over, *b.op.axes))
             return out
@@ -921,7 +1011,7 @@ class _Pcasts(lax.Handler):
             # them; with HSDP a pcast of the gathered value instead (a stand-in over these
             # axes alone would be a second bucket, all-reduced with zeros when every use is
             # varying; this pcast's psum runs only for a use that reaches the loss).
-            if not axes & set(s.axes + s.replicate):
+            if not axes & set(s.axes_of(name) + s.replicate):
                 if s.on_shard(name):
                     moved = (*over, *b.op.axes)
                     if s.replicate:
@@ -937,7 +1027,15 @@ class _Pcasts(lax.Handler):
                 self.track(out, name, lambda y: lax.apply(op, y if f is None else f(y)), over)
                 return out
             return proceed(b, x, x if done is None else done)
-        over = tuple(a for a in over if a not in fsdp)  # FSDP's own: in the varying gather
+        if not rest <= axes | set(over):
+            # The varying gather of a param split over some of the FSDP axes sums its
+            # gradient over the others (its block pcast over them): a use that does not vary
+            # over them keeps a pcast of the invariant gather (its gradient summed over the
+            # pcast's axes, then this rank's block), on x's data as ``done`` (a tensor of its
+            # own: a view would be found as the gathered param)
+            return proceed(b, x, x if done is None else done)
+        # FSDP's own and those the param is whole over: in the varying gather
+        over = tuple(a for a in over if a not in fsdp and a not in rest)
         if over:  # the varying gather of the block pcast over ``over`` (Session._on_shard)
             key = (name, over, "vary")
             if key not in s.over and name not in s.whole:  # its unit's data is gone: a pcast
@@ -956,11 +1054,11 @@ class _Pcasts(lax.Handler):
         else:
             y = s._traced(name)
         y = y if f is None else f(y)
-        rest = tuple(a for a in b.op.axes if a not in s.axes + s.replicate)
-        if not rest:
+        others = tuple(a for a in b.op.axes if a not in s.axes + s.replicate)
+        if not others:
             return y
-        g = s.mesh.group(rest)
-        return proceed(Bound(Pcast(rest, b.op.reduce_dtype), g), y, None)
+        g = s.mesh.group(others)
+        return proceed(Bound(Pcast(others, b.op.reduce_dtype), g), y, None)
 
 
 @contextlib.contextmanager
@@ -1032,7 +1130,8 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
             f"fsdp_gather: a param of shape {tuple(layout.shape)} and spec {layout.spec} splits "
             f"dim 0 over {tuple(others)} and the FSDP axes {axes} unevenly: its blocks over "
             f"{axes} would not nest in its blocks over {tuple(others)}; fs.nn.fsdp_plan "
-            "leaves such a param whole over the FSDP axes"
+            "splits such a param over the longest prefix of the FSDP axes that nests, or "
+            "leaves it whole over them"
         )
     return chunk_sizes(rows, layout.mesh, axes)
 
@@ -1250,7 +1349,10 @@ def fsdp_call(
         args: positional arguments (local tensors).
         kwargs: keyword arguments.
         mesh: the mesh.
-        axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`).
+        axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`). A
+            param split over some of them (:func:`fsdp_plan`'s longest prefix that nests) is
+            gathered and reduce-scattered over those (one pack per group in a unit) and its
+            gradient summed over the others on its shard.
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` (``None``: the one

@@ -29,6 +29,7 @@ import torch
 
 from ..nn_plan import Output, _matcher
 from ..spec import P, Parts
+from .expert import _experts_modules, _unsupported_experts
 
 __all__ = ["megatron_plan", "hf_tp_plan"]
 
@@ -282,6 +283,11 @@ _HF_STYLES = {
     # all-reduces by hand; in fshard's global view a replicated parameter's gradient is whole
     "replicated_with_grad_allreduce": None,
 }
+#: transformers' styles for the stacked MoE experts' parameters (``(E, 2I, H)`` gate_up_proj,
+#: ``(E, H, I)`` down_proj, ``@use_experts_implementation``): each expert's [gate | up] halves
+#: split on I over the axis (column-parallel per half), down split on I (row-parallel); the
+#: experts module's own style (its output's all_reduce) is :func:`fshard.parallel.moe_experts`'s
+_HF_EXPERT_STYLES = {"packed_colwise": "column", "rowwise": "row", "moe_tp_experts": None}
 
 
 def _hf_entries(model: torch.nn.Module) -> dict[str, str]:
@@ -315,10 +321,14 @@ def hf_tp_plan(
     embedding's weight) keeps its entry: :func:`shard_params` gives the tied parameter the
     spec its names agree on. An output transformers
     gathers stays split over ``axis`` here: fshard's global view reads it as it reads the full
-    value (the same numbers), and only an op that needs it whole gathers it. Styles with no
-    fshard equivalent yet (``packed_colwise`` fused projections, MoE experts, ``sequence_parallel``
-    ...) raise a ``ValueError`` listing them, or, with ``unsupported="replicate"``, leave those
-    modules replicated (correct, less sharded).
+    value (the same numbers), and only an op that needs it whole gathers it. The stacked MoE
+    experts' styles (``packed_colwise`` on ``gate_up_proj`` ``(E, 2I, H)``: each of the gate and
+    up halves split on I, a :class:`~fshard.Parts`; ``rowwise`` on ``down_proj`` ``(E, H, I)``:
+    I split; ``moe_tp_experts`` on the module: the output's sum over ``axis``, which
+    :func:`fshard.parallel.moe_experts` does) map too. Styles with no fshard equivalent yet
+    (``packed_colwise`` on a module, ``sequence_parallel`` ...) raise a ``ValueError`` listing
+    them, or, with ``unsupported="replicate"``, leave those modules replicated (correct, less
+    sharded).
 
     Args:
         model: a ``transformers`` model (``PreTrainedModel``).
@@ -354,14 +364,18 @@ def hf_tp_plan(
             "config.base_model_tp_plan nor _tp_plan); write one with fs.nn.megatron_plan"
         )
     roles: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
-    skipped = []
-    names = [n for n, _ in model.named_modules()]
+    skipped, experts = [], {}
+    modules = dict(model.named_modules())
+    experts_modules = _experts_modules(model)
     for pattern, style in entries.items():
-        if style not in _HF_STYLES:
+        match = _matcher(pattern)
+        stacked = _stacked_experts(experts_modules, match)
+        if stacked is not None and style in _HF_EXPERT_STYLES:
+            experts.update({n: (_HF_EXPERT_STYLES[style], shape) for n, shape in stacked.items()})
+        elif style not in _HF_STYLES:
             skipped.append(f"{pattern!r}: {style!r}")
         elif _HF_STYLES[style] is not None:
-            match = _matcher(pattern)
-            if not any(match(n) for n in names):  # a fused parameter (MoE experts), no module
+            if not any(match(n) for n in modules):  # a fused parameter, no module
                 skipped.append(f"{pattern!r}: {style!r} (a parameter, not a module)")
             else:
                 roles[_HF_STYLES[style]].append(pattern)
@@ -372,4 +386,29 @@ def hf_tp_plan(
             "replicated (values are the same; they are not sharded), or write the plan with "
             "fs.nn.megatron_plan"
         )
-    return megatron_plan(**roles, axis=axis, row_output=row_output, model=model)
+    plan = megatron_plan(**roles, axis=axis, row_output=row_output, model=model)
+    for name, (role, shape) in experts.items():
+        if role == "column":  # (E, 2I, H): each half split on I
+            half = shape[1] // 2
+            plan[name] = Parts(P(None, axis, None), 1, (half, half))
+        elif role == "row":  # (E, H, I)
+            plan[name] = P(None, None, axis)
+    return plan
+
+
+def _stacked_experts(experts: list, match) -> dict | None:
+    """``{param name: shape}`` of the stacked experts' parameters (``gate_up_proj``,
+    ``down_proj`` of a transformers ``@use_experts_implementation`` module in ``experts``,
+    ``[(name, module)]``) a plan pattern names, or the experts modules' (``{}``: the module's
+    own style); None when it names neither (or experts :func:`moe_experts` does not run:
+    transposed, interleaved, with biases ..., named as unsupported)."""
+    out, hit = {}, False
+    for n, m in experts:
+        if _unsupported_experts(m):
+            continue
+        if match(n):
+            hit = True
+        for p in ("gate_up_proj", "down_proj"):
+            if match(f"{n}.{p}"):
+                out[f"{n}.{p}"] = tuple(getattr(m, p).shape)
+    return out if out or hit else None
