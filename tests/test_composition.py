@@ -246,6 +246,7 @@ PARALLELIZE = [
     # with ep (torchtitan's ETP) and with FSDP
     ("mixtral", {"tp": 2, "ep": 2}),
     ("mixtral", {"tp": 2, "dp_shard": 2}),
+    ("qwen3_moe", {"tp": 2, "ep": 2}),
 ]
 
 
@@ -593,6 +594,13 @@ def _hf_model(kind: str):
             num_attention_heads=4, num_key_value_heads=2,
         )  # fmt: skip
         return transformers.LlamaForCausalLM(cfg)
+    if kind == "qwen3_moe":  # every layer sparse: its plan's dense-MLP entries name nothing
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            num_experts=4, num_experts_per_tok=2,
+        )  # fmt: skip
+        return transformers.Qwen3MoeForCausalLM(cfg)
     cfg = transformers.MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
