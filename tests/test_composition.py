@@ -1073,6 +1073,8 @@ def pipelined_eight_rank_fn():
         # the experts' I dim over tp (fs.Parts into the cp body), a kv head per tp rank pair
         # (one kv head: its head dim split over tp, gathered for the ring's blocks)
         _parallelize_train("mixtral", {"tp": 2, "ep": 2, "cp": 2}, remat=True),
+        # FSDP over (dp_shard, ep) with the experts over ep, their halves over tp (fs.Parts)
+        _parallelize_train("mixtral", {"tp": 2, "ep": 2, "dp_shard": 2}),
     ]
 
 

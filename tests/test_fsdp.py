@@ -798,3 +798,10 @@ def test_fsdp_plan_adds_the_axes_a_base_split_of_dim_0_leaves():
     for spec in (fs.P("dp_shard"), fs.P(None, "ep"), fs.P(("ep", "tp"))):
         with pytest.raises(ValueError, match=r"\['weight'\]: base spec"):
             fs.nn.fsdp_plan(nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": spec})
+    # stacked experts over ep with their [gate | up] halves over tp (a Parts on dim 1): dim 0
+    # is the P's, the experts' split over ep; the Parts stay whole over FSDP's other axes
+    experts = fs.Parts(fs.P("ep", "tp", None), 1, (2, 2))
+    plan = fs.nn.fsdp_plan(
+        nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": experts, "bias": fs.P()}
+    )
+    assert plan["weight"] == experts

@@ -154,7 +154,11 @@ def fsdp_plan(
         # dim 0's base split may hold FSDP axes other than the first (experts over ep, FSDP
         # over ("dp_shard", "ep")), none after them: FSDP adds the others after them (its part
         # starts with the first axis: fsdp_call tells it from the base's); else refused
-        first = () if isinstance(spec, Parts) else spec.padded(named[name].dim())[0]
+        # (a fused projection's parts on dim 0 hold no such split; on another dim, its dim 0
+        # is the P's: experts over ep with their [gate | up] halves over tp)
+        inner = spec.spec if isinstance(spec, Parts) else spec
+        parts0 = isinstance(spec, Parts) and spec.dim % named[name].dim() == 0
+        first = () if parts0 else inner.padded(named[name].dim())[0]
         held = [i for i, a in enumerate(first) if a in axes]
         if (
             axes[0] in spec.axes
