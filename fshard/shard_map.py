@@ -26,7 +26,9 @@ tensor object, stamped with the active body so stale marks are ignored):
   result varies as the physical tensor it views (``out_dims`` moves a dim by a view).
 
 Partial-manual bodies (``axis_names=``, JAX's partial-manual mode) and nesting. The body's
-values are global-view ShardedArrays on the mesh of the auto axes; an op on them is one op rule
+values are global-view ShardedArrays on the mesh of the auto axes (a fused projection's
+:class:`~fshard.Parts` layout too, when its parts split over auto axes only; over a manual axis
+it is refused by name); an op on them is one op rule
 per manual block, so :meth:`_Tracker.sharded_op` (reached through the ShardedArray dispatcher,
 swapped in while such a body runs) tracks it as a whole: the result varies over the union of
 its operands' manual axes, an invariant operand is ``pcast`` first, and the rule's own
@@ -67,7 +69,7 @@ from .collectives import Bound, Pcast, Unvary
 from .executor import claimed_local
 from .lax import apply
 from .mesh import Mesh, _member_ranks
-from .spec import Layout, P, chunk_bounds
+from .spec import Layout, P, Parts, PartsLayout, chunk_bounds
 
 __all__ = ["shard_map"]
 
@@ -494,6 +496,14 @@ def _input_problem(x, spec: P | None, body: _Body) -> str | None:
     # Partial-manual: the in_spec says how the manual axes split x; the auto axes may split it
     # too (after the manual ones in a dim), and stay split inside the body.
     have = x.layout.spec
+    if isinstance(x.layout, PartsLayout):  # a fused projection's parts, split per part
+        if set(x.layout.axes) & body.manual:
+            return (
+                f"has layout {have}, whose parts are split over the manual axes "
+                f"{tuple(sorted(set(x.layout.axes) & body.manual))}; a body takes a per-part "
+                "split over its auto axes only: call fs.reshard(x, ...) first"
+            )
+        have = x.layout.base.spec
     dims = have.padded(max(len(have), len(spec)))
     manual_first = all(
         d[: len([a for a in d if a in body.manual])] == tuple(a for a in d if a in body.manual)
@@ -556,7 +566,12 @@ def _local_input(x, spec: P | None, body: _Body):
         if body.auto is None:
             return local
         block = Layout(body.mesh, spec, x.shape, x.dtype).local_shape(body.mesh.rank)
-        auto = _restrict(x.layout.spec, frozenset(body.auto.axis_names))
+        lay = x.layout
+        auto_axes = frozenset(body.auto.axis_names)
+        if isinstance(lay, PartsLayout):  # the parts over auto axes only (_input_problem)
+            auto = Parts(_restrict(lay.base.spec, auto_axes), lay.dim, lay.sizes)
+            return ShardedArray._raw(local, Layout.of(body.auto, auto, block, x.dtype))
+        auto = _restrict(lay.spec, auto_axes)
         return ShardedArray._raw(local, Layout(body.auto, auto, block, x.dtype))
     if isinstance(x, torch.Tensor):
         local = shard(x, body.mesh, spec).local

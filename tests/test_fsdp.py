@@ -782,3 +782,26 @@ def test_fsdp_call_refuses_fsdp_axes_before_others_in_dim_0():
     params = fs.nn.shard_params(model, rank, {"weight": fs.P(("dp", "tp")), "bias": fs.P("dp")})
     with pytest.raises(ValueError, match=r"'weight'.*FSDP axes \('dp',\) before \('tp',\)"):
         fs.nn.fsdp_call(model, params, (torch.ones(2, 4),), mesh=rank, axis="dp")
+
+
+def test_fsdp_plan_adds_the_axes_a_base_split_of_dim_0_leaves():
+    """A base plan may split dim 0 over FSDP axes other than the first (parallelize's FSDP x
+    EP: experts over ep, FSDP over ("dp_shard", "ep")): FSDP adds the others after them,
+    the longest prefix that nests; a base over the first FSDP axis, over one outside dim 0 or
+    over one before a non-FSDP axis in dim 0 is refused by name (fsdp_call could not tell
+    the base's split from FSDP's, or gathering would not give the block)."""
+    am = fs.Mesh.abstract((2, 2, 2), ("dp_shard", "ep", "tp"))
+    plan = fs.nn.fsdp_plan(
+        nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": fs.P("ep"), "bias": fs.P()}
+    )
+    assert plan == {"weight": fs.P(("ep", "dp_shard"), None), "bias": fs.P(("dp_shard", "ep"))}
+    for spec in (fs.P("dp_shard"), fs.P(None, "ep"), fs.P(("ep", "tp"))):
+        with pytest.raises(ValueError, match=r"\['weight'\]: base spec"):
+            fs.nn.fsdp_plan(nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": spec})
+    # stacked experts over ep with their [gate | up] halves over tp (a Parts on dim 1): dim 0
+    # is the P's, the experts' split over ep; the Parts stay whole over FSDP's other axes
+    experts = fs.Parts(fs.P("ep", "tp", None), 1, (2, 2))
+    plan = fs.nn.fsdp_plan(
+        nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": experts, "bias": fs.P()}
+    )
+    assert plan["weight"] == experts

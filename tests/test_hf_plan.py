@@ -69,6 +69,16 @@ def test_mixtral_experts_split_over_tp():
         assert plan[f"{pre}.down_proj"] == fs.P(None, None, "tp")
         assert pre not in plan
     assert plan["model.layers.*.self_attn.q_proj.weight"] == fs.P("tp", None)
+    # Qwen3-MoE with every layer sparse: the plan's dense-MLP entries (mlp.gate_proj ...) name
+    # no module or param of this configuration and are left out (they were refused as
+    # "a parameter, not a module")
+    qwen = _llama(
+        "Qwen3MoeForCausalLM", "Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8, head_dim=8,
+    )  # fmt: skip
+    plan = fs.nn.hf_tp_plan(qwen)
+    assert not any(k.startswith("model.layers.*.mlp.") for k in plan)
+    assert plan["model.layers.0.mlp.experts.down_proj"] == fs.P(None, None, "tp")
 
 
 def hf_plan_forward_rank_fn(cls, cfg, extra):

@@ -220,9 +220,10 @@ def global_view_rank_fn():
     """``fs.parallel.attention`` in the global view under cp (as ``parallelize`` runs a
     pipelined stage): ShardedArrays over a (cp, tp) mesh, heads over tp, the sequence (in the
     load-balanced order) over cp, gathered (a layer before gathered it), or over cp and tp
-    (the body's block would be half the rank's cp chunk), and inside a shard_map over cp with
-    the chunk split over tp: the attention splits the sequence over cp alone (whole in the
-    chunk), and the values and gradients equal dense causal sdpa's for each layout."""
+    (the body's block would be half the rank's cp chunk), inside a shard_map over cp with the
+    chunk split over tp, and with one kv head split over tp: the attention splits the sequence
+    over cp alone (whole in the chunk) and keeps only whole, evenly paired heads split; the
+    values (and gradients) equal dense causal sdpa's for each layout."""
     mesh = fs.Mesh.create((2, 2), ("cp", "tp"))
     q, k, v, _ = _qkv(hkv=4)
     want = _dense(q, k, v, None, True, False)
@@ -258,6 +259,20 @@ def global_view_rank_fn():
     run = fs.shard_map(body, mesh, (chunk,) * 3, chunk, axis_names={"cp"})
     out = run(*(fs.shard(t, mesh, chunk) for t in lb))
     _close(C.load_balance_inverse(fs.gather(out), 2), want, "in a shard_map over cp: value")
+
+    # grouped-query attention with one kv head, its head dim split over tp (a k projection's
+    # output split over tp when the kv heads are fewer than the tp ranks), q's heads over tp:
+    # each rank's block must pair its q heads with whole kv heads
+    q1, k1, v1, _ = _qkv(hkv=1)
+    want1 = _dense(q1, k1, v1, None, True, False)
+    lq, lk, lv = (C.load_balance(t, 2) for t in (q1, k1, v1))
+    xs = (fs.shard(lq, mesh, fs.P(None, "tp", "cp")),) + tuple(
+        fs.shard(t, mesh, fs.P(None, None, "cp", "tp")) for t in (lk, lv)
+    )
+    with C._attention_of(torch.nn.Module(), mesh, "cp", C.ring_attention):
+        out = fs.parallel.attention(*xs, is_causal=True)
+    seen.append(out.spec)
+    _close(C.load_balance_inverse(fs.gather(out), 2), want1, "one kv head split over tp")
     return seen
 
 
@@ -267,7 +282,7 @@ def test_attention_in_the_global_view_splits_the_sequence_over_cp(world4):
         # the output's sequence is split over cp alone, whatever the input's layout
         assert seen == [
             fs.P(None, "tp", "cp", None), fs.P(None, "tp", "cp", None), fs.P(None, None, "cp", None),
-            fs.P(None, None, None, None),
+            fs.P(None, None, None, None), fs.P(None, None, "cp", None),
         ], seen  # fmt: skip
 
 

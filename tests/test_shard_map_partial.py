@@ -92,6 +92,41 @@ def test_partial_manual_2x2(world4):
     assert world4.run(partial_manual, (2, 2)) == [True] * 4
 
 
+def partial_manual_parts():
+    """A fused projection's weight (``[gate | up]`` split per part over tp, fs.Parts) enters a
+    body manual over cp: the body sees it as the same Parts over the auto axis tp; the value
+    and the weight's gradient (in its Parts layout) equal dense. Parts split over a manual axis
+    are refused by name, before any communication."""
+    mesh = fs.Mesh.create((2, 2), ("cp", "tp"))
+    X, W = _gen(0, 8, 6), _gen(1, 10, 6)
+    fused = fs.Parts(P("tp", None), 0, (5, 5))
+    w = fs.shard(W, mesh, fused)
+
+    def body(x, w):
+        assert w.layout.spec == fused and w.layout.mesh.axis_names == ("tp",)
+        gate, up = torch.nn.functional.linear(x, w).split(5, -1)
+        return lax.psum((torch.sigmoid(gate) * up).pow(2).sum(), "cp")
+
+    f = fs.shard_map(body, mesh, (P("cp"), P()), P(), axis_names={"cp"})
+    x = fs.shard(X, mesh, P("cp"))
+
+    def dense(W_):
+        gate, up = (X @ W_.T).split(5, -1)
+        return (torch.sigmoid(gate) * up).pow(2).sum()
+
+    value, g = fs.value_and_grad(lambda w_: fs.gather(f(x, w_)))(w)
+    _close(value, dense(W), "parts value")
+    assert g.layout == w.layout
+    _close(fs.gather(g), grad(dense)(W), "parts grad")
+    over_cp = fs.shard(W, mesh, fs.Parts(P("cp", None), 0, (5, 5)))
+    _raises(lambda: f(x, over_cp), ValueError, "parts are split over the manual axes")
+    return True
+
+
+def test_partial_manual_parts(world4):
+    assert world4.run(partial_manual_parts) == [True] * 4
+
+
 def partial_manual_vmap():
     mesh = fs.Mesh.create((2, 1), ("pp", "tp"))
     Xs, W, V = _gen(0, 3, 8, 6), _gen(1, 6, 4), _gen(2, 4, 2)

@@ -12,13 +12,15 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 1. tensor parallel: the model's shipped plan (:func:`~fshard.parallel.hf_tp_plan`) over ``tp``;
 2. expert parallel: the MoE experts split over ``ep`` (:func:`expert_parallel_plan`);
 3. FSDP / HSDP: every param also split over ``dp_shard`` (:func:`fsdp_plan` over the plans
-   above), replicated over ``dp_replicate``; with ``cp > 1`` over ``("dp_shard", "cp")``
-   (:attr:`ParallelDims.fsdp_axes`, torchtitan's ``dp_shard_cp``): params, gradients and
-   optimizer state ``1/(dp_shard * cp)`` a rank, each unit's gradient one reduce_scatter over
-   the dp_shard x cp ranks (its sum over cp included, no all_reduce over cp); an expert
-   whose count does not split over ``ep x dp_shard x cp`` over the longest prefix of the
-   FSDP axes that does (``("ep", "dp_shard")``: its own group, its shard summed over cp);
-   with ``dp_shard == 1`` nothing is split over cp (the params replicated over it);
+   above), replicated over ``dp_replicate``; with ``ep > 1`` or ``cp > 1`` over those too,
+   ``("dp_shard", "ep", "cp")`` (:attr:`ParallelDims.fsdp_axes`, torchtitan's ``fsdp`` mesh,
+   ``dp_shard_cp`` with its ep ranks inside): params, gradients and optimizer state
+   ``1/(dp_shard * ep * cp)`` a rank, each unit's gradient one reduce_scatter over those
+   ranks (its sums over ep and cp included, no all_reduce over them); an expert, split over
+   ``ep`` by its plan, over ``("ep", "dp_shard", "cp")``, or, whose count does not split over
+   those, ``ep`` and the longest prefix of the others that does (``("ep", "dp_shard")``: its
+   own group, its shard summed over cp); with ``dp_shard == 1`` nothing is split over ep or
+   cp (the params replicated over them);
 4. pipeline parallel: the decoder layers (``config.base_model_pp_plan``'s ``layers``) stacked
    as stages over ``pp`` (:func:`stack_stages`: each stage's layers keep the layouts of 1-3);
 5. the call: :func:`fsdp_call` (each block gathered over the FSDP axes just before use) or
@@ -169,26 +171,36 @@ class ParallelDims:
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
         """The mesh axes FSDP splits params, gradients and optimizer state over (with
-        ``dp_shard > 1``): ``("dp_shard", "cp")`` with ``cp > 1`` (torchtitan's ``dp_shard_cp``:
-        each rank holds ``1/(dp_shard * cp)`` of a param, the blocks in that order, dp_shard
-        outer; a unit's gradient is one reduce_scatter over the dp_shard x cp ranks, which sums
-        it over cp too), else ``("dp_shard",)``. The group is the ranks sharing every other
-        coordinate (pp, dp_replicate, ep, tp): with ``ep > 1`` (the axis between them in the
-        mesh) its ranks are not contiguous, and an expert (split over ``ep`` by its plan) is
-        split over ``("ep", "dp_shard", "cp")``, or, where its count does not split over
-        those, over the longest prefix of these axes that it does (4 experts at ep 2 x
+        ``dp_shard > 1``): ``dp_shard`` and, of ``ep`` and ``cp``, those above 1, in mesh order
+        (torchtitan's ``fsdp`` mesh, ``dp_shard_cp``, whose dp_shard holds its ep ranks):
+        each rank holds ``1/(dp_shard * ep * cp)`` of a dense param, the blocks in that order,
+        dp_shard outer; a unit's gradient is one reduce_scatter over those ranks, which sums
+        it over ep and cp too. The batch is split over ep as over dp_shard, so a dense
+        (non-expert) param is replicated over ep: FSDP over ep too halves its memory (at ep
+        2) and needs no sum of its own (sharded over dp_shard alone it took one all_reduce
+        over ep per param at its full size, 17 a step on a 2-layer Mixtral at dp_shard 2 x ep
+        2; the HSDP-like sum of the reduce-scattered shards over ep logs 2.5 S bytes a rank
+        where this logs 1.5 S, for a layer gathered twice of S bytes: docs/DESIGN.md). The
+        group is the ranks sharing every other coordinate (pp, dp_replicate, tp). An expert
+        (split over ``ep`` by its plan) is split over ``("ep", "dp_shard", "cp")``
+        (torchtitan's ``efsdp``), or, where its count does not split over those, over ``ep``
+        and the longest prefix of the other FSDP axes that it does (4 experts at ep 2 x
         dp_shard 2 x cp 2: ``("ep", "dp_shard")``, gathered and reduce-scattered over
-        dp_shard, its shard's gradient summed over cp; :func:`fsdp_plan`). With
-        ``dp_shard == 1`` nothing is split over cp: the params stay whole over it
-        (replicated, their gradients summed over cp).
+        dp_shard, its shard's gradient summed over cp; :func:`fsdp_plan`). With ``dp_shard ==
+        1`` there is no FSDP: the params stay whole over ep and cp (replicated, their
+        gradients summed over them by the gradient sync, bucketed).
 
         Example:
             >>> fs.parallel.ParallelDims(dp_shard=2, cp=2).fsdp_axes
             ('dp_shard', 'cp')
+            >>> fs.parallel.ParallelDims(dp_shard=2, ep=2, cp=2).fsdp_axes
+            ('dp_shard', 'ep', 'cp')
             >>> fs.parallel.ParallelDims(dp_shard=2, tp=2).fsdp_axes
             ('dp_shard',)
         """
-        return ("dp_shard", "cp") if self.dp_shard > 1 and self.cp > 1 else ("dp_shard",)
+        if self.dp_shard == 1:
+            return ("dp_shard",)
+        return ("dp_shard", *(a for a in ("ep", "cp") if getattr(self, a) > 1))
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -878,14 +878,14 @@ def attention(
 
     if isinstance(query, ShardedArray):
         # a body over the blocks of every axis (heads over tp, rows over the batch axes: each
-        # attends on its own). Its ring or all-to-all takes the rank's block of the sequence
-        # as its cp chunk, so the sequence must be split over cp alone (whole inside a
-        # shard_map over cp): one gathered over cp by a layer before is split again, one split
-        # over more axes (cp x tp, or tp) gathered over the others (the block would be a part
-        # of the chunk: a wrong attention)
-        query, key, value = (_sequence_over(t, axis, -2) for t in (query, key, value))
+        # attends on its own), so the blocks must be whole attention problems (_block_specs)
+        query, key, value = (
+            reshard(t, want) for t, want in zip((query, key, value), _block_specs(query, key, value, axis))
+        )  # fmt: skip
         if isinstance(padding_mask, ShardedArray):
-            padding_mask = _sequence_over(padding_mask, axis, -1)
+            rows = query.spec.padded(query.ndim)[: query.ndim - 3]
+            seq = (axis,) if axis in query.layout.mesh.axis_names else ()
+            padding_mask = reshard(padding_mask, _spec(*rows, seq))
         mask = padding_mask
         specs = [t.spec for t in (query, key, value)]
         specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
@@ -896,17 +896,31 @@ def attention(
     return local(query, key, value, padding_mask)
 
 
-def _sequence_over(t, axis: str, dim: int):
-    """``t`` (a ShardedArray) with its sequence dim ``dim`` split over ``axis`` alone (taken off
-    the other dims), its other dims as they are; inside a ``shard_map`` over ``axis`` (not an
-    axis of ``t``'s mesh: ``t`` is the rank's chunk already) the sequence dim whole."""
-    dims = list(t.spec.padded(t.ndim))
-    want = (axis,) if axis in t.layout.mesh.axis_names else ()
-    if dims[dim] == want:
-        return t
-    dims = [tuple(a for a in d if a != axis) for d in dims]
-    dims[dim] = want
-    return reshard(t, P(*(d or None for d in dims), partial=t.spec.partial))
+def _block_specs(q, k, v, axis: str) -> tuple[P, P, P]:
+    """The layouts whose blocks are whole attention problems for the ring or all-to-all over
+    ``axis`` on each rank's blocks: the query's batch dims (k and v alike); the heads split
+    only where the query's and the key/value heads split evenly over the same axes (each rank's
+    q heads then use its own kv heads under grouped-query attention), else whole; the sequence
+    over ``axis`` alone (the ring takes a rank's block as its cp chunk; whole inside a
+    shard_map over ``axis``, where each value is the rank's chunk already: one gathered over cp
+    by a layer before is split again, one over more axes (cp x tp, or tp) gathered over the
+    others); the head dim whole (a kv head split over tp, fewer kv heads than tp ranks, is
+    gathered)."""
+    lead = [tuple(a for a in d if a != axis) for d in q.spec.padded(q.ndim)[: q.ndim - 3]]
+    heads = tuple(a for a in q.spec.padded(q.ndim)[-3] if a != axis)
+    n = q.layout.mesh.size(heads) if heads else 1
+    if any(t.spec.padded(t.ndim)[-3] != heads or t.shape[-3] % n for t in (q, k, v)):
+        heads = ()
+    seq = (axis,) if axis in q.layout.mesh.axis_names else ()
+    specs = []
+    for t in (q, k, v):
+        rows = lead[len(lead) - (t.ndim - 3) :] if t.ndim - 3 else []
+        specs.append(_spec(*rows, heads, seq, ()))  # a pending sum reduced: not linear
+    return tuple(specs)
+
+
+def _spec(*dims) -> P:
+    return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):

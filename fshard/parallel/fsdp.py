@@ -112,7 +112,12 @@ def fsdp_plan(
     that nests over none of them, a 0-d one, or one whose base splits it per part (a fused
     projection, :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its
     block) keeps its base spec: it stays whole over ``axis`` and its gradient is all-reduced
-    like DDP's.
+    like DDP's. The base may split dim 0 over FSDP axes other than the first (experts over
+    ``ep`` with FSDP over ``("dp_shard", "ep")``, :func:`fshard.parallel.parallelize`'s
+    FSDP x EP: the dense params split over both, as torchtitan's FSDP mesh holds its ep
+    ranks): FSDP adds the longest prefix of the others that nests (``P(("ep",
+    "dp_shard"))``), and :func:`fsdp_call` gathers over that prefix alone, the base's axes
+    held.
 
     Args:
         module: the module.
@@ -131,6 +136,9 @@ def fsdp_plan(
         >>> am = fs.Mesh.abstract((2, 2, 2), ("ep", "dp_shard", "cp"))  # a prefix of the axes:
         >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 4), am, ("dp_shard", "cp"), base={"weight": fs.P("ep")})
         {'weight': P(('ep', 'dp_shard'), None), 'bias': P(('dp_shard', 'cp'))}
+        >>> am = fs.Mesh.abstract((2, 2), ("dp_shard", "ep"))  # the base holds ep of the axes
+        >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": fs.P("ep")})
+        {'weight': P(('ep', 'dp_shard'), None), 'bias': P(('dp_shard', 'ep'))}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -141,7 +149,22 @@ def fsdp_plan(
     specs = match_plan(named, base or {})
     errors = LeafErrors(f"fsdp_plan: parameters the base plan already shards over {axis!r}")
     for name, spec in specs.items():
-        if set(axes) & set(spec.axes):
+        if not set(axes) & set(spec.axes):
+            continue
+        # dim 0's base split may hold FSDP axes other than the first (experts over ep, FSDP
+        # over ("dp_shard", "ep")), none after them: FSDP adds the others after them (its part
+        # starts with the first axis: fsdp_call tells it from the base's); else refused
+        # (a fused projection's parts on dim 0 hold no such split; on another dim, its dim 0
+        # is the P's: experts over ep with their [gate | up] halves over tp)
+        inner = spec.spec if isinstance(spec, Parts) else spec
+        parts0 = isinstance(spec, Parts) and spec.dim % named[name].dim() == 0
+        first = () if parts0 else inner.padded(named[name].dim())[0]
+        held = [i for i, a in enumerate(first) if a in axes]
+        if (
+            axes[0] in spec.axes
+            or set(axes) & set(spec.axes) - set(first)
+            or any(a not in axes for a in first[held[0] :])
+        ):
             errors.add(f"[{name!r}]", f"base spec {spec}")
     errors.raise_if_any(fix=f"FSDP adds {axis!r} itself: leave it out of the base plan")
     out = {}
@@ -151,7 +174,8 @@ def fsdp_plan(
             out[name] = spec
             continue
         dims = spec.padded(p.dim())
-        first = _nested(dims[0], axes, p.shape[0], mesh)
+        rest = tuple(a for a in axes if a not in dims[0])  # those the base leaves
+        first = _nested(dims[0], rest, p.shape[0], mesh)
         if first is None:
             out[name] = spec  # uneven under a base split of dim 0: the blocks would not nest
             continue
@@ -177,6 +201,33 @@ def _nested(base: tuple[str, ...], axes: tuple[str, ...], rows: int, mesh: Mesh)
         if rows % math.prod(mesh.size(a) for a in first) == 0:
             return first
     return None
+
+
+def _fsdp_part(first: tuple[str, ...], axes: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """The FSDP axes dim 0's entry ``first`` splits a param over: its longest tail that is a
+    prefix of the FSDP ``axes`` less those before it (what :func:`fsdp_plan` writes: the
+    base plan's axes, then FSDP's; an expert split over ``ep`` by its base plan, FSDP over
+    ``("dp_shard", "ep")``: ``("ep", "dp_shard")``, its FSDP part ``("dp_shard",)``, ep held
+    by the base). An FSDP axis before another axis in ``first`` that is not FSDP's (a
+    hand-written ``P(("dp", "tp"))`` with ``axis="dp"``) is refused: gathering it would not
+    give the param's block."""
+    for k in range(len(first), 0, -1):
+        head, tail = first[: len(first) - k], first[len(first) - k :]
+        if tail == tuple(a for a in axes if a not in head)[:k]:
+            break
+    else:
+        k = 0
+    head, tail = first[: len(first) - k], first[len(first) - k :]
+    held = [i for i, a in enumerate(head) if a in axes]
+    if held and any(a not in axes for a in head[held[0] :]):
+        before = tuple(a for a in head if a in axes)
+        after = tuple(a for a in head[held[0] :] if a not in axes)
+        raise ValueError(
+            f"{where} of dim 0 {first} splits dim 0 over the FSDP axes {before} before "
+            f"{after}: gathering them would not give its block; put the FSDP axes last in "
+            "dim 0 (fs.nn.fsdp_plan does)"
+        )
+    return tail
 
 
 def _axes(axis, mesh: Mesh, where: str) -> tuple[str, ...]:
@@ -347,26 +398,22 @@ class _Session:
         axes = self.split.get(n)
         if axes is None:
             spec = self.params[n].spec
-            if isinstance(spec, Parts) or not spec.dims:
-                axes = ()
-            else:
-                first = spec.padded(len(self.params[n].shape))[0]
-                axes = tuple(a for a in self.axes if a in first)
-                if set(first[len(first) - len(axes) :]) != set(axes):
-                    raise ValueError(
-                        f"fsdp_call: param {n!r} of spec {spec} splits dim 0 over the FSDP axes "
-                        f"{axes} before {first[len(first) - len(axes) :]}: gathering them would "
-                        "not give its block; put the FSDP axes last in dim 0 (fs.nn.fsdp_plan "
-                        "does)"
-                    )
+            axes = (
+                ()
+                if isinstance(spec, Parts) or not spec.dims
+                else _fsdp_part(
+                    spec.padded(len(self.params[n].shape))[0], self.axes, f"fsdp_call: param {n!r}"
+                )
+            )
             self.split[n] = axes
         return axes
 
     def rest_of(self, n: str) -> tuple[str, ...]:
         """The FSDP axes sharded param ``n`` is whole over (``()`` for most: see
         :meth:`axes_of`)."""
-        axes = self.axes_of(n)
-        return tuple(a for a in self.axes if a not in axes)
+        axes, spec = self.axes_of(n), self.params[n].spec
+        held = () if isinstance(spec, Parts) else spec.axes  # a base split (experts over ep)
+        return tuple(a for a in self.axes if a not in axes and a not in held)
 
     def group_of(self, n: str):
         """Sharded param ``n``'s FSDP group: the ranks it is gathered over."""
@@ -593,7 +640,7 @@ class _Session:
         manual axes)."""
         layout = self.params[n].layout
         dims = list(layout.spec.padded(len(layout.shape)))
-        dims[0] = tuple(a for a in dims[0] if a not in self.axes)
+        dims[0] = dims[0][: len(dims[0]) - len(self.axes_of(n))]  # the FSDP part is its tail
         entries = [d[0] if len(d) == 1 else (d or None) for d in dims]
         base = layout.with_spec(P(*entries, partial=layout.spec.partial))
         tracker = axis_env.tracker(self.mesh)
@@ -710,7 +757,9 @@ class _Session:
         axes) whose backward all-reduces in the policy's reduce dtype, then the cast to
         ``param_dtype``."""
         x = self.params[n].local
-        axes = self.replicate + self.axes
+        axes = self.replicate + self.rest_of(n)
+        if not axes:
+            return self.policy.cast_param(x)
         y = lax.pcast(x.to(self.policy.reduce_in(x.dtype)), axes, mesh=self.mesh)
         return self.policy.cast_param(y)
 

@@ -325,7 +325,9 @@ def hf_tp_plan(
     experts' styles (``packed_colwise`` on ``gate_up_proj`` ``(E, 2I, H)``: each of the gate and
     up halves split on I, a :class:`~fshard.Parts`; ``rowwise`` on ``down_proj`` ``(E, H, I)``:
     I split; ``moe_tp_experts`` on the module: the output's sum over ``axis``, which
-    :func:`fshard.parallel.moe_experts` does) map too. Styles with no fshard equivalent yet
+    :func:`fshard.parallel.moe_experts` does) map too. An entry naming no module or param of
+    this configuration (a dense-MLP entry of a model whose every layer is a mixture of experts)
+    is left out. Styles with no fshard equivalent yet
     (``packed_colwise`` on a module, ``sequence_parallel`` ...) raise a ``ValueError`` listing
     them, or, with ``unsupported="replicate"``, leave those modules replicated (correct, less
     sharded).
@@ -366,6 +368,7 @@ def hf_tp_plan(
     roles: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
     skipped, experts = [], {}
     modules = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters()]
     experts_modules = _experts_modules(model)
     for pattern, style in entries.items():
         match = _matcher(pattern)
@@ -375,10 +378,13 @@ def hf_tp_plan(
         elif style not in _HF_STYLES:
             skipped.append(f"{pattern!r}: {style!r}")
         elif _HF_STYLES[style] is not None:
-            if not any(match(n) for n in modules):  # a fused parameter, no module
-                skipped.append(f"{pattern!r}: {style!r} (a parameter, not a module)")
-            else:
+            if any(match(n) for n in modules):
                 roles[_HF_STYLES[style]].append(pattern)
+            elif any(match(n) for n in params):  # a fused parameter, no module
+                skipped.append(f"{pattern!r}: {style!r} (a parameter, not a module)")
+            # else: an entry for layers this configuration does not build (the dense MLPs of
+            # a model whose every layer is a mixture of experts): nothing to split
+
     if skipped and unsupported == "error":
         raise ValueError(
             f"hf_tp_plan: {type(model).__name__}'s plan has styles with no fshard equivalent "
