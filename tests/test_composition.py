@@ -865,18 +865,19 @@ def test_parallelize_holds_the_ends_on_their_stage(world4):
     pytest.importorskip("transformers")
     for rank, (untied, tied) in enumerate(world4.run(held_ends_rank_fn)):
         first, last = rank < 2, rank >= 2
+        # (fsdp_plan writes a matrix's entry for each dim: P('dp_shard', None))
         assert untied == {
             "model.embed_tokens.weight": (
                 "HeldLayout",
                 0,
-                "P('dp_shard')",
+                "P('dp_shard', None)",
                 (32 if first else 0, 32),
             ),
             "model.norm.weight": ("HeldLayout", 1, "P('dp_shard')", (16 if last else 0,)),
-            "lm_head.weight": ("HeldLayout", 1, "P('dp_shard')", (32 if last else 0, 32)),
+            "lm_head.weight": ("HeldLayout", 1, "P('dp_shard', None)", (32 if last else 0, 32)),
         }, rank
         assert tied == {
-            "model.embed_tokens.weight": ("Layout", None, "P('dp_shard')", (32, 32)),
+            "model.embed_tokens.weight": ("Layout", None, "P('dp_shard', None)", (32, 32)),
             "model.norm.weight": ("HeldLayout", 1, "P('dp_shard')", (16 if last else 0,)),
         }, rank
 
