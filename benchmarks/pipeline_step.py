@@ -10,7 +10,8 @@ The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules:
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
 head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stages are the
 blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embeddings in ``input_fn`` (on
-rank 0 only, as torch's), the final norm, head and loss in ``loss_fn``; interleaved runs 4 stages
+rank 0 only, as torch's), the final norm, head and loss in ``loss_fn``, each end's params held
+by its rank only (``fs.parallel.on_stage``, as torch's stage modules hold them); interleaved runs 4 stages
 of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
 (``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer; each
 library's gradients live from its step's backward until its next step starts (torch's
@@ -147,10 +148,18 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
     stages = 2 * virtual
     per = len(gpt.blocks) // stages
     named = {k: v.detach() for k, v in gpt.named_parameters()}
+    # the ends' params held by their stage's rank only, as torch's stage modules hold them
+    # (replicated, their gradients were all-reduced over pp every step)
     params = {
-        "emb": {n: named[n] for n in ("embed.tok.weight", "embed.pos.weight")},
+        "emb": {
+            n: fs.parallel.on_stage(named[n], mesh, 0)
+            for n in ("embed.tok.weight", "embed.pos.weight")
+        },
         "stages": fs.parallel.stack_stages(named, mesh, prefix="blocks", virtual=virtual),
-        "head": {n: named[n] for n in ("ln_f.weight", "ln_f.bias", "head.weight")},
+        "head": {
+            n: fs.parallel.on_stage(named[n], mesh, 1)
+            for n in ("ln_f.weight", "ln_f.bias", "head.weight")
+        },
     }
     block = gpt.blocks[0]
 

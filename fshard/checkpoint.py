@@ -127,9 +127,18 @@ from . import _compat, consistency
 from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray, _rebuild_sharded
 from .executor import reshard_one
-from .interop import _distinct_boxes, _quiet, _sharded_tensor, local_pieces, rank_boxes
+from .interop import _quiet, _sharded_tensor, local_pieces, rank_boxes
 from .mesh import _restore as _rebuild_mesh
-from .spec import BaseLayout, ExplicitLayout, Layout, P, PartitionSpec, Parts, _make_spec
+from .spec import (
+    BaseLayout,
+    ExplicitLayout,
+    HeldLayout,
+    Layout,
+    P,
+    PartitionSpec,
+    Parts,
+    _make_spec,
+)
 
 __all__ = ["save", "load", "CheckpointError", "SaveHandle"]
 
@@ -145,7 +154,7 @@ _HASH_BLOCK = 1 << 22
 
 # torch.save / torch.load(weights_only=True) of fshard's values (see "Safety" above).
 torch.serialization.add_safe_globals(
-    [_rebuild_sharded, Layout, ExplicitLayout, PartitionSpec, _make_spec, _rebuild_mesh]
+    [_rebuild_sharded, Layout, ExplicitLayout, HeldLayout, PartitionSpec, _make_spec, _rebuild_mesh]
 )
 
 
@@ -240,8 +249,14 @@ def _unreduced(spec: PartitionSpec | Parts) -> PartitionSpec | Parts:
 
 
 def _fully_replicated(layout: Layout) -> bool:
-    boxes = _distinct_boxes(layout)
-    return len(boxes) == 1 and boxes[0][2] == tuple(layout.shape)
+    """Whether every rank holds the whole value (then each saves its plain tensor, DCP writes
+    one). Not where some ranks hold empty blocks (a ``Layout.held`` value: its one block is on
+    one stage's ranks; saved plain, DCP took the coordinator's empty block for the value)."""
+    whole = tuple(layout.shape)
+    return all(
+        len(boxes) == 1 and tuple(boxes[0].shard_sizes) == whole
+        for boxes in (rank_boxes(layout, r) for r in layout.mesh.ranks)
+    )
 
 
 def _saveable_local(key: str, leaf: Any) -> tuple[Layout | None, torch.Tensor]:

@@ -34,6 +34,7 @@ __all__ = [
     "BaseLayout",
     "Layout",
     "ExplicitLayout",
+    "HeldLayout",
     "PartsLayout",
     "ShardMetadata",
     "chunk_bounds",
@@ -560,6 +561,19 @@ class Layout(BaseLayout):
         """
         return ExplicitLayout(mesh, chunks, shape, dtype)
 
+    @staticmethod
+    def held(base: Layout, axis: str, index: int) -> HeldLayout:
+        """``base``'s value held by the ranks at coordinate ``index`` of ``axis`` only (empty
+        blocks elsewhere): a pipeline stage's params (see :class:`HeldLayout`).
+
+        Example:
+            >>> from fshard import Mesh
+            >>> m = Mesh.abstract((2,), ("pp",))
+            >>> Layout.held(Layout(m, P(), (2, 3)), "pp", 1).local_shape(0)
+            (0, 3)
+        """
+        return HeldLayout(base, axis, index)
+
     def with_dtype(self, dtype: torch.dtype) -> Layout:
         return _layout(self.mesh, self.spec, self.shape, dtype)
 
@@ -752,6 +766,98 @@ class ExplicitLayout(BaseLayout):
                 seen.add(box)
                 out.append(r)
         return out
+
+
+class HeldLayout(ExplicitLayout):
+    """A value held by the ranks at coordinate ``index`` of mesh axis ``axis`` only, laid out
+    there by ``base`` (a :class:`Layout` whose spec does not name ``axis``); every other rank
+    holds an empty block (0 rows). Build it with :meth:`Layout.held`.
+
+    What it is for: a pipeline's one-stage params (issue 36 item 7). The embedding is used by
+    the first stage only and the final norm and head by the last: replicated over ``pp``, every
+    stage's ranks held them, the optimizer updated them on every stage, and their gradients
+    (zero off their stage) were summed over ``pp`` every step (an all_reduce that also made the
+    stages wait for each other at the step's end). Held by their stage, as
+    ``torch.distributed.pipelining`` holds them, none of that happens:
+    :func:`fshard.parallel.pipeline` takes such ``input_params`` (held by stage 0's ranks) and
+    ``loss_params`` (by the last stage's), runs them on their stage's ranks in ``base``'s
+    layout and returns their gradient in this layout, with no collective over ``axis``.
+
+    Why a layout and not a spec: the ceil-div chunks of DESIGN §2 put a short dim's blocks on
+    the *first* coordinates of an axis (a leading dim of size 1 split over ``pp`` is held by
+    ``pp`` rank 0 only), so no :class:`P` holds a value on the last stage's ranks alone. It is an
+    :class:`ExplicitLayout` (its boxes: ``base``'s blocks at coordinate ``index``, empty ones
+    elsewhere), so everything that takes explicit layouts takes it as it is: ``fs.gather`` and
+    ``fs.reshard`` (``gather_blocks``: one all_gather over the mesh), ``fs.checkpoint`` (one
+    chunk per distinct box), the optimizers (which work on the local blocks: an empty block
+    costs nothing) and the op rules that take row blocks; any other op sees it made whole.
+    Unlike a general explicit layout it knows its ``sharded_axes`` exactly (``axis`` and
+    ``base``'s), so reductions over it (``fs.optim.global_norm``) count each element once.
+    It compares equal to the :class:`ExplicitLayout` of the same boxes.
+
+    Example:
+        >>> from fshard import Mesh
+        >>> m = Mesh.abstract((2, 2), ("pp", "dp"))
+        >>> lay = Layout.held(Layout(m, P("dp"), (4, 3)), "pp", 1)
+        >>> [lay.local_shape(r) for r in m.ranks], lay.sharded_axes
+        ([(0, 3), (0, 3), (2, 3), (2, 3)], ('pp', 'dp'))
+    """
+
+    __slots__ = ("base", "axis", "index")
+
+    def __init__(self, base: Layout, axis: str, index: int):
+        if not isinstance(base, Layout) or base.is_explicit:
+            raise TypeError(f"Layout.held: base must be a Layout (a P layout), got {base!r}")
+        mesh = base.mesh
+        if axis not in mesh.axis_names:
+            raise ValueError(f"Layout.held: mesh {mesh!r} has no axis {axis!r}")
+        if axis in base.varying_axes or base.partial:
+            raise ValueError(
+                f"Layout.held: base {base.spec} splits over {axis!r} or is a pending sum; the "
+                f"value is held whole over {axis!r} by one coordinate, and not pending"
+            )
+        size = mesh.size(axis)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+            raise ValueError(
+                f"Layout.held: index must be in [0, {size}) (axis {axis!r}), got {index!r}"
+            )
+        if not base.ndim:
+            raise ValueError(
+                "Layout.held: a 0-d value has no empty block; give a value of ndim >= 1"
+            )
+        at = mesh.axis_names.index(axis)
+        empty = ((0,) * base.ndim, (0, *base.shape[1:]))
+        chunks = [
+            _box_of(base.shard_metadata(r), i, base.ndim) if mesh.coords(r)[at] == index else empty
+            for i, r in enumerate(mesh.ranks)
+        ]
+        super().__init__(mesh, chunks, base.shape, base.dtype)
+        set_ = object.__setattr__
+        set_(self, "base", base)
+        set_(self, "axis", axis)
+        set_(self, "index", index)
+
+    def __repr__(self) -> str:
+        return f"Layout.held({self.base!r}, {self.axis!r}, {self.index})"
+
+    def __reduce__(self):
+        return (HeldLayout, (self.base, self.axis, self.index))
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        axes = {self.axis, *self.base.sharded_axes}
+        return tuple(a for a in self.mesh.axis_names if a in axes)
+
+    @property
+    def varying_axes(self) -> frozenset[str]:
+        return frozenset(self.sharded_axes)
+
+    def with_dtype(self, dtype: torch.dtype) -> HeldLayout:
+        return HeldLayout(self.base.with_dtype(dtype), self.axis, self.index)
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` (a global rank of the mesh) is one of the holding coordinate's."""
+        return self.mesh.coords(rank)[self.mesh.axis_names.index(self.axis)] == self.index
 
 
 class PartsLayout(BaseLayout):

@@ -502,7 +502,8 @@ FSDP_CP_EIGHT = [
 
 def fsdp_cp_eight_rank_fn():
     """For each of FSDP_CP_EIGHT: the worst difference from dense over 3 AdamW steps
-    (:func:`_parallelize_train`), the specs of parallelize's params, each param's
+    (:func:`_parallelize_train`), the specs of parallelize's params (of a param held by one
+    pipeline stage's ranks, its spec there: ``Layout.held``'s ``base``), each param's
     ``(spec, local shape)`` and every all_gather, reduce_scatter and all_reduce of the first
     step with its bytes (was: those over dp_shard x cp or dp_shard and the all_reduces over
     cp, which left out the dense params' sums over ep)."""
@@ -520,7 +521,8 @@ def fsdp_cp_eight_rank_fn():
         worst = _parallelize_train(kind, degrees, log=log)
         ops = ("all_gather", "reduce_scatter", "all_reduce")
         fsdp = Counter((r.op, tuple(r.axes), r.nbytes) for r in log if r.op in ops)
-        out.append((worst, {str(t.spec) for t in leaves}, local, fsdp))
+        specs = {str(getattr(t.layout, "base", t.layout).spec) for t in leaves}
+        out.append((worst, specs, local, fsdp))
     return out
 
 
@@ -723,10 +725,11 @@ def _hf_model(kind: str):
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind in ("llama", "llama_tied"):  # tied: the head is the embedding
         cfg = transformers.LlamaConfig(
             hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=kind == "llama_tied",
         )  # fmt: skip
         return transformers.LlamaForCausalLM(cfg)
     if kind == "qwen3_moe":  # every layer sparse: its plan's dense-MLP entries name nothing
@@ -814,6 +817,9 @@ PIPELINED = [
     # ZB-H1's weight pass reaches FSDP's gathered params through the gradient sync's stand-ins
     # (leaves: the gathered data itself, read by every use)
     ("llama", {"pp": 2, "dp_shard": 2, "pp_schedule": "zb"}, {}),
+    # the embedding tied to the head: used by both ends, it stays replicated over pp (its
+    # gradient summed over pp) while the final norm is held by the last stage's ranks
+    ("llama_tied", {"pp": 2, "dp_shard": 2}, {}),
 ]
 
 
@@ -830,6 +836,50 @@ def test_parallelize_pipelines_transformers_models(world4):
     for worsts in world4.run(pipelined_rank_fn):
         for (kind, degrees, options), worst in zip(PIPELINED, worsts):
             assert worst < 1e-4, (kind, degrees, options, worst)
+
+
+def held_ends_rank_fn():
+    """Where parallelize (pp=2 x dp_shard=2) puts the model's ends, untied and tied: each end
+    param's (layout kind, holding pp coordinate or None, spec on the holding ranks, this rank's
+    block shape)."""
+    out = []
+    for kind in ("llama", "llama_tied"):
+        dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+        params, _ = fs.parallel.parallelize(_hf_model(kind), dims.mesh(), dims)
+        ends = {}
+        for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            if k in params:
+                lay = params[k].layout
+                held = getattr(lay, "index", None)
+                spec = lay.base.spec if held is not None else lay.spec
+                ends[k] = (type(lay).__name__, held, str(spec), tuple(params[k].local.shape))
+        out.append(ends)
+    return out
+
+
+def test_parallelize_holds_the_ends_on_their_stage(world4):
+    """Issue 36 item 7: with pp the embedding is held by the first stage's ranks and the final
+    norm and head by the last's (``Layout.held``: FSDP's rows over dp_shard there, nothing
+    elsewhere), as torch.distributed.pipelining's stage modules hold them; an embedding tied to
+    the head (one param, both ends) stays replicated over pp, FSDP-split over dp_shard."""
+    pytest.importorskip("transformers")
+    for rank, (untied, tied) in enumerate(world4.run(held_ends_rank_fn)):
+        first, last = rank < 2, rank >= 2
+        # (fsdp_plan writes a matrix's entry for each dim: P('dp_shard', None))
+        assert untied == {
+            "model.embed_tokens.weight": (
+                "HeldLayout",
+                0,
+                "P('dp_shard', None)",
+                (32 if first else 0, 32),
+            ),
+            "model.norm.weight": ("HeldLayout", 1, "P('dp_shard')", (16 if last else 0,)),
+            "lm_head.weight": ("HeldLayout", 1, "P('dp_shard', None)", (32 if last else 0, 32)),
+        }, rank
+        assert tied == {
+            "model.embed_tokens.weight": ("Layout", None, "P('dp_shard', None)", (32, 32)),
+            "model.norm.weight": ("HeldLayout", 1, "P('dp_shard')", (16 if last else 0,)),
+        }, rank
 
 
 def pp_fsdp_exchanges_rank_fn():

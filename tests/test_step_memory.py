@@ -140,27 +140,41 @@ def _dry_step_pooled(degrees: dict, rows: int):
 
 def test_fsdp_x_pp_saves_and_keeps_what_pp_alone_does():
     """FSDP x PP at the rows per rank of PP alone: the forward saves what PP alone saves plus
-    at most one gathered copy of the stage's params (a stage gathers each unit once per step and
+    exactly one gathered copy of the stage's params (a stage gathers each unit once per step and
     keeps it for the step's microbatches, as torchtitan's FSDP2 under PP with
-    reshard_after_forward=False: 149,540 B here, under the 213,760 B of the stage's params), and
-    after the step only the new state is live (before: each fsdp_call's session kept its
-    gathered values and tracked tensors in a cycle through the backward's hooks: 2x the
-    activations, 3x the end bytes)."""
+    reshard_after_forward=False: 180,736 B here, rank 0's decoder layer and the embedding it
+    holds) and a part that grows with the rows, not the weights (24 B a token: index tensors of
+    the local-view pieces), and after the step only the new state is live (before: each
+    fsdp_call's session kept its gathered values and tracked tensors in a cycle through the
+    backward's hooks: 2x the activations, 3x the end bytes). (Until the ends were held by their
+    stage, PP alone's params also held the head, which stage 0 never gathers, and the bound
+    was that larger sum: 213,760 B.)"""
     both, pooled_both = _dry_step_pooled({"dp_shard": 2, "pp": 2}, rows=8)
     pp, pooled_pp = _dry_step_pooled({"pp": 2}, rows=4)
-    # one copy of the stage's gathered weights, not one per microbatch (PP alone holds the
-    # stage's whole params as its arguments: pp.args["params"])
-    assert 0 < both.activations - pp.activations <= pp.args["params"], (both, pp)
+    extra = both.activations - pp.activations
+    extra2 = (
+        _dry_step({"dp_shard": 2, "pp": 2}, rows=16).activations
+        - _dry_step({"pp": 2}, rows=8).activations
+    )
+    # the part that does not grow with the rows: one copy of the stage's gathered weights, not
+    # one per microbatch (PP alone holds the stage's whole params as its arguments:
+    # pp.args["params"]); the rest doubles with the rows, at most 3 int64 a token of the
+    # rank's 4 rows of 16
+    weights = 2 * extra - extra2
+    assert weights == pp.args["params"], (extra, extra2, pp.args)
+    assert 0 <= extra - weights <= 3 * 8 * 4 * 16, (extra, weights)
 
     # at the end: the arguments and the new params and optimizer state, the wire buffers kept
-    # for the next step (fshard._comm.pooled: PP's reduce buckets, 65,792 B here; with FSDP the
-    # reduce_scatters' packs of the stage's gradients instead, 213,632 B: at most one copy of
-    # the stage's whole params, as DDP keeps its buckets), and at most what the pipeline alone
-    # keeps besides (its cached layer kwargs)
+    # for the next step (fshard._comm.pooled: with FSDP the reduce_scatters' packs of the
+    # stage's gradients, 180,736 B here: at most one copy of the stage's whole params, as DDP
+    # keeps its buckets; PP alone none: with the ends held by their stage no param is
+    # replicated over pp, so there is no bucket to keep, where its all_reduce's were 65,792 B),
+    # and at most what the pipeline alone keeps besides (its cached layer kwargs)
     def kept(c, pooled):
         return c.end - 2 * (c.args["params"] + c.args["opt_state"]) - c.args["batch"] - pooled
 
     assert 0 < pooled_both <= pp.args["params"]
+    assert pooled_pp == 0
     assert 0 <= kept(both, pooled_both) <= kept(pp, pooled_pp)
 
 

@@ -126,5 +126,7 @@ def row_wise_rule(op, ins, row: Layout, meta):
     if axes != live:  # the others would be pcast over every axis: only exact when rows vary
         return None  # over all of them
     bounds = row_bounds(row)
+    if bounds is None:  # blocks split another dim too (a Layout.held of a column split)
+        return None
     out = rows_layout(row.mesh, bounds, tuple(meta.shape), meta.dtype, axes)
     return OpSharding([None if x is row else spec([()] * x.ndim) for x in ins], out)

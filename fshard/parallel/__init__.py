@@ -11,7 +11,7 @@ call puts values into the module through the one swap of :mod:`fshard._swap`).
 | expert (:mod:`fshard.parallel.expert`) | ``expert_parallel_plan`` | ``expert_parallel_call`` (``moe_experts`` for your own MoE layer) |
 | context (:mod:`fshard.parallel.context`) | ``load_balance`` (the sequence's chunks per rank) | ``context_parallel_loss`` (an HF causal LM or your own); ``attention`` (sdpa, the ring under cp), ``ring_attention`` / ``ulysses_attention`` for your own attention |
 | all at once (:mod:`fshard.parallel.compose`) | ``ParallelDims`` (every degree), ``ModelParts`` (a model of your own) | ``parallelize`` (a causal LM: params and one loss) |
-| pipeline (:mod:`fshard.parallel.pipeline`) | ``stack_stages`` (a module's blocks as stages over ``pp``), ``pipeline_schedule`` (the tick table) | ``pipeline`` (its own executor: GPipe, 1F1B, interleaved, ZB-H1) |
+| pipeline (:mod:`fshard.parallel.pipeline`) | ``stack_stages`` (a module's blocks as stages over ``pp``), ``on_stage`` (a one-stage param held by its stage's ranks), ``pipeline_schedule`` (the tick table) | ``pipeline`` (its own executor: GPipe, 1F1B, interleaved, ZB-H1) |
 
 The plans and ``fsdp_call`` are also :mod:`fshard.nn`'s names (``fs.nn.megatron_plan`` is
 ``fs.parallel.megatron_plan``).
@@ -36,6 +36,7 @@ from .fsdp import fsdp_call, fsdp_gather, fsdp_plan, fsdp_units
 from .pipeline import (
     Action,
     PipelineSchedule,
+    on_stage,
     pipeline,
     pipeline_schedule,
     stack_stages,
@@ -66,6 +67,7 @@ __all__ = [
     "Action",
     "stack_stages",
     "unstack_stages",
+    "on_stage",
     "stage_order",
     "attention",
     "context_parallel_loss",

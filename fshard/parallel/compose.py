@@ -23,6 +23,11 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
    cp (the params replicated over them);
 4. pipeline parallel: the decoder layers (``config.base_model_pp_plan``'s ``layers``) stacked
    as stages over ``pp`` (:func:`stack_stages`: each stage's layers keep the layouts of 1-3);
+   the embedding held by the first stage's ranks only and the final norm and head by the
+   last's (:func:`on_stage`, keeping the layouts of 1-3 there), as torchtitan's split holds
+   them: no memory or optimizer work for them on other stages and no all_reduce over ``pp``
+   of their gradients (a param both ends use, an embedding tied to the head, stays replicated
+   over ``pp``, its gradient summed over it);
 5. the call: :func:`fsdp_call` (each block gathered over the FSDP axes just before use) or
    :func:`fshard.nn.functional_call`, inside :func:`expert_parallel_call` with ``ep``; with
    ``pp`` run per piece of the model (embedding, each decoder layer of a stage, norm + head)
@@ -32,7 +37,8 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 The plans stay data (``{name: P}``, what :func:`fshard.nn.shard_params` takes): nothing mutates
 the model. With ``pp > 1`` the params are the model's names outside the decoder layers plus
 one entry under the layers' name (``"model.layers"``): ``{name in a layer: (pp * virtual,
-layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back). With ``pp``
+layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back); the ends'
+params have a :class:`~fshard.spec.HeldLayout` (``fs.gather`` gives them whole, as any). With ``pp``
 and ``cp`` the sequence is split over ``cp`` in the pipeline's activations (load-balanced
 chunks; each layer's attention a ring or all-to-all over ``cp``, the rotary embeddings of the
 rank's chunks carried with the activations; a plan's sequence-parallel output layout splits
@@ -89,7 +95,7 @@ from .context import (
 from .context import _ATTENTION as _RING
 from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
-from .pipeline import pipeline, pipeline_schedule, stack_stages
+from .pipeline import on_stage, pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
 
 __all__ = ["ModelParts", "ParallelDims", "parallelize"]
@@ -409,6 +415,15 @@ def parallelize(
         stages = stack_stages(named, mesh, prefix=pieces.layers, plan=plan, virtual=dims.pp_virtual)
         params = {k: v for k, v in params.items() if not k.startswith(pieces.layers + ".")}
         params[pieces.layers] = stages
+        # the ends held by their stage's ranks only (the embedding by the first's, the norm and
+        # head by the last's), as torch.distributed.pipelining holds them: no memory or
+        # optimizer work elsewhere, no all_reduce over pp of their gradients (fs.parallel.
+        # on_stage); a param both ends use (an embedding tied to the head) stays replicated
+        firsts = set(pieces.names["embed"].values())
+        lasts = set(pieces.names["norm"].values()) | set(pieces.names["head"].values())
+        for names, index in ((firsts - lasts, 0), (lasts - firsts, dims.pp - 1)):
+            for k in names:
+                params[k] = on_stage(params[k], mesh, index)
     # 5: the call, innermost first: FSDP's gathers, inside the experts' dispatch. The plan's
     # output layouts apply on every path (a row-parallel output reduced where it leaves its
     # layer, as Megatron does, not left pending into the residual stream, where each later use

@@ -22,8 +22,15 @@ Design decisions (issue 22 item 2):
   the stage input's shape before the first stage computes one (the transfer buffers, and the zeros
   a rank that receives nothing passes to the tick's ppermute), so ``activation=`` declares one
   microbatch's (a :class:`fshard.Layout`); ``input_fn``'s output is resharded to it, stacked.
-  ``input_params`` and ``loss_params`` are replicated over ``pp``: their gradients (zero off their
-  stage) are summed over ``pp`` once a step, in the replicated params' one bucket. Without
+  ``input_params`` and ``loss_params`` are held by their stage's ranks (:func:`on_stage`, a
+  :class:`~fshard.spec.HeldLayout`: the embedding by stage 0's, the norm and head by the last
+  stage's; empty blocks elsewhere), as ``torch.distributed.pipelining`` holds them: they run
+  there in their layout over the other axes, their gradient is computed there and returned in
+  the held layout, and nothing about them crosses ``pp`` (no memory or optimizer work on the
+  other stages, no all_reduce over ``pp``, which also made the stages wait for each other at the
+  step's end). Or replicated over ``pp`` (a param both ends use: an embedding tied to the head):
+  then their gradients (zero off their stage) are summed over ``pp`` once a step, in the
+  replicated params' one bucket. Without
   ``input_fn``, ``microbatches`` are the stage inputs themselves, computed before the pipeline on
   every ``pp`` rank (that computation, and its backward, then runs on every rank, and the inputs'
   cotangent, the activations' size, is all-reduced over ``pp``). Virtual stages (``virtual=v``):
@@ -119,11 +126,12 @@ from ..gradsync import GradSync
 from ..mesh import AxisGroup, Mesh
 from ..nn_plan import match_plan
 from ..shard_map import call_signature, shard_map_checked_by_caller
-from ..spec import Layout, P
+from ..spec import HeldLayout, Layout, P
 
 __all__ = [
     "Action",
     "PipelineSchedule",
+    "on_stage",
     "pipeline",
     "pipeline_schedule",
     "stack_stages",
@@ -483,6 +491,64 @@ def stack_stages(
     return out
 
 
+def on_stage(value, mesh: Mesh, index: int, *, axis: str = "pp") -> ShardedArray:
+    """``value`` held by the ranks at coordinate ``index`` of ``axis`` only (a
+    :class:`~fshard.spec.HeldLayout`): a pipeline's one-stage params, the embedding on the first
+    stage's ranks (``index`` 0, :func:`pipeline`'s ``input_params``) and the final norm and
+    head on the last's (``pp - 1``, its ``loss_params``), as ``torch.distributed.pipelining``
+    holds them. The other ranks hold an empty block: no memory, no optimizer work, and
+    :func:`pipeline` computes the gradient on the holding ranks with no reduction over
+    ``axis`` (replicated over ``axis``, such a param's gradient, zero off its stage, was summed
+    over ``axis`` every step). ``fs.gather`` gives the whole value on every rank (one
+    all_gather over the mesh), as for any layout. A placement, as :func:`fshard.shard`: not
+    differentiable itself; a param used by several stages (an embedding tied to the head)
+    stays replicated.
+
+    Args:
+        value: a ShardedArray on ``mesh`` whose layout does not split ``axis`` (its layout on
+            the holding ranks: e.g. FSDP's rows over ``dp_shard``), or a full tensor, the same
+            on every rank (replicated there).
+        mesh: the pipeline's mesh.
+        index: the holding coordinate of ``axis`` (the stage's rank: ``0`` first, ``pp - 1``
+            last, whatever ``virtual``).
+        axis: the pipeline axis.
+
+    Returns:
+        A ShardedArray of layout ``Layout.held(base, axis, index)``, its block ``value``'s own
+        on the holding ranks (not copied), empty (0 rows) elsewhere.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("pp",))
+        >>> head = on_stage(torch.ones(3, 2), mesh, 1)  # the last stage's
+        >>> [lay.shard_sizes for lay in head.shards_metadata()]  # rank 0 holds nothing
+        [(0, 2), (3, 2)]
+        >>> tuple(fs.gather(head).shape)  # whole on every rank
+        (3, 2)
+    """
+    if not isinstance(mesh, Mesh) or axis not in mesh.axis_names:
+        raise ValueError(f"on_stage: mesh must be a fshard.Mesh with axis {axis!r}, got {mesh!r}")
+    if isinstance(value, ShardedArray):
+        lay = value.layout
+        if isinstance(lay, HeldLayout) and (lay.mesh, lay.axis, lay.index) == (mesh, axis, index):
+            return value
+        if lay.mesh != mesh or not isinstance(lay, Layout):
+            raise ValueError(
+                f"on_stage: value must be laid out by a P on the pipeline's mesh {mesh!r}, "
+                f"got {lay!r}"
+            )
+    elif isinstance(value, torch.Tensor):
+        value = shard(value, mesh, P())
+    else:
+        raise TypeError(
+            f"on_stage: value must be a tensor or ShardedArray, got {type(value).__name__}"
+        )
+    held = HeldLayout(value.layout, axis, index)
+    local = value.local
+    if not held.holds(mesh.rank):  # a block of its own: nothing of the value kept alive
+        local = torch.empty(held.local_shape(mesh.rank), dtype=local.dtype, device=local.device)
+    return ShardedArray._raw(local, held)
+
+
 def unstack_stages(
     stages: Mapping[str, torch.Tensor], *, prefix: str, pp: int, virtual: int = 1
 ) -> dict[str, torch.Tensor]:
@@ -523,6 +589,37 @@ class _Leaf:
 
     def wrap(self, t: torch.Tensor):
         return t if self.layout is None else ShardedArray._raw(t, self.layout)
+
+    @staticmethod
+    def held(x: ShardedArray, auto: Mesh | None) -> _Leaf:
+        """A param held by its stage's ranks (a :class:`~fshard.spec.HeldLayout`): its block, in
+        the body as its ``base`` layout over the auto axes ``auto`` (``None``: a plain tensor)
+        on the holding ranks (the only ones whose pieces read it)."""
+        leaf = _Leaf.__new__(_Leaf)
+        leaf.local = x.local
+        base = x.layout.base
+        held = auto is not None and x.layout.holds(auto.rank)
+        leaf.layout = Layout(auto, base.spec, base.shape, base.dtype) if held else None
+        return leaf
+
+
+def _take_held(tree) -> tuple:
+    """``tree`` with its leaves of a :class:`~fshard.spec.HeldLayout` replaced by an empty
+    placeholder, and ``{leaf index: the held value}``."""
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
+    held = {
+        i: x
+        for i, x in enumerate(leaves)
+        if isinstance(x, ShardedArray) and isinstance(x.layout, HeldLayout)
+    }
+    if not held:
+        return tree, held
+    leaves = [_PLACEHOLDER if i in held else x for i, x in enumerate(leaves)]
+    return optree.tree_unflatten(treedef, leaves), held
+
+
+#: What stands for a held param in the pipeline's shard_map inputs (never read).
+_PLACEHOLDER = torch.zeros(0)
 
 
 class _Act:
@@ -1136,15 +1233,27 @@ def _check_inputs(
                     f"pipeline: {what} leaf {i} has layout {leaf.spec}; dim 0 (the "
                     f"microbatches) must not be split, and nothing over {axis!r}"
                 )
-    for what, tree, who in (
-        ("loss_params", loss_params, "the last stage uses it"),
-        ("input_params", input_params, "the first stage uses it"),
+    pp = mesh.size(axis)
+    for what, tree, who, index in (
+        ("loss_params", loss_params, "the last stage uses it", pp - 1),
+        ("input_params", input_params, "the first stage uses it", 0),
     ):
         for i, leaf in enumerate(_leaves(tree, what)[0]):
-            if isinstance(leaf, ShardedArray) and axis in leaf.spec.axes:
+            if not isinstance(leaf, ShardedArray):
+                continue
+            lay = leaf.layout
+            if isinstance(lay, HeldLayout):
+                if (lay.mesh, lay.axis, lay.index) != (mesh, axis, index):
+                    raise ValueError(
+                        f"pipeline: {what} leaf {i} is held by {lay.axis!r} coordinate "
+                        f"{lay.index} of {lay.mesh!r}; {who}: hold it on {axis!r} coordinate "
+                        f"{index} of the pipeline's mesh (fs.parallel.on_stage), or replicate it"
+                    )
+            elif lay.is_explicit or axis in lay.spec.axes:
                 raise ValueError(
-                    f"pipeline: {what} leaf {i} has layout {leaf.spec}; it must be "
-                    f"replicated over {axis!r} ({who})"
+                    f"pipeline: {what} leaf {i} has layout {lay.spec if lay.spec else lay}; it "
+                    f"must be replicated over {axis!r} or held by the stage's ranks "
+                    f"(fs.parallel.on_stage(x, mesh, {index}), {who})"
                 )
     return m
 
@@ -1267,16 +1376,19 @@ def pipeline(
             ids and positions), not differentiated, ``input_fn``'s data.
         mesh: a real mesh with ``axis``.
         loss_fn: ``(loss_params, y, target) -> scalar`` on the last stage's output.
-        loss_params: a pytree used by ``loss_fn`` (e.g. the final norm and the head),
-            replicated over ``axis``.
+        loss_params: a pytree used by ``loss_fn`` (e.g. the final norm and the head), each
+            leaf held by the last stage's ranks (:func:`on_stage` with ``pp - 1``: no
+            reduction over ``axis``) or replicated over ``axis`` (its gradient summed over it).
         targets: a pytree of ``(M, ...)`` values; ``target`` is its ``[m]`` slice.
         input_fn: ``(input_params, microbatches) -> x``, the first piece (e.g. the
             embedding), run by the first stage's rank only, once a step on every microbatch
             (``(M, ...)`` in, ``(M, ...)`` out, ``x[m]`` microbatch ``m``'s stage input; its
             backward runs once, after the schedule); the counterpart of ``loss_fn``. Its
             output is resharded to ``activation``'s layout (with dim 0 not split).
-        input_params: a pytree used by ``input_fn``, replicated over ``axis``; its gradient
-            is computed on the first stage's rank (summed over ``axis``, as ``loss_params``').
+        input_params: a pytree used by ``input_fn``, each leaf held by the first stage's ranks
+            (:func:`on_stage` with ``0``) or replicated over ``axis``; its gradient is computed
+            on the first stage's ranks (a replicated leaf's summed over ``axis``, as
+            ``loss_params``').
         activation: with ``input_fn``, one microbatch's stage input, which every rank needs
             before the first stage computes one (the transfer buffers): a :class:`fshard.Layout`
             on ``mesh`` (global shape, dtype, spec, not over ``axis``), a ShardedArray of that
@@ -1355,6 +1467,10 @@ def pipeline(
             "what is differentiated as input_params"
         )
     need = need if any(need) else None
+    # the params held by their stage's ranks (fs.parallel.on_stage) do not cross the shard_map
+    # (its in_specs are P layouts): a placeholder takes their place, the body reads them here
+    input_params, ip_held = _take_held(input_params)
+    loss_params, lp_held = _take_held(loss_params)
 
     def body(params, xs, iparams, lparams, tgts):
         g = axis_env.current_mesh().group((axis,))
@@ -1365,21 +1481,27 @@ def pipeline(
         drop = (True, input_fn is None, False, False, True)
         metas = tuple([_Leaf(v, d) for v in lv] for (lv, _), d in zip(flat, drop))
         defs = tuple(td for _, td in flat)
+        p0 = flat[0][0][0]
+        auto = p0.layout.mesh if isinstance(p0, ShardedArray) else None  # the body's auto axes
+        for group, held in ((2, ip_held), (3, lp_held)):
+            for i, x in held.items():
+                metas[group][i] = _Leaf.held(x, auto)
         if input_fn is None:
             act = _Act.of_leaf(metas[1][0])
         else:
-            p0 = flat[0][0][0]
-            auto = p0.layout.mesh if isinstance(p0, ShardedArray) else None
             act = _Act.of_template(activation, auto)
         fns = (stage_fn, loss_fn, input_fn)
         run = _Run(sched, g, fns, defs, metas, act, need)
         # Values replicated over the axis are used by one stage's rank only: pcast them, so
-        # their gradient (zero on the other ranks) is summed over the axis once. (The data of
-        # input_fn is not differentiated.)
+        # their gradient (zero on the other ranks) is summed over the axis once. Those held by
+        # their stage's ranks are not: their gradient is computed where they are held. (The
+        # data of input_fn is not differentiated.)
         x_locals = [mt.local for mt in metas[1]]
         x_locals = x_locals if input_fn is not None else [lax.pcast(x_locals[0], axis)]
-        ip_locals = [lax.pcast(mt.local, axis) for mt in metas[2]]
-        lp_locals = [lax.pcast(mt.local, axis) for mt in metas[3]]
+        ip_locals = [mt.local if i in ip_held else lax.pcast(mt.local, axis)
+                     for i, mt in enumerate(metas[2])]  # fmt: skip
+        lp_locals = [mt.local if i in lp_held else lax.pcast(mt.local, axis)
+                     for i, mt in enumerate(metas[3])]  # fmt: skip
         tensors = (*[mt.local for mt in metas[0]], *x_locals, *ip_locals, *lp_locals)
         tensors += tuple(mt.local for mt in metas[4])
         if tracker is not None:
