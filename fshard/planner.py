@@ -42,7 +42,7 @@ from .collectives import (
     SliceParts,
     ZeroOthers,
 )
-from .spec import BaseLayout, Layout, P, Parts, PartsLayout, chunk_bounds
+from .spec import BaseLayout, Layout, P, Parts, PartsLayout, chunk_bounds, nests
 
 __all__ = ["Step", "plan"]
 
@@ -342,15 +342,9 @@ def _nested(n: int, mesh, outer: tuple[str, ...], inner: tuple[str, ...]):
     if not outer:
         return chunk_sizes(n, mesh, inner)
     ko, ki = mesh.size(outer), mesh.size(inner) if inner else 1
-    if n % ko:
+    if n % ko or not nests(n, ko, ki):  # equal blocks: one tuple of chunk sizes for all
         return None
-    block = n // ko
-    for i in range(ko):
-        for t in range(ki):
-            a, b = chunk_bounds(block, ki, t)
-            if chunk_bounds(n, ko * ki, i * ki + t) != (i * block + a, i * block + b):
-                return None
-    return chunk_sizes(block, mesh, inner)
+    return chunk_sizes(n // ko, mesh, inner)
 
 
 def _parts_stay(src: PartsLayout, dst) -> bool:

@@ -69,7 +69,7 @@ from .collectives import Bound, Pcast, Unvary
 from .executor import claimed_local
 from .lax import apply
 from .mesh import Mesh, _member_ranks
-from .spec import Layout, P, Parts, PartsLayout, chunk_bounds
+from .spec import Layout, P, Parts, PartsLayout, chunk_bounds, nests, spec_of_dims
 
 __all__ = ["shard_map"]
 
@@ -529,10 +529,9 @@ def _restrict(spec: P, axes: frozenset) -> P:
 def _merged(manual: P, auto: P, ndim: int) -> P:
     """The global spec of a partial-manual output: per dim the manual axes, then the auto ones."""
     dims = [m + a for m, a in zip(manual.padded(ndim), auto.padded(ndim))]
-    dims = [d[0] if len(d) == 1 else (d or None) for d in dims]
-    while dims and dims[-1] is None:
+    while dims and not dims[-1]:
         dims.pop()
-    return P(*dims, partial=manual.partial + auto.partial)
+    return spec_of_dims(dims, manual.partial + auto.partial)
 
 
 def _mixed_dim_problem(spec: P, shape: tuple, manual: frozenset, mesh: Mesh) -> str | None:
@@ -544,17 +543,13 @@ def _mixed_dim_problem(spec: P, shape: tuple, manual: frozenset, mesh: Mesh) -> 
         if not m or len(m) == len(axes):
             continue
         km, ka, n = mesh.size(m), mesh.size(axes[len(m) :]), shape[d]
-        for jm in range(km):
-            b0, b1 = chunk_bounds(n, km, jm)
-            for ja in range(ka):
-                i0, i1 = chunk_bounds(b1 - b0, ka, ja)
-                if chunk_bounds(n, km * ka, jm * ka + ja) != (b0 + i0, b0 + i1):
-                    return (
-                        f"splits dim {d} (size {n}) over {axes}: fshard's chunks of it over "
-                        f"all {km * ka} ranks are not the chunks over the auto axes "
-                        f"{axes[len(m) :]} of its blocks over the manual axes {m}; use a size "
-                        f"divisible by {km * ka}, or split that dim over the manual axes only"
-                    )
+        if not nests(n, km, ka):
+            return (
+                f"splits dim {d} (size {n}) over {axes}: fshard's chunks of it over "
+                f"all {km * ka} ranks are not the chunks over the auto axes "
+                f"{axes[len(m) :]} of its blocks over the manual axes {m}; use a size "
+                f"divisible by {km * ka}, or split that dim over the manual axes only"
+            )
     return None
 
 

@@ -242,6 +242,36 @@ def chunk_bounds(n: int, num_chunks: int, index: int) -> tuple[int, int]:
     return min(index * c, n), min((index + 1) * c, n)
 
 
+def nests(n: int, outer: int, inner: int) -> bool:
+    """Whether the flat split of ``n`` into ``outer * inner`` chunks is the split into
+    ``outer`` chunks each split flat again into ``inner`` (a dim split over axes ``(a, b)``
+    is the concatenation of its ``a`` blocks each split over ``b``): always for ``n``
+    divisible by ``outer * inner``, not for every uneven size.
+
+    Example:
+        >>> nests(8, 2, 2), nests(6, 2, 2), nests(5, 1, 2)
+        (True, False, True)
+    """
+    for i in range(outer):
+        b0, b1 = chunk_bounds(n, outer, i)
+        for t in range(inner):
+            a, b = chunk_bounds(b1 - b0, inner, t)
+            if chunk_bounds(n, outer * inner, i * inner + t) != (b0 + a, b0 + b):
+                return False
+    return True
+
+
+def spec_of_dims(dims, partial=()) -> PartitionSpec:
+    """A P from per-dim axis tuples, written the way a user would (``None``, ``"x"``).
+
+    Example:
+        >>> spec_of_dims([(), ("x",), ("y", "z")])
+        P(None, 'x', ('y', 'z'))
+    """
+    entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
+    return PartitionSpec(*entries, partial=tuple(partial))
+
+
 def chunk_index(mesh, axes: tuple[str, ...], coords: tuple[int, ...]) -> tuple[int, int]:
     """``(index, count)``: which of the ``count`` chunks of a dim split over ``axes`` the mesh
     coordinates ``coords`` hold: the mixed-radix number of the coordinates on ``axes``, the first

@@ -11,7 +11,7 @@ from ..collectives import Bound, Pcast, Pmax, Psum, norm_dim
 from ..lax import apply
 from ..planner import in_mesh_order
 from ..planner import plan as plan_steps
-from ..spec import BaseLayout, Layout, P, _layout
+from ..spec import BaseLayout, Layout, P, _layout, spec_of_dims
 from .registry import SCALAR, is_layout
 
 
@@ -40,10 +40,7 @@ def opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def spec(dims, partial=()) -> P:
-    """A P from per-dim axis tuples, written the way a user would (``None``, ``"x"``)."""
-    entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
-    return P(*entries, partial=tuple(partial))
+spec = spec_of_dims  # the op rules' name for it
 
 
 def out_layout(mesh, dims, partial, meta: torch.Tensor) -> Layout:

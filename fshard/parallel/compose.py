@@ -83,7 +83,7 @@ from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
-from ..spec import Layout, P, Parts
+from ..spec import Layout, P, Parts, spec_of_dims
 from .context import (
     _ACTIVE,
     _attention_of,
@@ -707,7 +707,7 @@ def _with_batch(spec: P, axes: tuple[str, ...], *, lead: int = 0, seq: tuple[str
     dims = [()] * lead + [rows or axes, sequence, *rest]
     while len(dims) > 1 and not dims[-1]:
         dims.pop()
-    return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims), partial=spec.partial)
+    return spec_of_dims(dims, spec.partial)
 
 
 class _Captured(Exception):

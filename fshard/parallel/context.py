@@ -66,7 +66,7 @@ from ..axis_env import current_mesh
 from ..mesh import Mesh
 from ..module import functional_call
 from ..shard_map import shard_map
-from ..spec import P
+from ..spec import P, spec_of_dims
 
 __all__ = [
     "attention",
@@ -885,7 +885,7 @@ def attention(
         if isinstance(padding_mask, ShardedArray):
             rows = query.spec.padded(query.ndim)[: query.ndim - 3]
             seq = (axis,) if axis in query.layout.mesh.axis_names else ()
-            padding_mask = reshard(padding_mask, _spec(*rows, seq))
+            padding_mask = reshard(padding_mask, spec_of_dims([*rows, seq]))
         mask = padding_mask
         specs = [t.spec for t in (query, key, value)]
         specs.append(None if mask is None else mask.spec if isinstance(mask, ShardedArray) else P())
@@ -915,12 +915,8 @@ def _block_specs(q, k, v, axis: str) -> tuple[P, P, P]:
     specs = []
     for t in (q, k, v):
         rows = lead[len(lead) - (t.ndim - 3) :] if t.ndim - 3 else []
-        specs.append(_spec(*rows, heads, seq, ()))  # a pending sum reduced: not linear
+        specs.append(spec_of_dims([*rows, heads, seq, ()]))  # a pending sum reduced: not linear
     return tuple(specs)
-
-
-def _spec(*dims) -> P:
-    return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):

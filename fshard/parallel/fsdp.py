@@ -82,7 +82,7 @@ from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
 from ..planner import chunk_sizes
 from ..precision import MixedPrecisionPolicy
-from ..spec import Layout, P, Parts
+from ..spec import Layout, P, Parts, spec_of_dims
 from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -179,10 +179,7 @@ def fsdp_plan(
         if first is None:
             out[name] = spec  # uneven under a base split of dim 0: the blocks would not nest
             continue
-        entries = [first, *dims[1:]]  # P writes an entry of one axis as its name, none as None
-        out[name] = P(
-            *[d[0] if len(d) == 1 else (d or None) for d in entries], partial=spec.partial
-        )
+        out[name] = spec_of_dims([first, *dims[1:]], spec.partial)
     return out
 
 
@@ -641,8 +638,7 @@ class _Session:
         layout = self.params[n].layout
         dims = list(layout.spec.padded(len(layout.shape)))
         dims[0] = dims[0][: len(dims[0]) - len(self.axes_of(n))]  # the FSDP part is its tail
-        entries = [d[0] if len(d) == 1 else (d or None) for d in dims]
-        base = layout.with_spec(P(*entries, partial=layout.spec.partial))
+        base = layout.with_spec(spec_of_dims(dims, layout.spec.partial))
         tracker = axis_env.tracker(self.mesh)
         auto = tracker.auto if tracker is not None else None
         if auto is None or layout.mesh == auto:
