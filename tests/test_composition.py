@@ -1098,6 +1098,9 @@ REMATTED = [
     # the gradient sync's deferral of the recompute's pcasts once lost a sum here (a deferred
     # pcast's view read as the leaf by the op rule's pcast after it)
     ("mixtral", {"ep": 2, "cp": 2}, {"remat": True}),
+    # the experts' gate_up (fs.Parts of its halves over tp) split over dp_shard on dim 0: the
+    # recompute gathers it in its layer's packed gather under torch.func
+    ("mixtral", {"dp_shard": 2, "tp": 2}, {"remat": True}),
 ]
 
 
@@ -1606,3 +1609,96 @@ def test_parallelize_remat_with_hsdp_buckets_the_recomputed_layers_sums(world4):
     bytes; was 18, one per param) beside the root's bucket (8,256 bytes); equal to dense."""
     pytest.importorskip("transformers")
     _remat_sums(world4, {"dp_replicate": 2, "dp_shard": 2}, ("dp_replicate",), 2)
+
+
+def moe_fsdp_tp_rank_fn(degrees: dict):
+    """One fs.value_and_grad step of ``fs.parallel.parallelize`` on a transformers Mixtral
+    (tiny: 2 layers, 4 experts, I = 16, hidden 16) with FSDP and TP (and EP): ``(worst
+    difference of the loss and every gradient from dense, the experts' specs, the comm_log
+    records (op, axes, bytes), each (unit, FSDP group)'s bytes of this rank's blocks, the
+    batch axes)``. The blocks come from the global shapes and the specs (every dim here splits
+    evenly: a block is the param's 1 / the product of its axes' sizes); an expert's group is
+    dp_shard (its plan splits it over ep), a dense param's every FSDP axis."""
+    model = _hf_model("mixtral")
+    dims = fs.parallel.ParallelDims(**degrees)
+    mesh = dims.mesh()
+    params, loss = fs.parallel.parallelize(model, mesh, dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    worst = _worst_against_dense(model, ids, params, value, grads)
+    specs = {k: v.spec for k, v in params.items() if ".experts." in k}
+    blocks: dict = {}
+    for u, ns in fs.nn.fsdp_units(model).items():
+        for n in ns:
+            spec = params[n].spec
+            expert = ".experts." in n and dims.ep > 1
+            group = ("dp_shard",) if expert else dims.fsdp_axes
+            size = math.prod(mesh.size(a) for a in spec.axes)
+            blocks[u, group] = blocks.get((u, group), 0) + 4 * params[n].numel() // size
+    return worst, specs, [(r.op, r.axes, r.nbytes) for r in log], blocks, dims.batch_axes
+
+
+def _moe_fsdp_tp_check(results, groups: dict, want_specs) -> None:
+    """Each rank's step: equal to dense; the experts' specs ``want_specs``; per (unit, group)
+    the block bytes ``groups``, gathered in one all_gather in the forward and again in the
+    backward (the root, embedding, norm and head, kept: once) and reduce-scattered in one
+    reduce_scatter of (group size) x those bytes; no other collective over the FSDP axes than
+    the loss's two scalars over the batch axes (no all_reduce of an expert's gradient)."""
+    for worst, specs, log, blocks, batch in results:
+        assert worst < 1e-4, worst
+        assert specs == want_specs
+        assert blocks == groups
+        fsdp = {g for _, g in groups}
+        want = [("all_gather", g, b) for (u, g), b in groups.items() for _ in range(2 if u else 1)]
+        # every axis has 2 ranks: a group of len(g) axes, 2 ** len(g)
+        want += [("reduce_scatter", g, 2 ** len(g) * b) for (_, g), b in groups.items()]
+        want += [("all_reduce", batch, 4)] * 2
+        assert sorted(r for r in log if r[1] in fsdp | {batch}) == sorted(want)
+        # the rest: TP's and EP's own (the dispatch's exchanges), none over the FSDP axes
+        assert {r[1] for r in log} - fsdp - {batch} <= {("tp",), ("ep",)}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tp_shards_moe_experts_split_per_part_and_matches_dense(world4):
+    """parallelize's FSDP x TP (dp_shard 2 x tp 2) on a transformers Mixtral: the experts'
+    packed gate_up (4, 32, 16), split per part over tp on dim 1 (fs.Parts of the gate and up
+    halves), is split over dp_shard on dim 0 too (was whole over dp_shard, its gradient
+    all-reduced expert by expert: 4 x 1,024 bytes a layer and step), in its layer's one
+    all_gather and one reduce_scatter. Per layer unit 4,032 bytes a rank (q, k, v, o: 768
+    values over dp_shard x tp; the router 64 and norms 32 over dp_shard; gate_up 2,048 and down
+    1,024 over dp_shard x tp), the root's 2,080 (embedding and head 64 x 16 over both, the norm
+    over dp_shard). Equal to dense."""
+    pytest.importorskip("transformers")
+    g = ("dp_shard",)
+    groups = {("", g): 2080, ("model.layers.0", g): 4032, ("model.layers.1", g): 4032}
+    want = {}
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp.experts."
+        want[pre + "gate_up_proj"] = fs.Parts(fs.P("dp_shard", "tp", None), 1, (16, 16))
+        want[pre + "down_proj"] = fs.P("dp_shard", None, "tp")
+    _moe_fsdp_tp_check(world4.run(moe_fsdp_tp_rank_fn, {"dp_shard": 2, "tp": 2}), groups, want)
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_x_tp_x_ep_shards_moe_experts_over_ep_then_dp_shard(world8):
+    """parallelize's FSDP x TP x EP (dp_shard 2 x tp 2 x ep 2, 8 ranks) on a transformers
+    Mixtral: the experts (4 over ep by their plan, gate_up's halves over tp: fs.Parts) split
+    over ("ep", "dp_shard") on dim 0 (torchtitan's efsdp; was whole over dp_shard, all-reduced),
+    gathered and reduce-scattered over dp_shard in a pack of their own per layer: 1,536 bytes a
+    rank (gate_up 2,048 and down 1,024 values over ep x dp_shard x tp); the dense params over
+    dp_shard x ep: 480 bytes a layer (q, k, v, o over those and tp; the router and norms over
+    those), the root's 1,040. Equal to dense, no all_reduce over dp_shard or ep but the
+    loss's."""
+    pytest.importorskip("transformers")
+    dense, g = ("dp_shard", "ep"), ("dp_shard",)
+    groups = {("", dense): 1040}
+    want = {}
+    for i in range(2):
+        groups[f"model.layers.{i}", dense] = 480
+        groups[f"model.layers.{i}", g] = 1536
+        pre = f"model.layers.{i}.mlp.experts."
+        want[pre + "gate_up_proj"] = fs.Parts(fs.P(("ep", "dp_shard"), "tp", None), 1, (16, 16))
+        want[pre + "down_proj"] = fs.P(("ep", "dp_shard"), None, "tp")
+    results = world8.run(moe_fsdp_tp_rank_fn, {"dp_shard": 2, "tp": 2, "ep": 2}, timeout=900)
+    _moe_fsdp_tp_check(results, groups, want)

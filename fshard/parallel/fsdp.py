@@ -8,8 +8,12 @@ TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-g
 
     per param of a unit          forward                         backward
     sharded over dp (dim 0)      all_gather(to="varying")        psum_scatter (reduce_scatter)
-    left whole (dim 0 too small) pcast over dp (no comm)         psum (all_reduce, bucketed
-                                                                 under fs.value_and_grad)
+    left whole (0-d, unnested,   pcast over dp (no comm)         psum (all_reduce, bucketed
+    a Parts on dim 0)                                            under fs.value_and_grad)
+
+A fused projection split per part over tp (:class:`~fshard.Parts`) on a dim other than 0
+(GPT-2's ``c_attn`` weight, MoE experts' packed ``gate_up_proj``) is sharded on dim 0 like any
+param: its block gathered along dim 0 is its per-part block under the base plan.
 
 In a ``shard_map`` body (FSDP x CP, the global view) a param invariant over the body's manual
 axes (``cp``) that meets varying data is pcast over them: that pcast is made on the param's
@@ -92,8 +96,8 @@ def fsdp_plan(
     module: torch.nn.Module,
     mesh: Mesh,
     axis: str | Sequence[str] = "dp",
-    base: Mapping[str, P] | None = None,
-) -> dict[str, P]:
+    base: Mapping[str, P | Parts] | None = None,
+) -> dict[str, P | Parts]:
     """A :func:`fshard.nn.shard_params` plan that shards every param over ``axis`` too.
 
     Dim 0 of each param's base spec gets ``axis`` as its least significant axis (``None`` ->
@@ -108,11 +112,18 @@ def fsdp_plan(
     over ``ep`` = 2, FSDP over ``("dp_shard", "cp")`` of 2 x 2: ``P(("ep", "dp_shard"))``, as
     torchtitan shards experts over fewer FSDP ranks than the dense params); :func:`fsdp_call`
     gathers and reduce-scatters it over those axes (its own group, packed with the unit's
-    params of that group) and sums its gradient over the others like HSDP's replicas. One
-    that nests over none of them, a 0-d one, or one whose base splits it per part (a fused
-    projection, :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its
-    block) keeps its base spec: it stays whole over ``axis`` and its gradient is all-reduced
-    like DDP's. The base may split dim 0 over FSDP axes other than the first (experts over
+    params of that group) and sums its gradient over the others like HSDP's replicas. A fused
+    projection split per part (:class:`~fshard.Parts`) on a dim other than 0 (GPT-2's Conv1D
+    ``c_attn`` weight ``(in, 3 x out)``, transformers' packed experts ``gate_up_proj``
+    ``(E, 2I, H)``) is split on dim 0 as its ``P``'s is, the parts dim keeping its per-part
+    split (``Parts(P(None, 'tp'), 1, s)`` -> ``Parts(P('dp', 'tp'), 1, s)``; experts over
+    ``ep``: ``Parts(P(('ep', 'dp_shard'), 'tp', None), 1, s)``), as FSDP2 shards it on dim 0
+    (``_StridedShard`` keeping the tp parts): gathering dim 0 gives its block under the base.
+    One that nests over none of the axes, a 0-d one, or a :class:`~fshard.Parts` on dim 0
+    (Phi-3's fused ``qkv_proj`` weight, ``c_attn``'s bias: gathering sub-chunks of every
+    part along dim 0 would not give its block) keeps its base spec: it stays whole over
+    ``axis`` and its gradient is all-reduced like DDP's (bucketed under
+    :func:`fshard.value_and_grad`). The base may split dim 0 over FSDP axes other than the first (experts over
     ``ep`` with FSDP over ``("dp_shard", "ep")``, :func:`fshard.parallel.parallelize`'s
     FSDP x EP: the dense params split over both, as torchtitan's FSDP mesh holds its ep
     ranks): FSDP adds the longest prefix of the others that nests (``P(("ep",
@@ -126,7 +137,7 @@ def fsdp_plan(
         base: another plan to compose with, e.g. ``fs.nn.megatron_plan(...)`` on ``'tp'``.
 
     Returns:
-        ``{param name: P}`` (exact names) for :func:`fshard.nn.shard_params`.
+        ``{param name: P or Parts}`` (exact names) for :func:`fshard.nn.shard_params`.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("dp",))  # 2 ranks
@@ -139,6 +150,9 @@ def fsdp_plan(
         >>> am = fs.Mesh.abstract((2, 2), ("dp_shard", "ep"))  # the base holds ep of the axes
         >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": fs.P("ep")})
         {'weight': P(('ep', 'dp_shard'), None), 'bias': P(('dp_shard', 'ep'))}
+        >>> am = fs.Mesh.abstract((2, 2), ("dp", "tp"))  # [q | k | v] on dim 1, split per part
+        >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 6), am, base={"weight": fs.Parts(fs.P(None, "tp"), 1, (2, 2, 2))})
+        {'weight': Parts(P('dp', 'tp'), dim=1, sizes=(2, 2, 2)), 'bias': P('dp')}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -156,9 +170,8 @@ def fsdp_plan(
         # starts with the first axis: fsdp_call tells it from the base's); else refused
         # (a fused projection's parts on dim 0 hold no such split; on another dim, its dim 0
         # is the P's: experts over ep with their [gate | up] halves over tp)
-        inner = spec.spec if isinstance(spec, Parts) else spec
-        parts0 = isinstance(spec, Parts) and spec.dim % named[name].dim() == 0
-        first = () if parts0 else inner.padded(named[name].dim())[0]
+        ndim = named[name].dim()
+        first = () if _parts_on_dim0(spec, ndim) else _dim0(spec, ndim)
         held = [i for i, a in enumerate(first) if a in axes]
         if (
             axes[0] in spec.axes
@@ -170,17 +183,34 @@ def fsdp_plan(
     out = {}
     for name, p in named.items():
         spec = specs[name]
-        if p.dim() == 0 or isinstance(spec, Parts):
+        if p.dim() == 0 or _parts_on_dim0(spec, p.dim()):
             out[name] = spec
             continue
-        dims = spec.padded(p.dim())
+        # a Parts on another dim: its dim 0 is its P's, split as any P's (the parts dim
+        # keeps its per-part split), so gathering dim 0 gives its base block
+        inner = spec.spec if isinstance(spec, Parts) else spec
+        dims = inner.padded(p.dim())
         rest = tuple(a for a in axes if a not in dims[0])  # those the base leaves
         first = _nested(dims[0], rest, p.shape[0], mesh)
         if first is None:
             out[name] = spec  # uneven under a base split of dim 0: the blocks would not nest
             continue
-        out[name] = spec_of_dims([first, *dims[1:]], spec.partial)
+        split = spec_of_dims([first, *dims[1:]], inner.partial)
+        out[name] = Parts(split, spec.dim, spec.sizes) if isinstance(spec, Parts) else split
     return out
+
+
+def _parts_on_dim0(spec, ndim: int) -> bool:
+    """Whether ``spec`` is a :class:`~fshard.Parts` whose parts dim is dim 0 of an ``ndim``-d
+    param (Phi-3's fused ``qkv_proj`` weight, GPT-2's ``c_attn`` bias): FSDP leaves it whole,
+    as gathering sub-chunks of every part along dim 0 would not give its block."""
+    return isinstance(spec, Parts) and spec.dim % ndim == 0
+
+
+def _dim0(spec, ndim: int) -> tuple[str, ...]:
+    """Dim 0's axes of a param of ``spec`` (a ``P``, or a ``Parts`` on another dim: its P's)."""
+    inner = spec.spec if isinstance(spec, Parts) else spec
+    return inner.padded(ndim)[0]
 
 
 def _nested(base: tuple[str, ...], axes: tuple[str, ...], rows: int, mesh: Mesh):
@@ -386,21 +416,20 @@ class _Session:
     def axes_of(self, n: str) -> tuple[str, ...]:
         """The FSDP axes param ``n``'s dim 0 is split over, in the FSDP axes' order: all of
         them, or some (a prefix, :func:`fsdp_plan`'s nesting rule: 4 experts split over
-        ``("ep", "dp_shard")`` of FSDP over ``("dp_shard", "cp")``); ``()``: whole over them
-        (a per-part param too: gathering sub-chunks of every part would not give its block).
+        ``("ep", "dp_shard")`` of FSDP over ``("dp_shard", "cp")``; a :class:`~fshard.Parts`
+        on another dim: its ``P``'s dim 0); ``()``: whole over them (a 0-d param, or a
+        ``Parts`` on dim 0: gathering sub-chunks of every part would not give its block).
         A param split over some is gathered and reduce-scattered over those (:meth:`group_of`,
         packed with the unit's params of that group) and its block pcast over the others
         (:meth:`rest_of`) in its varying gather: its gradient's sum over them runs on the shard,
         as HSDP's over the replicate axes."""
         axes = self.split.get(n)
         if axes is None:
-            spec = self.params[n].spec
+            spec, ndim = self.params[n].spec, len(self.params[n].shape)
             axes = (
                 ()
-                if isinstance(spec, Parts) or not spec.dims
-                else _fsdp_part(
-                    spec.padded(len(self.params[n].shape))[0], self.axes, f"fsdp_call: param {n!r}"
-                )
+                if ndim == 0 or _parts_on_dim0(spec, ndim)
+                else _fsdp_part(_dim0(spec, ndim), self.axes, f"fsdp_call: param {n!r}")
             )
             self.split[n] = axes
         return axes
@@ -408,8 +437,7 @@ class _Session:
     def rest_of(self, n: str) -> tuple[str, ...]:
         """The FSDP axes sharded param ``n`` is whole over (``()`` for most: see
         :meth:`axes_of`)."""
-        axes, spec = self.axes_of(n), self.params[n].spec
-        held = () if isinstance(spec, Parts) else spec.axes  # a base split (experts over ep)
+        axes, held = self.axes_of(n), self.params[n].spec.axes  # a base split (experts: ep)
         return tuple(a for a in self.axes if a not in axes and a not in held)
 
     def group_of(self, n: str):
@@ -636,9 +664,12 @@ class _Session:
         mesh of the automatic axes (what ``in_specs`` ``P()`` gives for a param whole over the
         manual axes)."""
         layout = self.params[n].layout
-        dims = list(layout.spec.padded(len(layout.shape)))
+        spec = layout.spec
+        inner = spec.spec if isinstance(spec, Parts) else spec  # a Parts' dim 0 is its P's
+        dims = list(inner.padded(len(layout.shape)))
         dims[0] = dims[0][: len(dims[0]) - len(self.axes_of(n))]  # the FSDP part is its tail
-        base = layout.with_spec(spec_of_dims(dims, layout.spec.partial))
+        kept = spec_of_dims(dims, inner.partial)
+        base = layout.with_spec(Parts(kept, spec.dim, spec.sizes) if spec is not inner else kept)
         tracker = axis_env.tracker(self.mesh)
         auto = tracker.auto if tracker is not None else None
         if auto is None or layout.mesh == auto:
@@ -1167,7 +1198,7 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
     fshard's flat ones (:func:`~fshard.planner.chunk_sizes`); gathering them over ``axes``
     gives the param's base block only when no other axis splits dim 0."""
     rows = layout.shape[0]
-    others = [a for a in layout.spec.padded(len(layout.shape))[0] if a not in axes]
+    others = [a for a in _dim0(layout.spec, len(layout.shape)) if a not in axes]
     if rows % (k * math.prod(layout.mesh.size(a) for a in others)) == 0:
         return None
     if others:
@@ -1397,7 +1428,11 @@ def fsdp_call(
         axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`). A
             param split over some of them (:func:`fsdp_plan`'s longest prefix that nests) is
             gathered and reduce-scattered over those (one pack per group in a unit) and its
-            gradient summed over the others on its shard.
+            gradient summed over the others on its shard. A :class:`~fshard.Parts` param
+            split on dim 0 (its parts on another dim: GPT-2's ``c_attn`` weight, MoE
+            experts' ``gate_up_proj``) is gathered in its unit's all_gather and
+            reduce-scattered in its reduce_scatter like the others; one left whole (its parts
+            on dim 0) is pcast, its gradient all-reduced.
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` (``None``: the one
