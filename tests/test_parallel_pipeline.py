@@ -153,6 +153,64 @@ def test_unstack_stages_inverts_the_stacking(stages, pp):
     assert all(torch.equal(got[k], blocks[k]) for k in blocks)
 
 
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_stack_stages_keeps_a_per_part_layout(virtual):
+    """A fused projection's plan entry, ``fs.Parts`` (each part split on its own over tp:
+    transformers' packed experts ``[gate | up]``, ``(E, 2 I, H)``, and a ``[q | k | v]`` weight
+    given by a negative dim), stacks to the same parts, its dim moved past the stages' two:
+    ``Parts(P('pp', None, *spec), dim + 2, sizes)``. Each rank's boxes are its stages' rows of
+    its chunk of every part (the layout math on a simulated 2 x 2 mesh; the values'
+    round trip, gathered and unstacked, on 4 ranks in tests/test_composition.py). pipeline takes
+    it as a stage param and refuses, before any collective, parts on the stages' dim."""
+    am = fs.Mesh.abstract((2, 2), ("pp", "tp"))
+    e, i, h, n = 4, 6, 3, 4  # experts, the parts' size, hidden, blocks
+    per = n // (2 * virtual)
+    named = {}
+    for b in range(n):
+        named[f"layers.{b}.gate_up"] = torch.empty(e, 2 * i, h, device="meta")
+        named[f"layers.{b}.qkv"] = torch.empty(h, 3 * i, device="meta")
+        named[f"layers.{b}.norm"] = torch.empty(h, device="meta")
+    plan = {
+        "*.gate_up": fs.Parts(fs.P(None, "tp", None), 1, (i, i)),
+        "*.qkv": fs.Parts(fs.P(None, "tp"), -1, (i, i, i)),
+    }
+    for rank in range(4):
+        mesh = am.simulate(rank)
+        st = stack_stages(named, mesh, prefix="layers", plan=plan, virtual=virtual)
+        gate_up, qkv = st["gate_up"], st["qkv"]
+        lead = (2 * virtual, per)
+        assert gate_up.layout == fs.Layout.of(
+            mesh, fs.Parts(fs.P("pp", None, None, "tp"), 3, (i, i)), (*lead, e, 2 * i, h)
+        )
+        assert qkv.layout == fs.Layout.of(
+            mesh, fs.Parts(fs.P("pp", None, None, "tp"), 3, (i, i, i)), (*lead, h, 3 * i)
+        )
+        assert st["norm"].spec == fs.P("pp", None)  # a P entry as before
+        pp_index, tp_index = divmod(rank, 2)
+        rows = (pp_index * virtual, 0)
+        for x, lead_shape, parts in ((gate_up, (e,), 2), (qkv, (h,), 3)):
+            boxes = [(b.shard_offsets, b.shard_sizes) for b in x.layout.blocks(rank)]
+            chunks = [p * i + tp_index * (i // 2) for p in range(parts)]
+            tail = (h,) if x is gate_up else ()
+            assert boxes == [
+                ((*rows, *(0,) * len(lead_shape), c, *(0,) * len(tail)),
+                 (virtual, per, *lead_shape, i // 2, *tail))
+                for c in chunks
+            ], (rank, boxes)  # fmt: skip
+            assert tuple(x.local.shape) == (virtual, per, *lead_shape, parts * i // 2, *tail)
+    # parts on the stages' dim: refused by the pipeline, before any collective
+    mesh = am.simulate(0)
+    bad = fs.shard(torch.empty(2, 3, device="meta"), mesh, fs.Parts(fs.P("pp"), 0, (1, 1)))
+    with pytest.raises(ValueError, match=r"stage_params leaf 0 has layout Parts.*not dim 0"):
+        pipeline(
+            lambda p, x: x, bad, torch.ones(2, 3), mesh, loss_fn=lambda _, y, t: y.sum(),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="plan splits 'qkv' over the pipeline axis 'pp'"):
+        stack_stages(
+            named, mesh, prefix="layers", plan={"*.qkv": fs.Parts(fs.P(None, "pp"), 1, (i, i, i))}
+        )
+
+
 def stack_stages_memory_rank_fn(schedule, virtual):
     """``stack_stages``' blocks own their storage (``fs.shard`` keeps a view of the whole
     stack, every rank's stages), and what a step saves for its backward holds only this rank's
