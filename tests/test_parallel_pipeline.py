@@ -1091,6 +1091,79 @@ def test_dp_weight_gradients_reduce_once_per_step(world4):
     assert world4.run(dp_reduction_rank_fn) == [want] * 4
 
 
+def parts_stage_rank_fn():
+    """pp 2 x tp 2: a gated MLP per block whose fused ``[gate | up]`` weight is split per part
+    over tp (``fs.Parts``; the row-parallel down projection ``P(None, 'tp')``), stacked by
+    ``stack_stages``, each stage's blocks picked by ``w[i]``. Per schedule: the loss and every
+    gradient against dense torch.func, the layouts ``stage_fn`` saw and the all_gathers over
+    tp (none: the per-part blocks line up with the down projection's columns)."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    gen = torch.Generator().manual_seed(3)
+    d, f, n, m = 4, 6, 4, 4  # hidden, each part's size, blocks, microbatches
+    named = {}
+    for b in range(n):
+        named[f"blocks.{b}.gate_up"] = torch.randn(2 * f, d, generator=gen) / 4
+        named[f"blocks.{b}.down"] = torch.randn(d, f, generator=gen) / 4
+    xs, ts = torch.randn(m, 3, d, generator=gen), torch.randn(m, 3, d, generator=gen)
+    plan = {"*.gate_up": fs.Parts(fs.P("tp", None), 0, (f, f)), "*.down": fs.P(None, "tp")}
+
+    def block(w, x):
+        gate, up = F.linear(x, w["gate_up"]).split(f, -1)
+        return x + F.linear(F.silu(gate) * up, w["down"])
+
+    def loss_fn(_, y, t):
+        return ((fs.reshard(y, fs.P()) - t) ** 2).sum()
+
+    def dense(ps):
+        total = 0
+        for k in range(m):
+            y = xs[k]
+            for b in range(n):
+                y = block({"gate_up": ps[f"blocks.{b}.gate_up"], "down": ps[f"blocks.{b}.down"]}, y)
+            total = total + ((y - ts[k]) ** 2).sum()
+        return total / m
+
+    want_g, want_v = torch.func.grad_and_value(dense)(named)
+    out = []
+    for schedule, virtual in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        stacked = stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
+        seen = set()
+
+        def stage(p, x, seen=seen):
+            seen.add((str(p["gate_up"].spec), str(p["down"].spec)))
+            for i in range(p["down"].shape[0]):
+                x = block({k: v[i] for k, v in p.items()}, x)
+            return fs.reshard(x, fs.P())
+
+        def loss(p, schedule=schedule, virtual=virtual):
+            return pipeline(stage, p, xs, mesh, loss_fn=loss_fn, targets=ts,
+                            schedule=schedule, virtual=virtual)  # fmt: skip
+
+        with fs.debug.comm_log() as log:
+            value, grads = fs.value_and_grad(loss)(stacked)
+        whole = {k: fs.gather(g) for k, g in grads.items()}
+        got = unstack_stages(whole, prefix="blocks", pp=2, virtual=virtual)
+        close = float(value) == pytest.approx(float(want_v), rel=1e-5) and all(
+            float((got[k] - want_g[k]).abs().max()) < 1e-5 * float(want_g[k].abs().max())
+            for k in named
+        )
+        layouts = all(g.layout == stacked[k].layout for k, g in grads.items())
+        gathers = [r.op for r in log if r.op == "all_gather" and r.axes == ("tp",)]
+        out.append((close, layouts, sorted(seen), gathers))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_stage_params_split_per_part_run_as_they_are(world4):
+    """Issue 36 item 1: pipeline's stages take a fused projection's per-part layout (fs.Parts,
+    stack_stages'): each stage's slice keeps the parts over tp, its layer ``w[i]`` too (a
+    selection of another dim is local), the loss and gradients equal dense (in the stacked
+    params' layouts) under 1F1B, interleaved and ZB-H1, with no all_gather over tp."""
+    seen = [("Parts(P(None, 'tp'), dim=1, sizes=(6, 6))", "P(None, None, 'tp')")]
+    for got in world4.run(parts_stage_rank_fn):
+        assert got == [(True, True, seen, [])] * 3, got
+
+
 def pending_input_rank_fn():
     """Issue 36: the pipeline's activations are a pending sum over tp (the microbatches as an
     embedding's row-parallel output leaves them, and so every stage's input). Was: each stage

@@ -630,9 +630,9 @@ def _without_dim0(lay: Layout | PartsLayout) -> Layout | PartsLayout:
     :class:`~fshard.spec.PartsLayout` keeps its parts, one dim nearer the front."""
     if isinstance(lay, PartsLayout):
         base = lay.base.spec
-        spec = Parts(P(*base.dims[1:], partial=base.partial), lay.dim - 1, lay.sizes)
+        spec = Parts(spec_of_dims(base.dims[1:], base.partial), lay.dim - 1, lay.sizes)
         return Layout.of(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
-    spec = P(*lay.spec.dims[1:], partial=lay.spec.partial)
+    spec = spec_of_dims(lay.spec.dims[1:], lay.spec.partial)
     return Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
 
 
