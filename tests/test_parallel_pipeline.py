@@ -205,6 +205,12 @@ def test_stack_stages_keeps_a_per_part_layout(virtual):
         pipeline(
             lambda p, x: x, bad, torch.ones(2, 3), mesh, loss_fn=lambda _, y, t: y.sum(),
         )  # fmt: skip
+    # a loss param split per part over the pipeline axis: named, as a P split over it is
+    with pytest.raises(ValueError, match=r"loss_params leaf 0 has layout Parts.*replicated over"):
+        pipeline(
+            lambda p, x: x, torch.ones(2, 3), torch.ones(2, 3), mesh,
+            loss_fn=lambda _, y, t: y.sum(), loss_params=bad,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="plan splits 'qkv' over the pipeline axis 'pp'"):
         stack_stages(
             named, mesh, prefix="layers", plan={"*.qkv": fs.Parts(fs.P(None, "pp"), 1, (i, i, i))}

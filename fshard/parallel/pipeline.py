@@ -1294,7 +1294,10 @@ def _check_inputs(
                         f"{lay.index} of {lay.mesh!r}; {who}: hold it on {axis!r} coordinate "
                         f"{index} of the pipeline's mesh (fs.parallel.on_stage), or replicate it"
                     )
-            elif lay.is_explicit or axis in lay.spec.axes:
+            elif (
+                lay.is_explicit
+                or axis in (lay.base if isinstance(lay, PartsLayout) else lay).spec.axes
+            ):
                 raise ValueError(
                     f"pipeline: {what} leaf {i} has layout {lay.spec if lay.spec else lay}; it "
                     f"must be replicated over {axis!r} or held by the stage's ranks "
