@@ -8,6 +8,7 @@ process (losses, first-step gradients, trained weights)."""
 import fnmatch
 import functools
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -1101,8 +1102,8 @@ def parts_stage_rank_fn():
     """pp 2 x tp 2: a gated MLP per block whose fused ``[gate | up]`` weight is split per part
     over tp (``fs.Parts``; the row-parallel down projection ``P(None, 'tp')``), stacked by
     ``stack_stages``, each stage's blocks picked by ``w[i]``. Per schedule: the loss and every
-    gradient against dense torch.func, the layouts ``stage_fn`` saw and the all_gathers over
-    tp (none: the per-part blocks line up with the down projection's columns)."""
+    gradient against dense torch.func, the layouts ``stage_fn`` saw and this rank's
+    collectives over tp (op, bytes)."""
     mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
     gen = torch.Generator().manual_seed(3)
     d, f, n, m = 4, 6, 4, 4  # hidden, each part's size, blocks, microbatches
@@ -1154,8 +1155,8 @@ def parts_stage_rank_fn():
             for k in named
         )
         layouts = all(g.layout == stacked[k].layout for k, g in grads.items())
-        gathers = [r.op for r in log if r.op == "all_gather" and r.axes == ("tp",)]
-        out.append((close, layouts, sorted(seen), gathers))
+        tp = Counter((r.op, r.nbytes) for r in log if r.axes == ("tp",))
+        out.append((close, layouts, sorted(seen), tp))
     return out
 
 
@@ -1164,10 +1165,17 @@ def test_stage_params_split_per_part_run_as_they_are(world4):
     """Issue 36 item 1: pipeline's stages take a fused projection's per-part layout (fs.Parts,
     stack_stages'): each stage's slice keeps the parts over tp, its layer ``w[i]`` too (a
     selection of another dim is local), the loss and gradients equal dense (in the stacked
-    params' layouts) under 1F1B, interleaved and ZB-H1, with no all_gather over tp."""
+    params' layouts) under 1F1B, interleaved and ZB-H1. Over tp exactly Megatron's
+    collectives, no all_gather (the per-part blocks line up with the down projection's
+    columns; a contiguous split of the fused weight gathered 16 a step): per microbatch and
+    block one all_reduce of its (3, 4) float32 output forward and one of its input's gradient
+    backward, less the first stage's first block's (its input, the microbatches, is not
+    differentiated): 4 x (2 + 2) = 16 a rank, 12 on the first stage's (its stages 0 and 2
+    interleaved: the same count)."""
     seen = [("Parts(P(None, 'tp'), dim=1, sizes=(6, 6))", "P(None, None, 'tp')")]
-    for got in world4.run(parts_stage_rank_fn):
-        assert got == [(True, True, seen, [])] * 3, got
+    for rank, got in enumerate(world4.run(parts_stage_rank_fn)):
+        tp = Counter({("all_reduce", 3 * 4 * 4): 12 if rank < 2 else 16})
+        assert got == [(True, True, seen, tp)] * 3, (rank, got)
 
 
 def pending_input_rank_fn():
