@@ -160,8 +160,9 @@ def test_stack_stages_keeps_a_per_part_layout(virtual):
     transformers' packed experts ``[gate | up]``, ``(E, 2 I, H)``, and a ``[q | k | v]`` weight
     given by a negative dim), stacks to the same parts, its dim moved past the stages' two:
     ``Parts(P('pp', None, *spec), dim + 2, sizes)``. Each rank's boxes are its stages' rows of
-    its chunk of every part (the layout math on a simulated 2 x 2 mesh; the values'
-    round trip, gathered and unstacked, on 4 ranks in tests/test_composition.py). pipeline takes
+    its chunk of every part (the layout math on a simulated 2 x 2 mesh, and on a 2 x 2 x 2 one
+    with the Parts' P splitting another dim over dp, as FSDP may; the values' round trip,
+    gathered and unstacked, on 4 ranks in tests/test_composition.py). pipeline takes
     it as a stage param and refuses, before any collective, parts on the stages' dim."""
     am = fs.Mesh.abstract((2, 2), ("pp", "tp"))
     e, i, h, n = 4, 6, 3, 4  # experts, the parts' size, hidden, blocks
@@ -199,6 +200,14 @@ def test_stack_stages_keeps_a_per_part_layout(virtual):
                 for c in chunks
             ], (rank, boxes)  # fmt: skip
             assert tuple(x.local.shape) == (virtual, per, *lead_shape, parts * i // 2, *tail)
+    # a Parts whose P splits another dim too (FSDP's rows over dp): kept, shifted alike
+    fsdp = fs.Mesh.abstract((2, 2, 2), ("pp", "dp", "tp")).simulate(5)
+    entry = fs.Parts(fs.P("dp", "tp", None), 1, (i, i))
+    st = stack_stages(named, fsdp, prefix="layers", plan={"*.gate_up": entry}, virtual=virtual)
+    shape = (2 * virtual, per, e, 2 * i, h)
+    want = fs.Parts(fs.P("pp", None, "dp", "tp"), 3, (i, i))
+    assert st["gate_up"].layout == fs.Layout.of(fsdp, want, shape)
+    assert tuple(st["gate_up"].local.shape) == (virtual, per, e // 2, i, h)
     # parts on the stages' dim: refused by the pipeline, before any collective
     mesh = am.simulate(0)
     bad = fs.shard(torch.empty(2, 3, device="meta"), mesh, fs.Parts(fs.P("pp"), 0, (1, 1)))
