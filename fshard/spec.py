@@ -164,8 +164,9 @@ class Parts:
     so a linear layer's output holds whole heads of each part and slicing or splitting it at the
     part boundaries needs no communication. Op rules that take it: pointwise ops, casts and
     reductions, ``F.linear``/``matmul``/``addmm`` with the parts on the weight's out-features,
-    reshapes that keep the parts dim, and ``split``/``chunk``/slices at part boundaries (which
-    give a ``P`` split); any other op first gathers the parts dim (one all_gather, in the comm
+    reshapes that keep the parts dim, ``split``/``chunk``/slices at part boundaries (which
+    give a ``P`` split) and indexing by ints / ``None`` / ``...`` that keeps the parts dim
+    whole (``w[i]``); any other op first gathers the parts dim (one all_gather, in the comm
     log).
 
     Args:

@@ -254,6 +254,33 @@ def test_ops_that_read_positions_gather_the_parts_first(world2):
         assert got[3:] == [(True, []), (True, []), (True, [])], got
 
 
+def select_rank_fn():
+    """Basic indexing that keeps the parts dim whole (ints, ``...``, ``None`` on the other
+    dims: a stacked param's layer ``w[i]``), for each key: the value equal to dense, the
+    result per part, its comm ops, and the gradient through it equal to dense in ``x``'s
+    layout; an int on the parts dim gathers it."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    t = torch.randn(3, 8, 2, generator=torch.Generator().manual_seed(5))
+    x = fs.shard(t, mesh, Parts(P(None, "tp"), 1, (4, 2, 2)))
+    keys = [1, (..., 0), (None, 2), (0, slice(None), 1), (slice(None), 3)]
+    out = []
+    for key in keys:
+        with fs.debug.comm_log() as log:
+            y = x[key]
+        same = torch.equal(fs.gather(y), t[key])
+        g = torch.func.grad(lambda a, k=key: (fs.gather(a[k]) ** 2).sum())(x)
+        want = torch.func.grad(lambda a, k=key: (a[k] ** 2).sum())(t)
+        grad_ok = g.layout == x.layout and torch.equal(fs.gather(g), want)
+        out.append((same, type(y.layout) is PartsLayout, [r.op for r in log], grad_ok))
+    return out
+
+
+def test_selecting_other_dims_keeps_the_parts_locally(world2):
+    for got in world2.run(select_rank_fn):
+        assert got[:4] == [(True, True, [], True)] * 4, got
+        assert got[4] == (True, False, ["all_gather"], True), got
+
+
 def dp_tp_rank_fn():
     """dp x tp: the batch split over dp, the fused weight per part over tp; 3 AdamW steps."""
     mesh = fs.Mesh.create((2, 2), ("dp", "tp"))

@@ -37,7 +37,8 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 The plans stay data (``{name: P}``, what :func:`fshard.nn.shard_params` takes): nothing mutates
 the model. With ``pp > 1`` the params are the model's names outside the decoder layers plus
 one entry under the layers' name (``"model.layers"``): ``{name in a layer: (pp * virtual,
-layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back); the ends'
+layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back; a fused
+projection's :class:`~fshard.Parts` keeps its parts, its dim moved past those two); the ends'
 params have a :class:`~fshard.spec.HeldLayout` (``fs.gather`` gives them whole, as any). With ``pp``
 and ``cp`` the sequence is split over ``cp`` in the pipeline's activations (load-balanced
 chunks; each layer's attention a ring or all-to-all over ``cp``, the rotary embeddings of the
@@ -83,7 +84,7 @@ from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
-from ..spec import Layout, P, Parts, spec_of_dims
+from ..spec import Layout, P, Parts, PartsLayout, spec_of_dims
 from .context import (
     _ACTIVE,
     _attention_of,
@@ -397,13 +398,6 @@ def parallelize(
     if dims.ep > 1 and parts is None:  # the experts' dim over ep, their I dim as tp gave it
         for name, spec in expert_parallel_plan(model, mesh, "ep").items():
             plan[name] = _on_experts_axis(plan.get(name), spec)
-    fused = sorted(k for k, v in plan.items() if isinstance(v, Parts))
-    if fused and pieces is not None:
-        raise ValueError(
-            f"parallelize: pp > 1 with fused projections split per part over tp ({fused[:3]}"
-            f"{' ...' if len(fused) > 3 else ''}: fs.Parts layouts) is not composed yet (the "
-            "pipeline's stages take P layouts only); use tp = 1 with pp, or pp = 1"
-        )
     outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
     fsdp_axes = dims.fsdp_axes
     if dims.dp_shard > 1:
@@ -957,16 +951,23 @@ def _row(v, i: int):
     """Layer ``i`` of a stage's stacked param ``v``: ``v[i]``; of a ShardedArray whose dim 0
     (the layers) no axis splits, its block's row in the layout of the other dims, as the
     indexing op rule gives it, without the rule's dispatch (one per param and layer each
-    microbatch)."""
-    if type(v) is ShardedArray and type(v.layout) is Layout and not v.spec.padded(1)[0]:
-        return ShardedArray._raw(v.local[i], _row_layout(v.layout))
+    microbatch). A fused projection's per-part layout (:class:`~fshard.Parts`, its parts past
+    dim 0) keeps its parts in the row."""
+    lay = v.layout if type(v) is ShardedArray else None
+    if type(lay) is Layout and not lay.spec.padded(1)[0]:
+        return ShardedArray._raw(v.local[i], _row_layout(lay))
+    if type(lay) is PartsLayout and lay.dim > 0 and not lay.base.spec.padded(1)[0]:
+        return ShardedArray._raw(v.local[i], _row_layout(lay))
     return v[i]
 
 
 @functools.lru_cache(maxsize=256)
-def _row_layout(layout: Layout) -> Layout:
-    spec = layout.spec
+def _row_layout(layout: Layout | PartsLayout) -> Layout | PartsLayout:
+    parts = isinstance(layout, PartsLayout)
+    spec = layout.base.spec if parts else layout.spec
     rest = P(*spec.padded(len(layout.shape))[1:], partial=spec.partial)
+    if parts:
+        rest = Parts(rest, layout.dim - 1, layout.sizes)
     return Layout.of(layout.mesh, rest, layout.shape[1:], layout.dtype)
 
 

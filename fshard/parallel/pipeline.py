@@ -126,7 +126,7 @@ from ..gradsync import GradSync
 from ..mesh import AxisGroup, Mesh
 from ..nn_plan import match_plan
 from ..shard_map import call_signature, shard_map_checked_by_caller
-from ..spec import HeldLayout, Layout, P
+from ..spec import HeldLayout, Layout, P, Parts, PartsLayout, spec_of_dims
 
 __all__ = [
     "Action",
@@ -432,15 +432,18 @@ def stack_stages(
     ``{prefix}.{i}.{name}`` (a ``ModuleList``'s, e.g. ``dict(model.named_parameters())``),
     stacked to ``{name: (stages, blocks per stage, ...)}`` in :func:`stage_order` and sharded
     ``P(axis, None, *spec)``, ``spec`` the layout ``plan`` gives the blocks' param (a
-    :func:`fshard.nn.megatron_plan`, for tp); other names are ignored. The layout half of the
-    strategy: what ``fs.nn.shard_params`` is to a module.
+    :func:`fshard.nn.megatron_plan`, for tp); a fused projection's :class:`~fshard.Parts`
+    (``Parts(spec, dim, sizes)``, each part split on its own) stays one, shifted past the two
+    new dims: ``Parts(P(axis, None, *spec), dim + 2, sizes)``, so each stage's slice keeps the
+    per-part split. Other names are ignored. The layout half of the strategy: what
+    ``fs.nn.shard_params`` is to a module.
 
     Args:
         params: full tensors by name (the same on every rank).
         mesh: the mesh, with ``axis``.
         prefix: the blocks' ``ModuleList`` name (``"blocks"``, ``"transformer.h"``).
-        plan: ``{glob: P}`` over ``params``' names (:func:`fshard.nn.match_plan`); every
-            block must get the same spec. Default: replicated over the other axes.
+        plan: ``{glob: P | Parts}`` over ``params``' names (:func:`fshard.nn.match_plan`);
+            every block must get the same spec. Default: replicated over the other axes.
         axis, virtual: as in :func:`pipeline` (``pp * virtual`` stages must divide the blocks).
 
     Returns:
@@ -479,7 +482,8 @@ def stack_stages(
         if len(block) != 1:
             raise ValueError(f"stack_stages: plan gives the blocks' {name!r} different specs")
         spec = block.pop()
-        if axis in spec.axes:
+        inner = spec.spec if isinstance(spec, Parts) else spec
+        if axis in inner.axes:
             raise ValueError(f"stack_stages: plan splits {name!r} over the pipeline axis {axis!r}")
         full = torch.stack(
             [
@@ -487,8 +491,27 @@ def stack_stages(
                 for s in stage_order(mesh.size(axis), virtual)
             ]
         )
-        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
+        out[name] = shard(full, mesh, _stacked_spec(spec, full.ndim - 2, axis))
     return out
+
+
+def _stacked_spec(spec: P | Parts, ndim: int, axis: str = "pp") -> P | Parts:
+    """The layout :func:`stack_stages` gives a block's param of ``ndim`` dims laid out by
+    ``spec``: two leading dims, the stages split over ``axis`` and the blocks of a stage whole,
+    then ``spec``'s; a :class:`~fshard.Parts` keeps its parts, its dim moved past the two.
+
+    Example:
+        >>> _stacked_spec(P("tp"), 2)
+        P('pp', None, 'tp')
+        >>> _stacked_spec(Parts(P(None, "tp", None), 1, (4, 4)), 3)
+        Parts(P('pp', None, None, 'tp'), dim=3, sizes=(4, 4))
+    """
+    inner = spec.spec if isinstance(spec, Parts) else spec
+    lead = spec_of_dims(((axis,), (), *inner.dims), inner.partial)
+    if not isinstance(spec, Parts):
+        return lead
+    dim = spec.dim + ndim if spec.dim < 0 else spec.dim
+    return Parts(lead, dim + 2, spec.sizes)
 
 
 def on_stage(value, mesh: Mesh, index: int, *, axis: str = "pp") -> ShardedArray:
@@ -583,8 +606,7 @@ class _Leaf:
         self.local = value.local if isinstance(value, ShardedArray) else value
         lay = value.layout if isinstance(value, ShardedArray) else None
         if lay is not None and drop_dim0:
-            spec = P(*lay.spec.dims[1:], partial=lay.spec.partial)
-            lay = Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
+            lay = _without_dim0(lay)
         self.layout = lay
 
     def wrap(self, t: torch.Tensor):
@@ -601,6 +623,17 @@ class _Leaf:
         held = auto is not None and x.layout.holds(auto.rank)
         leaf.layout = Layout(auto, base.spec, base.shape, base.dtype) if held else None
         return leaf
+
+
+def _without_dim0(lay: Layout | PartsLayout) -> Layout | PartsLayout:
+    """``lay`` with dim 0 (whole, as the body sees its stages or microbatches) dropped; a
+    :class:`~fshard.spec.PartsLayout` keeps its parts, one dim nearer the front."""
+    if isinstance(lay, PartsLayout):
+        base = lay.base.spec
+        spec = Parts(spec_of_dims(base.dims[1:], base.partial), lay.dim - 1, lay.sizes)
+        return Layout.of(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
+    spec = spec_of_dims(lay.spec.dims[1:], lay.spec.partial)
+    return Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
 
 
 def _take_held(tree) -> tuple:
@@ -1205,12 +1238,24 @@ def _check_inputs(
                 f"{leaf.shape[0] if leaf.ndim else 'no dim 0'}"
             )
         if isinstance(leaf, ShardedArray):
-            dims = leaf.spec.padded(leaf.ndim)
-            if dims[0] != (axis,) or any(axis in d for d in dims[1:]) or leaf.spec.partial:
+            lay = leaf.layout
+            # a fused projection's per-part split (fs.Parts, stack_stages') keeps its parts
+            # in each stage's slice: the stages on dim 0 over the axis, the parts past it
+            parts = isinstance(lay, PartsLayout)
+            spec = lay.base.spec if parts else None if lay.is_explicit else lay.spec
+            dims = spec.padded(leaf.ndim) if spec is not None else None
+            if (
+                spec is None
+                or dims[0] != (axis,)
+                or any(axis in d for d in dims[1:])
+                or spec.partial
+                or (parts and lay.dim == 0)
+            ):
                 raise ValueError(
-                    f"pipeline: stage_params leaf {i} has layout {leaf.spec}; dim 0 (the "
-                    f"stages) must be split over {axis!r} alone (P({axis!r}, ...)), the other "
-                    f"dims not over {axis!r}, and no pending sum"
+                    f"pipeline: stage_params leaf {i} has layout {lay.spec or lay}; dim 0 (the "
+                    f"stages) must be split over {axis!r} alone (P({axis!r}, ...), or a "
+                    f"fs.Parts whose parts dim is not dim 0), the other dims not over "
+                    f"{axis!r}, and no pending sum"
                 )
     x_leaves, _ = _leaves(microbatches, "microbatches")
     if (len(x_leaves) != 1 and not inputs) or not x_leaves or x_leaves[0].ndim < 1:
@@ -1249,7 +1294,10 @@ def _check_inputs(
                         f"{lay.index} of {lay.mesh!r}; {who}: hold it on {axis!r} coordinate "
                         f"{index} of the pipeline's mesh (fs.parallel.on_stage), or replicate it"
                     )
-            elif lay.is_explicit or axis in lay.spec.axes:
+            elif (
+                lay.is_explicit
+                or axis in (lay.base if isinstance(lay, PartsLayout) else lay).spec.axes
+            ):
                 raise ValueError(
                     f"pipeline: {what} leaf {i} has layout {lay.spec if lay.spec else lay}; it "
                     f"must be replicated over {axis!r} or held by the stage's ranks "
@@ -1368,7 +1416,10 @@ def pipeline(
             (the op rules' collectives over the other mesh axes run inside as usual).
         stage_params: a pytree whose leaves hold the ``pp * virtual`` stages on dim 0 (in
             :func:`stage_order`), ShardedArrays split over ``axis`` on dim 0 (``P('pp',
-            ...)``; other dims may be split over other axes) or full tensors (split here).
+            ...)``; other dims may be split over other axes, per part too: a fused
+            projection's :class:`~fshard.Parts` with its parts past dim 0, as
+            :func:`stack_stages` gives it, which ``stage_fn`` sees in its slice) or full
+            tensors (split here).
         microbatches: ``(M, ...)``, microbatch ``m`` is ``microbatches[m]``; replicated over
             ``axis``; dim 0 not split (other dims may be, e.g. the batch over ``dp``). Without
             ``input_fn`` the stage inputs themselves (e.g. an embedding's output, computed on
