@@ -1264,6 +1264,7 @@ def fsdp_gather(
     session = _Session(
         params, units, axis, mesh, prefetch, mp_policy and mp_policy.check(), replicate
     )
+    _check_unreduced(session)
     with _gathering(session) as get:
         yield get
 
@@ -1351,6 +1352,22 @@ def _check_gather(params, units, mesh, mp_policy) -> None:
         raise TypeError(
             f"fsdp_gather: mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}"
+        )
+
+
+def _check_unreduced(session: _Session) -> None:
+    """Under ``fs.value_and_grad(..., sync=False)`` a param's gradient is the addend of its
+    gather's output (the whole param's, in the gather's chunk order): for a
+    :class:`~fshard.Parts` on dim 0 split over the FSDP axes that order is not its base
+    layout's part order, so such a param is refused (before any collective)."""
+    if _active_sync("unreduced") is None:
+        return
+    names = [n for n in session.params if session.part_rows(n) is not None]
+    if names:
+        raise ValueError(
+            f"fsdp_gather: params {names[:5]} are fs.Parts on dim 0 split per part over the FSDP "
+            f"axes {session.axes}: their unreduced gradients (fs.value_and_grad(..., "
+            "sync=False)) would not be in their layout's part order; use sync=True"
         )
 
 
@@ -1583,6 +1600,7 @@ def fsdp_call(
     typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
     _check_gather(params, units, mesh, policy)
     session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed, root)
+    _check_unreduced(session)
     with _gathering(session) as get:
         try:
             for unit in units:
