@@ -1545,8 +1545,9 @@ def fsdp_call(
             experts' ``gate_up_proj``) is gathered in its unit's all_gather and
             reduce-scattered in its reduce_scatter like the others; one split per part on
             dim 0 over the FSDP axes (Phi-3's ``qkv_proj``, ``c_attn``'s bias) too, its
-            parts' sub-chunks put back in part order after the gather; one left whole is
-            pcast, its gradient all-reduced.
+            parts' sub-chunks put back in part order after the gather (refused under
+            ``fs.value_and_grad(..., sync=False)``: its unreduced gradient would be in chunk
+            order); one left whole is pcast, its gradient all-reduced.
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` (``None``: the one
