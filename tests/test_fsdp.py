@@ -956,7 +956,8 @@ def fsdp_uneven_parts_rank_fn(where: str):
     ``[q | k | v]`` of (8, 3, 3) rows split per part over tp on dim 0 (fs.Parts): each part
     split over ('tp', 'dp'), uneven (tp 1's blocks over dp: 2 + 1 + 1 and 2 + 0 + 0 rows,
     padded to 4 for the gather). ``where``: ``"global"`` (the batch a ShardedArray, under
-    fs.value_and_grad: the eager packed gather), ``"local"`` (fsdp_call on the local blocks,
+    fs.value_and_grad: the eager packed gather), ``"remat"`` (that under fs.remat: its
+    recompute the typed traced gather), ``"local"`` (fsdp_call on the local blocks,
     the loss psum'd: the untyped eager path) or ``"traced"`` (``"local"`` under
     torch.func.grad: the traced packed gather). ``(gradient errors, layouts kept, dp comm_log)``."""
     mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
@@ -978,15 +979,17 @@ def fsdp_uneven_parts_rank_fn(where: str):
     c_local = torch.cat([c[m.shard_offsets[0] :][: m.shard_sizes[0]] for m in boxes])
 
     def loss(ps, x):
-        if where == "global":
-            out = fs.nn.fsdp_call(model, ps, (fs.shard(x, mesh, fs.P("dp")),), mesh=mesh)
+        if where in ("global", "remat"):
+            xs = fs.shard(x, mesh, fs.P("dp"))
+            call = lambda ps, xs: fs.nn.fsdp_call(model, ps, (xs,), mesh=mesh)  # noqa: E731
+            out = (fs.remat(call) if where == "remat" else call)(ps, xs)
             out = fs.reshard(out, fs.P("dp", None))  # the features whole, in order
             return fs.gather((out * out * c).sum())
         out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)  # [q_r | k_r | v_r] of its rows
         return fs.lax.psum((out * out * c_local).sum(), ("dp", "tp"), mesh=mesh)
 
     with fs.debug.comm_log() as log:
-        if where == "global":
+        if where in ("global", "remat"):
             _, grads = fs.value_and_grad(loss)(params, x)
         else:
             xs = fs.shard(x, mesh, fs.P("dp")).local
@@ -1001,7 +1004,7 @@ def fsdp_uneven_parts_rank_fn(where: str):
     return errors, layouts, [(r.op, r.nbytes) for r in log if r.axes == ("dp",)]
 
 
-@pytest.mark.parametrize("where", ["global", "local", "traced"])
+@pytest.mark.parametrize("where", ["global", "remat", "local", "traced"])
 def test_fsdp_of_uneven_parts_on_dim_0_matches_dense(world4, where):
     """A fused weight and bias of uneven parts (8, 3, 3) on dim 0, each part split over
     ('tp', 'dp'): gathered over dp in one all_gather (the weight's 4 rows x 4 and the bias's 4,
@@ -1012,7 +1015,9 @@ def test_fsdp_of_uneven_parts_on_dim_0_matches_dense(world4, where):
         assert max(errors.values()) < 1e-12, errors
         assert layouts
         collectives = sorted(r for r in log if r[0] != "all_reduce" or r[1] > 8)
-        assert collectives == [("all_gather", 20 * 8), ("reduce_scatter", 2 * 20 * 8)], log
+        gathers = 2 if where == "remat" else 1  # the recompute gathers the unit again
+        want = [("all_gather", 20 * 8)] * gathers + [("reduce_scatter", 2 * 20 * 8)]
+        assert collectives == want, log
 
 
 def fsdp_parts_unreduced_rank_fn():
