@@ -8,12 +8,17 @@ TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-g
 
     per param of a unit          forward                         backward
     sharded over dp (dim 0)      all_gather(to="varying")        psum_scatter (reduce_scatter)
-    left whole (0-d, unnested,   pcast over dp (no comm)         psum (all_reduce, bucketed
-    a Parts on dim 0)                                            under fs.value_and_grad)
+    left whole (0-d, unnested)   pcast over dp (no comm)         psum (all_reduce, bucketed
+                                                                 under fs.value_and_grad)
 
 A fused projection split per part over tp (:class:`~fshard.Parts`) on a dim other than 0
 (GPT-2's ``c_attn`` weight, MoE experts' packed ``gate_up_proj``) is sharded on dim 0 like any
-param: its block gathered along dim 0 is its per-part block under the base plan.
+param: its block gathered along dim 0 is its per-part block under the base plan. One whose
+parts are on dim 0 (Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` weights, ``c_attn``'s bias)
+has each part split over tp and then dp (``Parts(P(("tp", "dp"), None), 0, (q, k, v))``): the
+unit's all_gather gives each part's sub-chunks ``[q_0 | k_0 | v_0 | q_1 | k_1 | v_1]``, put back
+in part order ``[q_r | k_r | v_r]`` by a local permutation (``_Session.arranged``; its backward,
+the inverse, runs before the reduce_scatter), so the gathered value has the base plan's layout.
 
 In a ``shard_map`` body (FSDP x CP, the global view) a param invariant over the body's manual
 axes (``cp``) that meets varying data is pcast over them: that pcast is made on the param's
@@ -86,7 +91,7 @@ from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
 from ..planner import chunk_sizes
 from ..precision import MixedPrecisionPolicy
-from ..spec import Layout, P, Parts, spec_of_dims
+from ..spec import Layout, P, Parts, nests, spec_of_dims
 from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -119,11 +124,16 @@ def fsdp_plan(
     split (``Parts(P(None, 'tp'), 1, s)`` -> ``Parts(P('dp', 'tp'), 1, s)``; experts over
     ``ep``: ``Parts(P(('ep', 'dp_shard'), 'tp', None), 1, s)``), as FSDP2 shards it on dim 0
     (``_StridedShard`` keeping the tp parts): gathering dim 0 gives its block under the base.
-    One that nests over none of the axes, a 0-d one, or a :class:`~fshard.Parts` on dim 0
-    (Phi-3's fused ``qkv_proj`` weight, ``c_attn``'s bias: gathering sub-chunks of every
-    part along dim 0 would not give its block) keeps its base spec: it stays whole over
-    ``axis`` and its gradient is all-reduced like DDP's (bucketed under
-    :func:`fshard.value_and_grad`). The base may split dim 0 over FSDP axes other than the first (experts over
+    A :class:`~fshard.Parts` on dim 0 (Phi-3's fused ``qkv_proj`` and ``gate_up_proj``
+    weights, ``c_attn``'s bias) has each part split over its base axes and then the longest
+    prefix of the FSDP axes whose (ceil-div) chunks of every part nest in its base chunks
+    (``Parts(P('tp', None), 0, s)`` -> ``Parts(P(('tp', 'dp'), None), 0, s)``, as FSDP2's
+    ``_StridedShard`` over tp and ``Shard(0)`` over dp): :func:`fsdp_call` gathers it in its
+    unit's all_gather and puts each part's sub-chunks back in part order. One that nests over
+    none of the axes (parts of 6 rows over tp x dp = 2 x 2: tp chunks of 3, flat chunks of 2),
+    or a 0-d one, keeps its base spec: it stays whole over ``axis`` and its gradient is
+    all-reduced like DDP's (bucketed under :func:`fshard.value_and_grad`). The base may split
+    dim 0 over FSDP axes other than the first (experts over
     ``ep`` with FSDP over ``("dp_shard", "ep")``, :func:`fshard.parallel.parallelize`'s
     FSDP x EP: the dense params split over both, as torchtitan's FSDP mesh holds its ep
     ranks): FSDP adds the longest prefix of the others that nests (``P(("ep",
@@ -153,6 +163,9 @@ def fsdp_plan(
         >>> am = fs.Mesh.abstract((2, 2), ("dp", "tp"))  # [q | k | v] on dim 1, split per part
         >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 6), am, base={"weight": fs.Parts(fs.P(None, "tp"), 1, (2, 2, 2))})
         {'weight': Parts(P('dp', 'tp'), dim=1, sizes=(2, 2, 2)), 'bias': P('dp')}
+        >>> qkv = fs.Parts(fs.P("tp", None), 0, (8, 4, 4))  # [q | k | v] on dim 0, per part
+        >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 16, bias=False), am, base={"weight": qkv})
+        {'weight': Parts(P(('tp', 'dp'), None), dim=0, sizes=(8, 4, 4))}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -168,7 +181,8 @@ def fsdp_plan(
         # dim 0's base split may hold FSDP axes other than the first (experts over ep, FSDP
         # over ("dp_shard", "ep")), none after them: FSDP adds the others after them (its part
         # starts with the first axis: fsdp_call tells it from the base's); else refused
-        # (a fused projection's parts on dim 0 hold no such split; on another dim, its dim 0
+        # (a fused projection's parts on dim 0 hold no such split: FSDP nests its axes after
+        # the parts' base axes, _nested_parts; on another dim, its dim 0
         # is the P's: experts over ep with their [gate | up] halves over tp)
         ndim = named[name].dim()
         first = () if _parts_on_dim0(spec, ndim) else _dim0(spec, ndim)
@@ -183,8 +197,17 @@ def fsdp_plan(
     out = {}
     for name, p in named.items():
         spec = specs[name]
-        if p.dim() == 0 or _parts_on_dim0(spec, p.dim()):
+        if p.dim() == 0:
             out[name] = spec
+            continue
+        if _parts_on_dim0(spec, p.dim()):
+            # each part split over the base axes and then FSDP's (the longest prefix whose
+            # chunks nest in the base chunks of every part): gathering over them gives each
+            # part's sub-chunks, put back in part order after the gather (_part_rows)
+            dims = spec.spec.padded(p.dim())
+            first = _nested_parts(dims[0], axes, spec.sizes, mesh)
+            split = spec_of_dims([first, *dims[1:]], spec.partial) if first else None
+            out[name] = spec if split is None else Parts(split, spec.dim, spec.sizes)
             continue
         # a Parts on another dim: its dim 0 is its P's, split as any P's (the parts dim
         # keeps its per-part split), so gathering dim 0 gives its base block
@@ -202,9 +225,23 @@ def fsdp_plan(
 
 def _parts_on_dim0(spec, ndim: int) -> bool:
     """Whether ``spec`` is a :class:`~fshard.Parts` whose parts dim is dim 0 of an ``ndim``-d
-    param (Phi-3's fused ``qkv_proj`` weight, GPT-2's ``c_attn`` bias): FSDP leaves it whole,
-    as gathering sub-chunks of every part along dim 0 would not give its block."""
+    param (Phi-3's fused ``qkv_proj`` weight, GPT-2's ``c_attn`` bias): FSDP splits each part
+    (:func:`_nested_parts`), and gathering its blocks gives every part's sub-chunks, put
+    back in part order (``_Session.arranged``)."""
     return isinstance(spec, Parts) and spec.dim % ndim == 0
+
+
+def _nested_parts(base: tuple[str, ...], axes: tuple[str, ...], sizes, mesh: Mesh):
+    """Dim 0's entry for a :class:`~fshard.Parts` on dim 0 whose parts of ``sizes`` are each
+    split over ``base``: ``base`` and the longest prefix of the FSDP ``axes`` whose chunks of
+    every part nest in its base chunks (:func:`~fshard.spec.nests`: uneven parts too, where
+    the ceil-div chunks nest), ``None`` when none does (the param stays whole over them)."""
+    outer = math.prod(mesh.size(a) for a in base)
+    for n in range(len(axes), 0, -1):
+        inner = math.prod(mesh.size(a) for a in axes[:n])
+        if all(nests(s, outer, inner) for s in sizes):
+            return (*base, *axes[:n])
+    return None
 
 
 def _dim0(spec, ndim: int) -> tuple[str, ...]:
@@ -417,8 +454,8 @@ class _Session:
         """The FSDP axes param ``n``'s dim 0 is split over, in the FSDP axes' order: all of
         them, or some (a prefix, :func:`fsdp_plan`'s nesting rule: 4 experts split over
         ``("ep", "dp_shard")`` of FSDP over ``("dp_shard", "cp")``; a :class:`~fshard.Parts`
-        on another dim: its ``P``'s dim 0); ``()``: whole over them (a 0-d param, or a
-        ``Parts`` on dim 0: gathering sub-chunks of every part would not give its block).
+        on another dim: its ``P``'s dim 0; on dim 0: each part's, :meth:`part_rows`); ``()``:
+        whole over them (a 0-d param, or one its plan leaves whole).
         A param split over some is gathered and reduce-scattered over those (:meth:`group_of`,
         packed with the unit's params of that group) and its block pcast over the others
         (:meth:`rest_of`) in its varying gather: its gradient's sum over them runs on the shard,
@@ -428,7 +465,7 @@ class _Session:
             spec, ndim = self.params[n].spec, len(self.params[n].shape)
             axes = (
                 ()
-                if ndim == 0 or _parts_on_dim0(spec, ndim)
+                if ndim == 0
                 else _fsdp_part(_dim0(spec, ndim), self.axes, f"fsdp_call: param {n!r}")
             )
             self.split[n] = axes
@@ -451,7 +488,43 @@ class _Session:
     def rows(self, n: str) -> tuple[int, ...] | None:
         """Sharded param ``n``'s rows in each chunk of its FSDP axes (group order), or
         ``None`` when they are equal."""
+        parts = self.part_rows(n)
+        if parts is not None:
+            rows = tuple(sum(r) for r in parts)
+            return None if len(set(rows)) == 1 else rows
         return _chunk_rows(self.params[n].layout, self.axes_of(n), self.group_of(n).size)
+
+    def part_rows(self, n: str) -> tuple[tuple[int, ...], ...] | None:
+        """A :class:`~fshard.Parts` param on dim 0 split over FSDP axes: the rows of each part
+        in each chunk of its FSDP axes (group order); ``None`` for any other param."""
+        layout = self.params[n].layout
+        if not (self.axes_of(n) and _parts_on_dim0(layout.spec, len(layout.shape))):
+            return None
+        return _part_rows(layout, self.axes_of(n), self.group_of(n).ranks)
+
+    def arranged(self, n: str, full: torch.Tensor) -> torch.Tensor:
+        """Param ``n`` gathered over its FSDP axes (``full``: its blocks in chunk order along
+        dim 0) as its base block: for a :class:`~fshard.Parts` on dim 0, whose chunk ``j``
+        is ``[q_j | k_j | v_j]`` (each part's sub-chunk ``j`` of this rank's base chunk), the
+        parts' sub-chunks put back in part order ``[q_0 q_1 | k_0 k_1 | v_0 v_1]`` (a local
+        permutation: its backward the inverse, before the reduce_scatter); ``full`` itself
+        for any other param."""
+        parts = self.part_rows(n)
+        if parts is None:
+            return full
+        k, m = len(parts), len(parts[0])
+        pieces = torch.split(full, [r for chunk in parts for r in chunk])
+        return torch.cat([pieces[j * m + p] for p in range(m) for j in range(k)])
+
+    def chunked(self, n: str, full: torch.Tensor | None) -> torch.Tensor | None:
+        """The inverse of :meth:`arranged`: param ``n``'s base block as its blocks over its
+        FSDP axes in chunk order (what the gather's data is)."""
+        parts = None if full is None else self.part_rows(n)
+        if parts is None:
+            return full
+        k, m = len(parts), len(parts[0])
+        pieces = torch.split(full, [parts[j][p] for p in range(m) for j in range(k)])
+        return torch.cat([pieces[p * k + j] for j in range(k) for p in range(m)])
 
     def _gather_op(self, n: str, invariant: bool = False) -> Bound:
         """Param ``n``'s all_gather over its FSDP axes (its uneven blocks' sizes)."""
@@ -475,7 +548,7 @@ class _Session:
                     if not self.typed:  # the use the gradient sync made of it already
                         use = self.held.kept_use(self.params[n].local, group, low.dtype)
                         if use is not None:
-                            self.uses[n] = use
+                            self.uses[n] = use = self.arranged(n, use)
                             launched.append(([n], None, _comm.Pending(use)))
                             continue
                     full = self.held.held_gather(self.params[n].local, group, low.dtype)
@@ -516,7 +589,7 @@ class _Session:
             k = self.group_of(names[0]).size
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
-                out[n] = _unpadded(piece, k, shape, self.rows(n))
+                out[n] = self.arranged(n, _unpadded(piece, k, shape, self.rows(n)))
         if self.held is not None and flats is None:  # kept for the step's other uses
             for n, full in out.items():
                 # (a use of the step's stand-in: kept already)
@@ -708,10 +781,12 @@ class _Session:
         invariant = self._gather_op(n, invariant=True)
         reduce = self.policy.reduce_in(src.dtype)
         low = self.policy.cast_param(src)
+        full = self.chunked(n, full)
         if reduce == low.dtype:
-            return lax.apply(invariant, low, done=full)
+            return self.arranged(n, lax.apply(invariant, low, done=full))
         done = None if full is None else full.to(reduce)
-        return lax.apply(invariant, src.to(reduce), done=done).to(low.dtype)
+        y = lax.apply(invariant, src.to(reduce), done=done).to(low.dtype)
+        return self.arranged(n, y)
 
     def on_shard(self, n: str) -> bool:
         """Whether a pcast of param ``n``'s gathered value over other axes (a ``shard_map``
@@ -774,10 +849,11 @@ class _Session:
             return full
         reduce = self.policy.reduce_in(x.dtype)
         src = self._replicated(x, reduce, over, n)
-        op = self._gather_op(n)
+        op, done = self._gather_op(n), self.chunked(n, full)
         if reduce == full.dtype:
-            return lax.apply(op, self.policy.cast_param(src), done=full)
-        return lax.apply(op, src.to(reduce), done=full.to(reduce)).to(full.dtype)
+            return self.arranged(n, lax.apply(op, self.policy.cast_param(src), done=done))
+        y = lax.apply(op, src.to(reduce), done=done.to(reduce)).to(full.dtype)
+        return self.arranged(n, y)
 
     def _pcast(self, n: str) -> torch.Tensor:
         """Param ``n``, left whole over the axis: a pcast over the axis (and the replicate
@@ -846,7 +922,7 @@ class _Session:
             full = lax.all_gather(flat, axes, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for b in blocks], dim=1)
             for (n, _), b, piece in zip(items, blocks, pieces):
-                out[n] = _unpadded(piece, k, b.shape, self.rows(n))
+                out[n] = self.arranged(n, _unpadded(piece, k, b.shape, self.rows(n)))
         return out
 
     def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
@@ -882,7 +958,7 @@ class _Session:
             full = lax.all_gather(flat, axes, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for _, b in items], dim=1)
             for (n, b), piece in zip(items, pieces):
-                y = _unpadded(piece, k, b.shape, self.rows(n))
+                y = self.arranged(n, _unpadded(piece, k, b.shape, self.rows(n)))
                 out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
         return out
 
@@ -895,12 +971,13 @@ class _Session:
         low = self.policy.cast_param(src)
         rows, axes = self.rows(n), self.axes_of(n)
         if reduce == low.dtype:
-            return lax.all_gather(low, axes, sizes=rows, to="varying", mesh=self.mesh)
+            y = lax.all_gather(low, axes, sizes=rows, to="varying", mesh=self.mesh)
+            return self.arranged(n, y)
         # Under a transform an edge carries its forward dtype's gradient, so a gather of
         # param_dtype values cannot reduce-scatter in another dtype: gather in the reduce dtype
         # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
         y = lax.all_gather(src.to(reduce), axes, sizes=rows, to="varying", mesh=self.mesh)
-        return y.to(low.dtype)
+        return self.arranged(n, y.to(low.dtype))
 
     def _block(self, n: str) -> torch.Tensor:
         """Param ``n``'s local block for a traced gather. In a ``shard_map`` body that tracks
@@ -1187,6 +1264,7 @@ def fsdp_gather(
     session = _Session(
         params, units, axis, mesh, prefetch, mp_policy and mp_policy.check(), replicate
     )
+    _check_unreduced(session)
     with _gathering(session) as get:
         yield get
 
@@ -1210,6 +1288,24 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
             "leaves it whole over them"
         )
     return chunk_sizes(rows, layout.mesh, axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_rows(layout, axes: tuple[str, ...], ranks: tuple[int, ...]) -> tuple:
+    """The rows of each part (:class:`~fshard.Parts` on dim 0) in the block of each of
+    ``ranks`` (a param's FSDP group, chunk order); its chunks over the FSDP ``axes`` must
+    nest in its base chunks of every part (:func:`fsdp_plan` splits it so), else refused."""
+    outer = math.prod(layout.mesh.size(a) for a in layout.axes if a not in axes)
+    inner = math.prod(layout.mesh.size(a) for a in axes)
+    bad = [s for s in layout.sizes if not nests(s, outer, inner)]
+    if bad:
+        raise ValueError(
+            f"fsdp_gather: a param of shape {tuple(layout.shape)} and spec {layout.spec} splits "
+            f"its parts {bad} over the FSDP axes {axes} in chunks that do not nest in its "
+            "chunks over the other axes: gathering them would not give its block; "
+            "fs.nn.fsdp_plan leaves such a param whole over the FSDP axes"
+        )
+    return tuple(tuple(m.shard_sizes[0] for m in layout.blocks(r)) for r in ranks)
 
 
 def _unpadded(piece: torch.Tensor, k: int, shape, rows: tuple[int, ...] | None) -> torch.Tensor:
@@ -1256,6 +1352,22 @@ def _check_gather(params, units, mesh, mp_policy) -> None:
         raise TypeError(
             f"fsdp_gather: mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}"
+        )
+
+
+def _check_unreduced(session: _Session) -> None:
+    """Under ``fs.value_and_grad(..., sync=False)`` a param's gradient is the addend of its
+    gather's output (the whole param's, in the gather's chunk order): for a
+    :class:`~fshard.Parts` on dim 0 split over the FSDP axes that order is not its base
+    layout's part order, so such a param is refused (before any collective)."""
+    if _active_sync("unreduced") is None:
+        return
+    names = [n for n in session.params if session.part_rows(n) is not None]
+    if names:
+        raise ValueError(
+            f"fsdp_gather: params {names[:5]} are fs.Parts on dim 0 split per part over the FSDP "
+            f"axes {session.axes}: their unreduced gradients (fs.value_and_grad(..., "
+            "sync=False)) would not be in their layout's part order; use sync=True"
         )
 
 
@@ -1431,8 +1543,11 @@ def fsdp_call(
             gradient summed over the others on its shard. A :class:`~fshard.Parts` param
             split on dim 0 (its parts on another dim: GPT-2's ``c_attn`` weight, MoE
             experts' ``gate_up_proj``) is gathered in its unit's all_gather and
-            reduce-scattered in its reduce_scatter like the others; one left whole (its parts
-            on dim 0) is pcast, its gradient all-reduced.
+            reduce-scattered in its reduce_scatter like the others; one split per part on
+            dim 0 over the FSDP axes (Phi-3's ``qkv_proj``, ``c_attn``'s bias) too, its
+            parts' sub-chunks put back in part order after the gather (refused under
+            ``fs.value_and_grad(..., sync=False)``: its unreduced gradient would be in chunk
+            order); one left whole is pcast, its gradient all-reduced.
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` (``None``: the one
@@ -1486,6 +1601,7 @@ def fsdp_call(
     typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
     _check_gather(params, units, mesh, policy)
     session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed, root)
+    _check_unreduced(session)
     with _gathering(session) as get:
         try:
             for unit in units:
