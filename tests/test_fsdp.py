@@ -1020,35 +1020,6 @@ def test_fsdp_of_uneven_parts_on_dim_0_matches_dense(world4, where):
         assert collectives == want, log
 
 
-def fsdp_parts_unreduced_rank_fn():
-    """fs.value_and_grad(..., sync=False) of fsdp_call on a Parts on dim 0 split over dp:
-    ``(the error's message, the comm_log records before it)``."""
-    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
-    model = nn.Linear(4, 16)
-    base = {"weight": fs.Parts(fs.P("tp", None), 0, (8, 4, 4))}
-    params = fs.nn.shard_params(model, mesh, fs.nn.fsdp_plan(model, mesh, "dp", base=base))
-    x = fs.shard(torch.randn(4, 4), mesh, fs.P("dp"))
-
-    def loss(ps, x):
-        return fs.gather(fs.nn.fsdp_call(model, ps, (x,), mesh=mesh).sum())
-
-    with fs.debug.comm_log() as log:
-        try:
-            fs.value_and_grad(loss, sync=False)(params, x)
-        except ValueError as e:
-            return str(e), list(log)
-    return None, list(log)
-
-
-def test_fsdp_refuses_unreduced_gradients_of_parts_on_dim_0(world4):
-    """Under sync=False a gathered param's gradient is its gather's addend in chunk order,
-    which for a Parts on dim 0 split per part over dp is not its layout's part order: refused
-    by name before any collective, never a gradient in the wrong order."""
-    for message, log in world4.run(fsdp_parts_unreduced_rank_fn):
-        assert message is not None and "['weight']" in message and "sync=True" in message
-        assert log == []
-
-
 def phi3_fsdp_tp_rank_fn():
     """One fs.value_and_grad step of fsdp_call on a transformers Phi-3 (tiny, 2 layers) with
     FSDP over dp x its shipped TP plan over tp (fused qkv_proj / gate_up_proj: fs.Parts on

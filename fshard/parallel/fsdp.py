@@ -91,7 +91,7 @@ from ..module import cast_inputs, cast_outputs, policy_of
 from ..nn_plan import match_plan
 from ..planner import chunk_sizes
 from ..precision import MixedPrecisionPolicy
-from ..spec import Layout, P, Parts, nests, spec_of_dims
+from ..spec import Layout, P, Parts, nests, parts_arranged, parts_chunked, spec_of_dims
 from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -510,21 +510,13 @@ class _Session:
         permutation: its backward the inverse, before the reduce_scatter); ``full`` itself
         for any other param."""
         parts = self.part_rows(n)
-        if parts is None:
-            return full
-        k, m = len(parts), len(parts[0])
-        pieces = torch.split(full, [r for chunk in parts for r in chunk])
-        return torch.cat([pieces[j * m + p] for p in range(m) for j in range(k)])
+        return full if parts is None else parts_arranged(full, parts)
 
     def chunked(self, n: str, full: torch.Tensor | None) -> torch.Tensor | None:
         """The inverse of :meth:`arranged`: param ``n``'s base block as its blocks over its
         FSDP axes in chunk order (what the gather's data is)."""
         parts = None if full is None else self.part_rows(n)
-        if parts is None:
-            return full
-        k, m = len(parts), len(parts[0])
-        pieces = torch.split(full, [parts[j][p] for p in range(m) for j in range(k)])
-        return torch.cat([pieces[p * k + j] for j in range(k) for p in range(m)])
+        return full if parts is None else parts_chunked(full, parts)
 
     def _gather_op(self, n: str, invariant: bool = False) -> Bound:
         """Param ``n``'s all_gather over its FSDP axes (its uneven blocks' sizes)."""
@@ -1264,7 +1256,6 @@ def fsdp_gather(
     session = _Session(
         params, units, axis, mesh, prefetch, mp_policy and mp_policy.check(), replicate
     )
-    _check_unreduced(session)
     with _gathering(session) as get:
         yield get
 
@@ -1305,7 +1296,7 @@ def _part_rows(layout, axes: tuple[str, ...], ranks: tuple[int, ...]) -> tuple:
             "chunks over the other axes: gathering them would not give its block; "
             "fs.nn.fsdp_plan leaves such a param whole over the FSDP axes"
         )
-    return tuple(tuple(m.shard_sizes[0] for m in layout.blocks(r)) for r in ranks)
+    return layout.part_rows(ranks)
 
 
 def _unpadded(piece: torch.Tensor, k: int, shape, rows: tuple[int, ...] | None) -> torch.Tensor:
@@ -1352,22 +1343,6 @@ def _check_gather(params, units, mesh, mp_policy) -> None:
         raise TypeError(
             f"fsdp_gather: mp_policy must be a fs.nn.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}"
-        )
-
-
-def _check_unreduced(session: _Session) -> None:
-    """Under ``fs.value_and_grad(..., sync=False)`` a param's gradient is the addend of its
-    gather's output (the whole param's, in the gather's chunk order): for a
-    :class:`~fshard.Parts` on dim 0 split over the FSDP axes that order is not its base
-    layout's part order, so such a param is refused (before any collective)."""
-    if _active_sync("unreduced") is None:
-        return
-    names = [n for n in session.params if session.part_rows(n) is not None]
-    if names:
-        raise ValueError(
-            f"fsdp_gather: params {names[:5]} are fs.Parts on dim 0 split per part over the FSDP "
-            f"axes {session.axes}: their unreduced gradients (fs.value_and_grad(..., "
-            "sync=False)) would not be in their layout's part order; use sync=True"
         )
 
 
@@ -1601,7 +1576,6 @@ def fsdp_call(
     typed = any(isinstance(v, ShardedArray) for v in tree_leaves((args, kwargs), is_leaf=_sharded))
     _check_gather(params, units, mesh, policy)
     session = _Session(params, units, axis, mesh, prefetch, policy, replicate, typed, root)
-    _check_unreduced(session)
     with _gathering(session) as get:
         try:
             for unit in units:
