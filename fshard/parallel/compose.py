@@ -93,7 +93,13 @@ from .context import (
     target_count,
 )
 from .context import _ATTENTION as _RING
-from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
+from .expert import (
+    _check_experts,
+    _experts_modules,
+    _unsupported_experts,
+    expert_parallel_call,
+    expert_parallel_plan,
+)
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import on_stage, pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
@@ -437,8 +443,14 @@ def parallelize(
             outputs=batch_outputs,
         )  # fmt: skip
     # transformers' experts run by fs.parallel.moe_experts with ep, or with tp splitting them
-    # (a model of your own calls moe_experts itself)
-    if parts is None and (dims.ep > 1 or (dims.tp > 1 and _experts_modules(model))):
+    # (a model of your own calls moe_experts itself); experts it does not run (GPT-OSS's
+    # interleaved, transposed, biased ones: hf_tp_plan leaves them replicated) run their own
+    # forward under tp (expert_parallel_plan refuses them with ep)
+    runs = [n for n, m in _experts_modules(model) if not _unsupported_experts(m)]
+    if parts is None and dims.ep == 1 and dims.tp > 1 and runs:
+        for name, m in _experts_modules(model):
+            _check_experts(name, m)  # one experts implementation per model: all or none
+    if parts is None and (dims.ep > 1 or (dims.tp > 1 and runs)):
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
         policy = None if remat is True else remat
