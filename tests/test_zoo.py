@@ -34,6 +34,30 @@ def test_zoo_sample_matches_dense(world2, arch):
         ), result
 
 
+#: ``python tools/zoo.py --parallelize``'s sample: architectures the composition tests do not
+#: name, in the configurations where the sweep found them wrong or refused before the fix
+PARALLELIZE_SAMPLE = [
+    # q/k norms over the whole width (tp-split activations): the norm weights' gradients lost
+    # every tp block but the rank's own under tp x a data axis (fshard.gradsync's stand-in)
+    ("olmo2", {"tp": 2, "dp_replicate": 2}),
+    ("olmoe", {"ep": 2, "tp": 2}),
+    # the head tied to the embedding under tp x FSDP: fsdp_plan refused the shipped plan
+    ("cohere", {"tp": 2, "dp_shard": 2}),
+    # experts moe_experts does not run (interleaved, transposed, biased) under tp: they run
+    # their own forward, replicated (were dispatched to moe_experts: a shape error)
+    ("gpt_oss", {"tp": 2, "dp_shard": 2}),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch, degrees", PARALLELIZE_SAMPLE)
+def test_parallelize_sample_matches_dense(world4, arch, degrees):
+    """fs.parallel.parallelize of the architecture's tiny causal LM: the loss and every
+    gradient equal to dense torch.func (``hf_zoo.parallelize_rank_fn``)."""
+    for outcome, detail in world4.run(hf_zoo.parallelize_rank_fn, arch, degrees):
+        assert outcome == "equal", (arch, degrees, detail)
+
+
 @pytest.mark.zoo
 def test_whole_zoo(request):
     """Every architecture: no wrong result (``python tools/zoo.py`` prints the table)."""
