@@ -512,7 +512,7 @@ def _check_cp(model: torch.nn.Module) -> None:
     if why:
         raise ValueError(
             f"parallelize: cp > 1 splits the sequence and runs ring attention with each chunk's "
-            f"global position_ids; {name} cannot: {why}. Use cp = 1 for it"
+            f"global position_ids; {name} cannot: {why}; use cp = 1 for it"
         )
 
 
