@@ -248,6 +248,10 @@ PARALLELIZE = [
     ("mixtral", {"tp": 2, "ep": 2}),
     ("mixtral", {"tp": 2, "dp_shard": 2}),
     ("qwen3_moe", {"tp": 2, "ep": 2}),
+    # the head tied to the embedding under tp x FSDP (Cohere, Ernie 4.5): the shipped plan names
+    # lm_head.weight, which named_parameters lists under the embedding's name only; fsdp_plan
+    # refused the plan (a pattern matching no parameter)
+    ("llama_tied", {"tp": 2, "dp_shard": 2}),
 ]
 
 

@@ -386,3 +386,31 @@ def test_unreduced_gradients_of_parts_accumulate_then_reduce_once(world4, case):
                 ("all_gather", rows * 4 * 8),  # weight
                 ("all_reduce", 14 * 4 * 8),
             ]
+
+
+def sliced_leaf_rank_fn():
+    """A replicated param used with an activation split over (dp, tp): the op rule slices
+    the param's tp block (a view of the leaf a collective returned), then pcasts it over dp."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, generator=g), torch.randn(4, 8, generator=g)
+
+    def loss(w, x):  # an RMSNorm's weight times an activation split on its features
+        var = x.pow(2).mean(-1, keepdim=True)
+        return (w * x * torch.rsqrt(var + 1e-5)).pow(2).sum()
+
+    want_value, want = loss(w, x), torch.func.grad(loss)(w, x)
+    xs = fs.shard(x, mesh, fs.P("dp", "tp"))
+    value, got = fs.value_and_grad(lambda w: loss(w, xs))(fs.shard(w, mesh, fs.P()))
+    return float(value - want_value), got.spec, float((fs.gather(got) - want).abs().max())
+
+
+def test_a_sliced_view_of_a_leaf_keeps_its_slices_transpose(world4):
+    """The gradient sync's stand-in for a pcast of a view of a leaf (one sum per param)
+    read the view's cotangent as the leaf's: for a view a collective made (the tp block the op
+    rule sliced), the slice's transpose (the all_gather of the blocks) was skipped, and each
+    rank kept its own block zero-padded (OLMo-2's and OlmoE's q/k norm weights under tp x dp:
+    half of every gradient zero, silently)."""
+    for dv, spec, diff in world4.run(sliced_leaf_rank_fn):
+        assert abs(dv) < 1e-4 and spec == fs.P()
+        assert diff < 1e-4, diff

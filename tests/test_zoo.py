@@ -34,6 +34,40 @@ def test_zoo_sample_matches_dense(world2, arch):
         ), result
 
 
+#: ``python tools/zoo.py --parallelize``'s sample: architectures the composition tests do not
+#: name, in the configurations where the sweep found them wrong or refused before the fix
+PARALLELIZE_SAMPLE = [
+    # q/k norms over the whole width (tp-split activations): the norm weights' gradients lost
+    # every tp block but the rank's own under tp x a data axis (fshard.gradsync's stand-in)
+    ("olmo2", {"tp": 2, "dp_replicate": 2}, "equal"),
+    ("olmoe", {"ep": 2, "tp": 2}, "equal"),
+    # the head tied to the embedding under tp x FSDP: fsdp_plan refused the shipped plan
+    ("cohere", {"tp": 2, "dp_shard": 2}, "equal"),
+    # experts moe_experts does not run (interleaved, transposed, biased) under tp: they run
+    # their own forward, replicated (were dispatched to moe_experts: a shape error)
+    ("gpt_oss", {"tp": 2, "dp_shard": 2}, "equal"),
+    # were silently wrong, now refused naming the model: the last pipeline stage skipped
+    # Cohere's logit_scale; ring attention with positions from 0 where RoBERTa's start after
+    # padding_idx
+    ("cohere", {"dp_shard": 2, "pp": 2}, "refused"),
+    ("camembert", {"dp_shard": 2, "cp": 2}, "refused"),
+    # attention sinks (s_aux), which ring attention dropped
+    ("flint", {"dp_shard": 2, "cp": 2}, "refused"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch, degrees, want", PARALLELIZE_SAMPLE)
+def test_parallelize_sample_matches_dense(world4, arch, degrees, want):
+    """fs.parallel.parallelize of the architecture's tiny causal LM: the loss and every
+    gradient equal to dense torch.func (``hf_zoo.parallelize_rank_fn``), or refused by name
+    (a ValueError / NotImplementedError of parallelize naming the model)."""
+    for outcome, detail in world4.run(hf_zoo.parallelize_rank_fn, arch, degrees):
+        assert outcome == want, (arch, degrees, detail)
+        if want == "refused":
+            assert "use pp = 1" in detail or "use cp = 1" in detail, detail
+
+
 @pytest.mark.zoo
 def test_whole_zoo(request):
     """Every architecture: no wrong result (``python tools/zoo.py`` prints the table)."""

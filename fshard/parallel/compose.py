@@ -94,7 +94,13 @@ from .context import (
     target_count,
 )
 from .context import _ATTENTION as _RING
-from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
+from .expert import (
+    _check_experts,
+    _experts_modules,
+    _unsupported_experts,
+    expert_parallel_call,
+    expert_parallel_plan,
+)
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import on_stage, pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
@@ -385,6 +391,8 @@ def parallelize(
         raise TypeError(
             f"parallelize: parts must be a fs.parallel.ModelParts or None, got {type(parts).__name__}"
         )
+    if dims.cp > 1 and parts is None:
+        _check_cp(model)
     pieces = _pipeline_parts(model, dims, parts) if dims.pp > 1 else None
     if remat is not False and pieces is None:
         layers = _layers_name(model, parts)
@@ -431,8 +439,14 @@ def parallelize(
             outputs=batch_outputs,
         )  # fmt: skip
     # transformers' experts run by fs.parallel.moe_experts with ep, or with tp splitting them
-    # (a model of your own calls moe_experts itself)
-    if parts is None and (dims.ep > 1 or (dims.tp > 1 and _experts_modules(model))):
+    # (a model of your own calls moe_experts itself); experts it does not run (GPT-OSS's
+    # interleaved, transposed, biased ones: hf_tp_plan leaves them replicated) run their own
+    # forward under tp (expert_parallel_plan refuses them with ep)
+    runs = [n for n, m in _experts_modules(model) if not _unsupported_experts(m)]
+    if parts is None and dims.ep == 1 and dims.tp > 1 and runs:
+        for name, m in _experts_modules(model):
+            _check_experts(name, m)  # one experts implementation per model: all or none
+    if parts is None and (dims.ep > 1 or (dims.tp > 1 and runs)):
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
         policy = None if remat is True else remat
@@ -470,6 +484,30 @@ def parallelize(
         return gather(ce) / target_count(targets)
 
     return params, loss
+
+
+def _check_cp(model: torch.nn.Module) -> None:
+    """Refuse a transformers model context parallelism would run silently wrong: its
+    attention must go through transformers' attention interface (switched to the ring's) and
+    its positions be the ``position_ids`` it is given (the global ones of each chunk)."""
+    name = type(model).__name__
+    why = None
+    if not getattr(model, "_supports_attention_backend", False):
+        why = "its attention does not go through transformers' attention interface"
+    elif "position_ids" not in inspect.signature(model.forward).parameters:
+        why = "its forward takes no position_ids"
+    else:
+        offset = [
+            n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and "position" in n and m.padding_idx is not None
+        ]  # fmt: skip
+        if offset:  # RoBERTa's: positions start after padding_idx, counted from the ids
+            why = f"its positions ({offset[0]}) are offset by a padding_idx"
+    if why:
+        raise ValueError(
+            f"parallelize: cp > 1 splits the sequence and runs ring attention with each chunk's "
+            f"global position_ids; {name} cannot: {why}; use cp = 1 for it"
+        )
 
 
 def _layers_name(model: torch.nn.Module, parts: ModelParts | None) -> str:
@@ -648,6 +686,20 @@ def _pipeline_parts(
         raise NotImplementedError(
             "parallelize: pp stacks the decoder layers, which must be alike; these differ: "
             f"{sorted(kinds)} (their classes and config.layer_types)"
+        )
+    # the causal LM's own forward changes the head's logits after lm_head, which the last
+    # stage (norm, then the head module) would skip: Cohere's logit_scale, Gemma-2's soft cap,
+    # Granite's logits_scaling
+    scaled = {
+        k: getattr(config, k, None)
+        for k in ("logit_scale", "final_logit_softcapping", "logits_scaling")
+    }
+    scaled = {k: v for k, v in scaled.items() if v not in (None, 1, 1.0)}
+    if parts is None and scaled:
+        raise NotImplementedError(
+            f"parallelize: pp > 1 runs the head module (lm_head) on the last stage; "
+            f"{type(model).__name__}'s forward also changes its logits ({scaled}), which the "
+            "stage would skip; use pp = 1 for it"
         )
     if getattr(config, "output_router_logits", False):
         raise NotImplementedError(

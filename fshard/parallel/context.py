@@ -931,6 +931,15 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         raise ValueError(f"{HF_ATTENTION}: attention dropout is not supported, got {dropout}")
     if kw.get("sliding_window") is not None:
         raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
+    # what the attention would otherwise drop silently: sinks (GPT-OSS, Flint), a soft cap
+    # on the scores (Gemma-2)
+    for k in ("s_aux", "sinks", "softcap"):
+        if kw.get(k) is not None:
+            raise NotImplementedError(
+                f"{HF_ATTENTION}: {type(module).__name__} passes {k}= (attention sinks or a "
+                "soft cap on the scores), which ring and Ulysses attention do not apply; use "
+                "cp = 1 for this model"
+            )
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     out = attention(query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask)

@@ -87,8 +87,8 @@ from ..array import ShardedArray
 from ..collectives import AllGather, Bound, Pcast
 from ..gradsync import GradSync
 from ..mesh import Mesh
-from ..module import cast_inputs, cast_outputs, policy_of
-from ..nn_plan import match_plan
+from ..module import _tied_specs, cast_inputs, cast_outputs, policy_of
+from ..nn_plan import _split_plan
 from ..planner import chunk_sizes
 from ..precision import MixedPrecisionPolicy
 from ..spec import Layout, P, Parts, nests, parts_arranged, parts_chunked, spec_of_dims
@@ -173,7 +173,9 @@ def fsdp_plan(
         raise TypeError(f"fsdp_plan: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
     axes = _axes(axis, mesh, "fsdp_plan")
     named = dict(module.named_parameters())
-    specs = match_plan(named, base or {})
+    # a tied param (a head tied to the embedding) is named once, but the base plan may name
+    # it by either name (transformers' plans name the head), as shard_params reads it
+    specs = _tied_specs(module, _split_plan(base)[0])
     errors = LeafErrors(f"fsdp_plan: parameters the base plan already shards over {axis!r}")
     for name, spec in specs.items():
         if not set(axes) & set(spec.axes):
