@@ -162,10 +162,10 @@ def linear_groups(op, args, kwargs, ins, outs) -> list[list[Member]]:
     names = {"linear": ("input", "weight", "bias", True), "addmm": ("mat1", "mat2", "input", False)}
     name = getattr(op, "__name__", "")
     x_name, w_name, b_name, transposed = names.get(name, (None, None, None, False))
-    if x_name is None:  # matmul / mm / __matmul__: the first two tensor inputs
-        if len(ins) != 2 or ins[1].ndim != 2 or ins[0].ndim < 2:
+    if x_name is None:  # matmul / mm / __matmul__: the two tensor inputs (__rmatmul__: swapped)
+        x, w, b = (1, 0, None) if op is torch.Tensor.__rmatmul__ else (0, 1, None)
+        if len(ins) != 2 or ins[w].ndim != 2 or ins[x].ndim < 2:
             return []
-        x, w, b = 0, 1, None
     else:
         index = {id(v): i for i, v in enumerate(ins)}
         x, w = index.get(id(bound.get(x_name))), index.get(id(bound.get(w_name)))
