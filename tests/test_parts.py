@@ -271,6 +271,55 @@ def test_matmul_operator_on_parts_is_torch_matmul(world2, sizes, contracted):
         assert all(op == "all_reduce" for op, *_ in ref_records), ref_records  # no gather
 
 
+PERMUTATIONS = {
+    "mT": (lambda a: a.mT, 1),
+    "transpose": (lambda a: a.transpose(0, 2), 0),
+    "permute": (lambda a: a.permute(2, 0, 1), 0),
+    "movedim": (lambda a: torch.movedim(a, 2, 0), 0),
+    "swapaxes": (lambda a: a.swapaxes(1, 2), 1),
+    "T": (lambda a: a[0].T, 0),
+    "t": (lambda a: a[0].t(), 0),
+}
+
+
+def permutation_rank_fn(sizes):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    t = torch.randn(2, 3, sum(sizes), generator=torch.Generator().manual_seed(6))
+    x = fs.shard(t, mesh, Parts(P(None, None, "tp"), 2, sizes))
+    out = {}
+    for name, (fn, _) in PERMUTATIONS.items():
+        loss = lambda a: fs.gather((fn(a) ** 3).sum())  # noqa: B023, E731
+        with fs.debug.comm_log() as log:
+            y = fn(x)
+        value, grad = fs.value_and_grad(loss)(x)
+        out[name] = (
+            fs.gather(y),
+            y.layout.spec,
+            [r.op for r in log],
+            fs.gather(grad),
+            grad.layout == x.layout,
+        )
+    return out
+
+
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+def test_permutations_move_the_parts_dim_locally(world2, sizes):
+    """``.T``, ``.mT``, ``transpose``, ``permute``...: the per-part dim moves, still per part,
+    with no communication; gradients dense-equal, in the input's layout."""
+    t = torch.randn(2, 3, sum(sizes), generator=torch.Generator().manual_seed(6))
+    for out in world2.run(permutation_rank_fn, sizes):
+        for name, (y, spec, comm, grad, same_layout) in out.items():
+            fn, dim = PERMUTATIONS[name]
+            assert torch.equal(y, fn(t)), name
+            dims = [None] * y.ndim
+            dims[dim] = "tp"
+            assert spec == Parts(P(*dims), dim, sizes), (name, spec)
+            assert comm == [], (name, comm)
+            cube = lambda a: (fn(a) ** 3).sum()  # noqa: B023, E731
+            torch.testing.assert_close(grad, torch.func.grad(cube)(t), msg=name)
+            assert same_layout, name
+
+
 def other_ops_rank_fn():
     """Ops that read positions along the parts dim (a cut inside a part, a cumsum) gather the
     parts dim first: one all_gather each, and the dense value."""

@@ -5,7 +5,8 @@ Two kinds of op take such a value as it is:
 
 * **Aligned ops** treat the parts dim element by element: pointwise ops, casts, ``F.linear`` /
   ``matmul`` / ``addmm`` (the parts on the weight's out-features, or on a contracted dim both
-  operands split alike), reshapes that keep the parts dim and the dims after it. If every
+  operands split alike), reshapes that keep the parts dim and the dims after it, permutations
+  (``.T``, ``transpose``, ``permute``: the parts dim moves, still per part). If every
   operand that spans the parts dim holds the *same* parts, the local blocks line up element by
   element, exactly as the blocks of one contiguous split would; so the op's own rule decides
   with each per-part layout replaced by its ``base`` (the same :class:`P`, one part), and the
