@@ -5,7 +5,8 @@ Two kinds of op take such a value as it is:
 
 * **Aligned ops** treat the parts dim element by element: pointwise ops, casts, ``F.linear`` /
   ``matmul`` / ``addmm`` (the parts on the weight's out-features, or on a contracted dim both
-  operands split alike), reshapes that keep the parts dim and the dims after it. If every
+  operands split alike), reshapes that keep the parts dim and the dims after it, permutations
+  (``.T``, ``transpose``, ``permute``: the parts dim moves, still per part). If every
   operand that spans the parts dim holds the *same* parts, the local blocks line up element by
   element, exactly as the blocks of one contiguous split would; so the op's own rule decides
   with each per-part layout replaced by its ``base`` (the same :class:`P`, one part), and the
@@ -162,10 +163,10 @@ def linear_groups(op, args, kwargs, ins, outs) -> list[list[Member]]:
     names = {"linear": ("input", "weight", "bias", True), "addmm": ("mat1", "mat2", "input", False)}
     name = getattr(op, "__name__", "")
     x_name, w_name, b_name, transposed = names.get(name, (None, None, None, False))
-    if x_name is None:  # matmul / mm / __matmul__: the first two tensor inputs
-        if len(ins) != 2 or ins[1].ndim != 2 or ins[0].ndim < 2:
+    if x_name is None:  # matmul / mm / __matmul__: the two tensor inputs (__rmatmul__: swapped)
+        x, w, b = (1, 0, None) if op is torch.Tensor.__rmatmul__ else (0, 1, None)
+        if len(ins) != 2 or ins[w].ndim != 2 or ins[x].ndim < 2:
             return []
-        x, w, b = 0, 1, None
     else:
         index = {id(v): i for i, v in enumerate(ins)}
         x, w = index.get(id(bound.get(x_name))), index.get(id(bound.get(w_name)))
