@@ -755,7 +755,8 @@ class _Run:
         device = _block(params[0]).device
         zero = torch.zeros(act_meta.shape, dtype=act_meta.dtype, device=device)
 
-        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor
+        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor, or its transfer pending
+        sending: list = []  # this rank's transfers whose sends may be in flight
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
         total = torch.zeros((), dtype=torch.float64)
         pending: dict = {}  # the last stage's pending-sum losses: axes -> (group, local sum)
@@ -803,7 +804,7 @@ class _Run:
                         if isinstance(x, list):  # input_fn's row: held by its leaf from now
                             x[mb] = None
                     else:
-                        src = inbox.pop(("F", s, mb))
+                        src = _received(inbox.pop(("F", s, mb)))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
                     with torch.set_grad_enabled(grad_on):
                         # an alias: the activation is an intermediate of the step, not a leaf
@@ -830,7 +831,7 @@ class _Run:
                 elif a is not None and a.kind == "B" and grad_on:
                     s, mb = a.stage, a.microbatch
                     inp, out = saved.pop((s, mb))
-                    ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
+                    ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
@@ -845,12 +846,16 @@ class _Run:
                             x_grad[mb] = inp.grad
                 elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
                     saved.pop((a.stage, a.microbatch))()
-                self._exchange(t, "F", sent_f, zero, inbox)
+                self._exchange(t, "F", sent_f, zero, inbox, sending)
                 if grad_on:
-                    self._exchange(t, "B", sent_b, zero, inbox)
+                    self._exchange(t, "B", sent_b, zero, inbox, sending)
+                if sending:  # the sends that completed let go (nothing waits here)
+                    sending = [p for p in sending if not p.sent()]
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
+            for p in sending:  # by the step's end, everything this rank sent is through
+                p.wait()
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
         # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
@@ -907,9 +912,14 @@ class _Run:
         self.parts += [None] * (len(grads) - sum(1 if p is None else p[0] for p in self.parts))
         return (loss, *grads)
 
-    def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
+    def _exchange(self, t: int, kind: str, sent, zero, inbox, sending: list) -> None:
         """The ppermute of tick ``t``'s activations (``F``) or cotangents (``B``): every rank
-        knows from the table who sends, so all issue the same collective (or none)."""
+        knows from the table who sends, so all issue the same collective (or none). It is put
+        on the wire and left there: what this rank receives goes into ``inbox`` pending, waited
+        for where it is used; what it sends joins ``sending`` (the step waits for it at its
+        end, letting completed sends go each tick), as ``torch.distributed.pipelining``'s
+        schedules wait only for the receives they need. Waiting for the whole ppermute here
+        made each tick a barrier: a rank that sent waited for its peer to finish the tick."""
         pairs, dests = self.sched.transfers[kind][t]
         r = self.group.index
         if not pairs:
@@ -918,7 +928,8 @@ class _Run:
             return
         g = self.group
         buf = None
-        if any(src == r for src, _ in pairs):
+        sends = any(src == r for src, _ in pairs)
+        if sends:
             buf = sent if sent is not None else zero
         if zero.dim() == 0:  # a scalar activation: every rank passes and gets one
             op = Ppermute(g.axes, pairs)
@@ -932,9 +943,16 @@ class _Run:
             outs = tuple(full if j in dsts else none for j in range(g.size))
             op = Ppermute(g.axes, pairs, ins, outs)
             buf = zero[:0] if buf is None else buf
-        got = lax.apply(Bound(op, g), buf.contiguous())
+        pending = lax.apply_start(Bound(op, g), buf.contiguous())
         if r in dests:
-            inbox[dests[r]] = got
+            inbox[dests[r]] = pending
+        if sends:
+            sending.append(pending)
+
+
+def _received(v) -> torch.Tensor:
+    """An inbox entry's tensor: a transfer's, once it has arrived (or a local hand-over)."""
+    return v if isinstance(v, torch.Tensor) else v.result()
 
 
 _gradient_edge = torch.autograd.graph.get_gradient_edge
