@@ -43,11 +43,15 @@ Design decisions (issue 22 item 2):
 * **One executor for every schedule.** The schedule's forward runs as one
   ``torch.autograd.Function`` (JAX's ``custom_vjp`` pipelines): its forward walks the tick
   table; at each tick every rank runs its action, then the activations (forward) and
-  cotangents (backward) produced that tick move to the neighbouring stage's rank with
-  :func:`fshard.lax.ppermute` over ``axis`` (one ppermute per direction and tick, only the
-  pairs that send; ranks that receive nothing get zeros), inside a ``shard_map`` manual over
-  ``axis`` only (``axis_names={axis}``), so op rules run the dp / tp / fsdp collectives of the
-  other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
+  cotangents (backward) produced that tick move to the neighbouring stage's rank with a
+  ppermute over ``axis`` (one per direction and tick, only the pairs that send; ranks that
+  receive nothing get an empty block), launched with :func:`fshard.lax.apply_start` and left on
+  the wire: a rank waits for what it received at the tick that uses it, and for what it sent
+  by the end of the call (``torch.distributed.pipelining``'s schedules wait only for the
+  receives they need; on Gloo a send completes when the peer posts its receive, so waiting for
+  the whole ppermute at each tick held the sender until its peer had finished that tick),
+  inside a ``shard_map`` manual over ``axis`` only (``axis_names={axis}``), so op rules run
+  the dp / tp / fsdp collectives of the other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
   backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
   order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
