@@ -853,8 +853,8 @@ class _Run:
                 self._exchange(t, "F", sent_f, zero, inbox, sending)
                 if grad_on:
                     self._exchange(t, "B", sent_b, zero, inbox, sending)
-                if sending:  # the sends that completed let go (nothing waits here)
-                    sending = [p for p in sending if not p.sent()]
+                while sending and sending[0].sent():  # completed sends let go, oldest first
+                    del sending[0]  # (nothing waits here)
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
