@@ -51,8 +51,8 @@ Design decisions (issue 22 item 2):
   receives they need; on Gloo a send completes when the peer posts its receive, so waiting for
   the whole ppermute at each tick held the sender until its peer had finished that tick),
   inside a ``shard_map`` manual over ``axis`` only (``axis_names={axis}``), so op rules run
-  the dp / tp / fsdp collectives of the other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
-  backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
+  the dp / tp / fsdp collectives of the other axes inside each stage as usual. A stage's
+  forward (F) records its autograd graph; its backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
   order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
   keeping the cotangents that reach the nodes where the graph branches off to the weights, and
