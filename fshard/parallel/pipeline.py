@@ -931,27 +931,31 @@ class _Run:
                 inbox[dests[r]] = sent
             return
         g = self.group
-        buf = None
         sends = any(src == r for src, _ in pairs)
-        if sends:
-            buf = sent if sent is not None else zero
-        if zero.dim() == 0:  # a scalar activation: every rank passes and gets one
-            op = Ppermute(g.axes, pairs)
-            buf = zero if buf is None else buf
-        else:
-            # what a rank that sends nothing passes, and what one that receives nothing gets
-            # (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick
-            full, none = tuple(zero.shape), (0, *zero.shape[1:])
-            srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
-            ins = tuple(full if j in srcs else none for j in range(g.size))
-            outs = tuple(full if j in dsts else none for j in range(g.size))
-            op = Ppermute(g.axes, pairs, ins, outs)
-            buf = zero[:0] if buf is None else buf
+        buf = (sent if sent is not None else zero) if sends else None
+        if buf is None:  # a scalar activation: every rank passes one; else an empty block
+            buf = zero if zero.dim() == 0 else zero[:0]
+        op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
         pending = lax.apply_start(Bound(op, g), buf.contiguous())
         if r in dests:
             inbox[dests[r]] = pending
         if sends:
             sending.append(pending)
+
+
+@functools.lru_cache(maxsize=256)
+def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute:
+    """One tick's ppermute of activations of local ``shape`` over ``size`` ranks (static per
+    tick: cached). What a rank that sends nothing passes, and what one that receives nothing
+    gets (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick. A
+    scalar activation: every rank passes and gets one."""
+    if not shape:
+        return Ppermute(axes, pairs)
+    none = (0, *shape[1:])
+    srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
+    ins = tuple(shape if j in srcs else none for j in range(size))
+    outs = tuple(shape if j in dsts else none for j in range(size))
+    return Ppermute(axes, pairs, ins, outs)
 
 
 def _received(v) -> torch.Tensor:
