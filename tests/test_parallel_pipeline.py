@@ -467,6 +467,95 @@ def test_exchanges_pass_empty_blocks_where_nothing_moves(world2, schedule):
     assert world2.run(exchange_blocks_rank_fn, schedule) == [4, 4]
 
 
+def waits_rank_fn(schedule):
+    """The executor leaves its transfers on the wire: a tick's ppermutes are launched
+    (``fs.lax.apply_start``, in table order), a received activation or cotangent is waited for
+    (``.result()``) only at the tick that uses it, and the sends are waited for (``.wait()``)
+    only after the last launch, all complete when the call returns; the loss, gradients and
+    comm log as before. Was: each ppermute waited for its sends and receives at its tick, so
+    the sender waited each tick for its peer to finish that tick."""
+    mesh = fs.Mesh.create((4,), ("pp",))
+    me = mesh.rank
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(4, 3, 3, generator=gen) / 2, torch.randn(8, 2, 3, generator=gen)
+    tgt = torch.randn(8, 2, 3, generator=gen)
+
+    def loss_fn(_, y, t):
+        return ((y - t) ** 2).sum()
+
+    def loss(w):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+                        targets=tgt, schedule=schedule)  # fmt: skip
+
+    def dense(w):
+        ys = []
+        for k in range(8):
+            y = x[k]
+            for s in range(4):
+                y = torch.tanh(y @ w[s])
+            ys.append(y)
+        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 8
+
+    events, launched = [], []
+    Pending, start = fs._comm.Pending, fs.lax.apply_start
+    real = Pending.result, Pending.wait
+
+    def apply_start(b, x):
+        p = start(b, x)
+        sends = any(src == me for src, _ in b.op.perm)
+        events.append(("launch", sends))
+        launched.append((p, sends))
+        return p
+
+    def result(self):
+        events.append("result")
+        return real[0](self)
+
+    def wait(self):
+        events.append("wait")
+        Pending.result = real[0]  # wait's own result() is not a use
+        try:
+            return real[1](self)
+        finally:
+            Pending.result = result
+
+    fs.lax.apply_start, Pending.result, Pending.wait = apply_start, result, wait
+    try:
+        with fs.debug.comm_log() as log:
+            value, grad = fs.value_and_grad(loss)(w)
+    finally:
+        fs.lax.apply_start = start
+        Pending.result, Pending.wait = real
+    torch.testing.assert_close(value, dense(w), **TOL)
+    torch.testing.assert_close(grad, torch.func.grad(dense)(w), **TOL)
+    sched = pipeline_schedule(schedule, 4, 8)
+    want, last = [], sched.stages - 1
+    for t, row in enumerate(sched.table):
+        a = row[me]
+        if a is not None and (a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last):
+            want.append("result")  # its input, at the tick that uses it
+        for kind in "FB":
+            pairs, _ = sched.transfers[kind][t]
+            if pairs:
+                want.append(("launch", any(src == me for src, _ in pairs)))
+    uses = [e for e in events if e != "wait"]
+    assert uses == want, (uses, want)
+    waits = [i for i, e in enumerate(events) if e == "wait"]
+    launches = [i for i, e in enumerate(events) if e != "wait" and e[0] == "launch"]
+    assert not waits or min(waits) > max(launches)  # no send waited for within the ticks
+    assert all(p.sent() for p, _ in launched)
+    sends = [sent for p, sent in launched]
+    wire = [r.nbytes for r in log if r.op == "ppermute"]
+    assert wire == [24 if sent else 0 for sent in sends]
+    return sum(sends)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_transfers_are_waited_where_used(world4, schedule):
+    assert world4.run(waits_rank_fn, schedule) == [8, 16, 16, 8]
+
+
 def test_bad_arguments_raise_before_any_collective():
     """On an abstract mesh (no process group): every check runs before communication."""
     mesh = fs.Mesh.abstract((2,), ("pp",))

@@ -43,12 +43,16 @@ Design decisions (issue 22 item 2):
 * **One executor for every schedule.** The schedule's forward runs as one
   ``torch.autograd.Function`` (JAX's ``custom_vjp`` pipelines): its forward walks the tick
   table; at each tick every rank runs its action, then the activations (forward) and
-  cotangents (backward) produced that tick move to the neighbouring stage's rank with
-  :func:`fshard.lax.ppermute` over ``axis`` (one ppermute per direction and tick, only the
-  pairs that send; ranks that receive nothing get zeros), inside a ``shard_map`` manual over
-  ``axis`` only (``axis_names={axis}``), so op rules run the dp / tp / fsdp collectives of the
-  other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
-  backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
+  cotangents (backward) produced that tick move to the neighbouring stage's rank with a
+  ppermute over ``axis`` (one per direction and tick, only the pairs that send; ranks that
+  receive nothing get an empty block), launched with :func:`fshard.lax.apply_start` and left on
+  the wire: a rank waits for what it received at the tick that uses it, and for what it sent
+  by the end of the call (``torch.distributed.pipelining``'s schedules wait only for the
+  receives they need; on Gloo a send completes when the peer posts its receive, so waiting for
+  the whole ppermute at each tick held the sender until its peer had finished that tick),
+  inside a ``shard_map`` manual over ``axis`` only (``axis_names={axis}``), so op rules run
+  the dp / tp / fsdp collectives of the other axes inside each stage as usual. A stage's
+  forward (F) records its autograd graph; its backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
   order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
   keeping the cotangents that reach the nodes where the graph branches off to the weights, and
@@ -788,7 +792,8 @@ class _Run:
         device = _block(params[0]).device
         zero = torch.zeros(act_meta.shape, dtype=act_meta.dtype, device=device)
 
-        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor
+        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor, or its transfer pending
+        sending: list = []  # this rank's transfers whose sends may be in flight
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
         total = torch.zeros((), dtype=torch.float64)
         pending: dict = {}  # the last stage's pending-sum losses: axes -> (group, local sum)
@@ -836,7 +841,7 @@ class _Run:
                         if isinstance(x, list):  # input_fn's row: held by its leaf from now
                             x[mb] = None
                     else:
-                        src = inbox.pop(("F", s, mb))
+                        src = _received(inbox.pop(("F", s, mb)))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
                     with torch.set_grad_enabled(grad_on):
                         # an alias: the activation is an intermediate of the step, not a leaf
@@ -863,7 +868,7 @@ class _Run:
                 elif a is not None and a.kind == "B" and grad_on:
                     s, mb = a.stage, a.microbatch
                     inp, out = saved.pop((s, mb))
-                    ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
+                    ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
@@ -878,12 +883,16 @@ class _Run:
                             x_grad[mb] = inp.grad
                 elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
                     saved.pop((a.stage, a.microbatch))()
-                self._exchange(t, "F", sent_f, zero, inbox)
+                self._exchange(t, "F", sent_f, zero, inbox, sending)
                 if grad_on:
-                    self._exchange(t, "B", sent_b, zero, inbox)
+                    self._exchange(t, "B", sent_b, zero, inbox, sending)
+                while sending and sending[0].sent():  # completed sends let go, oldest first
+                    del sending[0]  # (nothing waits here)
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
+            for p in sending:  # by the step's end, everything this rank sent is through
+                p.wait()
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
         # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
@@ -940,9 +949,14 @@ class _Run:
         self.parts += [None] * (len(grads) - sum(1 if p is None else p[0] for p in self.parts))
         return (loss, *grads)
 
-    def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
+    def _exchange(self, t: int, kind: str, sent, zero, inbox, sending: list) -> None:
         """The ppermute of tick ``t``'s activations (``F``) or cotangents (``B``): every rank
-        knows from the table who sends, so all issue the same collective (or none)."""
+        knows from the table who sends, so all issue the same collective (or none). It is put
+        on the wire and left there: what this rank receives goes into ``inbox`` pending, waited
+        for where it is used; what it sends joins ``sending`` (the step waits for it at its
+        end, letting completed sends go each tick), as ``torch.distributed.pipelining``'s
+        schedules wait only for the receives they need. Waiting for the whole ppermute here
+        made each tick a barrier: a rank that sent waited for its peer to finish the tick."""
         pairs, dests = self.sched.transfers[kind][t]
         r = self.group.index
         if not pairs:
@@ -950,24 +964,36 @@ class _Run:
                 inbox[dests[r]] = sent
             return
         g = self.group
-        buf = None
-        if any(src == r for src, _ in pairs):
-            buf = sent if sent is not None else zero
-        if zero.dim() == 0:  # a scalar activation: every rank passes and gets one
-            op = Ppermute(g.axes, pairs)
-            buf = zero if buf is None else buf
-        else:
-            # what a rank that sends nothing passes, and what one that receives nothing gets
-            # (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick
-            full, none = tuple(zero.shape), (0, *zero.shape[1:])
-            srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
-            ins = tuple(full if j in srcs else none for j in range(g.size))
-            outs = tuple(full if j in dsts else none for j in range(g.size))
-            op = Ppermute(g.axes, pairs, ins, outs)
-            buf = zero[:0] if buf is None else buf
-        got = lax.apply(Bound(op, g), buf.contiguous())
+        sends = any(src == r for src, _ in pairs)
+        buf = (sent if sent is not None else zero) if sends else None
+        if buf is None:  # a scalar activation: every rank passes one; else an empty block
+            buf = zero if zero.dim() == 0 else zero[:0]
+        op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
+        pending = lax.apply_start(Bound(op, g), buf.contiguous())
         if r in dests:
-            inbox[dests[r]] = got
+            inbox[dests[r]] = pending
+        if sends:
+            sending.append(pending)
+
+
+@functools.lru_cache(maxsize=256)
+def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute:
+    """One tick's ppermute of activations of local ``shape`` over ``size`` ranks (static per
+    tick: cached). What a rank that sends nothing passes, and what one that receives nothing
+    gets (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick. A
+    scalar activation: every rank passes and gets one."""
+    if not shape:
+        return Ppermute(axes, pairs)
+    none = (0, *shape[1:])
+    srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
+    ins = tuple(shape if j in srcs else none for j in range(size))
+    outs = tuple(shape if j in dsts else none for j in range(size))
+    return Ppermute(axes, pairs, ins, outs)
+
+
+def _received(v) -> torch.Tensor:
+    """An inbox entry's tensor: a transfer's, once it has arrived (or a local hand-over)."""
+    return v if isinstance(v, torch.Tensor) else v.result()
 
 
 _gradient_edge = torch.autograd.graph.get_gradient_edge
