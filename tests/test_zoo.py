@@ -53,6 +53,20 @@ PARALLELIZE_SAMPLE = [
     ("camembert", {"dp_shard": 2, "cp": 2}, "refused"),
     # attention sinks (s_aux), which ring attention dropped
     ("flint", {"dp_shard": 2, "cp": 2}, "refused"),
+    # were silently wrong, now refused by what their layers do (not by name): layers that mix
+    # positions other than by softmax attention (LFM's short convolutions, MiniMax's linear
+    # attention, Zaya's convolved q/k), which under cp saw only the rank's chunks
+    ("lfm3", {"tp": 2, "cp": 2}, "refused"),
+    ("minimax", {"dp_shard": 2, "cp": 2}, "refused"),
+    ("zaya", {"dp_shard": 2, "cp": 2}, "refused"),
+    # a scale between the norm and lm_head (Inkling's logits_mup_width_multiplier), which the
+    # last pipeline stage skipped: every gradient 23x off
+    ("inkling_text", {"dp_shard": 2, "pp": 2}, "refused"),
+    # were silently wrong, fixed: DiffLlama's two attention calls on the same q and k (each a
+    # shard_map nested in cp's) lost the outer body's marks on q and k: q/k_proj gradients
+    # 0.86 off (fshard.shard_map)
+    ("diffllama", {"tp": 2, "cp": 2}, "equal"),
+    ("diffllama", {"dp_shard": 2, "cp": 2}, "equal"),
 ]
 
 
