@@ -402,7 +402,16 @@ def parallelize(
     if parts is not None:
         plan.update(parts.plan)
     if dims.tp > 1 and parts is None:
-        plan.update(hf_tp_plan(model, "tp"))
+        try:
+            plan.update(hf_tp_plan(model, "tp"))
+        except ValueError as e:  # its advice is hf_tp_plan's options, which parallelize lacks
+            raise ValueError(
+                f"parallelize: tp > 1 splits {type(model).__name__} by the tensor-parallel plan "
+                f"it ships, which fshard cannot take as it is ({e}); parallelize takes no "
+                "unsupported= option: use tp = 1 for it, or build the sharded params "
+                "yourself (fs.nn.hf_tp_plan(model, unsupported='replicate'), "
+                "fs.nn.shard_params) outside parallelize"
+            ) from None
     if dims.ep > 1 and parts is None:  # the experts' dim over ep, their I dim as tp gave it
         for name, spec in expert_parallel_plan(model, mesh, "ep").items():
             plan[name] = _on_experts_axis(plan.get(name), spec)
@@ -701,8 +710,8 @@ def _pipeline_parts(
                 f"parallelize: pp > 1 splits a transformers causal LM into the pieces its "
                 f"config's base_model_pp_plan names ({sorted(pp_plan)}); "
                 f"{type(model).__name__}'s {type(base).__name__} has no {missing} (the plan "
-                "does not match the model); for pp give parts=ModelParts(...) naming its "
-                "embedding, layers, norm and head, or use pp = 1"
+                "does not match the model); use pp = 1 for it, or give parts=ModelParts(...) "
+                "naming its embedding, layers, norm and head"
             )
         if base is None or head is None or not {"embed_tokens", "layers", "norm"} <= set(pp_plan):
             raise NotImplementedError(
