@@ -88,6 +88,7 @@ from ..spec import Layout, P, Parts, PartsLayout, spec_of_dims
 from .context import (
     _ACTIVE,
     _attention_of,
+    _loss_dtype,
     context_parallel_loss,
     forward_kwargs,
     load_balance,
@@ -487,7 +488,7 @@ def parallelize(
         out = call(model, params, (shard(ids, mesh, spec),), kwargs)
         logits = getattr(out, "logits", out)
         ce = F.cross_entropy(
-            logits.flatten(0, -2).float(), shard(targets, mesh, spec).flatten(),
+            logits.flatten(0, -2).to(_loss_dtype(logits)), shard(targets, mesh, spec).flatten(),
             ignore_index=-100, reduction="sum",
         )  # fmt: skip
         return gather(ce) / target_count(targets)
@@ -1144,7 +1145,10 @@ def _pipeline_loss(
             # (rows, vocab, seq): torch's K-dimensional form, each dim keeping its split (the
             # sequence over cp; flattening (rows, seq) would gather the logits over cp)
             ce = F.cross_entropy(
-                logits.float().movedim(-1, 1), target, ignore_index=-100, reduction="sum"
+                logits.to(_loss_dtype(logits)).movedim(-1, 1),
+                target,
+                ignore_index=-100,
+                reduction="sum",
             )
             ce = ce * (m / count)  # the pipeline means over the m microbatches
             if rows:  # this rank's addend of the sum over its rows' axes, as the op rule's
