@@ -434,6 +434,10 @@ def parallelize_rank_fn(arch: str, degrees: dict | None) -> tuple[str, str]:
         return "equal", f"{worst:.1e}"
     try:
         model.double()
+        # transformers' loss upcasts the logits with .float(): in float64 that rounds the loss
+        # and every gradient to float32 (DiffLlama's tp x FSDP read 1.2e-7 "wrong" so; Llama's
+        # reads 1e-7 as well); a float64 cross entropy for both sides
+        model.loss_function = _cross_entropy
         dense = {k: p.detach() for k, p in model.named_parameters()}
         want, want_value = torch.func.grad_and_value(dense_loss)(dense)
     except Exception as e:  # grouped_mm has no float64: the float32 difference stands
@@ -444,6 +448,13 @@ def parallelize_rank_fn(arch: str, degrees: dict | None) -> tuple[str, str]:
     if wide < 1e-9:
         return "equal", f"in float64 {wide:.1e}; float32 rounding {worst:.1e}"
     return "wrong", f"{wide:.1e} in float64 ({worst:.1e} in float32)"
+
+
+def _cross_entropy(logits, labels, vocab_size=None, **kwargs):
+    """transformers' causal-LM loss (shifted labels, mean, -100 ignored) in the logits' dtype."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    )
 
 
 def _parallelize_worst(model, degrees, ids, want, want_value):

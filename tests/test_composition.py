@@ -1850,3 +1850,32 @@ def test_fsdp_x_tp_x_ep_shards_moe_experts_over_ep_then_dp_shard(world8):
         want[pre + "down_proj"] = fs.P(("ep", "dp_shard"), None, "tp")
     results = world8.run(moe_fsdp_tp_rank_fn, {"dp_shard": 2, "tp": 2, "ep": 2}, timeout=900)
     _moe_fsdp_tp_check(results, groups, want)
+
+
+def _float64_loss(degrees: dict) -> float:
+    """parallelize's own cross entropy (``targets``) of a float64 Llama against dense float64:
+    the relative difference of the loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).double()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)
+    dims = fs.parallel.ParallelDims(**degrees)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    got = float(loss(params, {"input_ids": ids, "targets": targets}))
+    logits = model(ids).logits
+    want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100))
+    return abs(got - want) / abs(want)
+
+
+@pytest.mark.parametrize("degrees", [{"dp_shard": 2}, {"pp": 2}, {"cp": 2}])
+def test_parallelize_keeps_a_float64_loss_in_float64(world2, degrees):
+    """The cross entropy in at least float32, a float64 model's in float64 (a .float() cast
+    rounded it to 1e-8)."""
+    assert max(world2.run(_float64_loss, degrees)) < 1e-13

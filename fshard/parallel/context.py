@@ -981,6 +981,12 @@ def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
         _ACTIVE.reset(token)
 
 
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The cross entropy's dtype: at least float32 (as transformers' loss upcasts), float64
+    kept (a float32 cast would round a float64 model's loss and gradients to float32)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def target_count(targets: torch.Tensor) -> int:
     """The targets a causal-LM loss averages over (those not ``-100``): its divisor. On meta
     data (:func:`fshard.dry_run`) there is no value to read, and the count only scales the
@@ -1103,7 +1109,10 @@ def context_parallel_loss(
             out = _call(call or functional_call, module, ps, ids, pos, keep)
         logits = getattr(out, "logits", out)
         ce = F.cross_entropy(
-            logits.flatten(0, -2).float(), tgt.flatten(), ignore_index=-100, reduction="sum"
+            logits.flatten(0, -2).to(_loss_dtype(logits)),
+            tgt.flatten(),
+            ignore_index=-100,
+            reduction="sum",
         )
         return lax.psum(ce, axis) / count
 
