@@ -321,20 +321,65 @@ def tracing() -> bool:
 class Pending:
     """A collective launched asynchronously: :meth:`wait` waits for its ``works`` and returns
     the result (``finish(out)``, e.g. the blocks put in chunk order). Waiting twice returns the
-    same tensor."""
+    same tensor.
 
-    __slots__ = ("_out", "_works", "_finish")
+    ``sends``: the works of what this rank sent (a ppermute's ``isend`` s, on a backend that
+    gives one work per message), waited by :meth:`wait` but not by :meth:`result`, which waits
+    only for what arrives: a pipeline takes what it received when it needs it and leaves its
+    sends in flight (as ``torch.distributed.pipelining``'s schedules do), waiting for them by
+    the end of its step. ``held``: the tensors being sent, referenced here until their sends
+    complete."""
 
-    def __init__(self, out: torch.Tensor, works=(), finish=None):
+    __slots__ = ("_out", "_works", "_finish", "_sends", "_held")
+
+    def __init__(self, out: torch.Tensor, works=(), finish=None, sends=(), held=()):
         self._out, self._works, self._finish = out, works, finish
+        self._sends, self._held = sends, held
 
-    def wait(self) -> torch.Tensor:
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The tensor the result lands in, to be read only after :meth:`result` (a ppermute's
+        received buffer: :meth:`result` returns it)."""
+        return self._out
+
+    def landing_in(self, out: torch.Tensor) -> Pending:
+        """This launch, its result ``out`` (a tensor on :attr:`buffer`'s data: the Function that
+        records the op, applied at launch), ``self`` spent."""
+        finish = self._finish
+        if finish is not None:
+            finish = functools.partial(_then, finish, self._out, out)
+        done = Pending(out, self._works, finish, self._sends, self._held)
+        self._works = self._sends = self._held = ()
+        self._finish = None
+        return done
+
+    def result(self) -> torch.Tensor:
+        """The result, once what this rank receives has arrived (its sends may be in flight)."""
         for w in self._works:
             w.wait()
         self._works = ()
         if self._finish is not None:
             self._out, self._finish = self._finish(self._out), None
         return self._out
+
+    def wait(self) -> torch.Tensor:
+        """The result, once everything this rank sent and receives has gone through."""
+        out = self.result()
+        for w in self._sends:
+            w.wait()
+        self._sends = self._held = ()
+        return out
+
+    def sent(self) -> bool:
+        """Whether every send has completed (does not block)."""
+        if all(w.is_completed() for w in self._sends):
+            self._sends = self._held = ()
+        return not self._sends
+
+
+def _then(finish, buffer: torch.Tensor, out: torch.Tensor, _) -> torch.Tensor:
+    finish(buffer)  # into the buffer itself: ``out`` may carry autograd history
+    return out
 
 
 def all_gather(
@@ -776,8 +821,11 @@ def ppermute_start(
     perm: Sequence[tuple[int, int]],
     out_shape: Sequence[int] | None = None,
 ) -> Pending:
-    """:func:`ppermute` launched asynchronously (ring attention's next block): ``.wait()``
-    returns what :func:`ppermute` returns. Checks and the comm-log record happen at launch."""
+    """:func:`ppermute` launched asynchronously (ring attention's next block, a pipeline's
+    transfers): ``.wait()`` returns what :func:`ppermute` returns; ``.result()`` returns it once
+    the receive has landed, the sends left in flight (:class:`Pending`). The received buffer
+    is allocated here and is what both return (:attr:`Pending.buffer`, to be read only after
+    one of them). Checks and the comm-log record happen at launch."""
     out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
     if g.simulated:
         return _ppermute_simulated(t, g, perm, out_shape)
@@ -785,27 +833,38 @@ def ppermute_start(
         return Pending(_ppermute_traced(t, g, perm, out_shape))
     if g.size > 1:
         _wire(t, g, "ppermute")
-    # Gloo's send/recv read host pointers: a CUDA tensor goes through host memory (a copy each
-    # way), as Gloo's own collectives do for CUDA tensors.
-    host = g.backend == "gloo" and t.device.type != "cpu"
-    wire = t.cpu() if host else t
     me = g.index
     # a buffer a message fills needs no zeros (ring attention: two per block round)
     receives = any(dst == me and src != me for src, dst in perm)
-    out = wire.new_empty(out_shape) if receives else wire.new_zeros(out_shape)
-    ops = []  # (send, tensor, global peer)
+    out = t.new_empty(out_shape) if receives else t.new_zeros(out_shape)
+    # Gloo's send/recv read host pointers: a CUDA tensor goes through host memory (a copy each
+    # way), as Gloo's own collectives do for CUDA tensors; what lands is copied into ``out``.
+    host = g.backend == "gloo" and t.device.type != "cpu"
+    wire = t.cpu() if host else t
+    land = wire.new_empty(out_shape) if host and receives else out
+    ops = []  # (send, tensor, global peer), in perm order
     for src, dst in perm:
         if src == me and dst == me:
-            out = wire.clone()
+            out.copy_(t)
         elif src == me:
             ops.append((True, wire.contiguous(), g.ranks[dst]))
         elif dst == me:
-            ops.append((False, out, g.ranks[src]))
+            ops.append((False, land, g.ranks[src]))
     if g.size > 1:
         _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
-    works = _point_to_point(ops, g) if ops else ()
-    return Pending(out, works, (lambda o: o.to(t.device)) if host else None)
+    works = _point_to_point(ops, g) if ops else []
+    sent, held = (), ()
+    if len(works) == len(ops):  # one work per message (Gloo): the sends apart
+        sent = tuple(w for w, op in zip(works, ops) if op[0])
+        held = tuple(op[1] for op in ops if op[0])
+        works = [w for w, op in zip(works, ops) if not op[0]]
+    finish = functools.partial(_landed, land) if land is not out else None
+    return Pending(out, tuple(works), finish, sent, held)
+
+
+def _landed(land: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(land)
 
 
 def _point_to_point(ops: list, g: AxisGroup) -> list:

@@ -31,7 +31,7 @@ from . import _comm, _export, lax
 from .api import gather
 from .array import ShardedArray, is_sharded
 from .gradsync import GradSync
-from .spec import P
+from .spec import P, Parts, parts_arranged
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -174,17 +174,33 @@ def _unreduced(reducer: GradSync, got: list, layouts: list) -> tuple[list, list]
             )
     out, lays = [], []
     for (g, axes, *gathered), layout in zip(reducer.unreduced(got, keep_own), layouts):
-        out.append(g)
         if axes:
-            s = layout.spec
-            dims = list(s.padded(len(layout.shape)))
-            if gathered:  # FSDP's gathered dim: whole, the addends of the whole param
-                dim, over = gathered[0]
-                dims[dim] = tuple(a for a in dims[dim] if a not in over)
-            dims = [d[0] if isinstance(d, tuple) and len(d) == 1 else (d or None) for d in dims]
-            layout = layout.with_spec(P(*dims, partial=s.partial + axes))
+            g, layout = _pending(g, axes, gathered[0] if gathered else None, layout)
+        out.append(g)
         lays.append(layout)
     return out, lays
+
+
+def _pending(g, axes: tuple[str, ...], gathered, layout) -> tuple:
+    """An unreduced gradient ``g`` and its layout: ``layout`` (a :class:`~fshard.P`'s or a
+    :class:`~fshard.Parts`') pending a sum over ``axes``; ``gathered``: ``(dim, axes)`` of
+    FSDP's gather (that dim whole over them: the addends of the whole param). A
+    :class:`~fshard.Parts` on the gathered dim came as its blocks over those axes in chunk
+    order: put back in part order (the gather's ``arranged``), its parts then split over the
+    other axes only (a ``P`` where none is left)."""
+    parts = layout.spec if isinstance(layout.spec, Parts) else None
+    s = parts.spec if parts is not None else layout.spec
+    dims = list(s.padded(len(layout.shape)))
+    if gathered is not None:
+        dim, over = gathered
+        if parts is not None and layout.dim == dim and g is not None:
+            g = parts_arranged(g, layout.part_rows(layout.mesh.group(over).ranks))
+        dims[dim] = tuple(a for a in dims[dim] if a not in over)
+    dims = [d[0] if isinstance(d, tuple) and len(d) == 1 else (d or None) for d in dims]
+    spec = P(*dims, partial=s.partial + axes)
+    if parts is not None and dims[layout.dim] is not None:
+        spec = Parts(spec, layout.dim, parts.sizes)
+    return g, layout.with_spec(spec)
 
 
 def value_and_grad(

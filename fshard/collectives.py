@@ -57,10 +57,12 @@ __all__ = [
     "RUN",
     "ScaleBySize",
     "SliceParts",
+    "START",
     "Unvary",
     "ZeroOthers",
     "norm_dim",
     "run",
+    "start",
 ]
 
 
@@ -499,9 +501,13 @@ def _local_slice(op: LocalSlice, g: AxisGroup, x):
     return x.narrow(op.dim, start, stop - start).contiguous()
 
 
-def _ppermute(op: Ppermute, g: AxisGroup, x):
+def _ppermute_start(op: Ppermute, g: AxisGroup, x) -> _comm.Pending:
     out = None if op.out_shapes is None else op.out_shapes[g.index]
-    return _comm.ppermute(x, g, op.perm, out)
+    return _comm.ppermute_start(x, g, op.perm, out)
+
+
+def _ppermute(op: Ppermute, g: AxisGroup, x):
+    return _ppermute_start(op, g, x).wait()
 
 
 def _psum(op: Psum, g: AxisGroup, x):
@@ -584,6 +590,22 @@ RUN: dict[type, Callable] = {
 }
 
 
+#: The op types with an asynchronous lowering: ``START[type(op)](op, group, x)`` puts the op
+#: on the wire and returns a :class:`fshard._comm.Pending` whose ``buffer`` the result lands
+#: in (``RUN`` of these types is that launch, waited).
+START: dict[type, Callable] = {
+    Ppermute: _ppermute_start,
+}
+
+
 def run(b: Bound, x: torch.Tensor) -> torch.Tensor:
     """Execute bound op ``b`` on local tensor ``x`` (no autograd: see ``fshard.lax.apply``)."""
     return RUN[type(b.op)](b.op, b.group, x)
+
+
+def start(b: Bound, x: torch.Tensor) -> _comm.Pending:
+    """:func:`run` launched: a :class:`fshard._comm.Pending` whose ``.result()`` is ``run(b,
+    x)`` (an op without an asynchronous lowering runs now). The comm-log record and the checks
+    happen here, at launch (no autograd: see ``fshard.lax.apply_start``)."""
+    launch = START.get(type(b.op))
+    return _comm.Pending(run(b, x)) if launch is None else launch(b.op, b.group, x)

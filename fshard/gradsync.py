@@ -115,6 +115,21 @@ def _gather_key(i: int, x: torch.Tensor, group: AxisGroup) -> tuple:
     return (i, "gather", tuple(x.shape), x.stride(), x.storage_offset(), group.axes, id(group.pg))
 
 
+def _plain_view(x: torch.Tensor) -> bool:
+    """Whether view ``x`` of a leaf was made by view ops alone: its cotangent, read through
+    the view on a stand-in of the leaf, is then the leaf's. A view a collective returned (a
+    ``LocalSlice``: ``narrow``, a block of a replicated param used with an activation split
+    over tp) is not: its transpose (the all_gather of every rank's block) would be skipped,
+    each rank keeping its own block zero-padded as the whole gradient."""
+    node = x.grad_fn
+    while node is not None and type(node).__name__ != "AccumulateGrad":
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return False
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        node = nxt[0] if len(nxt) == 1 else None
+    return True
+
+
 def _same_data(v: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``t`` is ``v``'s data: the same storage, offset, shape, strides and dtype."""
     return (
@@ -212,7 +227,9 @@ class GradSync(lax.Handler):
         ``None`` when it is not one of them."""
         base = x if x._base is None else x._base
         i = self.index.get(id(base))
-        return base, (i if i is not None and self.leaves[i] is base else None)
+        if i is None or self.leaves[i] is not base or (x is not base and not _plain_view(x)):
+            return base, None
+        return base, i
 
     def _gather_stand_in(self, b, x, done, proceed) -> torch.Tensor | None:
         """``"step"`` mode: FSDP's varying gather (dim 0, even or uneven blocks) of a leaf, or

@@ -79,6 +79,7 @@ from ._function import _dynamo_compiling, call, traced, traced_apply, untracked
 from .array import ShardedArray
 from .axis_env import current_mesh
 from .collectives import (
+    START,
     AllGather,
     AllToAll,
     Bound,
@@ -90,6 +91,7 @@ from .collectives import (
     PsumScatter,
     norm_dim,
     run,
+    start,
 )
 from .mesh import AxisGroup, Mesh
 from .spec import Layout
@@ -1010,21 +1012,49 @@ def ppermute_start(
         True
     """
     g, op = _ppermute_op(x, axis, perm, mesh, "ppermute_start")
+    b = Bound(op, g)
     if not computable_ahead():
         return _comm.Pending(_one(x, g, mesh, op, varies=True))
+    launched = _launch(b, x)
+    out = _tracked([x], g, mesh, lambda xs: [apply(b, xs[0], done=launched.buffer)], True)[0]
+    return launched.landing_in(out)
+
+
+def apply_start(b: Bound, x: torch.Tensor) -> _comm.Pending:
+    """:func:`apply` of ``b`` on ``x`` with the op put on the wire now and its result taken
+    later: ``.result()`` returns what ``apply(b, x)`` returns once what this rank receives has
+    arrived; ``.wait()`` also waits for what it sent (a ppermute's sends, which ``.result()``
+    leaves in flight: a pipeline waits for its received activations where it uses them and
+    for its sends by the end of its step, as ``torch.distributed.pipelining`` does).
+
+    The op goes through the active :class:`Handler` s here, at launch, in the order ops are
+    issued (``done=`` the buffer the result lands in, which nothing may read before
+    ``.result()``), and is recorded in ``fs.debug.comm_log()`` here too. Asynchronous for the
+    ops with an asynchronous lowering (``fshard.collectives.START``: ppermute) where
+    :func:`computable_ahead`; otherwise it runs here as :func:`apply`, and ``.result()``
+    returns its result.
+
+    Example:
+        >>> from fshard.collectives import Bound, Ppermute
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> b = Bound(Ppermute(("x",), ((0, 1),)), mesh.group("x"))
+        >>> pending = fs.lax.apply_start(b, torch.full((2,), float(mesh.rank + 1)))
+        >>> got = pending.result()  # rank 1: tensor([1., 1.]); rank 0: zeros
+        >>> _ = pending.wait()  # rank 0's send done too
+    """
+    if type(b.op) not in START or not computable_ahead():
+        return _comm.Pending(apply(b, x))
+    launched = _launch(b, x)
+    return launched.landing_in(apply(b, x, done=launched.buffer))
+
+
+def _launch(b: Bound, x: torch.Tensor) -> _comm.Pending:
+    """``b`` put on the wire on ``x``'s plain data (under ``torch.func.grad`` levels)."""
     data = x
     while is_functorch_wrapped_tensor(data):
         data = get_unwrapped(data)
     with temporarily_clear_interpreter_stack():  # plain tensors stay plain under grad levels
-        sent = _comm.ppermute_start(data.detach(), g, op.perm)
-    b = Bound(op, g)
-
-    def finish(_):
-        with temporarily_clear_interpreter_stack():
-            got = sent.wait()
-        return _tracked([x], g, mesh, lambda xs: [apply(b, xs[0], done=got)], True)[0]
-
-    return _comm.Pending(None, (), finish)
+        return start(b, data.detach())
 
 
 def computable_ahead() -> bool:

@@ -604,7 +604,11 @@ def _inputs(args: tuple, in_specs, body: _Body) -> tuple[tuple, list]:
             if spec is not None and isinstance(value, (torch.Tensor, ShardedArray)):
                 local = _block(value)
                 axes = frozenset(spec.axes) | prior
-                if seen.setdefault(id(local), axes) != axes:  # one object, two specs
+                # a view where the mark would overwrite another's: one object under two
+                # specs, or (nested) the enclosing body's block, whose mark the enclosing
+                # tracker reads after this body (overwritten, it read the block as invariant
+                # and pcast it: its other uses' gradients summed over the outer axes)
+                if seen.setdefault(id(local), axes) != axes or body.outer is not None:
                     local = local.view_as(local)
                     if isinstance(value, ShardedArray):
                         value = ShardedArray._raw(local, value.layout)

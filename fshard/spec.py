@@ -164,8 +164,9 @@ class Parts:
     so a linear layer's output holds whole heads of each part and slicing or splitting it at the
     part boundaries needs no communication. Op rules that take it: pointwise ops, casts and
     reductions, ``F.linear``/``matmul``/``addmm`` with the parts on the weight's out-features,
-    reshapes that keep the parts dim, and ``split``/``chunk``/slices at part boundaries (which
-    give a ``P`` split); any other op first gathers the parts dim (one all_gather, in the comm
+    reshapes that keep the parts dim, ``split``/``chunk``/slices at part boundaries (which
+    give a ``P`` split) and indexing by ints / ``None`` / ``...`` that keeps the parts dim
+    whole (``w[i]``); any other op first gathers the parts dim (one all_gather, in the comm
     log).
 
     Args:
@@ -992,6 +993,11 @@ class PartsLayout(BaseLayout):
             out.append(ShardMetadata(tuple(offsets), tuple(sizes), meta.placement))
         return tuple(out)
 
+    def part_rows(self, ranks: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The size along ``dim`` of each part's chunk in the block of each of ``ranks``: the
+        pieces of those blocks concatenated in that order (an all_gather's chunk order)."""
+        return tuple(tuple(n for _, n in _part_chunks(self, r)) for r in ranks)
+
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         rank = self.mesh.rank if rank is None else rank
         sizes = list(_shard_metadata(self.base, rank).shard_sizes)
@@ -1003,6 +1009,32 @@ class PartsLayout(BaseLayout):
             f"{self}: a per-part layout holds several boxes per rank (one per part); use "
             "layout.blocks(rank), or reshard to a P layout first"
         )
+
+
+def parts_arranged(full: torch.Tensor, rows: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Blocks of a per-part layout concatenated along dim 0 in chunk order (``rows``: each
+    part's rows in each block, :meth:`PartsLayout.part_rows`) put back in part order: the
+    pieces of part 0 of every block, then of part 1, ... (a local permutation).
+
+    Example:
+        >>> parts_arranged(torch.arange(6), ((2, 1), (2, 1))).tolist()  # [a0 b0 | a1 b1]
+        [0, 1, 3, 4, 2, 5]
+    """
+    k, m = len(rows), len(rows[0])
+    pieces = torch.split(full, [r for block in rows for r in block])
+    return torch.cat([pieces[j * m + p] for p in range(m) for j in range(k)])
+
+
+def parts_chunked(full: torch.Tensor, rows: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """The inverse of :func:`parts_arranged`: part order back to the blocks' chunk order.
+
+    Example:
+        >>> parts_chunked(torch.tensor([0, 1, 3, 4, 2, 5]), ((2, 1), (2, 1))).tolist()
+        [0, 1, 2, 3, 4, 5]
+    """
+    k, m = len(rows), len(rows[0])
+    pieces = torch.split(full, [rows[j][p] for p in range(m) for j in range(k)])
+    return torch.cat([pieces[p * k + j] for j in range(k) for p in range(m)])
 
 
 @functools.lru_cache(maxsize=65536)

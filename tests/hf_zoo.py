@@ -374,3 +374,111 @@ def _in_float64(model, task, mode, plan, kwargs, labels, differs: str) -> tuple[
     except Exception as e:
         return "wrong", f"{differs} (float64 run: {_outcome(e)[1]})"
     return "equal", f"in float64; float32 rounding: {differs}"
+
+
+#: ``tools/zoo.py --parallelize``'s configurations (4 ranks): every causal LM, and the MoE ones
+#: (transformers experts modules) with ep too
+PARALLELIZE_CONFIGS = (
+    {"tp": 2, "dp_shard": 2},
+    {"tp": 2, "pp": 2},
+    {"tp": 2, "cp": 2},
+    {"dp_shard": 2, "pp": 2},
+    {"dp_shard": 2, "cp": 2},
+)
+PARALLELIZE_MOE_CONFIGS = ({"ep": 2, "tp": 2}, {"ep": 2, "dp_shard": 2})
+
+
+def config_name(degrees: dict) -> str:
+    """``{"tp": 2, "pp": 2}`` -> ``"tp2 pp2"``."""
+    return " ".join(f"{k}{v}" for k, v in degrees.items())
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has transformers' experts modules (``fs.parallel.moe_experts``'s)."""
+    from fshard.parallel.expert import _experts_modules
+
+    return bool(_experts_modules(model))
+
+
+def parallelize_rank_fn(arch: str, degrees: dict | None) -> tuple[str, str]:
+    """``(outcome, detail)`` of ``fs.parallel.parallelize(model, mesh, ParallelDims(**degrees))``
+    of ``arch``'s tiny causal LM on this rank: one fs.value_and_grad step against dense
+    torch.func on the same weights (the loss and every gradient, relative to its largest
+    entry; a difference over 1e-4 rerun in float64: ``wrong`` only there). ``equal``,
+    ``refused`` (a ValueError / NotImplementedError fshard raises naming why), ``error`` (any
+    other exception), ``wrong``; ``not buildable`` when the dense step fails. ``degrees=None``:
+    ``("moe", "")`` or ``("dense", "")``, whether the model has experts (no run)."""
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    try:
+        model = build(arch)
+        if degrees is None:
+            return ("moe" if is_moe(model) else "dense"), ""
+        vocab = min(VOCAB, getattr(model.config, "vocab_size", VOCAB) or VOCAB)
+        ids = torch.randint(2, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        dense = {k: p.detach() for k, p in model.named_parameters()}
+
+        def dense_loss(ps):
+            kwargs = {"labels": ids, "use_cache": False}
+            return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+        want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    except Exception as e:
+        return "not buildable", _outcome(e)[1]
+    worst = _parallelize_worst(model, degrees, ids, want, want_value)
+    if isinstance(worst, tuple):
+        return worst
+    if worst < 1e-4:
+        return "equal", f"{worst:.1e}"
+    try:
+        model.double()
+        # transformers' loss upcasts the logits with .float(): in float64 that rounds the loss
+        # and every gradient to float32 (DiffLlama's tp x FSDP read 1.2e-7 "wrong" so; Llama's
+        # reads 1e-7 as well); a float64 cross entropy for both sides
+        model.loss_function = _cross_entropy
+        dense = {k: p.detach() for k, p in model.named_parameters()}
+        want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    except Exception as e:  # grouped_mm has no float64: the float32 difference stands
+        return "wrong", f"{worst:.1e} in float32 (no float64 dense step: {_outcome(e)[1]})"
+    wide = _parallelize_worst(model, degrees, ids, want, want_value)
+    if isinstance(wide, tuple):
+        return "wrong", f"{worst:.1e} (float64 run: {wide[1]})"
+    if wide < 1e-9:
+        return "equal", f"in float64 {wide:.1e}; float32 rounding {worst:.1e}"
+    return "wrong", f"{wide:.1e} in float64 ({worst:.1e} in float32)"
+
+
+def _cross_entropy(logits, labels, vocab_size=None, **kwargs):
+    """transformers' causal-LM loss (shifted labels, mean, -100 ignored) in the logits' dtype."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    )
+
+
+def _parallelize_worst(model, degrees, ids, want, want_value):
+    """The worst relative difference of parallelize's step from dense, or ``(outcome,
+    detail)`` where it raised."""
+    import fshard as fs
+    from tests.test_composition import _by_name
+
+    try:
+        dims = fs.parallel.ParallelDims(**degrees)
+        params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+        value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+        stacked = [k for k, v in grads.items() if isinstance(v, dict)]  # pp: the layers
+        got = _by_name(grads, dims, *stacked[:1])
+    except (ValueError, NotImplementedError) as e:
+        detail = _outcome(e)[1]  # fshard's own validation names the model and why
+        return ("refused" if detail.endswith("[fshard]") else "error"), detail
+    except Exception as e:
+        return "error", _outcome(e)[1]
+    worst = abs(float(value) - float(want_value)) / (abs(float(want_value)) + 1e-6)
+    missing = set(want) ^ set(got)
+    if missing:
+        return "wrong", f"gradients named differently: {sorted(missing)[:3]}"
+    for k, g in got.items():
+        scale = float(want[k].abs().max()) + 1e-6
+        worst = max(worst, float((g.to(want[k].dtype) - want[k]).abs().max()) / scale)
+    return worst

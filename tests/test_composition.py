@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fshard as fs
 from tests.test_train_gpt import dense_run, flags_rank_fn, moe_dense_run  # noqa: E402
@@ -247,6 +248,10 @@ PARALLELIZE = [
     ("mixtral", {"tp": 2, "ep": 2}),
     ("mixtral", {"tp": 2, "dp_shard": 2}),
     ("qwen3_moe", {"tp": 2, "ep": 2}),
+    # the head tied to the embedding under tp x FSDP (Cohere, Ernie 4.5): the shipped plan names
+    # lm_head.weight, which named_parameters lists under the embedding's name only; fsdp_plan
+    # refused the plan (a pattern matching no parameter)
+    ("llama_tied", {"tp": 2, "dp_shard": 2}),
 ]
 
 
@@ -732,6 +737,19 @@ def _hf_model(kind: str):
             tie_word_embeddings=kind == "llama_tied",
         )  # fmt: skip
         return transformers.LlamaForCausalLM(cfg)
+    if kind == "qwen2_moe":  # packed experts and a shared expert, every layer sparse
+        cfg = transformers.Qwen2MoeConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        )  # fmt: skip
+        return transformers.Qwen2MoeForCausalLM(cfg)
+    if kind == "gpt2":  # transformers' GPT-2 modules as a model of your own (_GPT2_PARTS)
+        cfg = transformers.GPT2Config(
+            n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+        )  # fmt: skip
+        return _Gpt2(transformers.GPT2LMHeadModel(cfg))
     if kind == "qwen3_moe":  # every layer sparse: its plan's dense-MLP entries name nothing
         cfg = transformers.Qwen3MoeConfig(
             vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
@@ -744,6 +762,49 @@ def _hf_model(kind: str):
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
     )  # fmt: skip
     return transformers.MixtralForCausalLM(cfg)
+
+
+class _Gpt2Embed(torch.nn.Module):
+    """GPT-2's token and learned position embeddings as one piece (``embed(ids,
+    position_ids=)``, what parallelize's pipeline calls on its first stage)."""
+
+    def __init__(self, wte: torch.nn.Module, wpe: torch.nn.Module):
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        return self.wte(input_ids) + self.wpe(position_ids)
+
+
+class _Gpt2(torch.nn.Module):
+    """transformers' GPT2LMHeadModel's own modules (blocks with the fused ``Conv1D`` c_attn
+    ``[q | k | v]``, final norm, head tied to the token embedding) as a model of your own:
+    GPT-2 has no ``base_model_pp_plan``, so parallelize takes it by its parts. The logits
+    equal the model's (sdpa: causal with no mask)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        t = lm.transformer
+        self.embed = _Gpt2Embed(t.wte, t.wpe)
+        self.h, self.ln_f, self.head = t.h, t.ln_f, lm.lm_head
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.embed(input_ids, position_ids=position_ids)
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _gpt2_parts(model: _Gpt2) -> fs.parallel.ModelParts:
+    """Megatron TP of GPT-2: c_attn per part over tp (megatron_plan gives its ``[q | k | v]``
+    a ``fs.Parts`` layout, so cutting it into q, k, v is local), the MLP column / row."""
+    plan = fs.nn.megatron_plan(
+        column=["h.*.attn.c_attn", "h.*.mlp.c_fc"], row=["h.*.attn.c_proj", "h.*.mlp.c_proj"],
+        model=model,
+    )  # fmt: skip
+    return fs.parallel.ModelParts(plan=plan, embed="embed", layers="h", norm="ln_f", head="head")
 
 
 def _by_name(tree: dict, dims, layers: str = "model.layers") -> dict:
@@ -768,11 +829,17 @@ def _parallelize_train(
     batch's (of 8 tokens each)."""
     model = _hf_model(kind)
     dims = fs.parallel.ParallelDims(**degrees)
+    if isinstance(model, _Gpt2):  # a model of your own: parallelize adds the cross entropy
+        options = {"parts": _gpt2_parts(model), **options}
     params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, **options)
+    layers = options["parts"].layers if "parts" in options else "model.layers"
     ids = torch.randint(0, 64, (rows, 8), generator=torch.Generator().manual_seed(1))
     dense = {k: p.detach().clone() for k, p in model.named_parameters()}
 
     def dense_loss(ps):
+        if isinstance(model, _Gpt2):
+            logits = torch.func.functional_call(model, ps, (ids,))[:, :-1]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         kwargs = {"labels": ids, "use_cache": False}
         return torch.func.functional_call(model, ps, (ids,), kwargs).loss
 
@@ -788,7 +855,7 @@ def _parallelize_train(
             assert g.layout == p.layout
         want, want_value = torch.func.grad_and_value(dense_loss)(dense)
         worst = max(worst, abs(float(value) - float(want_value)))
-        got = _by_name(grads, dims)
+        got = _by_name(grads, dims, layers)
         assert set(got) == set(want)
         for k, g in got.items():
             worst = max(
@@ -797,7 +864,7 @@ def _parallelize_train(
         params, state = fs.optim.step(tx, grads, state, params)
         updates, dstate = tx.update(want, dstate, dense)
         dense = fs.optim.apply_updates(dense, updates)
-    for k, p in _by_name(params, dims).items():
+    for k, p in _by_name(params, dims, layers).items():
         worst = max(worst, float((p - dense[k]).abs().max()))
     return worst
 
@@ -836,6 +903,81 @@ def test_parallelize_pipelines_transformers_models(world4):
     for worsts in world4.run(pipelined_rank_fn):
         for (kind, degrees, options), worst in zip(PIPELINED, worsts):
             assert worst < 1e-4, (kind, degrees, options, worst)
+
+
+#: tp x pp with fused projections split per part over tp (fs.Parts, each part's chunks on their
+#: own): the experts' packed [gate | up] (transformers' packed_colwise) of Mixtral and Qwen2-MoE,
+#: GPT-2's Conv1D c_attn [q | k | v] (4 layers, 2 virtual stages a rank)
+PARTS_PIPELINED = [
+    ("mixtral", {"pp": 2, "tp": 2}),
+    ("qwen2_moe", {"pp": 2, "tp": 2, "pp_schedule": "zb"}),
+    ("gpt2", {"pp": 2, "tp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}),
+]
+
+
+def parts_pipelined_rank_fn():
+    """For each of PARTS_PIPELINED: the stacked params' per-part layouts (``{name: spec}``),
+    whether each one's block is this rank's chunk of every part of its stages (read from the
+    whole value, which unstacks to the module's params exactly), the worst difference from
+    dense over 3 AdamW steps and the first step's all_gathers over tp."""
+    out = []
+    for kind, degrees in PARTS_PIPELINED:
+        model = _hf_model(kind)
+        dims = fs.parallel.ParallelDims(**degrees)
+        options = {"parts": _gpt2_parts(model)} if kind == "gpt2" else {}
+        mesh = dims.mesh()
+        params, _ = fs.parallel.parallelize(model, mesh, dims, **options)
+        layers = "h" if kind == "gpt2" else "model.layers"
+        stacked = params[layers]
+        whole = {k: fs.gather(v) for k, v in stacked.items()}
+        back = fs.parallel.unstack_stages(whole, prefix=layers, pp=dims.pp, virtual=dims.pp_virtual)
+        named = {k: p.detach() for k, p in model.named_parameters() if k.startswith(layers + ".")}
+        exact = set(back) == set(named) and all(torch.equal(back[k], named[k]) for k in named)
+        specs = {}
+        for k, v in stacked.items():
+            lay = v.layout
+            if not isinstance(lay, fs.spec.PartsLayout):
+                continue
+            specs[k] = str(lay.spec)
+            boxes = [
+                whole[k][tuple(slice(o, o + n) for o, n in zip(b.shard_offsets, b.shard_sizes))]
+                for b in lay.blocks(mesh.rank)
+            ]
+            exact = exact and torch.equal(v.local, torch.cat(boxes, lay.dim))
+        log: list = []
+        worst = _parallelize_train(kind, degrees, log=log)
+        gathers = sum(1 for r in log if r.op == "all_gather" and tuple(r.axes) == ("tp",))
+        out.append((specs, exact, worst, gathers))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_parallelize_pipelines_fused_projections_split_per_part(world4):
+    """Issue 36 item 1: pp x tp where the TP plan splits fused projections per part
+    (``fs.Parts``; was refused by name). stack_stages keeps each one's parts, its dim moved
+    past the stages' two (``Parts(P('pp', None, *spec), dim + 2, sizes)``), each rank's block
+    its chunk of every part of its stages; the pipeline's stages run on it as it is (no
+    all_gather over tp of it: Qwen2-MoE and GPT-2 gather nothing over tp, as at pp = 1), and
+    3 AdamW steps are equal to dense, every gradient in its param's layout."""
+    pytest.importorskip("transformers")
+    experts = "Parts(P('pp', None, None, 'tp'), dim=3, sizes=({n}, {n}))"
+    want = [
+        {"mlp.experts.gate_up_proj": experts.format(n=16)},
+        {"mlp.experts.gate_up_proj": experts.format(n=8)},
+        {
+            "attn.c_attn.weight": "Parts(P('pp', None, None, 'tp'), dim=3, sizes=(32, 32, 32))",
+            "attn.c_attn.bias": "Parts(P('pp', None, 'tp'), dim=2, sizes=(32, 32, 32))",
+        },
+    ]
+    for rank_results in world4.run(parts_pipelined_rank_fn):
+        for (kind, degrees), (specs, exact, worst, gathers), must in zip(
+            PARTS_PIPELINED, rank_results, want
+        ):
+            assert specs == must, (kind, specs)
+            assert exact, kind
+            assert worst < 1e-4, (kind, degrees, worst)
+            if kind != "mixtral":  # Mixtral's one kv head: its head dim gathered over tp
+                assert gathers == 0, (kind, gathers)
 
 
 def held_ends_rank_fn():
@@ -1098,6 +1240,9 @@ REMATTED = [
     # the gradient sync's deferral of the recompute's pcasts once lost a sum here (a deferred
     # pcast's view read as the leaf by the op rule's pcast after it)
     ("mixtral", {"ep": 2, "cp": 2}, {"remat": True}),
+    # the experts' gate_up (fs.Parts of its halves over tp) split over dp_shard on dim 0: the
+    # recompute gathers it in its layer's packed gather under torch.func
+    ("mixtral", {"dp_shard": 2, "tp": 2}, {"remat": True}),
 ]
 
 
@@ -1125,13 +1270,19 @@ def pipelined_eight_rank_fn():
         _parallelize_train("mixtral", {"tp": 2, "ep": 2, "cp": 2}, remat=True),
         # FSDP over (dp_shard, ep) with the experts over ep, their halves over tp (fs.Parts)
         _parallelize_train("mixtral", {"tp": 2, "ep": 2, "dp_shard": 2}),
+        # pp x tp with the experts' [gate | up] per part over tp (fs.Parts, stacked as stages):
+        # with the experts over ep, and under FSDP (whatever fsdp_plan gives a Parts entry)
+        _parallelize_train("mixtral", {"pp": 2, "tp": 2, "ep": 2}),
+        _parallelize_train("qwen2_moe", {"pp": 2, "tp": 2, "dp_shard": 2}),
     ]
 
 
 @pytest.mark.timeout(900)
 def test_parallelize_fsdp_tp_pp_on_eight_ranks(world8):
-    """FSDP x TP x PP through fs.parallel.parallelize on a transformers Llama, and TP x EP x CP
-    on a Mixtral with one kv head, 8 local ranks: 3 AdamW steps equal to dense (fsdp_plan drops
+    """FSDP x TP x PP through fs.parallel.parallelize on a transformers Llama, TP x EP x CP
+    on a Mixtral with one kv head, and PP x TP with the experts' fused [gate | up] per part
+    over tp (fs.Parts) with EP (Mixtral) and with FSDP (Qwen2-MoE), 8 local ranks: 3 AdamW
+    steps equal to dense (fsdp_plan drops
     the TP plan's output layouts: without them a stage's row-parallel output met the residual
     while pending and the earlier stage's gradients came out wrong)."""
     pytest.importorskip("transformers")
@@ -1606,3 +1757,125 @@ def test_parallelize_remat_with_hsdp_buckets_the_recomputed_layers_sums(world4):
     bytes; was 18, one per param) beside the root's bucket (8,256 bytes); equal to dense."""
     pytest.importorskip("transformers")
     _remat_sums(world4, {"dp_replicate": 2, "dp_shard": 2}, ("dp_replicate",), 2)
+
+
+def moe_fsdp_tp_rank_fn(degrees: dict):
+    """One fs.value_and_grad step of ``fs.parallel.parallelize`` on a transformers Mixtral
+    (tiny: 2 layers, 4 experts, I = 16, hidden 16) with FSDP and TP (and EP): ``(worst
+    difference of the loss and every gradient from dense, the experts' specs, the comm_log
+    records (op, axes, bytes), each (unit, FSDP group)'s bytes of this rank's blocks, the
+    batch axes)``. The blocks come from the global shapes and the specs (every dim here splits
+    evenly: a block is the param's 1 / the product of its axes' sizes); an expert's group is
+    dp_shard (its plan splits it over ep), a dense param's every FSDP axis."""
+    model = _hf_model("mixtral")
+    dims = fs.parallel.ParallelDims(**degrees)
+    mesh = dims.mesh()
+    params, loss = fs.parallel.parallelize(model, mesh, dims)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    worst = _worst_against_dense(model, ids, params, value, grads)
+    specs = {k: v.spec for k, v in params.items() if ".experts." in k}
+    blocks: dict = {}
+    for u, ns in fs.nn.fsdp_units(model).items():
+        for n in ns:
+            spec = params[n].spec
+            expert = ".experts." in n and dims.ep > 1
+            group = ("dp_shard",) if expert else dims.fsdp_axes
+            size = math.prod(mesh.size(a) for a in spec.axes)
+            blocks[u, group] = blocks.get((u, group), 0) + 4 * params[n].numel() // size
+    return worst, specs, [(r.op, r.axes, r.nbytes) for r in log], blocks, dims.batch_axes
+
+
+def _moe_fsdp_tp_check(results, groups: dict, want_specs) -> None:
+    """Each rank's step: equal to dense; the experts' specs ``want_specs``; per (unit, group)
+    the block bytes ``groups``, gathered in one all_gather in the forward and again in the
+    backward (the root, embedding, norm and head, kept: once) and reduce-scattered in one
+    reduce_scatter of (group size) x those bytes; no other collective over the FSDP axes than
+    the loss's two scalars over the batch axes (no all_reduce of an expert's gradient)."""
+    for worst, specs, log, blocks, batch in results:
+        assert worst < 1e-4, worst
+        assert specs == want_specs
+        assert blocks == groups
+        fsdp = {g for _, g in groups}
+        want = [("all_gather", g, b) for (u, g), b in groups.items() for _ in range(2 if u else 1)]
+        # every axis has 2 ranks: a group of len(g) axes, 2 ** len(g)
+        want += [("reduce_scatter", g, 2 ** len(g) * b) for (_, g), b in groups.items()]
+        want += [("all_reduce", batch, 4)] * 2
+        assert sorted(r for r in log if r[1] in fsdp | {batch}) == sorted(want)
+        # the rest: TP's and EP's own (the dispatch's exchanges), none over the FSDP axes
+        assert {r[1] for r in log} - fsdp - {batch} <= {("tp",), ("ep",)}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tp_shards_moe_experts_split_per_part_and_matches_dense(world4):
+    """parallelize's FSDP x TP (dp_shard 2 x tp 2) on a transformers Mixtral: the experts'
+    packed gate_up (4, 32, 16), split per part over tp on dim 1 (fs.Parts of the gate and up
+    halves), is split over dp_shard on dim 0 too (was whole over dp_shard, its gradient
+    all-reduced expert by expert: 4 x 1,024 bytes a layer and step), in its layer's one
+    all_gather and one reduce_scatter. Per layer unit 4,032 bytes a rank (q, k, v, o: 768
+    values over dp_shard x tp; the router 64 and norms 32 over dp_shard; gate_up 2,048 and down
+    1,024 over dp_shard x tp), the root's 2,080 (embedding and head 64 x 16 over both, the norm
+    over dp_shard). Equal to dense."""
+    pytest.importorskip("transformers")
+    g = ("dp_shard",)
+    groups = {("", g): 2080, ("model.layers.0", g): 4032, ("model.layers.1", g): 4032}
+    want = {}
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp.experts."
+        want[pre + "gate_up_proj"] = fs.Parts(fs.P("dp_shard", "tp", None), 1, (16, 16))
+        want[pre + "down_proj"] = fs.P("dp_shard", None, "tp")
+    _moe_fsdp_tp_check(world4.run(moe_fsdp_tp_rank_fn, {"dp_shard": 2, "tp": 2}), groups, want)
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_x_tp_x_ep_shards_moe_experts_over_ep_then_dp_shard(world8):
+    """parallelize's FSDP x TP x EP (dp_shard 2 x tp 2 x ep 2, 8 ranks) on a transformers
+    Mixtral: the experts (4 over ep by their plan, gate_up's halves over tp: fs.Parts) split
+    over ("ep", "dp_shard") on dim 0 (torchtitan's efsdp; was whole over dp_shard, all-reduced),
+    gathered and reduce-scattered over dp_shard in a pack of their own per layer: 1,536 bytes a
+    rank (gate_up 2,048 and down 1,024 values over ep x dp_shard x tp); the dense params over
+    dp_shard x ep: 480 bytes a layer (q, k, v, o over those and tp; the router and norms over
+    those), the root's 1,040. Equal to dense, no all_reduce over dp_shard or ep but the
+    loss's."""
+    pytest.importorskip("transformers")
+    dense, g = ("dp_shard", "ep"), ("dp_shard",)
+    groups = {("", dense): 1040}
+    want = {}
+    for i in range(2):
+        groups[f"model.layers.{i}", dense] = 480
+        groups[f"model.layers.{i}", g] = 1536
+        pre = f"model.layers.{i}.mlp.experts."
+        want[pre + "gate_up_proj"] = fs.Parts(fs.P(("ep", "dp_shard"), "tp", None), 1, (16, 16))
+        want[pre + "down_proj"] = fs.P(("ep", "dp_shard"), None, "tp")
+    results = world8.run(moe_fsdp_tp_rank_fn, {"dp_shard": 2, "tp": 2, "ep": 2}, timeout=900)
+    _moe_fsdp_tp_check(results, groups, want)
+
+
+def _float64_loss(degrees: dict) -> float:
+    """parallelize's own cross entropy (``targets``) of a float64 Llama against dense float64:
+    the relative difference of the loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).double()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)
+    dims = fs.parallel.ParallelDims(**degrees)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+    got = float(loss(params, {"input_ids": ids, "targets": targets}))
+    logits = model(ids).logits
+    want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100))
+    return abs(got - want) / abs(want)
+
+
+@pytest.mark.parametrize("degrees", [{"dp_shard": 2}, {"pp": 2}, {"cp": 2}])
+def test_parallelize_keeps_a_float64_loss_in_float64(world2, degrees):
+    """The cross entropy in at least float32, a float64 model's in float64 (a .float() cast
+    rounded it to 1e-8)."""
+    assert max(world2.run(_float64_loss, degrees)) < 1e-13

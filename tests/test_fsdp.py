@@ -2,6 +2,7 @@
 training, with the exact collectives from comm_log; FSDP x TP through the GPT demo."""
 
 import gc
+import math
 import sys
 import weakref
 from pathlib import Path
@@ -799,9 +800,366 @@ def test_fsdp_plan_adds_the_axes_a_base_split_of_dim_0_leaves():
         with pytest.raises(ValueError, match=r"\['weight'\]: base spec"):
             fs.nn.fsdp_plan(nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": spec})
     # stacked experts over ep with their [gate | up] halves over tp (a Parts on dim 1): dim 0
-    # is the P's, the experts' split over ep; the Parts stay whole over FSDP's other axes
+    # is the P's, the experts' split over ep, and FSDP adds dp_shard after it as for a P
     experts = fs.Parts(fs.P("ep", "tp", None), 1, (2, 2))
     plan = fs.nn.fsdp_plan(
         nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": experts, "bias": fs.P()}
     )
-    assert plan["weight"] == experts
+    assert plan["weight"] == fs.Parts(fs.P(("ep", "dp_shard"), "tp", None), 1, (2, 2))
+
+
+def gpt2_fsdp_tp_rank_fn():
+    """One fs.value_and_grad step of fsdp_call on a transformers GPT-2 (tiny, 2 layers) with
+    FSDP over dp x its shipped TP plan over tp: ``(worst gradient / loss difference from
+    dense, the c_attn specs, every gradient in its param's layout, the comm_log records
+    (op, axes, bytes), each unit's block bytes)``."""
+    from tests import hf_zoo
+
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    model = hf_zoo.build("gpt2")
+    tp, which = hf_zoo.tp_plan(model)  # a Megatron plan by the module names
+    assert which == "megatron"
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=tp)
+    params = fs.nn.shard_params(model, mesh, plan)
+    units = fs.nn.fsdp_units(model)
+    # the row-parallel outputs reduced where they leave their layer (the plan's Output), rows
+    # kept over dp
+    outputs = {
+        n: fs.P("dp")
+        for n, _ in model.named_modules()
+        if n.endswith((".attn.c_proj", ".mlp.c_proj"))
+    }
+    ids = torch.randint(
+        0, hf_zoo.VOCAB, (4, hf_zoo.SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    x = fs.shard(ids, mesh, fs.P("dp"))
+
+    def loss(ps, x):
+        kwargs = {"labels": x, "use_cache": False}
+        out = fs.nn.fsdp_call(model, ps, (x,), kwargs, mesh=mesh, axis="dp", outputs=outputs)
+        return fs.gather(out.loss)
+
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, x)
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    worst = abs(float(value) - float(want_value))
+    for k, g in grads.items():
+        scale = float(want[k].abs().max()) + 1e-6
+        worst = max(worst, float((fs.gather(g) - want[k]).abs().max()) / scale)
+    layouts = all(grads[k].layout == params[k].layout for k in grads)
+    specs = {k: v.spec for k, v in params.items() if "c_attn" in k}
+    # each unit's bytes of this rank's blocks of its params split over dp, from the global
+    # shapes and the specs (every dim here splits evenly: a block is the param's 1 / the
+    # product of its axes' sizes); FSDP's packed gather sends exactly these
+    blocks = {
+        u: sum(
+            4 * params[n].numel() // math.prod(mesh.size(a) for a in params[n].spec.axes)
+            for n in ns
+            if "dp" in params[n].spec.axes
+        )
+        for u, ns in units.items()
+    }
+    return worst, specs, layouts, [(r.op, r.axes, r.nbytes) for r in log], blocks
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tp_shards_gpt2s_fused_c_attn_and_matches_dense(world4):
+    """fsdp_call on a transformers GPT-2 (tiny: 2 layers, hidden 32) with FSDP over dp and a
+    Megatron TP plan over tp (2 x 2): c_attn's Conv1D weight (32, 96), split per part over tp
+    on dim 1 (fs.Parts), is split over dp on dim 0 too (was whole over dp, its gradient
+    all-reduced: 2 x 6,144 bytes a step), and c_attn's bias (96, a Parts on dim 0) has each part
+    split over ('tp', 'dp') (was whole over dp: 2 x 48 values all-reduced), both gathered in
+    their layer's one all_gather and reduce-scattered in its one reduce_scatter. The step's
+    FSDP bytes are the per-strategy sums of docs/parallelism.md: per layer unit its blocks,
+    12,896 bytes a rank (the tp-split weights and c_fc's and c_attn's biases, 12,512 values,
+    over dp x tp; the norms and row biases, 192, over dp), gathered in the forward and again
+    in the backward; the root's (wte 128 x 32, wpe 64 x 32, ln_f: 12,416 bytes) once, kept for
+    the backward; each reduce_scatter dp x those bytes. Over dp besides: the loss's two
+    scalars and the position embedding's output (8 x 32, the invariant lookup meeting the
+    batch's rows): no all_reduce of a c_attn param. Loss and
+    every gradient equal to dense, each gradient in its param's layout."""
+    pytest.importorskip("transformers")
+    for worst, specs, layouts, log, blocks in world4.run(gpt2_fsdp_tp_rank_fn):
+        assert worst < 1e-5, worst
+        assert layouts
+        for i in range(2):
+            assert specs[f"transformer.h.{i}.attn.c_attn.weight"] == fs.Parts(
+                fs.P("dp", "tp"), 1, (32, 32, 32)
+            )
+            assert specs[f"transformer.h.{i}.attn.c_attn.bias"] == fs.Parts(
+                fs.P(("tp", "dp")), 0, (32, 32, 32)
+            )
+        layers = ["transformer.h.0", "transformer.h.1"]
+        assert blocks == {"": 12416, layers[0]: 12896, layers[1]: 12896}
+        dp = ("dp",)
+        want = [("all_gather", dp, blocks[u]) for u in ["", *layers, *layers]]
+        want += [("reduce_scatter", dp, 2 * b) for b in blocks.values()]
+        want += [("all_reduce", dp, 4)] * 2
+        want += [("all_reduce", dp, 8 * 32 * 4)]
+        assert sorted(r for r in log if r[1] == dp) == sorted(want)
+        # TP's: one all_reduce per row-parallel output forward and column input backward
+        assert sorted(r for r in log if r[1] != dp) == [("all_reduce", ("tp",), 2 * 8 * 32 * 4)] * 8
+
+
+def test_fsdp_plan_splits_each_part_of_a_parts_param_on_dim_0():
+    """A fused projection split per part over tp on dim 0 (fs.Parts: Phi-3's qkv_proj and
+    gate_up_proj weights, GPT-2's c_attn bias) has each part split over tp and then the FSDP
+    axes (FSDP2 shards it on dim 0 too): rank (dp, tp)'s block is sub-chunk dp of its tp chunk
+    of every part, uneven parts included where those ceil-div chunks nest in the tp chunks
+    (DESIGN §2); parts that do not (6 rows: tp chunks of 3 do not split into the flat chunks
+    of 2 over tp x dp) keep the base spec, whole over the FSDP axes; a tuple of FSDP axes
+    gets the longest prefix that nests."""
+    qkv = fs.Parts(fs.P("tp", None), 0, (8, 4, 4))
+    odd = fs.Parts(fs.P("tp", None), 0, (8, 3, 3))  # 3 over tp x dp: chunks 1, 1, 1, 0
+    bad = fs.Parts(fs.P("tp", None), 0, (8, 6))
+    bias = fs.Parts(fs.P("tp"), 0, (8, 8, 8))
+    model = _params_of(qkv=(16, 8), odd=(14, 8), bad=(14, 8), bias=(24,))
+    base = {"qkv": qkv, "odd": odd, "bad": bad, "bias": bias}
+    am = fs.Mesh.abstract((2, 2), ("dp", "tp"))
+    assert fs.nn.fsdp_plan(model, am, "dp", base=base) == {
+        "qkv": fs.Parts(fs.P(("tp", "dp"), None), 0, (8, 4, 4)),
+        "odd": fs.Parts(fs.P(("tp", "dp"), None), 0, (8, 3, 3)),
+        "bad": bad,
+        "bias": fs.Parts(fs.P(("tp", "dp")), 0, (8, 8, 8)),
+    }
+    # the blocks: rank (dp, tp) holds sub-chunk dp of its tp chunk of each part, so the
+    # blocks over dp, in dp order, are each part's tp block cut in order
+    lay = fs.Layout.of(am, fs.Parts(fs.P(("tp", "dp"), None), 0, (8, 3, 3)), (14, 8))
+    base_lay = fs.Layout.of(am, odd, (14, 8))
+    for tp in range(2):
+        ranks = [2 * dp + tp for dp in range(2)]
+        for p, whole in enumerate(base_lay.blocks(ranks[0])):
+            subs = [lay.blocks(r)[p] for r in ranks]
+            start, size = whole.shard_offsets[0], whole.shard_sizes[0]
+            assert subs[0].shard_offsets[0] == start
+            assert subs[1].shard_offsets[0] == start + subs[0].shard_sizes[0]
+            assert subs[0].shard_sizes[0] + subs[1].shard_sizes[0] == size
+    assert [[m.shard_sizes[0] for m in lay.blocks(r)] for r in range(4)] == [
+        [2, 1, 1],  # (dp 0, tp 0): chunk 0 of 4 of each part
+        [2, 1, 1],  # (dp 0, tp 1): chunk 2
+        [2, 1, 1],  # (dp 1, tp 0): chunk 1
+        [2, 0, 0],  # (dp 1, tp 1): chunk 3, none of k and v
+    ]
+    # FSDP over a tuple: 8 rows over tp x dp_shard x cp = 8 nest, 4 do not: the prefix
+    am = fs.Mesh.abstract((2, 2, 2), ("dp_shard", "cp", "tp"))
+    plan = fs.nn.fsdp_plan(model, am, ("dp_shard", "cp"), base={"qkv": qkv})
+    assert plan["qkv"] == fs.Parts(fs.P(("tp", "dp_shard"), None), 0, (8, 4, 4))
+
+
+def fsdp_uneven_parts_rank_fn(where: str):
+    """One step of FSDP x TP (dp 2 x tp 2) on a Linear(4, 14) whose weight and bias are fused
+    ``[q | k | v]`` of (8, 3, 3) rows split per part over tp on dim 0 (fs.Parts): each part
+    split over ('tp', 'dp'), uneven (tp 1's blocks over dp: 2 + 1 + 1 and 2 + 0 + 0 rows,
+    padded to 4 for the gather). ``where``: ``"global"`` (the batch a ShardedArray, under
+    fs.value_and_grad: the eager packed gather), ``"remat"`` (that under fs.remat: its
+    recompute the typed traced gather), ``"local"`` (fsdp_call on the local blocks,
+    the loss psum'd: the untyped eager path) or ``"traced"`` (``"local"`` under
+    torch.func.grad: the traced packed gather). ``(gradient errors, layouts kept, dp comm_log)``."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 14).double()
+    sizes = (8, 3, 3)
+    base = {"weight": fs.Parts(fs.P("tp", None), 0, sizes), "bias": fs.Parts(fs.P("tp"), 0, sizes)}
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=base)
+    assert plan == {
+        "weight": fs.Parts(fs.P(("tp", "dp"), None), 0, sizes),
+        "bias": fs.Parts(fs.P(("tp", "dp")), 0, sizes),
+    }
+    params = fs.nn.shard_params(model, mesh, plan)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    # each output feature weighted by its index: a loss that sees the features' order (a sum
+    # of squares alone does not: a weight and bias permuted alike give it unchanged)
+    c = torch.arange(1, 15, dtype=torch.float64)
+    boxes = fs.Layout.of(mesh, base["weight"], (14, 4)).blocks(mesh.rank)
+    c_local = torch.cat([c[m.shard_offsets[0] :][: m.shard_sizes[0]] for m in boxes])
+
+    def loss(ps, x):
+        if where in ("global", "remat"):
+            xs = fs.shard(x, mesh, fs.P("dp"))
+            call = lambda ps, xs: fs.nn.fsdp_call(model, ps, (xs,), mesh=mesh)  # noqa: E731
+            out = (fs.remat(call) if where == "remat" else call)(ps, xs)
+            out = fs.reshard(out, fs.P("dp", None))  # the features whole, in order
+            return fs.gather((out * out * c).sum())
+        out = fs.nn.fsdp_call(model, ps, (x,), mesh=mesh)  # [q_r | k_r | v_r] of its rows
+        return fs.lax.psum((out * out * c_local).sum(), ("dp", "tp"), mesh=mesh)
+
+    with fs.debug.comm_log() as log:
+        if where in ("global", "remat"):
+            _, grads = fs.value_and_grad(loss)(params, x)
+        else:
+            xs = fs.shard(x, mesh, fs.P("dp")).local
+            vg = _value_and_grad(loss, where == "traced")
+            _, grads = vg(params, xs)
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    want = torch.func.grad(lambda ps: (torch.func.functional_call(model, ps, (x,)) ** 2 * c).sum())(
+        dense
+    )
+    layouts = all(grads[k].layout == params[k].layout for k in grads)
+    errors = {k: float((fs.gather(grads[k]) - w).abs().max()) for k, w in want.items()}
+    return errors, layouts, [(r.op, r.nbytes) for r in log if r.axes == ("dp",)]
+
+
+@pytest.mark.parametrize("where", ["global", "remat", "local", "traced"])
+def test_fsdp_of_uneven_parts_on_dim_0_matches_dense(world4, where):
+    """A fused weight and bias of uneven parts (8, 3, 3) on dim 0, each part split over
+    ('tp', 'dp'): gathered over dp in one all_gather (the weight's 4 rows x 4 and the bias's 4,
+    tp 1's dp 1 block padded from 2 rows: 20 float64 values a rank), put back in part order,
+    the gradients equal to dense in float64 and reduce-scattered in one reduce_scatter (2 x
+    20 values), never all-reduced over dp."""
+    for errors, layouts, log in world4.run(fsdp_uneven_parts_rank_fn, where):
+        assert max(errors.values()) < 1e-12, errors
+        assert layouts
+        collectives = sorted(r for r in log if r[0] != "all_reduce" or r[1] > 8)
+        gathers = 2 if where == "remat" else 1  # the recompute gathers the unit again
+        want = [("all_gather", 20 * 8)] * gathers + [("reduce_scatter", 2 * 20 * 8)]
+        assert collectives == want, log
+
+
+def phi3_fsdp_tp_rank_fn():
+    """One fs.value_and_grad step of fsdp_call on a transformers Phi-3 (tiny, 2 layers) with
+    FSDP over dp x its shipped TP plan over tp (fused qkv_proj / gate_up_proj: fs.Parts on
+    dim 0): ``(worst gradient / loss difference from dense, the fused params' specs, every
+    gradient in its param's layout, the comm_log records (op, axes, bytes), each unit's block
+    bytes)``."""
+    from tests import hf_zoo
+
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    model = hf_zoo.build("phi3")
+    tp, _ = hf_zoo.tp_plan(model)
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=tp)
+    params = fs.nn.shard_params(model, mesh, plan)
+    units = fs.nn.fsdp_units(model)
+    outputs = {
+        n: fs.P("dp") for n, _ in model.named_modules() if n.endswith((".o_proj", ".down_proj"))
+    }
+    ids = torch.randint(
+        0, hf_zoo.VOCAB, (4, hf_zoo.SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    x = fs.shard(ids, mesh, fs.P("dp"))
+
+    def loss(ps, x):
+        kwargs = {"labels": x, "use_cache": False}
+        out = fs.nn.fsdp_call(model, ps, (x,), kwargs, mesh=mesh, axis="dp", outputs=outputs)
+        return fs.gather(out.loss)
+
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+    with fs.debug.comm_log() as log:
+        value, grads = fs.value_and_grad(loss)(params, x)
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    worst = abs(float(value) - float(want_value))
+    for k, g in grads.items():
+        scale = float(want[k].abs().max()) + 1e-6
+        worst = max(worst, float((fs.gather(g) - want[k]).abs().max()) / scale)
+    layouts = all(grads[k].layout == params[k].layout for k in grads)
+    specs = {k: v.spec for k, v in params.items() if isinstance(v.spec, fs.Parts)}
+    # each unit's bytes of this rank's blocks of its params split over dp (every dim splits
+    # evenly here: a block is the param's 1 / the product of its axes' sizes)
+    blocks = {
+        u: sum(
+            4 * params[n].numel() // math.prod(mesh.size(a) for a in params[n].spec.axes)
+            for n in ns
+            if "dp" in params[n].spec.axes
+        )
+        for u, ns in units.items()
+    }
+    return worst, specs, layouts, [(r.op, r.axes, r.nbytes) for r in log], blocks
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tp_shards_phi3s_fused_qkv_and_gate_up_on_dim_0_and_matches_dense(world4):
+    """fsdp_call on a transformers Phi-3 (tiny: 2 layers, hidden 32, 4 heads, 2 kv heads) with
+    FSDP over dp and its shipped TP plan over tp (2 x 2): the fused qkv_proj (64, 32) and
+    gate_up_proj (128, 32) Linear weights, split per part over tp on dim 0 (fs.Parts), have
+    each part split over ('tp', 'dp') (were whole over dp, their gradients all-reduced):
+    gathered in their layer's one all_gather, put back in part order, and reduce-scattered in
+    its one reduce_scatter. Every param is split over dp, so each unit's block bytes are its
+    params' bytes / 4 (tp-split) or / 2 (norms over dp alone) and its all_gathers and
+    reduce_scatters move exactly those; no all_reduce over dp but the loss's two scalars. Loss
+    and every gradient equal to dense, in the params' layouts."""
+    pytest.importorskip("transformers")
+    for worst, specs, layouts, log, blocks in world4.run(phi3_fsdp_tp_rank_fn):
+        assert worst < 1e-5, worst
+        assert layouts
+        for i in range(2):
+            pre = f"model.layers.{i}."
+            assert specs[pre + "self_attn.qkv_proj.weight"] == fs.Parts(
+                fs.P(("tp", "dp"), None), 0, (32, 16, 16)
+            )
+            assert specs[pre + "mlp.gate_up_proj.weight"] == fs.Parts(
+                fs.P(("tp", "dp"), None), 0, (64, 64)
+            )
+        layers = ["model.layers.0", "model.layers.1"]
+        # per layer: qkv 64 x 32, gate_up 128 x 32, o_proj 32 x 32, down 32 x 64 over 4, the
+        # two norms (32 each) over dp; the root: embed and head (128 x 32) over 4, norm over 2
+        assert blocks == {"": 4 * (2 * 128 * 32 // 4 + 16), layers[0]: 9344, layers[1]: 9344}
+        assert 9344 == 4 * ((64 + 128 + 32 + 64) * 32 // 4 + 2 * 16)
+        dp = ("dp",)
+        want = [("all_gather", dp, blocks[u]) for u in ["", *layers, *layers]]
+        want += [("reduce_scatter", dp, 2 * b) for b in blocks.values()]
+        want += [("all_reduce", dp, 4)] * 2  # the loss's two scalars: no param's
+        assert sorted(r for r in log if r[1] == dp) == sorted(want)
+
+
+def _params_of(**shapes) -> nn.Module:
+    """A module holding one parameter of each of ``shapes`` (zeros: only the shapes matter)."""
+    m = nn.Module()
+    for name, shape in shapes.items():
+        m.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+    return m
+
+
+def test_fsdp_plan_splits_dim_0_of_a_parts_param_split_per_part_on_another_dim():
+    """A fused projection split per part over tp on a dim other than 0 (fs.Parts: GPT-2's
+    Conv1D c_attn weight (in, 3 x out), transformers' packed experts gate_up (E, 2I, H)) has
+    its dim 0 split over the FSDP axes as a P's is (FSDP2's fully_shard shards it on dim 0,
+    _StridedShard keeping the tp parts), nested in a base split of dim 0 (experts over ep, the
+    longest prefix of the FSDP axes that nests), its parts dim keeping its per-part split (a
+    Parts on dim 0: test_fsdp_plan_splits_each_part_of_a_parts_param_on_dim_0)."""
+    c_attn = fs.Parts(fs.P(None, "tp"), 1, (8, 8, 8))
+    bias = fs.Parts(fs.P("tp"), 0, (8, 8, 8))
+    qkv = fs.Parts(fs.P("tp", None), 0, (8, 4, 4))
+    gate_up = fs.Parts(fs.P(None, "tp", None), 1, (4, 4))
+    model = _params_of(c_attn=(8, 24), bias=(24,), qkv=(16, 8), gate_up=(4, 8, 6), odd=(5, 24))
+    base = {"c_attn": c_attn, "bias": bias, "qkv": qkv, "gate_up": gate_up, "odd": c_attn}
+    am = fs.Mesh.abstract((2, 2), ("dp", "tp"))
+    assert fs.nn.fsdp_plan(model, am, "dp", base=base) == {
+        "c_attn": fs.Parts(fs.P("dp", "tp"), 1, (8, 8, 8)),
+        "bias": fs.Parts(fs.P(("tp", "dp")), 0, (8, 8, 8)),
+        "qkv": fs.Parts(fs.P(("tp", "dp"), None), 0, (8, 4, 4)),
+        "gate_up": fs.Parts(fs.P("dp", "tp", None), 1, (4, 4)),
+        # 5 rows over dp: blocks of 3 and 2, padded for the gather as a P's
+        "odd": fs.Parts(fs.P("dp", "tp"), 1, (8, 8, 8)),
+    }
+    # a tuple of FSDP axes, the experts over ep by the base: ep, then the longest prefix of the
+    # others whose product with ep divides the 4 experts (as a P's, fsdp_plan's nesting rule)
+    experts = fs.Parts(fs.P("ep", "tp", None), -2, (4, 4))
+    am = fs.Mesh.abstract((2, 2, 2, 2), ("ep", "dp_shard", "cp", "tp"))
+    plan = fs.nn.fsdp_plan(model, am, ("dp_shard", "cp"), base={"gate_up": experts})
+    assert plan["gate_up"] == fs.Parts(fs.P(("ep", "dp_shard"), "tp", None), -2, (4, 4))
+    am = fs.Mesh.abstract((2, 2, 2), ("dp_shard", "ep", "tp"))
+    plan = fs.nn.fsdp_plan(model, am, ("dp_shard", "ep"), base={"gate_up": experts})
+    assert plan["gate_up"] == fs.Parts(fs.P(("ep", "dp_shard"), "tp", None), -2, (4, 4))
+    # 6 experts over ep = 2 do not split over ep x dp_shard: the base spec, whole over FSDP
+    six = _params_of(gate_up=(6, 8, 6))
+    assert fs.nn.fsdp_plan(six, am, ("dp_shard", "ep"), base={"gate_up": experts}) == {
+        "gate_up": experts
+    }
+    # the layout of the sharded param: rank (dp, tp)'s block is its dp rows of its tp chunk of
+    # every part, and gathering dim 0 over dp gives its block under the base plan
+    am = fs.Mesh.abstract((2, 2), ("dp", "tp"))
+    lay = fs.Layout.of(am, fs.Parts(fs.P("dp", "tp"), 1, (8, 8, 8)), (8, 24))
+    base_lay = fs.Layout.of(am, c_attn, (8, 24))
+    for rank in range(4):
+        blocks = [(m.shard_offsets, m.shard_sizes) for m in lay.blocks(rank)]
+        dp, tp = divmod(rank, 2)
+        assert blocks == [((4 * dp, 8 * j + 4 * tp), (4, 4)) for j in range(3)]
+        assert [m.shard_offsets[1] for m in base_lay.blocks(rank)] == [b[0][1] for b in blocks]

@@ -278,3 +278,139 @@ def test_fsdp_unreduced_gradients_reduce_scatter_once(world2, view):
             torch.testing.assert_close(out[k], g_dense[k])
         assert "reduce_scatter" not in during and "all_reduce" in during  # the loss scalars
         assert sorted(at_step) == sorted(("reduce_scatter", n) for n in sizes.values())
+
+
+class _Fused(nn.Module):
+    """``x @ weight`` with a fused ``(4, 14)`` weight: parts (8, 3, 3) on dim 1 (GPT-2's
+    ``c_attn``, MoE experts' ``gate_up``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 14, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.matmul(x, self.weight)
+
+
+def parts_unreduced_rank_fn(case: str):
+    """Two microbatches of fs.value_and_grad(..., sync=False) on dp 2 x tp 2 with fused params
+    of parts (8, 3, 3) split per part over tp, accumulated with ``+`` and reduced once by
+    fs.reshard. ``case``: ``"tp"`` (a Parts on dim 1, no FSDP: pending over dp), ``"fsdp"``
+    (that sharded over dp on dim 0) or ``"dim0"`` (a Linear's weight and bias with the parts
+    on dim 0, each part split over ('tp', 'dp'), uneven). ``(gradients gathered, pending
+    specs, final layouts kept, ops in the microbatches, (op, bytes) of the step)``."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    sizes = (8, 3, 3)
+    torch.manual_seed(0)
+    if case == "dim0":
+        model = nn.Linear(4, 14).double()
+        base = {
+            "weight": fs.Parts(fs.P("tp", None), 0, sizes),
+            "bias": fs.Parts(fs.P("tp"), 0, sizes),
+        }
+    else:
+        model = _Fused()
+        base = {"weight": fs.Parts(fs.P(None, "tp"), 1, sizes)}
+    fsdp = case != "tp"
+    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=base) if fsdp else base
+    params = fs.nn.shard_params(model, mesh, plan)
+    c = torch.arange(1, 15, dtype=torch.float64)  # a loss that sees the features' order
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def loss(ps, xs):
+        if fsdp:
+            out = fs.nn.fsdp_call(model, ps, (xs,), mesh=mesh)
+        else:
+            out = torch.matmul(xs, ps["weight"])
+        out = fs.reshard(out, fs.P("dp", None))
+        return fs.gather((out * out * c).sum())
+
+    vg = fs.value_and_grad(loss, sync=False)
+    acc = None
+    with fs.debug.comm_log() as during:
+        for xc in x.chunk(2):
+            _, g = vg(params, fs.shard(xc, mesh, fs.P("dp")))
+            acc = g if acc is None else fs.tree_map(torch.add, acc, g)
+    pending = {k: t.spec for k, t in acc.items()}
+    with fs.debug.comm_log() as at_step:
+        reduced = fs.reshard(acc, {k: p.spec for k, p in params.items()})
+    return (
+        {k: fs.gather(t) for k, t in reduced.items()},
+        pending,
+        all(reduced[k].layout == params[k].layout for k in params),
+        sorted({r.op for r in during if r.axes == ("dp",) and r.nbytes > 8}),
+        [(r.op, r.nbytes) for r in at_step],
+    )
+
+
+@pytest.mark.parametrize("case", ["tp", "fsdp", "dim0"])
+def test_unreduced_gradients_of_parts_accumulate_then_reduce_once(world4, case):
+    """sync=False with fs.Parts params (issue 36): each microbatch's gradient this rank's
+    addend, in the param's part order (a Parts on dim 0 under FSDP comes back from the
+    gather's chunk order), pending over dp; two accumulated with ``+`` and reduced once by
+    fs.reshard equal the dense gradients in float64. No gradient bytes move over dp in the
+    microbatches (FSDP's all_gathers and the loss scalars only); at the step one reduction per
+    param over dp: a Parts on dim 1 reduces its tp block (parts (8, 3, 3) chunked 4 + 2 + 2
+    rows on tp 0, 4 + 1 + 1 on tp 1, x 4 float64) in one all_reduce, or one reduce_scatter
+    under FSDP; a Parts on dim 0 (to a split over ('tp', 'dp')) gathers its parts over tp
+    first (the planner has no per-part reduce_scatter) and all-reduces the whole param."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 14).double() if case == "dim0" else _Fused()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    c = torch.arange(1, 15, dtype=torch.float64)
+    dense = {k: p.detach() for k, p in model.named_parameters()}
+    want = {}
+    for xc in x.chunk(2):
+        f = lambda ps, xc=xc: (torch.func.functional_call(model, ps, (xc,)) ** 2 * c).sum()  # noqa: E731
+        want = {k: g + want.get(k, 0) for k, g in torch.func.grad(f)(dense).items()}
+    dim = 0 if case == "dim0" else 1
+    part = fs.P("tp", None, partial="dp") if dim == 0 else fs.P(None, "tp", partial="dp")
+    for rank, (out, pending, kept, during, at_step) in enumerate(
+        world4.run(parts_unreduced_rank_fn, case)
+    ):
+        for k, w in want.items():
+            torch.testing.assert_close(out[k], w, rtol=1e-12, atol=1e-12)
+        assert pending["weight"] == fs.Parts(part, dim, (8, 3, 3))
+        assert kept
+        rows = 8 if rank % 2 == 0 else 6  # this rank's tp block of the parts
+        if case == "tp":
+            assert during == [] and at_step == [("all_reduce", rows * 4 * 8)]
+        elif case == "fsdp":
+            assert during == ["all_gather"] and at_step == [("reduce_scatter", rows * 4 * 8)]
+        else:
+            assert pending["bias"] == fs.Parts(fs.P("tp", partial="dp"), 0, (8, 3, 3))
+            assert during == ["all_gather"]
+            assert at_step == [
+                ("all_gather", rows * 8),  # bias: its parts over tp
+                ("all_reduce", 14 * 8),
+                ("all_gather", rows * 4 * 8),  # weight
+                ("all_reduce", 14 * 4 * 8),
+            ]
+
+
+def sliced_leaf_rank_fn():
+    """A replicated param used with an activation split over (dp, tp): the op rule slices
+    the param's tp block (a view of the leaf a collective returned), then pcasts it over dp."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, generator=g), torch.randn(4, 8, generator=g)
+
+    def loss(w, x):  # an RMSNorm's weight times an activation split on its features
+        var = x.pow(2).mean(-1, keepdim=True)
+        return (w * x * torch.rsqrt(var + 1e-5)).pow(2).sum()
+
+    want_value, want = loss(w, x), torch.func.grad(loss)(w, x)
+    xs = fs.shard(x, mesh, fs.P("dp", "tp"))
+    value, got = fs.value_and_grad(lambda w: loss(w, xs))(fs.shard(w, mesh, fs.P()))
+    return float(value - want_value), got.spec, float((fs.gather(got) - want).abs().max())
+
+
+def test_a_sliced_view_of_a_leaf_keeps_its_slices_transpose(world4):
+    """The gradient sync's stand-in for a pcast of a view of a leaf (one sum per param)
+    read the view's cotangent as the leaf's: for a view a collective made (the tp block the op
+    rule sliced), the slice's transpose (the all_gather of the blocks) was skipped, and each
+    rank kept its own block zero-padded (OLMo-2's and OlmoE's q/k norm weights under tp x dp:
+    half of every gradient zero, silently)."""
+    for dv, spec, diff in world4.run(sliced_leaf_rank_fn):
+        assert abs(dv) < 1e-4 and spec == fs.P()
+        assert diff < 1e-4, diff

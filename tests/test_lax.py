@@ -18,7 +18,7 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import fshard as fs
 from fshard import lax
-from fshard.collectives import AllGather, Bound
+from fshard.collectives import AllGather, Bound, Ppermute
 from fshard.launch import RankError
 from fshard.mesh import _member_ranks
 
@@ -506,6 +506,63 @@ def apply_with_done():
 
 def test_apply_with_done_gives_each_op_its_own_result(world2):
     assert world2.run(apply_with_done) == [([1.0, 1.0], [2.0, 2.0])] * 2
+
+
+class _SeenOps(lax.Handler):
+    def __init__(self):
+        self.ops = []
+
+    def process(self, b, x, done, proceed):
+        self.ops.append(b.op.name)
+        return proceed(b, x, done)
+
+
+def apply_start_sends_in_flight():
+    """``fs.lax.apply_start`` of a ppermute: the op is recorded (comm log, exact bytes) and
+    seen by the handlers at launch; ``.result()`` on the sending rank returns what it received
+    (nothing: zeros) without waiting for its send, which is still in flight while the peer has
+    not posted its receive (Gloo sends on a posted receive); ``.wait()`` waits for it. The
+    received value is ``ppermute``'s, differentiable as one (the backward sends the cotangent
+    back)."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    g, me = mesh.group("x"), mesh.rank
+    b = Bound(Ppermute(g.axes, ((0, 1),)), g)
+    x = torch.full((3,), float(me + 1), requires_grad=True)
+    seen = _SeenOps()
+    out = {}
+    # no cross-rank check: its exchange at the launch would meet the peer's barrier
+    with fs.config.consistency(False), fs.debug.comm_log() as log, lax.handling(seen):
+        if me == 0:
+            pending = lax.apply_start(b, x)
+            out["logged"] = [(r.op, r.nbytes) for r in log]
+            out["seen"] = list(seen.ops)
+            y = pending.result()  # receives nothing: no wait for the peer
+            out["in flight"] = not pending.sent()
+            dist.barrier()  # the peer posts its receive only after this
+            assert pending.wait() is y and pending.sent()
+        else:
+            dist.barrier()
+            pending = lax.apply_start(b, x)
+            out["logged"] = [(r.op, r.nbytes) for r in log]
+            out["seen"] = list(seen.ops)
+            y = pending.result()
+            assert pending.sent()  # nothing sent
+    out["y"] = y.tolist()
+    (out["grad"],) = torch.autograd.grad((y * torch.tensor([1.0, 2.0, 3.0])).sum(), x)
+    out["grad"] = out["grad"].tolist()
+    return out
+
+
+def test_apply_start_leaves_sends_in_flight(world2):
+    r0, r1 = world2.run(apply_start_sends_in_flight)
+    assert r0 == {
+        "logged": [("ppermute", 12)], "seen": ["ppermute"], "in flight": True,
+        "y": [0.0, 0.0, 0.0], "grad": [1.0, 2.0, 3.0],
+    }  # fmt: skip
+    assert r1 == {
+        "logged": [("ppermute", 0)], "seen": ["ppermute"], "y": [1.0, 1.0, 1.0],
+        "grad": [0.0, 0.0, 0.0],
+    }  # fmt: skip
 
 
 def bad_arguments(mesh=None):

@@ -8,6 +8,7 @@ process (losses, first-step gradients, trained weights)."""
 import fnmatch
 import functools
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,79 @@ def test_unstack_stages_inverts_the_stacking(stages, pp):
     got = unstack_stages(tree["stages"], prefix="blocks", pp=pp, virtual=stages // pp)
     assert list(got) == list(blocks)  # the module's order
     assert all(torch.equal(got[k], blocks[k]) for k in blocks)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_stack_stages_keeps_a_per_part_layout(virtual):
+    """A fused projection's plan entry, ``fs.Parts`` (each part split on its own over tp:
+    transformers' packed experts ``[gate | up]``, ``(E, 2 I, H)``, and a ``[q | k | v]`` weight
+    given by a negative dim), stacks to the same parts, its dim moved past the stages' two:
+    ``Parts(P('pp', None, *spec), dim + 2, sizes)``. Each rank's boxes are its stages' rows of
+    its chunk of every part (the layout math on a simulated 2 x 2 mesh, and on a 2 x 2 x 2 one
+    with the Parts' P splitting another dim over dp, as FSDP may; the values' round trip,
+    gathered and unstacked, on 4 ranks in tests/test_composition.py). pipeline takes
+    it as a stage param and refuses, before any collective, parts on the stages' dim."""
+    am = fs.Mesh.abstract((2, 2), ("pp", "tp"))
+    e, i, h, n = 4, 6, 3, 4  # experts, the parts' size, hidden, blocks
+    per = n // (2 * virtual)
+    named = {}
+    for b in range(n):
+        named[f"layers.{b}.gate_up"] = torch.empty(e, 2 * i, h, device="meta")
+        named[f"layers.{b}.qkv"] = torch.empty(h, 3 * i, device="meta")
+        named[f"layers.{b}.norm"] = torch.empty(h, device="meta")
+    plan = {
+        "*.gate_up": fs.Parts(fs.P(None, "tp", None), 1, (i, i)),
+        "*.qkv": fs.Parts(fs.P(None, "tp"), -1, (i, i, i)),
+    }
+    for rank in range(4):
+        mesh = am.simulate(rank)
+        st = stack_stages(named, mesh, prefix="layers", plan=plan, virtual=virtual)
+        gate_up, qkv = st["gate_up"], st["qkv"]
+        lead = (2 * virtual, per)
+        assert gate_up.layout == fs.Layout.of(
+            mesh, fs.Parts(fs.P("pp", None, None, "tp"), 3, (i, i)), (*lead, e, 2 * i, h)
+        )
+        assert qkv.layout == fs.Layout.of(
+            mesh, fs.Parts(fs.P("pp", None, None, "tp"), 3, (i, i, i)), (*lead, h, 3 * i)
+        )
+        assert st["norm"].spec == fs.P("pp", None)  # a P entry as before
+        pp_index, tp_index = divmod(rank, 2)
+        rows = (pp_index * virtual, 0)
+        for x, lead_shape, parts in ((gate_up, (e,), 2), (qkv, (h,), 3)):
+            boxes = [(b.shard_offsets, b.shard_sizes) for b in x.layout.blocks(rank)]
+            chunks = [p * i + tp_index * (i // 2) for p in range(parts)]
+            tail = (h,) if x is gate_up else ()
+            assert boxes == [
+                ((*rows, *(0,) * len(lead_shape), c, *(0,) * len(tail)),
+                 (virtual, per, *lead_shape, i // 2, *tail))
+                for c in chunks
+            ], (rank, boxes)  # fmt: skip
+            assert tuple(x.local.shape) == (virtual, per, *lead_shape, parts * i // 2, *tail)
+    # a Parts whose P splits another dim too (FSDP's rows over dp): kept, shifted alike
+    fsdp = fs.Mesh.abstract((2, 2, 2), ("pp", "dp", "tp")).simulate(5)
+    entry = fs.Parts(fs.P("dp", "tp", None), 1, (i, i))
+    st = stack_stages(named, fsdp, prefix="layers", plan={"*.gate_up": entry}, virtual=virtual)
+    shape = (2 * virtual, per, e, 2 * i, h)
+    want = fs.Parts(fs.P("pp", None, "dp", "tp"), 3, (i, i))
+    assert st["gate_up"].layout == fs.Layout.of(fsdp, want, shape)
+    assert tuple(st["gate_up"].local.shape) == (virtual, per, e // 2, i, h)
+    # parts on the stages' dim: refused by the pipeline, before any collective
+    mesh = am.simulate(0)
+    bad = fs.shard(torch.empty(2, 3, device="meta"), mesh, fs.Parts(fs.P("pp"), 0, (1, 1)))
+    with pytest.raises(ValueError, match=r"stage_params leaf 0 has layout Parts.*not dim 0"):
+        pipeline(
+            lambda p, x: x, bad, torch.ones(2, 3), mesh, loss_fn=lambda _, y, t: y.sum(),
+        )  # fmt: skip
+    # a loss param split per part over the pipeline axis: named, as a P split over it is
+    with pytest.raises(ValueError, match=r"loss_params leaf 0 has layout Parts.*replicated over"):
+        pipeline(
+            lambda p, x: x, torch.ones(2, 3), torch.ones(2, 3), mesh,
+            loss_fn=lambda _, y, t: y.sum(), loss_params=bad,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="plan splits 'qkv' over the pipeline axis 'pp'"):
+        stack_stages(
+            named, mesh, prefix="layers", plan={"*.qkv": fs.Parts(fs.P(None, "pp"), 1, (i, i, i))}
+        )
 
 
 def stack_stages_memory_rank_fn(schedule, virtual):
@@ -391,6 +465,95 @@ def exchange_blocks_rank_fn(schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_exchanges_pass_empty_blocks_where_nothing_moves(world2, schedule):
     assert world2.run(exchange_blocks_rank_fn, schedule) == [4, 4]
+
+
+def waits_rank_fn(schedule):
+    """The executor leaves its transfers on the wire: a tick's ppermutes are launched
+    (``fs.lax.apply_start``, in table order), a received activation or cotangent is waited for
+    (``.result()``) only at the tick that uses it, and the sends are waited for (``.wait()``)
+    only after the last launch, all complete when the call returns; the loss, gradients and
+    comm log as before. Was: each ppermute waited for its sends and receives at its tick, so
+    the sender waited each tick for its peer to finish that tick."""
+    mesh = fs.Mesh.create((4,), ("pp",))
+    me = mesh.rank
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(4, 3, 3, generator=gen) / 2, torch.randn(8, 2, 3, generator=gen)
+    tgt = torch.randn(8, 2, 3, generator=gen)
+
+    def loss_fn(_, y, t):
+        return ((y - t) ** 2).sum()
+
+    def loss(w):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+                        targets=tgt, schedule=schedule)  # fmt: skip
+
+    def dense(w):
+        ys = []
+        for k in range(8):
+            y = x[k]
+            for s in range(4):
+                y = torch.tanh(y @ w[s])
+            ys.append(y)
+        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 8
+
+    events, launched = [], []
+    Pending, start = fs._comm.Pending, fs.lax.apply_start
+    real = Pending.result, Pending.wait
+
+    def apply_start(b, x):
+        p = start(b, x)
+        sends = any(src == me for src, _ in b.op.perm)
+        events.append(("launch", sends))
+        launched.append((p, sends))
+        return p
+
+    def result(self):
+        events.append("result")
+        return real[0](self)
+
+    def wait(self):
+        events.append("wait")
+        Pending.result = real[0]  # wait's own result() is not a use
+        try:
+            return real[1](self)
+        finally:
+            Pending.result = result
+
+    fs.lax.apply_start, Pending.result, Pending.wait = apply_start, result, wait
+    try:
+        with fs.debug.comm_log() as log:
+            value, grad = fs.value_and_grad(loss)(w)
+    finally:
+        fs.lax.apply_start = start
+        Pending.result, Pending.wait = real
+    torch.testing.assert_close(value, dense(w), **TOL)
+    torch.testing.assert_close(grad, torch.func.grad(dense)(w), **TOL)
+    sched = pipeline_schedule(schedule, 4, 8)
+    want, last = [], sched.stages - 1
+    for t, row in enumerate(sched.table):
+        a = row[me]
+        if a is not None and (a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last):
+            want.append("result")  # its input, at the tick that uses it
+        for kind in "FB":
+            pairs, _ = sched.transfers[kind][t]
+            if pairs:
+                want.append(("launch", any(src == me for src, _ in pairs)))
+    uses = [e for e in events if e != "wait"]
+    assert uses == want, (uses, want)
+    waits = [i for i, e in enumerate(events) if e == "wait"]
+    launches = [i for i, e in enumerate(events) if e != "wait" and e[0] == "launch"]
+    assert not waits or min(waits) > max(launches)  # no send waited for within the ticks
+    assert all(p.sent() for p, _ in launched)
+    sends = [sent for p, sent in launched]
+    wire = [r.nbytes for r in log if r.op == "ppermute"]
+    assert wire == [24 if sent else 0 for sent in sends]
+    return sum(sends)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_transfers_are_waited_where_used(world4, schedule):
+    assert world4.run(waits_rank_fn, schedule) == [8, 16, 16, 8]
 
 
 def test_bad_arguments_raise_before_any_collective():
@@ -1031,6 +1194,86 @@ def dp_reduction_rank_fn():
 def test_dp_weight_gradients_reduce_once_per_step(world4):
     want = [(s, m) for s in ("gpipe", "1f1b", "interleaved", "zb") for m in (2, 4)]
     assert world4.run(dp_reduction_rank_fn) == [want] * 4
+
+
+def parts_stage_rank_fn():
+    """pp 2 x tp 2: a gated MLP per block whose fused ``[gate | up]`` weight is split per part
+    over tp (``fs.Parts``; the row-parallel down projection ``P(None, 'tp')``), stacked by
+    ``stack_stages``, each stage's blocks picked by ``w[i]``. Per schedule: the loss and every
+    gradient against dense torch.func, the layouts ``stage_fn`` saw and this rank's
+    collectives over tp (op, bytes)."""
+    mesh = fs.Mesh.create((2, 2), ("pp", "tp"))
+    gen = torch.Generator().manual_seed(3)
+    d, f, n, m = 4, 6, 4, 4  # hidden, each part's size, blocks, microbatches
+    named = {}
+    for b in range(n):
+        named[f"blocks.{b}.gate_up"] = torch.randn(2 * f, d, generator=gen) / 4
+        named[f"blocks.{b}.down"] = torch.randn(d, f, generator=gen) / 4
+    xs, ts = torch.randn(m, 3, d, generator=gen), torch.randn(m, 3, d, generator=gen)
+    plan = {"*.gate_up": fs.Parts(fs.P("tp", None), 0, (f, f)), "*.down": fs.P(None, "tp")}
+
+    def block(w, x):
+        gate, up = F.linear(x, w["gate_up"]).split(f, -1)
+        return x + F.linear(F.silu(gate) * up, w["down"])
+
+    def loss_fn(_, y, t):
+        return ((fs.reshard(y, fs.P()) - t) ** 2).sum()
+
+    def dense(ps):
+        total = 0
+        for k in range(m):
+            y = xs[k]
+            for b in range(n):
+                y = block({"gate_up": ps[f"blocks.{b}.gate_up"], "down": ps[f"blocks.{b}.down"]}, y)
+            total = total + ((y - ts[k]) ** 2).sum()
+        return total / m
+
+    want_g, want_v = torch.func.grad_and_value(dense)(named)
+    out = []
+    for schedule, virtual in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        stacked = stack_stages(named, mesh, prefix="blocks", plan=plan, virtual=virtual)
+        seen = set()
+
+        def stage(p, x, seen=seen):
+            seen.add((str(p["gate_up"].spec), str(p["down"].spec)))
+            for i in range(p["down"].shape[0]):
+                x = block({k: v[i] for k, v in p.items()}, x)
+            return fs.reshard(x, fs.P())
+
+        def loss(p, schedule=schedule, virtual=virtual):
+            return pipeline(stage, p, xs, mesh, loss_fn=loss_fn, targets=ts,
+                            schedule=schedule, virtual=virtual)  # fmt: skip
+
+        with fs.debug.comm_log() as log:
+            value, grads = fs.value_and_grad(loss)(stacked)
+        whole = {k: fs.gather(g) for k, g in grads.items()}
+        got = unstack_stages(whole, prefix="blocks", pp=2, virtual=virtual)
+        close = float(value) == pytest.approx(float(want_v), rel=1e-5) and all(
+            float((got[k] - want_g[k]).abs().max()) < 1e-5 * float(want_g[k].abs().max())
+            for k in named
+        )
+        layouts = all(g.layout == stacked[k].layout for k, g in grads.items())
+        tp = Counter((r.op, r.nbytes) for r in log if r.axes == ("tp",))
+        out.append((close, layouts, sorted(seen), tp))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_stage_params_split_per_part_run_as_they_are(world4):
+    """Issue 36 item 1: pipeline's stages take a fused projection's per-part layout (fs.Parts,
+    stack_stages'): each stage's slice keeps the parts over tp, its layer ``w[i]`` too (a
+    selection of another dim is local), the loss and gradients equal dense (in the stacked
+    params' layouts) under 1F1B, interleaved and ZB-H1. Over tp exactly Megatron's
+    collectives, no all_gather (the per-part blocks line up with the down projection's
+    columns; a contiguous split of the fused weight gathered 16 a step): per microbatch and
+    block one all_reduce of its (3, 4) float32 output forward and one of its input's gradient
+    backward, less the first stage's first block's (its input, the microbatches, is not
+    differentiated): 4 x (2 + 2) = 16 a rank, 12 on the first stage's (its stages 0 and 2
+    interleaved: the same count)."""
+    seen = [("Parts(P(None, 'tp'), dim=1, sizes=(6, 6))", "P(None, None, 'tp')")]
+    for rank, got in enumerate(world4.run(parts_stage_rank_fn)):
+        tp = Counter({("all_reduce", 3 * 4 * 4): 12 if rank < 2 else 16})
+        assert got == [(True, True, seen, tp)] * 3, (rank, got)
 
 
 def pending_input_rank_fn():

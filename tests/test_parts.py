@@ -212,6 +212,114 @@ def test_per_example_gradients_through_parts(world2):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+#: ``a @ b`` spelled three ways: each must plan, move and differentiate as torch.matmul does
+MATMULS = {
+    "torch.matmul": lambda a, b: torch.matmul(a, b),
+    "@": lambda a, b: a @ b,
+    "__rmatmul__": lambda a, b: b.__rmatmul__(a),
+}
+
+
+def _matmul_operands(sizes, contracted):
+    """``(a, b, a_spec, b_spec)``: the parts on ``b``'s out-features, or (``contracted``) on
+    the contracted dim of both."""
+    g = torch.Generator().manual_seed(5)
+    n = sum(sizes)
+    if contracted:
+        a, b = torch.randn(3, n, generator=g), torch.randn(n, 5, generator=g)
+        return a, b, Parts(P(None, "tp"), 1, sizes), Parts(P("tp", None), 0, sizes)
+    a, b = torch.randn(3, 6, generator=g), torch.randn(6, n, generator=g)
+    return a, b, P(), Parts(P(None, "tp"), 1, sizes)
+
+
+def matmul_rank_fn(sizes, contracted):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    a, b, sa, sb = _matmul_operands(sizes, contracted)
+    a_s, b_s = fs.shard(a, mesh, sa), fs.shard(b, mesh, sb)
+    out = {}
+    for name, mm in MATMULS.items():
+        loss = lambda a, b: fs.gather((mm(a, b) ** 2).sum())  # noqa: B023, E731
+        with fs.debug.comm_log() as log:
+            y = mm(a_s, b_s)
+            value, grads = fs.value_and_grad(loss, argnums=(0, 1))(a_s, b_s)
+        records = [(r.op, r.axes, r.nbytes) for r in log]
+        layouts = [g.layout == p.layout for g, p in zip(grads, (a_s, b_s))]
+        out[name] = (fs.gather(y), y.layout, value, [fs.gather(g) for g in grads], layouts, records)
+    return out
+
+
+@pytest.mark.parametrize("contracted", [False, True], ids=["out_features", "contracted"])
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+def test_matmul_operator_on_parts_is_torch_matmul(world2, sizes, contracted):
+    """``a @ b`` and ``b.__rmatmul__(a)`` with per-part operands bind and plan as
+    ``torch.matmul``: the dense values and gradients, the same output layout (per part, or
+    a pending sum over the contracted parts) and the same communication."""
+    a, b, *_ = _matmul_operands(sizes, contracted)
+    dense_loss = lambda a, b: ((a @ b) ** 2).sum()  # noqa: E731
+    want_grads = torch.func.grad(dense_loss, argnums=(0, 1))(a, b)
+    want_spec = P(None, None, partial=("tp",)) if contracted else Parts(P(None, "tp"), 1, sizes)
+    for out in world2.run(matmul_rank_fn, sizes, contracted):
+        *_, ref_records = out["torch.matmul"]
+        for name, (y, layout, value, grads, layouts, records) in out.items():
+            torch.testing.assert_close(y, a @ b, rtol=1e-5, atol=1e-5, msg=name)
+            assert layout.spec == want_spec, (name, layout.spec)
+            torch.testing.assert_close(value, dense_loss(a, b), rtol=1e-5, atol=1e-4, msg=name)
+            for g, d in zip(grads, want_grads):
+                torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-5, msg=name)
+            assert all(layouts), (name, layouts)  # gradients keep the operands' layouts
+            assert records == ref_records, (name, records, ref_records)
+        assert all(op == "all_reduce" for op, *_ in ref_records), ref_records  # no gather
+
+
+PERMUTATIONS = {
+    "mT": (lambda a: a.mT, 1),
+    "transpose": (lambda a: a.transpose(0, 2), 0),
+    "permute": (lambda a: a.permute(2, 0, 1), 0),
+    "movedim": (lambda a: torch.movedim(a, 2, 0), 0),
+    "swapaxes": (lambda a: a.swapaxes(1, 2), 1),
+    "T": (lambda a: a[0].T, 0),
+    "t": (lambda a: a[0].t(), 0),
+}
+
+
+def permutation_rank_fn(sizes):
+    mesh = fs.Mesh.create((2,), ("tp",))
+    t = torch.randn(2, 3, sum(sizes), generator=torch.Generator().manual_seed(6))
+    x = fs.shard(t, mesh, Parts(P(None, None, "tp"), 2, sizes))
+    out = {}
+    for name, (fn, _) in PERMUTATIONS.items():
+        loss = lambda a: fs.gather((fn(a) ** 3).sum())  # noqa: B023, E731
+        with fs.debug.comm_log() as log:
+            y = fn(x)
+        value, grad = fs.value_and_grad(loss)(x)
+        out[name] = (
+            fs.gather(y),
+            y.layout.spec,
+            [r.op for r in log],
+            fs.gather(grad),
+            grad.layout == x.layout,
+        )
+    return out
+
+
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+def test_permutations_move_the_parts_dim_locally(world2, sizes):
+    """``.T``, ``.mT``, ``transpose``, ``permute``...: the per-part dim moves, still per part,
+    with no communication; gradients dense-equal, in the input's layout."""
+    t = torch.randn(2, 3, sum(sizes), generator=torch.Generator().manual_seed(6))
+    for out in world2.run(permutation_rank_fn, sizes):
+        for name, (y, spec, comm, grad, same_layout) in out.items():
+            fn, dim = PERMUTATIONS[name]
+            assert torch.equal(y, fn(t)), name
+            dims = [None] * y.ndim
+            dims[dim] = "tp"
+            assert spec == Parts(P(*dims), dim, sizes), (name, spec)
+            assert comm == [], (name, comm)
+            cube = lambda a: (fn(a) ** 3).sum()  # noqa: B023, E731
+            torch.testing.assert_close(grad, torch.func.grad(cube)(t), msg=name)
+            assert same_layout, name
+
+
 def other_ops_rank_fn():
     """Ops that read positions along the parts dim (a cut inside a part, a cumsum) gather the
     parts dim first: one all_gather each, and the dense value."""
@@ -252,6 +360,33 @@ def test_ops_that_read_positions_gather_the_parts_first(world2):
     for got in world2.run(other_ops_rank_fn):
         assert got[:3] == [(True, ["all_gather"])] * 3, got
         assert got[3:] == [(True, []), (True, []), (True, [])], got
+
+
+def select_rank_fn():
+    """Basic indexing that keeps the parts dim whole (ints, ``...``, ``None`` on the other
+    dims: a stacked param's layer ``w[i]``), for each key: the value equal to dense, the
+    result per part, its comm ops, and the gradient through it equal to dense in ``x``'s
+    layout; an int on the parts dim gathers it."""
+    mesh = fs.Mesh.create((2,), ("tp",))
+    t = torch.randn(3, 8, 2, generator=torch.Generator().manual_seed(5))
+    x = fs.shard(t, mesh, Parts(P(None, "tp"), 1, (4, 2, 2)))
+    keys = [1, (..., 0), (None, 2), (0, slice(None), 1), (slice(None), 3)]
+    out = []
+    for key in keys:
+        with fs.debug.comm_log() as log:
+            y = x[key]
+        same = torch.equal(fs.gather(y), t[key])
+        g = torch.func.grad(lambda a, k=key: (fs.gather(a[k]) ** 2).sum())(x)
+        want = torch.func.grad(lambda a, k=key: (a[k] ** 2).sum())(t)
+        grad_ok = g.layout == x.layout and torch.equal(fs.gather(g), want)
+        out.append((same, type(y.layout) is PartsLayout, [r.op for r in log], grad_ok))
+    return out
+
+
+def test_selecting_other_dims_keeps_the_parts_locally(world2):
+    for got in world2.run(select_rank_fn):
+        assert got[:4] == [(True, True, [], True)] * 4, got
+        assert got[4] == (True, False, ["all_gather"], True), got
 
 
 def dp_tp_rank_fn():

@@ -218,6 +218,20 @@ def nested(shape):
         axis_names={"pp"},
     )
     _close(fs.gather(grad(lambda a: fs.gather(g(a)).sum())(x)), 2 * X, "grad x * x")
+
+    # the outer's input used by two inner shard_maps and outside them (DiffLlama's two
+    # attention calls on the same q under parallelize's cp x tp): the inner bodies' marks on
+    # its block overwrote the outer's, which then read it as invariant over pp and pcast it
+    # there (its other uses' gradients summed over pp)
+    def twice(x_):
+        sq = fs.shard_map(lambda b: b * b, mesh, P(None, "tp"), P(None, "tp"))
+        return sq(x_) * 3 + sq(x_) * x_ + x_ * 5
+
+    h = fs.shard_map(twice, mesh, P("pp"), P("pp"), axis_names={"pp"})
+    _close(fs.gather(h(x)), X * X * 3 + X**3 + X * 5, "twice")
+    gx = grad(lambda a: fs.gather((h(a) * h(a)).sum()))(x)
+    want = torch.func.grad(lambda a: ((a * a * 3 + a**3 + a * 5) ** 2).sum())(X)
+    _close(fs.gather(gx), want, "grad of twice")
     return True
 
 

@@ -8,6 +8,8 @@ gradient and its layout, trained weights). The sample: Llama (shipped plan), Qwe
 (image classification), OpenAI-GPT (``next(self.parameters())`` in its forward).
 """
 
+import re
+
 import pytest
 
 from tests import hf_zoo
@@ -32,6 +34,61 @@ def test_zoo_sample_matches_dense(world2, arch):
         assert {m: o[0] for m, o in result.items()} == dict.fromkeys(
             ("dp", "tp", "fsdp"), "equal"
         ), result
+
+
+#: ``python tools/zoo.py --parallelize``'s sample: architectures the composition tests do not
+#: name, in the configurations where the sweep found them wrong or refused before the fix
+PARALLELIZE_SAMPLE = [
+    # q/k norms over the whole width (tp-split activations): the norm weights' gradients lost
+    # every tp block but the rank's own under tp x a data axis (fshard.gradsync's stand-in)
+    ("olmo2", {"tp": 2, "dp_replicate": 2}, "equal"),
+    ("olmoe", {"ep": 2, "tp": 2}, "equal"),
+    # the head tied to the embedding under tp x FSDP: fsdp_plan refused the shipped plan
+    ("cohere", {"tp": 2, "dp_shard": 2}, "equal"),
+    # experts moe_experts does not run (interleaved, transposed, biased) under tp: they run
+    # their own forward, replicated (were dispatched to moe_experts: a shape error)
+    ("gpt_oss", {"tp": 2, "dp_shard": 2}, "equal"),
+    # were silently wrong, now refused naming the model: the last pipeline stage skipped
+    # Cohere's logit_scale; ring attention with positions from 0 where RoBERTa's start after
+    # padding_idx
+    ("cohere", {"dp_shard": 2, "pp": 2}, "refused"),
+    ("camembert", {"dp_shard": 2, "cp": 2}, "refused"),
+    # attention sinks (s_aux), which ring attention dropped
+    ("flint", {"dp_shard": 2, "cp": 2}, "refused"),
+    # were silently wrong, now refused by what their layers do (not by name): layers that mix
+    # positions other than by softmax attention (LFM's short convolutions, MiniMax's linear
+    # attention, Zaya's convolved q/k), which under cp saw only the rank's chunks
+    ("lfm3", {"tp": 2, "cp": 2}, "refused"),
+    ("minimax", {"dp_shard": 2, "cp": 2}, "refused"),
+    ("zaya", {"dp_shard": 2, "cp": 2}, "refused"),
+    # a scale between the norm and lm_head (Inkling's logits_mup_width_multiplier), which the
+    # last pipeline stage skipped: every gradient 23x off
+    ("inkling_text", {"dp_shard": 2, "pp": 2}, "refused"),
+    # a per-layer input (Gemma 4's per_layer_input, positional), which the stages did not pass:
+    # the last stage hung; a base_model_pp_plan naming modules HRM lacks: an AttributeError
+    ("gemma4_text", {"dp_shard": 2, "pp": 2}, "refused"),
+    ("hrm_text", {"dp_shard": 2, "pp": 2}, "refused"),
+    # were silently wrong, fixed: DiffLlama's two attention calls on the same q and k (each a
+    # shard_map nested in cp's) lost the outer body's marks on q and k: q/k_proj gradients
+    # 0.86 off (fshard.shard_map)
+    ("diffllama", {"tp": 2, "cp": 2}, "equal"),
+    ("diffllama", {"dp_shard": 2, "cp": 2}, "equal"),
+    # a shipped plan with styles fshard has no equivalent of: the refusal named
+    # hf_tp_plan's unsupported='replicate', which parallelize does not take
+    ("inkling_text", {"tp": 2, "dp_shard": 2}, "refused"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch, degrees, want", PARALLELIZE_SAMPLE)
+def test_parallelize_sample_matches_dense(world4, arch, degrees, want):
+    """fs.parallel.parallelize of the architecture's tiny causal LM: the loss and every
+    gradient equal to dense torch.func (``hf_zoo.parallelize_rank_fn``), or refused by name
+    (a ValueError / NotImplementedError of parallelize naming the model)."""
+    for outcome, detail in world4.run(hf_zoo.parallelize_rank_fn, arch, degrees):
+        assert outcome == want, (arch, degrees, detail)
+        if want == "refused":
+            assert re.search(r"\b(pp|cp|tp) [>=] 1\b", detail), detail
 
 
 @pytest.mark.zoo

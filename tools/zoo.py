@@ -10,6 +10,8 @@ Usage::
     PYTHONPATH=$PWD python tools/zoo.py llama bert vit  # named architectures
     ... --json out.json --write-docs
     PYTHONPATH=$PWD python tools/zoo.py --from-json out.json --write-docs  # a saved run's table
+    PYTHONPATH=$PWD python tools/zoo.py --parallelize [archs]  # the causal LMs through
+        # fs.parallel.parallelize on 4 ranks (hf_zoo.PARALLELIZE_CONFIGS) against dense
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tests import hf_zoo  # noqa: E402
 MODES = ("dp", "tp", "fsdp")
 DOCS = ROOT / "docs" / "models.md"
 BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
+PBEGIN, PEND = "<!-- zoo-parallelize:begin -->", "<!-- zoo-parallelize:end -->"
 
 
 def select(names: list[str], every: int, offset: int = 0) -> list[str]:
@@ -71,6 +74,85 @@ def run(archs: list[str], timeout: float, log: str | None = None) -> dict:
     finally:
         world.close()
     return results
+
+
+def run_parallelize(
+    archs: list[str], timeout: float, log: str | None = None, only: tuple = ()
+) -> dict:
+    """``{arch: {config: (outcome, detail)}}``: each causal LM of ``archs`` through
+    ``fs.parallel.parallelize`` for each configuration (the MoE ones with ep too), one
+    world.run each (a hang or a crashed rank: ``error``, the world restarts)."""
+    results: dict = {}
+    world = World(4, timeout=timeout)
+    try:
+        for i, arch in enumerate(archs):
+            t = time.time()
+            try:
+                kind = world.run(hf_zoo.parallelize_rank_fn, arch, None)[0]
+            except Exception as e:
+                kind = ("error", f"rank failure: {_first(e)}")
+            if kind[0] not in ("moe", "dense"):
+                results[arch] = {"build": kind}
+            else:
+                configs = hf_zoo.PARALLELIZE_CONFIGS
+                if kind[0] == "moe":
+                    configs += hf_zoo.PARALLELIZE_MOE_CONFIGS
+                results[arch] = {}
+                for degrees in configs:
+                    name = hf_zoo.config_name(degrees)
+                    if only and name not in only:
+                        continue
+                    try:
+                        got = world.run(hf_zoo.parallelize_rank_fn, arch, degrees)
+                        order = ("wrong", "error", "refused", "not buildable", "equal")
+                        out = min(got, key=lambda g: order.index(g[0]))  # the worst rank's
+                    except Exception as e:
+                        out = ("error", f"rank failure (a hang: timeout): {_first(e)}")
+                    results[arch][name] = out
+            cells = " ".join(f"{c}={o[0]}" for c, o in results[arch].items())
+            print(f"[{i + 1}/{len(archs)}] {arch} ({time.time() - t:.0f}s): {cells}", flush=True)
+            if log:
+                Path(log).write_text(json.dumps(results, indent=1))
+    finally:
+        world.close()
+    return results
+
+
+def _first(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def parallelize_table(results: dict) -> str:
+    configs = [hf_zoo.config_name(d) for d in hf_zoo.PARALLELIZE_CONFIGS]
+    configs += [hf_zoo.config_name(d) for d in hf_zoo.PARALLELIZE_MOE_CONFIGS]
+    lines = [
+        "| architecture | " + " | ".join(configs) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
+    for arch, r in sorted(results.items()):
+        if "build" in r:
+            cells = f"{_pcell(r['build'])} |" + " |" * (len(configs) - 1)
+        else:
+            cells = " | ".join(_pcell(r[c]) if c in r else "" for c in configs) + " |"
+        lines.append(f"| {arch} | {cells}")
+    return "\n".join(lines)
+
+
+def _pcell(outcome) -> str:
+    kind, detail = outcome
+    if kind == "equal":
+        return "equal in float64" if detail.startswith("in float64") else "equal"
+    return f"{kind}: {_short(detail)}".replace("|", "\\|")
+
+
+def parallelize_summary(results: dict, command: str) -> str:
+    built = {a: r for a, r in results.items() if "build" not in r}
+    tally = collections.Counter(o[0] for r in built.values() for o in r.values())
+    return (
+        f"`{command}` ({len(results)} causal LMs, {len(built)} build at a tiny size and run "
+        f"their dense step under torch.func; {sum(len(r) for r in built.values())} runs): "
+        + ", ".join(f"{tally.get(k, 0)} {k}" for k in ("equal", "refused", "error", "wrong"))
+    )
 
 
 def counts(results: dict) -> dict:
@@ -128,11 +210,11 @@ def summary(results: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_docs(text: str) -> None:
+def write_docs(text: str, begin: str = BEGIN, end: str = END) -> None:
     doc = DOCS.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
+    block = f"{begin}\n{text}\n{end}"
+    if begin in doc:
+        doc = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
     else:
         doc += f"\n{block}\n"
     DOCS.write_text(doc)
@@ -147,7 +229,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/models.md")
     parser.add_argument("--from-json", help="no run: the table of the results saved here")
+    parser.add_argument(
+        "--parallelize", action="store_true", help="the causal LMs through fs.parallel.parallelize"
+    )
+    parser.add_argument(
+        "--configs", help='with --parallelize: these configurations only ("tp2 pp2,ep2 tp2")'
+    )
     args = parser.parse_args(argv)
+    if args.parallelize:
+        return main_parallelize(args)
     command = "python tools/zoo.py" + (f" --every {args.every}" if args.every > 1 else "")
     command += f" --offset {args.offset}" if args.offset else ""
     t = time.time()
@@ -163,6 +253,27 @@ def main(argv=None) -> int:
     if args.write_docs:
         write_docs(summary(results, command) + "\n\n" + table(results))
     return 1 if any(r[m][0] == "wrong" for r in results.values() for m in MODES) else 0
+
+
+def main_parallelize(args) -> int:
+    t = time.time()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        causal = [a for a, (task, _) in hf_zoo.architectures().items() if task == "causal"]
+        archs = args.archs or causal[args.offset :: args.every]
+        only = tuple(c.strip() for c in args.configs.split(",")) if args.configs else ()
+        results = run_parallelize(archs, args.timeout, args.json, only)
+    command = "python tools/zoo.py --parallelize"
+    text = parallelize_summary(results, command) + "\n\n" + parallelize_table(results)
+    print(text)
+    print(f"{time.time() - t:.0f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.write_docs:
+        write_docs(f"{time.strftime('%Y-%m-%d', time.gmtime())}: {text}", PBEGIN, PEND)
+    wrong = any(o[0] == "wrong" for r in results.values() for o in r.values())
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

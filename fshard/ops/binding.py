@@ -5,7 +5,9 @@ op's signature into a tuple of names and positions. The signature comes from, in
 one given at registration (``register_rule(op, rule, signature=fn)``: any callable whose
 Python signature is the op's), the op's own Python signature (``torch.nn.functional`` is
 mostly Python), or its ATen schemas (``torch._C._jit_get_schemas_for_operator``; ``self`` is
-called ``input``, as torch's Python functions call it, for Tensor methods too). Every op's
+called ``input``, as torch's Python functions call it, for Tensor methods too), or, for an
+operator method with neither (``Tensor.__matmul__``, ``__add__``, ``__radd__``), Python's
+operator protocol: ``(input, other)``, ``(input)`` for a unary one. Every op's
 :class:`Signature` is built once and cached; binding runs when a call is planned, and for a
 ``OpSharding(by_name=True)`` once per call as one dict update.
 
@@ -19,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -143,7 +146,25 @@ def _find(op) -> tuple[Signature, ...]:
         pass
     name = getattr(op, "__name__", "")
     schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}") if name else []
-    return tuple(Signature.of_schema(s) for s in schemas if _functional(s))
+    found = tuple(Signature.of_schema(s) for s in schemas if _functional(s))
+    return found or _operator_protocol(name)
+
+
+def _operator_protocol(name: str) -> tuple[Signature, ...]:
+    """A Python operator method with neither a signature nor a schema (``Tensor.__matmul__``,
+    ``__add__``, ``__radd__``, ``__iadd__``, ``__eq__``...): bound as Python calls it,
+    ``x.__op__(other)`` (``x.__neg__()`` for a unary one), its arity that of
+    ``operator.__op__`` (``__rop__`` / ``__iop__`` have ``__op__``'s)."""
+    if not (name.startswith("__") and name.endswith("__")):
+        return ()
+    stem = name[2:-2]
+    for candidate in (stem, stem[1:] if stem[:1] in "ri" else None):
+        fn = vars(operator).get(f"__{candidate}__") if candidate else None
+        if fn is not None:
+            n = len(inspect.signature(fn).parameters)
+            names = ("input", "other")[:n]
+            return (Signature(names=names, positional=names, defaults={}),)
+    return ()
 
 
 def _functional(schema) -> bool:

@@ -394,7 +394,8 @@ def _where_rule(elementwise):
 
 def _register():
     register_rule(torch.where, _where_rule(rule_for(torch.where)))
-    register_rule(torch.Tensor.__getitem__, parts.cuts(getitem_rule, parts.getitem_range))
+    getitem = parts.cuts(parts.aligned(getitem_rule, parts.getitem_groups), parts.getitem_range)
+    register_rule(torch.Tensor.__getitem__, getitem)
     register_rule(index_update, index_update_rule)
     register_rule(torch.Tensor.__setitem__, setitem_rule)
     register_rule(torch.nonzero, nonzero_rule, aliases=(torch.Tensor.nonzero,))

@@ -202,7 +202,7 @@ def _register():
     matmul = parts.aligned(matmul_rule, parts.linear_groups)
     for op in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
         register_rule(op, matmul)
-    register_rule(torch.Tensor.__rmatmul__, matmul_rule)
+    register_rule(torch.Tensor.__rmatmul__, matmul)
     for op in (torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm):
         register_rule(op, matmul)
     register_rule(F.linear, parts.aligned(linear_rule, parts.linear_groups))

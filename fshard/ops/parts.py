@@ -5,7 +5,8 @@ Two kinds of op take such a value as it is:
 
 * **Aligned ops** treat the parts dim element by element: pointwise ops, casts, ``F.linear`` /
   ``matmul`` / ``addmm`` (the parts on the weight's out-features, or on a contracted dim both
-  operands split alike), reshapes that keep the parts dim and the dims after it. If every
+  operands split alike), reshapes that keep the parts dim and the dims after it, permutations
+  (``.T``, ``transpose``, ``permute``: the parts dim moves, still per part). If every
   operand that spans the parts dim holds the *same* parts, the local blocks line up element by
   element, exactly as the blocks of one contiguous split would; so the op's own rule decides
   with each per-part layout replaced by its ``base`` (the same :class:`P`, one part), and the
@@ -14,6 +15,9 @@ Two kinds of op take such a value as it is:
 * **Cuts at part boundaries** (``split``, ``chunk``, ``narrow``, ``x[..., a:b]``): each piece
   is some whole parts, so it is this rank's chunks of them, cut locally: one part gives a
   plain ``P`` split, several a :class:`~fshard.spec.Parts` of those.
+* **Selections of the other dims** (``x[i]``, ``x[..., j]``, ``x[None]``: ints, ``None`` and
+  ``...``, the parts dim a full slice; a pipeline's stacked param's layer ``w[i]``): aligned,
+  the parts dim kept whole where it lands.
 
 Anything else (a cut inside a part, an op that reads positions along the dim) is refused here,
 and the dispatcher gathers the parts dim first (one all_gather, ``gather_parts`` in the plan).
@@ -53,6 +57,7 @@ __all__ = [
     "split_ranges",
     "narrow_range",
     "getitem_range",
+    "getitem_groups",
 ]
 
 #: ``(("in", i) | ("out", k), dim)``: dim ``dim`` of tensor input ``i`` or of output ``k``
@@ -158,10 +163,10 @@ def linear_groups(op, args, kwargs, ins, outs) -> list[list[Member]]:
     names = {"linear": ("input", "weight", "bias", True), "addmm": ("mat1", "mat2", "input", False)}
     name = getattr(op, "__name__", "")
     x_name, w_name, b_name, transposed = names.get(name, (None, None, None, False))
-    if x_name is None:  # matmul / mm / __matmul__: the first two tensor inputs
-        if len(ins) != 2 or ins[1].ndim != 2 or ins[0].ndim < 2:
+    if x_name is None:  # matmul / mm / __matmul__: the two tensor inputs (__rmatmul__: swapped)
+        x, w, b = (1, 0, None) if op is torch.Tensor.__rmatmul__ else (0, 1, None)
+        if len(ins) != 2 or ins[w].ndim != 2 or ins[x].ndim < 2:
             return []
-        x, w, b = 0, 1, None
     else:
         index = {id(v): i for i, v in enumerate(ins)}
         x, w = index.get(id(bound.get(x_name))), index.get(id(bound.get(w_name)))
@@ -192,11 +197,50 @@ def reshape_groups(op, args, kwargs, ins, outs) -> list[list[Member]]:
     return groups
 
 
+def getitem_groups(op, args, kwargs, ins, outs) -> list[list[Member]]:
+    """``x[i, ..., :]``: basic indexing by ints, full slices, ``...`` and ``None``, which keeps
+    every element of the dims it does not index (a stacked param's layer ``w[i]``): each
+    input dim a full slice keeps, with the output dim it lands on."""
+    if not isinstance(outs, BaseLayout) or len(ins) != 1:
+        return []
+    key = args[1] if len(args) > 1 else None
+    key = key if isinstance(key, tuple) else (key,)
+
+    def basic(k) -> bool:
+        return k is Ellipsis or k is None or type(k) is int or (type(k) is slice and k == _ALL)
+
+    if sum(k is Ellipsis for k in key) > 1 or not all(basic(k) for k in key):
+        return []
+    x = ins[0]
+    used = sum(1 for k in key if k is not None and k is not Ellipsis)
+    if used > x.ndim:
+        return []
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        key = key[:at] + (_ALL,) * (x.ndim - used) + key[at + 1 :]
+    else:
+        key = key + (_ALL,) * (x.ndim - used)
+    groups, d, o = [], 0, 0
+    for k in key:
+        if k is None:
+            o += 1
+        elif type(k) is int:
+            d += 1
+        else:
+            groups.append([(("in", 0), d), (("out", 0), o)])
+            d, o = d + 1, o + 1
+    return groups
+
+
+_ALL = slice(None)
+
+
 def cuts(rule: Callable, ranges: Callable) -> Callable:
     """``rule`` taking a per-part input cut along its parts dim at part boundaries.
     ``ranges(op, args, kwargs, x)`` gives ``(dim, [(start, stop), ...], single)``: the dim cut,
     the global range of each output along it, and whether the op returns one tensor; ``None``
-    when the call is not such a cut."""
+    when the call is not such a cut (then a ``rule`` that takes per-part inputs itself, an
+    :func:`aligned` one, decides)."""
 
     @functools.wraps(rule)
     def parts_rule(op, args, kwargs):
@@ -205,6 +249,8 @@ def cuts(rule: Callable, ranges: Callable) -> Callable:
             return rule(op, args, kwargs)
         x = ins[0]
         cut = ranges(op, args, kwargs, x) if type(x) is PartsLayout and len(ins) == 1 else None
+        if cut is None and getattr(rule, "parts_layouts", False):
+            return rule(op, args, kwargs)
         if cut is None or cut[0] != x.dim:
             raise _refuse(op, ins, "only cuts along the per-part dim at part boundaries are local")
         _, spans, single = cut

@@ -44,16 +44,29 @@ __all__ = ["reshape_dims", "reshape_source", "permutation_rule", "reshape_rule"]
 # -- permutations ---------------------------------------------------------------------------
 
 
-def permutation_rule(op, args, kwargs):
-    """Ops that only reorder dims: the perm is read off a meta tensor with distinct sizes."""
-    (x,) = tensor_inputs(args, kwargs)
-    probe = torch.empty([d + 2 for d in range(x.ndim)], device="meta")
+def _permutation(op, args, kwargs, ndim: int) -> list[int]:
+    """The input dim of each output dim, read off a meta tensor with distinct sizes."""
+    probe = torch.empty([d + 2 for d in range(ndim)], device="meta")
     margs = [probe if isinstance(a, BaseLayout) else a for a in args]
-    out = op(*margs, **kwargs)
-    perm = [s - 2 for s in out.shape]
+    return [s - 2 for s in op(*margs, **kwargs).shape]
+
+
+def permutation_rule(op, args, kwargs):
+    """Ops that only reorder dims: no communication, the spec permuted."""
+    (x,) = tensor_inputs(args, kwargs)
+    perm = _permutation(op, args, kwargs, x.ndim)
     meta = meta_call(op, args, kwargs)
     dims = [x.dim_axes[p] for p in perm]
     return OpSharding([None], out_layout(x.mesh, dims, x.partial, meta))
+
+
+def permutation_groups(op, args, kwargs, ins, outs) -> list:
+    """A permutation keeps every dim whole: each output dim with the input dim it is (an
+    :func:`fshard.ops.parts.aligned` op: a per-part dim moves, still per part)."""
+    if len(ins) != 1 or not isinstance(outs, BaseLayout):
+        return []
+    perm = _permutation(op, args, kwargs, ins[0].ndim)
+    return [[(("in", 0), p), (("out", 0), o)] for o, p in enumerate(perm)]
 
 
 # -- reshape family -------------------------------------------------------------------------
@@ -339,10 +352,11 @@ def complex_view_rule(op, args, kwargs):
 def _register():
     perms = [torch.transpose, torch.permute, torch.t, torch.movedim, torch.swapaxes]
     perms += [torch.swapdims, torch.adjoint]
+    permutation = parts.aligned(permutation_rule, permutation_groups)
     for op in perms:
-        register_rule(op, permutation_rule, aliases=(getattr(torch.Tensor, op.__name__),))
+        register_rule(op, permutation, aliases=(getattr(torch.Tensor, op.__name__),))
     for name in ("T", "mT", "H", "mH"):
-        register_rule(getattr(torch.Tensor, name).__get__, permutation_rule)
+        register_rule(getattr(torch.Tensor, name).__get__, permutation)
     reshape_rule.explicit_layouts = True
     local = lambda out: lambda t, *a, **k: t.reshape(out.local_shape())  # noqa: E731
     reshape = parts.aligned(reshape_rule, parts.reshape_groups, local)

@@ -37,7 +37,8 @@ and returns the sharded params and ``loss(params, batch)``, which ``fs.value_and
 The plans stay data (``{name: P}``, what :func:`fshard.nn.shard_params` takes): nothing mutates
 the model. With ``pp > 1`` the params are the model's names outside the decoder layers plus
 one entry under the layers' name (``"model.layers"``): ``{name in a layer: (pp * virtual,
-layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back); the ends'
+layers per stage, ...)}`` (:func:`unstack_stages` gives the layers' names back; a fused
+projection's :class:`~fshard.Parts` keeps its parts, its dim moved past those two); the ends'
 params have a :class:`~fshard.spec.HeldLayout` (``fs.gather`` gives them whole, as any). With ``pp``
 and ``cp`` the sequence is split over ``cp`` in the pipeline's activations (load-balanced
 chunks; each layer's attention a ring or all-to-all over ``cp``, the rotary embeddings of the
@@ -83,17 +84,24 @@ from ..nn_plan import Output, match_plan
 from ..precision import MixedPrecisionPolicy
 from ..remat import POLICIES as REMAT_POLICIES
 from ..remat import remat as remat_fn
-from ..spec import Layout, P, Parts, spec_of_dims
+from ..spec import Layout, P, Parts, PartsLayout, spec_of_dims
 from .context import (
     _ACTIVE,
     _attention_of,
+    _loss_dtype,
     context_parallel_loss,
     forward_kwargs,
     load_balance,
     target_count,
 )
 from .context import _ATTENTION as _RING
-from .expert import _experts_modules, expert_parallel_call, expert_parallel_plan
+from .expert import (
+    _check_experts,
+    _experts_modules,
+    _unsupported_experts,
+    expert_parallel_call,
+    expert_parallel_plan,
+)
 from .fsdp import fsdp_call, fsdp_plan, fsdp_units
 from .pipeline import on_stage, pipeline, pipeline_schedule, stack_stages
 from .tensor import hf_tp_plan
@@ -384,6 +392,8 @@ def parallelize(
         raise TypeError(
             f"parallelize: parts must be a fs.parallel.ModelParts or None, got {type(parts).__name__}"
         )
+    if dims.cp > 1 and parts is None:
+        _check_cp(model)
     pieces = _pipeline_parts(model, dims, parts) if dims.pp > 1 else None
     if remat is not False and pieces is None:
         layers = _layers_name(model, parts)
@@ -393,17 +403,19 @@ def parallelize(
     if parts is not None:
         plan.update(parts.plan)
     if dims.tp > 1 and parts is None:
-        plan.update(hf_tp_plan(model, "tp"))
+        try:
+            plan.update(hf_tp_plan(model, "tp"))
+        except ValueError as e:  # its advice is hf_tp_plan's options, which parallelize lacks
+            raise ValueError(
+                f"parallelize: tp > 1 splits {type(model).__name__} by the tensor-parallel plan "
+                f"it ships, which fshard cannot take as it is ({e}); parallelize takes no "
+                "unsupported= option: use tp = 1 for it, or build the sharded params "
+                "yourself (fs.nn.hf_tp_plan(model, unsupported='replicate'), "
+                "fs.nn.shard_params) outside parallelize"
+            ) from None
     if dims.ep > 1 and parts is None:  # the experts' dim over ep, their I dim as tp gave it
         for name, spec in expert_parallel_plan(model, mesh, "ep").items():
             plan[name] = _on_experts_axis(plan.get(name), spec)
-    fused = sorted(k for k, v in plan.items() if isinstance(v, Parts))
-    if fused and pieces is not None:
-        raise ValueError(
-            f"parallelize: pp > 1 with fused projections split per part over tp ({fused[:3]}"
-            f"{' ...' if len(fused) > 3 else ''}: fs.Parts layouts) is not composed yet (the "
-            "pipeline's stages take P layouts only); use tp = 1 with pp, or pp = 1"
-        )
     outputs = _outputs(model, plan)  # the module output layouts (fsdp_plan keeps params only)
     fsdp_axes = dims.fsdp_axes
     if dims.dp_shard > 1:
@@ -437,8 +449,14 @@ def parallelize(
             outputs=batch_outputs,
         )  # fmt: skip
     # transformers' experts run by fs.parallel.moe_experts with ep, or with tp splitting them
-    # (a model of your own calls moe_experts itself)
-    if parts is None and (dims.ep > 1 or (dims.tp > 1 and _experts_modules(model))):
+    # (a model of your own calls moe_experts itself); experts it does not run (GPT-OSS's
+    # interleaved, transposed, biased ones: hf_tp_plan leaves them replicated) run their own
+    # forward under tp (expert_parallel_plan refuses them with ep)
+    runs = [n for n, m in _experts_modules(model) if not _unsupported_experts(m)]
+    if parts is None and dims.ep == 1 and dims.tp > 1 and runs:
+        for name, m in _experts_modules(model):
+            _check_experts(name, m)  # one experts implementation per model: all or none
+    if parts is None and (dims.ep > 1 or (dims.tp > 1 and runs)):
         call = functools.partial(_experts, call=call)
     if remat is not False and pieces is None:  # each decoder layer under fs.remat, in one call
         policy = None if remat is True else remat
@@ -470,12 +488,83 @@ def parallelize(
         out = call(model, params, (shard(ids, mesh, spec),), kwargs)
         logits = getattr(out, "logits", out)
         ce = F.cross_entropy(
-            logits.flatten(0, -2).float(), shard(targets, mesh, spec).flatten(),
+            logits.flatten(0, -2).to(_loss_dtype(logits)), shard(targets, mesh, spec).flatten(),
             ignore_index=-100, reduction="sum",
         )  # fmt: skip
         return gather(ce) / target_count(targets)
 
     return params, loss
+
+
+def _check_cp(model: torch.nn.Module) -> None:
+    """Refuse a transformers model context parallelism would run silently wrong: its
+    attention must go through transformers' attention interface (switched to the ring's) and
+    its positions be the ``position_ids`` it is given (the global ones of each chunk)."""
+    name = type(model).__name__
+    why = None
+    if not getattr(model, "_supports_attention_backend", False):
+        why = "its attention does not go through transformers' attention interface"
+    elif "position_ids" not in inspect.signature(model.forward).parameters:
+        why = "its forward takes no position_ids"
+    else:
+        offset = [
+            n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and "position" in n and m.padding_idx is not None
+        ]  # fmt: skip
+        if offset:  # RoBERTa's: positions start after padding_idx, counted from the ids
+            why = f"its positions ({offset[0]}) are offset by a padding_idx"
+        elif mixers := _sequence_mixers(model):
+            why = (
+                f"its decoder layers mix positions other than by causal softmax attention "
+                f"over the whole prefix ({mixers}), which ring attention does not compute"
+            )
+    if why:
+        raise ValueError(
+            f"parallelize: cp > 1 splits the sequence and runs ring attention with each chunk's "
+            f"global position_ids; {name} cannot: {why}; use cp = 1 for it"
+        )
+
+
+#: the decoder layer kinds (transformers' ``config.layer_types``) whose only mixing across
+#: positions is softmax attention through the attention interface (a sliding window is refused
+#: where the attention is called, naming it)
+_CP_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _sequence_mixers(model: torch.nn.Module) -> str:
+    """What mixes positions in ``model``'s decoder layers besides the attention interface's
+    softmax attention (``""``: nothing found): layer kinds other than full / sliding attention
+    (``config.layer_types``: linear attention, convolution, state-space, hybrid, indexed or
+    compressed attention), convolutions over the sequence (kernel > 1: short convolutions,
+    Mamba's), state-space parameters (``A_log``, ``dt_bias``)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = []
+    types = getattr(text, "layer_types", None) or getattr(config, "layer_types", None) or ()
+    other = sorted({t for t in types if isinstance(t, str)} - _CP_LAYER_TYPES)
+    if other:
+        found.append(f"config.layer_types {other}")
+    # the text decoder's layers (not a vision tower's patch convolution), else the whole model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    names = {id(m): n for n, m in model.named_modules()}
+    if isinstance(layers, torch.nn.ModuleList) and id(layers) in names:
+        root, pre = layers, names[id(layers)] + "."
+    else:
+        root, pre = model, ""
+    convs = [
+        pre + n for n, m in root.named_modules()
+        if isinstance(m, _CONVS) and any(k > 1 for k in m.kernel_size)
+    ]  # fmt: skip
+    if convs:
+        found.append(f"convolutions {convs[:2]}")
+    ssm = [
+        pre + n for n, _ in root.named_parameters() if n.rsplit(".", 1)[-1] in ("A_log", "dt_bias")
+    ]
+    if ssm:
+        found.append(f"state-space parameters {ssm[:2]}")
+    return "; ".join(found)
 
 
 def _layers_name(model: torch.nn.Module, parts: ModelParts | None) -> str:
@@ -616,6 +705,15 @@ def _pipeline_parts(
         base = getattr(model, prefix, None) if prefix else None
         pp_plan = getattr(config, "base_model_pp_plan", None) or {}
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        missing = [k for k in ("embed_tokens", "layers", "norm") if not hasattr(base, k)]
+        if base is not None and head is not None and set(missing) & set(pp_plan):
+            raise NotImplementedError(
+                f"parallelize: pp > 1 splits a transformers causal LM into the pieces its "
+                f"config's base_model_pp_plan names ({sorted(pp_plan)}); "
+                f"{type(model).__name__}'s {type(base).__name__} has no {missing} (the plan "
+                "does not match the model); use pp = 1 for it, or give parts=ModelParts(...) "
+                "naming its embedding, layers, norm and head"
+            )
         if base is None or head is None or not {"embed_tokens", "layers", "norm"} <= set(pp_plan):
             raise NotImplementedError(
                 f"parallelize: pp > 1 splits a transformers causal LM into embedding, decoder "
@@ -655,6 +753,22 @@ def _pipeline_parts(
             "parallelize: pp stacks the decoder layers, which must be alike; these differ: "
             f"{sorted(kinds)} (their classes and config.layer_types)"
         )
+    # the causal LM's own forward changes the head's logits after lm_head, which the last
+    # stage (norm, then the head module) would skip: Cohere's logit_scale, Gemma-2's soft cap,
+    # Granite's logits_scaling
+    scaled = {
+        k: getattr(config, k, None)
+        for k in ("logit_scale", "final_logit_softcapping", "logits_scaling")
+    }
+    scaled = {k: v for k, v in scaled.items() if v not in (None, 1, 1.0)}
+    if parts is None and scaled:
+        raise NotImplementedError(
+            f"parallelize: pp > 1 runs the head module (lm_head) on the last stage; "
+            f"{type(model).__name__}'s forward also changes its logits ({scaled}), which the "
+            "stage would skip; use pp = 1 for it"
+        )
+    if parts is None:
+        _check_pieces(model, modules)
     if getattr(config, "output_router_logits", False):
         raise NotImplementedError(
             "parallelize: pp with output_router_logits=True: the router's auxiliary loss sums "
@@ -676,6 +790,126 @@ def _pipeline_parts(
         head=module_names[id(modules["head"])],
         names=out,
     )
+
+
+def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
+    """Refuse a transformers causal LM whose forward changes a value between the pieces the
+    pipeline runs one after another (embedding, each decoder layer, norm, head): the stages
+    pass each piece's output on as it is, so a scale or residual the model's own forward adds
+    between them (InklingForCausalLM's ``last_hidden_state / logits_mup_width_multiplier``
+    before lm_head, Granite's embedding and logits multipliers, Cohere's ``logit_scale``, a
+    hidden state expanded before the first layer) would be skipped silently.
+
+    Found by running the model once, as it is, on one short row of ids (no grad, eval mode:
+    no dropout, the random state untouched) with hooks on the pieces: each piece's input must
+    be the previous piece's output, the same tensor (or a view of it of the same shape: the
+    head's ``hidden_states[:, slice(0, None)]``), and the logits the head's output. A model
+    whose forward cannot run so (meta params, inputs it needs) is not checked here."""
+    layers = list(modules["layers"])
+    seen: dict = {}
+
+    def first(a, k):
+        return a[0] if a else k.get("hidden_states")
+
+    def out(o):
+        return o[0] if isinstance(o, (tuple, list)) else o
+
+    def put(key, value) -> None:  # the first call's (a hook returning a value replaces it)
+        seen.setdefault(key, value)
+
+    hooks = [
+        modules["embed"].register_forward_hook(lambda m, a, o: seen.update(embed=out(o))),
+        modules["norm"].register_forward_pre_hook(
+            lambda m, a, k: seen.update(norm_in=first(a, k)), with_kwargs=True
+        ),
+        modules["norm"].register_forward_hook(lambda m, a, o: seen.update(norm=out(o))),
+        modules["head"].register_forward_pre_hook(
+            lambda m, a, k: seen.update(head_in=first(a, k)), with_kwargs=True
+        ),
+        modules["head"].register_forward_hook(lambda m, a, o: seen.update(head=out(o))),
+    ]
+    for i, layer in enumerate(layers):
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda m, a, k, i=i: put(("in", i), first(a, k)) or put(("kw", i), (a[1:], k)),
+                with_kwargs=True,
+            )
+        )
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: put(("out", i), out(o))))
+    training = {m: m.training for m in model.modules()}
+    try:
+        weight = next(model.parameters())
+        ids = torch.ones((1, 8), dtype=torch.long, device=weight.device)
+        model.eval()
+        with torch.no_grad():
+            logits = getattr(model(ids, use_cache=False), "logits", None)
+    except Exception:  # not runnable so (meta params, inputs it needs): not checked here
+        return
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in training.items():
+            m.training = mode
+
+    def same(a, b) -> bool:
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return False
+        return a is b or (a._base is b and a.shape == b.shape)
+
+    n = len(layers)
+    steps = [
+        ("between the embedding and the first decoder layer", ("in", 0), "embed"),
+        *((f"between decoder layers {i} and {i + 1}", ("in", i + 1), ("out", i))
+          for i in range(n - 1)),
+        ("between the last decoder layer and the norm", "norm_in", ("out", n - 1)),
+        ("between the norm and the head", "head_in", "norm"),
+        ("after the head, on its logits", None, "head"),
+    ]  # fmt: skip
+    if not all(k in seen for _, a, b in steps for k in (a, b) if k is not None):
+        return  # a piece the forward did not call as the pipeline would: not checked here
+    # every layer runs with the keyword arguments the first one was given besides the hidden
+    # states (_layer_kwargs): a per-layer input (Gemma 4's per_layer_input) would repeat layer
+    # 0's, a positional one would be dropped
+    if seen[("kw", 0)][0]:
+        raise NotImplementedError(
+            f"parallelize: pp > 1 runs every decoder layer with the hidden states and the "
+            f"keyword arguments the model gives its first layer; {type(model).__name__} also "
+            f"passes {len(seen[('kw', 0)][0])} positional input(s) after the hidden states; "
+            "use pp = 1 for it"
+        )
+    other = next((i for i in range(1, n) if not _alike(seen[("kw", i)], seen[("kw", 0)])), None)
+    if other is not None:
+        kwargs, first_kwargs = seen[("kw", other)][1], seen[("kw", 0)][1]
+        differ = [k for k in kwargs if not _alike(kwargs[k], first_kwargs.get(k))]
+        raise NotImplementedError(
+            f"parallelize: pp > 1 runs every decoder layer with what the model gives its first "
+            f"layer besides the hidden states; {type(model).__name__} gives layer {other} "
+            f"other inputs ({differ}); use pp = 1 for it"
+        )
+    for where, a, b in steps:
+        if not same(logits if a is None else seen[a], seen[b]):
+            raise NotImplementedError(
+                f"parallelize: pp > 1 runs the embedding, each decoder layer, the norm and the "
+                f"head one after another, each taking the previous one's output; "
+                f"{type(model).__name__}'s forward changes the value {where} (a scale, "
+                "residual or extra input the stages would skip); use pp = 1 for it"
+            )
+
+
+def _alike(a, b) -> bool:
+    """Whether two layer inputs are the same: one tensor or equal ones, containers alike."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_alike, a, b))
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
 
 
 def _outputs(model: torch.nn.Module, plan: Mapping) -> dict[str, P]:
@@ -911,7 +1145,10 @@ def _pipeline_loss(
             # (rows, vocab, seq): torch's K-dimensional form, each dim keeping its split (the
             # sequence over cp; flattening (rows, seq) would gather the logits over cp)
             ce = F.cross_entropy(
-                logits.float().movedim(-1, 1), target, ignore_index=-100, reduction="sum"
+                logits.to(_loss_dtype(logits)).movedim(-1, 1),
+                target,
+                ignore_index=-100,
+                reduction="sum",
             )
             ce = ce * (m / count)  # the pipeline means over the m microbatches
             if rows:  # this rank's addend of the sum over its rows' axes, as the op rule's
@@ -957,16 +1194,23 @@ def _row(v, i: int):
     """Layer ``i`` of a stage's stacked param ``v``: ``v[i]``; of a ShardedArray whose dim 0
     (the layers) no axis splits, its block's row in the layout of the other dims, as the
     indexing op rule gives it, without the rule's dispatch (one per param and layer each
-    microbatch)."""
-    if type(v) is ShardedArray and type(v.layout) is Layout and not v.spec.padded(1)[0]:
-        return ShardedArray._raw(v.local[i], _row_layout(v.layout))
+    microbatch). A fused projection's per-part layout (:class:`~fshard.Parts`, its parts past
+    dim 0) keeps its parts in the row."""
+    lay = v.layout if type(v) is ShardedArray else None
+    if type(lay) is Layout and not lay.spec.padded(1)[0]:
+        return ShardedArray._raw(v.local[i], _row_layout(lay))
+    if type(lay) is PartsLayout and lay.dim > 0 and not lay.base.spec.padded(1)[0]:
+        return ShardedArray._raw(v.local[i], _row_layout(lay))
     return v[i]
 
 
 @functools.lru_cache(maxsize=256)
-def _row_layout(layout: Layout) -> Layout:
-    spec = layout.spec
+def _row_layout(layout: Layout | PartsLayout) -> Layout | PartsLayout:
+    parts = isinstance(layout, PartsLayout)
+    spec = layout.base.spec if parts else layout.spec
     rest = P(*spec.padded(len(layout.shape))[1:], partial=spec.partial)
+    if parts:
+        rest = Parts(rest, layout.dim - 1, layout.sizes)
     return Layout.of(layout.mesh, rest, layout.shape[1:], layout.dtype)
 
 

@@ -931,6 +931,15 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         raise ValueError(f"{HF_ATTENTION}: attention dropout is not supported, got {dropout}")
     if kw.get("sliding_window") is not None:
         raise NotImplementedError(f"{HF_ATTENTION}: sliding-window attention is not supported")
+    # what the attention would otherwise drop silently: sinks (GPT-OSS, Flint), a soft cap
+    # on the scores (Gemma-2)
+    for k in ("s_aux", "sinks", "softcap"):
+        if kw.get(k) is not None:
+            raise NotImplementedError(
+                f"{HF_ATTENTION}: {type(module).__name__} passes {k}= (attention sinks or a "
+                "soft cap on the scores), which ring and Ulysses attention do not apply; use "
+                "cp = 1 for this model"
+            )
     causal = kw.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     out = attention(query, key, value, is_causal=causal, scale=scaling, padding_mask=attention_mask)
@@ -970,6 +979,12 @@ def _attention_of(module: torch.nn.Module, mesh: Mesh, axis: str, attend):
         if hf:
             config._attn_implementation = before
         _ACTIVE.reset(token)
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The cross entropy's dtype: at least float32 (as transformers' loss upcasts), float64
+    kept (a float32 cast would round a float64 model's loss and gradients to float32)."""
+    return torch.promote_types(logits.dtype, torch.float32)
 
 
 def target_count(targets: torch.Tensor) -> int:
@@ -1094,7 +1109,10 @@ def context_parallel_loss(
             out = _call(call or functional_call, module, ps, ids, pos, keep)
         logits = getattr(out, "logits", out)
         ce = F.cross_entropy(
-            logits.flatten(0, -2).float(), tgt.flatten(), ignore_index=-100, reduction="sum"
+            logits.flatten(0, -2).to(_loss_dtype(logits)),
+            tgt.flatten(),
+            ignore_index=-100,
+            reduction="sum",
         )
         return lax.psum(ce, axis) / count
 

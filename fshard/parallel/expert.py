@@ -51,11 +51,20 @@ __all__ = ["moe_experts", "expert_parallel_plan", "expert_parallel_call"]
 
 
 def _expert_rows(rows, gate_up, down, counts, apply_gate):
-    """Each local expert ``e`` on its ``counts[e]`` consecutive rows (HF's eager expert math)."""
+    """Each local expert ``e`` on its ``counts[e]`` consecutive rows (HF's eager expert math).
+    ``gate_up``: the stacked ``[gate; up]`` weights, or (with tp) the pair ``(gate, up)``,
+    each used as it came in (a view of its weight, not a concatenation of the two: FSDP's
+    gathered weights are tracked through views, so a use that meets the tokens' split over
+    the FSDP axes becomes its varying gather, reduce-scattered, where a concatenation was
+    pcast expert by expert, its gradient all-reduced)."""
+    linear = torch.nn.functional.linear
     outs, off = [], 0
     for e, n in enumerate(counts):
         seg = rows[off : off + n]
-        h = apply_gate(torch.nn.functional.linear(seg, gate_up[e]))
+        if isinstance(gate_up, tuple):
+            h = apply_gate(torch.cat([linear(seg, gate_up[0][e]), linear(seg, gate_up[1][e])], -1))
+        else:
+            h = apply_gate(linear(seg, gate_up[e]))
         outs.append(torch.nn.functional.linear(h, down[e]))
         off += n
     return torch.cat(outs, 0) if outs else rows[:0, : down.shape[1]]
@@ -63,9 +72,10 @@ def _expert_rows(rows, gate_up, down, counts, apply_gate):
 
 def _dispatch_local(x, idx, w, gate_up, down, *, axis, mesh, apply_gate, capacity_factor):
     """The per-rank body (see the module docstring): ``x`` (T, H), ``idx``/``w`` (T, k), the
-    local experts ``gate_up`` (E_l, 2I, H), ``down`` (E_l, H, I). Returns (T, H)."""
+    local experts ``gate_up`` (E_l, 2I, H) (with tp the pair of its gate and up halves, each
+    (E_l, I_l, H)), ``down`` (E_l, H, I). Returns (T, H)."""
     ep = mesh.size(axis) if axis else 1
-    e_local = gate_up.shape[0]
+    e_local = (gate_up[0] if isinstance(gate_up, tuple) else gate_up).shape[0]
     n_experts = e_local * ep
     t, k = idx.shape
     flat = idx.reshape(-1)
@@ -188,7 +198,7 @@ def moe_experts(
         weights, specs = (gate_up_proj, down_proj), (P(e), P(e))
 
     def local(x, i, wt, *ws):
-        gu = torch.cat(ws[:2], 1) if tp else ws[0]  # this rank's [gate | up] rows
+        gu = tuple(ws[:2]) if tp else ws[0]  # this rank's gate and up rows
         if tp:  # the tokens (whole over tp) meet tp's blocks here, once: their gradients'
             # sums over tp are of x and wt (not of every dispatched row: k x x's bytes)
             x, wt = pcast(x, tp), pcast(wt, tp)

@@ -8,8 +8,17 @@ TP plan, so FSDP composes with TP on a 2-D mesh). Each layer's weights are all-g
 
     per param of a unit          forward                         backward
     sharded over dp (dim 0)      all_gather(to="varying")        psum_scatter (reduce_scatter)
-    left whole (dim 0 too small) pcast over dp (no comm)         psum (all_reduce, bucketed
+    left whole (0-d, unnested)   pcast over dp (no comm)         psum (all_reduce, bucketed
                                                                  under fs.value_and_grad)
+
+A fused projection split per part over tp (:class:`~fshard.Parts`) on a dim other than 0
+(GPT-2's ``c_attn`` weight, MoE experts' packed ``gate_up_proj``) is sharded on dim 0 like any
+param: its block gathered along dim 0 is its per-part block under the base plan. One whose
+parts are on dim 0 (Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` weights, ``c_attn``'s bias)
+has each part split over tp and then dp (``Parts(P(("tp", "dp"), None), 0, (q, k, v))``): the
+unit's all_gather gives each part's sub-chunks ``[q_0 | k_0 | v_0 | q_1 | k_1 | v_1]``, put back
+in part order ``[q_r | k_r | v_r]`` by a local permutation (``_Session.arranged``; its backward,
+the inverse, runs before the reduce_scatter), so the gathered value has the base plan's layout.
 
 In a ``shard_map`` body (FSDP x CP, the global view) a param invariant over the body's manual
 axes (``cp``) that meets varying data is pcast over them: that pcast is made on the param's
@@ -78,11 +87,11 @@ from ..array import ShardedArray
 from ..collectives import AllGather, Bound, Pcast
 from ..gradsync import GradSync
 from ..mesh import Mesh
-from ..module import cast_inputs, cast_outputs, policy_of
-from ..nn_plan import match_plan
+from ..module import _tied_specs, cast_inputs, cast_outputs, policy_of
+from ..nn_plan import _split_plan
 from ..planner import chunk_sizes
 from ..precision import MixedPrecisionPolicy
-from ..spec import Layout, P, Parts, spec_of_dims
+from ..spec import Layout, P, Parts, nests, parts_arranged, parts_chunked, spec_of_dims
 from ..tree import tree_leaves
 
 __all__ = ["fsdp_plan", "fsdp_units", "fsdp_gather", "fsdp_call"]
@@ -92,8 +101,8 @@ def fsdp_plan(
     module: torch.nn.Module,
     mesh: Mesh,
     axis: str | Sequence[str] = "dp",
-    base: Mapping[str, P] | None = None,
-) -> dict[str, P]:
+    base: Mapping[str, P | Parts] | None = None,
+) -> dict[str, P | Parts]:
     """A :func:`fshard.nn.shard_params` plan that shards every param over ``axis`` too.
 
     Dim 0 of each param's base spec gets ``axis`` as its least significant axis (``None`` ->
@@ -108,11 +117,23 @@ def fsdp_plan(
     over ``ep`` = 2, FSDP over ``("dp_shard", "cp")`` of 2 x 2: ``P(("ep", "dp_shard"))``, as
     torchtitan shards experts over fewer FSDP ranks than the dense params); :func:`fsdp_call`
     gathers and reduce-scatters it over those axes (its own group, packed with the unit's
-    params of that group) and sums its gradient over the others like HSDP's replicas. One
-    that nests over none of them, a 0-d one, or one whose base splits it per part (a fused
-    projection, :class:`~fshard.Parts`: gathering sub-chunks of every part would not give its
-    block) keeps its base spec: it stays whole over ``axis`` and its gradient is all-reduced
-    like DDP's. The base may split dim 0 over FSDP axes other than the first (experts over
+    params of that group) and sums its gradient over the others like HSDP's replicas. A fused
+    projection split per part (:class:`~fshard.Parts`) on a dim other than 0 (GPT-2's Conv1D
+    ``c_attn`` weight ``(in, 3 x out)``, transformers' packed experts ``gate_up_proj``
+    ``(E, 2I, H)``) is split on dim 0 as its ``P``'s is, the parts dim keeping its per-part
+    split (``Parts(P(None, 'tp'), 1, s)`` -> ``Parts(P('dp', 'tp'), 1, s)``; experts over
+    ``ep``: ``Parts(P(('ep', 'dp_shard'), 'tp', None), 1, s)``), as FSDP2 shards it on dim 0
+    (``_StridedShard`` keeping the tp parts): gathering dim 0 gives its block under the base.
+    A :class:`~fshard.Parts` on dim 0 (Phi-3's fused ``qkv_proj`` and ``gate_up_proj``
+    weights, ``c_attn``'s bias) has each part split over its base axes and then the longest
+    prefix of the FSDP axes whose (ceil-div) chunks of every part nest in its base chunks
+    (``Parts(P('tp', None), 0, s)`` -> ``Parts(P(('tp', 'dp'), None), 0, s)``, as FSDP2's
+    ``_StridedShard`` over tp and ``Shard(0)`` over dp): :func:`fsdp_call` gathers it in its
+    unit's all_gather and puts each part's sub-chunks back in part order. One that nests over
+    none of the axes (parts of 6 rows over tp x dp = 2 x 2: tp chunks of 3, flat chunks of 2),
+    or a 0-d one, keeps its base spec: it stays whole over ``axis`` and its gradient is
+    all-reduced like DDP's (bucketed under :func:`fshard.value_and_grad`). The base may split
+    dim 0 over FSDP axes other than the first (experts over
     ``ep`` with FSDP over ``("dp_shard", "ep")``, :func:`fshard.parallel.parallelize`'s
     FSDP x EP: the dense params split over both, as torchtitan's FSDP mesh holds its ep
     ranks): FSDP adds the longest prefix of the others that nests (``P(("ep",
@@ -126,7 +147,7 @@ def fsdp_plan(
         base: another plan to compose with, e.g. ``fs.nn.megatron_plan(...)`` on ``'tp'``.
 
     Returns:
-        ``{param name: P}`` (exact names) for :func:`fshard.nn.shard_params`.
+        ``{param name: P or Parts}`` (exact names) for :func:`fshard.nn.shard_params`.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("dp",))  # 2 ranks
@@ -139,6 +160,12 @@ def fsdp_plan(
         >>> am = fs.Mesh.abstract((2, 2), ("dp_shard", "ep"))  # the base holds ep of the axes
         >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 4), am, ("dp_shard", "ep"), base={"weight": fs.P("ep")})
         {'weight': P(('ep', 'dp_shard'), None), 'bias': P(('dp_shard', 'ep'))}
+        >>> am = fs.Mesh.abstract((2, 2), ("dp", "tp"))  # [q | k | v] on dim 1, split per part
+        >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 6), am, base={"weight": fs.Parts(fs.P(None, "tp"), 1, (2, 2, 2))})
+        {'weight': Parts(P('dp', 'tp'), dim=1, sizes=(2, 2, 2)), 'bias': P('dp')}
+        >>> qkv = fs.Parts(fs.P("tp", None), 0, (8, 4, 4))  # [q | k | v] on dim 0, per part
+        >>> fs.nn.fsdp_plan(torch.nn.Linear(4, 16, bias=False), am, base={"weight": qkv})
+        {'weight': Parts(P(('tp', 'dp'), None), dim=0, sizes=(8, 4, 4))}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fsdp_plan: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -146,7 +173,9 @@ def fsdp_plan(
         raise TypeError(f"fsdp_plan: mesh must be a fshard.Mesh, got {type(mesh).__name__}")
     axes = _axes(axis, mesh, "fsdp_plan")
     named = dict(module.named_parameters())
-    specs = match_plan(named, base or {})
+    # a tied param (a head tied to the embedding) is named once, but the base plan may name
+    # it by either name (transformers' plans name the head), as shard_params reads it
+    specs = _tied_specs(module, _split_plan(base)[0])
     errors = LeafErrors(f"fsdp_plan: parameters the base plan already shards over {axis!r}")
     for name, spec in specs.items():
         if not set(axes) & set(spec.axes):
@@ -154,11 +183,11 @@ def fsdp_plan(
         # dim 0's base split may hold FSDP axes other than the first (experts over ep, FSDP
         # over ("dp_shard", "ep")), none after them: FSDP adds the others after them (its part
         # starts with the first axis: fsdp_call tells it from the base's); else refused
-        # (a fused projection's parts on dim 0 hold no such split; on another dim, its dim 0
+        # (a fused projection's parts on dim 0 hold no such split: FSDP nests its axes after
+        # the parts' base axes, _nested_parts; on another dim, its dim 0
         # is the P's: experts over ep with their [gate | up] halves over tp)
-        inner = spec.spec if isinstance(spec, Parts) else spec
-        parts0 = isinstance(spec, Parts) and spec.dim % named[name].dim() == 0
-        first = () if parts0 else inner.padded(named[name].dim())[0]
+        ndim = named[name].dim()
+        first = () if _parts_on_dim0(spec, ndim) else _dim0(spec, ndim)
         held = [i for i, a in enumerate(first) if a in axes]
         if (
             axes[0] in spec.axes
@@ -170,17 +199,57 @@ def fsdp_plan(
     out = {}
     for name, p in named.items():
         spec = specs[name]
-        if p.dim() == 0 or isinstance(spec, Parts):
+        if p.dim() == 0:
             out[name] = spec
             continue
-        dims = spec.padded(p.dim())
+        if _parts_on_dim0(spec, p.dim()):
+            # each part split over the base axes and then FSDP's (the longest prefix whose
+            # chunks nest in the base chunks of every part): gathering over them gives each
+            # part's sub-chunks, put back in part order after the gather (_part_rows)
+            dims = spec.spec.padded(p.dim())
+            first = _nested_parts(dims[0], axes, spec.sizes, mesh)
+            split = spec_of_dims([first, *dims[1:]], spec.partial) if first else None
+            out[name] = spec if split is None else Parts(split, spec.dim, spec.sizes)
+            continue
+        # a Parts on another dim: its dim 0 is its P's, split as any P's (the parts dim
+        # keeps its per-part split), so gathering dim 0 gives its base block
+        inner = spec.spec if isinstance(spec, Parts) else spec
+        dims = inner.padded(p.dim())
         rest = tuple(a for a in axes if a not in dims[0])  # those the base leaves
         first = _nested(dims[0], rest, p.shape[0], mesh)
         if first is None:
             out[name] = spec  # uneven under a base split of dim 0: the blocks would not nest
             continue
-        out[name] = spec_of_dims([first, *dims[1:]], spec.partial)
+        split = spec_of_dims([first, *dims[1:]], inner.partial)
+        out[name] = Parts(split, spec.dim, spec.sizes) if isinstance(spec, Parts) else split
     return out
+
+
+def _parts_on_dim0(spec, ndim: int) -> bool:
+    """Whether ``spec`` is a :class:`~fshard.Parts` whose parts dim is dim 0 of an ``ndim``-d
+    param (Phi-3's fused ``qkv_proj`` weight, GPT-2's ``c_attn`` bias): FSDP splits each part
+    (:func:`_nested_parts`), and gathering its blocks gives every part's sub-chunks, put
+    back in part order (``_Session.arranged``)."""
+    return isinstance(spec, Parts) and spec.dim % ndim == 0
+
+
+def _nested_parts(base: tuple[str, ...], axes: tuple[str, ...], sizes, mesh: Mesh):
+    """Dim 0's entry for a :class:`~fshard.Parts` on dim 0 whose parts of ``sizes`` are each
+    split over ``base``: ``base`` and the longest prefix of the FSDP ``axes`` whose chunks of
+    every part nest in its base chunks (:func:`~fshard.spec.nests`: uneven parts too, where
+    the ceil-div chunks nest), ``None`` when none does (the param stays whole over them)."""
+    outer = math.prod(mesh.size(a) for a in base)
+    for n in range(len(axes), 0, -1):
+        inner = math.prod(mesh.size(a) for a in axes[:n])
+        if all(nests(s, outer, inner) for s in sizes):
+            return (*base, *axes[:n])
+    return None
+
+
+def _dim0(spec, ndim: int) -> tuple[str, ...]:
+    """Dim 0's axes of a param of ``spec`` (a ``P``, or a ``Parts`` on another dim: its P's)."""
+    inner = spec.spec if isinstance(spec, Parts) else spec
+    return inner.padded(ndim)[0]
 
 
 def _nested(base: tuple[str, ...], axes: tuple[str, ...], rows: int, mesh: Mesh):
@@ -386,21 +455,20 @@ class _Session:
     def axes_of(self, n: str) -> tuple[str, ...]:
         """The FSDP axes param ``n``'s dim 0 is split over, in the FSDP axes' order: all of
         them, or some (a prefix, :func:`fsdp_plan`'s nesting rule: 4 experts split over
-        ``("ep", "dp_shard")`` of FSDP over ``("dp_shard", "cp")``); ``()``: whole over them
-        (a per-part param too: gathering sub-chunks of every part would not give its block).
+        ``("ep", "dp_shard")`` of FSDP over ``("dp_shard", "cp")``; a :class:`~fshard.Parts`
+        on another dim: its ``P``'s dim 0; on dim 0: each part's, :meth:`part_rows`); ``()``:
+        whole over them (a 0-d param, or one its plan leaves whole).
         A param split over some is gathered and reduce-scattered over those (:meth:`group_of`,
         packed with the unit's params of that group) and its block pcast over the others
         (:meth:`rest_of`) in its varying gather: its gradient's sum over them runs on the shard,
         as HSDP's over the replicate axes."""
         axes = self.split.get(n)
         if axes is None:
-            spec = self.params[n].spec
+            spec, ndim = self.params[n].spec, len(self.params[n].shape)
             axes = (
                 ()
-                if isinstance(spec, Parts) or not spec.dims
-                else _fsdp_part(
-                    spec.padded(len(self.params[n].shape))[0], self.axes, f"fsdp_call: param {n!r}"
-                )
+                if ndim == 0
+                else _fsdp_part(_dim0(spec, ndim), self.axes, f"fsdp_call: param {n!r}")
             )
             self.split[n] = axes
         return axes
@@ -408,8 +476,7 @@ class _Session:
     def rest_of(self, n: str) -> tuple[str, ...]:
         """The FSDP axes sharded param ``n`` is whole over (``()`` for most: see
         :meth:`axes_of`)."""
-        axes, spec = self.axes_of(n), self.params[n].spec
-        held = () if isinstance(spec, Parts) else spec.axes  # a base split (experts over ep)
+        axes, held = self.axes_of(n), self.params[n].spec.axes  # a base split (experts: ep)
         return tuple(a for a in self.axes if a not in axes and a not in held)
 
     def group_of(self, n: str):
@@ -423,7 +490,35 @@ class _Session:
     def rows(self, n: str) -> tuple[int, ...] | None:
         """Sharded param ``n``'s rows in each chunk of its FSDP axes (group order), or
         ``None`` when they are equal."""
+        parts = self.part_rows(n)
+        if parts is not None:
+            rows = tuple(sum(r) for r in parts)
+            return None if len(set(rows)) == 1 else rows
         return _chunk_rows(self.params[n].layout, self.axes_of(n), self.group_of(n).size)
+
+    def part_rows(self, n: str) -> tuple[tuple[int, ...], ...] | None:
+        """A :class:`~fshard.Parts` param on dim 0 split over FSDP axes: the rows of each part
+        in each chunk of its FSDP axes (group order); ``None`` for any other param."""
+        layout = self.params[n].layout
+        if not (self.axes_of(n) and _parts_on_dim0(layout.spec, len(layout.shape))):
+            return None
+        return _part_rows(layout, self.axes_of(n), self.group_of(n).ranks)
+
+    def arranged(self, n: str, full: torch.Tensor) -> torch.Tensor:
+        """Param ``n`` gathered over its FSDP axes (``full``: its blocks in chunk order along
+        dim 0) as its base block: for a :class:`~fshard.Parts` on dim 0, whose chunk ``j``
+        is ``[q_j | k_j | v_j]`` (each part's sub-chunk ``j`` of this rank's base chunk), the
+        parts' sub-chunks put back in part order ``[q_0 q_1 | k_0 k_1 | v_0 v_1]`` (a local
+        permutation: its backward the inverse, before the reduce_scatter); ``full`` itself
+        for any other param."""
+        parts = self.part_rows(n)
+        return full if parts is None else parts_arranged(full, parts)
+
+    def chunked(self, n: str, full: torch.Tensor | None) -> torch.Tensor | None:
+        """The inverse of :meth:`arranged`: param ``n``'s base block as its blocks over its
+        FSDP axes in chunk order (what the gather's data is)."""
+        parts = None if full is None else self.part_rows(n)
+        return full if parts is None else parts_chunked(full, parts)
 
     def _gather_op(self, n: str, invariant: bool = False) -> Bound:
         """Param ``n``'s all_gather over its FSDP axes (its uneven blocks' sizes)."""
@@ -447,7 +542,7 @@ class _Session:
                     if not self.typed:  # the use the gradient sync made of it already
                         use = self.held.kept_use(self.params[n].local, group, low.dtype)
                         if use is not None:
-                            self.uses[n] = use
+                            self.uses[n] = use = self.arranged(n, use)
                             launched.append(([n], None, _comm.Pending(use)))
                             continue
                     full = self.held.held_gather(self.params[n].local, group, low.dtype)
@@ -488,7 +583,7 @@ class _Session:
             k = self.group_of(names[0]).size
             pieces = torch.split(buf.view(k, -1), [math.prod(s) for s in shapes], dim=1)
             for n, shape, piece in zip(names, shapes, pieces):
-                out[n] = _unpadded(piece, k, shape, self.rows(n))
+                out[n] = self.arranged(n, _unpadded(piece, k, shape, self.rows(n)))
         if self.held is not None and flats is None:  # kept for the step's other uses
             for n, full in out.items():
                 # (a use of the step's stand-in: kept already)
@@ -636,9 +731,12 @@ class _Session:
         mesh of the automatic axes (what ``in_specs`` ``P()`` gives for a param whole over the
         manual axes)."""
         layout = self.params[n].layout
-        dims = list(layout.spec.padded(len(layout.shape)))
+        spec = layout.spec
+        inner = spec.spec if isinstance(spec, Parts) else spec  # a Parts' dim 0 is its P's
+        dims = list(inner.padded(len(layout.shape)))
         dims[0] = dims[0][: len(dims[0]) - len(self.axes_of(n))]  # the FSDP part is its tail
-        base = layout.with_spec(spec_of_dims(dims, layout.spec.partial))
+        kept = spec_of_dims(dims, inner.partial)
+        base = layout.with_spec(Parts(kept, spec.dim, spec.sizes) if spec is not inner else kept)
         tracker = axis_env.tracker(self.mesh)
         auto = tracker.auto if tracker is not None else None
         if auto is None or layout.mesh == auto:
@@ -677,10 +775,12 @@ class _Session:
         invariant = self._gather_op(n, invariant=True)
         reduce = self.policy.reduce_in(src.dtype)
         low = self.policy.cast_param(src)
+        full = self.chunked(n, full)
         if reduce == low.dtype:
-            return lax.apply(invariant, low, done=full)
+            return self.arranged(n, lax.apply(invariant, low, done=full))
         done = None if full is None else full.to(reduce)
-        return lax.apply(invariant, src.to(reduce), done=done).to(low.dtype)
+        y = lax.apply(invariant, src.to(reduce), done=done).to(low.dtype)
+        return self.arranged(n, y)
 
     def on_shard(self, n: str) -> bool:
         """Whether a pcast of param ``n``'s gathered value over other axes (a ``shard_map``
@@ -743,10 +843,11 @@ class _Session:
             return full
         reduce = self.policy.reduce_in(x.dtype)
         src = self._replicated(x, reduce, over, n)
-        op = self._gather_op(n)
+        op, done = self._gather_op(n), self.chunked(n, full)
         if reduce == full.dtype:
-            return lax.apply(op, self.policy.cast_param(src), done=full)
-        return lax.apply(op, src.to(reduce), done=full.to(reduce)).to(full.dtype)
+            return self.arranged(n, lax.apply(op, self.policy.cast_param(src), done=done))
+        y = lax.apply(op, src.to(reduce), done=done.to(reduce)).to(full.dtype)
+        return self.arranged(n, y)
 
     def _pcast(self, n: str) -> torch.Tensor:
         """Param ``n``, left whole over the axis: a pcast over the axis (and the replicate
@@ -815,7 +916,7 @@ class _Session:
             full = lax.all_gather(flat, axes, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for b in blocks], dim=1)
             for (n, _), b, piece in zip(items, blocks, pieces):
-                out[n] = _unpadded(piece, k, b.shape, self.rows(n))
+                out[n] = self.arranged(n, _unpadded(piece, k, b.shape, self.rows(n)))
         return out
 
     def _traced_unit(self, unit: str) -> dict[str, torch.Tensor]:
@@ -851,7 +952,7 @@ class _Session:
             full = lax.all_gather(flat, axes, to="varying", mesh=self.mesh).view(k, -1)
             pieces = torch.split(full, [b.numel() for _, b in items], dim=1)
             for (n, b), piece in zip(items, pieces):
-                y = _unpadded(piece, k, b.shape, self.rows(n))
+                y = self.arranged(n, _unpadded(piece, k, b.shape, self.rows(n)))
                 out[n] = y if y.dtype == low_dtype else y.to(low_dtype)
         return out
 
@@ -864,12 +965,13 @@ class _Session:
         low = self.policy.cast_param(src)
         rows, axes = self.rows(n), self.axes_of(n)
         if reduce == low.dtype:
-            return lax.all_gather(low, axes, sizes=rows, to="varying", mesh=self.mesh)
+            y = lax.all_gather(low, axes, sizes=rows, to="varying", mesh=self.mesh)
+            return self.arranged(n, y)
         # Under a transform an edge carries its forward dtype's gradient, so a gather of
         # param_dtype values cannot reduce-scatter in another dtype: gather in the reduce dtype
         # (its bytes; the top-level path gathers param_dtype bytes) and cast after.
         y = lax.all_gather(src.to(reduce), axes, sizes=rows, to="varying", mesh=self.mesh)
-        return y.to(low.dtype)
+        return self.arranged(n, y.to(low.dtype))
 
     def _block(self, n: str) -> torch.Tensor:
         """Param ``n``'s local block for a traced gather. In a ``shard_map`` body that tracks
@@ -1167,7 +1269,7 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
     fshard's flat ones (:func:`~fshard.planner.chunk_sizes`); gathering them over ``axes``
     gives the param's base block only when no other axis splits dim 0."""
     rows = layout.shape[0]
-    others = [a for a in layout.spec.padded(len(layout.shape))[0] if a not in axes]
+    others = [a for a in _dim0(layout.spec, len(layout.shape)) if a not in axes]
     if rows % (k * math.prod(layout.mesh.size(a) for a in others)) == 0:
         return None
     if others:
@@ -1179,6 +1281,24 @@ def _chunk_rows(layout: Layout, axes: tuple[str, ...], k: int) -> tuple[int, ...
             "leaves it whole over them"
         )
     return chunk_sizes(rows, layout.mesh, axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_rows(layout, axes: tuple[str, ...], ranks: tuple[int, ...]) -> tuple:
+    """The rows of each part (:class:`~fshard.Parts` on dim 0) in the block of each of
+    ``ranks`` (a param's FSDP group, chunk order); its chunks over the FSDP ``axes`` must
+    nest in its base chunks of every part (:func:`fsdp_plan` splits it so), else refused."""
+    outer = math.prod(layout.mesh.size(a) for a in layout.axes if a not in axes)
+    inner = math.prod(layout.mesh.size(a) for a in axes)
+    bad = [s for s in layout.sizes if not nests(s, outer, inner)]
+    if bad:
+        raise ValueError(
+            f"fsdp_gather: a param of shape {tuple(layout.shape)} and spec {layout.spec} splits "
+            f"its parts {bad} over the FSDP axes {axes} in chunks that do not nest in its "
+            "chunks over the other axes: gathering them would not give its block; "
+            "fs.nn.fsdp_plan leaves such a param whole over the FSDP axes"
+        )
+    return layout.part_rows(ranks)
 
 
 def _unpadded(piece: torch.Tensor, k: int, shape, rows: tuple[int, ...] | None) -> torch.Tensor:
@@ -1397,7 +1517,14 @@ def fsdp_call(
         axis: the data-parallel mesh axis, or a tuple of axes (as in :func:`fsdp_plan`). A
             param split over some of them (:func:`fsdp_plan`'s longest prefix that nests) is
             gathered and reduce-scattered over those (one pack per group in a unit) and its
-            gradient summed over the others on its shard.
+            gradient summed over the others on its shard. A :class:`~fshard.Parts` param
+            split on dim 0 (its parts on another dim: GPT-2's ``c_attn`` weight, MoE
+            experts' ``gate_up_proj``) is gathered in its unit's all_gather and
+            reduce-scattered in its reduce_scatter like the others; one split per part on
+            dim 0 over the FSDP axes (Phi-3's ``qkv_proj``, ``c_attn``'s bias) too, its
+            parts' sub-chunks put back in part order after the gather (refused under
+            ``fs.value_and_grad(..., sync=False)``: its unreduced gradient would be in chunk
+            order); one left whole is pcast, its gradient all-reduced.
         units: as in :func:`fsdp_gather`; default :func:`fsdp_units`.
         prefetch: as in :func:`fsdp_gather`.
         mp_policy: a :class:`~fshard.nn.MixedPrecisionPolicy` (``None``: the one

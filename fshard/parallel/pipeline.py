@@ -43,12 +43,16 @@ Design decisions (issue 22 item 2):
 * **One executor for every schedule.** The schedule's forward runs as one
   ``torch.autograd.Function`` (JAX's ``custom_vjp`` pipelines): its forward walks the tick
   table; at each tick every rank runs its action, then the activations (forward) and
-  cotangents (backward) produced that tick move to the neighbouring stage's rank with
-  :func:`fshard.lax.ppermute` over ``axis`` (one ppermute per direction and tick, only the
-  pairs that send; ranks that receive nothing get zeros), inside a ``shard_map`` manual over
-  ``axis`` only (``axis_names={axis}``), so op rules run the dp / tp / fsdp collectives of the
-  other axes inside each stage as usual. A stage's forward (F) records its autograd graph; its
-  backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
+  cotangents (backward) produced that tick move to the neighbouring stage's rank with a
+  ppermute over ``axis`` (one per direction and tick, only the pairs that send; ranks that
+  receive nothing get an empty block), launched with :func:`fshard.lax.apply_start` and left on
+  the wire: a rank waits for what it received at the tick that uses it, and for what it sent
+  by the end of the call (``torch.distributed.pipelining``'s schedules wait only for the
+  receives they need; on Gloo a send completes when the peer posts its receive, so waiting for
+  the whole ppermute at each tick held the sender until its peer had finished that tick),
+  inside a ``shard_map`` manual over ``axis`` only (``axis_names={axis}``), so op rules run
+  the dp / tp / fsdp collectives of the other axes inside each stage as usual. A stage's
+  forward (F) records its autograd graph; its backward (B) is ``torch.autograd.backward`` of it with the cotangent received, in schedule
   order, accumulating the parameter gradients in fresh leaves; ZB-H1 splits B into the input gradient (B) and the
   weight gradient (W) and defers W into the bubbles: B runs the backward to the input alone,
   keeping the cotangents that reach the nodes where the graph branches off to the weights, and
@@ -126,7 +130,7 @@ from ..gradsync import GradSync
 from ..mesh import AxisGroup, Mesh
 from ..nn_plan import match_plan
 from ..shard_map import call_signature, shard_map_checked_by_caller
-from ..spec import HeldLayout, Layout, P
+from ..spec import HeldLayout, Layout, P, Parts, PartsLayout, spec_of_dims
 
 __all__ = [
     "Action",
@@ -432,15 +436,18 @@ def stack_stages(
     ``{prefix}.{i}.{name}`` (a ``ModuleList``'s, e.g. ``dict(model.named_parameters())``),
     stacked to ``{name: (stages, blocks per stage, ...)}`` in :func:`stage_order` and sharded
     ``P(axis, None, *spec)``, ``spec`` the layout ``plan`` gives the blocks' param (a
-    :func:`fshard.nn.megatron_plan`, for tp); other names are ignored. The layout half of the
-    strategy: what ``fs.nn.shard_params`` is to a module.
+    :func:`fshard.nn.megatron_plan`, for tp); a fused projection's :class:`~fshard.Parts`
+    (``Parts(spec, dim, sizes)``, each part split on its own) stays one, shifted past the two
+    new dims: ``Parts(P(axis, None, *spec), dim + 2, sizes)``, so each stage's slice keeps the
+    per-part split. Other names are ignored. The layout half of the strategy: what
+    ``fs.nn.shard_params`` is to a module.
 
     Args:
         params: full tensors by name (the same on every rank).
         mesh: the mesh, with ``axis``.
         prefix: the blocks' ``ModuleList`` name (``"blocks"``, ``"transformer.h"``).
-        plan: ``{glob: P}`` over ``params``' names (:func:`fshard.nn.match_plan`); every
-            block must get the same spec. Default: replicated over the other axes.
+        plan: ``{glob: P | Parts}`` over ``params``' names (:func:`fshard.nn.match_plan`);
+            every block must get the same spec. Default: replicated over the other axes.
         axis, virtual: as in :func:`pipeline` (``pp * virtual`` stages must divide the blocks).
 
     Returns:
@@ -479,7 +486,8 @@ def stack_stages(
         if len(block) != 1:
             raise ValueError(f"stack_stages: plan gives the blocks' {name!r} different specs")
         spec = block.pop()
-        if axis in spec.axes:
+        inner = spec.spec if isinstance(spec, Parts) else spec
+        if axis in inner.axes:
             raise ValueError(f"stack_stages: plan splits {name!r} over the pipeline axis {axis!r}")
         full = torch.stack(
             [
@@ -487,8 +495,27 @@ def stack_stages(
                 for s in stage_order(mesh.size(axis), virtual)
             ]
         )
-        out[name] = shard(full, mesh, P(axis, None, *spec.dims, partial=spec.partial))
+        out[name] = shard(full, mesh, _stacked_spec(spec, full.ndim - 2, axis))
     return out
+
+
+def _stacked_spec(spec: P | Parts, ndim: int, axis: str = "pp") -> P | Parts:
+    """The layout :func:`stack_stages` gives a block's param of ``ndim`` dims laid out by
+    ``spec``: two leading dims, the stages split over ``axis`` and the blocks of a stage whole,
+    then ``spec``'s; a :class:`~fshard.Parts` keeps its parts, its dim moved past the two.
+
+    Example:
+        >>> _stacked_spec(P("tp"), 2)
+        P('pp', None, 'tp')
+        >>> _stacked_spec(Parts(P(None, "tp", None), 1, (4, 4)), 3)
+        Parts(P('pp', None, None, 'tp'), dim=3, sizes=(4, 4))
+    """
+    inner = spec.spec if isinstance(spec, Parts) else spec
+    lead = spec_of_dims(((axis,), (), *inner.dims), inner.partial)
+    if not isinstance(spec, Parts):
+        return lead
+    dim = spec.dim + ndim if spec.dim < 0 else spec.dim
+    return Parts(lead, dim + 2, spec.sizes)
 
 
 def on_stage(value, mesh: Mesh, index: int, *, axis: str = "pp") -> ShardedArray:
@@ -583,8 +610,7 @@ class _Leaf:
         self.local = value.local if isinstance(value, ShardedArray) else value
         lay = value.layout if isinstance(value, ShardedArray) else None
         if lay is not None and drop_dim0:
-            spec = P(*lay.spec.dims[1:], partial=lay.spec.partial)
-            lay = Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
+            lay = _without_dim0(lay)
         self.layout = lay
 
     def wrap(self, t: torch.Tensor):
@@ -601,6 +627,17 @@ class _Leaf:
         held = auto is not None and x.layout.holds(auto.rank)
         leaf.layout = Layout(auto, base.spec, base.shape, base.dtype) if held else None
         return leaf
+
+
+def _without_dim0(lay: Layout | PartsLayout) -> Layout | PartsLayout:
+    """``lay`` with dim 0 (whole, as the body sees its stages or microbatches) dropped; a
+    :class:`~fshard.spec.PartsLayout` keeps its parts, one dim nearer the front."""
+    if isinstance(lay, PartsLayout):
+        base = lay.base.spec
+        spec = Parts(spec_of_dims(base.dims[1:], base.partial), lay.dim - 1, lay.sizes)
+        return Layout.of(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
+    spec = spec_of_dims(lay.spec.dims[1:], lay.spec.partial)
+    return Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
 
 
 def _take_held(tree) -> tuple:
@@ -755,7 +792,8 @@ class _Run:
         device = _block(params[0]).device
         zero = torch.zeros(act_meta.shape, dtype=act_meta.dtype, device=device)
 
-        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor
+        inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor, or its transfer pending
+        sending: list = []  # this rank's transfers whose sends may be in flight
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
         total = torch.zeros((), dtype=torch.float64)
         pending: dict = {}  # the last stage's pending-sum losses: axes -> (group, local sum)
@@ -803,7 +841,7 @@ class _Run:
                         if isinstance(x, list):  # input_fn's row: held by its leaf from now
                             x[mb] = None
                     else:
-                        src = inbox.pop(("F", s, mb))
+                        src = _received(inbox.pop(("F", s, mb)))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
                     with torch.set_grad_enabled(grad_on):
                         # an alias: the activation is an intermediate of the step, not a leaf
@@ -830,7 +868,7 @@ class _Run:
                 elif a is not None and a.kind == "B" and grad_on:
                     s, mb = a.stage, a.microbatch
                     inp, out = saved.pop((s, mb))
-                    ct = torch.ones_like(out) if s == last else inbox.pop(("B", s, mb))
+                    ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
@@ -845,12 +883,16 @@ class _Run:
                             x_grad[mb] = inp.grad
                 elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
                     saved.pop((a.stage, a.microbatch))()
-                self._exchange(t, "F", sent_f, zero, inbox)
+                self._exchange(t, "F", sent_f, zero, inbox, sending)
                 if grad_on:
-                    self._exchange(t, "B", sent_b, zero, inbox)
+                    self._exchange(t, "B", sent_b, zero, inbox, sending)
+                while sending and sending[0].sent():  # completed sends let go, oldest first
+                    del sending[0]  # (nothing waits here)
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
+            for p in sending:  # by the step's end, everything this rank sent is through
+                p.wait()
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
         # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
@@ -907,9 +949,14 @@ class _Run:
         self.parts += [None] * (len(grads) - sum(1 if p is None else p[0] for p in self.parts))
         return (loss, *grads)
 
-    def _exchange(self, t: int, kind: str, sent, zero, inbox) -> None:
+    def _exchange(self, t: int, kind: str, sent, zero, inbox, sending: list) -> None:
         """The ppermute of tick ``t``'s activations (``F``) or cotangents (``B``): every rank
-        knows from the table who sends, so all issue the same collective (or none)."""
+        knows from the table who sends, so all issue the same collective (or none). It is put
+        on the wire and left there: what this rank receives goes into ``inbox`` pending, waited
+        for where it is used; what it sends joins ``sending`` (the step waits for it at its
+        end, letting completed sends go each tick), as ``torch.distributed.pipelining``'s
+        schedules wait only for the receives they need. Waiting for the whole ppermute here
+        made each tick a barrier: a rank that sent waited for its peer to finish the tick."""
         pairs, dests = self.sched.transfers[kind][t]
         r = self.group.index
         if not pairs:
@@ -917,24 +964,36 @@ class _Run:
                 inbox[dests[r]] = sent
             return
         g = self.group
-        buf = None
-        if any(src == r for src, _ in pairs):
-            buf = sent if sent is not None else zero
-        if zero.dim() == 0:  # a scalar activation: every rank passes and gets one
-            op = Ppermute(g.axes, pairs)
-            buf = zero if buf is None else buf
-        else:
-            # what a rank that sends nothing passes, and what one that receives nothing gets
-            # (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick
-            full, none = tuple(zero.shape), (0, *zero.shape[1:])
-            srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
-            ins = tuple(full if j in srcs else none for j in range(g.size))
-            outs = tuple(full if j in dsts else none for j in range(g.size))
-            op = Ppermute(g.axes, pairs, ins, outs)
-            buf = zero[:0] if buf is None else buf
-        got = lax.apply(Bound(op, g), buf.contiguous())
+        sends = any(src == r for src, _ in pairs)
+        buf = (sent if sent is not None else zero) if sends else None
+        if buf is None:  # a scalar activation: every rank passes one; else an empty block
+            buf = zero if zero.dim() == 0 else zero[:0]
+        op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
+        pending = lax.apply_start(Bound(op, g), buf.contiguous())
         if r in dests:
-            inbox[dests[r]] = got
+            inbox[dests[r]] = pending
+        if sends:
+            sending.append(pending)
+
+
+@functools.lru_cache(maxsize=256)
+def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute:
+    """One tick's ppermute of activations of local ``shape`` over ``size`` ranks (static per
+    tick: cached). What a rank that sends nothing passes, and what one that receives nothing
+    gets (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick. A
+    scalar activation: every rank passes and gets one."""
+    if not shape:
+        return Ppermute(axes, pairs)
+    none = (0, *shape[1:])
+    srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
+    ins = tuple(shape if j in srcs else none for j in range(size))
+    outs = tuple(shape if j in dsts else none for j in range(size))
+    return Ppermute(axes, pairs, ins, outs)
+
+
+def _received(v) -> torch.Tensor:
+    """An inbox entry's tensor: a transfer's, once it has arrived (or a local hand-over)."""
+    return v if isinstance(v, torch.Tensor) else v.result()
 
 
 _gradient_edge = torch.autograd.graph.get_gradient_edge
@@ -1205,12 +1264,24 @@ def _check_inputs(
                 f"{leaf.shape[0] if leaf.ndim else 'no dim 0'}"
             )
         if isinstance(leaf, ShardedArray):
-            dims = leaf.spec.padded(leaf.ndim)
-            if dims[0] != (axis,) or any(axis in d for d in dims[1:]) or leaf.spec.partial:
+            lay = leaf.layout
+            # a fused projection's per-part split (fs.Parts, stack_stages') keeps its parts
+            # in each stage's slice: the stages on dim 0 over the axis, the parts past it
+            parts = isinstance(lay, PartsLayout)
+            spec = lay.base.spec if parts else None if lay.is_explicit else lay.spec
+            dims = spec.padded(leaf.ndim) if spec is not None else None
+            if (
+                spec is None
+                or dims[0] != (axis,)
+                or any(axis in d for d in dims[1:])
+                or spec.partial
+                or (parts and lay.dim == 0)
+            ):
                 raise ValueError(
-                    f"pipeline: stage_params leaf {i} has layout {leaf.spec}; dim 0 (the "
-                    f"stages) must be split over {axis!r} alone (P({axis!r}, ...)), the other "
-                    f"dims not over {axis!r}, and no pending sum"
+                    f"pipeline: stage_params leaf {i} has layout {lay.spec or lay}; dim 0 (the "
+                    f"stages) must be split over {axis!r} alone (P({axis!r}, ...), or a "
+                    f"fs.Parts whose parts dim is not dim 0), the other dims not over "
+                    f"{axis!r}, and no pending sum"
                 )
     x_leaves, _ = _leaves(microbatches, "microbatches")
     if (len(x_leaves) != 1 and not inputs) or not x_leaves or x_leaves[0].ndim < 1:
@@ -1249,7 +1320,10 @@ def _check_inputs(
                         f"{lay.index} of {lay.mesh!r}; {who}: hold it on {axis!r} coordinate "
                         f"{index} of the pipeline's mesh (fs.parallel.on_stage), or replicate it"
                     )
-            elif lay.is_explicit or axis in lay.spec.axes:
+            elif (
+                lay.is_explicit
+                or axis in (lay.base if isinstance(lay, PartsLayout) else lay).spec.axes
+            ):
                 raise ValueError(
                     f"pipeline: {what} leaf {i} has layout {lay.spec if lay.spec else lay}; it "
                     f"must be replicated over {axis!r} or held by the stage's ranks "
@@ -1368,7 +1442,10 @@ def pipeline(
             (the op rules' collectives over the other mesh axes run inside as usual).
         stage_params: a pytree whose leaves hold the ``pp * virtual`` stages on dim 0 (in
             :func:`stage_order`), ShardedArrays split over ``axis`` on dim 0 (``P('pp',
-            ...)``; other dims may be split over other axes) or full tensors (split here).
+            ...)``; other dims may be split over other axes, per part too: a fused
+            projection's :class:`~fshard.Parts` with its parts past dim 0, as
+            :func:`stack_stages` gives it, which ``stage_fn`` sees in its slice) or full
+            tensors (split here).
         microbatches: ``(M, ...)``, microbatch ``m`` is ``microbatches[m]``; replicated over
             ``axis``; dim 0 not split (other dims may be, e.g. the batch over ``dp``). Without
             ``input_fn`` the stage inputs themselves (e.g. an embedding's output, computed on

@@ -28,6 +28,23 @@ def test_bind_picks_the_overload_and_packs_varargs():
     assert bind(torch.Tensor.flip, ("x", (0, 1)), {})["dims"] == (0, 1)
 
 
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        (torch.Tensor.__matmul__, ("x", "y")),  # neither a Python signature nor a schema
+        (torch.Tensor.__add__, ("x", "y")),
+        (torch.Tensor.__radd__, ("x", "y")),  # reflected: __add__'s arity
+        (torch.Tensor.__rand__, ("x", "y")),
+        (torch.Tensor.__eq__, ("x", "y")),
+        (torch.Tensor.__invert__, ("x",)),  # unary
+    ],
+)
+def test_bind_reads_an_operator_method_as_python_calls_it(op, args):
+    assert bind(op, args, {}) == dict(zip(("input", "other"), args))
+    with pytest.raises(TypeError, match="cannot bind"):
+        bind(op, (*args, "z"), {})  # one argument more than the operator takes
+
+
 def test_bind_refuses_a_call_no_signature_takes():
     with pytest.raises(TypeError, match="cannot bind the arguments of"):
         bind(F.layer_norm, ("x", (4,)), {"epsilon": 1e-6})
