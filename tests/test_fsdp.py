@@ -808,27 +808,22 @@ def test_fsdp_plan_adds_the_axes_a_base_split_of_dim_0_leaves():
     assert plan["weight"] == fs.Parts(fs.P(("ep", "dp_shard"), "tp", None), 1, (2, 2))
 
 
-def gpt2_fsdp_tp_rank_fn():
-    """One fs.value_and_grad step of fsdp_call on a transformers GPT-2 (tiny, 2 layers) with
-    FSDP over dp x its shipped TP plan over tp: ``(worst gradient / loss difference from
-    dense, the c_attn specs, every gradient in its param's layout, the comm_log records
-    (op, axes, bytes), each unit's block bytes)``."""
+def _hf_fsdp_tp_step(arch: str, row_outputs: tuple, fused):
+    """One fs.value_and_grad step of fsdp_call on the zoo's tiny transformers ``arch`` with
+    FSDP over dp x its TP plan over tp (2 x 2), the row-parallel outputs (modules ending in
+    ``row_outputs``) reduced where they leave their layer, rows kept over dp: ``(worst
+    gradient / loss difference from dense, the specs of the params ``fused(name, spec)``
+    picks, every gradient in its param's layout, the comm_log records (op, axes, bytes), each
+    unit's block bytes)``."""
     from tests import hf_zoo
 
     mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
-    model = hf_zoo.build("gpt2")
-    tp, which = hf_zoo.tp_plan(model)  # a Megatron plan by the module names
-    assert which == "megatron"
+    model = hf_zoo.build(arch)
+    tp, which = hf_zoo.tp_plan(model)
     plan = fs.nn.fsdp_plan(model, mesh, "dp", base=tp)
     params = fs.nn.shard_params(model, mesh, plan)
     units = fs.nn.fsdp_units(model)
-    # the row-parallel outputs reduced where they leave their layer (the plan's Output), rows
-    # kept over dp
-    outputs = {
-        n: fs.P("dp")
-        for n, _ in model.named_modules()
-        if n.endswith((".attn.c_proj", ".mlp.c_proj"))
-    }
+    outputs = {n: fs.P("dp") for n, _ in model.named_modules() if n.endswith(row_outputs)}
     ids = torch.randint(
         0, hf_zoo.VOCAB, (4, hf_zoo.SEQ), generator=torch.Generator().manual_seed(1)
     )
@@ -852,7 +847,7 @@ def gpt2_fsdp_tp_rank_fn():
         scale = float(want[k].abs().max()) + 1e-6
         worst = max(worst, float((fs.gather(g) - want[k]).abs().max()) / scale)
     layouts = all(grads[k].layout == params[k].layout for k in grads)
-    specs = {k: v.spec for k, v in params.items() if "c_attn" in k}
+    specs = {k: v.spec for k, v in params.items() if fused(k, v.spec)}
     # each unit's bytes of this rank's blocks of its params split over dp, from the global
     # shapes and the specs (every dim here splits evenly: a block is the param's 1 / the
     # product of its axes' sizes); FSDP's packed gather sends exactly these
@@ -864,7 +859,17 @@ def gpt2_fsdp_tp_rank_fn():
         )
         for u, ns in units.items()
     }
-    return worst, specs, layouts, [(r.op, r.axes, r.nbytes) for r in log], blocks
+    return which, (worst, specs, layouts, [(r.op, r.axes, r.nbytes) for r in log], blocks)
+
+
+def gpt2_fsdp_tp_rank_fn():
+    """:func:`_hf_fsdp_tp_step` on GPT-2 (2 layers) with a Megatron plan by the module names,
+    the c_attn specs."""
+    which, out = _hf_fsdp_tp_step(
+        "gpt2", (".attn.c_proj", ".mlp.c_proj"), lambda name, _: "c_attn" in name
+    )
+    assert which == "megatron"
+    return out
 
 
 @pytest.mark.timeout(600)
@@ -1021,57 +1026,11 @@ def test_fsdp_of_uneven_parts_on_dim_0_matches_dense(world4, where):
 
 
 def phi3_fsdp_tp_rank_fn():
-    """One fs.value_and_grad step of fsdp_call on a transformers Phi-3 (tiny, 2 layers) with
-    FSDP over dp x its shipped TP plan over tp (fused qkv_proj / gate_up_proj: fs.Parts on
-    dim 0): ``(worst gradient / loss difference from dense, the fused params' specs, every
-    gradient in its param's layout, the comm_log records (op, axes, bytes), each unit's block
-    bytes)``."""
-    from tests import hf_zoo
-
-    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
-    model = hf_zoo.build("phi3")
-    tp, _ = hf_zoo.tp_plan(model)
-    plan = fs.nn.fsdp_plan(model, mesh, "dp", base=tp)
-    params = fs.nn.shard_params(model, mesh, plan)
-    units = fs.nn.fsdp_units(model)
-    outputs = {
-        n: fs.P("dp") for n, _ in model.named_modules() if n.endswith((".o_proj", ".down_proj"))
-    }
-    ids = torch.randint(
-        0, hf_zoo.VOCAB, (4, hf_zoo.SEQ), generator=torch.Generator().manual_seed(1)
-    )
-    x = fs.shard(ids, mesh, fs.P("dp"))
-
-    def loss(ps, x):
-        kwargs = {"labels": x, "use_cache": False}
-        out = fs.nn.fsdp_call(model, ps, (x,), kwargs, mesh=mesh, axis="dp", outputs=outputs)
-        return fs.gather(out.loss)
-
-    def dense_loss(ps):
-        kwargs = {"labels": ids, "use_cache": False}
-        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
-
-    with fs.debug.comm_log() as log:
-        value, grads = fs.value_and_grad(loss)(params, x)
-    dense = {k: p.detach() for k, p in model.named_parameters()}
-    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
-    worst = abs(float(value) - float(want_value))
-    for k, g in grads.items():
-        scale = float(want[k].abs().max()) + 1e-6
-        worst = max(worst, float((fs.gather(g) - want[k]).abs().max()) / scale)
-    layouts = all(grads[k].layout == params[k].layout for k in grads)
-    specs = {k: v.spec for k, v in params.items() if isinstance(v.spec, fs.Parts)}
-    # each unit's bytes of this rank's blocks of its params split over dp (every dim splits
-    # evenly here: a block is the param's 1 / the product of its axes' sizes)
-    blocks = {
-        u: sum(
-            4 * params[n].numel() // math.prod(mesh.size(a) for a in params[n].spec.axes)
-            for n in ns
-            if "dp" in params[n].spec.axes
-        )
-        for u, ns in units.items()
-    }
-    return worst, specs, layouts, [(r.op, r.axes, r.nbytes) for r in log], blocks
+    """:func:`_hf_fsdp_tp_step` on Phi-3 (2 layers) with its shipped TP plan (fused qkv_proj /
+    gate_up_proj: fs.Parts on dim 0), the fused params' specs."""
+    return _hf_fsdp_tp_step(
+        "phi3", (".o_proj", ".down_proj"), lambda _, spec: isinstance(spec, fs.Parts)
+    )[1]
 
 
 @pytest.mark.timeout(600)
