@@ -354,7 +354,7 @@ def parallelize(
         >>> dims = fs.parallel.ParallelDims(tp=2)  # 2 ranks: fs.launch.run(fn, 2) or torchrun
         >>> params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
         >>> params["model.layers.0.self_attn.q_proj.weight"].spec  # the model's shipped plan
-        P('tp', None)
+        P('tp')
         >>> ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
         >>> torch.allclose(loss(params, {"input_ids": ids}), model(ids, labels=ids).loss, atol=1e-5)
         True
