@@ -755,6 +755,17 @@ def _hf_model(kind: str):
             num_experts=4, num_experts_per_tok=2,
         )  # fmt: skip
         return transformers.Qwen3MoeForCausalLM(cfg)
+    if kind.startswith("granite"):  # "granite": its muP multipliers at 1.0; "granite:E,L":
+        # embedding_multiplier E and logits_scaling L (residual and attention multipliers,
+        # inside the layers, at 0.5)
+        e, _, logits = kind.partition(":")[2].partition(",")
+        cfg = transformers.GraniteConfig(
+            hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+            embedding_multiplier=float(e or 1), logits_scaling=float(logits or 1),
+            residual_multiplier=0.5 if e else 1.0, attention_multiplier=0.5 if e else 1.0,
+        )  # fmt: skip
+        return transformers.GraniteForCausalLM(cfg)
     cfg = transformers.MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
@@ -885,7 +896,35 @@ PIPELINED = [
     # the embedding tied to the head: used by both ends, it stays replicated over pp (its
     # gradient summed over pp) while the final norm is held by the last stage's ranks
     ("llama_tied", {"pp": 2, "dp_shard": 2}, {}),
+    # Granite with its multipliers at 1.0 (embedding_multiplier, logits_scaling: the forward
+    # multiplies by them between the pieces, which changes nothing): was refused as a scale
+    ("granite", {"pp": 2, "dp_shard": 2}, {}),
+    # and with its residual and attention multipliers (inside the layers) at 0.5
+    ("granite:1.0,1.0", {"pp": 2, "tp": 2}, {}),
 ]
+
+
+@pytest.mark.parametrize(
+    "kind, scale",
+    [
+        ("granite:2.0,1.0", "between the embedding and the first decoder layer"),
+        ("granite:1.0,2.0", "'logits_scaling': 2.0"),
+        ("granite:1.0,0.5", "'logits_scaling': 0.5"),
+    ],
+)
+def test_parallelize_pp_refuses_a_multiplier_other_than_1_between_the_pieces(kind, scale):
+    """Granite's embedding_multiplier and logits_scaling other than 1.0 scale the values
+    between the pieces the stages run (the embedding, the layers, the norm and head), which
+    the stages would skip: refused before any collective, naming the model (at 1.0 they change
+    nothing and pipeline as dense: PIPELINED's Granite rows), on each simulated rank."""
+    pytest.importorskip("transformers")
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    for rank in range(dims.world_size):
+        mesh = dims.abstract_mesh().simulate(rank)
+        with fs.debug.comm_log() as log, pytest.raises(NotImplementedError) as e:
+            fs.parallel.parallelize(_hf_model(kind), mesh, dims)
+        assert "GraniteForCausalLM" in str(e.value) and scale in str(e.value), e.value
+        assert "use pp = 1" in str(e.value) and not log, (e.value, log)
 
 
 def pipelined_rank_fn():
