@@ -15,7 +15,16 @@ import pytest
 # shell runs everything strict. Set before fshard is imported; spawned workers inherit it.
 os.environ.setdefault("FSHARD_CHECK_CONSISTENCY", "default")
 
+import torch  # noqa: E402
+
 from fshard.launch import World  # noqa: E402
+
+# The one-process lane runs torch on one intra-op thread, as every rank does (fshard.launch):
+# its tensors are tiny, and on a shared machine torch's default (a thread per core) spins in
+# each op's barrier for the cores others hold. Measured on the 2-core machine at load 10: one
+# refusal of tests/test_zoo.py (hf_zoo.parallelize_refusals, HRM, a dense torch.func step and
+# parallelize on 4 simulated ranks) 12.6 s with 2 threads, 0.45 s with 1.
+torch.set_num_threads(1)
 
 # Spawned workers inherit the parent's sys.path and import test functions by module name
 # (tests.test_launch.fn), so the repo root must be on it even if pytest's rootdir insertion

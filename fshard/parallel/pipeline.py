@@ -460,7 +460,7 @@ def stack_stages(
         >>> named = {f"blocks.{i}.w": torch.full((3,), float(i)) for i in range(4)}
         >>> st = stack_stages(named, mesh, prefix="blocks")
         >>> tuple(st["w"].shape), st["w"].spec, fs.gather(st["w"])[:, :, 0].tolist()
-        ((2, 2, 3), P('pp', None), [[0.0, 1.0], [2.0, 3.0]])
+        ((2, 2, 3), P('pp'), [[0.0, 1.0], [2.0, 3.0]])
     """
     if axis not in mesh.axis_names:
         raise ValueError(f"stack_stages: mesh {mesh!r} has no axis {axis!r}")
