@@ -77,6 +77,7 @@ __all__ = [
     "check_equal",
     "check_replicated",
     "reset",
+    "Static",
     "wait_pending",
 ]
 
@@ -168,10 +169,34 @@ def reset() -> None:
 _ATOMS = frozenset({str, int, float, bool, type(None), torch.dtype})
 
 
+class Static:
+    """A value a check compares that holds no tensor (atoms, tuples, specs, dtypes: what a call
+    signature is made of), hashable: hashed once per distinct value (cached), not walked at
+    every check, as a shard_map call's signature is the same every step. Shown as the value.
+
+    Example:
+        >>> sig = Static(("ShardedArray", "P('x')", (4, 2)))  # doctest: +SKIP
+        >>> consistency.check_equal({"call": sig}, mesh, what="f")  # doctest: +SKIP
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes)."""
     if type(obj) in _ATOMS:
         return obj
+    if type(obj) is Static:
+        try:
+            return ("static", _cached_hash(obj.value))
+        except TypeError:  # an unhashable part (a list): walked, as any value
+            return ("static", _hash(obj.value))
     if isinstance(obj, torch.Tensor):
         return ("tensor", str(obj.dtype), tuple(obj.shape), _content_hash(obj))
     if isinstance(obj, Mapping):
@@ -262,21 +287,16 @@ def _device(group: AxisGroup) -> torch.device:
 
 def _exchange(
     g: AxisGroup, h: int, seq: int, device: torch.device | None, extra: list = ()
-) -> tuple[bool, list]:
-    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq`` and ``extra`` (more int64 words, as many
-    on every rank of ``g``): ``(whether every rank of g holds both, the reduced extra words)``."""
-    return _exchanged(*_exchange_start(g, h, seq, device, extra))
-
-
-def _exchange_start(
-    g: AxisGroup, h: int, seq: int, device: torch.device | None, extra: list = ()
 ) -> tuple:
-    """:func:`_exchange` launched: ``(words, work)`` for :func:`_exchanged`."""
+    """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq`` and ``extra`` (more int64 words, as many
+    on every rank of ``g``), launched: ``(words, work)``, for :func:`_exchanged`."""
     words = torch.tensor([h, -h, seq, -seq, *extra], dtype=torch.int64, device=device or _device(g))
     return words, dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg, async_op=True)
 
 
 def _exchanged(words: torch.Tensor, work) -> tuple[bool, list]:
+    """:func:`_exchange`'s result: ``(whether every rank of g holds both h and seq, the reduced
+    extra words)``."""
     work.wait()
     top = words.tolist()
     return top[0] == -top[1] and top[2] == -top[3], top[4:]
@@ -292,7 +312,7 @@ def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = 
     """Raise :class:`ConsistencyError` on every rank of ``g`` unless all hold equal ``fields``."""
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    if _exchange(g, _hash(tuple(fields.items())), seq, device)[0]:
+    if _exchanged(*_exchange(g, _hash(tuple(fields.items())), seq, device))[0]:
         return
     mine = {**{k: _show(v) for k, v in fields.items()}, "sequence number": seq}
     _raise(what, g, mine, "no data collective ran")
@@ -404,7 +424,7 @@ def _check_running(
     extra, slots = [_ABSENT] * (2 * room * g.size), {}
     if merged:
         extra, slots = _subgroup_words(g, kinds, subs, extra)
-    launched = _exchange_start(g, total, seq, device, extra)
+    launched = _exchange(g, total, seq, device, extra)
 
     def verdict() -> None:
         same, top = _exchanged(*launched)
