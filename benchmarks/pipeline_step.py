@@ -29,7 +29,9 @@ runs every configuration's step in one pair of ranks, one step each in turn afte
 and prints each one's step time (the slowest rank's, median over rounds), the median of its
 per-round ratio to torch's same schedule stepped in the same round (ZB-H1: to both 1F1Bs; load
 drift cancels) and each rank's process CPU time a step with its ratio. Comparing two versions
-of fshard: run it with ``PYTHONPATH`` set to each checkout in turn (it prints which it ran).
+of fshard: run it from each checkout's directory with ``PYTHONPATH`` set to it, in turn (the
+ranks' fork server puts its working directory first on their ``sys.path``; it prints the
+ranks' fshard).
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds):
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             wall[name].append(float(dt))
-    return wall, cpu
+    return wall, cpu, str(Path(fs.__file__).parent)
 
 
 def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
@@ -339,8 +341,9 @@ def _interleaved(a) -> None:
     finally:
         world.close()
     wall, cpus = res[0][0], [r[1] for r in res]
+    ranks_fshard = sorted({r[2] for r in res})
     print(f"pp=2, GPT layers={a.layers} d_model={a.dim} ctx={a.ctx}, batch {a.batch} in "
-          f"{a.mb} microbatches, fshard {Path(fs.__file__).parent}; {a.interleave} rounds, "
+          f"{a.mb} microbatches, the ranks' fshard {', '.join(ranks_fshard)}; {a.interleave} rounds, "
           "the configurations one step each in turn in one pair of ranks")  # fmt: skip
     print("step ms: the slowest rank's, median over rounds; ratio: the median over rounds of "
           "the round's ratio to the reference's step in the same round; CPU ms: each rank's "
