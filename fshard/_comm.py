@@ -165,9 +165,16 @@ def check_wire(
     """
     if backend not in WIRE_DTYPES:
         return
+    dtype, dev = tensor.dtype, tensor.device
+    if (
+        not dtype.is_complex
+        and dtype in WIRE_DTYPES[backend]
+        and dev.type in WIRE_DEVICE_TYPES[backend]
+        and not (backend == "nccl" and (device is not None or dtype in _FLOAT8))
+    ):
+        return  # the common case, before the messages' words are built (every collective)
     kind = backend.upper() if backend == "nccl" else backend.capitalize()
     where = f"{op} over {kind}"
-    dtype = tensor.dtype
     if dtype.is_complex:
         if op in _COMPLEX_REFUSED[backend]:
             raise TypeError(
@@ -197,7 +204,6 @@ def check_wire(
             f"{where}: {name} has dtype {dtype}; NCCL cannot reduce float8 values (it only "
             "moves them). Upcast before reducing (x.to(torch.bfloat16)) and cast back after"
         )
-    dev = tensor.device
     accepted = WIRE_DEVICE_TYPES[backend]
     if dev.type not in accepted:
         if backend == "nccl":
