@@ -475,6 +475,21 @@ _LIVE: dict = {}
 _REAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _WORLDS = [0]  # worlds released so far: part of a real mesh's equality
 _SHARED: dict = {}  # (world, member ranks) -> the process group over them
+#: the names of the process groups this process gave up (``fshard._comm.abandon``: a pipeline
+#: stage failed and closed its connections to the group's ranks); unusable since
+_ABANDONED: set = set()
+
+
+def abandoned() -> bool:
+    """Whether this process gave up a process group (:func:`fshard._comm.abandon`, after a
+    pipeline stage failed): the group is unusable, and a :class:`fshard.launch.World` worker
+    exits after its reply so that the world restarts.
+
+    Example:
+        >>> abandoned()
+        False
+    """
+    return bool(_ABANDONED)
 
 
 # Unbounded on purpose: one entry per distinct mesh (shape, names, device type, world) and per

@@ -121,7 +121,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import _compat, axis_env, config, consistency, lax
+from .. import _comm, _compat, axis_env, config, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
@@ -763,6 +763,49 @@ class _Run:
         return out
 
     def __call__(self, tensors: tuple) -> tuple:
+        """The schedule on this rank. Should it raise, no other stage is left waiting for this
+        one until the group's timeout (they wait on it for activations and cotangents, in
+        point-to-point receives and sends and the consistency checks of ``axis``): the rank
+        gives the ``axis`` group up (:func:`fshard._comm.abandon`: the error, named, posted in
+        the c10d store, and its connections to the group's ranks closed), so a peer blocked on
+        it raises at once; that peer reads the note, raises :class:`fshard._comm.PeerFailed`
+        naming the failed stage and its error, and gives the group up in turn (the stages
+        beyond it learn so). Nothing of this runs on a step that does not fail."""
+        self.tick = None
+        try:
+            return self._steps(tensors)
+        except BaseException as e:
+            failed = _peer_failed(self.group, e, self._where())
+            if failed is not None:
+                raise failed from e
+            note = self._failure(e)  # this rank's own error
+            _comm.abandon(self.group, note)
+            e.add_note(f"pipeline: {note}")
+            raise
+
+    def _where(self) -> str:
+        """Where this rank's schedule is (``self.tick``, set by :meth:`_steps` at each tick)."""
+        t = self.tick
+        a = None if t is None else self.sched.table[t][self.group.index]
+        if t is None:
+            return "outside the schedule's ticks (input_fn, or the step's end)"
+        if a is None:
+            return f"at tick {t} (idle)"
+        what = {"F": "forward", "B": "backward", "W": "weight gradient"}[a.kind]
+        return f"in the {what} of stage {a.stage}, microbatch {a.microbatch} (tick {t})"
+
+    def _failure(self, e: BaseException) -> str:
+        """The note a rank whose own error stopped its schedule posts for its peers."""
+        g = self.group
+        t = self.tick
+        a = None if t is None else self.sched.table[t][g.index]
+        who = f"stage {a.stage}" if a is not None else f"pipeline rank {g.index}"
+        return (
+            f"{who} (rank {g.ranks[g.index]}) raised {type(e).__name__}: {_short(e)} "
+            f"{self._where()}"
+        )
+
+    def _steps(self, tensors: tuple) -> tuple:
         p_def, x_def, ip_def, lp_def, t_def = self.defs
         params, xs, iparams, lparams, targets = self.split(tensors)
         p_meta, x_meta, ip_meta, lp_meta, t_meta = self.metas
@@ -833,6 +876,7 @@ class _Run:
                 x_grad = torch.zeros(m, *act_meta.shape, dtype=act_meta.dtype, device=device)
             for t, row in enumerate(sched.table):
                 a = row[r]
+                self.tick = t  # where a failure names (the one cost of that here)
                 sent_f = sent_b = None
                 if a is not None and a.kind == "F":
                     s, mb = a.stage, a.microbatch
@@ -888,6 +932,7 @@ class _Run:
                     self._exchange(t, "B", sent_b, zero, inbox, sending)
                 while sending and sending[0].sent():  # completed sends let go, oldest first
                     del sending[0]  # (nothing waits here)
+            self.tick = None
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
@@ -989,6 +1034,28 @@ def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute
     ins = tuple(shape if j in srcs else none for j in range(size))
     outs = tuple(shape if j in dsts else none for j in range(size))
     return Ppermute(axes, pairs, ins, outs)
+
+
+def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> _comm.PeerFailed | None:
+    """The error to raise where ``e`` (a collective's, over ``g`` or not) follows a peer's
+    failure (:func:`fshard._comm.peer_failure`: a stage raised and gave ``g`` up), this rank
+    having given ``g`` up in turn; ``None`` where ``e`` is this rank's own."""
+    if not isinstance(e, RuntimeError) or isinstance(e, _comm.PeerFailed):
+        return None
+    note = _comm.peer_failure(g)
+    if note is None:
+        return None
+    _comm.abandon(g, note)
+    return _comm.PeerFailed(
+        f"pipeline: {note}; pipeline rank {g.index} (rank {g.ranks[g.index]}) stopped {where} "
+        f"({type(e).__name__}: {_short(e)})"
+    )
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    """``e``'s message, its first ``limit`` characters."""
+    text = str(e).strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _received(v) -> torch.Tensor:
@@ -1592,7 +1659,13 @@ def pipeline(
         if tracker is not None:
             vma = frozenset({axis}).union(*(tracker.vma(t) for t in x_locals))
             tracker.tag(loss, vma)
-        return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
+        try:
+            return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
+        except RuntimeError as e:  # a rank whose schedule ran through, a stage having failed
+            failed = _peer_failed(g, e, "at the loss's sum over the stages")
+            if failed is None:
+                raise
+            raise failed from e
 
     specs = (P(axis), P(), P(), P(), P())
     inputs = _shard_plain(
