@@ -380,11 +380,6 @@ class Pending:
         return not self._sends
 
 
-class PeerFailed(dist.DistError):
-    """A rank's collectives over a group failed because a peer gave the group up after an
-    error of its own (:func:`abandon`); the message names that peer's error."""
-
-
 #: the tag of :func:`abandon`'s receives, which no message matches (fshard sends with tag 0)
 _ABANDON_TAG = 0x7F5A
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from . import _by_value, consistency
 from ._torchrun import BACKENDS, default_backend, init_torchrun_group, under_torchrun
-from .mesh import abandoned, release_groups
+from .mesh import PeerFailed, abandoned, release_groups
 
 __all__ = ["RankError", "World", "default_backend", "is_worker", "run", "shutdown"]
 
@@ -579,8 +579,8 @@ _CAUSE = (
 def _collective_error(exc: BaseException) -> BaseException:
     """A torchrun rank's failed collective (Gloo's ``Timed out waiting 300000ms for recv``),
     with its usual cause; other errors as they are."""
-    if not isinstance(exc, Exception) or not _collective_failed(exc):
-        return exc
+    if not isinstance(exc, Exception) or isinstance(exc, PeerFailed) or not _collective_failed(exc):
+        return exc  # (a PeerFailed names its cause: a peer's error, not ranks that disagree)
     kind = TimeoutError if "timed out" in str(exc).lower() else RuntimeError
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return kind(f"rank {dist.get_rank()}: a collective failed ({first[:300]}). {_CAUSE}")

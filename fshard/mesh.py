@@ -480,6 +480,12 @@ _SHARED: dict = {}  # (world, member ranks) -> the process group over them
 _ABANDONED: set = set()
 
 
+class PeerFailed(dist.DistError):
+    """A rank's collectives over a process group failed because a peer gave the group up after
+    an error of its own (``fshard._comm.abandon``: a pipeline stage raised); the message names
+    that peer's error."""
+
+
 def abandoned() -> bool:
     """Whether this process gave up a process group (:func:`fshard._comm.abandon`, after a
     pipeline stage failed): the group is unusable, and a :class:`fshard.launch.World` worker

@@ -127,7 +127,7 @@ from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
 from ..executor import reshard_one
 from ..gradsync import GradSync
-from ..mesh import AxisGroup, Mesh
+from ..mesh import AxisGroup, Mesh, PeerFailed
 from ..nn_plan import match_plan
 from ..shard_map import call_signature, shard_map_checked_by_caller
 from ..spec import HeldLayout, Layout, P, Parts, PartsLayout, spec_of_dims
@@ -768,7 +768,7 @@ class _Run:
         point-to-point receives and sends and the consistency checks of ``axis``): the rank
         gives the ``axis`` group up (:func:`fshard._comm.abandon`: the error, named, posted in
         the c10d store, and its connections to the group's ranks closed), so a peer blocked on
-        it raises at once; that peer reads the note, raises :class:`fshard._comm.PeerFailed`
+        it raises at once; that peer reads the note, raises :class:`fshard.mesh.PeerFailed`
         naming the failed stage and its error, and gives the group up in turn (the stages
         beyond it learn so). Nothing of this runs on a step that does not fail."""
         self.tick = None
@@ -1036,17 +1036,17 @@ def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute
     return Ppermute(axes, pairs, ins, outs)
 
 
-def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> _comm.PeerFailed | None:
+def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> PeerFailed | None:
     """The error to raise where ``e`` (a collective's, over ``g`` or not) follows a peer's
     failure (:func:`fshard._comm.peer_failure`: a stage raised and gave ``g`` up), this rank
     having given ``g`` up in turn; ``None`` where ``e`` is this rank's own."""
-    if not isinstance(e, RuntimeError) or isinstance(e, _comm.PeerFailed):
+    if not isinstance(e, RuntimeError) or isinstance(e, PeerFailed):
         return None
     note = _comm.peer_failure(g)
     if note is None:
         return None
     _comm.abandon(g, note)
-    return _comm.PeerFailed(
+    return PeerFailed(
         f"pipeline: {note}; pipeline rank {g.index} (rank {g.ranks[g.index]}) stopped {where} "
         f"({type(e).__name__}: {_short(e)})"
     )
