@@ -403,9 +403,11 @@ def abandon(g: AxisGroup, note: str) -> None:
     (a pipeline whose stage raised: the other stages wait on it for activations and
     cotangents). ``note`` (the error, named) goes to the c10d store under the group's name
     unless a peer posted first (:func:`peer_failure`), then this rank's connections to its
-    peers in ``g`` are closed: on Gloo by a receive from each that times out at once (Gloo
-    closes a pair whose wait timed out; ``ProcessGroup.abort`` and ``shutdown`` leave the
-    pairs open until the process exits, torch 2.13), so a peer blocked on this rank in a
+    peers in ``g`` are closed: on Gloo by a receive that times out at once (a timed-out wait
+    closes every pair of the group's Gloo context, ``gloo/transport/tcp/unbound_buffer.cc``:
+    "Application timeout caused pair closure"; the other receives then raise at once, caught
+    here; ``ProcessGroup.abort`` and ``shutdown`` leave the pairs open until the process
+    exits, torch 2.13; other groups are untouched), so a peer blocked on this rank in a
     collective over ``g`` raises within milliseconds ("Connection closed by peer"), reads the
     note, and gives the group up in turn (the stages beyond it learn so). On other backends
     only the note is posted. The group is unusable afterwards: :func:`fshard.mesh.abandoned`

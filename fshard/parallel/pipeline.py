@@ -82,6 +82,13 @@ an outer derivative would take for constants (a silent zero); ``vmap`` of the pi
 forward is per-rank schedules of backward passes and point-to-point collectives, with no
 batching rule.
 
+Failures: a stage that raises (``stage_fn``, ``loss_fn`` or ``input_fn``, at any tick) gives
+the ``axis`` group up (:func:`fshard._comm.abandon`: its error posted in the c10d store, its Gloo
+connections to the group closed) before it re-raises, so the other stages, blocked on it in a
+receive, a send or the group's consistency check, raise :class:`fshard.mesh.PeerFailed` naming
+its stage, rank, tick and error at once, where they waited for the group's timeout (30 minutes
+for a ``dist.new_group`` sub-group). Only the failure path runs any of it.
+
 Data-parallel gradients: once per step (torchtitan's and Megatron's local accumulation, DDP's
 ``no_sync``). The op rules pcast a dp-replicated weight where it meets dp-split activations,
 and that pcast's backward would all-reduce the weight's gradient over dp in every microbatch's
