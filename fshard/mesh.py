@@ -573,6 +573,19 @@ def release_groups() -> None:
     _create.cache_clear()
 
 
+def _default_timeout():
+    """The default group's timeout, for its sub-groups: torch gives a ``dist.new_group`` its
+    backend's default (30 minutes on Gloo, 10 on NCCL) whatever ``init_process_group`` was
+    given, so a collective over a mesh axis waited 30 minutes where a ``fs.launch.World``'s
+    ``pg_timeout`` (or torchrun's ``timeout``) said 60 s. ``None`` (torch's default) where the
+    group does not say."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except Exception:
+        return None
+
+
 def _shared_group(world_key, member_sets: list, me: int):
     """This rank's process group among ``member_sets`` (each a group's ranks), every one
     created once per world (``dist.new_group`` is collective: every rank calls it for every set,
@@ -585,7 +598,8 @@ def _shared_group(world_key, member_sets: list, me: int):
         else:
             pg = _SHARED.get((world_key, members))
             if pg is None:
-                pg = _SHARED[(world_key, members)] = dist.new_group(list(members))
+                pg = dist.new_group(list(members), timeout=_default_timeout())
+                _SHARED[(world_key, members)] = pg
         if me in members:
             mine = pg
     return mine
