@@ -312,7 +312,8 @@ class World:
       world_size: Number of ranks (an int >= 1).
       timeout: Default per-call limit in seconds for :meth:`run`; also bounds worker start-up.
       pg_timeout: Timeout in seconds of the Gloo process group (how long a collective waits
-        for the other ranks before raising).
+        for the other ranks before raising), and of the groups fshard's meshes make over
+        its sub-sets of ranks (a mesh axis's).
       preload: module names the workers start with, imported once by the fork server (see
         Start-up).
 
