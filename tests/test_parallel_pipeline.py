@@ -1597,7 +1597,7 @@ def test_ops_on_params_held_by_a_stage_are_dense(world4):
 
 def failing_stage_rank_fn(pp, dp, schedule, kind=None, stage=0, mb=0):
     """A pipeline of pp stages (4 microbatches; replicated over dp: the pp groups are then
-    sub-groups, torch's default timeout 30 minutes) whose stage ``stage`` raises in the forward
+    sub-groups, dist.new_group's) whose stage ``stage`` raises in the forward
     (``kind="F"``) or the backward (``"B"``) of microbatch ``mb``: ``(error type, message with
     its notes, seconds until it raised)`` on each rank. ``kind=None``: no failure, the value and
     gradient."""
@@ -1676,8 +1676,8 @@ def test_a_stage_that_raises_stops_every_stage_at_once(
 ):
     """One stage raises (a middle microbatch, its forward or its backward): it raises its own
     error, and every other rank raises PeerFailed naming that stage and error, within seconds
-    (the ranks waited on it until the process group's timeout: 30 minutes for a sub-group, 60
-    s for the World's); the ranks gave the pp group up, so the World restarts and runs a
+    (the ranks waited on it until the process group's timeout, the World's pg_timeout: 60 s;
+    30 minutes for a sub-group before they took it); the ranks gave the pp group up, so the World restarts and runs a
     correct step."""
     world = world2 if pp * dp == 2 else world4
     what = {"F": "forward", "B": "backward"}[kind]

@@ -86,8 +86,8 @@ Failures: a stage that raises (``stage_fn``, ``loss_fn`` or ``input_fn``, at any
 the ``axis`` group up (:func:`fshard._comm.abandon`: its error posted in the c10d store, its Gloo
 connections to the group closed) before it re-raises, so the other stages, blocked on it in a
 receive, a send or the group's consistency check, raise :class:`fshard.mesh.PeerFailed` naming
-its stage, rank, tick and error at once, where they waited for the group's timeout (30 minutes
-for a ``dist.new_group`` sub-group). Only the failure path runs any of it.
+its stage, rank, tick and error at once, where they waited for the group's timeout (a
+``fs.launch.World``'s ``pg_timeout``). Only the failure path runs any of it.
 
 Data-parallel gradients: once per step (torchtitan's and Megatron's local accumulation, DDP's
 ``no_sync``). The op rules pcast a dp-replicated weight where it meets dp-split activations,
