@@ -1046,8 +1046,11 @@ def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute
 def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> PeerFailed | None:
     """The error to raise where ``e`` (a collective's, over ``g`` or not) follows a peer's
     failure (:func:`fshard._comm.peer_failure`: a stage raised and gave ``g`` up), this rank
-    having given ``g`` up in turn; ``None`` where ``e`` is this rank's own."""
-    if not isinstance(e, RuntimeError) or isinstance(e, PeerFailed):
+    having given ``g`` up in turn; ``None`` where ``e`` is this rank's own. Only the wire's
+    errors (Gloo's plain ``RuntimeError`` s, torch's ``DistError`` s) can follow one: any
+    other, a ``ConsistencyError`` every rank raises too, is the rank's own."""
+    wire = type(e) is RuntimeError or isinstance(e, torch.distributed.DistError)
+    if not wire or isinstance(e, PeerFailed):
         return None
     note = _comm.peer_failure(g)
     if note is None:
