@@ -76,6 +76,11 @@ PARALLELIZE_SAMPLE = [
     # a shipped plan with styles fshard has no equivalent of: the refusal named
     # hf_tp_plan's unsupported='replicate', which parallelize does not take
     ("inkling_text", {"tp": 2, "dp_shard": 2}, "refused"),
+    # a hidden split over tp on its features (the linear attention's colwise_gather_output
+    # out_proj) reaching the experts: moe_experts refused it (tp x FSDP), on the first stage
+    # only under pp, where the last stage's ranks then waited (a hang); now gathered
+    ("qwen3_next", {"tp": 2, "pp": 2}, "equal"),
+    ("qwen3_5_moe_text", {"tp": 2, "dp_shard": 2}, "equal"),
 ]
 
 
