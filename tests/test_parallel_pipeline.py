@@ -1669,6 +1669,8 @@ def _failing_dense(pp):
         (4, 1, "1f1b", "B", 1, 2),
         (4, 1, "zb", "F", 2, 1),
         (2, 2, "1f1b", "F", 1, 1),
+        (2, 1, "1f1b", "F", 0, 0),  # before the step's first collective: the deferred check
+        (2, 2, "gpipe", "F", 0, 0),
     ],
 )
 def test_a_stage_that_raises_stops_every_stage_at_once(
