@@ -420,7 +420,7 @@ def abandon(g: AxisGroup, note: str) -> None:
     says so, and a :class:`fshard.launch.World` restarts."""
     if g.simulated or g.size == 1 or tracing():
         return
-    _mesh._ABANDONED.add(g.pg.group_name)
+    _mesh.mark_abandoned(g.pg.group_name)
     if peer_failure(g) is None:
         with contextlib.suppress(Exception):
             dist.distributed_c10d._get_default_store().set(_note_key(g), note)

@@ -498,6 +498,16 @@ def abandoned() -> bool:
     return bool(_ABANDONED)
 
 
+def mark_abandoned(group_name: str) -> None:
+    """Record that this process gave up the process group ``group_name``
+    (:func:`fshard._comm.abandon`): :func:`abandoned` is true from then on.
+
+    Example:
+        >>> mark_abandoned("3")  # doctest: +SKIP
+    """
+    _ABANDONED.add(group_name)
+
+
 # Unbounded on purpose: one entry per distinct mesh (shape, names, device type, world) and per
 # (mesh, axes) group, each owning process groups that must live as long as the world.
 @functools.cache
