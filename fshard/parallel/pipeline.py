@@ -777,11 +777,17 @@ class _Run:
         the c10d store, and its connections to the group's ranks closed), so a peer blocked on
         it raises at once; that peer reads the note, raises :class:`fshard.mesh.PeerFailed`
         naming the failed stage and its error, and gives the group up in turn (the stages
-        beyond it learn so). Nothing of this runs on a step that does not fail."""
+        beyond it learn so). Nothing of this runs on a step that does not fail.
+
+        The step's deferred consistency verdict (its plain inputs, launched at the step's start
+        by every rank) is taken first: ranks that disagreed raise the same ConsistencyError on
+        every rank (its exchange needs the group the failure gives up), whatever this rank's
+        own error that followed from it."""
         self.tick = None
         try:
             return self._steps(tensors)
         except BaseException as e:
+            consistency.wait_pending()  # a disagreement is the cause: raised from here
             failed = _peer_failed(self.group, e, self._where())
             if failed is not None:
                 raise failed from e
