@@ -25,8 +25,13 @@ for fshard the stage gradients its Function keeps for its backward); the step ti
 median over ``--reps`` of the slowest rank's mean over ``--steps`` steps; *CPU ms* the same
 steps' process CPU time (``time.process_time``, all of a rank's threads; the larger rank's),
 which other jobs on a shared machine disturb less than the step time. ``--interleave ROUNDS``
-runs every configuration's step in one pair of ranks, in turn, and prints each one's CPU time
-and its ratio to torch's same schedule measured in the same rounds (load drift cancels).
+runs every configuration's step in one pair of ranks, one step each in turn after a barrier,
+and prints each one's step time (the slowest rank's, median over rounds), the median of its
+per-round ratio to torch's same schedule stepped in the same round (ZB-H1: to both 1F1Bs; load
+drift cancels) and each rank's process CPU time a step with its ratio. Comparing two versions
+of fshard: run it from each checkout's directory with ``PYTHONPATH`` set to it, in turn (the
+ranks' fork server puts its working directory first on their ``sys.path``; it prints the
+ranks' fshard).
 """
 
 from __future__ import annotations
@@ -215,21 +220,26 @@ def _step(lib, schedule, virtual, layers, dim, ctx, batch, mb):
 
 def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds):
     """Every configuration's step in the same pair of rank processes, run in turn one step at
-    a time: each step's process CPU time, per configuration (median, min), so that a shared
-    machine's load drifting over the run hits every configuration alike."""
+    a time after a barrier, so that a shared machine's load drifting over the run hits every
+    configuration alike: per configuration, each round's step time (the slowest rank's, taken
+    after the step, outside its timing) and this rank's process CPU time."""
     torch.set_num_threads(1)
     steps = {c[0]: _step(*c[1:], layers, dim, ctx, batch, mb) for c in configs}
     for step in steps.values():
         for _ in range(2):
             step()
+    wall: dict = {name: [] for name in steps}
     cpu: dict = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             dist.barrier()
-            c0 = time.process_time()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             cpu[name].append(time.process_time() - c0)
-    return {name: (statistics.median(v), min(v)) for name, v in cpu.items()}
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            wall[name].append(float(dt))
+    return wall, cpu, str(Path(fs.__file__).parent)
 
 
 def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
@@ -269,9 +279,15 @@ def main(argv=None):
         default=0,
         metavar="ROUNDS",
         help="instead: every configuration in one pair of ranks, one step each in turn for "
-        "ROUNDS rounds; prints per-rank process CPU ms (median, min) and the ratio to torch's "
-        "same schedule (GPipe for interleaved v=2; 1F1B for ZB-H1), the measure to use on a "
-        "shared machine",
+        "ROUNDS rounds; prints the step time (slowest rank) and its per-round ratio to "
+        "torch's same schedule (GPipe for interleaved v=2; both 1F1Bs for ZB-H1), and each "
+        "rank's process CPU ms a step, the measure to use on a shared machine",
+    )
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        help="with --interleave: the fshard configurations to run (torch's always run), e.g. "
+        "'fshard 1f1b' 'fshard zb (ZB-H1)'",
     )
     a = ap.parse_args(argv)
     if a.layers % 4 or a.batch % a.mb or a.mb % 2:
@@ -305,26 +321,49 @@ def main(argv=None):
               f"(theory {s.theory_bubble:.3f})  peak stash per rank {s.peak_stash}")  # fmt: skip
 
 
+#: each schedule's reference in ``--interleave``: torch's same schedule (GPipe for interleaved,
+#: which torch has as ScheduleInterleaved1F1B over other stage modules), and for ZB-H1 both 1F1Bs
+_REFS = {
+    "gpipe": ("torch GPipe",),
+    "1f1b": ("torch 1F1B",),
+    "interleaved": ("torch GPipe",),
+    "zb": ("torch 1F1B", "fshard 1f1b"),
+}
+
+
 def _interleaved(a) -> None:
+    configs = [c for c in CONFIGS if not a.only or c[0] in a.only or c[1] == "torch"]
     world = World(2, timeout=1800)
     try:
         res = world.run(
-            interleaved_fn, CONFIGS, a.layers, a.dim, a.ctx, a.batch, a.mb, a.interleave
+            interleaved_fn, configs, a.layers, a.dim, a.ctx, a.batch, a.mb, a.interleave
         )
     finally:
         world.close()
-    ref = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "interleaved": "torch GPipe"}
-    ref["zb"] = "torch 1F1B"
+    wall, cpus = res[0][0], [r[1] for r in res]
+    ranks_fshard = sorted({r[2] for r in res})
     print(f"pp=2, GPT layers={a.layers} d_model={a.dim} ctx={a.ctx}, batch {a.batch} in "
-          f"{a.mb} microbatches; {a.interleave} rounds, configurations in turn; process CPU "
-          "ms per step, median (min), per rank")  # fmt: skip
-    for name, _, schedule, _ in CONFIGS:
-        cells = []
-        for r in res:
-            med, low = r[name]
-            base = r[ref[schedule]][0]
-            cells.append(f"{med * 1e3:7.1f} ({low * 1e3:6.1f}) x{med / base:.3f}")
-        print(f"{name:26s} " + "   ".join(f"r{i}: {c}" for i, c in enumerate(cells)))
+          f"{a.mb} microbatches, the ranks' fshard {', '.join(ranks_fshard)}; {a.interleave} rounds, "
+          "the configurations one step each in turn in one pair of ranks")  # fmt: skip
+    print("step ms: the slowest rank's, median over rounds; ratio: the median over rounds of "
+          "the round's ratio to the reference's step in the same round; CPU ms: each rank's "
+          "process CPU time a step (median), its ratio: of the medians (r0+r1)")  # fmt: skip
+    print(f"{'configuration':24s} {'step ms':>8s} {'ratio to':>36s} {'CPU ms r0 / r1':>16s} "
+          f"{'CPU ratio':>15s}")  # fmt: skip
+
+    def cpu_sum(name):
+        return sum(statistics.median(c[name]) for c in cpus)
+
+    for name, _, schedule, _ in configs:
+        refs = [r for r in _REFS[schedule] if r in wall and r != name] if name[0] == "f" else []
+        ratios = [
+            f"{statistics.median(x / y for x, y in zip(wall[name], wall[r])):.3f}x {r}"
+            for r in refs
+        ]
+        cpu_ratio = [f"{cpu_sum(name) / cpu_sum(r):.3f}x" for r in refs]
+        cpu_cell = " / ".join(f"{statistics.median(c[name]) * 1e3:.1f}" for c in cpus)
+        print(f"{name:24s} {statistics.median(wall[name]) * 1e3:8.1f} "
+              f"{', '.join(ratios) or '-':>36s} {cpu_cell:>16s} {', '.join(cpu_ratio) or '-':>15s}")  # fmt: skip
 
 
 if __name__ == "__main__":

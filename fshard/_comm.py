@@ -28,7 +28,9 @@ lowering, the wire and consistency checks and the comm log each have one place.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import datetime
 import functools
 import os
 from collections.abc import Sequence
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat
+from . import mesh as _mesh
 from .consistency import check_collective as _consistent
 from .mesh import AxisGroup
 
@@ -165,9 +168,16 @@ def check_wire(
     """
     if backend not in WIRE_DTYPES:
         return
+    dtype, dev = tensor.dtype, tensor.device
+    if (
+        not dtype.is_complex
+        and dtype in WIRE_DTYPES[backend]
+        and dev.type in WIRE_DEVICE_TYPES[backend]
+        and not (backend == "nccl" and (device is not None or dtype in _FLOAT8))
+    ):
+        return  # the common case, before the messages' words are built (every collective)
     kind = backend.upper() if backend == "nccl" else backend.capitalize()
     where = f"{op} over {kind}"
-    dtype = tensor.dtype
     if dtype.is_complex:
         if op in _COMPLEX_REFUSED[backend]:
             raise TypeError(
@@ -197,7 +207,6 @@ def check_wire(
             f"{where}: {name} has dtype {dtype}; NCCL cannot reduce float8 values (it only "
             "moves them). Upcast before reducing (x.to(torch.bfloat16)) and cast back after"
         )
-    dev = tensor.device
     accepted = WIRE_DEVICE_TYPES[backend]
     if dev.type not in accepted:
         if backend == "nccl":
@@ -375,6 +384,55 @@ class Pending:
         if all(w.is_completed() for w in self._sends):
             self._sends = self._held = ()
         return not self._sends
+
+
+#: the tag of :func:`abandon`'s receives, which no message matches (fshard sends with tag 0)
+_ABANDON_TAG = 0x7F5A
+
+
+def _note_key(g: AxisGroup) -> str:
+    return f"fshard/abandoned/{g.pg.group_name}"
+
+
+def peer_failure(g: AxisGroup) -> str | None:
+    """What the first rank of ``g`` to give it up (:func:`abandon`) posted, or ``None``. Reads
+    the c10d store: only on a failure path."""
+    try:
+        store, key = dist.distributed_c10d._get_default_store(), _note_key(g)
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # no store (a group made without one): nothing posted
+        return None
+
+
+def abandon(g: AxisGroup, note: str) -> None:
+    """Give ``g`` up after an error on this rank, so that no peer waits for the group's timeout
+    (a pipeline whose stage raised: the other stages wait on it for activations and
+    cotangents). ``note`` (the error, named) goes to the c10d store under the group's name
+    unless a peer posted first (:func:`peer_failure`), then this rank's connections to its
+    peers in ``g`` are closed: on Gloo by a receive that times out at once (a timed-out wait
+    closes every pair of the group's Gloo context, ``gloo/transport/tcp/unbound_buffer.cc``:
+    "Application timeout caused pair closure"; the other receives then raise at once, caught
+    here; ``ProcessGroup.abort`` and ``shutdown`` leave the pairs open until the process
+    exits, torch 2.13; other groups are untouched), so a peer blocked on this rank in a
+    collective over ``g`` raises within milliseconds ("Connection closed by peer"), reads the
+    note, and gives the group up in turn (the stages beyond it learn so). On other backends
+    only the note is posted. The group is unusable afterwards: :func:`fshard.mesh.abandoned`
+    says so, and a :class:`fshard.launch.World` restarts."""
+    if g.simulated or g.size == 1 or tracing():
+        return
+    _mesh.mark_abandoned(g.pg.group_name)
+    if peer_failure(g) is None:
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._get_default_store().set(_note_key(g), note)
+    if g.backend != "gloo":
+        return
+    me = g.ranks[g.index]
+    for peer in g.ranks:
+        if peer == me:
+            continue
+        with contextlib.suppress(RuntimeError):  # the timeout; a pair closed already
+            work = dist.irecv(torch.empty(0), peer, group=g.pg, tag=_ABANDON_TAG)
+            work.wait(datetime.timedelta(milliseconds=1))
 
 
 def _then(finish, buffer: torch.Tensor, out: torch.Tensor, _) -> torch.Tensor:

@@ -36,10 +36,11 @@ import torch
 
 from . import _comm
 from .mesh import AxisGroup
-from .spec import Layout, chunk_bounds
+from .spec import Layout, PartsLayout, chunk_bounds, parts_arranged, parts_chunked
 
 __all__ = [
     "AllGather",
+    "AllGatherParts",
     "AllToAll",
     "Bound",
     "Claim",
@@ -54,6 +55,7 @@ __all__ = [
     "Ppermute",
     "Psum",
     "PsumScatter",
+    "PsumScatterParts",
     "RUN",
     "ScaleBySize",
     "SliceParts",
@@ -451,6 +453,63 @@ class SliceParts(_OnDim):
         return GatherParts(self.axes, self.dim, self.sizes)
 
 
+@dataclass(frozen=True)
+class PsumScatterParts(_OnDim):
+    """A per-part layout's pending sum over ``axes`` -> each part split further over them
+    (``src`` -> ``dst``, :class:`~fshard.spec.PartsLayout` s of the same parts; each rank's
+    chunk of a part in ``dst`` lies inside its chunk in ``src``, in group order): one
+    reduce_scatter of the block with the parts' pieces put in the group's chunk order first
+    (:func:`~fshard.spec.parts_chunked`, a local permutation). FSDP's per-unit reduction of
+    a param whose parts are split per part (Phi-3's ``qkv_proj`` under tp x FSDP)."""
+
+    axes: tuple[str, ...]
+    dim: int
+    src: PartsLayout
+    dst: PartsLayout
+    name: ClassVar[str] = "reduce_scatter"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return (n - 1) / n
+
+    def transpose(self):
+        return AllGatherParts(self.axes, self.dim, self.src, self.dst)
+
+
+@dataclass(frozen=True)
+class AllGatherParts(_OnDim):
+    """The transpose of :class:`PsumScatterParts` (``dst``'s blocks -> ``src``'s, varying):
+    one all_gather over ``axes``, the pieces then put back in part order
+    (:func:`~fshard.spec.parts_arranged`)."""
+
+    axes: tuple[str, ...]
+    dim: int
+    src: PartsLayout
+    dst: PartsLayout
+    name: ClassVar[str] = "all_gather"
+    local: ClassVar[bool] = False
+
+    def traffic(self, n):
+        return n - 1
+
+    def transpose(self):
+        return PsumScatterParts(self.axes, self.dim, self.src, self.dst)
+
+
+def _psum_scatter_parts(op: PsumScatterParts, g: AxisGroup, x):
+    # rows[j][i]: group chunk j's piece of part i in this rank's src block (its dst chunk)
+    rows = op.dst.part_rows(g.ranks)
+    t = parts_chunked(x.movedim(op.dim, 0), rows)  # the group's chunks in order
+    out = _comm.reduce_scatter(t, g, 0, tuple(sum(r) for r in rows))
+    return out.movedim(0, op.dim)
+
+
+def _all_gather_parts(op: AllGatherParts, g: AxisGroup, x):
+    rows = op.dst.part_rows(g.ranks)
+    t = _comm.all_gather(x.movedim(op.dim, 0), g, 0, tuple(sum(r) for r in rows))
+    return parts_arranged(t, rows).movedim(0, op.dim)
+
+
 def part_pieces(sizes: tuple[int, ...], k: int) -> list[list[tuple[int, int]]]:
     """``pieces[j][i]``: ``(start, size)`` along the dim of chunk ``j`` of part ``i`` in the
     whole dim (parts of ``sizes`` each split into ``k`` ceil-div chunks).
@@ -577,6 +636,8 @@ RUN: dict[type, Callable] = {
     Ppermute: _ppermute,
     GatherBlocks: _gather_blocks,
     GatherParts: _gather_parts,
+    PsumScatterParts: _psum_scatter_parts,
+    AllGatherParts: _all_gather_parts,
     SliceParts: _slice_parts,
     LocalSlice: _local_slice,
     KeepBlock: _keep_block,

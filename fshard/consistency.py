@@ -77,6 +77,8 @@ __all__ = [
     "check_equal",
     "check_replicated",
     "reset",
+    "Static",
+    "wait_pending",
 ]
 
 _MASK = (1 << 62) - 1
@@ -113,6 +115,7 @@ _RUNNING: dict = {}  # process group -> _Running
 _CROSSED: dict = {}  # (process group, boundary) -> times this rank crossed it (default mode)
 _CLAIMED: set = set()  # (call site, mesh, op, input) whose plain tensor was checked (default)
 _SETTLED: set = set()  # process groups whose digests a settle() compared and cleared
+_PENDING: list = []  # deferred checks' verdicts, their exchanges in flight (check_equal(defer=))
 
 
 def enabled() -> bool:
@@ -126,14 +129,34 @@ def enabled() -> bool:
 
 
 def _active_mode() -> str:
+    """The mode in this context, once the verdicts of deferred checks in flight are taken:
+    every entry point asks it first (:func:`check_collective` before each data collective),
+    so a deferred check is decided before any collective or check that follows it."""
+    if _PENDING:
+        wait_pending()
     if torch.compiler.is_compiling() or get_proxy_mode() is not None:
         return "off"
     return config.consistency_mode()
 
 
+def wait_pending() -> None:
+    """Take the verdicts of the checks deferred by ``check_equal(..., defer=True)``: wait for
+    their exchanges and raise :class:`ConsistencyError` (on every rank of their groups) where
+    the ranks disagreed. Runs by itself before the next collective or check; a caller that
+    deferred a check calls it where it may leave without one (its ``finally``), so no rank
+    returns, or raises an error of its own, with a verdict its peers take.
+
+    Example:
+        >>> consistency.wait_pending()  # doctest: +SKIP
+    """
+    while _PENDING:
+        _PENDING.pop(0)()
+
+
 def reset() -> None:
     """Forget the sequence numbers and running digests (``fs.launch`` does this before every
     run, so a run that failed on some ranks leaves nothing behind)."""
+    _PENDING.clear()
     _SEQ.clear()
     _RUNNING.clear()
     _CROSSED.clear()
@@ -146,10 +169,34 @@ def reset() -> None:
 _ATOMS = frozenset({str, int, float, bool, type(None), torch.dtype})
 
 
+class Static:
+    """A value a check compares that holds no tensor (atoms, tuples, specs, dtypes: what a call
+    signature is made of), hashable: hashed once per distinct value (cached), not walked at
+    every check, as a shard_map call's signature is the same every step. Shown as the value.
+
+    Example:
+        >>> sig = Static(("ShardedArray", "P('x')", (4, 2)))  # doctest: +SKIP
+        >>> consistency.check_equal({"call": sig}, mesh, what="f")  # doctest: +SKIP
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes)."""
     if type(obj) in _ATOMS:
         return obj
+    if type(obj) is Static:
+        try:
+            return ("static", _cached_hash(obj.value))
+        except TypeError:  # an unhashable part (a list): walked, as any value
+            return ("static", _hash(obj.value))
     if isinstance(obj, torch.Tensor):
         return ("tensor", str(obj.dtype), tuple(obj.shape), _content_hash(obj))
     if isinstance(obj, Mapping):
@@ -240,11 +287,17 @@ def _device(group: AxisGroup) -> torch.device:
 
 def _exchange(
     g: AxisGroup, h: int, seq: int, device: torch.device | None, extra: list = ()
-) -> tuple[bool, list]:
+) -> tuple:
     """One ``all_reduce(MAX)`` of ``h, -h, seq, -seq`` and ``extra`` (more int64 words, as many
-    on every rank of ``g``): ``(whether every rank of g holds both, the reduced extra words)``."""
+    on every rank of ``g``), launched: ``(words, work)``, for :func:`_exchanged`."""
     words = torch.tensor([h, -h, seq, -seq, *extra], dtype=torch.int64, device=device or _device(g))
-    dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg)
+    return words, dist.all_reduce(words, dist.ReduceOp.MAX, group=g.pg, async_op=True)
+
+
+def _exchanged(words: torch.Tensor, work) -> tuple[bool, list]:
+    """:func:`_exchange`'s result: ``(whether every rank of g holds both h and seq, the reduced
+    extra words)``."""
+    work.wait()
     top = words.tolist()
     return top[0] == -top[1] and top[2] == -top[3], top[4:]
 
@@ -259,7 +312,7 @@ def _agree(g: AxisGroup, what: str, fields: dict, device: torch.device | None = 
     """Raise :class:`ConsistencyError` on every rank of ``g`` unless all hold equal ``fields``."""
     seq = _SEQ.get(g.pg, 0)
     _SEQ[g.pg] = seq + 1
-    if _exchange(g, _hash(tuple(fields.items())), seq, device)[0]:
+    if _exchanged(*_exchange(g, _hash(tuple(fields.items())), seq, device))[0]:
         return
     mine = {**{k: _show(v) for k, v in fields.items()}, "sequence number": seq}
     _raise(what, g, mine, "no data collective ran")
@@ -339,7 +392,7 @@ def _collective_default(op: str, g: AxisGroup, t: torch.Tensor, fields: dict) ->
 
 
 def _check_running(
-    g: AxisGroup, what: str, states: list, h: int, fields: dict, device=None
+    g: AxisGroup, what: str, states: list, h: int, fields: dict, device=None, defer=False
 ) -> None:
     """Exchange ``h`` (the boundary's own arguments) with the running digests of ``states``
     over ``g``; on success they are settled (history cleared).
@@ -349,7 +402,8 @@ def _check_running(
     ``x`` groups of an ``("x", "y")`` mesh), each sub-group's digest among its own members
     only, in one exchange (a second where the sub-groups do not fit its room): two
     sub-groups of a correct SPMD program legitimately differ (an uneven split gives their
-    blocks different shapes)."""
+    blocks different shapes). With ``defer`` the exchange is launched and its verdict taken
+    before this process's next collective or check (:func:`wait_pending`)."""
     states = sorted(states, key=_Running.key)
     whole = frozenset(g.ranks)
     subs = [r for r in states if r.ranks != whole]
@@ -370,20 +424,28 @@ def _check_running(
     extra, slots = [_ABSENT] * (2 * room * g.size), {}
     if merged:
         extra, slots = _subgroup_words(g, kinds, subs, extra)
-    same, top = _exchange(g, total, seq, device, extra)
-    if not same:
-        mine = {k: _show(v) for k, v in fields.items()}
-        mine.update(_history_views([r for r in states if r.ranks == whole]))
-        mine["sub-group kinds used"] = str(kinds)
-        mine["checks on the group"] = str(seq)
-        _raise(what, g, mine, "the first line that differs is where the ranks parted")
-    if subs:
-        if merged:
-            _subgroup_verdict(g, what, top, kinds, slots, fields)
-        else:
-            _check_subgroups(g, what, subs, kinds, fields, device)
-    for r in states:
-        r.exchanged, r.history = True, []
+    launched = _exchange(g, total, seq, device, extra)
+
+    def verdict() -> None:
+        same, top = _exchanged(*launched)
+        if not same:
+            mine = {k: _show(v) for k, v in fields.items()}
+            mine.update(_history_views([r for r in states if r.ranks == whole]))
+            mine["sub-group kinds used"] = str(kinds)
+            mine["checks on the group"] = str(seq)
+            _raise(what, g, mine, "the first line that differs is where the ranks parted")
+        if subs:
+            if merged:
+                _subgroup_verdict(g, what, top, kinds, slots, fields)
+            else:
+                _check_subgroups(g, what, subs, kinds, fields, device)
+        for r in states:
+            r.exchanged, r.history = True, []
+
+    if defer:
+        _PENDING.append(verdict)
+    else:
+        verdict()
 
 
 _ABSENT = -(1 << 63)  # a slot this rank is not a member of (below every digest word)
@@ -470,10 +532,12 @@ def _within(g: AxisGroup) -> list:
     return [r for r in _RUNNING.values() if r.ranks <= ranks]
 
 
-def _boundary(g: AxisGroup, what: str, fields: dict, site: tuple, running: bool = True) -> None:
+def _boundary(
+    g: AxisGroup, what: str, fields: dict, site: tuple, running: bool = True, defer=False
+) -> None:
     h = _hash((tuple(fields.items()), site))
     states = _within(g) if running else []
-    _check_running(g, what, states, h, {**fields, "called at": _where(site)})
+    _check_running(g, what, states, h, {**fields, "called at": _where(site)}, defer=defer)
 
 
 def _due(n: int) -> bool:
@@ -572,11 +636,17 @@ def settle(group: Mesh | AxisGroup, what: str) -> None:
             # settle or boundary; its first one ever was exchanged)
 
 
-def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> None:
+def check_equal(
+    obj, group: Mesh | AxisGroup | None = None, *, what: str, defer: bool = False
+) -> None:
     """Raise :class:`ConsistencyError` on every rank unless ``obj`` is equal on all of them.
 
     Runs whenever checks are on (:func:`enabled`); costs one small all_reduce. In the default
     mode it is also a :func:`boundary` (the running digests are compared with ``obj``).
+    With ``defer`` (default mode; ``"every"`` checks at once) the all_reduce is launched and
+    its verdict taken before this process's next collective or check, or at
+    :func:`wait_pending`, which the caller runs where it may leave without either: the work in
+    between (no collective) overlaps the exchange.
 
     Args:
         obj: any value made of Python scalars, strings, tuples, lists, dicts, tensors (compared
@@ -601,7 +671,7 @@ def check_equal(obj, group: Mesh | AxisGroup | None = None, *, what: str) -> Non
     if mode == "every":
         _agree(group, what, fields)
     else:
-        _boundary(group, what, fields, _site(), running)
+        _boundary(group, what, fields, _site(), running, defer)
 
 
 def check_replicated(t: torch.Tensor, mesh: Mesh, op: str, index: int) -> None:

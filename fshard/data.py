@@ -133,7 +133,7 @@ def batch(local: torch.Tensor, mesh: Mesh, axes: str | Sequence[str] = "dp", *, 
         >>> mesh = fs.Mesh.create((2,), ("dp",))
         >>> x = fs.data.batch(torch.ones(4, 16), mesh, "dp")  # this rank's 4 rows
         >>> x.shape, x.spec
-        (torch.Size([8, 16]), P('dp', None))
+        (torch.Size([8, 16]), P('dp'))
     """
     names = _axes(mesh, axes, "batch")
     if not isinstance(local, torch.Tensor) or type(local).__name__ == "ShardedArray":

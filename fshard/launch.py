@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from . import _by_value, consistency
 from ._torchrun import BACKENDS, default_backend, init_torchrun_group, under_torchrun
-from .mesh import release_groups
+from .mesh import PeerFailed, abandoned, release_groups
 
 __all__ = ["RankError", "World", "default_backend", "is_worker", "run", "shutdown"]
 
@@ -312,7 +312,8 @@ class World:
       world_size: Number of ranks (an int >= 1).
       timeout: Default per-call limit in seconds for :meth:`run`; also bounds worker start-up.
       pg_timeout: Timeout in seconds of the Gloo process group (how long a collective waits
-        for the other ranks before raising).
+        for the other ranks before raising), and of the groups fshard's meshes make over
+        its sub-sets of ranks (a mesh axis's).
       preload: module names the workers start with, imported once by the fork server (see
         Start-up).
 
@@ -345,6 +346,7 @@ class World:
         self._generation = 0
         self._hash_seed: str | None = None
         self._closed = False
+        self._gave_up = False  # a rank's reply said it gave a process group up
         # Mutated in place (never rebound) so the finalizer always sees the live workers.
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -433,6 +435,7 @@ class World:
 
     def _kill(self) -> None:
         _terminate(self._procs, self._conns, self._lifelines)
+        self._gave_up = False
 
     def _start(self) -> None:
         self._kill()
@@ -524,7 +527,9 @@ class World:
         alive = proc.is_alive()  # checked before reading, so a reply sent just before exit wins
         try:
             if conn.poll():
-                return pickle.loads(conn.recv_bytes())
+                message, gave_up = pickle.loads(conn.recv_bytes())
+                self._gave_up |= gave_up
+                return message
         except (EOFError, OSError):
             alive = False
         if alive:
@@ -534,10 +539,12 @@ class World:
 
     def _results(self, outcomes: dict[int, tuple], pending: set[int], timeout: float) -> list:
         failed = [r for r, o in outcomes.items() if o[0] != "ok"]
-        if pending or any(outcomes[r][0] == "died" for r in failed) or not self._healthy(failed):
-            # A rank is stuck (likely in a collective), the group lost a member, or a failed
-            # collective left it out of step (e.g. Gloo's timeout closes the pair): the process
-            # group is unusable, so restart the world on the next run.
+        died = any(outcomes[r][0] == "died" for r in failed)
+        if pending or died or self._gave_up or not self._healthy(failed):
+            # A rank is stuck (likely in a collective), the group lost a member, a rank gave a
+            # group up (fshard._comm.abandon: a pipeline stage failed), or a failed collective
+            # left it out of step (e.g. Gloo's timeout closes the pair): the process group is
+            # unusable, so restart the world on the next run.
             self._kill()
         if failed:
             # Blame the cause, not its echoes: a dead rank, then a rank's own error, then a
@@ -573,8 +580,8 @@ _CAUSE = (
 def _collective_error(exc: BaseException) -> BaseException:
     """A torchrun rank's failed collective (Gloo's ``Timed out waiting 300000ms for recv``),
     with its usual cause; other errors as they are."""
-    if not isinstance(exc, Exception) or not _collective_failed(exc):
-        return exc
+    if not isinstance(exc, Exception) or isinstance(exc, PeerFailed) or not _collective_failed(exc):
+        return exc  # (a PeerFailed names its cause: a peer's error, not ranks that disagree)
     kind = TimeoutError if "timed out" in str(exc).lower() else RuntimeError
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return kind(f"rank {dist.get_rank()}: a collective failed ({first[:300]}). {_CAUSE}")
@@ -852,10 +859,12 @@ def _worker(
     torch.set_num_threads(1)  # N ranks share the machine's cores
 
     def reply(message: tuple) -> bool:
+        # with whether this rank gave a process group up (a failed pipeline stage closed its
+        # connections): the group is unusable, and the driver restarts the world
         try:
-            data = pickle.dumps(message)
+            data = pickle.dumps((message, abandoned()))
         except Exception as e:  # an unpicklable result
-            data = pickle.dumps(_error_reply(e))
+            data = pickle.dumps((_error_reply(e), abandoned()))
         try:
             conn.send_bytes(data)
         except OSError:

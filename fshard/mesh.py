@@ -475,6 +475,37 @@ _LIVE: dict = {}
 _REAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _WORLDS = [0]  # worlds released so far: part of a real mesh's equality
 _SHARED: dict = {}  # (world, member ranks) -> the process group over them
+#: the names of the process groups this process gave up (``fshard._comm.abandon``: a pipeline
+#: stage failed and closed its connections to the group's ranks); unusable since
+_ABANDONED: set = set()
+
+
+class PeerFailed(dist.DistError):
+    """A rank's collectives over a process group failed because a peer gave the group up after
+    an error of its own (``fshard._comm.abandon``: a pipeline stage raised); the message names
+    that peer's error."""
+
+
+def abandoned() -> bool:
+    """Whether this process gave up a process group (:func:`fshard._comm.abandon`, after a
+    pipeline stage failed): the group is unusable, and a :class:`fshard.launch.World` worker
+    exits after its reply so that the world restarts.
+
+    Example:
+        >>> abandoned()
+        False
+    """
+    return bool(_ABANDONED)
+
+
+def mark_abandoned(group_name: str) -> None:
+    """Record that this process gave up the process group ``group_name``
+    (:func:`fshard._comm.abandon`): :func:`abandoned` is true from then on.
+
+    Example:
+        >>> mark_abandoned("3")  # doctest: +SKIP
+    """
+    _ABANDONED.add(group_name)
 
 
 # Unbounded on purpose: one entry per distinct mesh (shape, names, device type, world) and per
@@ -552,6 +583,19 @@ def release_groups() -> None:
     _create.cache_clear()
 
 
+def _default_timeout():
+    """The default group's timeout, for its sub-groups: torch gives a ``dist.new_group`` its
+    backend's default (30 minutes on Gloo, 10 on NCCL) whatever ``init_process_group`` was
+    given, so a collective over a mesh axis waited 30 minutes where a ``fs.launch.World``'s
+    ``pg_timeout`` (or torchrun's ``timeout``) said 60 s. ``None`` (torch's default) where the
+    group does not say."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except Exception:
+        return None
+
+
 def _shared_group(world_key, member_sets: list, me: int):
     """This rank's process group among ``member_sets`` (each a group's ranks), every one
     created once per world (``dist.new_group`` is collective: every rank calls it for every set,
@@ -564,7 +608,8 @@ def _shared_group(world_key, member_sets: list, me: int):
         else:
             pg = _SHARED.get((world_key, members))
             if pg is None:
-                pg = _SHARED[(world_key, members)] = dist.new_group(list(members))
+                pg = dist.new_group(list(members), timeout=_default_timeout())
+                _SHARED[(world_key, members)] = pg
         if me in members:
             mine = pg
     return mine

@@ -141,7 +141,7 @@ def shard_params(
         >>> plan = {"0.weight": fs.P("tp", None), "0.bias": fs.P("tp"), "2.weight": fs.P(None, "tp")}
         >>> params = fs.nn.shard_params(model, mesh, plan)  # the rest replicated
         >>> params["0.weight"].spec, params["0.weight"].local.shape, params["2.bias"].spec
-        (P('tp', None), torch.Size([4, 4]), P())
+        (P('tp'), torch.Size([4, 4]), P())
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")

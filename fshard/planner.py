@@ -17,6 +17,10 @@ cached per ``(layout, dst_spec)``. Lowering, per mesh axis (DESIGN §5, n ranks,
     reduce_scatter over b alone, inside the a blocks (sequence parallelism in a cp chunk)
     Layout.explicit -> any   gather_blocks    (N-1)·max block   (then local slices)
     Parts -> any             gather_parts     (n-1)·L     (the parts dim; then as from P)
+    Parts(P(a, partial=b)) -> Parts(P((a, b)))
+                             reduce_scatter   (n-1)/n·L   (per part: the parts' pieces put in
+                                                          b's chunk order first, where each
+                                                          part's split nests)
     any -> Parts             slice_parts      0           (after making the parts dim whole)
 
 Order: partial axes are reduced first (as a reduce_scatter where the target shards a dim over
@@ -39,6 +43,7 @@ from .collectives import (
     Ppermute,
     Psum,
     PsumScatter,
+    PsumScatterParts,
     SliceParts,
     ZeroOthers,
 )
@@ -187,6 +192,9 @@ def steps(src: Layout, dst: Layout) -> tuple[Step, ...]:
     if src == dst:
         return ()
     if isinstance(src, PartsLayout):
+        scatter = _parts_scatter(src, dst)
+        if scatter is not None:
+            return scatter
         if _parts_stay(src, dst):  # the parts dim stays: the other dims and sums move
             inner = steps(src.base, dst.base)
             # a ppermute's shapes are the base's blocks; the parts dim must not move
@@ -353,6 +361,29 @@ def _parts_stay(src: PartsLayout, dst) -> bool:
         dst.sizes,
         dst.axes,
     )
+
+
+def _parts_scatter(src: PartsLayout, dst) -> tuple[Step, ...] | None:
+    """A per-part layout pending over axes ``A`` -> the same parts split further over ``A``
+    (``Parts(P("tp", partial="dp"))`` -> ``Parts(P(("tp", "dp")))``, FSDP's reduction of a
+    param split per part): one :class:`PsumScatterParts`, where every part's flat split over
+    the target's axes is its split over the source's axes split again over ``A`` (else
+    ``None``: gather the parts, then as from P)."""
+    if not isinstance(dst, PartsLayout) or (src.dim, src.sizes) != (dst.dim, dst.sizes):
+        return None
+    k = len(src.axes)
+    axes = dst.axes[k:]
+    if dst.axes[:k] != src.axes or not axes or not set(axes) <= set(src.partial):
+        return None
+    if set(dst.partial) != set(src.partial) - set(axes):
+        return None
+    others = [d for d in range(src.base.ndim) if d != src.dim]
+    if any(src.base.dim_axes[d] != dst.base.dim_axes[d] for d in others):
+        return None
+    ko, ki = src.mesh.size(src.axes), src.mesh.size(axes)
+    if not all(nests(n, ko, ki) for n in src.sizes):
+        return None
+    return (Step(PsumScatterParts(axes, src.dim, src, dst), src, dst),)
 
 
 def _per_part(step: Step, like: PartsLayout) -> Step:

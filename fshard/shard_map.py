@@ -876,7 +876,8 @@ def call_signature(args: tuple, in_specs, out_specs) -> dict:
     return {
         "in_specs": repr(in_specs),
         "out_specs": repr(out_specs),
-        "inputs": tuple(describe(v) for v in leaves),
+        # static metadata: hashed once per distinct signature (a step's is the last step's)
+        "inputs": consistency.Static(tuple(describe(v) for v in leaves)),
     }
 
 

@@ -262,6 +262,32 @@ def nests(n: int, outer: int, inner: int) -> bool:
     return True
 
 
+def canonical_spec(spec: PartitionSpec, axis_names: Sequence[str]) -> PartitionSpec:
+    """The one spelling of ``spec``'s value that a layout holds and prints: ``None`` for a
+    whole dim, an axis name for a dim split over one axis, a tuple for several, trailing whole
+    dims dropped, the pending-sum axes in the mesh's order (``axis_names``).
+
+    A :class:`P` prints as it was written (as JAX's ``PartitionSpec``), but it compares by
+    value (``P(None) == P()``, ``P("x", None) == P("x")``), and layouts are cached by value: a
+    layout holding the caller's spelling would print whichever spelling made it first. So a
+    layout's spec is canonical, as JAX's computed shardings are (``PartitionSpec()`` for a
+    replicated output, trailing ``None`` dropped): equal layouts print alike, whatever ran
+    before.
+
+    Example:
+        >>> canonical_spec(P(None, ("x",), None, partial=("z", "y")), ("x", "y", "z"))
+        P(None, 'x', partial=('y', 'z'))
+        >>> canonical_spec(P(None), ("x",))
+        P()
+    """
+    partial = tuple(a for a in axis_names if a in spec.partial)
+    partial += tuple(a for a in spec.partial if a not in partial)  # not a mesh axis: as given
+    entries = [None if not d else d[0] if len(d) == 1 else d for d in spec.dims]
+    if list(spec._entries) == entries and spec.partial == partial:
+        return spec
+    return PartitionSpec(*entries, partial=partial)
+
+
 def spec_of_dims(dims, partial=()) -> PartitionSpec:
     """A P from per-dim axis tuples, written the way a user would (``None``, ``"x"``).
 
@@ -466,7 +492,9 @@ class Layout(BaseLayout):
 
     Args:
         mesh: a :class:`fshard.Mesh` (real or abstract).
-        spec: a :class:`P`; shorter than the shape means trailing dims are whole.
+        spec: a :class:`P`; shorter than the shape means trailing dims are whole. The layout
+            holds it in its canonical spelling (:func:`canonical_spec`): ``Layout(m, P("x",
+            None), s).spec`` prints ``P('x')``, whatever spelling made an equal layout first.
         shape: the global shape (never inferred from local sizes).
         dtype: element type of the value (default float32).
 
@@ -499,6 +527,7 @@ class Layout(BaseLayout):
                 f"spec {spec} names axis {unknown[0]!r}, which is not an axis of the mesh; "
                 f"the mesh axes are {mesh.axis_names}"
             )
+        spec = canonical_spec(spec, mesh.axis_names)  # equal layouts print alike
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "dim_axes", spec.padded(len(shape)))
         self._set_value(mesh, shape, dtype, (mesh, spec, shape, dtype))
@@ -931,7 +960,9 @@ class PartsLayout(BaseLayout):
         if not axes:
             raise ValueError(f"{parts}: the spec does not split dim {dim}; use the P alone")
         set_ = object.__setattr__
-        canonical = parts if parts.dim == dim else Parts(parts.spec, dim, parts.sizes)
+        if parts.dim != dim or parts.spec is not base.spec:  # base's spec: canonical
+            parts = Parts(base.spec, dim, parts.sizes)
+        canonical = parts
         set_(self, "base", base)
         set_(self, "dim", dim)
         set_(self, "sizes", parts.sizes)

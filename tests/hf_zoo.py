@@ -400,6 +400,50 @@ def is_moe(model: torch.nn.Module) -> bool:
     return bool(_experts_modules(model))
 
 
+def parallelize_refusals(arch: str, degrees: dict) -> list[tuple[str, str, int]]:
+    """``(outcome, detail, collectives)`` of ``arch`` under ``degrees`` on each rank of the
+    mesh, simulated in this process (``Mesh.simulate``: no ranks): :func:`parallelize_rank_fn`'s
+    outcome with the same model and dense step (once: every rank builds the same), parallelize
+    called on each rank's simulated mesh, and the collectives it issued before it refused
+    (``fs.debug.comm_log``; a refusal must come before any). A configuration parallelize does
+    not refuse does not come out ``refused`` here: its step runs on meta tensors and fails."""
+    import transformers
+
+    import fshard as fs
+
+    transformers.logging.set_verbosity_error()
+    dense = _dense_reference(arch)
+    if isinstance(dense[0], str):
+        return [(*dense, 0)]
+    model, ids, want, want_value = dense
+    out = []
+    for rank in range(fs.parallel.ParallelDims(**degrees).world_size):
+        with fs.debug.comm_log() as log:
+            worst = _parallelize_worst(model, degrees, ids, want, want_value, simulate=rank)
+        outcome, detail = worst if isinstance(worst, tuple) else ("ran", f"{worst:.1e}")
+        out.append((outcome, detail, len(log)))
+    return out
+
+
+def _dense_reference(arch: str) -> tuple:
+    """``(model, ids, dense gradients, dense loss)`` of ``arch``'s tiny causal LM (torch.func on
+    its weights), or ``("not buildable", why)``."""
+    try:
+        model = build(arch)
+        vocab = min(VOCAB, getattr(model.config, "vocab_size", VOCAB) or VOCAB)
+        ids = torch.randint(2, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        dense = {k: p.detach() for k, p in model.named_parameters()}
+
+        def dense_loss(ps):
+            kwargs = {"labels": ids, "use_cache": False}
+            return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+        want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    except Exception as e:
+        return "not buildable", _outcome(e)[1]
+    return model, ids, want, want_value
+
+
 def parallelize_rank_fn(arch: str, degrees: dict | None) -> tuple[str, str]:
     """``(outcome, detail)`` of ``fs.parallel.parallelize(model, mesh, ParallelDims(**degrees))``
     of ``arch``'s tiny causal LM on this rank: one fs.value_and_grad step against dense
@@ -412,21 +456,20 @@ def parallelize_rank_fn(arch: str, degrees: dict | None) -> tuple[str, str]:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    try:
-        model = build(arch)
-        if degrees is None:
-            return ("moe" if is_moe(model) else "dense"), ""
-        vocab = min(VOCAB, getattr(model.config, "vocab_size", VOCAB) or VOCAB)
-        ids = torch.randint(2, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        dense = {k: p.detach() for k, p in model.named_parameters()}
+    if degrees is None:
+        try:
+            return ("moe" if is_moe(build(arch)) else "dense"), ""
+        except Exception as e:
+            return "not buildable", _outcome(e)[1]
+    dense = _dense_reference(arch)
+    if isinstance(dense[0], str):
+        return dense
+    model, ids, want, want_value = dense
 
-        def dense_loss(ps):
-            kwargs = {"labels": ids, "use_cache": False}
-            return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
 
-        want, want_value = torch.func.grad_and_value(dense_loss)(dense)
-    except Exception as e:
-        return "not buildable", _outcome(e)[1]
     worst = _parallelize_worst(model, degrees, ids, want, want_value)
     if isinstance(worst, tuple):
         return worst
@@ -457,15 +500,16 @@ def _cross_entropy(logits, labels, vocab_size=None, **kwargs):
     )
 
 
-def _parallelize_worst(model, degrees, ids, want, want_value):
+def _parallelize_worst(model, degrees, ids, want, want_value, simulate: int | None = None):
     """The worst relative difference of parallelize's step from dense, or ``(outcome,
-    detail)`` where it raised."""
+    detail)`` where it raised; ``simulate``: on that rank's simulated mesh (no ranks)."""
     import fshard as fs
     from tests.test_composition import _by_name
 
     try:
         dims = fs.parallel.ParallelDims(**degrees)
-        params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
+        mesh = dims.mesh() if simulate is None else dims.abstract_mesh().simulate(simulate)
+        params, loss = fs.parallel.parallelize(model, mesh, dims)
         value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
         stacked = [k for k, v in grads.items() if isinstance(v, dict)]  # pp: the layers
         got = _by_name(grads, dims, *stacked[:1])

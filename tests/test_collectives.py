@@ -30,6 +30,13 @@ _EXPLICIT = fs.Layout.explicit(
 )
 
 
+#: a per-part layout pending over y, and the same parts split over (x, y)
+_NESTED_PARTS = tuple(
+    fs.Layout.of(_M, fs.Parts(spec, 0, (4, 2, 2)), (8, 6))
+    for spec in (fs.P("x", None, partial="y"), fs.P(("x", "y"), None))
+)
+
+
 def _one_of_each():
     xy = ("x", "y")
     return [
@@ -52,6 +59,8 @@ def _one_of_each():
         C.KeepBlock(_EXPLICIT),
         C.GatherParts(xy, 1, (4, 2, 2)),
         C.SliceParts(xy, 0, (5, 3, 3)),
+        C.PsumScatterParts(("y",), 0, *_NESTED_PARTS),
+        C.AllGatherParts(("y",), 0, *_NESTED_PARTS),
     ]
 
 

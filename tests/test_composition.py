@@ -491,10 +491,8 @@ def test_fsdp_x_cp_unreduced_gradients_reduce_scatter_at_the_reshard(world4):
     n = len(dict(_hf_model("llama").named_parameters()))
     for worst, pending, ops, at_step in world4.run(fsdp_cp_unreduced_rank_fn):
         assert worst < 1e-4, worst
-        assert pending == {
-            "P(None, partial=('dp_shard', 'cp'))",
-            "P(None, None, partial=('dp_shard', 'cp'))",
-        }
+        # every gradient pending a sum (a layout prints its spec canonically: 1-D and 2-D alike)
+        assert pending == {"P(partial=('dp_shard', 'cp'))"}, pending
         assert ops == Counter({("all_reduce", ("cp",), 4): 1}), ops  # the loss's psum alone
         assert at_step == Counter({("reduce_scatter", ("dp_shard", "cp")): n}), at_step
 
@@ -550,15 +548,15 @@ def test_fsdp_x_cp_composes_with_pp_and_ep_on_eight_ranks(world8):
     all_reduce; expected from the param shapes alone."""
     pytest.importorskip("transformers")
     want = [
-        {"P('pp', None, ('dp_shard', 'cp'))", "P(('dp_shard', 'cp'), None)"},
-        {"P(('dp_shard', 'ep', 'cp'), None)", "P(('ep', 'dp_shard'), None, None)"},
+        {"P('pp', None, ('dp_shard', 'cp'))", "P(('dp_shard', 'cp'))"},
+        {"P(('dp_shard', 'ep', 'cp'))", "P(('ep', 'dp_shard'))"},
     ]
     results = world8.run(fsdp_cp_eight_rank_fn, timeout=900)
     for rank_results in results:
         for (kind, degrees), (worst, specs, _, _), must in zip(FSDP_CP_EIGHT, rank_results, want):
             assert worst < 1e-4, (kind, degrees, worst)
             assert must <= specs, (kind, degrees, specs)
-            expert = "P(('ep', 'dp_shard'), None, None)"
+            expert = "P(('ep', 'dp_shard'))"
             llama = kind == "llama"
             dense = "('dp_shard', 'cp')" if llama else "('dp_shard', 'ep', 'cp')"
             assert all("dp_shard" not in s or dense in s or s == expert for s in specs), specs
@@ -592,7 +590,7 @@ def test_fsdp_x_cp_composes_with_pp_and_ep_on_eight_ranks(world8):
         _, _, local, log = rank_results[1]
         for k, p in named.items():
             if k in experts:
-                assert local[k] == ("P(('ep', 'dp_shard'), None, None)", (1, *p.shape[1:])), k
+                assert local[k] == ("P(('ep', 'dp_shard'))", (1, *p.shape[1:])), k
                 continue
             # chunk `rank` of dp_shard x ep x cp (outer to inner: the rank's own order)
             mine = max(0, min(rows[k], p.shape[0] - rank * rows[k]))
@@ -652,7 +650,7 @@ def test_fsdp_x_ep_shards_dense_params_over_dp_shard_x_ep(world4):
     for worst, local, log in world4.run(fsdp_ep_rank_fn):
         assert worst < 1e-4, worst
         for k, p in named.items():
-            spec = "P(('ep', 'dp_shard'), None, None)" if k in experts else None
+            spec = "P(('ep', 'dp_shard'))" if k in experts else None
             rows = p.shape[0] // 4 if k in experts else -(-p.shape[0] // 4)
             if k not in experts:  # the router (4 rows) over 4 ranks, the others evenly
                 assert local[k][0].startswith("P(('dp_shard', 'ep')"), (k, local[k])
@@ -757,6 +755,17 @@ def _hf_model(kind: str):
             num_experts=4, num_experts_per_tok=2,
         )  # fmt: skip
         return transformers.Qwen3MoeForCausalLM(cfg)
+    if kind.startswith("granite"):  # "granite": its muP multipliers at 1.0; "granite:E,L":
+        # embedding_multiplier E and logits_scaling L (residual and attention multipliers,
+        # inside the layers, at 0.5)
+        e, _, logits = kind.partition(":")[2].partition(",")
+        cfg = transformers.GraniteConfig(
+            hidden_size=32, intermediate_size=64, vocab_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+            embedding_multiplier=float(e or 1), logits_scaling=float(logits or 1),
+            residual_multiplier=0.5 if e else 1.0, attention_multiplier=0.5 if e else 1.0,
+        )  # fmt: skip
+        return transformers.GraniteForCausalLM(cfg)
     cfg = transformers.MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
@@ -887,7 +896,35 @@ PIPELINED = [
     # the embedding tied to the head: used by both ends, it stays replicated over pp (its
     # gradient summed over pp) while the final norm is held by the last stage's ranks
     ("llama_tied", {"pp": 2, "dp_shard": 2}, {}),
+    # Granite with its multipliers at 1.0 (embedding_multiplier, logits_scaling: the forward
+    # multiplies by them between the pieces, which changes nothing): was refused as a scale
+    ("granite", {"pp": 2, "dp_shard": 2}, {}),
+    # and with its residual and attention multipliers (inside the layers) at 0.5
+    ("granite:1.0,1.0", {"pp": 2, "tp": 2}, {}),
 ]
+
+
+@pytest.mark.parametrize(
+    "kind, scale",
+    [
+        ("granite:2.0,1.0", "between the embedding and the first decoder layer"),
+        ("granite:1.0,2.0", "'logits_scaling': 2.0"),
+        ("granite:1.0,0.5", "'logits_scaling': 0.5"),
+    ],
+)
+def test_parallelize_pp_refuses_a_multiplier_other_than_1_between_the_pieces(kind, scale):
+    """Granite's embedding_multiplier and logits_scaling other than 1.0 scale the values
+    between the pieces the stages run (the embedding, the layers, the norm and head), which
+    the stages would skip: refused before any collective, naming the model (at 1.0 they change
+    nothing and pipeline as dense: PIPELINED's Granite rows), on each simulated rank."""
+    pytest.importorskip("transformers")
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    for rank in range(dims.world_size):
+        mesh = dims.abstract_mesh().simulate(rank)
+        with fs.debug.comm_log() as log, pytest.raises(NotImplementedError) as e:
+            fs.parallel.parallelize(_hf_model(kind), mesh, dims)
+        assert "GraniteForCausalLM" in str(e.value) and scale in str(e.value), e.value
+        assert "use pp = 1" in str(e.value) and not log, (e.value, log)
 
 
 def pipelined_rank_fn():
@@ -1007,19 +1044,19 @@ def test_parallelize_holds_the_ends_on_their_stage(world4):
     pytest.importorskip("transformers")
     for rank, (untied, tied) in enumerate(world4.run(held_ends_rank_fn)):
         first, last = rank < 2, rank >= 2
-        # (fsdp_plan writes a matrix's entry for each dim: P('dp_shard', None))
+        # (a layout prints its spec canonically, fshard.spec.canonical_spec: P('dp_shard'))
         assert untied == {
             "model.embed_tokens.weight": (
                 "HeldLayout",
                 0,
-                "P('dp_shard', None)",
+                "P('dp_shard')",
                 (32 if first else 0, 32),
             ),
             "model.norm.weight": ("HeldLayout", 1, "P('dp_shard')", (16 if last else 0,)),
-            "lm_head.weight": ("HeldLayout", 1, "P('dp_shard', None)", (32 if last else 0, 32)),
+            "lm_head.weight": ("HeldLayout", 1, "P('dp_shard')", (32 if last else 0, 32)),
         }, rank
         assert tied == {
-            "model.embed_tokens.weight": ("Layout", None, "P('dp_shard', None)", (32, 32)),
+            "model.embed_tokens.weight": ("Layout", None, "P('dp_shard')", (32, 32)),
             "model.norm.weight": ("HeldLayout", 1, "P('dp_shard')", (16 if last else 0,)),
         }, rank
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import fshard as fs
+from fshard import _comm
 from fshard.consistency import ConsistencyError
 from fshard.launch import World
+from fshard.parallel import pipeline
 
 from .test_faults import _DISAGREE, _disagree
 
@@ -461,3 +463,63 @@ def test_canonical_form_of_a_signature():
         ),
     )
     assert consistency._canonical(obj) == want
+
+
+def _pipeline_plain_inputs(rank, how):
+    """fs.parallel.pipeline checks its plain inputs (and its shard_map call) in one exchange
+    whose verdict is deferred to the step's first collective (the first stage's input_fn and
+    first forward overlap it): one agreeing step, then one where rank 1 passes another
+    ``how``: "head" (its plain loss params), "ids" (its token ids); "raises": its ids differ
+    and rank 0's input_fn raises an error of its own before any collective (the verdict is
+    still taken, on both ranks, where rank 0 leaves). Returns what moved on the wire in the
+    failing step (nothing: the verdict comes before the first transfer)."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(5)
+    w, emb = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(6, 3, generator=gen)
+    ids, h = torch.randint(0, 6, (4, 2), generator=gen), torch.randn(3, generator=gen)
+    tgt = torch.randn(4, 2, generator=gen)
+    bad = [False]
+
+    def input_fn(e, ids):
+        if bad[0] and how == "raises" and rank == 0:
+            raise ValueError("rank 0's own error")
+        return torch.nn.functional.embedding(ids, e)
+
+    def loss(w, e, h, ids):
+        return pipeline(
+            lambda w, x: torch.tanh(x @ w), w, ids, mesh,
+            loss_fn=lambda h, y, t: ((y @ h - t) ** 2).sum(), loss_params=h, targets=tgt,
+            input_fn=input_fn, input_params=e, activation=torch.empty(2, 3, device="meta"),
+            schedule="1f1b",
+        )  # fmt: skip
+
+    fs.value_and_grad(loss, argnums=(0, 1, 2))(w, emb, h, ids)
+    bad[0] = True
+    if rank == 1:
+        h, ids = (h + 1, ids) if how == "head" else (h, (ids + 1) % 6)
+    moved = []
+    real = _comm._point_to_point
+
+    def counted(ops, g):
+        moved.extend(ops)
+        return real(ops, g)
+
+    _comm._point_to_point = counted
+    try:
+        fs.value_and_grad(loss, argnums=(0, 1, 2))(w, emb, h, ids)
+    except ConsistencyError as e:
+        raise ConsistencyError(f"{e}\nmoved: {len(moved)}") from None
+    finally:
+        _comm._point_to_point = real
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "how,leaf", [("head", "loss_params leaf 0"), ("ids", "microbatches leaf 0"), ("raises", "")]
+)
+def test_default_pipeline_plain_inputs_that_differ_raise_before_any_transfer(
+    world_default, how, leaf
+):
+    message = _both_raise(world_default, _pipeline_plain_inputs, how)
+    assert "fs.parallel.pipeline's tensors" in message and leaf in message, message
+    assert message.endswith("moved: 0"), message

@@ -14,6 +14,7 @@ from torch import nn
 
 import fshard as fs
 from fshard import lax
+from fshard.spec import chunk_bounds
 
 D, H, B = 6, 10, 8
 PARAM_BYTES = 8 * (H * D + H + D * H + D)  # float64
@@ -352,8 +353,10 @@ def test_unreduced_gradients_of_parts_accumulate_then_reduce_once(world4, case):
     microbatches (FSDP's all_gathers and the loss scalars only); at the step one reduction per
     param over dp: a Parts on dim 1 reduces its tp block (parts (8, 3, 3) chunked 4 + 2 + 2
     rows on tp 0, 4 + 1 + 1 on tp 1, x 4 float64) in one all_reduce, or one reduce_scatter
-    under FSDP; a Parts on dim 0 (to a split over ('tp', 'dp')) gathers its parts over tp
-    first (the planner has no per-part reduce_scatter) and all-reduces the whole param."""
+    under FSDP; a Parts on dim 0 (to each part split over ('tp', 'dp')) in one reduce_scatter
+    of its tp block too, the parts' pieces in dp's chunk order (the planner's
+    PsumScatterParts; was an all_gather of the parts over tp and an all_reduce of the whole
+    param over dp)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 14).double() if case == "dim0" else _Fused()
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -372,7 +375,9 @@ def test_unreduced_gradients_of_parts_accumulate_then_reduce_once(world4, case):
             torch.testing.assert_close(out[k], w, rtol=1e-12, atol=1e-12)
         assert pending["weight"] == fs.Parts(part, dim, (8, 3, 3))
         assert kept
-        rows = 8 if rank % 2 == 0 else 6  # this rank's tp block of the parts
+        # this rank's tp block of the parts: each part's ceil-div chunk over tp (2) on tp
+        # index rank % 2 (mesh (dp, tp)): 4 + 2 + 2 rows on tp 0, 4 + 1 + 1 on tp 1
+        rows = sum(b - a for a, b in (chunk_bounds(n, 2, rank % 2) for n in (8, 3, 3)))
         if case == "tp":
             assert during == [] and at_step == [("all_reduce", rows * 4 * 8)]
         elif case == "fsdp":
@@ -380,12 +385,9 @@ def test_unreduced_gradients_of_parts_accumulate_then_reduce_once(world4, case):
         else:
             assert pending["bias"] == fs.Parts(fs.P("tp", partial="dp"), 0, (8, 3, 3))
             assert during == ["all_gather"]
-            assert at_step == [
-                ("all_gather", rows * 8),  # bias: its parts over tp
-                ("all_reduce", 14 * 8),
-                ("all_gather", rows * 4 * 8),  # weight
-                ("all_reduce", 14 * 4 * 8),
-            ]
+            # one reduce_scatter over dp per param of its tp block (x 8 B float64): the bias's
+            # rows, the weight's rows x 4 columns
+            assert at_step == [("reduce_scatter", rows * 8), ("reduce_scatter", rows * 4 * 8)]
 
 
 def sliced_leaf_rank_fn():

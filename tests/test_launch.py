@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fshard as fs
 import fshard.config
 import fshard.launch as launch
 from fshard.launch import RankError, World, is_worker, run
@@ -201,6 +202,27 @@ def test_world_recovers_after_a_collective_timed_out(world2):
     after = world2.run(pids)
     assert set(after).isdisjoint(before)
     assert [o[:3] for o in world2.run(rank_info, 0)] == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+def subgroup_collective_on_rank0_only():
+    """A psum over a mesh axis of 2 of 4 ranks (a dist.new_group) that rank 1 skips."""
+    mesh = fs.Mesh.create((2, 2), ("a", "b"))
+    if dist.get_rank() == 0:
+        fs.lax.psum(torch.ones(1), "b", mesh=mesh)
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(120)
+def test_a_sub_group_times_out_at_the_worlds_pg_timeout():
+    """A mesh axis's process group (a dist.new_group) takes the World's pg_timeout: torch's
+    default for a new group is 30 minutes on Gloo, so a collective one rank skipped waited
+    that long (the pipeline's pp group in the zoo's tp2 pp2 runs)."""
+    with World(4, timeout=60, pg_timeout=2) as world:
+        world.run(rank_info, 0)  # started
+        start = time.monotonic()
+        with pytest.raises(RankError, match="rank 0 raised RuntimeError"):
+            world.run(subgroup_collective_on_rank0_only, timeout=40)
+        assert time.monotonic() - start < 20
 
 
 # -- isolation: loopback only, no orphans ------------------------------------------------------

@@ -150,13 +150,16 @@ def test_moe_experts_equals_dense(world2, capacity_factor, token_spec, how):
         assert ("size_exchange", E * 8) in log  # the counts, before the data
 
 
-def moe_tp_rank_fn(experts_axis):
+def moe_tp_rank_fn(experts_axis, features=None):
     """The experts' I dim split over tp (each of [gate | up] on its own: a Parts of two halves,
     down on dim 2), their dim 0 over ep or whole, the tokens over ep (a batch axis without
-    experts): value and gradients in their layouts, and the collectives."""
+    experts), their features over ``features`` (Qwen3-Next's hidden after its linear
+    attention's colwise_gather_output projection: split over tp): value and gradients in
+    their layouts, and the collectives."""
     mesh = fs.Mesh.create((2, 2), ("ep", "tp"))
     x, idx, w, gate_up, down = _problem()
     tok = lambda t: fs.shard(t, mesh, fs.P("ep"))  # noqa: E731
+    hid = fs.P("ep", features)
     ex = (
         fs.shard(gate_up, mesh, fs.Parts(fs.P(experts_axis, "tp", None), 1, (INNER, INNER))),
         fs.shard(down, mesh, fs.P(experts_axis, None, "tp")),
@@ -165,28 +168,34 @@ def moe_tp_rank_fn(experts_axis):
 
     def loss(gu, dn, x, w):
         y = fs.parallel.moe_experts(x, tok(idx), w, gu, dn)
-        return fs.gather((y * tok(c)).sum()), y
+        return fs.gather((y * fs.shard(c, mesh, hid)).sum()), y
 
+    xs = fs.shard(x, mesh, hid)
     with fs.debug.comm_log() as log:
-        (v, y), g = fs.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*ex, tok(x), tok(w))
-    assert y.spec == fs.P("ep")
-    assert [a.layout == b.layout for a, b in zip(g, (*ex, tok(x), tok(w)))] == [True] * 4
+        (v, y), g = fs.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*ex, xs, tok(w))
+    assert y.spec == hid  # laid out as hidden was given
+    assert [a.layout == b.layout for a, b in zip(g, (*ex, xs, tok(w)))] == [True] * 4
     return fs.gather(y), [fs.gather(t) for t in g], Counter((r.op, r.axes) for r in log)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("experts_axis", ["ep", None])
-def test_moe_experts_split_over_tp_equal_dense(world4, experts_axis):
+@pytest.mark.parametrize(
+    "experts_axis,features", [("ep", None), (None, None), ("ep", "tp"), (None, "tp")]
+)
+def test_moe_experts_split_over_tp_equal_dense(world4, experts_axis, features):
     x, idx, w, gate_up, down = _problem()
     c = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
     ref = dense_moe(x, idx, w, gate_up, down)[0]
     ref_g = torch.func.grad(lambda p: (dense_moe(p[2], idx, p[3], p[0], p[1])[0] * c).sum())(
         (gate_up, down, x, w)
     )
-    for y, grads, ops in world4.run(moe_tp_rank_fn, experts_axis):
+    for y, grads, ops in world4.run(moe_tp_rank_fn, experts_axis, features):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
         for g, want in zip(grads, ref_g):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+        if features is not None:  # the rows gathered over tp first; the sum scattered back
+            assert ops[("all_gather", ("tp",))] >= 1 and ops[("reduce_scatter", ("tp",))] >= 1
+            continue
         # the expert outputs' sum over tp: one all_reduce forward (its backward: none, the
         # cotangent of a sum is whole); x's gradient summed over tp once (the pcast)
         assert ops[("all_reduce", ("tp",))] == 2, ops

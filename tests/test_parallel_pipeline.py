@@ -8,6 +8,7 @@ process (losses, first-step gradients, trained weights)."""
 import fnmatch
 import functools
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -1589,3 +1590,107 @@ def held_ops_rank_fn():
 @pytest.mark.timeout(300)
 def test_ops_on_params_held_by_a_stage_are_dense(world4):
     assert world4.run(held_ops_rank_fn) == [[]] * 4
+
+
+# -- a stage that raises -----------------------------------------------------------------------
+
+
+def failing_stage_rank_fn(pp, dp, schedule, kind=None, stage=0, mb=0):
+    """A pipeline of pp stages (4 microbatches; replicated over dp: the pp groups are then
+    sub-groups, dist.new_group's) whose stage ``stage`` raises in the forward
+    (``kind="F"``) or the backward (``"B"``) of microbatch ``mb``: ``(error type, message with
+    its notes, seconds until it raised)`` on each rank. ``kind=None``: no failure, the value and
+    gradient."""
+    mesh = fs.Mesh.create((pp, dp), ("pp", "dp"))
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(pp, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    tgt = torch.randn(4, 2, 3, generator=gen)
+    forwards = []
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(y):
+            if kind == "F":
+                raise ValueError(f"boom in the forward of microbatch {mb}")
+            return y.view_as(y)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError(f"boom in the backward of microbatch {mb}")
+
+    def stage_fn(w, x):
+        y = torch.tanh(x @ w)
+        if kind is not None and mesh.rank // dp == stage:
+            forwards.append(None)
+            if len(forwards) == mb + 1:  # this rank's forwards run in microbatch order
+                y = Boom.apply(y)
+        return y
+
+    def loss(w):
+        return pipeline(stage_fn, w, x, mesh, loss_fn=lambda _, y, t: ((y - t) ** 2).sum(),
+                        targets=tgt, schedule=schedule)  # fmt: skip
+
+    start = time.perf_counter()
+    try:
+        value, grad = fs.value_and_grad(loss)(w)
+    except Exception as e:
+        text = "\n".join([str(e), *getattr(e, "__notes__", ())])
+        return type(e).__name__, text, time.perf_counter() - start
+    return float(value), grad
+
+
+def _failing_dense(pp):
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(pp, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    tgt = torch.randn(4, 2, 3, generator=gen)
+
+    def dense(w):
+        total = 0
+        for k in range(4):
+            y = x[k]
+            for s in range(pp):
+                y = torch.tanh(y @ w[s])
+            total = total + ((y - tgt[k]) ** 2).sum()
+        return total / 4
+
+    return dense(w), torch.func.grad(dense)(w)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "pp,dp,schedule,kind,stage,mb",
+    [
+        (2, 1, "1f1b", "F", 0, 1),
+        (2, 1, "gpipe", "B", 1, 2),
+        (4, 1, "1f1b", "B", 1, 2),
+        (4, 1, "zb", "F", 2, 1),
+        (2, 2, "1f1b", "F", 1, 1),
+        (2, 1, "1f1b", "F", 0, 0),  # before the step's first collective: the deferred check
+        (2, 2, "gpipe", "F", 0, 0),
+    ],
+)
+def test_a_stage_that_raises_stops_every_stage_at_once(
+    world2, world4, pp, dp, schedule, kind, stage, mb
+):
+    """One stage raises (a middle microbatch, its forward or its backward): it raises its own
+    error, and every other rank raises PeerFailed naming that stage and error, within seconds
+    (the ranks waited on it until the process group's timeout, the World's pg_timeout: 60 s;
+    30 minutes for a sub-group before they took it); the ranks gave the pp group up, so the World restarts and runs a
+    correct step."""
+    world = world2 if pp * dp == 2 else world4
+    what = {"F": "forward", "B": "backward"}[kind]
+    out = world.run(failing_stage_rank_fn, pp, dp, schedule, kind, stage, mb)
+    boom = f"ValueError: boom in the {what} of microbatch {mb}"
+    for rank, (name, text, seconds) in enumerate(out):
+        assert seconds < 15, (rank, seconds, text)  # the group's timeout: 60 s and more
+        failed = stage * dp + rank % dp  # the failing rank of this rank's pp group
+        assert f"stage {stage} (rank {failed}) raised {boom}" in text, (rank, text)
+        assert name == ("ValueError" if rank == failed else "PeerFailed"), (rank, name, text)
+    want_value, want_grad = _failing_dense(pp)
+    for value, grad in world.run(failing_stage_rank_fn, pp, dp, schedule):
+        assert value == pytest.approx(float(want_value), rel=1e-5)
+        torch.testing.assert_close(grad, want_grad, **TOL)

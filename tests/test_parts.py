@@ -94,6 +94,20 @@ def test_plan_gathers_parts_then_moves_as_from_p():
     assert [(s.op.name, s.axes) for s in steps] == [("all_reduce", ("dp",))]
     steps = plan(pending, Parts(P("tp", "dp"), 0, (4, 2, 2)))
     assert [(s.op.name, s.axes, s.dim) for s in steps] == [("reduce_scatter", ("dp",), 1)]
+    # each part split further over dp (FSDP of a param split per part): one reduce_scatter of
+    # the rank's tp block (parts (8, 3, 3): 4 + 2 + 2 rows x 6 float32), its parts' pieces in
+    # dp's chunk order (a part of 3 over (tp, dp): 1 + 1 + 1 + 0, its tp chunks 2 and 1 split
+    # over dp: the same)
+    pending = Layout.of(mesh, Parts(P("tp", None, partial="dp"), 0, (8, 3, 3)), (14, 6))
+    steps = plan(pending, Parts(P(("tp", "dp"), None), 0, (8, 3, 3)))
+    assert [(s.op.name, s.axes, s.dim, s.nbytes) for s in steps] == [
+        ("reduce_scatter", ("dp",), 0, (4 + 2 + 2) * 6 * 4)
+    ]
+    # a part of 2 over (tp, dp) is chunked 1 + 1 + 0 + 0, its tp chunks (1, 1) split over dp
+    # 1 + 0 each: not nested, so the parts are gathered first
+    small = Layout.of(mesh, Parts(P("tp", None, partial="dp"), 0, (4, 2, 2)), (8, 6))
+    steps = plan(small, Parts(P(("tp", "dp"), None), 0, (4, 2, 2)))
+    assert steps[0].op.name == "gather_parts", steps
 
 
 SIZES = {"even": (8, 4, 4), "uneven": (5, 3, 3)}
@@ -127,6 +141,31 @@ def test_shard_gather_reshard_round_trip_exactly(world2, sizes):
 
 
 H = 6
+
+
+def nested_scatter_rank_fn():
+    """A per-part value pending over dp, reshard to each part split over ('tp', 'dp'): the
+    planner's per-part reduce_scatter (one, over dp) gives the sum; its transpose (an
+    all_gather, the pieces back in part order) the gradient."""
+    mesh = fs.Mesh.create((2, 2), ("dp", "tp"))
+    sizes = (8, 3, 3)
+    gen = torch.Generator().manual_seed(0)
+    t, c = torch.randn(2, 14, 4, dtype=torch.float64, generator=gen)
+    x = fs.shard(t, mesh, Parts(P("tp", None), 0, sizes))
+
+    def f(x):
+        pending = fs.reshard(x, Parts(P("tp", None, partial="dp"), 0, sizes))  # dp 0's addend
+        with fs.debug.comm_log() as log:
+            y = fs.reshard(pending, Parts(P(("tp", "dp"), None), 0, sizes))
+        assert [(r.op, r.axes) for r in log] == [("reduce_scatter", ("dp",))], log
+        return (fs.gather(y) * c).sum(), y
+
+    g, y = torch.func.grad(f, has_aux=True)(x)
+    return torch.equal(fs.gather(y), t), g.layout == x.layout, torch.equal(fs.gather(g), c)
+
+
+def test_a_pending_per_part_value_reduce_scatters_per_part(world4):
+    assert world4.run(nested_scatter_rank_fn) == [(True, True, True)] * 4
 
 
 def fused_block(w, b, w2, x, sizes, cut):

@@ -354,7 +354,7 @@ def parallelize(
         >>> dims = fs.parallel.ParallelDims(tp=2)  # 2 ranks: fs.launch.run(fn, 2) or torchrun
         >>> params, loss = fs.parallel.parallelize(model, dims.mesh(), dims)
         >>> params["model.layers.0.self_attn.q_proj.weight"].spec  # the model's shipped plan
-        P('tp', None)
+        P('tp')
         >>> ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
         >>> torch.allclose(loss(params, {"input_ids": ids}), model(ids, labels=ids).loss, atol=1e-5)
         True
@@ -803,8 +803,10 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
     Found by running the model once, as it is, on one short row of ids (no grad, eval mode:
     no dropout, the random state untouched) with hooks on the pieces: each piece's input must
     be the previous piece's output, the same tensor (or a view of it of the same shape: the
-    head's ``hidden_states[:, slice(0, None)]``), and the logits the head's output. A model
-    whose forward cannot run so (meta params, inputs it needs) is not checked here."""
+    head's ``hidden_states[:, slice(0, None)]``), or that tensor multiplied or divided by
+    exactly 1 (:class:`_UnitScales`: Granite's multipliers at 1.0 change nothing), and the
+    logits the head's output. A model whose forward cannot run so (meta params, inputs it
+    needs) is not checked here."""
     layers = list(modules["layers"])
     seen: dict = {}
 
@@ -837,11 +839,12 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
         )
         hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: put(("out", i), out(o))))
     training = {m: m.training for m in model.modules()}
+    unit = _UnitScales()
     try:
         weight = next(model.parameters())
         ids = torch.ones((1, 8), dtype=torch.long, device=weight.device)
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), unit:
             logits = getattr(model(ids, use_cache=False), "logits", None)
     except Exception:  # not runnable so (meta params, inputs it needs): not checked here
         return
@@ -854,6 +857,8 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
     def same(a, b) -> bool:
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             return False
+        while a is not b and id(a) in unit.sources:  # x * 1.0, x / 1.0: x itself
+            a = unit.sources[id(a)][1]
         return a is b or (a._base is b and a.shape == b.shape)
 
     n = len(layers)
@@ -894,6 +899,45 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
                 f"{type(model).__name__}'s forward changes the value {where} (a scale, "
                 "residual or extra input the stages would skip); use pp = 1 for it"
             )
+
+
+class _UnitScales(torch.overrides.TorchFunctionMode):
+    """Records, while :func:`_check_pieces` runs the model, each tensor made by multiplying or
+    dividing another by exactly 1 (a Python number or a one-element tensor): ``sources[id(out)]
+    = (out, x)``. A multiplier of 1.0 between two pieces (Granite's and HyperCLOVA X's
+    ``embedding_multiplier`` and ``logits_scaling`` at 1.0) makes a new tensor of the same
+    values for every input, which a stage may skip; by the operation, not by the values one
+    run shows (a clamp or mask that happens not to change the probe's values is still refused).
+    Local to that one run: no collective passes through it."""
+
+    _OPS = {
+        torch.mul, torch.div, torch.true_divide, torch.Tensor.mul, torch.Tensor.div,
+        torch.Tensor.true_divide, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+        torch.Tensor.__truediv__,
+    }  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._OPS and not kwargs and len(args) == 2 and isinstance(out, torch.Tensor):
+            x, c = args
+            if isinstance(x, torch.Tensor) and x.shape == out.shape and _is_one(c):
+                self.sources[id(out)] = (out, x)  # out kept alive: its id is not reused
+        return out
+
+
+def _is_one(c) -> bool:
+    """Whether ``c`` is exactly the number 1 (a Python int or float, or a one-element tensor)."""
+    if isinstance(c, bool):
+        return False
+    if isinstance(c, (int, float)):
+        return c == 1
+    if not isinstance(c, torch.Tensor) or c.numel() != 1 or c.is_meta:
+        return False
+    return bool(c == 1)
 
 
 def _alike(a, b) -> bool:

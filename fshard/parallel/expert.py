@@ -126,7 +126,8 @@ def moe_experts(
     Args:
         hidden: ``(T, H)`` tokens, dim 0 split over the token axes (any, the expert axis
             included or not: a token layout without it is split over it first, for free, and
-            the output gathered back).
+            the output gathered back). Its feature dim split (or a pending sum) is gathered
+            (summed) first: each token's row is whole where the experts read it.
         top_k_index: ``(T, k)`` each token's experts, laid out like ``hidden``.
         top_k_weights: ``(T, k)`` their weights, laid out like ``hidden``.
         gate_up_proj: ``(E, 2I, H)`` stacked ``[gate; up]`` weights, dim 0 split over one mesh
@@ -169,15 +170,19 @@ def moe_experts(
         raise ValueError(
             f"moe_experts: capacity_factor must be > 0 or None, got {capacity_factor!r}"
         )
-    token_spec = hidden.spec
-    tokens = token_spec.padded(2)[0]
+    given = hidden.spec
+    tokens = given.padded(2)[0]
     if top_k_index.spec.padded(2)[0] != tokens or top_k_weights.spec.padded(2)[0] != tokens:
         raise ValueError(
             f"moe_experts: top_k_index ({top_k_index.spec}) and top_k_weights "
-            f"({top_k_weights.spec}) must split dim 0 like hidden ({token_spec})"
+            f"({top_k_weights.spec}) must split dim 0 like hidden ({given})"
         )
-    if any(token_spec.padded(2)[1:]) or token_spec.partial:
-        raise ValueError(f"moe_experts: hidden must be split on dim 0 only, got {token_spec}")
+    # a token's row whole first: fshard's global view leaves the gather of a split feature dim
+    # (a hf plan's colwise_gather_output, Qwen3-Next's linear attention) or the sum of a
+    # pending one to the op that needs the row, this one (it was refused: in a pipeline, on
+    # the first stage alone)
+    hidden = reshard(hidden, P(tokens)) if any(given.padded(2)[1:]) or given.partial else hidden
+    token_spec = hidden.spec
     if set(tp) & set(tokens):
         raise ValueError(
             f"moe_experts: hidden's tokens ({token_spec}) are split over the experts' "
@@ -219,8 +224,11 @@ def moe_experts(
         # over them)
     )  # fmt: skip
     out = body(*args, *weights)
-    if split != tokens or tp:  # with tp: the sum over tp (all_reduce), as Megatron's row layer
-        out = reshard(out, token_spec)
+    # with tp: the sum over tp (all_reduce, or a reduce_scatter into a hidden given split on
+    # its features), as Megatron's row layer; back in the layout hidden was given in
+    back = token_spec if given.partial else given
+    if split != tokens or tp or back != token_spec:
+        out = reshard(out, back)
     return out
 
 

@@ -82,6 +82,13 @@ an outer derivative would take for constants (a silent zero); ``vmap`` of the pi
 forward is per-rank schedules of backward passes and point-to-point collectives, with no
 batching rule.
 
+Failures: a stage that raises (``stage_fn``, ``loss_fn`` or ``input_fn``, at any tick) gives
+the ``axis`` group up (:func:`fshard._comm.abandon`: its error posted in the c10d store, its Gloo
+connections to the group closed) before it re-raises, so the other stages, blocked on it in a
+receive, a send or the group's consistency check, raise :class:`fshard.mesh.PeerFailed` naming
+its stage, rank, tick and error at once, where they waited for the group's timeout (a
+``fs.launch.World``'s ``pg_timeout``). Only the failure path runs any of it.
+
 Data-parallel gradients: once per step (torchtitan's and Megatron's local accumulation, DDP's
 ``no_sync``). The op rules pcast a dp-replicated weight where it meets dp-split activations,
 and that pcast's backward would all-reduce the weight's gradient over dp in every microbatch's
@@ -121,13 +128,13 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 
-from .. import _compat, axis_env, config, consistency, lax
+from .. import _comm, _compat, axis_env, config, consistency, lax
 from ..api import shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
 from ..executor import reshard_one
 from ..gradsync import GradSync
-from ..mesh import AxisGroup, Mesh
+from ..mesh import AxisGroup, Mesh, PeerFailed
 from ..nn_plan import match_plan
 from ..shard_map import call_signature, shard_map_checked_by_caller
 from ..spec import HeldLayout, Layout, P, Parts, PartsLayout, spec_of_dims
@@ -460,7 +467,7 @@ def stack_stages(
         >>> named = {f"blocks.{i}.w": torch.full((3,), float(i)) for i in range(4)}
         >>> st = stack_stages(named, mesh, prefix="blocks")
         >>> tuple(st["w"].shape), st["w"].spec, fs.gather(st["w"])[:, :, 0].tolist()
-        ((2, 2, 3), P('pp', None), [[0.0, 1.0], [2.0, 3.0]])
+        ((2, 2, 3), P('pp'), [[0.0, 1.0], [2.0, 3.0]])
     """
     if axis not in mesh.axis_names:
         raise ValueError(f"stack_stages: mesh {mesh!r} has no axis {axis!r}")
@@ -763,6 +770,55 @@ class _Run:
         return out
 
     def __call__(self, tensors: tuple) -> tuple:
+        """The schedule on this rank. Should it raise, no other stage is left waiting for this
+        one until the group's timeout (they wait on it for activations and cotangents, in
+        point-to-point receives and sends and the consistency checks of ``axis``): the rank
+        gives the ``axis`` group up (:func:`fshard._comm.abandon`: the error, named, posted in
+        the c10d store, and its connections to the group's ranks closed), so a peer blocked on
+        it raises at once; that peer reads the note, raises :class:`fshard.mesh.PeerFailed`
+        naming the failed stage and its error, and gives the group up in turn (the stages
+        beyond it learn so). Nothing of this runs on a step that does not fail.
+
+        The step's deferred consistency verdict (its plain inputs, launched at the step's start
+        by every rank) is taken first: ranks that disagreed raise the same ConsistencyError on
+        every rank (its exchange needs the group the failure gives up), whatever this rank's
+        own error that followed from it."""
+        self.tick = None
+        try:
+            return self._steps(tensors)
+        except BaseException as e:
+            consistency.wait_pending()  # a disagreement is the cause: raised from here
+            failed = _peer_failed(self.group, e, self._where())
+            if failed is not None:
+                raise failed from e
+            note = self._failure(e)  # this rank's own error
+            _comm.abandon(self.group, note)
+            e.add_note(f"pipeline: {note}")
+            raise
+
+    def _where(self) -> str:
+        """Where this rank's schedule is (``self.tick``, set by :meth:`_steps` at each tick)."""
+        t = self.tick
+        a = None if t is None else self.sched.table[t][self.group.index]
+        if t is None:
+            return "outside the schedule's ticks (input_fn, or the step's end)"
+        if a is None:
+            return f"at tick {t} (idle)"
+        what = {"F": "forward", "B": "backward", "W": "weight gradient"}[a.kind]
+        return f"in the {what} of stage {a.stage}, microbatch {a.microbatch} (tick {t})"
+
+    def _failure(self, e: BaseException) -> str:
+        """The note a rank whose own error stopped its schedule posts for its peers."""
+        g = self.group
+        t = self.tick
+        a = None if t is None else self.sched.table[t][g.index]
+        who = f"stage {a.stage}" if a is not None else f"pipeline rank {g.index}"
+        return (
+            f"{who} (rank {g.ranks[g.index]}) raised {type(e).__name__}: {_short(e)} "
+            f"{self._where()}"
+        )
+
+    def _steps(self, tensors: tuple) -> tuple:
         p_def, x_def, ip_def, lp_def, t_def = self.defs
         params, xs, iparams, lparams, targets = self.split(tensors)
         p_meta, x_meta, ip_meta, lp_meta, t_meta = self.metas
@@ -833,6 +889,7 @@ class _Run:
                 x_grad = torch.zeros(m, *act_meta.shape, dtype=act_meta.dtype, device=device)
             for t, row in enumerate(sched.table):
                 a = row[r]
+                self.tick = t  # where a failure names (the one cost of that here)
                 sent_f = sent_b = None
                 if a is not None and a.kind == "F":
                     s, mb = a.stage, a.microbatch
@@ -888,6 +945,7 @@ class _Run:
                     self._exchange(t, "B", sent_b, zero, inbox, sending)
                 while sending and sending[0].sent():  # completed sends let go, oldest first
                     del sending[0]  # (nothing waits here)
+            self.tick = None
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
@@ -989,6 +1047,31 @@ def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute
     ins = tuple(shape if j in srcs else none for j in range(size))
     outs = tuple(shape if j in dsts else none for j in range(size))
     return Ppermute(axes, pairs, ins, outs)
+
+
+def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> PeerFailed | None:
+    """The error to raise where ``e`` (a collective's, over ``g`` or not) follows a peer's
+    failure (:func:`fshard._comm.peer_failure`: a stage raised and gave ``g`` up), this rank
+    having given ``g`` up in turn; ``None`` where ``e`` is this rank's own. Only the wire's
+    errors (Gloo's plain ``RuntimeError`` s, torch's ``DistError`` s) can follow one: any
+    other, a ``ConsistencyError`` every rank raises too, is the rank's own."""
+    wire = type(e) is RuntimeError or isinstance(e, torch.distributed.DistError)
+    if not wire or isinstance(e, PeerFailed):
+        return None
+    note = _comm.peer_failure(g)
+    if note is None:
+        return None
+    _comm.abandon(g, note)
+    return PeerFailed(
+        f"pipeline: {note}; pipeline rank {g.index} (rank {g.ranks[g.index]}) stopped {where} "
+        f"({type(e).__name__}: {_short(e)})"
+    )
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    """``e``'s message, its first ``limit`` characters."""
+    text = str(e).strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _received(v) -> torch.Tensor:
@@ -1341,7 +1424,10 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
     shard_map call's signature (what shard_map's call would check in an exchange of its own).
     shard_map would shard each plain tensor itself, each with a check of its own: one
     all_reduce per tensor (every step, a batch's token ids, targets and each plain embedding or
-    head weight; 7 of a GPT step's 8), and one more for the call."""
+    head weight; 7 of a GPT step's 8), and one more for the call. The check is deferred: its
+    verdict is taken before the step's first collective (the first stage's input_fn and first
+    forward overlap the exchange, which waited 0.7-3 ms at the step's start on 2 Gloo ranks, by load);
+    the caller takes it at the latest when it leaves (``consistency.wait_pending``)."""
     plain: dict = {}
     flat = []
     for what, tree, spec in zip(_INPUTS, trees, specs):
@@ -1358,7 +1444,10 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
         }  # fmt: skip
         fields["shard_map"] = call_signature(trees, specs, P())
         consistency.check_equal(
-            fields, mesh, what="fs.parallel.pipeline's tensors (every rank must pass the same)"
+            fields,
+            mesh,
+            what="fs.parallel.pipeline's tensors (every rank must pass the same)",
+            defer=True,
         )
     if not plain:
         return trees
@@ -1592,15 +1681,24 @@ def pipeline(
         if tracker is not None:
             vma = frozenset({axis}).union(*(tracker.vma(t) for t in x_locals))
             tracker.tag(loss, vma)
-        return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
+        try:
+            return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
+        except RuntimeError as e:  # a rank whose schedule ran through, a stage having failed
+            failed = _peer_failed(g, e, "at the loss's sum over the stages")
+            if failed is None:
+                raise
+            raise failed from e
 
     specs = (P(axis), P(), P(), P(), P())
-    inputs = _shard_plain(
-        (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
-    )
-    # checked by _shard_plain's exchange, with the inputs: one a step
-    mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
-    loss = mapped(*inputs)
+    try:
+        inputs = _shard_plain(
+            (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
+        )
+        # checked by _shard_plain's exchange, with the inputs: one a step
+        mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
+        loss = mapped(*inputs)
+    finally:  # its verdict, if no collective took it (a rank that raised before one)
+        consistency.wait_pending()
     # Each stage ran its own collectives over the other axes (MPMD): its ranks compare them
     # now, so a later check over the whole mesh (fs.optim.step) sees only common history.
     others = tuple(a for a in mesh.axis_names if a != axis and mesh.size(a) > 1)

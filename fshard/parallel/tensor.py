@@ -351,7 +351,7 @@ def hf_tp_plan(
         >>> plan = fs.nn.hf_tp_plan(model)  # the plan Llama ships, as fshard specs
         >>> params = fs.nn.shard_params(model, mesh, plan)
         >>> params["model.layers.0.self_attn.q_proj.weight"].spec
-        P('tp', None)
+        P('tp')
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"hf_tp_plan: model must be a torch.nn.Module, got {type(model).__name__}")
