@@ -1,4 +1,5 @@
 import ast
+import importlib
 import os
 import shlex
 import signal
@@ -617,9 +618,8 @@ def test_shutdown_in_a_world_worker_refuses(world2):
 
 
 def _imported_where() -> tuple:
-    import fshard_probe_where  # preloaded by the fork server
-
-    return fshard_probe_where.WHERE, os.environ.get("PYTHONSAFEPATH"), os.environ.get("PYTHONPATH")
+    where = sys.modules["fshard_probe_where"].WHERE  # preloaded by the fork server
+    return where, os.environ.get("PYTHONSAFEPATH"), os.environ.get("PYTHONPATH")
 
 
 def test_ranks_import_what_the_driver_imports_not_the_working_directorys(tmp_path, monkeypatch):
@@ -635,9 +635,7 @@ def test_ranks_import_what_the_driver_imports_not_the_working_directorys(tmp_pat
     monkeypatch.chdir(here)
     monkeypatch.syspath_prepend(str(there))
     try:
-        import fshard_probe_where
-
-        assert fshard_probe_where.WHERE == "path"
+        assert importlib.import_module("fshard_probe_where").WHERE == "path"  # the driver's
         with World(1, timeout=120, preload=("fshard_probe_where",)) as world:
             out = world.run(_imported_where)
     finally:
