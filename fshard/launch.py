@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import json
 import multiprocessing as mp
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -60,6 +61,9 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 #: Set only in the environment a fork server starts with: the pid of the driver it must die
 #: with (read when the server imports this module, :func:`_server_dies_with_driver`).
 _SERVER_PARENT_ENV = "_FSHARD_FORKSERVER_PARENT"
+#: Set only in the environment a fork server starts with: the driver's own ``PYTHONPATH`` and
+#: ``PYTHONSAFEPATH`` (JSON), put back when the server imports this module (:func:`_driver_path`)
+_SERVER_ENV_BEFORE = "_FSHARD_FORKSERVER_ENV_BEFORE"
 #: Variables that may differ between the driver and the fork server serving it: pytest names
 #: the current test in one; the workers see its value at the server's start.
 _ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
@@ -207,7 +211,7 @@ def _fork_server(
         server = mp.forkserver.ForkServer()
         server.set_forkserver_preload([__name__, *preload])  # torch and fshard, imported once
         parent = {_SERVER_PARENT_ENV: str(os.getpid())} if pdeathsig else {}
-        with _environ(PYTHONHASHSEED=seed, **parent):
+        with _environ(PYTHONHASHSEED=seed, **parent, **_driver_path()):
             server.ensure_running()
         pid = server._forkserver_pid
         _SERVERS.append((key, server, pid))
@@ -255,6 +259,38 @@ class _ServedProcess(mp.context.ForkServerProcess):
         return state
 
 
+def _driver_path() -> dict[str, str]:
+    """The environment a fork server starts with so that it imports what the driver imports:
+    the driver's ``sys.path`` as its ``PYTHONPATH`` (an empty entry: the working directory),
+    and ``PYTHONSAFEPATH`` so that ``python -c`` puts no working directory before it. CPython
+    3.11's ``multiprocessing.forkserver.main`` is handed the driver's ``sys_path`` but imports
+    the preload modules (fshard itself) without applying it: a World started in a checkout
+    ran that checkout's fshard in its ranks, not the one the driver imported. The driver's
+    own values come back in the server (:func:`_server_env_restored`), so the workers see the
+    driver's environment. (An entry holding ``os.pathsep`` cannot travel so and is left out.)"""
+    path = [p or os.getcwd() for p in sys.path if os.pathsep not in p]
+    before = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    return {
+        "PYTHONPATH": os.pathsep.join(path),
+        "PYTHONSAFEPATH": "1",
+        _SERVER_ENV_BEFORE: json.dumps(before),
+    }
+
+
+def _server_env_restored() -> None:
+    """In a fork server: the driver's own ``PYTHONPATH`` and ``PYTHONSAFEPATH`` back in the
+    environment (:func:`_driver_path` replaced them for the server's start), so the workers
+    and what they start inherit the driver's. Anywhere else, nothing."""
+    before = os.environ.pop(_SERVER_ENV_BEFORE, None)
+    if before is None:
+        return
+    for k, v in json.loads(before).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def _server_dies_with_driver() -> None:
     """In a fork server a World started from its main thread (its environment names the
     driver, its parent): the kernel kills it when the driver dies (``PR_SET_PDEATHSIG``), and
@@ -269,6 +305,7 @@ def _server_dies_with_driver() -> None:
 
 
 _server_dies_with_driver()
+_server_env_restored()
 
 
 class World:

@@ -66,6 +66,7 @@ STARTS_PROCESSES = {
     "tests/test_doc_blocks.py::test_scripts_run",
     "tests/test_dry_run.py::test_dry_run_figures_do_not_depend_on_the_hash_seed_or_earlier_runs",
     "tests/test_launch.py::test_a_sub_group_times_out_at_the_worlds_pg_timeout",
+    "tests/test_launch.py::test_ranks_import_what_the_driver_imports_not_the_working_directorys",
     "tests/test_launch.py::test_fork_server_imports_the_modules_preload_names",
     "tests/test_launch.py::test_one_shot_run",
     "tests/test_launch.py::test_readme_multinode_torchrun_command",

@@ -1,4 +1,5 @@
 import ast
+import importlib
 import os
 import shlex
 import signal
@@ -614,3 +615,29 @@ def test_shutdown_in_a_world_worker_refuses(world2):
     ):
         world2.run(_shutdown_here)
     assert world2.run(dist.get_world_size) == [2, 2]  # the World's group is untouched
+
+
+def _imported_where() -> tuple:
+    where = sys.modules["fshard_probe_where"].WHERE  # preloaded by the fork server
+    return where, os.environ.get("PYTHONSAFEPATH"), os.environ.get("PYTHONPATH")
+
+
+def test_ranks_import_what_the_driver_imports_not_the_working_directorys(tmp_path, monkeypatch):
+    """A module in the working directory and another of the same name on the driver's
+    sys.path: the ranks hold the driver's (CPython 3.11's forkserver imported the server's
+    preload modules before applying the driver's sys.path, so a World started in one checkout
+    ran that checkout's fshard while the driver ran another), and see the driver's
+    environment."""
+    here, there = tmp_path / "cwd", tmp_path / "path"
+    for d in (here, there):
+        d.mkdir()
+        (d / "fshard_probe_where.py").write_text(f"WHERE = {d.name!r}\n")
+    monkeypatch.chdir(here)
+    monkeypatch.syspath_prepend(str(there))
+    try:
+        assert importlib.import_module("fshard_probe_where").WHERE == "path"  # the driver's
+        with World(1, timeout=120, preload=("fshard_probe_where",)) as world:
+            out = world.run(_imported_where)
+    finally:
+        sys.modules.pop("fshard_probe_where", None)
+    assert out == [("path", os.environ.get("PYTHONSAFEPATH"), os.environ.get("PYTHONPATH"))]
