@@ -426,25 +426,39 @@ class _PpermuteBlocks(fs.lax.Handler):
         return out
 
 
+def _square_error(_, y, t):
+    return ((y - t) ** 2).sum()
+
+
+def _tanh_chain(pp: int, m: int, seed: int):
+    """``pp`` stages ``tanh(x @ w[s])`` over ``m`` microbatches of (2, 3): ``(w, x, tgt,
+    dense)``, ``dense(w)`` the mean squared error of the whole chain in one process."""
+    gen = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(pp, 3, 3, generator=gen) / 2, torch.randn(m, 2, 3, generator=gen)
+    tgt = torch.randn(m, 2, 3, generator=gen)
+
+    def dense(w):
+        total = 0
+        for k in range(m):
+            y = x[k]
+            for s in range(pp):
+                y = torch.tanh(y @ w[s])
+            total = total + _square_error(None, y, tgt[k])
+        return total / m
+
+    return w, x, tgt, dense
+
+
 def exchange_blocks_rank_fn(schedule):
     """A tick's ppermute takes an empty block from a rank that sends nothing and gives one to
     a rank that receives nothing (no zero-filled activation either way), with the loss,
     gradients and the bytes on the wire (the comm log) as before."""
     mesh = fs.Mesh.create((2,), ("pp",))
-    gen = torch.Generator().manual_seed(7)
-    w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
-    tgt = torch.randn(4, 2, 3, generator=gen)
-
-    def loss_fn(_, y, t):
-        return ((y - t) ** 2).sum()
+    w, x, tgt, dense = _tanh_chain(2, 4, seed=7)
 
     def loss(w):
-        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=_square_error,
                         targets=tgt, schedule=schedule)  # fmt: skip
-
-    def dense(w):
-        ys = [torch.tanh(torch.tanh(x[k] @ w[0]) @ w[1]) for k in range(4)]
-        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 4
 
     blocks = _PpermuteBlocks()
     with fs.debug.comm_log() as log, fs.lax.handling(blocks):
@@ -477,25 +491,11 @@ def waits_rank_fn(schedule):
     the sender waited each tick for its peer to finish that tick."""
     mesh = fs.Mesh.create((4,), ("pp",))
     me = mesh.rank
-    gen = torch.Generator().manual_seed(11)
-    w, x = torch.randn(4, 3, 3, generator=gen) / 2, torch.randn(8, 2, 3, generator=gen)
-    tgt = torch.randn(8, 2, 3, generator=gen)
-
-    def loss_fn(_, y, t):
-        return ((y - t) ** 2).sum()
+    w, x, tgt, dense = _tanh_chain(4, 8, seed=11)
 
     def loss(w):
-        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=loss_fn,
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=_square_error,
                         targets=tgt, schedule=schedule)  # fmt: skip
-
-    def dense(w):
-        ys = []
-        for k in range(8):
-            y = x[k]
-            for s in range(4):
-                y = torch.tanh(y @ w[s])
-            ys.append(y)
-        return sum(loss_fn(None, y, tgt[k]) for k, y in enumerate(ys)) / 8
 
     events, launched = [], []
     Pending, start = fs._comm.Pending, fs.lax.apply_start
@@ -1602,9 +1602,7 @@ def failing_stage_rank_fn(pp, dp, schedule, kind=None, stage=0, mb=0):
     its notes, seconds until it raised)`` on each rank. ``kind=None``: no failure, the value and
     gradient."""
     mesh = fs.Mesh.create((pp, dp), ("pp", "dp"))
-    gen = torch.Generator().manual_seed(11)
-    w, x = torch.randn(pp, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
-    tgt = torch.randn(4, 2, 3, generator=gen)
+    w, x, tgt, _ = _tanh_chain(pp, 4, seed=11)
     forwards = []
 
     class Boom(torch.autograd.Function):
@@ -1631,8 +1629,8 @@ def failing_stage_rank_fn(pp, dp, schedule, kind=None, stage=0, mb=0):
         return y
 
     def loss(w):
-        return pipeline(stage_fn, w, x, mesh, loss_fn=lambda _, y, t: ((y - t) ** 2).sum(),
-                        targets=tgt, schedule=schedule)  # fmt: skip
+        return pipeline(stage_fn, w, x, mesh, loss_fn=_square_error, targets=tgt,
+                        schedule=schedule)  # fmt: skip
 
     start = time.perf_counter()
     try:
@@ -1644,19 +1642,7 @@ def failing_stage_rank_fn(pp, dp, schedule, kind=None, stage=0, mb=0):
 
 
 def _failing_dense(pp):
-    gen = torch.Generator().manual_seed(11)
-    w, x = torch.randn(pp, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
-    tgt = torch.randn(4, 2, 3, generator=gen)
-
-    def dense(w):
-        total = 0
-        for k in range(4):
-            y = x[k]
-            for s in range(pp):
-                y = torch.tanh(y @ w[s])
-            total = total + ((y - tgt[k]) ** 2).sum()
-        return total / 4
-
+    w, _, _, dense = _tanh_chain(pp, 4, seed=11)
     return dense(w), torch.func.grad(dense)(w)
 
 
