@@ -976,6 +976,13 @@ def test_parallelize_pp_refuses_a_model_whose_forward_skips_a_piece():
     pytest.importorskip("transformers")
     model = _hf_model("llama")
     model.config.num_hidden_layers = 1
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+             for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    model(torch.ones((1, 8), dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    assert calls == [0], calls  # the model's own forward: layer 1 never runs
     dims = fs.parallel.ParallelDims(pp=2)
     answer, collectives = _pp_answer(model, dims)
     assert "LlamaForCausalLM" in answer and "'decoder layer 1'" in answer, answer
