@@ -1300,8 +1300,8 @@ class _Pipeline(torch.autograd.Function):
             part = next(parts) if has else None
             if not has:
                 out.append(None)
-            elif part is None:
-                out.append(g * next(saved))
+            elif part is None:  # a cotangent of exactly 1: the gradient itself, not a copy
+                out.append(next(saved) if one else g * next(saved))
             else:  # rows' gradients: stacked into a fresh tensor, scaled in place
                 n, shape = part
                 grad = torch.stack([next(saved) for _ in range(n)]).view(shape)
