@@ -39,6 +39,7 @@ import types
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 #: ``(major, minor)`` of the running torch, for the compatibility table (docs/measurements.md) and error text.
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -175,6 +176,27 @@ GRAD_FROM_FUNCTION_NODES = TORCH_VERSION >= (2, 13)
 #: call raises ``KeyError: <class 'type'>`` and no host copy is kept between saves; there
 #: ``fs.checkpoint`` makes a stager per save.
 STAGER_REUSABLE = TORCH_VERSION >= (2, 13)
+
+#: The non-reentrant generator that ``torch.utils.checkpoint.checkpoint`` looks up by name at
+#: each call (``fs.nn.functional_call`` wraps it so that a recompute runs with the values swapped
+#: in, the caller's ``context_fn`` included). torch 2.14 calls
+#: ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, context_fn=...)`` and
+#: keeps the older name only as a shim it does not call; 2.11-2.13 call
+#: ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn, ...)``. Wrapping
+#: the older name on 2.14 missed every caller-given ``context_fn`` (selective activation
+#: checkpointing recomputed with the module's own tensors).
+CHECKPOINT_GENERATOR = (
+    "_checkpoint_without_reentrant_generator_impl"
+    if hasattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator_impl")
+    else "_checkpoint_without_reentrant_generator"
+)
+
+#: The no-op ``autograd.Function`` through which torch 2.11's non-reentrant checkpoint saves the
+#: checkpointed call's inputs for its recompute (``_NoopSaveInputs.apply(dummy, kwargs, *args)``);
+#: ``None`` where it keeps them in the recompute's closure (2.13+). ``fshard.ops.opaque`` passes
+#: ShardedArray inputs to it untouched (held as Python objects, as 2.13's closure holds them)
+#: instead of gathering them as for any other Function: the recompute must see the same values.
+CHECKPOINT_INPUT_SAVER: type | None = getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)
 
 
 def storage_id(t: torch.Tensor) -> int:

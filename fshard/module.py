@@ -587,6 +587,8 @@ def _with_local_rows(sub: torch.nn.Module, name: str, axis: str, values: Mapping
 #: torch.utils.checkpoint.checkpoint without its dynamo-disabling wrapper: its keyword defaults
 _CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint)
 _CHECKPOINT_MODULE = torch.utils.checkpoint
+#: the signature of the non-reentrant generator ``checkpoint`` calls (:data:`_compat.CHECKPOINT_GENERATOR`)
+_GENERATOR_SIGNATURE = inspect.signature(getattr(_CHECKPOINT_MODULE, _compat.CHECKPOINT_GENERATOR))
 
 
 @contextlib.contextmanager
@@ -599,7 +601,8 @@ def _recompute_swapped(enter):
     values swapped in again): ``checkpoint``'s default ``context_fn`` becomes one whose
     recompute context is ``enter()``, and a ``context_fn`` the caller passes (selective
     activation checkpointing) gets ``enter()`` around its own recompute context (torch's
-    non-reentrant generator, which ``checkpoint`` looks up at each call, is wrapped). A
+    non-reentrant generator, which ``checkpoint`` looks up at each call, is wrapped:
+    :data:`fshard._compat.CHECKPOINT_GENERATOR`). A
     reentrant one (``use_reentrant=True``) has no recompute hook: the non-default
     ``context_fn`` makes torch refuse it ("Passing `context_fn` ... only supported when
     use_reentrant=False")."""
@@ -610,27 +613,31 @@ def _recompute_swapped(enter):
     def ours():
         return contextlib.nullcontext(), enter()
 
-    prev = _CHECKPOINT_MODULE._checkpoint_without_reentrant_generator
+    name = _compat.CHECKPOINT_GENERATOR
+    prev = getattr(_CHECKPOINT_MODULE, name)
 
-    def generator(fn, preserve_rng_state=True, context_fn=ours, *args, **kwargs):
-        if context_fn is not ours:
-            given = context_fn
+    def generator(*args, **kwargs):
+        bound = _GENERATOR_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments["context_fn"]
+        if given is not ours:
 
             def context_fn():
                 forward, recompute = given()
                 return forward, _Entered(recompute, enter())
 
-        return prev(fn, preserve_rng_state, context_fn, *args, **kwargs)
+            bound.arguments["context_fn"] = context_fn
+        return prev(*bound.args, **bound.kwargs)
 
     defaults = _CHECKPOINT.__kwdefaults__
     default = defaults["context_fn"]
     defaults["context_fn"] = ours
-    _CHECKPOINT_MODULE._checkpoint_without_reentrant_generator = generator
+    setattr(_CHECKPOINT_MODULE, name, generator)
     try:
         yield
     finally:
         defaults["context_fn"] = default
-        _CHECKPOINT_MODULE._checkpoint_without_reentrant_generator = prev
+        setattr(_CHECKPOINT_MODULE, name, prev)
 
 
 class _Entered:

@@ -443,3 +443,36 @@ def test_async_save_failure_is_never_silent(world2, tmp_path):
         assert "No space left on device" in messages[0], messages
         assert messages[1].startswith("the previous asynchronous save failed"), messages
     assert not os.path.exists(tmp_path / "ck")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_reads_the_metadata_fshard_checked(tmp_path):
+    """fs.checkpoint.load unpickles a checkpoint's ``.metadata`` itself, resolving only DCP's
+    metadata types ("Safety"), and hands DCP the result through its ``FileSystemReader``
+    subclass's ``read_metadata``. On the running torch, DCP's load must take the metadata from
+    that method only: with the file replaced by bytes that are no pickle, the load still reads
+    the values (DCP unpickling the file itself would fail here, and would load any global a
+    crafted file names)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fshard.checkpoint import _read_metadata, _reader
+
+    path = str(tmp_path / "c")
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=path, no_dist=True)
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        md = _read_metadata(f.read())
+    with open(meta, "wb") as f:
+        f.write(b"not a pickle")
+    reader = _reader(path, md)
+    calls = []
+    checked = reader.read_metadata
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return checked(*args, **kwargs)
+
+    reader.read_metadata = spy
+    state = {"w": torch.zeros(2, 3)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert calls and torch.equal(state["w"], torch.arange(6.0).reshape(2, 3))

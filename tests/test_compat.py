@@ -174,3 +174,34 @@ def test_no_version_probing_outside_compat():
             ):
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("context_fn", ["default", "given"])
+def test_checkpoint_calls_the_generator_fshard_wraps(context_fn):
+    """``fs.nn.functional_call`` makes an activation checkpoint recompute with the values swapped
+    in by wrapping the generator ``torch.utils.checkpoint.checkpoint`` looks up at each call
+    (``_compat.CHECKPOINT_GENERATOR``). torch 2.14 calls another name than 2.13; wrapping the old
+    one missed every caller-given ``context_fn`` (selective activation checkpointing recomputed
+    with the module's own tensors). On the running torch, ``checkpoint`` must call the wrapped
+    name, with either ``context_fn``."""
+    module = torch.utils.checkpoint
+    name = _compat.CHECKPOINT_GENERATOR
+    wrapped = getattr(module, name)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return wrapped(*args, **kwargs)
+
+    kwargs = (
+        {} if context_fn == "default" else {"context_fn": torch.utils.checkpoint.noop_context_fn}
+    )
+    x = torch.ones(3, requires_grad=True)
+    setattr(module, name, spy)
+    try:
+        y = torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False, **kwargs)
+    finally:
+        setattr(module, name, wrapped)
+    assert calls == [name]
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.cos(x.detach()))

@@ -668,3 +668,44 @@ def test_hf_llama_tp_step_compiles_fullgraph(world2):
     broke it, and the break inside torch.func.grad ran the whole gradient eagerly)."""
     for dv, dg in world2.run(_hf_llama_tp_step):
         assert abs(dv) < 1e-6 and dg < 1e-6, (dv, dg)
+
+
+def test_dynamo_calls_functions_marked_constant_once():
+    """fshard marks four functions ``_dynamo_marked_constant`` (the attribute torch's
+    ``torch.compiler.assume_constant_result`` sets): dynamo calls them at trace time and keeps
+    the result as a constant of the graph instead of tracing into them. On the running torch
+    dynamo must still read that attribute: a marked function with a side effect runs once over
+    two compiled calls (an unmarked one is traced, its side effect replayed at every call)."""
+    import importlib
+
+    from fshard import _function, _traced
+    from fshard.ops import registry
+
+    shard_map_module = importlib.import_module("fshard.shard_map")  # fs.shard_map: the function
+
+    for fn in (
+        registry._strict,
+        _function._compiled_levels,
+        _traced._key,
+        shard_map_module._in_place_name,
+    ):
+        assert fn._dynamo_marked_constant is True, fn
+
+    def counted(marked):
+        torch._dynamo.reset()  # dynamo guards ``value`` by its code, not by the attribute
+        calls = []
+
+        def value():
+            calls.append(1)
+            return 3.0
+
+        if marked:
+            value._dynamo_marked_constant = True
+        f = torch.compile(lambda x: x * value(), fullgraph=True, backend="eager")
+        x = torch.ones(2)
+        for _ in range(2):
+            assert torch.equal(f(x), x * 3)
+        return len(calls)
+
+    assert counted(marked=True) == 1
+    assert counted(marked=False) == 2

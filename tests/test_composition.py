@@ -927,6 +927,90 @@ def test_parallelize_pp_refuses_a_multiplier_other_than_1_between_the_pieces(kin
         assert "use pp = 1" in str(e.value) and not log, (e.value, log)
 
 
+def _pp_answer(model, dims, rank: int = 0) -> tuple[str, int]:
+    """parallelize's answer for ``model`` on ``rank``'s simulated mesh: ``"accepted"`` or the
+    text of its NotImplementedError, and the collectives it issued."""
+    mesh = dims.abstract_mesh().simulate(rank)
+    with fs.debug.comm_log() as log:
+        try:
+            fs.parallel.parallelize(model, mesh, dims)
+            answer = "accepted"
+        except NotImplementedError as e:
+            answer = str(e)
+    return answer, len(log)
+
+
+def test_parallelize_pp_refuses_a_model_whose_piece_check_cannot_run():
+    """pp's check of the pieces runs the model's own forward once on one row of 8 ids; a model
+    whose forward raises there (here a Llama whose attention takes only a multiple of 16
+    tokens, as a block-sparse attention would) is refused naming it and the error, before any
+    collective, on each simulated rank. Was accepted unchecked: the check returned where the
+    forward raised, and the stages could have skipped a scale between the pieces."""
+    pytest.importorskip("transformers")
+    model = _hf_model("llama")
+    attn = model.model.layers[1].self_attn
+    own = attn.forward
+
+    def blocks_of_16(hidden_states, *args, **kwargs):
+        if hidden_states.shape[1] % 16:
+            raise ValueError(f"takes a multiple of 16 tokens, got {hidden_states.shape[1]}")
+        return own(hidden_states, *args, **kwargs)
+
+    attn.forward = blocks_of_16
+    model(torch.ones((1, 16), dtype=torch.long))  # the model runs where its input fits
+    dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
+    for rank in range(dims.world_size):
+        answer, collectives = _pp_answer(model, dims, rank)
+        assert "LlamaForCausalLM" in answer and "use pp = 1" in answer, answer
+        assert "ValueError: takes a multiple of 16 tokens, got 8" in answer, answer
+        assert collectives == 0, answer
+    attn.forward = own
+    assert _pp_answer(model, dims)[0] == "accepted"  # the check runs: the same model accepted
+
+
+def test_parallelize_pp_refuses_a_model_whose_forward_skips_a_piece():
+    """A model whose forward does not call a piece the stages run (here a Llama with 2 decoder
+    layers whose config says 1: its forward runs ``layers[:1]``, the pipeline's stages both)
+    is refused naming the piece (was accepted unchecked: the check returned when a piece was
+    not called, and the stages would have run a layer the model does not)."""
+    pytest.importorskip("transformers")
+    model = _hf_model("llama")
+    model.config.num_hidden_layers = 1
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+             for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    model(torch.ones((1, 8), dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    assert calls == [0], calls  # the model's own forward: layer 1 never runs
+    dims = fs.parallel.ParallelDims(pp=2)
+    answer, collectives = _pp_answer(model, dims)
+    assert "LlamaForCausalLM" in answer and "'decoder layer 1'" in answer, answer
+    assert "use pp = 1" in answer and collectives == 0, answer
+
+
+@pytest.mark.parametrize(
+    "kind", ["llama", "llama_tied", "granite", "granite:2.0,1.0", "mixtral", "qwen3_moe"]
+)
+def test_parallelize_pp_checks_the_pieces_of_a_meta_model(kind):
+    """A model built on ``meta`` (planning, ``fs.dry_run``) gets the same check of the pieces as
+    on CPU: its forward runs on meta tensors (the check is by identity and by operation, not
+    by values), so parallelize answers the same on both: Llama, a tied head, Granite at 1.0
+    and MoE experts (grouped_mm, whose meta kernel takes bfloat16 only) accepted; Granite's
+    embedding multiplier 2.0 refused between the embedding and the first layer. Was accepted
+    unchecked on meta (the forward read a meta value and the check returned)."""
+    pytest.importorskip("transformers")
+    dims = fs.parallel.ParallelDims(pp=2)
+    on_cpu = _pp_answer(_hf_model(kind), dims)
+    with torch.device("meta"):
+        model = _hf_model(kind)
+    assert next(model.parameters()).is_meta
+    on_meta = _pp_answer(model, dims)
+    assert on_meta == on_cpu, (on_meta, on_cpu)
+    if kind == "granite:2.0,1.0":  # the check ran on meta: the refusal is by what it saw
+        assert "between the embedding and the first decoder layer" in on_meta[0], on_meta
+
+
 def pipelined_rank_fn():
     return [_parallelize_train(kind, degrees, **options) for kind, degrees, options in PIPELINED]
 

@@ -409,3 +409,34 @@ def test_load_a_model_larger_than_the_cap(world2, tmp_path):
     for peaks in fs.launch.run(load_big, 2, tuple(paths), timeout=300):
         for name, peak in peaks.items():
             assert shard <= peak <= cap, (name, peak / 2**20, shard / 2**20, cap / 2**20)
+
+
+def test_dcp_reads_the_metadata_fshard_built(tmp_path, monkeypatch):
+    """fs.hf_checkpoint.load checks the safetensors headers itself and hands DCP the metadata
+    built from them through its ``HuggingFaceStorageReader`` subclass's ``read_metadata``. On
+    the running torch, DCP's load must take the metadata from that method (one process)."""
+    from fshard import hf_checkpoint
+
+    save_file = pytest.importorskip("safetensors.torch").save_file  # the hf extra, as the load
+
+    path = tmp_path / "hf"
+    path.mkdir()
+    w = torch.arange(6.0).reshape(2, 3)
+    save_file({"w": w}, str(path / "model.safetensors"))
+    calls = []
+    make = hf_checkpoint._reader
+
+    def reader(*args):
+        r = make(*args)
+        built = r.read_metadata
+
+        def spy(*a, **k):
+            calls.append(1)
+            return built(*a, **k)
+
+        r.read_metadata = spy
+        return r
+
+    monkeypatch.setattr(hf_checkpoint, "_reader", reader)
+    got = fs.hf_checkpoint.load(str(path), {"w": torch.zeros(2, 3)})
+    assert calls and torch.equal(got["w"], w)

@@ -1,5 +1,7 @@
 """fs.nn.shard_params / functional_call / megatron_plan on 2 Gloo ranks, against dense torch."""
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -683,3 +685,40 @@ def test_shard_params_checks_the_whole_module_in_one_exchange(world2):
         assert error and "0.weight values" in error and "2.bias values" in error, error
     for _, error in world2.run(shard_params_checks_rank_fn, "plan"):
         assert error and "disagree on 0.weight." in error and "P(None, 'x')" in error, error
+
+
+class _CheckpointedLinear(nn.Module):
+    """A Linear and tanh under ``torch.utils.checkpoint`` (non-reentrant, or reentrant)."""
+
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        run = lambda t: torch.tanh(self.lin(t))  # noqa: E731
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=self.reentrant)
+
+
+def test_functional_call_checkpoint_recomputes_with_the_values_dense():
+    """functional_call patches torch's ``checkpoint``: its ``context_fn`` keyword default (read
+    from the unwrapped function's ``__kwdefaults__``) and the generator it calls
+    (``_compat.CHECKPOINT_GENERATOR``). On the running torch both must be reached: a
+    non-reentrant recompute runs with the values (else the gradients are those of the module's
+    own weights), and a reentrant checkpoint, which has no recompute hook, is refused by torch
+    for the non-default ``context_fn`` (else it would recompute with the module's own weights)."""
+    torch.manual_seed(0)
+    model, x = _CheckpointedLinear(), torch.randn(3, 4)
+    new = {k: torch.randn_like(v).requires_grad_() for k, v in model.named_parameters()}
+    out = fs.nn.functional_call(model, new, (x,))
+    got = torch.autograd.grad(out.pow(2).sum(), [new["lin.weight"], new["lin.bias"]])
+    dense = torch.tanh(F.linear(x, new["lin.weight"], new["lin.bias"])).pow(2).sum()
+    want = torch.autograd.grad(dense, [new["lin.weight"], new["lin.bias"]])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    model.reentrant = True
+    with pytest.raises(ValueError, match=r"Passing `context_fn`.*use_reentrant=False"):
+        fs.nn.functional_call(model, new, (x,))
+    # outside functional_call torch's own default is back
+    checkpoint = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+    assert checkpoint.__kwdefaults__["context_fn"] is torch.utils.checkpoint.noop_context_fn

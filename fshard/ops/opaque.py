@@ -17,6 +17,9 @@ zeros by the transform that asked for it). This module makes such calls give the
 - ``torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=True)`` (the reentrant variant is a
   Function): rerouted to ``use_reentrant=False``, which is built on saved-tensor hooks and runs
   ``fn`` on the ShardedArrays themselves (same values and gradients, activations recomputed).
+- torch 2.11's non-reentrant checkpoint saves its inputs through a no-op Function
+  (:data:`fshard._compat.CHECKPOINT_INPUT_SAVER`): ShardedArray inputs pass it untouched, so the
+  recompute sees the values the forward saw (gathered, they would come back as full tensors).
 - A module with full backward hooks (``register_full_backward_hook``,
   ``register_full_backward_pre_hook``) called on ShardedArrays: torch's ``BackwardHook`` looks
   for ``torch.Tensor`` arguments only, so the hook would never run and a gradient it changes
@@ -51,6 +54,7 @@ import torch
 import torch.utils.checkpoint as _checkpoint
 import torch.utils.hooks as _hooks
 
+from .. import _compat
 from ..array import ShardedArray
 from ..executor import reshard_one
 from ..spec import P, _layout
@@ -76,6 +80,8 @@ def function_apply(cls, *args, **kwargs):
     """``torch.autograd.Function.apply`` that gives the dense result on ShardedArray arguments
     (see the module docstring); any other call is torch's ``apply``, unchanged."""
     if not _has_sharded(args, kwargs):
+        return _APPLY.__get__(None, cls)(*args, **kwargs)
+    if cls is _compat.CHECKPOINT_INPUT_SAVER:  # a non-reentrant checkpoint keeps its inputs
         return _APPLY.__get__(None, cls)(*args, **kwargs)
     if cls is _checkpoint.CheckpointFunction:  # checkpoint(fn, *args, use_reentrant=True)
         function, preserve_rng_state, *inputs = args

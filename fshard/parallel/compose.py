@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import config, consistency
 from ..api import gather, reshard, shard
@@ -323,7 +324,10 @@ def parallelize(
     Args:
         model: a transformers causal LM (``LlamaForCausalLM``, ``MixtralForCausalLM``, ...);
             with ``tp > 1`` it must ship a tensor-parallel plan; with ``pp > 1`` its config a
-            ``base_model_pp_plan`` (embedding, decoder layers, norm) and its layers alike.
+            ``base_model_pp_plan`` (embedding, decoder layers, norm) and its layers alike, and
+            its forward, run once on one row of 8 ids (on meta params too), must pass each
+            piece's output on to the next as it is (else refused, ``NotImplementedError``:
+            also where that run raises or skips a piece).
         mesh: ``dims.mesh()`` (axes :data:`AXES`).
         dims: the degrees.
         parts: a model of your own (:class:`ModelParts`: its tensor / expert-parallel plan
@@ -805,8 +809,14 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
     be the previous piece's output, the same tensor (or a view of it of the same shape: the
     head's ``hidden_states[:, slice(0, None)]``), or that tensor multiplied or divided by
     exactly 1 (:class:`_UnitScales`: Granite's multipliers at 1.0 change nothing), and the
-    logits the head's output. A model whose forward cannot run so (meta params, inputs it
-    needs) is not checked here."""
+    logits the head's output. Params on ``meta`` (a model built for planning, ``fs.dry_run``)
+    are checked so too, the forward run on meta tensors (:class:`_MetaReads`): the check is by
+    identity and by operation, not by values, and answers as on CPU.
+
+    No model reaches the pipeline unchecked: one whose forward raises on that row (inputs it
+    needs, a sequence length it cannot take, an op with no meta kernel, a number read from a
+    meta tensor) or does not call a piece as the stages do (a layer it skips) is refused,
+    naming the model and why."""
     layers = list(modules["layers"])
     seen: dict = {}
 
@@ -840,14 +850,23 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
         hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: put(("out", i), out(o))))
     training = {m: m.training for m in model.modules()}
     unit = _UnitScales()
+    weight = next(itertools.chain(model.parameters(), model.buffers()), None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    meta = device.type == "meta"
     try:
-        weight = next(model.parameters())
-        ids = torch.ones((1, 8), dtype=torch.long, device=weight.device)
+        ids = torch.ones((1, 8), dtype=torch.long, device=device)
         model.eval()
-        with torch.no_grad(), unit:
+        with torch.no_grad(), unit, _MetaReads() if meta else contextlib.nullcontext():
             logits = getattr(model(ids, use_cache=False), "logits", None)
-    except Exception:  # not runnable so (meta params, inputs it needs): not checked here
-        return
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        on = " on its meta params" if meta else ""
+        raise NotImplementedError(
+            f"parallelize: pp > 1 checks that {type(model).__name__}'s forward passes each "
+            f"piece's output (embedding, each decoder layer, norm, head) on as it is, by running "
+            f"it once on one row of 8 ids{on}, which raised {type(e).__name__}: {first}; the "
+            "stages could skip what it does between them unchecked; use pp = 1 for it"
+        ) from e
     finally:
         for h in hooks:
             h.remove()
@@ -870,8 +889,17 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
         ("between the norm and the head", "head_in", "norm"),
         ("after the head, on its logits", None, "head"),
     ]  # fmt: skip
-    if not all(k in seen for _, a, b in steps for k in (a, b) if k is not None):
-        return  # a piece the forward did not call as the pipeline would: not checked here
+    missing = [k for _, a, b in steps for k in (a, b) if k is not None and k not in seen]
+    if missing:
+        names = {"embed": "the embedding", "norm_in": "the norm", "norm": "the norm",
+                 "head_in": "the head", "head": "the head"}  # fmt: skip
+        called = sorted({names.get(k) or f"decoder layer {k[1]}" for k in missing})
+        raise NotImplementedError(
+            f"parallelize: pp > 1 runs the embedding, each decoder layer, the norm and the head "
+            f"one after another; {type(model).__name__}'s forward did not call {called} so "
+            "(the stages would run what it does not, or skip what it does instead); use pp = 1 "
+            "for it"
+        )
     # every layer runs with the keyword arguments the first one was given besides the hidden
     # states (_layer_kwargs): a per-layer input (Gemma 4's per_layer_input) would repeat layer
     # 0's, a positional one would be dropped
@@ -899,6 +927,38 @@ def _check_pieces(model: torch.nn.Module, modules: Mapping) -> None:
                 f"{type(model).__name__}'s forward changes the value {where} (a scale, "
                 "residual or extra input the stages would skip); use pp = 1 for it"
             )
+
+
+class _MetaReads(TorchDispatchMode):
+    """Runs :func:`_check_pieces`' probe on a model whose params are on ``meta`` (a model built
+    for planning, ``fs.dry_run``): the check is by identity and by operation, not by values, so
+    the forward runs on meta tensors, and the few ops that read a value (``.item()``,
+    ``bool(t)``, ``nonzero``) get one. A boolean read is true (the
+    probe's ids are one unpadded row: transformers' "no packed sequences" test on the position
+    ids is the one read the zoo's causal LMs make), ``nonzero`` finds every element non-zero
+    (torch's ``meta_nonzero_assume_all_nonzero``: every expert of an MoE layer hit, so each
+    path runs); a number read raises (the probe does not run: pp refused). Local to that one
+    run: no collective passes through it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if t is not None and t.is_meta:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                if t.dtype != torch.bool:  # a number drives what follows: not guessed
+                    raise RuntimeError(f"the forward reads a {t.dtype} number of a meta tensor")
+                return True
+            if func is torch.ops.aten.nonzero.default:
+                return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
+            if func is torch.ops.aten._grouped_mm.default and t.dtype != torch.bfloat16:
+                # its meta kernel takes bfloat16 only (the CPU one float32 too: transformers'
+                # experts at float32); the same shapes in bfloat16, cast back
+                out_dtype = args[4] if len(args) > 4 else kwargs.pop("out_dtype", None)
+                dtype = out_dtype or t.dtype
+                wide = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                        else a for a in args[:4]]  # fmt: skip
+                return func(*wide, **kwargs).to(dtype)
+        return func(*args, **kwargs)
 
 
 class _UnitScales(torch.overrides.TorchFunctionMode):
@@ -945,6 +1005,8 @@ def _alike(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
+        if a.is_meta or b.is_meta:  # no values to compare: the same tensor only
+            return a is b
         return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)

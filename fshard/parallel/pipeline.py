@@ -129,7 +129,7 @@ import torch
 from torch._C._functorch import TransformType as _TransformType
 
 from .. import _comm, _compat, axis_env, config, consistency, lax
-from ..api import shard
+from ..api import _on_mesh_device, shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
 from ..executor import reshard_one
@@ -1300,8 +1300,8 @@ class _Pipeline(torch.autograd.Function):
             part = next(parts) if has else None
             if not has:
                 out.append(None)
-            elif part is None:
-                out.append(g * next(saved))
+            elif part is None:  # a cotangent of exactly 1: the gradient itself, not a copy
+                out.append(next(saved) if one else g * next(saved))
             else:  # rows' gradients: stacked into a fresh tensor, scaled in place
                 n, shape = part
                 grad = torch.stack([next(saved) for _ in range(n)]).view(shape)
@@ -1430,10 +1430,13 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
     the caller takes it at the latest when it leaves (``consistency.wait_pending``)."""
     plain: dict = {}
     flat = []
+    held = False
     for what, tree, spec in zip(_INPUTS, trees, specs):
         leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
+            if leaf is _PLACEHOLDER:  # a held param's stand-in: no values, its place in the
+                held = True  # call's signature below; replicated as it is (no shard, no hash)
+            elif isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
                 plain[(what, i)] = (leaf, spec)
         flat.append((leaves, treedef))
     if consistency.enabled():
@@ -1449,13 +1452,20 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
             what="fs.parallel.pipeline's tensors (every rank must pass the same)",
             defer=True,
         )
-    if not plain:
+    if not plain and not held:
         return trees
+    stand_in = ShardedArray._raw(  # what shard() of it gave: it, on the mesh's device
+        _on_mesh_device(_PLACEHOLDER, mesh), Layout(mesh, P(), (0,), _PLACEHOLDER.dtype)
+    )
     out = []
     with config.consistency(False):  # checked above, all at once
         for what, (leaves, treedef) in zip(_INPUTS, flat):
             leaves = [
-                shard(leaf, mesh, plain[(what, i)][1]) if (what, i) in plain else leaf
+                shard(leaf, mesh, plain[(what, i)][1])
+                if (what, i) in plain
+                else stand_in
+                if leaf is _PLACEHOLDER
+                else leaf
                 for i, leaf in enumerate(leaves)
             ]
             out.append(optree.tree_unflatten(treedef, leaves))
