@@ -904,6 +904,19 @@ PIPELINED = [
 ]
 
 
+def _pp_answer(model, dims, rank: int = 0) -> tuple[str, int]:
+    """parallelize's answer for ``model`` on ``rank``'s simulated mesh: ``"accepted"`` or the
+    text of its NotImplementedError, and the collectives it issued."""
+    mesh = dims.abstract_mesh().simulate(rank)
+    with fs.debug.comm_log() as log:
+        try:
+            fs.parallel.parallelize(model, mesh, dims)
+            answer = "accepted"
+        except NotImplementedError as e:
+            answer = str(e)
+    return answer, len(log)
+
+
 @pytest.mark.parametrize(
     "kind, scale",
     [
@@ -920,24 +933,9 @@ def test_parallelize_pp_refuses_a_multiplier_other_than_1_between_the_pieces(kin
     pytest.importorskip("transformers")
     dims = fs.parallel.ParallelDims(pp=2, dp_shard=2)
     for rank in range(dims.world_size):
-        mesh = dims.abstract_mesh().simulate(rank)
-        with fs.debug.comm_log() as log, pytest.raises(NotImplementedError) as e:
-            fs.parallel.parallelize(_hf_model(kind), mesh, dims)
-        assert "GraniteForCausalLM" in str(e.value) and scale in str(e.value), e.value
-        assert "use pp = 1" in str(e.value) and not log, (e.value, log)
-
-
-def _pp_answer(model, dims, rank: int = 0) -> tuple[str, int]:
-    """parallelize's answer for ``model`` on ``rank``'s simulated mesh: ``"accepted"`` or the
-    text of its NotImplementedError, and the collectives it issued."""
-    mesh = dims.abstract_mesh().simulate(rank)
-    with fs.debug.comm_log() as log:
-        try:
-            fs.parallel.parallelize(model, mesh, dims)
-            answer = "accepted"
-        except NotImplementedError as e:
-            answer = str(e)
-    return answer, len(log)
+        answer, collectives = _pp_answer(_hf_model(kind), dims, rank)
+        assert "GraniteForCausalLM" in answer and scale in answer, answer
+        assert "use pp = 1" in answer and not collectives, (answer, collectives)
 
 
 def test_parallelize_pp_refuses_a_model_whose_piece_check_cannot_run():
