@@ -171,14 +171,17 @@ def structure(module: torch.nn.Module) -> tuple | None:
             continue
         subs, ps, bs = m._modules, m._parameters, m._buffers
         keys += (len(subs), len(ps), len(bs))
-        keys += subs
-        keys += ps
-        keys += bs
-        held += ps.values()
-        held += bs.values()
-        mods += subs.values()
-        if len(mods) > _STRUCTURE_MODULES:
-            return None
+        if subs:  # (most dicts are empty: a test is cheaper than an empty extend)
+            keys += subs
+            mods += subs.values()
+            if len(mods) > _STRUCTURE_MODULES:
+                return None
+        if ps:
+            keys += ps
+            held += ps.values()
+        if bs:
+            keys += bs
+            held += bs.values()
     keys += map(id, mods)
     keys += map(id, held)
     return tuple(keys)

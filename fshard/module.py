@@ -512,7 +512,9 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
     the forward in the backward (see :func:`_recompute_swapped`)."""
     patched = []
     # a LocalRows module's values are swapped in by its own forward, on local blocks
-    inner = {n: _under(values, n) for n, spec in outputs.items() if isinstance(spec, LocalRows)}
+    inner = {}
+    if outputs:
+        inner = {n: _under(values, n) for n, s in outputs.items() if isinstance(s, LocalRows)}
     outer = values
     if inner:
         outer = {k: v for k, v in values.items() if not any(k in own for own in inner.values())}
