@@ -203,9 +203,10 @@ class Places:
     ``checked``: what callers found valid on this structure (:func:`fshard.nn.fsdp_call`'s
     units check), read with the entry."""
 
-    __slots__ = ("held", "owners", "plans", "checked")
+    __slots__ = ("structure", "held", "owners", "plans", "checked")
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, snapshot: tuple):
+        self.structure = snapshot
         refs: dict[int, weakref.ref] = {}
         self.held = {
             key: [(refs.setdefault(id(o), weakref.ref(o)), a, s) for o, a, s in places]
@@ -217,7 +218,10 @@ class Places:
 
     def alive(self) -> bool:
         """Every owner is still the object the entry was made from."""
-        return all(ref() is not None for ref in self.owners)
+        for ref in self.owners:  # noqa: SIM110 (a loop: no generator frame per call)
+            if ref() is None:
+                return False
+        return True
 
     def aliases(self) -> dict[int, list]:
         """:func:`aliases` of the module, when :meth:`alive`."""
@@ -258,7 +262,7 @@ class Places:
         return tuple(out)
 
 
-#: module -> {structure: Places}
+#: module -> its Places, the latest first
 _PLACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _VALUES = (torch.Tensor, ShardedArray)
@@ -277,14 +281,18 @@ def places(module: torch.nn.Module) -> Places | None:
     try:
         cached = _PLACES.get(module)
         if cached is None:
-            cached = _PLACES[module] = {}
+            cached = _PLACES[module] = []
     except TypeError:  # no weak references to this module
         return None
-    entry = cached.get(snapshot)
-    if entry is None or not entry.alive():
-        if len(cached) >= 8:  # a module whose structure keeps changing: keep the latest
-            cached.clear()
-        entry = cached[snapshot] = Places(module)
+    for entry in cached:  # latest first; an equal tuple compares faster than it hashes
+        if entry.structure == snapshot:
+            if entry.alive():
+                return entry
+            cached.remove(entry)
+            break
+    entry = Places(module, snapshot)
+    del cached[7:]  # a module whose structure keeps changing: the latest 8
+    cached.insert(0, entry)
     return entry
 
 

@@ -857,8 +857,8 @@ def test_swap_cache_checks_its_owners_are_the_objects_they_were():
     torch.manual_seed(0)
     model, ids = tied_case("weight")
     gone, _ = tied_case("weight")
-    stale = _swap.Places(gone)  # the places of another module, equal in shape
-    _swap._PLACES[model] = {_swap.structure(model): stale}
+    stale = _swap.Places(gone, _swap.structure(model))  # another module's, under model's key
+    _swap._PLACES[model] = [stale]
     del gone
     assert not stale.alive()
     places = _swap.places(model)
