@@ -228,8 +228,8 @@ class Places:
         return {key: [(r(), a, s) for r, a, s in v] for key, v in self.held.items()}
 
     def fit(self, module: torch.nn.Module, values: Mapping) -> list | None:
-        """:func:`targets` for ``values`` where every name resolves, no two name one tensor and
-        every value is a ShardedArray or tensor (the uncached loop's result, without its
+        """:func:`targets` for ``values`` where every name resolves, no two of them name one
+        tensor and every value is a ShardedArray or tensor (the uncached loop's result, without its
         lookups); ``None`` otherwise (the uncached loop then says what does not fit)."""
         names = tuple(values)
         try:
