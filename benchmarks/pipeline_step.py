@@ -4,15 +4,17 @@
 same microbatches.
 
     python benchmarks/pipeline_step.py [--layers 4] [--dim 64] [--ctx 32] [--batch 8] [--mb 4]
-        [--interleave ROUNDS]
+        [--interleave ROUNDS [--attribute]]
 
 The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
 head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stages are the
 blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embeddings in ``input_fn`` (on
 rank 0 only, as torch's), the final norm, head and loss in ``loss_fn``, each end's params held
-by its rank only (``fs.parallel.on_stage``, as torch's stage modules hold them); interleaved runs 4 stages
-of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
+by its rank only (``fs.parallel.on_stage``, as torch's stage modules hold them); a stage runs its
+blocks with ``fs.nn.functional_call`` (fshard's call of a module on given values, which
+``fs.parallel.parallelize`` uses; until 2026-12-05 ``torch.func.functional_call``, ~50 us a call
+more); interleaved runs 4 stages of ``layers / 4`` blocks (2 per rank). A step is one forward + backward of the whole batch
 (``fs.value_and_grad`` / ``schedule.step``), gradients produced, no optimizer; each
 library's gradients live from its step's backward until its next step starts (torch's
 ``.grad`` until ``zero_grad(set_to_none=True)``, fshard's returned tree until the next call:
@@ -28,7 +30,10 @@ which other jobs on a shared machine disturb less than the step time. ``--interl
 runs every configuration's step in one pair of ranks, one step each in turn after a barrier,
 and prints each one's step time (the slowest rank's, median over rounds), the median of its
 per-round ratio to torch's same schedule stepped in the same round (ZB-H1: to both 1F1Bs; load
-drift cancels) and each rank's process CPU time a step with its ratio. Comparing two versions
+drift cancels) and each rank's process CPU time a step with its ratio; ``--attribute`` adds each
+rank's main-thread CPU time a step in buckets (:class:`_Attribution`: the blocks' forward, which
+both libraries run on the same modules, each backward by who called it, the rest), to tell the
+compute the libraries share from their own costs. Comparing two versions
 of fshard: run it from each checkout's directory with ``PYTHONPATH`` set to it, in turn (the
 ranks' fork server puts its working directory first on their ``sys.path``; it prints the
 ranks' fshard).
@@ -170,7 +175,7 @@ def _fshard_step(gpt, schedule, virtual, tokens, targets, mb):
 
     def stage_fn(p, x):
         for i in range(per):
-            x = torch.func.functional_call(block, {n: v[i] for n, v in p.items()}, (x,))
+            x = fs.nn.functional_call(block, {n: v[i] for n, v in p.items()}, (x,))
         return x
 
     def loss_fn(hp, y, target):
@@ -218,28 +223,80 @@ def _step(lib, schedule, virtual, layers, dim, ctx, batch, mb):
     return _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
 
 
-def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds):
+class _Attribution:
+    """Main-thread CPU time of a step in buckets (``--attribute``): the GPT blocks' forward
+    (``Block.forward``, the same modules in both libraries), each ``torch.autograd.backward``
+    by its caller's function (torch's ``stage_backward``; fshard's ``_steps``, a stage's
+    backward per microbatch and ``input_fn``'s, and ``_top_level``, ``fs.value_and_grad``'s
+    backward through the pipeline's Function), and the rest of the step (schedule, transfers,
+    loss and embedding forwards, each library's own bookkeeping). A call inside another counted
+    one counts in the outer one only."""
+
+    def __init__(self):
+        self.acc: dict = {}
+        self.inside = False
+
+    def wrap(self, owner, name: str, label: str | None) -> None:
+        f = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            if self.inside:
+                return f(*args, **kwargs)
+            self.inside = True
+            t0 = time.thread_time()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.inside = False
+                key = label or f"backward in {sys._getframe(1).f_code.co_name}"
+                self.acc[key] = self.acc.get(key, 0.0) + time.thread_time() - t0
+
+        setattr(owner, name, counted)
+
+    def step(self, step) -> dict:
+        """``step()`` run, its buckets in ms."""
+        self.acc = {}
+        t0 = time.thread_time()
+        step()
+        total = time.thread_time() - t0
+        out = {k: v * 1e3 for k, v in self.acc.items()}
+        out["rest"] = (total - sum(self.acc.values())) * 1e3
+        return out
+
+
+def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False):
     """Every configuration's step in the same pair of rank processes, run in turn one step at
     a time after a barrier, so that a shared machine's load drifting over the run hits every
     configuration alike: per configuration, each round's step time (the slowest rank's, taken
-    after the step, outside its timing) and this rank's process CPU time."""
+    after the step, outside its timing) and this rank's process CPU time; with ``attribute``,
+    each round's :class:`_Attribution` buckets instead of the CPU time's whole."""
+    import train_gpt as tg
+
     torch.set_num_threads(1)
+    attribution = _Attribution() if attribute else None
+    if attribution is not None:
+        attribution.wrap(tg.Block, "forward", "blocks forward")
+        attribution.wrap(torch.autograd, "backward", None)
     steps = {c[0]: _step(*c[1:], layers, dim, ctx, batch, mb) for c in configs}
     for step in steps.values():
         for _ in range(2):
             step()
     wall: dict = {name: [] for name in steps}
     cpu: dict = {name: [] for name in steps}
+    buckets: dict = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            step()
+            if attribution is None:
+                step()
+            else:
+                buckets[name].append(attribution.step(step))
             cpu[name].append(time.process_time() - c0)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             wall[name].append(float(dt))
-    return wall, cpu, str(Path(fs.__file__).parent)
+    return wall, cpu, str(Path(fs.__file__).parent), buckets
 
 
 def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
@@ -282,6 +339,12 @@ def main(argv=None):
         "ROUNDS rounds; prints the step time (slowest rank) and its per-round ratio to "
         "torch's same schedule (GPipe for interleaved v=2; both 1F1Bs for ZB-H1), and each "
         "rank's process CPU ms a step, the measure to use on a shared machine",
+    )
+    ap.add_argument(
+        "--attribute",
+        action="store_true",
+        help="with --interleave: also each rank's main-thread CPU ms a step in buckets (the GPT "
+        "blocks' forward, each autograd.backward by its caller, the rest), medians over rounds",
     )
     ap.add_argument(
         "--only",
@@ -336,7 +399,15 @@ def _interleaved(a) -> None:
     world = World(2, timeout=1800)
     try:
         res = world.run(
-            interleaved_fn, configs, a.layers, a.dim, a.ctx, a.batch, a.mb, a.interleave
+            interleaved_fn,
+            configs,
+            a.layers,
+            a.dim,
+            a.ctx,
+            a.batch,
+            a.mb,
+            a.interleave,
+            a.attribute,
         )
     finally:
         world.close()
@@ -364,6 +435,26 @@ def _interleaved(a) -> None:
         cpu_cell = " / ".join(f"{statistics.median(c[name]) * 1e3:.1f}" for c in cpus)
         print(f"{name:24s} {statistics.median(wall[name]) * 1e3:8.1f} "
               f"{', '.join(ratios) or '-':>36s} {cpu_cell:>16s} {', '.join(cpu_ratio) or '-':>15s}")  # fmt: skip
+    if a.attribute:
+        _print_attribution(configs, [r[3] for r in res])
+
+
+def _print_attribution(configs, per_rank: list) -> None:
+    """``--attribute``'s table: each bucket's median ms over rounds, ``r0 / r1``."""
+    keys: list = []
+    for buckets in per_rank:
+        for rounds in buckets.values():
+            for b in rounds:
+                keys += [k for k in b if k not in keys]
+    keys = sorted(keys, key=lambda k: (k == "rest", k))
+    print("\nmain-thread CPU ms a step by bucket (median over rounds, r0 / r1):")
+    print(f"{'configuration':24s} " + " ".join(f"{k:>25s}" for k in keys))
+    for name, *_ in configs:
+        cells = []
+        for k in keys:
+            per = [statistics.median(b.get(k, 0.0) for b in bk[name]) for bk in per_rank]
+            cells.append(" / ".join(f"{v:.1f}" for v in per))
+        print(f"{name:24s} " + " ".join(f"{c:>25s}" for c in cells))
 
 
 if __name__ == "__main__":

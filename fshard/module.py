@@ -360,7 +360,8 @@ def functional_call(
         out = _run_local(module, params, args, kwargs or {}, mesh)
     else:
         try:
-            with lax.handling(*handlers), _called(module, params, outputs):
+            handling = lax.handling(*handlers) if handlers else contextlib.nullcontext()
+            with handling, _called(module, params, outputs):
                 out = module(*args, **(kwargs or {}))
         except ValueDependentShape as e:
             raise _local_rows_hint(module, e) from e
@@ -511,8 +512,12 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
     the forward in the backward (see :func:`_recompute_swapped`)."""
     patched = []
     # a LocalRows module's values are swapped in by its own forward, on local blocks
-    inner = {n: _under(values, n) for n, spec in outputs.items() if isinstance(spec, LocalRows)}
-    outer = {k: v for k, v in values.items() if not any(k in own for own in inner.values())}
+    inner = {}
+    if outputs:
+        inner = {n: _under(values, n) for n, s in outputs.items() if isinstance(s, LocalRows)}
+    outer = values
+    if inner:
+        outer = {k: v for k, v in values.items() if not any(k in own for own in inner.values())}
     with _swap.swap(module, outer, "functional_call"):
         try:
             for name, spec in outputs.items():
@@ -523,8 +528,11 @@ def _called(module: torch.nn.Module, values: Mapping, outputs: Mapping[str, P]):
                 else:
                     run = _with_output(sub.forward, name, spec)
                 sub.__dict__["forward"] = run
-            with _recompute_swapped(lambda: _called(module, values, outputs)):
+            undo = _recompute_swapped(lambda: _called(module, values, outputs))
+            try:
                 yield
+            finally:
+                undo()
         finally:
             for sub, forward, bound in reversed(patched):
                 if forward is not _NONE:
@@ -591,13 +599,12 @@ _CHECKPOINT_MODULE = torch.utils.checkpoint
 _GENERATOR_SIGNATURE = inspect.signature(getattr(_CHECKPOINT_MODULE, _compat.CHECKPOINT_GENERATOR))
 
 
-@contextlib.contextmanager
 def _recompute_swapped(enter):
     """Activation checkpointing (``torch.utils.checkpoint``, transformers'
     ``gradient_checkpointing_enable()``) recomputes a part of the forward in the backward,
     after the call has put the module's own tensors back: it would recompute with those
-    (stale, or full where the values are sharded) and give wrong gradients. For the block,
-    every non-reentrant checkpoint made inside the call recomputes inside ``enter()`` (the
+    (stale, or full where the values are sharded) and give wrong gradients. Until the function
+    this returns is called, every non-reentrant checkpoint made recomputes inside ``enter()`` (the
     values swapped in again): ``checkpoint``'s default ``context_fn`` becomes one whose
     recompute context is ``enter()``, and a ``context_fn`` the caller passes (selective
     activation checkpointing) gets ``enter()`` around its own recompute context (torch's
@@ -605,10 +612,10 @@ def _recompute_swapped(enter):
     :data:`fshard._compat.CHECKPOINT_GENERATOR`). A
     reentrant one (``use_reentrant=True``) has no recompute hook: the non-default
     ``context_fn`` makes torch refuse it ("Passing `context_fn` ... only supported when
-    use_reentrant=False")."""
+    use_reentrant=False"). The function returned puts torch's own back (a function, not a
+    context manager: one generator frame less per call)."""
     if torch.compiler.is_dynamo_compiling():  # dynamo traces checkpoint, recompute included
-        yield
-        return
+        return _nothing
 
     def ours():
         return contextlib.nullcontext(), enter()
@@ -631,13 +638,18 @@ def _recompute_swapped(enter):
 
     defaults = _CHECKPOINT.__kwdefaults__
     default = defaults["context_fn"]
-    defaults["context_fn"] = ours
-    setattr(_CHECKPOINT_MODULE, name, generator)
-    try:
-        yield
-    finally:
+
+    def undo():
         defaults["context_fn"] = default
         setattr(_CHECKPOINT_MODULE, name, prev)
+
+    defaults["context_fn"] = ours
+    setattr(_CHECKPOINT_MODULE, name, generator)
+    return undo
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Entered:

@@ -1,6 +1,8 @@
 """fs.nn.shard_params / functional_call / megatron_plan on 2 Gloo ranks, against dense torch."""
 
+import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fshard as fs
+from fshard import _swap
 from fshard.nn import match_plan
 
 
@@ -722,3 +725,147 @@ def test_functional_call_checkpoint_recomputes_with_the_values_dense():
     # outside functional_call torch's own default is back
     checkpoint = inspect.unwrap(torch.utils.checkpoint.checkpoint)
     assert checkpoint.__kwdefaults__["context_fn"] is torch.utils.checkpoint.noop_context_fn
+
+
+# -- the swap's per-module cache (fshard/_swap.py: places) against the uncached lookups ----------
+
+
+def _targets_key(ts):
+    return [(n, id(o), a, s, id(v)) for n, o, a, s, v in ts]
+
+
+def _aliases_key(held):
+    return {k: [(id(o), a, s) for o, a, s in v] for k, v in held.items()}
+
+
+def _assert_swap_is_uncached(model, values):
+    """The swap's targets (from the cache) are those of the uncached lookups (fresh
+    ``_swap.aliases`` / ``targets``), or the same error; the cached aliases are the fresh ones.
+    Returns whether the values fit."""
+    try:
+        want = _targets_key(_swap.targets(model, values, "functional_call"))
+    except (ValueError, TypeError) as e:
+        want = e
+    try:
+        got = _targets_key(_swap.swap(model, values, "functional_call").targets)
+    except (ValueError, TypeError) as e:
+        got = e
+    if isinstance(want, Exception):
+        assert type(got) is type(want) and str(got) == str(want), (got, want)
+    else:
+        assert got == want
+    places = _swap.places(model)
+    assert places is not None and places is _swap.places(model)  # cached: the same entry
+    assert _aliases_key(places.aliases()) == _aliases_key(_swap.aliases(model))
+    return not isinstance(want, Exception)
+
+
+def _assert_call_is_torch_func(model, values, ids):
+    """functional_call's output and gradients are torch.func.functional_call's on the same values
+    (``tie_weights=True``: a value given for one name of a tied tensor goes to every alias)."""
+
+    def run(call):
+        fresh = {id(v): v.detach().clone().requires_grad_() for v in values.values()}
+        vals = {k: fresh[id(v)] for k, v in values.items()}  # one value per tied tensor stays one
+        out = call(model, vals, (ids,))
+        grads = torch.autograd.grad(out.square().sum(), list(fresh.values()), allow_unused=True)
+        return out, grads
+
+    out, grads = run(fs.nn.functional_call)
+    ref, ref_grads = run(torch.func.functional_call)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert (g is None) == (r is None)
+        if g is not None:
+            torch.testing.assert_close(g, r)
+
+
+def test_swap_cache_sees_every_change_of_the_module():
+    """The cache of where each name's tensors are held is read again whenever the module changed
+    after a cached call: a tie made (HF ``tie_weights()``: ``head.weight = emb.weight``) with only
+    one of its names given, a tie undone, a buffer holding a parameter, a submodule replaced (by
+    one holding the very same tensors too), added or deleted, a parameter added, deleted or set
+    to None;
+    each time against the uncached lookups and torch.func, and ``load_params`` (values written in
+    place, the same structure) keeps the entry."""
+    torch.manual_seed(0)
+    model, ids = tied_case("weight")
+    model.head.weight = nn.Parameter(model.emb.weight.detach() + 1)  # untied to start with
+
+    def values(**extra):
+        vs = {k: v.detach() + 0.5 for k, v in model.named_parameters()}
+        return {**vs, **extra}
+
+    def check(*cases):
+        for vals in cases:
+            if _assert_swap_is_uncached(model, vals):
+                _assert_call_is_torch_func(model, vals, ids)
+        fs.nn.functional_call(model, values(), (ids,))  # cached for the next change
+
+    w = torch.randn(V, D, dtype=torch.float64)
+    check(values(), {"head.weight": w}, {"emb.weight": w})
+    first = _swap.places(model)
+    assert tuple(values()) in first.plans  # the call above was served from the cache
+
+    model.head.weight = model.emb.weight  # tied after cached calls
+    assert _swap.places(model) is not first
+    assert "head.weight" not in values()  # named_parameters() names the tie once
+    check(values(), {"head.weight": w}, {"emb.weight": w}, {"emb.weight": w, "head.weight": w})
+    check({"emb.weight": w, "head.weight": w + 1})  # two values for one tensor: the error
+    out = fs.nn.functional_call(model, {"head.weight": w}, (ids,))  # only the second name given
+    ref = torch.func.functional_call(model, {"emb.weight": w}, (ids,))
+    torch.testing.assert_close(out, ref)
+
+    model.head.weight = nn.Parameter(w.clone())  # untied again
+    check(values(), {"head.weight": w}, {"emb.weight": w})
+    model.blocks[1].register_buffer("mirror", model.blocks[0].weight)  # a buffer holds a param
+    check(values(), {"blocks.0.weight": w[:D, :D]}, {"blocks.1.mirror": w[:D, :D]})
+    del model.blocks[1].mirror
+    check(values(), {"blocks.0.weight": w[:D, :D]})
+
+    old = model.blocks[1]
+    same = nn.Linear(D, D).double()
+    same.weight, same.bias = old.weight, old.bias
+    model.blocks[1] = same  # a new owner of the very same tensors (the old one still alive)
+    check(values())
+    assert all(o is same for n, o, *_ in _swap.swap(model, values(), "x").targets if "1." in n)
+    before = values()
+    model.blocks[0] = nn.Linear(D, D).double()  # replaced: new tensors, new owner
+    check(values(), before)  # the values of the old tensors still fit by name
+    model.blocks[1].bias = None  # a parameter set to None: its name no longer fits
+    check(values(), before)
+    model.emb.spare = nn.Parameter(w[0].clone())  # a parameter added (unused by forward)
+    before = values()
+    check(before, {"emb.spare": w[1]})
+    del model.emb.spare  # and deleted
+    check(values(), before)
+    model.extra = nn.Linear(D, D).double()  # a submodule added (unused by forward)
+    check(values(), {"extra.weight": w[:D, :D]})
+    del model.extra
+    check(values(), {"extra.weight": w[:D, :D]})
+
+    entry = _swap.places(model)
+    fs.nn.load_params(model, values())  # written in place: the same structure
+    assert _swap.places(model) is entry
+    check(values())
+
+
+def test_swap_cache_checks_its_owners_are_the_objects_they_were():
+    """A snapshot names objects by id, and an id is reused once its object is gone: an entry
+    whose snapshot matches the module's but whose owners died (what a module replaced by a new
+    one at the same address would give) is not used, and the cache holds no module alive."""
+    torch.manual_seed(0)
+    model, ids = tied_case("weight")
+    gone, _ = tied_case("weight")
+    stale = _swap.Places(gone, _swap.structure(model))  # another module's, under model's key
+    _swap._PLACES[model] = [stale]
+    del gone
+    assert not stale.alive()
+    places = _swap.places(model)
+    assert places is not stale and places.alive()
+    assert _aliases_key(places.aliases()) == _aliases_key(_swap.aliases(model))
+    _assert_call_is_torch_func(model, {"emb.weight": torch.randn(V, D).double()}, ids)
+    dead = weakref.ref(model)
+    del model, places
+    gc.collect()
+    assert dead() is None

@@ -1368,85 +1368,41 @@ def _gathering(session: _Session) -> Iterator[Callable]:
         session.end_forward()
 
 
-#: module -> {(structure, units, names given): its aliases}: what ``_check_units`` found for
-#: one structure of the module (weak: a module's entries go with it, and its aliases' owners,
-#: the module among them, are weak references, or the entry would keep its key alive)
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-#: modules a structure snapshot walks at most (a module tree holding itself: no snapshot)
-_STRUCTURE_MODULES = 1 << 16
-
-
-def _structure(module: torch.nn.Module) -> tuple | None:
-    """Everything :func:`_check_units` reads of ``module``: each submodule's object, its
-    children's names and objects and the names and objects of the tensors it holds (a
-    hashable snapshot; equal snapshots give equal checks and equal aliases). One walk of the
-    tree by every path (a shared submodule at each), each module's dicts read in C (``extend``
-    with the keys, ``map(id, ...)`` over the values; their counts keep the fields apart)
-    instead of ``named_modules``' names and a tuple per tensor: 13.9-14.5 -> 10.1-11.4 us of
-    thread CPU for a Llama decoder layer (13 modules). ``None`` past ``_STRUCTURE_MODULES``
-    modules (a cycle): checked at every call then."""
-    out: list = []
-    stack = [module]
-    pop, push, put, add = stack.pop, stack.extend, out.append, out.extend
-    for _ in range(_STRUCTURE_MODULES):
-        if not stack:
-            return tuple(out)
-        m = pop()
-        if m is None:  # a child slot registered as None
-            put(None)
-            continue
-        subs, ps, bs = m._modules, m._parameters, m._buffers
-        put(id(m))
-        put(len(subs))
-        add(subs)
-        add(map(id, subs.values()))
-        put(len(ps))
-        add(ps)
-        add(map(id, ps.values()))
-        put(len(bs))
-        add(bs)
-        add(map(id, bs.values()))
-        push(subs.values())
-    return None
-
-
-def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
+def _check_units(module: torch.nn.Module, params: Mapping, units: Mapping):
     """Every unit's names resolve in ``module`` (ties: one value), no tensor is in two units,
     and a unit other than the root holds every name of its tensors (a tied alias outside the
     unit's submodule would read the module's own tensor, not the gathered one). Returns the
-    module's aliases, read before any swap; raises listing every problem.
+    module's :func:`fshard._swap.places` (its :func:`fshard._swap.aliases` where there is no
+    cache), read before any swap, for the swaps; raises listing every problem.
 
     The checks depend on the module's structure, the units and which of their names
     ``params`` gives (the values' types are :func:`_check_gather`'s): a call that repeats all
-    three (a pipeline stage's layer, once per layer and microbatch) reuses the first's
-    result, found by a snapshot of the structure (:func:`_structure`) instead of the checks'
-    walks and name lookups."""
+    three (a pipeline stage's layer, once per layer and microbatch) reuses the first's result,
+    kept with the places of that structure (``Places.checked``: a changed module is another
+    structure, checked afresh), instead of the checks' walks and name lookups."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping name -> value, got {type(params).__name__}")
-    structure = _structure(module)
+    places = _swap.places(module)
+    if places is None:
+        return _check_units_now(module, params, units, _swap.aliases(module))
     try:
         key = (
-            structure,
             tuple((u, tuple(ns)) for u, ns in units.items()),
             tuple(n in params for ns in units.values() for n in ns),
         )
-        cached = _CHECKED.setdefault(module, {}) if structure is not None else {}
-    except TypeError:  # an unhashable unit name or a module without weak references
-        key, cached = None, {}
-    if key in cached:  # the aliases' owners are held weakly: the module is one of them
-        return {k: [(o(), a, s) for o, a, s in v] for k, v in cached[key].items()}
-    held = _check_units_now(module, params, units)
+        if key in places.checked:
+            return places
+    except TypeError:  # an unhashable unit name
+        key = None
+    _check_units_now(module, params, units, places)
     if key is not None:
-        if len(cached) >= 8:  # a module whose structure keeps changing: keep the latest
-            cached.clear()
-        cached[key] = {k: [(weakref.ref(o), a, s) for o, a, s in v] for k, v in held.items()}
-    return held
+        if len(places.checked) >= 8:  # units or names that keep changing: keep the latest
+            places.checked.clear()
+        places.checked.add(key)
+    return places
 
 
-def _check_units_now(module: torch.nn.Module, params: Mapping, units: Mapping) -> dict:
-    held = _swap.aliases(module)
+def _check_units_now(module: torch.nn.Module, params: Mapping, units: Mapping, held):
     values = {n: params[n] for names in units.values() for n in names if n in params}
     _swap.targets(module, values, "fsdp_call", held)  # names, value types, ties
     names: dict[int, list[str]] = {}  # every name of each tensor
