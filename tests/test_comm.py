@@ -9,6 +9,7 @@ policy (``fs.lax.buckets``) of ``psum`` of a pytree and ``fs.value_and_grad``.
 """
 
 import ast
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -341,18 +342,9 @@ def test_buckets_one_policy_two_orders():
 # -- ppermute on Gloo: isend / irecv issued directly ----------------------------------------
 
 
-def ppermute_gloo_rank_fn():
-    """On Gloo a ppermute issues one ``dist.isend`` / ``dist.irecv`` per message and no
-    ``batch_isend_irecv`` (which on Gloo is that loop after a P2POp per message): a ring, one
-    pair and a rank sending to itself, on a group in non-identity order, against the dense
-    expectation, with the comm log of every rank's record as before."""
-    mesh = fs.Mesh.create((2, 2), ("a", "b"))
-    g = mesh.group(("b", "a"))
-    assert not g.identity_order and g.backend == "gloo"
-    j = g.index
-    X = [_gen(30 + k, 2, 3) for k in range(4)]
-    perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((0, 2),), ((1, 1),)]
-    calls = {"isend": 0, "irecv": 0, "batch_isend_irecv": 0}
+@contextlib.contextmanager
+def _counting(calls: dict):
+    """The ``torch.distributed`` functions named in ``calls`` counted into it while inside."""
     real = {name: getattr(dist, name) for name in calls}
 
     def counted(name):
@@ -365,11 +357,26 @@ def ppermute_gloo_rank_fn():
     for name in calls:
         setattr(dist, name, counted(name))
     try:
-        with fs.debug.comm_log() as log:
-            got = [_comm.ppermute(X[j], g, perm) for perm in perms]
+        yield calls
     finally:
         for name, f in real.items():
             setattr(dist, name, f)
+
+
+def ppermute_gloo_rank_fn():
+    """On Gloo a ppermute issues one ``dist.isend`` / ``dist.irecv`` per message and no
+    ``batch_isend_irecv`` (which on Gloo is that loop after a P2POp per message): a ring, one
+    pair and a rank sending to itself, on a group in non-identity order, against the dense
+    expectation, with the comm log of every rank's record as before."""
+    mesh = fs.Mesh.create((2, 2), ("a", "b"))
+    g = mesh.group(("b", "a"))
+    assert not g.identity_order and g.backend == "gloo"
+    j = g.index
+    X = [_gen(30 + k, 2, 3) for k in range(4)]
+    perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((0, 2),), ((1, 1),)]
+    calls = {"isend": 0, "irecv": 0, "batch_isend_irecv": 0}
+    with _counting(calls), fs.debug.comm_log() as log:
+        got = [_comm.ppermute(X[j], g, perm) for perm in perms]
     for perm, out in zip(perms, got):
         src = [s for s, d in perm if d == j]
         assert torch.equal(out, X[src[0]] if src else torch.zeros(2, 3, dtype=torch.float64))
@@ -402,18 +409,7 @@ def receive_ahead_rank_fn():
     X = [[_gen(50 + 4 * k + i, 2, 3) for i in range(4)] for k in range(3)]
     perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((2, 0),), ((0, 3), (3, 0))]
     calls = {"isend": 0, "irecv": 0}
-    real = {name: getattr(dist, name) for name in calls}
-
-    def counted(name):
-        def call(*a, **k):
-            calls[name] += 1
-            return real[name](*a, **k)
-
-        return call
-
-    for name in calls:
-        setattr(dist, name, counted(name))
-    try:
+    with _counting(calls):
         posted = [_comm.receive_ahead(X[0][j], g, perm, (2, 3)) for perm in perms]
         with fs.debug.comm_log() as log:
             between = _comm.ppermute(X[1][j], g, perms[0])  # tag 0: not into the posted ones
@@ -422,9 +418,6 @@ def receive_ahead_rank_fn():
                 for k, perm in enumerate(perms)
             ]
             got = [p.wait() for p in pending]
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
     receives = [any(d == j and s != j for s, d in p) for p in perms]
     assert [p is not None for p in posted] == receives
     zeros = torch.zeros(2, 3, dtype=torch.float64)
