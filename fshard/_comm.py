@@ -888,7 +888,7 @@ def ppermute_start(
     one of them). Checks and the comm-log record happen at launch.
 
     ``ahead``: this rank's receives of this very ppermute, posted earlier by
-    :func:`receive_ahead` (a pipeline posts its step's receives at the step's start): only the
+    :func:`receive_ahead` (a pipeline posts each tick's receives as the tick begins): only the
     sends are issued here; the checks, the consistency fold and the record are this call's, as
     without it. ``tag``: the messages' wire tag (:data:`AHEAD_TAG` where receives are posted
     ahead)."""

@@ -686,6 +686,6 @@ def start(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -> _com
     launch = START.get(type(b.op))
     if launch is None:
         if ahead is not None:
-            raise ValueError(f"ahead= is for ops in START (ppermute), not {b.op.name}")
+            raise ValueError(f"ahead= is for ops in START (ppermute, psum), not {b.op.name}")
         return _comm.Pending(run(b, x))
     return launch(b.op, b.group, x, ahead)

@@ -1035,8 +1035,8 @@ def apply_start(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -
     returns its result.
 
     ``ahead``: this rank's receives of this op, posted earlier on the wire by
-    :func:`fshard._comm.receive_ahead` (a pipeline posts its step's receives at the step's
-    start, so that what arrives lands while it computes); only where the op is launched here
+    :func:`fshard._comm.receive_ahead` (a pipeline posts each tick's receives as the tick
+    begins, so that what arrives lands while it computes); only where the op is launched here
     (``computable_ahead()``), else a ``ValueError``: the op run synchronously would post its
     receives again.
 
