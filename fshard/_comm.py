@@ -878,12 +878,20 @@ def ppermute_start(
     g: AxisGroup,
     perm: Sequence[tuple[int, int]],
     out_shape: Sequence[int] | None = None,
+    ahead: Pending | None = None,
+    tag: int = 0,
 ) -> Pending:
     """:func:`ppermute` launched asynchronously (ring attention's next block, a pipeline's
     transfers): ``.wait()`` returns what :func:`ppermute` returns; ``.result()`` returns it once
     the receive has landed, the sends left in flight (:class:`Pending`). The received buffer
     is allocated here and is what both return (:attr:`Pending.buffer`, to be read only after
-    one of them). Checks and the comm-log record happen at launch."""
+    one of them). Checks and the comm-log record happen at launch.
+
+    ``ahead``: this rank's receives of this very ppermute, posted earlier by
+    :func:`receive_ahead` (a pipeline posts each tick's receives as the tick begins): only the
+    sends are issued here; the checks, the consistency fold and the record are this call's, as
+    without it. ``tag``: the messages' wire tag (:data:`AHEAD_TAG` where receives are posted
+    ahead)."""
     out_shape = tuple(t.shape) if out_shape is None else tuple(out_shape)
     if g.simulated:
         return _ppermute_simulated(t, g, perm, out_shape)
@@ -894,38 +902,104 @@ def ppermute_start(
     me = g.index
     # a buffer a message fills needs no zeros (ring attention: two per block round)
     receives = any(dst == me and src != me for src, dst in perm)
-    out = t.new_empty(out_shape) if receives else t.new_zeros(out_shape)
+    if ahead is not None and (not receives or tuple(ahead.buffer.shape) != out_shape):
+        raise ValueError(
+            f"ppermute over {g.axes}: ahead= is a receive of shape "
+            f"{tuple(ahead.buffer.shape)}, this rank receives "
+            f"{'a block of shape ' + str(out_shape) if receives else 'nothing'} in perm "
+            f"{tuple(perm)}; pass what receive_ahead posted for this ppermute"
+        )
+    if ahead is not None:
+        out = ahead.buffer
+    else:
+        out = t.new_empty(out_shape) if receives else t.new_zeros(out_shape)
     # Gloo's send/recv read host pointers: a CUDA tensor goes through host memory (a copy each
     # way), as Gloo's own collectives do for CUDA tensors; what lands is copied into ``out``.
     host = g.backend == "gloo" and t.device.type != "cpu"
     wire = t.cpu() if host else t
-    land = wire.new_empty(out_shape) if host and receives else out
+    land = wire.new_empty(out_shape) if host and receives and ahead is None else out
     ops = []  # (send, tensor, global peer), in perm order
     for src, dst in perm:
         if src == me and dst == me:
             out.copy_(t)
         elif src == me:
             ops.append((True, wire.contiguous(), g.ranks[dst]))
-        elif dst == me:
+        elif dst == me and ahead is None:
             ops.append((False, land, g.ranks[src]))
     if g.size > 1:
         _consistent("ppermute", g, t, perm=tuple(perm), ndim=t.dim())
         record("ppermute", g.axes, nbytes(t) if any(s == me for s, _ in perm) else 0)
-    works = _point_to_point(ops, g) if ops else []
+    works = _point_to_point(ops, g, tag) if ops else []
     sent, held = (), ()
     if len(works) == len(ops):  # one work per message (Gloo): the sends apart
         sent = tuple(w for w, op in zip(works, ops) if op[0])
         held = tuple(op[1] for op in ops if op[0])
         works = [w for w, op in zip(works, ops) if not op[0]]
+    if ahead is not None:
+        works = [*ahead._works, *works]
+        ahead._works = ()
     finish = functools.partial(_landed, land) if land is not out else None
     return Pending(out, tuple(works), finish, sent, held)
+
+
+#: The wire tag of the ppermutes whose receives are posted ahead (:func:`receive_ahead`; a
+#: pipeline's transfers): a message of any other ppermute over the same group (tag 0), issued
+#: while they are posted, cannot land in them.
+AHEAD_TAG = 0x7F5B
+
+
+def receive_ahead(
+    like: torch.Tensor,
+    g: AxisGroup,
+    perm: Sequence[tuple[int, int]],
+    out_shape: Sequence[int],
+    tag: int = AHEAD_TAG,
+) -> Pending | None:
+    """This rank's receive of a later ppermute over ``g`` (``perm``, a block of ``out_shape``
+    and ``like``'s dtype), posted now: the ppermute, issued later by every rank as usual, takes
+    it as ``ahead=`` and sends only. What arrives lands while this rank computes, as it could
+    not were the receive posted only once the rank reaches the ppermute. ``None`` (post
+    nothing; the ppermute receives as usual) where this rank receives nothing or from itself,
+    on a simulated or traced group, and on any backend but Gloo on CPU tensors: NCCL runs a
+    communicator's point-to-point ops in order on one stream, so a receive posted ahead would
+    hold back this rank's own sends behind it (the pipeline's peers would wait on each other),
+    and Gloo's CUDA tensors go through a host copy the ppermute makes.
+
+    Receives posted ahead over one group match the peer's sends of ``tag`` in the order they are
+    posted: post them in the order the ppermutes will be issued, which send with ``tag``
+    (``Ppermute(..., tag=AHEAD_TAG)``), and no other sends of that tag in between.
+
+    Example:
+        >>> mesh = fs.Mesh.create((2,), ("x",))  # 2 ranks: fs.launch.run(fn, 2) or torchrun
+        >>> g, perm = mesh.group("x"), ((0, 1),)
+        >>> x = torch.full((2,), float(mesh.rank + 1))
+        >>> ahead = _comm.receive_ahead(x, g, perm, (2,))  # rank 1: posted; rank 0: None
+        >>> pending = _comm.ppermute_start(x, g, perm, ahead=ahead, tag=_comm.AHEAD_TAG)
+        >>> got = pending.result()  # rank 1: tensor([1., 1.])
+    """
+    me = g.index
+    sources = [src for src, dst in perm if dst == me and src != me]
+    if (
+        not sources
+        or g.size == 1
+        or g.simulated
+        or tracing()
+        or g.backend != "gloo"
+        or like.device.type != "cpu"
+    ):
+        return None
+    _wire(like, g, "ppermute")
+    out = like.new_empty(tuple(out_shape))
+    return Pending(
+        out, tuple(dist.irecv(out, g.ranks[src], group=g.pg, tag=tag) for src in sources)
+    )
 
 
 def _landed(land: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(land)
 
 
-def _point_to_point(ops: list, g: AxisGroup) -> list:
+def _point_to_point(ops: list, g: AxisGroup, tag: int = 0) -> list:
     """Launch ``ops``, ``(send, tensor, global peer)`` each, over ``g``: their works. Gloo
     cannot coalesce, and ``batch_isend_irecv`` on such a backend is this loop of ``isend`` and
     ``irecv`` in order (torch 2.11-2.13, ``distributed_c10d.batch_isend_irecv``), after a
@@ -934,12 +1008,14 @@ def _point_to_point(ops: list, g: AxisGroup) -> list:
     which groups the messages so that ranks sending to each other do not deadlock."""
     if g.backend == "gloo":
         return [
-            dist.isend(t, peer, group=g.pg) if send else dist.irecv(t, peer, group=g.pg)
+            dist.isend(t, peer, group=g.pg, tag=tag)
+            if send
+            else dist.irecv(t, peer, group=g.pg, tag=tag)
             for send, t, peer in ops
         ]
     return dist.batch_isend_irecv(
         [
-            dist.P2POp(dist.isend if send else dist.irecv, t, peer, group=g.pg)
+            dist.P2POp(dist.isend if send else dist.irecv, t, peer, group=g.pg, tag=tag)
             for send, t, peer in ops
         ]
     )

@@ -255,12 +255,15 @@ class AllToAll(_Op):
 class Ppermute(_Op):
     """Send from chunk ``src`` to chunk ``dst`` for each pair of ``perm``; a chunk that receives
     nothing gets zeros. ``out_shapes[j]``: what chunk ``j`` receives (uneven blocks; default
-    its input's shape), ``in_shapes`` likewise for what it sends."""
+    its input's shape), ``in_shapes`` likewise for what it sends. ``tag``: the wire tag of its
+    messages (0; a pipeline's transfers :data:`fshard._comm.AHEAD_TAG`, whose receives it posts
+    ahead: no other ppermute's message can match them)."""
 
     axes: tuple[str, ...]
     perm: tuple[tuple[int, int], ...]
     in_shapes: tuple[tuple[int, ...], ...] | None = None
     out_shapes: tuple[tuple[int, ...], ...] | None = None
+    tag: int = 0
     name: ClassVar[str] = "ppermute"
     local: ClassVar[bool] = False
 
@@ -269,7 +272,7 @@ class Ppermute(_Op):
 
     def transpose(self):
         inverse = tuple((d, s) for s, d in self.perm)
-        return Ppermute(self.axes, inverse, self.out_shapes, self.in_shapes)
+        return Ppermute(self.axes, inverse, self.out_shapes, self.in_shapes, self.tag)
 
     def batched(self, batch: int):
         def grow(shapes):
@@ -560,9 +563,9 @@ def _local_slice(op: LocalSlice, g: AxisGroup, x):
     return x.narrow(op.dim, start, stop - start).contiguous()
 
 
-def _ppermute_start(op: Ppermute, g: AxisGroup, x) -> _comm.Pending:
+def _ppermute_start(op: Ppermute, g: AxisGroup, x, ahead=None) -> _comm.Pending:
     out = None if op.out_shapes is None else op.out_shapes[g.index]
-    return _comm.ppermute_start(x, g, op.perm, out)
+    return _comm.ppermute_start(x, g, op.perm, out, ahead, op.tag)
 
 
 def _ppermute(op: Ppermute, g: AxisGroup, x):
@@ -573,6 +576,15 @@ def _psum(op: Psum, g: AxisGroup, x):
     if op.dtype is None or op.dtype == x.dtype:
         return _comm.all_reduce(x, g, "sum")
     return _comm.all_reduce(x.to(op.dtype), g, "sum", inplace=True).to(x.dtype)
+
+
+def _psum_start(op: Psum, g: AxisGroup, x, ahead=None) -> _comm.Pending:
+    if ahead is not None:
+        raise ValueError("ahead= is a receive posted ahead: psum has none")
+    if op.dtype is not None and op.dtype != x.dtype:  # the cast back needs the result
+        return _comm.Pending(_psum(op, g, x))
+    out, work = _comm.all_reduce_start(x, g, "sum")
+    return _comm.Pending(out, () if work is None else (work,))
 
 
 def _gather_blocks(op: GatherBlocks, g: AxisGroup, x):
@@ -651,11 +663,13 @@ RUN: dict[type, Callable] = {
 }
 
 
-#: The op types with an asynchronous lowering: ``START[type(op)](op, group, x)`` puts the op
-#: on the wire and returns a :class:`fshard._comm.Pending` whose ``buffer`` the result lands
-#: in (``RUN`` of these types is that launch, waited).
+#: The op types with an asynchronous lowering: ``START[type(op)](op, group, x, ahead)`` puts
+#: the op on the wire and returns a :class:`fshard._comm.Pending` whose ``buffer`` the result
+#: lands in (``RUN`` of these types is that launch, waited); ``ahead``: this rank's receives of
+#: the op posted earlier (:func:`fshard._comm.receive_ahead`), or ``None``.
 START: dict[type, Callable] = {
     Ppermute: _ppermute_start,
+    Psum: _psum_start,
 }
 
 
@@ -664,9 +678,14 @@ def run(b: Bound, x: torch.Tensor) -> torch.Tensor:
     return RUN[type(b.op)](b.op, b.group, x)
 
 
-def start(b: Bound, x: torch.Tensor) -> _comm.Pending:
+def start(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -> _comm.Pending:
     """:func:`run` launched: a :class:`fshard._comm.Pending` whose ``.result()`` is ``run(b,
     x)`` (an op without an asynchronous lowering runs now). The comm-log record and the checks
-    happen here, at launch (no autograd: see ``fshard.lax.apply_start``)."""
+    happen here, at launch (no autograd: see ``fshard.lax.apply_start``). ``ahead``: this
+    rank's receives of the op, posted earlier (see ``START``)."""
     launch = START.get(type(b.op))
-    return _comm.Pending(run(b, x)) if launch is None else launch(b.op, b.group, x)
+    if launch is None:
+        if ahead is not None:
+            raise ValueError(f"ahead= is for ops in START (ppermute, psum), not {b.op.name}")
+        return _comm.Pending(run(b, x))
+    return launch(b.op, b.group, x, ahead)

@@ -1020,7 +1020,7 @@ def ppermute_start(
     return launched.landing_in(out)
 
 
-def apply_start(b: Bound, x: torch.Tensor) -> _comm.Pending:
+def apply_start(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -> _comm.Pending:
     """:func:`apply` of ``b`` on ``x`` with the op put on the wire now and its result taken
     later: ``.result()`` returns what ``apply(b, x)`` returns once what this rank receives has
     arrived; ``.wait()`` also waits for what it sent (a ppermute's sends, which ``.result()``
@@ -1030,9 +1030,15 @@ def apply_start(b: Bound, x: torch.Tensor) -> _comm.Pending:
     The op goes through the active :class:`Handler` s here, at launch, in the order ops are
     issued (``done=`` the buffer the result lands in, which nothing may read before
     ``.result()``), and is recorded in ``fs.debug.comm_log()`` here too. Asynchronous for the
-    ops with an asynchronous lowering (``fshard.collectives.START``: ppermute) where
+    ops with an asynchronous lowering (``fshard.collectives.START``: ppermute, psum) where
     :func:`computable_ahead`; otherwise it runs here as :func:`apply`, and ``.result()``
     returns its result.
+
+    ``ahead``: this rank's receives of this op, posted earlier on the wire by
+    :func:`fshard._comm.receive_ahead` (a pipeline posts each tick's receives as the tick
+    begins, so that what arrives lands while it computes); only where the op is launched here
+    (``computable_ahead()``), else a ``ValueError``: the op run synchronously would post its
+    receives again.
 
     Example:
         >>> from fshard.collectives import Bound, Ppermute
@@ -1043,18 +1049,26 @@ def apply_start(b: Bound, x: torch.Tensor) -> _comm.Pending:
         >>> _ = pending.wait()  # rank 0's send done too
     """
     if type(b.op) not in START or not computable_ahead():
+        if ahead is not None:
+            why = "no asynchronous lowering" if type(b.op) not in START else "not computable ahead"
+            raise ValueError(
+                f"apply_start: ahead= given for {b.op.name}, which runs synchronously here "
+                f"({why}); post receives ahead only where the op is launched"
+            )
         return _comm.Pending(apply(b, x))
-    launched = _launch(b, x)
+    launched = _launch(b, x, ahead)
     return launched.landing_in(apply(b, x, done=launched.buffer))
 
 
-def _launch(b: Bound, x: torch.Tensor) -> _comm.Pending:
+def _launch(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -> _comm.Pending:
     """``b`` put on the wire on ``x``'s plain data (under ``torch.func.grad`` levels)."""
     data = x
     while is_functorch_wrapped_tensor(data):
         data = get_unwrapped(data)
+    if not get_interpreter_stack():  # no transform level to clear
+        return start(b, data.detach(), ahead)
     with temporarily_clear_interpreter_stack():  # plain tensors stay plain under grad levels
-        return start(b, data.detach())
+        return start(b, data.detach(), ahead)
 
 
 def computable_ahead() -> bool:

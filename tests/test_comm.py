@@ -9,15 +9,18 @@ policy (``fs.lax.buckets``) of ``psum`` of a pytree and ``fs.value_and_grad``.
 """
 
 import ast
+import contextlib
 import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import fshard as fs
 from fshard import _comm, lax
+from fshard.collectives import AllGather, Bound, Ppermute, Psum, start
 from fshard.mesh import AxisGroup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -339,18 +342,9 @@ def test_buckets_one_policy_two_orders():
 # -- ppermute on Gloo: isend / irecv issued directly ----------------------------------------
 
 
-def ppermute_gloo_rank_fn():
-    """On Gloo a ppermute issues one ``dist.isend`` / ``dist.irecv`` per message and no
-    ``batch_isend_irecv`` (which on Gloo is that loop after a P2POp per message): a ring, one
-    pair and a rank sending to itself, on a group in non-identity order, against the dense
-    expectation, with the comm log of every rank's record as before."""
-    mesh = fs.Mesh.create((2, 2), ("a", "b"))
-    g = mesh.group(("b", "a"))
-    assert not g.identity_order and g.backend == "gloo"
-    j = g.index
-    X = [_gen(30 + k, 2, 3) for k in range(4)]
-    perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((0, 2),), ((1, 1),)]
-    calls = {"isend": 0, "irecv": 0, "batch_isend_irecv": 0}
+@contextlib.contextmanager
+def _counting(calls: dict):
+    """The ``torch.distributed`` functions named in ``calls`` counted into it while inside."""
     real = {name: getattr(dist, name) for name in calls}
 
     def counted(name):
@@ -363,11 +357,26 @@ def ppermute_gloo_rank_fn():
     for name in calls:
         setattr(dist, name, counted(name))
     try:
-        with fs.debug.comm_log() as log:
-            got = [_comm.ppermute(X[j], g, perm) for perm in perms]
+        yield calls
     finally:
         for name, f in real.items():
             setattr(dist, name, f)
+
+
+def ppermute_gloo_rank_fn():
+    """On Gloo a ppermute issues one ``dist.isend`` / ``dist.irecv`` per message and no
+    ``batch_isend_irecv`` (which on Gloo is that loop after a P2POp per message): a ring, one
+    pair and a rank sending to itself, on a group in non-identity order, against the dense
+    expectation, with the comm log of every rank's record as before."""
+    mesh = fs.Mesh.create((2, 2), ("a", "b"))
+    g = mesh.group(("b", "a"))
+    assert not g.identity_order and g.backend == "gloo"
+    j = g.index
+    X = [_gen(30 + k, 2, 3) for k in range(4)]
+    perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((0, 2),), ((1, 1),)]
+    calls = {"isend": 0, "irecv": 0, "batch_isend_irecv": 0}
+    with _counting(calls), fs.debug.comm_log() as log:
+        got = [_comm.ppermute(X[j], g, perm) for perm in perms]
     for perm, out in zip(perms, got):
         src = [s for s, d in perm if d == j]
         assert torch.equal(out, X[src[0]] if src else torch.zeros(2, 3, dtype=torch.float64))
@@ -385,3 +394,70 @@ def test_ppermute_on_gloo_sends_directly(world4):
     # chunks 0, 2, 1, 3 are ranks 0, 1, 2, 3: chunk 0 sends twice, chunk 2 receives twice
     assert got[0] == {"isend": 2, "irecv": 1, "batch_isend_irecv": 0}
     assert got[1] == {"isend": 1, "irecv": 2, "batch_isend_irecv": 0}
+
+
+def receive_ahead_rank_fn():
+    """Receives posted ahead (``_comm.receive_ahead``, a pipeline's at each tick's start) land
+    exactly what the later ppermutes of the same tag send, in the order posted, while a tag-0
+    ppermute over the same group in between keeps its own message; each ppermute given its
+    receive sends only (one ``irecv`` per receive in all), with the checks and comm-log
+    records of a ppermute without one. A mismatched receive and ``ahead=`` where the op is not
+    launched raise before any message."""
+    mesh = fs.Mesh.create((2, 2), ("a", "b"))
+    g = mesh.group(("b", "a"))
+    j = g.index
+    X = [[_gen(50 + 4 * k + i, 2, 3) for i in range(4)] for k in range(3)]
+    perms = [((0, 1), (1, 2), (2, 3), (3, 0)), ((2, 0),), ((0, 3), (3, 0))]
+    calls = {"isend": 0, "irecv": 0}
+    with _counting(calls):
+        posted = [_comm.receive_ahead(X[0][j], g, perm, (2, 3)) for perm in perms]
+        with fs.debug.comm_log() as log:
+            between = _comm.ppermute(X[1][j], g, perms[0])  # tag 0: not into the posted ones
+            pending = [
+                _comm.ppermute_start(X[k][j], g, perm, ahead=posted[k], tag=_comm.AHEAD_TAG)
+                for k, perm in enumerate(perms)
+            ]
+            got = [p.wait() for p in pending]
+    receives = [any(d == j and s != j for s, d in p) for p in perms]
+    assert [p is not None for p in posted] == receives
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    src = [s for s, d in perms[0] if d == j][0]
+    assert torch.equal(between, X[1][src])
+    for k, (perm, out) in enumerate(zip(perms, got)):
+        src = [s for s, d in perm if d == j]
+        assert torch.equal(out, X[k][src[0]] if src else zeros), k
+        if posted[k] is not None:
+            assert out is posted[k].buffer  # landed in the buffer posted ahead
+    sends = 1 + sum(s == j and d != j for p in perms for s, d in p)
+    assert calls == {"isend": sends, "irecv": 1 + sum(receives)}, calls
+    nbytes = 2 * 3 * 8
+    want = [("ppermute", ("b", "a"), nbytes if any(s == j for s, _ in p) else 0)
+            for p in (perms[0], *perms)]  # fmt: skip
+    assert [(r.op, r.axes, r.nbytes) for r in log] == want
+    # refused before any message: a receive of another shape, a receive where none arrives
+    with pytest.raises(ValueError, match=r"ahead= is a receive of shape \(2, 3\).*\(4,\)"):
+        _comm.ppermute_start(torch.ones(4, dtype=torch.float64), g, perms[0], ahead=posted[0])
+    with pytest.raises(ValueError, match="receives nothing"):
+        _comm.ppermute_start(X[0][j], g, ((j, j),), ahead=posted[0])
+    b = Bound(Ppermute(g.axes, perms[0]), g)
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(ValueError, match="ahead="):
+        fs.lax.apply_start(b, X[0][j], ahead=posted[0])  # under jvp: not launched ahead
+    with pytest.raises(ValueError, match="ahead= is for ops in START"):
+        start(Bound(AllGather(g.axes, 0), g), X[0][j], ahead=posted[0])
+    with pytest.raises(ValueError, match="psum has none"):
+        start(Bound(Psum(g.axes), g), X[0][j], ahead=posted[0])
+    assert calls == {"isend": sends, "irecv": 1 + sum(receives)}
+    return sum(receives)
+
+
+def test_receives_posted_ahead_land_what_the_ppermutes_send(world4):
+    # chunks 0, 2, 1, 3 are ranks 0, 1, 2, 3; chunk 0 receives in perms 0, 1 and 2, chunk 1
+    # in perm 0 only
+    assert world4.run(receive_ahead_rank_fn) == [3, 1, 1, 2]
+
+
+def test_receive_ahead_posts_nothing_where_it_cannot():
+    """One process: a simulated group posts nothing (its ppermute makes the received buffer
+    itself, nothing on the wire)."""
+    sim = fs.Mesh.abstract((4,), ("x",)).simulate(1).group(("x",))
+    assert _comm.receive_ahead(torch.ones(2), sim, ((0, 1), (1, 0)), (2,)) is None

@@ -27,6 +27,7 @@ from fshard.parallel import (
     stage_order,
     unstack_stages,
 )
+from fshard.parallel.pipeline import _Stacked
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt as demo  # noqa: E402
@@ -366,10 +367,14 @@ class _Passes(torch.utils._python_dispatch.TorchDispatchMode):
 
 def rowwise_gradients_rank_fn():
     """A stacked stage weight whose layers are indexed (``w[i]``) gets its gradient stacked
-    once, in the Function's backward, and not scaled by a cotangent of 1 (was stacked in the
+    once, within the schedule, and not scaled by a cotangent of 1 (was stacked in the
     forward and multiplied by the cotangent in the backward: two passes over every stage
     gradient); with another cotangent it is scaled, and a second backward of a retained graph
-    adds the same again."""
+    adds the same again. On the first stage, whose backwards await their cotangents, the rows
+    are stacked before its last backward (``_Stacked.stack_rows``: its rows' gradients then
+    views of the stack, the last backward adding into it); on the last stage at the
+    schedule's end, while the loss's sum over the stages is awaited (was in the Function's
+    backward, after that wait)."""
     mesh = fs.Mesh.create((2,), ("pp",))
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(2, 2, 3, 3, generator=gen) / 2  # 2 stages of 2 layers
@@ -397,6 +402,23 @@ def rowwise_gradients_rank_fn():
         _, grad = fs.value_and_grad(run)(w)
     torch.testing.assert_close(grad, want, **TOL)
     assert passes.seen == ["stack"], passes.seen  # the rows stacked once, nothing multiplied
+    passes = _Passes({(2, 3, 3), (1, 2, 3, 3)})
+    leaf, early, stack_rows = w.clone().requires_grad_(), [], _Stacked.stack_rows
+
+    def counted(self):
+        stack_rows(self)
+        early.append(getattr(self, "rows_in", None) is not None)
+
+    _Stacked.stack_rows = counted
+    try:
+        with passes:
+            out = run(leaf)
+            in_schedule = list(passes.seen)
+            out.backward()
+    finally:
+        _Stacked.stack_rows = stack_rows
+    torch.testing.assert_close(leaf.grad, want, **TOL)
+    assert passes.seen == ["stack"], passes.seen
     # under torch.func.grad the cotangent is the transform's wrapper: read as any cotangent
     torch.testing.assert_close(torch.func.grad(run)(w), want, **TOL)
     leaf = w.clone().requires_grad_()
@@ -405,12 +427,12 @@ def rowwise_gradients_rank_fn():
     torch.testing.assert_close(leaf.grad, 3 * want, **TOL)
     out.backward(torch.tensor(3.0))
     torch.testing.assert_close(leaf.grad, 6 * want, **TOL)
-    return passes.seen
+    return in_schedule, early
 
 
 @pytest.mark.timeout(120)
 def test_rowwise_stage_gradients_are_stacked_once(world2):
-    assert world2.run(rowwise_gradients_rank_fn) == [["stack"]] * 2
+    assert world2.run(rowwise_gradients_rank_fn) == [(["stack"], [True]), (["stack"], [])]
 
 
 class _PpermuteBlocks(fs.lax.Handler):
@@ -488,7 +510,11 @@ def waits_rank_fn(schedule):
     (``.result()``) only at the tick that uses it, and the sends are waited for (``.wait()``)
     only after the last launch, all complete when the call returns; the loss, gradients and
     comm log as before. Was: each ppermute waited for its sends and receives at its tick, so
-    the sender waited each tick for its peer to finish that tick."""
+    the sender waited each tick for its peer to finish that tick. Each receive is posted as
+    its tick begins, before the rank's action of the tick (``_comm.receive_ahead``), and its
+    ppermute gets it (``ahead=``): was posted by the ppermute, after the action. The loss's
+    sum over the stages is launched after the schedule and taken last (was ``lax.psum``
+    after the call)."""
     mesh = fs.Mesh.create((4,), ("pp",))
     me = mesh.rank
     w, x, tgt, dense = _tanh_chain(4, 8, seed=11)
@@ -498,15 +524,22 @@ def waits_rank_fn(schedule):
                         targets=tgt, schedule=schedule)  # fmt: skip
 
     events, launched = [], []
-    Pending, start = fs._comm.Pending, fs.lax.apply_start
+    Pending, start, post = fs._comm.Pending, fs.lax.apply_start, fs._comm.receive_ahead
     real = Pending.result, Pending.wait
 
-    def apply_start(b, x):
-        p = start(b, x)
+    def apply_start(b, x, ahead=None):
+        p = start(b, x, ahead)
+        if b.op.name != "ppermute":  # the loss's sum over the stages, after the schedule
+            events.append(b.op.name)
+            return p
         sends = any(src == me for src, _ in b.op.perm)
-        events.append(("launch", sends))
+        events.append(("launch", sends, ahead is not None))
         launched.append((p, sends))
         return p
+
+    def receive_ahead(*args):
+        events.append("post")
+        return post(*args)
 
     def result(self):
         events.append("result")
@@ -521,11 +554,12 @@ def waits_rank_fn(schedule):
             Pending.result = result
 
     fs.lax.apply_start, Pending.result, Pending.wait = apply_start, result, wait
+    fs._comm.receive_ahead = receive_ahead
     try:
         with fs.debug.comm_log() as log:
             value, grad = fs.value_and_grad(loss)(w)
     finally:
-        fs.lax.apply_start = start
+        fs.lax.apply_start, fs._comm.receive_ahead = start, post
         Pending.result, Pending.wait = real
     torch.testing.assert_close(value, dense(w), **TOL)
     torch.testing.assert_close(grad, torch.func.grad(dense)(w), **TOL)
@@ -533,12 +567,17 @@ def waits_rank_fn(schedule):
     want, last = [], sched.stages - 1
     for t, row in enumerate(sched.table):
         a = row[me]
+        for kind in "FB":  # the tick's receives, posted before its action
+            pairs, dests = sched.transfers[kind][t]
+            if pairs and me in dests:
+                want.append("post")
         if a is not None and (a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last):
             want.append("result")  # its input, at the tick that uses it
         for kind in "FB":
-            pairs, _ = sched.transfers[kind][t]
+            pairs, dests = sched.transfers[kind][t]
             if pairs:
-                want.append(("launch", any(src == me for src, _ in pairs)))
+                want.append(("launch", any(src == me for src, _ in pairs), me in dests))
+    want += ["all_reduce", "result"]  # the loss's sum, launched, then taken at the end
     uses = [e for e in events if e != "wait"]
     assert uses == want, (uses, want)
     waits = [i for i, e in enumerate(events) if e == "wait"]

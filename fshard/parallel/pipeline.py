@@ -352,6 +352,31 @@ class PipelineSchedule:
             out.append(frozenset(done))
         return tuple(out)
 
+    @functools.cached_property
+    def _last_weight_b(self) -> tuple[frozenset, ...]:
+        """Per rank: the ``(stage, microbatch)`` of each of its stages' last weight-gradient
+        accumulation where that is a B (its weights accumulate with the input's: every
+        schedule's but ZB-H1's split ones, whose W accumulates them), not the last stage's
+        (its cotangent is its own: nothing to wait for before it)."""
+        joined = self._joined if self.name == "zb" else None
+        out = []
+        for r in range(self.pp):
+            last: dict = {}
+            for row in self.table:
+                a = row[r]
+                if a is not None and a.kind in "BW":
+                    last[a.stage] = a
+            out.append(
+                frozenset(
+                    (a.stage, a.microbatch)
+                    for a in last.values()
+                    if a.kind == "B"
+                    and a.stage < self.stages - 1
+                    and (joined is None or (a.stage, a.microbatch) in joined[r])
+                )
+            )
+        return tuple(out)
+
     def __str__(self) -> str:
         def cell(a):
             return "." if a is None else f"{a.kind}{a.stage}.{a.microbatch}"
@@ -738,6 +763,31 @@ class _Stacked(torch.Tensor):
             return self.rows[index]
         return super().__getitem__(index)
 
+    def stack_rows(self) -> None:
+        """The rows' gradients so far copied into one stack, each row's ``.grad`` then a view
+        of it (autograd's accumulation adds into a view in place): called before the stage's
+        last weight accumulation, while its cotangent is awaited, so that the step's end
+        returns the stack (:meth:`stacked`) instead of stacking the rows there, on the step's
+        critical path. Nothing where a row has no gradient yet or the stack has its own."""
+        grads = [r.grad for r in self.rows]
+        if self.grad is not None or any(g is None for g in grads):
+            return
+        stack = torch.stack(grads)
+        for r, row in zip(self.rows, stack):
+            r.grad = row
+        self.rows_in = stack
+
+    def stacked(self) -> torch.Tensor | None:
+        """The rows' gradients as one stack, where :meth:`stack_rows` made them its views and
+        they still are; else ``None``."""
+        stack = getattr(self, "rows_in", None)
+        if stack is None:
+            return None
+        for r, row in zip(self.rows, stack):
+            if r.grad is None or r.grad.data_ptr() != row.data_ptr():
+                return None
+        return stack
+
     def fold(self) -> None:
         """The rows' gradients into the stack's ``.grad`` (the rows' then cleared)."""
         grads = [r.grad for r in self.rows]
@@ -829,6 +879,9 @@ class _Run:
         sched, r, pp = self.sched, self.group.index, self.sched.pp
         v, m, last = sched.virtual, sched.microbatches, sched.stages - 1
         joined = sched._joined[r] if sched.name == "zb" else None  # ZB-H1's B + W run as one
+        # each stage's last weight accumulation where a B, awaiting its cotangent: the stacked
+        # weights' rows go into their stacks before it (_Stacked.stack_rows), with v == 1
+        last_weight_b = sched._last_weight_b[r] if v == 1 else frozenset()
 
         # this rank's stages: chunk j is stage j * pp + r
         chunks = []
@@ -849,6 +902,7 @@ class _Run:
         zero = torch.zeros(act_meta.shape, dtype=act_meta.dtype, device=device)
 
         inbox: dict = {}  # ("F" | "B", stage, mb) -> local tensor, or its transfer pending
+        ahead: dict = {}  # ("F" | "B", tick) -> this rank's receive of it, posted ahead
         sending: list = []  # this rank's transfers whose sends may be in flight
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
         total = torch.zeros((), dtype=torch.float64)
@@ -869,6 +923,7 @@ class _Run:
             return ws + sync.stand_ins(ws)
 
         with lax.handling(*((sync,) if grad_on else ())):
+            posting = ahead_ok = lax.computable_ahead()  # else the transfers run synchronously
             if self.input_fn is not None and r == 0:  # the first stage's piece, once a step
                 data = [mt.wrap(t) for mt, t in zip(x_meta, xs)]
                 with torch.set_grad_enabled(grad_on):
@@ -890,6 +945,8 @@ class _Run:
             for t, row in enumerate(sched.table):
                 a = row[r]
                 self.tick = t  # where a failure names (the one cost of that here)
+                if posting:
+                    posting = self._receive_ahead(t, zero, grad_on, ahead)
                 sent_f = sent_b = None
                 if a is not None and a.kind == "F":
                     s, mb = a.stage, a.microbatch
@@ -925,6 +982,10 @@ class _Run:
                 elif a is not None and a.kind == "B" and grad_on:
                     s, mb = a.stage, a.microbatch
                     inp, out = saved.pop((s, mb))
+                    if (s, mb) in last_weight_b and not sync.entries and not sync.gathers:
+                        for lf in chunks[s // pp][0]:
+                            if isinstance(lf, _Stacked):
+                                lf.stack_rows()
                     ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
@@ -940,9 +1001,9 @@ class _Run:
                             x_grad[mb] = inp.grad
                 elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
                     saved.pop((a.stage, a.microbatch))()
-                self._exchange(t, "F", sent_f, zero, inbox, sending)
+                self._exchange(t, "F", sent_f, zero, inbox, sending, ahead)
                 if grad_on:
-                    self._exchange(t, "B", sent_b, zero, inbox, sending)
+                    self._exchange(t, "B", sent_b, zero, inbox, sending, ahead)
                 while sending and sending[0].sent():  # completed sends let go, oldest first
                     del sending[0]  # (nothing waits here)
             self.tick = None
@@ -951,11 +1012,13 @@ class _Run:
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
             for p in sending:  # by the step's end, everything this rank sent is through
                 p.wait()
-        for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
-            total = total + lax.apply(Bound(Psum(g.axes), g), addend)
+        # on the wire while the gradients are gathered below; launched only now, once this
+        # rank's schedule is through, it is also where a rank learns that a peer's failed
+        summed = self._sum_loss(total, pending, over_stages=ahead_ok)
         # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
-        # to add (no dp stand-in, no FSDP gather): its rows' gradients are the Function's
-        # outputs, stacked in its backward (with the loss cotangent), not here and again there
+        # to add (no dp stand-in, no FSDP gather): its gradient is its rows' stacked once, the
+        # stack :meth:`_Stacked.stack_rows` made before the stage's last backward or one made
+        # here, while the loss's sum is on the wire (the last stage waits for it)
         rowwise = set()
         if need_p and not sync.entries and not sync.gathers:
             for i in range(len(params)):
@@ -976,20 +1039,19 @@ class _Run:
                 t.grad = g
         sync.close()
 
-        # at least float32: a bf16 pipeline's loss is not rounded to 8 bits of mantissa
-        loss = total.to(torch.promote_types(act_meta.dtype, torch.float32))
+        self.summed = ahead_ok  # else pipeline's body sums over the stages
         if not grad_on:
-            return (loss,)
+            return (summed.result(),)
         grads = []
-        self.parts = []  # per gradient: None (an output itself) or (outputs, shape) to stack
         if need_p:
             for i, t in enumerate(params):
                 if i in rowwise:
-                    rows = [r.grad for j in range(v) for r in chunks[j][0][i].rows]
-                    grads += rows
-                    self.parts.append((len(rows), tuple(t.shape)))
+                    stacked = chunks[0][0][i].stacked() if v == 1 else None
+                    if stacked is None:
+                        rows = [r.grad for j in range(v) for r in chunks[j][0][i].rows]
+                        stacked = torch.stack(rows)
+                    grads.append(stacked.view(t.shape))
                     continue
-                self.parts.append(None)
                 per = [_block(chunks[j][0][i]).grad for j in range(v)]
                 if v == 1 and per[0] is not None:  # a view: the stack's rows were copied once
                     grads.append(per[0].unsqueeze(0))
@@ -1004,10 +1066,55 @@ class _Run:
             for t, lf in zip(lparams, lp_leaves):
                 g = _block(lf).grad
                 grads.append(torch.zeros_like(t) if g is None else g)
-        self.parts += [None] * (len(grads) - sum(1 if p is None else p[0] for p in self.parts))
-        return (loss, *grads)
+        return (summed.result(), *grads)
 
-    def _exchange(self, t: int, kind: str, sent, zero, inbox, sending: list) -> None:
+    def _sum_loss(self, total: torch.Tensor, pending: dict, over_stages: bool = True):
+        """The step's loss (a :class:`fshard._comm.Pending`): the last stage's sum over the
+        microbatches (``total``, this rank's float64 sum; each of ``pending``'s addends summed
+        over its axes first, once a step), at least float32 (a bf16 pipeline's loss is not
+        rounded to 8 bits of mantissa), then summed over the stages (``over_stages``; zero on
+        the other stages' ranks), launched: ``_steps`` takes it after the stage gradients are
+        gathered, so that the all_reduce's round trip overlaps that (it was ``pipeline``'s
+        body's ``lax.psum`` after the call, on the first stage's critical end). Launched when
+        the rank's schedule is through, not when the loss is whole (the last stage's last
+        forward): it is also the step's last agreement over the stages, where a stage whose
+        own schedule needed nothing more from a failed one learns of the failure
+        (``PeerFailed``) instead of at the step's next collective. Where the ops run
+        synchronously, without the sum over the stages (``pipeline``'s body sums)."""
+        for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
+            total = total + lax.apply(Bound(Psum(g.axes), g), addend)
+        loss = total.to(torch.promote_types(self.act.dtype, torch.float32))
+        if not over_stages:
+            return _comm.Pending(loss)
+        return lax.apply_start(Bound(Psum(self.group.axes), self.group), loss)
+
+    def _receive_ahead(self, t: int, zero: torch.Tensor, grad_on: bool, ahead: dict) -> bool:
+        """Tick ``t``'s receives of this rank posted now, as the tick begins, before this rank's
+        own action of the tick (:func:`fshard._comm.receive_ahead`): ``ahead[(kind, t)]``,
+        handed to the tick's ppermute (:meth:`_exchange`), which then only sends. What the
+        peer sends at the tick's end lands while this rank computes its action; posted by the
+        ppermute itself, the receive waited for this rank to finish its action first, and the
+        data moved only then (Gloo delivers into a posted buffer): GPipe's second stage took
+        every activation late, 1F1B's first stage its cotangents (docs/measurements.md). Posted
+        in the order the ticks issue their ppermutes (F before B within a tick), as the peers
+        send; the transfers carry their own wire tag (:data:`fshard._comm.AHEAD_TAG`), so no
+        other message over the group lands in them. False where receives cannot be posted
+        ahead (the transfers then receive at their tick): another backend than Gloo or a CUDA
+        activation (:func:`fshard._comm.receive_ahead`)."""
+        g, r = self.group, self.group.index
+        for kind in ("F", "B") if grad_on else ("F",):
+            pairs, dests = self.sched.transfers[kind][t]
+            if not pairs or r not in dests:
+                continue
+            op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
+            shape = zero.shape if op.out_shapes is None else op.out_shapes[r]
+            posted = _comm.receive_ahead(zero, g, pairs, shape)
+            if posted is None:  # the group's backend or the device: none can be
+                return False
+            ahead[(kind, t)] = posted
+        return True
+
+    def _exchange(self, t: int, kind: str, sent, zero, inbox, sending: list, ahead: dict) -> None:
         """The ppermute of tick ``t``'s activations (``F``) or cotangents (``B``): every rank
         knows from the table who sends, so all issue the same collective (or none). It is put
         on the wire and left there: what this rank receives goes into ``inbox`` pending, waited
@@ -1027,7 +1134,7 @@ class _Run:
         if buf is None:  # a scalar activation: every rank passes one; else an empty block
             buf = zero if zero.dim() == 0 else zero[:0]
         op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
-        pending = lax.apply_start(Bound(op, g), buf.contiguous())
+        pending = lax.apply_start(Bound(op, g), buf.contiguous(), ahead.pop((kind, t), None))
         if r in dests:
             inbox[dests[r]] = pending
         if sends:
@@ -1041,12 +1148,12 @@ def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute
     gets (ppermute's zeros), are empty blocks: were a zero-filled activation each a tick. A
     scalar activation: every rank passes and gets one."""
     if not shape:
-        return Ppermute(axes, pairs)
+        return Ppermute(axes, pairs, tag=_comm.AHEAD_TAG)
     none = (0, *shape[1:])
     srcs, dsts = {s for s, _ in pairs}, {d for _, d in pairs}
     ins = tuple(shape if j in srcs else none for j in range(size))
     outs = tuple(shape if j in dsts else none for j in range(size))
-    return Ppermute(axes, pairs, ins, outs)
+    return Ppermute(axes, pairs, ins, outs, _comm.AHEAD_TAG)
 
 
 def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> PeerFailed | None:
@@ -1268,8 +1375,7 @@ def _scalar(loss) -> tuple[torch.Tensor, AxisGroup | None]:
 
 class _Pipeline(torch.autograd.Function):
     """Forward: the whole schedule (``run``), returning the loss and, when differentiated, the
-    gradients its backward actions accumulated (a stacked stage weight's as its rows'
-    gradients, ``run.parts``); backward: those (stacked) times the loss cotangent."""
+    gradients its backward actions accumulated; backward: those times the loss cotangent."""
 
     @staticmethod
     def forward(run, *tensors):
@@ -1286,26 +1392,15 @@ class _Pipeline(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         need = (*run.need, False) if run.need is not None else (False,) * 5
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
-        ctx.parts = getattr(run, "parts", [])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
         if g is None:  # grads are not materialised: no cotangent reached the loss
             return (None,) * (1 + len(ctx.slots))
-        saved, parts = iter(ctx.saved_tensors), iter(ctx.parts)
-        one = _is_one(g)
-        out = []
-        for has in ctx.slots:
-            part = next(parts) if has else None
-            if not has:
-                out.append(None)
-            elif part is None:  # a cotangent of exactly 1: the gradient itself, not a copy
-                out.append(next(saved) if one else g * next(saved))
-            else:  # rows' gradients: stacked into a fresh tensor, scaled in place
-                n, shape = part
-                grad = torch.stack([next(saved) for _ in range(n)]).view(shape)
-                out.append(grad if one else grad.mul_(g))
+        saved = iter(ctx.saved_tensors)
+        one = _is_one(g)  # a cotangent of exactly 1: the gradient itself, not a copy
+        out = [(next(saved) if one else g * next(saved)) if has else None for has in ctx.slots]
         return (None, *out)
 
 
@@ -1690,7 +1785,9 @@ def pipeline(
         loss = out[0] if isinstance(out, tuple) else out
         if tracker is not None:
             vma = frozenset({axis}).union(*(tracker.vma(t) for t in x_locals))
-            tracker.tag(loss, vma)
+            tracker.tag(loss, vma - {axis} if run.summed else vma)
+        if run.summed:  # summed over the stages in the schedule (_Run._sum_loss)
+            return loss
         try:
             return lax.psum(loss, axis)  # the last stage's sum; zeros elsewhere
         except RuntimeError as e:  # a rank whose schedule ran through, a stage having failed
