@@ -1060,14 +1060,17 @@ def apply_start(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -
     return launched.landing_in(apply(b, x, done=launched.buffer))
 
 
+_NO_LEVELS = contextlib.nullcontext()  # reusable: it holds nothing
+
+
 def _launch(b: Bound, x: torch.Tensor, ahead: _comm.Pending | None = None) -> _comm.Pending:
     """``b`` put on the wire on ``x``'s plain data (under ``torch.func.grad`` levels)."""
     data = x
     while is_functorch_wrapped_tensor(data):
         data = get_unwrapped(data)
-    if not get_interpreter_stack():  # no transform level to clear
-        return start(b, data.detach(), ahead)
-    with temporarily_clear_interpreter_stack():  # plain tensors stay plain under grad levels
+    # plain tensors stay plain under grad levels (none to clear: no context manager to enter)
+    levels = temporarily_clear_interpreter_stack() if get_interpreter_stack() else _NO_LEVELS
+    with levels:
         return start(b, data.detach(), ahead)
 
 

@@ -1106,9 +1106,8 @@ class _Run:
             pairs, dests = self.sched.transfers[kind][t]
             if not pairs or r not in dests:
                 continue
-            op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
-            shape = zero.shape if op.out_shapes is None else op.out_shapes[r]
-            posted = _comm.receive_ahead(zero, g, pairs, shape)
+            # what a receiving rank gets is a whole activation (_transfer_op's out_shapes)
+            posted = _comm.receive_ahead(zero, g, pairs, zero.shape)
             if posted is None:  # the group's backend or the device: none can be
                 return False
             ahead[(kind, t)] = posted
