@@ -1075,24 +1075,24 @@ class _Run:
     ) -> Callable[[], torch.Tensor]:
         """The step's loss, launched: a call that takes it. The last stage's sum over the
         microbatches (``total``, this rank's float64 sum; each of ``pending``'s addends summed
-        over its axes first, once a step), in :attr:`loss_dtype`, then summed over the stages (``over_stages``; zero on
-        the other stages' ranks): every rank sends its part to every other, one cyclic shift
-        (a ppermute) at a time, and adds the parts in stage order (the same sum, bit for bit,
-        on every rank). The receives were posted as the schedule's last tick began (in
-        ``ahead``, :meth:`_receive_ahead`), where they can be.
+        over its axes first, once a step), in :attr:`loss_dtype`, then summed over the stages
+        (``over_stages``; zero on the other stages' ranks): every rank sends its part to every
+        other, one cyclic shift (a ppermute) at a time, and adds the parts in stage order (the
+        same sum, bit for bit, on every rank). The receives were posted as the schedule's last
+        tick began (in ``ahead``, :meth:`_receive_ahead`), where they can be.
 
         Point to point, not an all_reduce: a rank whose schedule ends early (the last stage's,
         in 1F1B ~a backward before the first stage's) sends its part then, into the receive
         its peer posted, so the rank that ends last finds every part arrived and waits for no
         round trip; an all_reduce's round trip there, its peer's worker thread woken, took
         0.01-3.8 ms on 2 Gloo ranks, as did a receive posted only at the end, which Gloo
-        answers with the data only then (docs/measurements.md). Launched when the rank's schedule is through, not when the loss
-        is whole (the last stage's last forward): every rank receives every other's part, so
-        this is the step's last agreement over the stages, where a stage whose own schedule
-        needed nothing more from a failed one learns of the failure (``PeerFailed``) instead of
-        at the step's next collective. ``_steps`` takes it after the stage gradients are
-        gathered. Where the ops run synchronously, without the sum over the stages
-        (``pipeline``'s body sums)."""
+        answers with the data only then (docs/measurements.md). Launched when the rank's
+        schedule is through, not when the loss is whole (the last stage's last forward): every
+        rank receives every other's part, so this is the step's last agreement over the
+        stages, where a stage whose own schedule needed nothing more from a failed one learns
+        of the failure (``PeerFailed``) instead of at the step's next collective. ``_steps``
+        takes it after the stage gradients are gathered. Where the ops run synchronously,
+        without the sum over the stages (``pipeline``'s body sums)."""
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
         loss = total.to(self.loss_dtype)
