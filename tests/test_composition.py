@@ -1496,8 +1496,8 @@ def pp_tp_bytes_rank_fn(mesh=None):
     ppermute over pp each way (the sender records the activation / cotangent bytes, the
     receiver 0), the stage's TP collectives (a row layer's output forward, a column layer's
     input gradient backward where the input is differentiated: the first stage's is the
-    data), and the loss's float32 all_reduce over pp. ``mesh``: a simulated one (default: the
-    world's)."""
+    data), and the loss's float32 parts swapped over pp (a ppermute, each rank sending its
+    part). ``mesh``: a simulated one (default: the world's)."""
     mesh = mesh or fs.Mesh.create((2, 2), ("pp", "tp"))
     model = _mlp_stack()
     for block in model:  # no biases: a row layer's bias gradient is the stage's business
@@ -1529,7 +1529,7 @@ def pp_tp_bytes_rank_fn(mesh=None):
     want[("all_reduce", ("tp",), rows * model[s][2].out_features * 4)] += m
     if s > 0:
         want[("all_reduce", ("tp",), rows * model[s][0].in_features * 4)] += m
-    want[("all_reduce", ("pp",), 4)] += 1
+    want[("ppermute", ("pp",), 4)] += 1
     return got, want
 
 

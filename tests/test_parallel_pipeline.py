@@ -488,13 +488,15 @@ def exchange_blocks_rank_fn(schedule):
     torch.testing.assert_close(value, dense(w), **TOL)
     torch.testing.assert_close(grad, torch.func.grad(dense)(w), **TOL)
     me = mesh.rank
-    assert len(blocks.seen) == 8  # 4 activations and 4 cotangents
-    for perm, passed, got in blocks.seen:
+    # 4 activations and 4 cotangents, then the loss's parts swapped (one float32 each way)
+    assert len(blocks.seen) == 9
+    assert blocks.seen[8] == (((0, 1), (1, 0)), 1, 1)
+    for perm, passed, got in blocks.seen[:8]:
         assert passed == (6 if any(s == me for s, _ in perm) else 0), (perm, passed)
         assert got == (6 if any(d == me for _, d in perm) else 0), (perm, got)
     wire = [r.nbytes for r in log if r.op == "ppermute"]
-    sends = [any(s == me for s, _ in perm) for perm, _, _ in blocks.seen]
-    assert wire == [24 if sent else 0 for sent in sends]
+    sends = [any(s == me for s, _ in perm) for perm, _, _ in blocks.seen[:8]]
+    assert wire == [24 if sent else 0 for sent in sends] + [4]
     return sum(sends)
 
 
@@ -513,8 +515,9 @@ def waits_rank_fn(schedule):
     the sender waited each tick for its peer to finish that tick. Each receive is posted as
     its tick begins, before the rank's action of the tick (``_comm.receive_ahead``), and its
     ppermute gets it (``ahead=``): was posted by the ppermute, after the action. The loss's
-    sum over the stages is launched after the schedule and taken last (was ``lax.psum``
-    after the call)."""
+    parts are exchanged after the schedule, in 3 cyclic shifts (ppermutes), their receives
+    posted as the last tick begins, and taken last (was an all_reduce, before that
+    ``lax.psum`` after the call)."""
     mesh = fs.Mesh.create((4,), ("pp",))
     me = mesh.rank
     w, x, tgt, dense = _tanh_chain(4, 8, seed=11)
@@ -524,13 +527,14 @@ def waits_rank_fn(schedule):
                         targets=tgt, schedule=schedule)  # fmt: skip
 
     events, launched = [], []
+    shifts = {tuple((i, (i + k) % 4) for i in range(4)): k for k in (1, 2, 3)}  # perm -> k
     Pending, start, post = fs._comm.Pending, fs.lax.apply_start, fs._comm.receive_ahead
     real = Pending.result, Pending.wait
 
     def apply_start(b, x, ahead=None):
         p = start(b, x, ahead)
-        if b.op.name != "ppermute":  # the loss's sum over the stages, after the schedule
-            events.append(b.op.name)
+        if b.op.name != "ppermute" or b.op.perm in shifts:  # not a transfer
+            events.append(("loss part", b.op.name, shifts.get(b.op.perm), ahead is not None))
             return p
         sends = any(src == me for src, _ in b.op.perm)
         events.append(("launch", sends, ahead is not None))
@@ -571,22 +575,27 @@ def waits_rank_fn(schedule):
             pairs, dests = sched.transfers[kind][t]
             if pairs and me in dests:
                 want.append("post")
+        if t == len(sched.table) - 1:  # the loss's parts, one from each other rank
+            want += ["post"] * 3
         if a is not None and (a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last):
             want.append("result")  # its input, at the tick that uses it
         for kind in "FB":
             pairs, dests = sched.transfers[kind][t]
             if pairs:
                 want.append(("launch", any(src == me for src, _ in pairs), me in dests))
-    want += ["all_reduce", "result"]  # the loss's sum, launched, then taken at the end
+    # the loss's parts, each rank's to every other (shift k from rank i to i + k), received
+    # where they were posted
+    want += [("loss part", "ppermute", k, True) for k in (1, 2, 3)]
     uses = [e for e in events if e != "wait"]
     assert uses == want, (uses, want)
+    assert events[-3:] == ["wait"] * 3  # the parts taken last, sends and receives
     waits = [i for i, e in enumerate(events) if e == "wait"]
     launches = [i for i, e in enumerate(events) if e != "wait" and e[0] == "launch"]
     assert not waits or min(waits) > max(launches)  # no send waited for within the ticks
     assert all(p.sent() for p, _ in launched)
     sends = [sent for p, sent in launched]
     wire = [r.nbytes for r in log if r.op == "ppermute"]
-    assert wire == [24 if sent else 0 for sent in sends]
+    assert wire == [24 if sent else 0 for sent in sends] + [4] * 3  # a float32 a shift
     return sum(sends)
 
 
@@ -983,12 +992,13 @@ def transforms_rank_fn():
         assert torch.allclose(run(w, schedule), (w.prod() ** 2) * xs)
         with fs.debug.comm_log() as log:
             assert torch.allclose(torch.func.grad(run)(w, schedule), want_g)
-        # one ppermute per tick and direction that sends (activations forward, cotangents back)
+        # one ppermute per tick and direction that sends (activations forward, cotangents
+        # back), then the loss's parts swapped (one float32 each way)
         moves = pipeline_schedule(schedule, 2, 4).transfers
         ticks = zip(moves["F"], moves["B"])
         pairs = [p for tick in ticks for p, _ in tick if p]  # in tick order, F before B
         sends = [4 if any(src == mesh.rank for src, _ in p) else 0 for p in pairs]
-        assert [r.nbytes for r in log if r.op == "ppermute"] == sends
+        assert [r.nbytes for r in log if r.op == "ppermute"] == sends + [4]
         assert sum(sends) == 4 * 4  # 4 microbatches, one float each way
         leaf = w.clone().requires_grad_()
         run(leaf, schedule).backward()
@@ -1436,12 +1446,12 @@ def test_input_fn_runs_on_the_first_stage_only(world4, schedule):
     V, D, M, B = 11, 6, 4, 4
     for rank, (new, old) in enumerate(world4.run(input_fn_rank_fn, schedule)):
         first = rank < 2  # pp is the outer axis: ranks 0, 1 hold stage 0
-        # both: the loss's float64 scalar summed over dp on the last stage, the float32 loss
-        # over pp, one bucket of the replicated params' gradients over dp (the embedding, the
-        # head and this rank's stage; the last stage reduces only what it uses)
+        # both: the loss's float64 scalar summed over dp on the last stage, one bucket of the
+        # replicated params' gradients over dp (the embedding, the head and this rank's
+        # stage; the last stage reduces only what it uses); the float32 loss's parts over pp
+        # go as a ppermute, as the transfers (not in these logs)
         stage, emb, hd = 2 * D * D * 4 // 2, V * D * 4, D * V * 4
-        common = [("all_reduce", ("pp",), 4)]
-        common += [] if first else [("all_reduce", ("dp",), 8)]
+        common = [] if first else [("all_reduce", ("dp",), 8)]
         # input_fn: the embedding's and the head's gradients summed over pp in one bucket
         want_new = common + [
             ("all_reduce", ("dp",), stage + (emb if first else hd)),

@@ -809,6 +809,8 @@ class _Run:
         self.stage_fn, self.loss_fn, self.input_fn = fns
         self.defs, self.metas, self.need = defs, metas, need  # per input group
         self.act = act  # the stage input's local shape, dtype and layout
+        # the loss's: at least float32 (a bf16 pipeline's loss is not rounded to 8 bits)
+        self.loss_dtype = torch.promote_types(act.dtype, torch.float32)
 
     def split(self, tensors: tuple) -> list[tuple]:
         """``tensors`` per input group: stage params, microbatches, input params, loss
@@ -905,7 +907,7 @@ class _Run:
         ahead: dict = {}  # ("F" | "B", tick) -> this rank's receive of it, posted ahead
         sending: list = []  # this rank's transfers whose sends may be in flight
         saved: dict = {}  # (stage, mb) -> (input leaf, output) or ZB-H1's weight-grad groups
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=device)
         pending: dict = {}  # the last stage's pending-sum losses: axes -> (group, local sum)
 
         own = [_block(lf) for c in chunks for lf in c[0]] if need_p else []
@@ -1014,7 +1016,7 @@ class _Run:
                 p.wait()
         # on the wire while the gradients are gathered below; launched only now, once this
         # rank's schedule is through, it is also where a rank learns that a peer's failed
-        summed = self._sum_loss(total, pending, over_stages=ahead_ok)
+        summed = self._sum_loss(total, pending, ahead, over_stages=ahead_ok)
         # A stacked stage weight whose rows alone got gradients, with nothing of the reducer's
         # to add (no dp stand-in, no FSDP gather): its gradient is its rows' stacked once, the
         # stack :meth:`_Stacked.stack_rows` made before the stage's last backward or one made
@@ -1041,7 +1043,7 @@ class _Run:
 
         self.summed = ahead_ok  # else pipeline's body sums over the stages
         if not grad_on:
-            return (summed.result(),)
+            return (summed(),)
         grads = []
         if need_p:
             for i, t in enumerate(params):
@@ -1066,27 +1068,53 @@ class _Run:
             for t, lf in zip(lparams, lp_leaves):
                 g = _block(lf).grad
                 grads.append(torch.zeros_like(t) if g is None else g)
-        return (summed.result(), *grads)
+        return (summed(), *grads)
 
-    def _sum_loss(self, total: torch.Tensor, pending: dict, over_stages: bool = True):
-        """The step's loss (a :class:`fshard._comm.Pending`): the last stage's sum over the
+    def _sum_loss(
+        self, total: torch.Tensor, pending: dict, ahead: dict, over_stages: bool = True
+    ) -> Callable[[], torch.Tensor]:
+        """The step's loss, launched: a call that takes it. The last stage's sum over the
         microbatches (``total``, this rank's float64 sum; each of ``pending``'s addends summed
-        over its axes first, once a step), at least float32 (a bf16 pipeline's loss is not
-        rounded to 8 bits of mantissa), then summed over the stages (``over_stages``; zero on
-        the other stages' ranks), launched: ``_steps`` takes it after the stage gradients are
-        gathered, so that the all_reduce's round trip overlaps that (it was ``pipeline``'s
-        body's ``lax.psum`` after the call, on the first stage's critical end). Launched when
-        the rank's schedule is through, not when the loss is whole (the last stage's last
-        forward): it is also the step's last agreement over the stages, where a stage whose
-        own schedule needed nothing more from a failed one learns of the failure
-        (``PeerFailed``) instead of at the step's next collective. Where the ops run
-        synchronously, without the sum over the stages (``pipeline``'s body sums)."""
+        over its axes first, once a step), in :attr:`loss_dtype`, then summed over the stages
+        (``over_stages``; zero on the other stages' ranks): every rank sends its part to every
+        other, one cyclic shift (a ppermute) at a time, and adds the parts in stage order (the
+        same sum, bit for bit, on every rank). The receives were posted as the schedule's last
+        tick began (in ``ahead``, :meth:`_receive_ahead`), where they can be.
+
+        Point to point, not an all_reduce: a rank whose schedule ends early (the last stage's,
+        in 1F1B ~a backward before the first stage's) sends its part then, into the receive
+        its peer posted, so the rank that ends last finds every part arrived and waits for no
+        round trip; an all_reduce's round trip there, its peer's worker thread woken, took
+        0.01-3.8 ms on 2 Gloo ranks, as did a receive posted only at the end, which Gloo
+        answers with the data only then (docs/measurements.md). Launched when the rank's
+        schedule is through, not when the loss is whole (the last stage's last forward): every
+        rank receives every other's part, so this is the step's last agreement over the
+        stages, where a stage whose own schedule needed nothing more from a failed one learns
+        of the failure (``PeerFailed``) instead of at the step's next collective. ``_steps``
+        takes it after the stage gradients are gathered. Where the ops run synchronously,
+        without the sum over the stages (``pipeline``'s body sums)."""
         for g, addend in pending.values():  # one all_reduce a step, not one per microbatch
             total = total + lax.apply(Bound(Psum(g.axes), g), addend)
-        loss = total.to(torch.promote_types(self.act.dtype, torch.float32))
+        loss = total.to(self.loss_dtype)
         if not over_stages:
-            return _comm.Pending(loss)
-        return lax.apply_start(Bound(Psum(self.group.axes), self.group), loss)
+            return lambda: loss
+        g = self.group
+        pp, r = g.size, g.index
+        shifts = [
+            lax.apply_start(Bound(_shift_op(g.axes, pp, k), g), loss, ahead.pop(("loss", k), None))
+            for k in range(1, pp)
+        ]
+
+        def take() -> torch.Tensor:
+            parts = {r: loss}
+            for k, shift in enumerate(shifts, 1):  # shift k brings the part of rank r - k
+                parts[(r - k) % pp] = shift.wait()
+            summed = parts[0]
+            for s in range(1, pp):
+                summed = summed + parts[s]
+            return summed
+
+        return take
 
     def _receive_ahead(self, t: int, zero: torch.Tensor, grad_on: bool, ahead: dict) -> bool:
         """Tick ``t``'s receives of this rank posted now, as the tick begins, before this rank's
@@ -1111,6 +1139,12 @@ class _Run:
             if posted is None:  # the group's backend or the device: none can be
                 return False
             ahead[(kind, t)] = posted
+        if t == len(self.sched.table) - 1:  # the loss's parts (_sum_loss), sent after them
+            part = zero.new_zeros((), dtype=self.loss_dtype)
+            for k in range(1, g.size):
+                ahead[("loss", k)] = _comm.receive_ahead(
+                    part, g, _shift_op(g.axes, g.size, k).perm, ()
+                )
         return True
 
     def _exchange(self, t: int, kind: str, sent, zero, inbox, sending: list, ahead: dict) -> None:
@@ -1153,6 +1187,14 @@ def _transfer_op(axes: tuple, pairs: tuple, shape: tuple, size: int) -> Ppermute
     ins = tuple(shape if j in srcs else none for j in range(size))
     outs = tuple(shape if j in dsts else none for j in range(size))
     return Ppermute(axes, pairs, ins, outs, _comm.AHEAD_TAG)
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_op(axes: tuple, size: int, k: int) -> Ppermute:
+    """The ppermute that hands each of ``size`` ranks' scalar to the rank ``k`` after it
+    (cyclically): :meth:`_Run._sum_loss`'s ``k``-th, its receives posted ahead as the
+    transfers' (their tag; posted after theirs, sent after theirs)."""
+    return Ppermute(axes, tuple((i, (i + k) % size) for i in range(size)), tag=_comm.AHEAD_TAG)
 
 
 def _peer_failed(g: AxisGroup, e: BaseException, where: str) -> PeerFailed | None:
