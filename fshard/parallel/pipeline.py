@@ -1576,8 +1576,10 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
                 plain[(what, i)] = (leaf, spec)
         flat.append((leaves, treedef))
     if consistency.enabled():
+        # the layouts are static (hashed once per distinct value), the values not
         fields = {
-            f"{what} leaf {i}": {"spec": spec, "global shape": tuple(t.shape), "dtype": t.dtype,
+            f"{what} leaf {i}": {"spec, global shape, dtype": consistency.Static(
+                                     (spec, tuple(t.shape), t.dtype)),
                                  "values": t}
             for (what, i), (t, spec) in plain.items()
         }  # fmt: skip
