@@ -941,9 +941,11 @@ class _Run:
                 x = [row.clone() for row in first.detach()]
                 edge = first if first.grad_fn is None else _gradient_edge(first)
                 first = edge if need_x else None
+            # every microbatch's stage input's cotangent (need_x): made by the first stage's
+            # first backward while its cotangent is on its way, not here, where the first
+            # stage's start is the whole pipeline's
             x_grad = None
-            if need_x:  # every microbatch's stage input's cotangent
-                x_grad = torch.zeros(m, *act_meta.shape, dtype=act_meta.dtype, device=device)
+            x_shape = (m, *act_meta.shape)
             for t, row in enumerate(sched.table):
                 a = row[r]
                 self.tick = t  # where a failure names (the one cost of that here)
@@ -988,6 +990,8 @@ class _Run:
                         for lf in chunks[s // pp][0]:
                             if isinstance(lf, _Stacked):
                                 lf.stack_rows()
+                    if s == 0 and need_x and x_grad is None:
+                        x_grad = torch.zeros(x_shape, dtype=act_meta.dtype, device=device)
                     ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
@@ -1009,6 +1013,8 @@ class _Run:
                 while sending and sending[0].sent():  # completed sends let go, oldest first
                     del sending[0]  # (nothing waits here)
             self.tick = None
+            if need_x and x_grad is None:  # no first stage here: its zeros
+                x_grad = torch.zeros(x_shape, dtype=act_meta.dtype, device=device)
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
