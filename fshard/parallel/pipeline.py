@@ -755,7 +755,9 @@ class _Stacked(torch.Tensor):
     def of(t: torch.Tensor) -> torch.Tensor:
         """``t`` (detached) as a grad-requiring stack whose rows are leaves."""
         stack = torch.Tensor._make_subclass(_Stacked, t.detach(), True)
-        stack.rows = [t[i].detach().requires_grad_() for i in range(t.shape[0])]
+        # one unbind for the rows' views (leaves: a leaf that requires grad refuses in-place
+        # ops, what unbind's views refuse too), not an index and a detach per row
+        stack.rows = [row.requires_grad_() for row in t.detach().unbind(0)]
         return stack
 
     def __getitem__(self, index):
