@@ -30,7 +30,9 @@ which other jobs on a shared machine disturb less than the step time. ``--interl
 runs every configuration's step in one pair of ranks, one step each in turn after a barrier,
 and prints each one's step time (the slowest rank's, median over rounds), the median of its
 per-round ratio to torch's same schedule stepped in the same round (ZB-H1: to both 1F1Bs; load
-drift cancels) and each rank's process CPU time a step with its ratio; ``--attribute`` adds each
+drift cancels), each rank's process CPU time a step with its ratio and its minor page faults a
+step (glibc's heap trims, faulted back; both libraries share the processes' allocator history
+here, unlike runs in separate processes); ``--attribute`` adds each
 rank's main-thread CPU time a step in buckets (:class:`_Attribution`: the blocks' forward, which
 both libraries run on the same modules, each backward by who called it, the rest), to tell the
 compute the libraries share from their own costs. Comparing two versions
