@@ -30,7 +30,9 @@ which other jobs on a shared machine disturb less than the step time. ``--interl
 runs every configuration's step in one pair of ranks, one step each in turn after a barrier,
 and prints each one's step time (the slowest rank's, median over rounds), the median of its
 per-round ratio to torch's same schedule stepped in the same round (ZB-H1: to both 1F1Bs; load
-drift cancels) and each rank's process CPU time a step with its ratio; ``--attribute`` adds each
+drift cancels), each rank's process CPU time a step with its ratio and its minor page faults a
+step (glibc's heap trims, faulted back; both libraries share the processes' allocator history
+here, unlike runs in separate processes); ``--attribute`` adds each
 rank's main-thread CPU time a step in buckets (:class:`_Attribution`: the blocks' forward, which
 both libraries run on the same modules, each backward by who called it, the rest), to tell the
 compute the libraries share from their own costs. Comparing two versions
@@ -268,8 +270,10 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False
     """Every configuration's step in the same pair of rank processes, run in turn one step at
     a time after a barrier, so that a shared machine's load drifting over the run hits every
     configuration alike: per configuration, each round's step time (the slowest rank's, taken
-    after the step, outside its timing) and this rank's process CPU time; with ``attribute``,
-    each round's :class:`_Attribution` buckets instead of the CPU time's whole."""
+    after the step, outside its timing), this rank's process CPU time and its minor page faults
+    (fresh pages the allocator asked the kernel for: glibc returns freed heap memory over its
+    trim threshold, which the next allocation faults back in); with ``attribute``, each
+    round's :class:`_Attribution` buckets instead of the CPU time's whole."""
     import train_gpt as tg
 
     torch.set_num_threads(1)
@@ -284,19 +288,22 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False
     wall: dict = {name: [] for name in steps}
     cpu: dict = {name: [] for name in steps}
     buckets: dict = {name: [] for name in steps}
+    faults: dict = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             dist.barrier()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0, c0 = time.perf_counter(), time.process_time()
             if attribution is None:
                 step()
             else:
                 buckets[name].append(attribution.step(step))
             cpu[name].append(time.process_time() - c0)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             wall[name].append(float(dt))
-    return wall, cpu, str(Path(fs.__file__).parent), buckets
+    return wall, cpu, str(Path(fs.__file__).parent), buckets, faults
 
 
 def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
@@ -411,16 +418,17 @@ def _interleaved(a) -> None:
         )
     finally:
         world.close()
-    wall, cpus = res[0][0], [r[1] for r in res]
+    wall, cpus, faults = res[0][0], [r[1] for r in res], [r[4] for r in res]
     ranks_fshard = sorted({r[2] for r in res})
     print(f"pp=2, GPT layers={a.layers} d_model={a.dim} ctx={a.ctx}, batch {a.batch} in "
           f"{a.mb} microbatches, the ranks' fshard {', '.join(ranks_fshard)}; {a.interleave} rounds, "
           "the configurations one step each in turn in one pair of ranks")  # fmt: skip
     print("step ms: the slowest rank's, median over rounds; ratio: the median over rounds of "
           "the round's ratio to the reference's step in the same round; CPU ms: each rank's "
-          "process CPU time a step (median), its ratio: of the medians (r0+r1)")  # fmt: skip
+          "process CPU time a step (median), its ratio: of the medians (r0+r1); faults: each "
+          "rank's minor page faults a step (median)")  # fmt: skip
     print(f"{'configuration':24s} {'step ms':>8s} {'ratio to':>36s} {'CPU ms r0 / r1':>16s} "
-          f"{'CPU ratio':>15s}")  # fmt: skip
+          f"{'CPU ratio':>15s} {'faults r0 / r1':>15s}")  # fmt: skip
 
     def cpu_sum(name):
         return sum(statistics.median(c[name]) for c in cpus)
@@ -433,8 +441,10 @@ def _interleaved(a) -> None:
         ]
         cpu_ratio = [f"{cpu_sum(name) / cpu_sum(r):.3f}x" for r in refs]
         cpu_cell = " / ".join(f"{statistics.median(c[name]) * 1e3:.1f}" for c in cpus)
+        fault_cell = " / ".join(f"{statistics.median(f[name]):.0f}" for f in faults)
         print(f"{name:24s} {statistics.median(wall[name]) * 1e3:8.1f} "
-              f"{', '.join(ratios) or '-':>36s} {cpu_cell:>16s} {', '.join(cpu_ratio) or '-':>15s}")  # fmt: skip
+              f"{', '.join(ratios) or '-':>36s} {cpu_cell:>16s} {', '.join(cpu_ratio) or '-':>15s} "
+              f"{fault_cell:>15s}")  # fmt: skip
     if a.attribute:
         _print_attribution(configs, [r[3] for r in res])
 

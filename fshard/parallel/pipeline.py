@@ -755,7 +755,9 @@ class _Stacked(torch.Tensor):
     def of(t: torch.Tensor) -> torch.Tensor:
         """``t`` (detached) as a grad-requiring stack whose rows are leaves."""
         stack = torch.Tensor._make_subclass(_Stacked, t.detach(), True)
-        stack.rows = [t[i].detach().requires_grad_() for i in range(t.shape[0])]
+        # one unbind for the rows' views (leaves: a leaf that requires grad refuses in-place
+        # ops, what unbind's views refuse too), not an index and a detach per row
+        stack.rows = [row.requires_grad_() for row in t.detach().unbind(0)]
         return stack
 
     def __getitem__(self, index):
@@ -941,9 +943,11 @@ class _Run:
                 x = [row.clone() for row in first.detach()]
                 edge = first if first.grad_fn is None else _gradient_edge(first)
                 first = edge if need_x else None
+            # every microbatch's stage input's cotangent (need_x): made by the first stage's
+            # first backward while its cotangent is on its way, not here, where the first
+            # stage's start is the whole pipeline's
             x_grad = None
-            if need_x:  # every microbatch's stage input's cotangent
-                x_grad = torch.zeros(m, *act_meta.shape, dtype=act_meta.dtype, device=device)
+            x_shape = (m, *act_meta.shape)
             for t, row in enumerate(sched.table):
                 a = row[r]
                 self.tick = t  # where a failure names (the one cost of that here)
@@ -988,6 +992,8 @@ class _Run:
                         for lf in chunks[s // pp][0]:
                             if isinstance(lf, _Stacked):
                                 lf.stack_rows()
+                    if s == 0 and need_x and x_grad is None:
+                        x_grad = torch.zeros(x_shape, dtype=act_meta.dtype, device=device)
                     ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
@@ -1009,6 +1015,8 @@ class _Run:
                 while sending and sending[0].sent():  # completed sends let go, oldest first
                     del sending[0]  # (nothing waits here)
             self.tick = None
+            if need_x and x_grad is None:  # no first stage here: its zeros
+                x_grad = torch.zeros(x_shape, dtype=act_meta.dtype, device=device)
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
@@ -1576,8 +1584,10 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
                 plain[(what, i)] = (leaf, spec)
         flat.append((leaves, treedef))
     if consistency.enabled():
+        # the layouts are static (hashed once per distinct value), the values not
         fields = {
-            f"{what} leaf {i}": {"spec": spec, "global shape": tuple(t.shape), "dtype": t.dtype,
+            f"{what} leaf {i}": {"spec, global shape, dtype": consistency.Static(
+                                     (spec, tuple(t.shape), t.dtype)),
                                  "values": t}
             for (what, i), (t, spec) in plain.items()
         }  # fmt: skip
