@@ -874,8 +874,9 @@ def call_signature(args: tuple, in_specs, out_specs) -> dict:
 
     leaves = optree.tree_leaves(args, is_leaf=is_sharded, none_is_leaf=True)
     return {
-        "in_specs": repr(in_specs),
-        "out_specs": repr(out_specs),
+        # by value (consistency._canonical): P('x') and P('x', None) are one spec
+        "in_specs": in_specs,
+        "out_specs": out_specs,
         # static metadata: hashed once per distinct signature (a step's is the last step's)
         "inputs": consistency.Static(tuple(describe(v) for v in leaves)),
     }

@@ -57,6 +57,7 @@ STARTS_PROCESSES = {
     "tests/test_consistency_default.py::test_default_passes_a_plain_tensor_that_is_replicated",
     "tests/test_consistency_default.py::test_default_passes_uneven_blocks_on_a_2d_mesh",
     "tests/test_consistency_default.py::test_default_step_boundary_exchanges_at_1_2_4_8_then_every_interval",
+    "tests/test_consistency_default.py::test_default_specs_compare_by_value_not_spelling",
     "tests/test_consistency_default.py::test_default_pipeline_plain_inputs_that_differ_raise_before_any_transfer",
     "tests/test_consistency_default.py::test_shard_of_a_meta_tensor_is_a_meta_sharded_array",
     "tests/test_consistency_default.py::test_shard_src_checks_the_shapes_before_the_send",

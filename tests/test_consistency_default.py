@@ -465,6 +465,31 @@ def test_canonical_form_of_a_signature():
     assert consistency._canonical(obj) == want
 
 
+def _specs_spelled_apart(rank, differ):
+    """Rank 1 spells its specs as ``P('x', None)`` where rank 0 writes ``P('x')``: one spec, in
+    a shard_map's in_specs and out_specs and in a check of a static value (hashed once per
+    value, its cache filled by the spelling each rank met first). With ``differ`` rank 1's
+    out_spec is another spec (``P(None, 'x')``): that disagreement is still caught."""
+    mesh = _mesh()
+    spec = fs.P("x") if rank == 0 else fs.P("x", None)
+    out = fs.P(None, "x") if differ and rank == 1 else spec
+    x = fs.shard(torch.arange(8.0).reshape(4, 2), mesh, fs.P("x"))
+    y = fs.shard_map(lambda b: b * 2, mesh, in_specs=(spec,), out_specs=out)(x)
+    fs.consistency.check_equal({"layout": fs.consistency.Static(spec)}, mesh, what="a spec")
+    return fs.gather(y).tolist()
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_default_specs_compare_by_value_not_spelling(world_default, differ):
+    got = world_default.run(_caught, _specs_spelled_apart, differ)
+    if not differ:
+        want = [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0], [12.0, 14.0]]
+        assert got == [("value", want)] * 2
+    else:
+        assert [kind for kind, _ in got] == ["error", "error"], got
+        assert "out_specs" in got[0][1] and "P(None, 'x')" in got[1][1], got[1][1]
+
+
 def _pipeline_plain_inputs(rank, how):
     """fs.parallel.pipeline checks its plain inputs (and its shard_map call) in one exchange
     whose verdict is deferred to the step's first collective (the first stage's input_fn and
@@ -500,9 +525,9 @@ def _pipeline_plain_inputs(rank, how):
     moved = []
     real = _comm._point_to_point
 
-    def counted(ops, g):
+    def counted(ops, g, *tag):
         moved.extend(ops)
-        return real(ops, g)
+        return real(ops, g, *tag)
 
     _comm._point_to_point = counted
     try:
