@@ -68,7 +68,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import config
 from .mesh import AxisGroup, Mesh
-from .spec import PartitionSpec
+from .spec import PartitionSpec, Parts
 
 __all__ = [
     "ConsistencyError",
@@ -191,12 +191,14 @@ class Static:
 
 def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes; a
-    :class:`~fshard.P` by its value, as it compares: ``P('x')`` and ``P('x', None)`` are one
-    spec, which ranks may spell either way)."""
+    :class:`~fshard.P` and a :class:`~fshard.Parts` by their value, as they compare:
+    ``P('x')`` and ``P('x', None)`` are one spec, which ranks may spell either way)."""
     if type(obj) in _ATOMS:
         return obj
     if type(obj) is PartitionSpec:
         return ("P", obj.dims, tuple(sorted(obj.partial)))
+    if type(obj) is Parts:
+        return ("Parts", _canonical(obj.spec), obj.dim, obj.sizes)
     if type(obj) is Static:
         try:
             return ("static", _cached_hash(obj.value))

@@ -490,6 +490,18 @@ def test_default_specs_compare_by_value_not_spelling(world_default, differ):
         assert "out_specs" in got[0][1] and "P(None, 'x')" in got[1][1], got[1][1]
 
 
+def test_canonical_form_of_specs_is_their_value():
+    """Specs (and per-part specs) that compare equal have one canonical form whatever their
+    spelling; specs that differ have different ones."""
+    canonical = fs.consistency._canonical
+    assert canonical(fs.P("x")) == canonical(fs.P("x", None)) == ("P", (("x",),), ())
+    assert canonical(fs.P(partial=("a", "b"))) == canonical(fs.P(partial=("b", "a")))
+    assert canonical(fs.P("x")) != canonical(fs.P(None, "x"))
+    parts = fs.Parts(fs.P("x"), 0, (2, 2))
+    assert canonical(parts) == canonical(fs.Parts(fs.P("x", None), 0, (2, 2)))
+    assert canonical(parts) != canonical(fs.Parts(fs.P("x"), 0, (1, 3)))
+
+
 def _pipeline_plain_inputs(rank, how):
     """fs.parallel.pipeline checks its plain inputs (and its shard_map call) in one exchange
     whose verdict is deferred to the step's first collective (the first stage's input_fn and
