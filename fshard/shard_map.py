@@ -873,11 +873,12 @@ def call_signature(args: tuple, in_specs, out_specs) -> dict:
         return type(v).__name__
 
     leaves = optree.tree_leaves(args, is_leaf=is_sharded, none_is_leaf=True)
+    # static metadata: hashed once per distinct signature (a step's is the last step's); specs
+    # by value (consistency._canonical, and P's equality for the cache): P('x') and
+    # P('x', None) are one spec
     return {
-        # by value (consistency._canonical): P('x') and P('x', None) are one spec
-        "in_specs": in_specs,
-        "out_specs": out_specs,
-        # static metadata: hashed once per distinct signature (a step's is the last step's)
+        "in_specs": consistency.Static(in_specs),
+        "out_specs": consistency.Static(out_specs),
         "inputs": consistency.Static(tuple(describe(v) for v in leaves)),
     }
 

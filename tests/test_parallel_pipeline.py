@@ -350,6 +350,48 @@ def test_plain_inputs_are_checked_once(world2):
     assert world2.run(plain_inputs_rank_fn) == [(1, True)] * 2
 
 
+def differing_program_rank_fn(what):
+    """Ranks passing the pipeline different arguments that decide its transfers (the schedule,
+    ``virtual``, ``activation=``'s shape or dtype) raise the same ConsistencyError naming them
+    on every rank, from the check at the step's start, before a transfer goes out: the
+    transfers are not folded into the digest one by one. Was: only each ppermute's fold
+    compared them, at the group's next exchange, after the schedules had run apart."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
+    h, tgt = torch.randn(3, generator=gen), torch.randn(4, 2, generator=gen)
+    odd = mesh.rank == 1
+    kwargs = {"schedule": "gpipe" if odd and what == "schedule" else "1f1b"}
+    if what == "activation":  # input_fn's stage input: float64 on rank 1
+        dtype = torch.float64 if odd else torch.float32
+        kwargs.update(input_fn=lambda e, mb: (mb * e).to(dtype), input_params=torch.ones(()),
+                      activation=torch.empty(2, 3, dtype=dtype, device="meta"))  # fmt: skip
+
+    def stage(w, x):
+        return torch.tanh(x @ w.to(x.dtype))
+
+    def loss_fn(h, y, t):
+        return ((y @ h.to(y.dtype) - t) ** 2).sum()
+
+    def loss(w):
+        return pipeline(stage, w, x, mesh, loss_fn=loss_fn, loss_params=h, targets=tgt, **kwargs)
+
+    log = []
+    try:
+        with fs.debug.comm_log() as log:
+            fs.value_and_grad(loss)(w)
+    except fs.consistency.ConsistencyError as e:
+        sent = [r for r in log if r.op == "ppermute"]
+        return "schedule, virtual, axis, activation" in str(e), sent
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["schedule", "activation"])
+def test_ranks_disagreeing_on_the_schedule_raise_before_a_transfer(world2, what):
+    assert world2.run(differing_program_rank_fn, what) == [(True, [])] * 2
+
+
 class _Passes(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the stacks and products whose result has one of ``shapes``."""
 

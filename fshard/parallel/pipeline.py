@@ -1108,10 +1108,13 @@ class _Run:
             return lambda: loss
         g = self.group
         pp, r = g.size, g.index
-        shifts = [
-            lax.apply_start(Bound(_shift_op(g.axes, pp, k), g), loss, ahead.pop(("loss", k), None))
-            for k in range(1, pp)
-        ]
+        with config.consistency(False):  # as the transfers (_exchange)
+            shifts = [
+                lax.apply_start(
+                    Bound(_shift_op(g.axes, pp, k), g), loss, ahead.pop(("loss", k), None)
+                )
+                for k in range(1, pp)
+            ]
 
         def take() -> torch.Tensor:
             parts = {r: loss}
@@ -1175,7 +1178,9 @@ class _Run:
         if buf is None:  # a scalar activation: every rank passes one; else an empty block
             buf = zero if zero.dim() == 0 else zero[:0]
         op = _transfer_op(g.axes, pairs, tuple(zero.shape), g.size)
-        pending = lax.apply_start(Bound(op, g), buf.contiguous(), ahead.pop((kind, t), None))
+        # checked with the step's inputs, once (_shard_plain's program): not folded one by one
+        with config.consistency(False):
+            pending = lax.apply_start(Bound(op, g), buf.contiguous(), ahead.pop((kind, t), None))
         if r in dests:
             inbox[dests[r]] = pending
         if sends:
@@ -1562,10 +1567,13 @@ def _check_inputs(
 _INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targets")
 
 
-def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
+def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tuple:
     """``trees`` with their plain tensors sharded to their group's spec, after one consistency
-    check that every rank passes the same inputs: the plain tensors' layout and values, and the
-    shard_map call's signature (what shard_map's call would check in an exchange of its own).
+    check that every rank passes the same inputs: the plain tensors' layout and values, the
+    shard_map call's signature (what shard_map's call would check in an exchange of its own)
+    and ``program``, the pipeline's own arguments that, with the inputs' shapes, decide every
+    transfer of the step (:func:`_program`): the transfers are not folded one by one
+    (:meth:`_Run._exchange`).
     shard_map would shard each plain tensor itself, each with a check of its own: one
     all_reduce per tensor (every step, a batch's token ids, targets and each plain embedding or
     head weight; 7 of a GPT step's 8), and one more for the call. The check is deferred: its
@@ -1592,6 +1600,7 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
             for (what, i), (t, spec) in plain.items()
         }  # fmt: skip
         fields["shard_map"] = call_signature(trees, specs, P())
+        fields["schedule, virtual, axis, activation"] = consistency.Static(program)
         consistency.check_equal(
             fields,
             mesh,
@@ -1616,6 +1625,20 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh) -> tuple:
             ]
             out.append(optree.tree_unflatten(treedef, leaves))
     return tuple(out)
+
+
+def _program(schedule: str, virtual: int, axis: str, activation) -> tuple:
+    """The pipeline's arguments that, with its inputs' global shapes and dtypes, decide the
+    step's transfers (who sends what to whom, at which tick, in which shape and dtype):
+    ``activation=`` by its global shape, dtype and spec (a template tensor by shape and dtype,
+    not by its values, which a ``meta`` tensor does not have)."""
+    if isinstance(activation, ShardedArray):
+        activation = activation.layout
+    if isinstance(activation, Layout):
+        activation = ("Layout", activation.shape, activation.dtype, activation.spec)
+    elif isinstance(activation, torch.Tensor):
+        activation = ("Tensor", tuple(activation.shape), activation.dtype)
+    return (schedule, virtual, axis, activation)
 
 
 def _check_activation(activation, mesh: Mesh, axis: str) -> None:
@@ -1734,6 +1757,9 @@ def pipeline(
             (interleaved), a ``stage_params`` leaf whose dim 0 is not the ``pp * virtual``
             stages split over ``axis``, inputs split over ``axis`` or on the microbatch dim,
             ``input_fn`` without ``activation`` or with differentiated ``microbatches``.
+        ConsistencyError: with checks on (the default), on every rank, before a transfer goes
+            out, where ranks pass different plain inputs, layouts, ``schedule``, ``virtual``,
+            ``axis`` or ``activation``.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
@@ -1850,8 +1876,9 @@ def pipeline(
     specs = (P(axis), P(), P(), P(), P())
     try:
         inputs = _shard_plain(
-            (stage_params, microbatches, input_params, loss_params, targets), specs, mesh
-        )
+            (stage_params, microbatches, input_params, loss_params, targets), specs, mesh,
+            _program(schedule, virtual, axis, activation),
+        )  # fmt: skip
         # checked by _shard_plain's exchange, with the inputs: one a step
         mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
         loss = mapped(*inputs)
