@@ -352,10 +352,11 @@ def test_plain_inputs_are_checked_once(world2):
 
 def differing_program_rank_fn(what):
     """Ranks passing the pipeline different arguments that decide its transfers (the schedule,
-    ``virtual``, ``activation=``'s shape or dtype) raise the same ConsistencyError naming them
-    on every rank, from the check at the step's start, before a transfer goes out: the
-    transfers are not folded into the digest one by one. Was: only each ppermute's fold
-    compared them, at the group's next exchange, after the schedules had run apart."""
+    ``virtual``, ``activation=``'s shape or dtype, whether the step is differentiated) raise the
+    same ConsistencyError naming them on every rank, from the check at the step's start, before
+    a transfer goes out: the transfers are not folded into the digest one by one. Was: only
+    each ppermute's fold compared them, at the group's next exchange, after the schedules had
+    run apart (both ranks waited for Gloo's 60 s timeout)."""
     mesh = fs.Mesh.create((2,), ("pp",))
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(2, 3, 3, generator=gen) / 2, torch.randn(4, 2, 3, generator=gen)
@@ -379,15 +380,19 @@ def differing_program_rank_fn(what):
     log = []
     try:
         with fs.debug.comm_log() as log:
-            fs.value_and_grad(loss)(w)
+            if what == "differentiated" and odd:  # rank 1 evaluates, rank 0 trains
+                with torch.no_grad():
+                    loss(w)
+            else:
+                fs.value_and_grad(loss)(w)
     except fs.consistency.ConsistencyError as e:
         sent = [r for r in log if r.op == "ppermute"]
-        return "schedule, virtual, axis, activation" in str(e), sent
+        return "schedule, virtual, axis, activation, differentiated" in str(e), sent
     return "no error"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["schedule", "activation"])
+@pytest.mark.parametrize("what", ["schedule", "activation", "differentiated"])
 def test_ranks_disagreeing_on_the_schedule_raise_before_a_transfer(world2, what):
     assert world2.run(differing_program_rank_fn, what) == [(True, [])] * 2
 

@@ -1600,7 +1600,7 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tupl
             for (what, i), (t, spec) in plain.items()
         }  # fmt: skip
         fields["shard_map"] = call_signature(trees, specs, P())
-        fields["schedule, virtual, axis, activation"] = consistency.Static(program)
+        fields["schedule, virtual, axis, activation, differentiated"] = consistency.Static(program)
         consistency.check_equal(
             fields,
             mesh,
@@ -1627,18 +1627,19 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tupl
     return tuple(out)
 
 
-def _program(schedule: str, virtual: int, axis: str, activation) -> tuple:
+def _program(schedule: str, virtual: int, axis: str, activation, differentiated: bool) -> tuple:
     """The pipeline's arguments that, with its inputs' global shapes and dtypes, decide the
     step's transfers (who sends what to whom, at which tick, in which shape and dtype):
     ``activation=`` by its global shape, dtype and spec (a template tensor by shape and dtype,
-    not by its values, which a ``meta`` tensor does not have)."""
+    not by its values, which a ``meta`` tensor does not have); ``differentiated``: whether the
+    step runs its backward actions (and sends cotangents)."""
     if isinstance(activation, ShardedArray):
         activation = activation.layout
     if isinstance(activation, Layout):
         activation = ("Layout", activation.shape, activation.dtype, activation.spec)
     elif isinstance(activation, torch.Tensor):
         activation = ("Tensor", tuple(activation.shape), activation.dtype)
-    return (schedule, virtual, axis, activation)
+    return (schedule, virtual, axis, activation, differentiated)
 
 
 def _check_activation(activation, mesh: Mesh, axis: str) -> None:
@@ -1759,7 +1760,7 @@ def pipeline(
             ``input_fn`` without ``activation`` or with differentiated ``microbatches``.
         ConsistencyError: with checks on (the default), on every rank, before a transfer goes
             out, where ranks pass different plain inputs, layouts, ``schedule``, ``virtual``,
-            ``axis`` or ``activation``.
+            ``axis`` or ``activation``, or some differentiate the step and others do not.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
@@ -1877,7 +1878,7 @@ def pipeline(
     try:
         inputs = _shard_plain(
             (stage_params, microbatches, input_params, loss_params, targets), specs, mesh,
-            _program(schedule, virtual, axis, activation),
+            _program(schedule, virtual, axis, activation, need is not None),
         )  # fmt: skip
         # checked by _shard_plain's exchange, with the inputs: one a step
         mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
