@@ -35,7 +35,9 @@ step (glibc's heap trims, faulted back; both libraries share the processes' allo
 here, unlike runs in separate processes); ``--attribute`` adds each
 rank's main-thread CPU time a step in buckets (:class:`_Attribution`: the blocks' forward, which
 both libraries run on the same modules, each backward by who called it, the rest), to tell the
-compute the libraries share from their own costs. Comparing two versions
+compute the libraries share from their own costs, and the step's two ends in wall time (the call
+to the first block forward, the schedule's last backward to the return: on rank 0, the 1F1B
+critical path's Python). Comparing two versions
 of fshard: run it from each checkout's directory with ``PYTHONPATH`` set to it, in turn (the
 ranks' fork server puts its working directory first on their ``sys.path``; it prints the
 ranks' fshard).
@@ -232,11 +234,15 @@ class _Attribution:
     backward per microbatch and ``input_fn``'s, and ``_top_level``, ``fs.value_and_grad``'s
     backward through the pipeline's Function), and the rest of the step (schedule, transfers,
     loss and embedding forwards, each library's own bookkeeping). A call inside another counted
-    one counts in the outer one only."""
+    one counts in the outer one only. Also the step's two ends in wall time: from
+    the call to the rank's first block forward, and from its last backward of the schedule
+    (not fshard's ``_top_level``) to the return: on the first stage's rank, the 1F1B critical
+    path's Python (the second stage waits for its first activation; its end is the step's)."""
 
     def __init__(self):
         self.acc: dict = {}
         self.inside = False
+        self.first = self.last = None  # perf_counter of the first block forward, last backward
 
     def wrap(self, owner, name: str, label: str | None) -> None:
         f = getattr(owner, name)
@@ -246,24 +252,29 @@ class _Attribution:
                 return f(*args, **kwargs)
             self.inside = True
             t0 = time.thread_time()
+            if label is not None and self.first is None:
+                self.first = time.perf_counter()
             try:
                 return f(*args, **kwargs)
             finally:
                 self.inside = False
                 key = label or f"backward in {sys._getframe(1).f_code.co_name}"
                 self.acc[key] = self.acc.get(key, 0.0) + time.thread_time() - t0
+                if key.startswith("backward") and key != "backward in _top_level":
+                    self.last = time.perf_counter()
 
         setattr(owner, name, counted)
 
-    def step(self, step) -> dict:
-        """``step()`` run, its buckets in ms."""
+    def step(self, step) -> tuple[dict, tuple]:
+        """``step()`` run: its buckets and its two ends (the class docstring), in ms."""
         self.acc = {}
-        t0 = time.thread_time()
+        self.first = self.last = None
+        t0, w0 = time.thread_time(), time.perf_counter()
         step()
-        total = time.thread_time() - t0
+        total, w1 = time.thread_time() - t0, time.perf_counter()
         out = {k: v * 1e3 for k, v in self.acc.items()}
         out["rest"] = (total - sum(self.acc.values())) * 1e3
-        return out
+        return out, ((self.first - w0) * 1e3, (w1 - self.last) * 1e3)
 
 
 def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False):
@@ -288,6 +299,7 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False
     wall: dict = {name: [] for name in steps}
     cpu: dict = {name: [] for name in steps}
     buckets: dict = {name: [] for name in steps}
+    ends: dict = {name: [] for name in steps}
     faults: dict = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
@@ -297,13 +309,15 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False
             if attribution is None:
                 step()
             else:
-                buckets[name].append(attribution.step(step))
+                counted, step_ends = attribution.step(step)
+                buckets[name].append(counted)
+                ends[name].append(step_ends)
             cpu[name].append(time.process_time() - c0)
             faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             wall[name].append(float(dt))
-    return wall, cpu, str(Path(fs.__file__).parent), buckets, faults
+    return wall, cpu, str(Path(fs.__file__).parent), buckets, faults, ends
 
 
 def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
@@ -446,11 +460,12 @@ def _interleaved(a) -> None:
               f"{', '.join(ratios) or '-':>36s} {cpu_cell:>16s} {', '.join(cpu_ratio) or '-':>15s} "
               f"{fault_cell:>15s}")  # fmt: skip
     if a.attribute:
-        _print_attribution(configs, [r[3] for r in res])
+        _print_attribution(configs, [r[3] for r in res], [r[5] for r in res])
 
 
-def _print_attribution(configs, per_rank: list) -> None:
-    """``--attribute``'s table: each bucket's median ms over rounds, ``r0 / r1``."""
+def _print_attribution(configs, per_rank: list, ends: list) -> None:
+    """``--attribute``'s tables: each bucket's median ms over rounds, ``r0 / r1``; the step's
+    ends (see :class:`_Attribution`)."""
     keys: list = []
     for buckets in per_rank:
         for rounds in buckets.values():
@@ -465,6 +480,15 @@ def _print_attribution(configs, per_rank: list) -> None:
             per = [statistics.median(b.get(k, 0.0) for b in bk[name]) for bk in per_rank]
             cells.append(" / ".join(f"{v:.1f}" for v in per))
         print(f"{name:24s} " + " ".join(f"{c:>25s}" for c in cells))
+    print("\nthe step's ends, wall ms (median over rounds, r0 / r1): from the call to the first "
+          "block forward; from the last backward of the schedule to the return")  # fmt: skip
+    print(f"{'configuration':24s} {'call -> first block':>22s} {'last backward -> return':>24s}")
+    for name, *_ in configs:
+        cells = [
+            " / ".join(f"{statistics.median(e[i] for e in per[name]):.2f}" for per in ends)
+            for i in (0, 1)
+        ]
+        print(f"{name:24s} {cells[0]:>22s} {cells[1]:>24s}")
 
 
 if __name__ == "__main__":
