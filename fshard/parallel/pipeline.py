@@ -707,15 +707,20 @@ class _Act:
         return _Act(meta.local.shape[1:], meta.local.dtype, meta.layout)
 
     @staticmethod
-    def of_template(template, auto: Mesh | None) -> _Act:
-        """``activation=``'s (a Layout, ShardedArray or tensor) in a body whose auto axes form
-        ``auto`` (``None``: none; values are plain local tensors there)."""
+    def described(template) -> tuple:
+        """``activation=`` (a Layout, ShardedArray or tensor) as its global shape, dtype and
+        spec (a tensor's: replicated; not its values, which a ``meta`` tensor does not have)."""
         if isinstance(template, ShardedArray):
             template = template.layout
         if isinstance(template, Layout):
-            shape, dtype, spec = template.shape, template.dtype, template.spec
-        else:
-            shape, dtype, spec = tuple(template.shape), template.dtype, P()
+            return template.shape, template.dtype, template.spec
+        return tuple(template.shape), template.dtype, P()
+
+    @staticmethod
+    def of_template(template, auto: Mesh | None) -> _Act:
+        """``activation=``'s (a Layout, ShardedArray or tensor) in a body whose auto axes form
+        ``auto`` (``None``: none; values are plain local tensors there)."""
+        shape, dtype, spec = _Act.described(template)
         if auto is None:
             return _Act(shape, dtype, None)
         lay = Layout(auto, spec, shape, dtype)
@@ -947,7 +952,9 @@ class _Run:
             # first backward while its cotangent is on its way, not here, where the first
             # stage's start is the whole pipeline's
             x_grad = None
-            x_shape = (m, *act_meta.shape)
+            x_zeros = functools.partial(
+                torch.zeros, (m, *act_meta.shape), dtype=act_meta.dtype, device=device
+            )
             for t, row in enumerate(sched.table):
                 a = row[r]
                 self.tick = t  # where a failure names (the one cost of that here)
@@ -993,7 +1000,7 @@ class _Run:
                             if isinstance(lf, _Stacked):
                                 lf.stack_rows()
                     if s == 0 and need_x and x_grad is None:
-                        x_grad = torch.zeros(x_shape, dtype=act_meta.dtype, device=device)
+                        x_grad = x_zeros()
                     ct = torch.ones_like(out) if s == last else _received(inbox.pop(("B", s, mb)))
                     ins = [inp] if inp.requires_grad else []
                     if joined is not None and (s, mb) not in joined:  # ZB-H1: the weights' at W
@@ -1016,7 +1023,7 @@ class _Run:
                     del sending[0]  # (nothing waits here)
             self.tick = None
             if need_x and x_grad is None:  # no first stage here: its zeros
-                x_grad = torch.zeros(x_shape, dtype=act_meta.dtype, device=device)
+                x_grad = x_zeros()
             if first is not None and need_x:  # input_fn's backward, with every cotangent
                 ws = [_block(lf) for lf in ip_leaves]
                 torch.autograd.backward(first, x_grad, inputs=ws + sync.stand_ins(ws))
@@ -1630,16 +1637,10 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tupl
 def _program(schedule: str, virtual: int, axis: str, activation, differentiated: bool) -> tuple:
     """The pipeline's arguments that, with its inputs' global shapes and dtypes, decide the
     step's transfers (who sends what to whom, at which tick, in which shape and dtype):
-    ``activation=`` by its global shape, dtype and spec (a template tensor by shape and dtype,
-    not by its values, which a ``meta`` tensor does not have); ``differentiated``: whether the
-    step runs its backward actions (and sends cotangents)."""
-    if isinstance(activation, ShardedArray):
-        activation = activation.layout
-    if isinstance(activation, Layout):
-        activation = ("Layout", activation.shape, activation.dtype, activation.spec)
-    elif isinstance(activation, torch.Tensor):
-        activation = ("Tensor", tuple(activation.shape), activation.dtype)
-    return (schedule, virtual, axis, activation, differentiated)
+    ``activation=`` as the stage input it makes (:meth:`_Act.described`); ``differentiated``:
+    whether the step runs its backward actions (and sends cotangents)."""
+    act = None if activation is None else _Act.described(activation)
+    return (schedule, virtual, axis, act, differentiated)
 
 
 def _check_activation(activation, mesh: Mesh, axis: str) -> None:
