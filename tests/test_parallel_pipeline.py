@@ -397,6 +397,101 @@ def test_ranks_disagreeing_on_the_schedule_raise_before_a_transfer(world2, what)
     assert world2.run(differing_program_rank_fn, what) == [(True, [])] * 2
 
 
+def closed_over_rank_fn(where, how):
+    """A differentiated value that ``stage_fn``, ``loss_fn`` or ``input_fn`` closes over, under
+    ``fs.value_and_grad`` or ``torch.func.grad``, instead of receiving it through the pipeline's
+    arguments. Its gradient through the pipeline was silently zero (the Function returns
+    gradients for its inputs only: d/dk was 0 where the dense one is 27). Now the rank whose
+    function uses it raises a ValueError naming that function and the argument to pass it
+    through; the other rank raises PeerFailed naming that error, at once. ``where`` says which
+    function closes over ``k``; the loss is ``mean_m(k^a w0 w1 x_m)`` with every ``x_m``
+    through the functions."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x, k = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1), torch.tensor([1.5])
+
+    def loss(w, k):
+        stage = (lambda w, x: w * x * k) if where == "stage_fn" else (lambda w, x: w * x)
+        kw = {"input_fn": lambda e, mb: mb * k, "input_params": torch.ones(()),
+              "activation": torch.empty(1)} if where == "input_fn" else {}  # fmt: skip
+        scale = k if where == "loss_fn" else 1.0
+        return pipeline(stage, w, x, mesh, loss_fn=lambda _, y, t: (y * t * scale).sum(),
+                        targets=torch.ones(4, 1), schedule="1f1b", **kw)  # fmt: skip
+
+    start = time.perf_counter()
+    try:
+        if how == "value_and_grad":
+            fs.value_and_grad(loss, argnums=(0, 1))(w, k)
+        else:
+            torch.func.grad(lambda w, k: fs.gather(loss(w, k)), argnums=(0, 1))(w, k)
+    except Exception as e:  # noqa: BLE001 (each rank's error is the result)
+        text = str(e)
+        named = f"pipeline: {where} " in text
+        if isinstance(e, ValueError):  # the fix: the argument to pass it through
+            named = named and {"stage_fn": "stage_params", "loss_fn": "loss_params",
+                               "input_fn": "input_params"}[where] in text  # fmt: skip
+        return type(e).__name__, named, time.perf_counter() - start < 15
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["value_and_grad", "func.grad"])
+@pytest.mark.parametrize("where", ["stage_fn", "loss_fn", "input_fn"])
+def test_a_closed_over_differentiated_value_is_refused(world2, where, how):
+    user = {"stage_fn": 0, "loss_fn": 1, "input_fn": 0}[where]  # the rank that sees it first
+    got = world2.run(closed_over_rank_fn, where, how)
+    assert got[user] == ("ValueError", True, True)
+    assert got[1 - user] == ("PeerFailed", True, True)
+
+
+def closed_over_constant_rank_fn():
+    """What the functions close over that is not differentiated is a constant, as in dense
+    code: a plain tensor, and a tensor that requires grad (a module's own parameter) that the
+    caller does not differentiate (``fs.value_and_grad`` / ``torch.func.grad`` of ``w`` only;
+    its ``.grad`` stays unset). Under plain ``.backward()`` such a tensor would get a ``.grad``
+    in dense code, which the pipeline cannot give: refused. ``k`` passed in ``loss_params``
+    gets its dense gradient."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1)
+    plain, param = torch.tensor([1.5]), torch.nn.Parameter(torch.tensor([1.5]))
+
+    def run(w, k):
+        return fs.gather(pipeline(lambda w, x: w * x * k, w, x, mesh, schedule="1f1b",
+                                  loss_fn=lambda _, y, t: (y * t).sum(),
+                                  targets=torch.ones(4, 1)))  # fmt: skip
+
+    def dense(w, k):
+        return (x * w[0] * k * w[1] * k).sum() / 4
+
+    want = torch.func.grad(dense)(w, plain)
+    out = []
+    for k in (plain, param):
+        _, g = fs.value_and_grad(run)(w, k)
+        out.append(torch.allclose(g, want) and torch.allclose(torch.func.grad(run)(w, k), want))
+    out.append(param.grad is None)
+
+    # passed in, as the error says: its dense gradient, w0 w1 mean(x) = 2 * 3 * 1.5
+    def through(w, k):
+        return fs.gather(pipeline(lambda w, x: w * x, w, x, mesh, schedule="1f1b", loss_params=k,
+                                  loss_fn=lambda k, y, t: (y * t * k).sum(),
+                                  targets=torch.ones(4, 1)))  # fmt: skip
+
+    _, (_, gk) = fs.value_and_grad(through, argnums=(0, 1))(w, plain)
+    out.append(torch.allclose(gk, torch.tensor([9.0])))
+    leaf = w.clone().requires_grad_()
+    try:  # last: the failing stage gives the group up
+        run(leaf, param).backward()
+    except Exception as e:  # noqa: BLE001 (each rank's error is the result)
+        out.append((type(e).__name__, "pipeline: stage_fn (stage 0) uses" in str(e)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_over_constant_is_a_constant(world2):
+    got = world2.run(closed_over_constant_rank_fn)
+    assert got[0] == [True, True, True, True, ("ValueError", True)]
+    assert got[1] == [True, True, True, True, ("PeerFailed", True)]
+
+
 class _Passes(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the stacks and products whose result has one of ``shapes``."""
 

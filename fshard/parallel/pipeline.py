@@ -75,7 +75,12 @@ Design decisions (issue 22 item 2):
 What composes: ``fs.value_and_grad``, ``torch.func.grad`` / ``vjp`` / ``grad_and_value`` (one
 level), eager ``.backward()``, dp and tp layouts on the other mesh axes (tested; an FSDP-style
 stage weight split over dp goes through the op rules' gathers, untested), ``fs.remat`` or
-``vmap`` inside ``stage_fn``. What does not, and why (``NotImplementedError`` before any
+``vmap`` inside ``stage_fn``. Values the functions differentiate come through the
+pipeline's arguments: one they close over (a differentiated param, or a value computed from
+it) is refused, naming the function and the argument to pass it through, at each stage's
+first forward of a step (:func:`_foreign`, a walk of the stage's graph; :class:`_NoOuterLevel`
+under ``torch.func.grad``): the Function returns gradients for its inputs only, so its
+gradient was a silent zero. What does not compose, and why (``NotImplementedError`` before any
 communication): higher-order derivatives (grad of grad, ``hessian``) and forward mode
 (``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward, which
 an outer derivative would take for constants (a silent zero); ``vmap`` of the pipeline: its
@@ -119,6 +124,7 @@ wait on the dp peers inside the schedule).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -127,6 +133,10 @@ from typing import NamedTuple
 import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
+from torch._C._functorch import get_unwrapped as _unwrapped
+from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
+from torch._C._functorch import is_gradtrackingtensor as _is_grad_tracking
+from torch._C._functorch import maybe_get_level as _level_of
 
 from .. import _comm, _compat, axis_env, config, consistency, lax
 from ..api import _on_mesh_device, shard
@@ -747,6 +757,90 @@ def _leaf_tensor(t: torch.Tensor, need: bool) -> torch.Tensor:
     return t.requires_grad_() if need else t
 
 
+def _foreign(root: torch.Tensor, ours: set, seen: set) -> list:
+    """The leaves requiring grad that ``root``'s autograd graph reaches besides ``ours`` (ids),
+    nodes in ``seen`` (grown) not walked again: tensors a stage's code took from outside its
+    arguments. (~50 us for a 2-block GPT stage's graph.)"""
+    found, stack = [], [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf that requires grad
+        if leaf is not None:
+            if id(leaf) not in ours:
+                found.append(leaf)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _differentiated_by_caller(found: list, sync: GradSync) -> list:
+    """Those of ``found`` whose gradient the caller asked for: under ``fs.value_and_grad`` its
+    differentiated leaves and their stand-ins (the reducers on the handler stack but the
+    pipeline's own); a tensor it does not differentiate (a module's own parameter, a
+    constant that requires grad) is a constant to it, as to ``torch.func.grad``. Without it
+    (``.backward()``), every one: each would get a ``.grad`` in plain autograd."""
+    outer = [h for h in lax.active_handlers() if isinstance(h, GradSync) and h is not sync]
+    if not outer:
+        return found
+    asked = {id(t) for h in outer for t in (*h.leaves, *h.stand_ins())}
+    return [t for t in found if id(t) in asked]
+
+
+class _NoOuterLevel(torch.overrides.TorchFunctionMode):
+    """Under a ``torch.func`` grad level: refuses a tensor of that level (a differentiated
+    value or one computed from it: a grad-tracking wrapper, under any wrappers of the block's
+    own transforms, e.g. a ``vmap`` inside ``stage_fn``) as an argument of any torch function
+    the block calls. The pipeline's Function runs its forward with that level off the
+    interpreter stack, where such a tensor taken from outside the Function's inputs (a value
+    ``stage_fn`` closes over) counts as a constant: its gradient would be a silent zero. A
+    grad level of the block's own (``fs.remat``'s vjp) is on the stack: its tensors pass.
+    (Level numbers are reused below the popped level, so a tensor's level is read against the
+    live grad levels, not against the outer one's number.)"""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if type(t) is ShardedArray:
+                    t = t.local
+                while isinstance(t, torch.Tensor) and _is_wrapped(t):
+                    if (
+                        _is_grad_tracking(t)
+                        and t.requires_grad  # the transform's other inputs are lifted too
+                        and _level_of(t) not in _live_grad_levels()
+                    ):
+                        raise _unseen(self.what, tuple(t.shape))
+                    t = _unwrapped(t)
+        return func(*args, **kwargs)
+
+
+def _live_grad_levels() -> set:
+    return {
+        ci.level()
+        for ci in torch._C._functorch.get_interpreter_stack() or ()
+        if ci.key() == _TransformType.Grad
+    }
+
+
+def _unseen(what: str, shape: tuple) -> ValueError:
+    return ValueError(
+        f"pipeline: {what} uses a tensor of shape {shape} that is differentiated but is not "
+        "one of the pipeline's arguments (a value the function closes over: a differentiated "
+        "param, or one computed from it). The pipeline's backward computes gradients for "
+        "stage_params, microbatches (without input_fn), input_params and loss_params only, so "
+        "this tensor's gradient would be silently lost. Pass it in: stage_fn's through "
+        "stage_params (its slice per stage, dim 0 the stages), loss_fn's through loss_params, "
+        "input_fn's through input_params; or .detach() it where it is a constant"
+    )
+
+
 class _Stacked(torch.Tensor):
     """A stage's weight leaf, its layers stacked on dim 0, whose integer index (``w[i]``, the
     usual way a stage picks its layer) is a leaf of its own: autograd's select backward would
@@ -811,8 +905,9 @@ class _Stacked(torch.Tensor):
 class _Run:
     """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
 
-    def __init__(self, sched, group, fns, defs, metas, act, need):
+    def __init__(self, sched, group, fns, defs, metas, act, need, levels=frozenset()):
         self.sched, self.group = sched, group
+        self.levels = levels  # the torch.func grad level the call is under, if any (_watch)
         self.stage_fn, self.loss_fn, self.input_fn = fns
         self.defs, self.metas, self.need = defs, metas, need  # per input group
         self.act = act  # the stage input's local shape, dtype and layout
@@ -923,21 +1018,35 @@ class _Run:
         own = [t for t in own if t.requires_grad]
         sync = GradSync(own, mode="step")  # the dp reduction, once per step
 
+        listed: dict = {}  # stage -> (stand-ins made when read, weights(stage))
+        checked: set = set()  # the stages whose first forward of the step was checked
+
         def weights(s: int) -> list:
             """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``): its
-            weights and their pcasts' stand-ins."""
-            ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
-            ws += [r for w in ws if isinstance(w, _Stacked) for r in w.rows]
-            ws += [_block(lf) for lf in lp_leaves] if s == last and need_lp else []
-            return ws + sync.stand_ins(ws)
+            weights and their pcasts' stand-ins. Read once per stage while no stand-in is
+            added (the reducer only adds them: its stand-ins so far fix the list), not at
+            each backward (~40 us each)."""
+            made = len(sync.entries) + len(sync.gathers)
+            got = listed.get(s)
+            if got is None or got[0] != made:
+                ws = [_block(lf) for lf in chunks[s // pp][0]] if need_p else []
+                ws += [r for w in ws if isinstance(w, _Stacked) for r in w.rows]
+                ws += [_block(lf) for lf in lp_leaves] if s == last and need_lp else []
+                got = listed[s] = (made, ws + sync.stand_ins(ws))
+            return got[1]
 
         with lax.handling(*((sync,) if grad_on else ())):
             posting = ahead_ok = lax.computable_ahead()  # else the transfers run synchronously
             if self.input_fn is not None and r == 0:  # the first stage's piece, once a step
                 data = [mt.wrap(t) for mt, t in zip(x_meta, xs)]
                 with torch.set_grad_enabled(grad_on):
-                    out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
+                    with self._watch(grad_on, "input_fn"):
+                        out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
                     first = _as_layout(out, act_meta.stacked(m), "input_fn")
+                if grad_on:  # input_params differentiated or not: a closed-over value
+                    ws = [_block(lf) for lf in ip_leaves]
+                    ours = {*map(id, ws), *map(id, sync.stand_ins())}
+                    self._check_seen(first, ours, set(), "input_fn", sync)
                 # each microbatch's stage input a leaf, as given inputs are: their cotangents
                 # gather in x_grad, and input_fn's backward runs once, after the schedule, from
                 # its output's gradient edge. Each row is a copy: the output is not kept, so a
@@ -970,17 +1079,31 @@ class _Run:
                     else:
                         src = _received(inbox.pop(("F", s, mb)))
                     inp = _leaf_tensor(src, grad_on and (s > 0 or need_x))
+                    # each stage's first forward of the step: what its code takes from outside
+                    # its arguments is checked (_unseen)
+                    check = grad_on and s not in checked
                     with torch.set_grad_enabled(grad_on):
                         # an alias: the activation is an intermediate of the step, not a leaf
                         # (a pending-sum activation gets the invariant cotangent, no Claim)
                         act = act_meta.wrap(inp.view_as(inp) if inp.requires_grad else inp)
-                        out = self.stage_fn(chunks[s // pp][1], act)
+                        with self._watch(check, f"stage_fn (stage {s})"):
+                            out = self.stage_fn(chunks[s // pp][1], act)
                         out = _as_layout(out, act_meta, "stage_fn")
+                        if check:
+                            checked.add(s)
+                            ours = {id(inp), *map(id, weights(s)), *map(id, sync.stand_ins())}
+                            seen: set = set()
+                            self._check_seen(out, ours, seen, f"stage_fn (stage {s})", sync)
                         if s == last:
                             target = optree.tree_unflatten(
                                 t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
                             )
-                            loss, over = _scalar(self.loss_fn(lp_tree, act_meta.wrap(out), target))
+                            with self._watch(check, "loss_fn"):
+                                y = act_meta.wrap(out)
+                                loss, over = _scalar(self.loss_fn(lp_tree, y, target))
+                            if check:
+                                ours |= set(map(id, weights(s)))
+                                self._check_seen(loss, ours, seen, "loss_fn", sync)
                             loss = loss / m
                             if over is None:
                                 total = total + loss.detach().double()
@@ -1084,6 +1207,29 @@ class _Run:
                 g = _block(lf).grad
                 grads.append(torch.zeros_like(t) if g is None else g)
         return (summed(), *grads)
+
+    def _watch(self, check: bool, what: str):
+        """Under a ``torch.func`` grad level, the block in :class:`_NoOuterLevel` (where
+        ``check``): a tensor of that level that ``what`` takes from outside its arguments
+        would be a constant to the Function's forward."""
+        if check and self.levels:
+            return _NoOuterLevel(what)
+        return contextlib.nullcontext()
+
+    def _check_seen(self, root, ours: set, seen: set, what: str, sync: GradSync) -> None:
+        """Raise where ``root``'s graph (a stage's output, the loss, input_fn's output) reaches
+        a leaf that requires grad besides ``ours`` (ids of the leaves the pipeline made: the
+        stage input, its weights, their stand-ins) whose gradient the caller asked for
+        (:func:`_differentiated_by_caller`): the Function's backward returns gradients for
+        its inputs only, so that leaf's would be silently lost. Plain autograd only: under a
+        ``torch.func`` level such a tensor is not in the graph (:meth:`_watch`)."""
+        if self.levels or not isinstance(root, torch.Tensor) or root.grad_fn is None:
+            return
+        found = _foreign(root, ours, seen)
+        if found:
+            found = _differentiated_by_caller(found, sync)
+        if found:
+            raise _unseen(what, tuple(found[0].shape))
 
     def _sum_loss(
         self, total: torch.Tensor, pending: dict, ahead: dict, over_stages: bool = True
@@ -1668,9 +1814,10 @@ def _needs_grad(tree) -> bool:
     )
 
 
-def _refuse_transforms() -> None:
+def _refuse_transforms() -> frozenset:
     """The Function's backward returns gradients its forward computed: correct for one reverse
-    pass, constants (a silent zero) to a second one, and it has no jvp or vmap rule."""
+    pass, constants (a silent zero) to a second one, and it has no jvp or vmap rule. The
+    ``torch.func`` grad level active (the one allowed), if any."""
     stack = torch._C._functorch.get_interpreter_stack() or []
     kinds = [ci.key() for ci in stack]
     grads = sum(k == _TransformType.Grad for k in kinds)
@@ -1684,6 +1831,7 @@ def _refuse_transforms() -> None:
             "mode (jvp, jacfwd, hessian) and vmap are not available. vmap inside stage_fn "
             "instead, or differentiate the stages without the pipeline"
         )
+    return frozenset(ci.level() for ci in stack if ci.key() == _TransformType.Grad)
 
 
 def pipeline(
@@ -1762,6 +1910,10 @@ def pipeline(
         ConsistencyError: with checks on (the default), on every rank, before a transfer goes
             out, where ranks pass different plain inputs, layouts, ``schedule``, ``virtual``,
             ``axis`` or ``activation``, or some differentiate the step and others do not.
+        ValueError: at a stage's first forward of the step, where ``stage_fn``, ``loss_fn``
+            or ``input_fn`` uses a differentiated value that is not one of the pipeline's
+            arguments (one it closes over), naming the argument to pass it through: its
+            gradient would be lost (the other stages raise PeerFailed naming that error).
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
@@ -1794,7 +1946,7 @@ def pipeline(
         raise ValueError(f"pipeline: mesh must be a fshard.Mesh with axis {axis!r}, got {mesh!r}")
     if input_fn is not None:
         _check_activation(activation, mesh, axis)
-    _refuse_transforms()
+    levels = _refuse_transforms()
     pp = mesh.size(axis)
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -1841,7 +1993,7 @@ def pipeline(
         else:
             act = _Act.of_template(activation, auto)
         fns = (stage_fn, loss_fn, input_fn)
-        run = _Run(sched, g, fns, defs, metas, act, need)
+        run = _Run(sched, g, fns, defs, metas, act, need, levels)
         # Values replicated over the axis are used by one stage's rank only: pcast them, so
         # their gradient (zero on the other ranks) is summed over the axis once. Those held by
         # their stage's ranks are not: their gradient is computed where they are held. (The
