@@ -137,7 +137,7 @@ def untracked(t: torch.Tensor) -> torch.Tensor | None:
     if forward_ad._current_level >= 0 or _dynamo_compiling():
         return None
     if is_functorch_wrapped_tensor(t):
-        if any(ci.key() != TransformType.Grad for ci in get_interpreter_stack()):
+        if any(ci.key() != TransformType.Grad for ci in get_interpreter_stack() or ()):
             return None
         while is_functorch_wrapped_tensor(t):
             if t.requires_grad:

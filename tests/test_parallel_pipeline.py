@@ -613,6 +613,30 @@ def _tanh_chain(pp: int, m: int, seed: int):
     return w, x, tgt, dense
 
 
+def remat_around_rank_fn(schedule):
+    """``fs.remat`` around the whole pipelined loss (its forward recomputed in the backward,
+    under ``torch.func.vjp``: the schedule runs again there, its transfers synchronous): the
+    dense value and gradient. Was a ``TypeError: 'NoneType' object is not iterable`` from the
+    loss's sum over the stages, whose backward met a cotangent wrapped by the recompute's
+    level while the interpreter stack was cleared (``_function.untracked``)."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x, tgt, dense = _tanh_chain(2, 4, seed=3)
+
+    def loss(w):
+        return pipeline(lambda w, x: torch.tanh(x @ w), w, x, mesh, loss_fn=_square_error,
+                        targets=tgt, schedule=schedule)  # fmt: skip
+
+    value, grad = fs.value_and_grad(fs.remat(loss))(w)
+    want_value, want_grad = torch.func.grad_and_value(dense)(w)[::-1]
+    return torch.allclose(value, want_value, **TOL) and torch.allclose(grad, want_grad, **TOL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_remat_around_the_pipeline(world2, schedule):
+    assert world2.run(remat_around_rank_fn, schedule) == [True, True]
+
+
 def exchange_blocks_rank_fn(schedule):
     """A tick's ppermute takes an empty block from a rank that sends nothing and gives one to
     a rank that receives nothing (no zero-filled activation either way), with the loss,

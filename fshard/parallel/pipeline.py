@@ -75,7 +75,8 @@ Design decisions (issue 22 item 2):
 What composes: ``fs.value_and_grad``, ``torch.func.grad`` / ``vjp`` / ``grad_and_value`` (one
 level), eager ``.backward()``, dp and tp layouts on the other mesh axes (tested; an FSDP-style
 stage weight split over dp goes through the op rules' gathers, untested), ``fs.remat`` or
-``vmap`` inside ``stage_fn``. Values the functions differentiate come through the
+``vmap`` inside ``stage_fn``, ``fs.remat`` around the pipelined loss (the schedule runs again in
+the backward's recompute, its transfers synchronous there). Values the functions differentiate come through the
 pipeline's arguments: one they close over (a differentiated param, or a value computed from
 it) is refused, naming the function and the argument to pass it through, at each stage's
 first forward of a step (:func:`_foreign`, a walk of the stage's graph; :class:`_NoOuterLevel`
