@@ -87,7 +87,14 @@ def _scalar_loss(out, has_aux: bool):
 
 
 def _requires_grad(tree) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_iter(tree))
+    """Whether any tensor in ``tree`` (a ShardedArray's local block included) requires grad.
+    ShardedArrays are leaves of the walk: their pytree flatten is a Python call each."""
+    for t in pytree.tree_iter(tree, is_leaf=is_sharded):
+        if type(t) is ShardedArray:
+            t = t.local
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def _detach(tree):
