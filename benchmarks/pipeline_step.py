@@ -237,12 +237,20 @@ class _Attribution:
     one counts in the outer one only. Also the step's two ends in wall time: from
     the call to the rank's first block forward, and from its last backward of the schedule
     (not fshard's ``_top_level``) to the return: on the first stage's rank, the 1F1B critical
-    path's Python (the second stage waits for its first activation; its end is the step's)."""
+    path's Python (the second stage waits for its first activation; its end is the step's).
+    And the gaps between a rank's compute calls in wall time (each step's median, then the
+    median over rounds): between two block forwards (one stage's layers: fshard's
+    ``functional_call`` swap per layer, torch's module call), from a forward to the next backward
+    (the loss, the tick's transfers), from a backward to the next forward (its cotangent sent,
+    the next activation received), and a schedule backward's own length; on the last stage, whose
+    microbatches follow each other in 1F1B's steady state, each is paid once per microbatch on the
+    critical path (waits included: a gap that waits for the peer is long in both libraries)."""
 
     def __init__(self):
         self.acc: dict = {}
         self.inside = False
         self.first = self.last = None  # perf_counter of the first block forward, last backward
+        self.events: list = []  # ("f" | "b", enter, exit) of the blocks' forwards and backwards
 
     def wrap(self, owner, name: str, label: str | None) -> None:
         f = getattr(owner, name)
@@ -254,27 +262,43 @@ class _Attribution:
             t0 = time.thread_time()
             if label is not None and self.first is None:
                 self.first = time.perf_counter()
+            w0 = time.perf_counter()
             try:
                 return f(*args, **kwargs)
             finally:
                 self.inside = False
                 key = label or f"backward in {sys._getframe(1).f_code.co_name}"
                 self.acc[key] = self.acc.get(key, 0.0) + time.thread_time() - t0
-                if key.startswith("backward") and key != "backward in _top_level":
+                if label is not None:
+                    self.events.append(("f", w0, time.perf_counter()))
+                elif key != "backward in _top_level":
                     self.last = time.perf_counter()
+                    self.events.append(("b", w0, self.last))
 
         setattr(owner, name, counted)
 
     def step(self, step) -> tuple[dict, tuple]:
-        """``step()`` run: its buckets and its two ends (the class docstring), in ms."""
+        """``step()`` run: its buckets, and its two ends and gaps (the class docstring), in ms."""
         self.acc = {}
         self.first = self.last = None
+        self.events = []
         t0, w0 = time.thread_time(), time.perf_counter()
         step()
         total, w1 = time.thread_time() - t0, time.perf_counter()
         out = {k: v * 1e3 for k, v in self.acc.items()}
         out["rest"] = (total - sum(self.acc.values())) * 1e3
-        return out, ((self.first - w0) * 1e3, (w1 - self.last) * 1e3)
+        gaps: dict = {k: [] for k in _GAPS}
+        for (k0, _, out0), (k1, in1, _) in zip(self.events, self.events[1:]):
+            gaps[k0 + k1].append(in1 - out0)
+        gaps["b"] = [t1 - t0 for k, t0, t1 in self.events if k == "b"]
+        medians = tuple(statistics.median(gaps[k]) * 1e3 if gaps[k] else 0.0 for k in _GAPS)
+        return out, ((self.first - w0) * 1e3, (w1 - self.last) * 1e3, *medians)
+
+
+#: :class:`_Attribution`'s gaps: block forward to block forward, forward to backward, backward
+#: to forward (the keys of consecutive calls), and a backward's length; "bb" (two backwards in a
+#: row) is counted but not shown
+_GAPS = ("ff", "fb", "bf", "b", "bb")
 
 
 def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False):
@@ -489,6 +513,17 @@ def _print_attribution(configs, per_rank: list, ends: list) -> None:
             for i in (0, 1)
         ]
         print(f"{name:24s} {cells[0]:>22s} {cells[1]:>24s}")
+    print("\nthe gaps between compute calls, wall us (each step's median, median over rounds, "
+          "r0 / r1): block forward to the next, forward to backward, backward to forward; a "
+          "schedule backward's length")  # fmt: skip
+    heads = ("block -> block", "forward -> backward", "backward -> forward", "backward")
+    print(f"{'configuration':24s} " + " ".join(f"{h:>20s}" for h in heads))
+    for name, *_ in configs:
+        cells = [
+            " / ".join(f"{statistics.median(e[i] for e in per[name]) * 1e3:.0f}" for per in ends)
+            for i in range(2, 2 + len(heads))
+        ]
+        print(f"{name:24s} " + " ".join(f"{c:>20s}" for c in cells))
 
 
 if __name__ == "__main__":
