@@ -75,14 +75,14 @@ Design decisions (issue 22 item 2):
 What composes: ``fs.value_and_grad``, ``torch.func.grad`` / ``vjp`` / ``grad_and_value`` (one
 level), eager ``.backward()``, dp and tp layouts on the other mesh axes (tested; an FSDP-style
 stage weight split over dp goes through the op rules' gathers, untested), ``fs.remat`` or
-``vmap`` inside ``stage_fn``, ``fs.remat`` around the pipelined loss (the schedule runs again in
-the backward's recompute, its transfers synchronous there). Values the functions differentiate come through the
-pipeline's arguments: one they close over (a differentiated param, or a value computed from
-it) is refused, naming the function and the argument to pass it through, at each stage's
-first forward of a step (:func:`_foreign`, a walk of the stage's graph; :class:`_NoOuterLevel`
-under ``torch.func.grad``): the Function returns gradients for its inputs only, so its
-gradient was a silent zero. What does not compose, and why (``NotImplementedError`` before any
-communication): higher-order derivatives (grad of grad, ``hessian``) and forward mode
+``vmap`` inside ``stage_fn``, ``fs.remat`` around the pipelined loss (the schedule runs again
+in the backward's recompute, its transfers synchronous there). Values the functions
+differentiate come through the pipeline's arguments: one they close over (a differentiated
+param, or a value computed from it) is refused, naming the function and the argument to pass
+it through, at each stage's first forward of a step (:func:`_foreign`, a walk of the stage's
+graph; :class:`_NoOuterLevel` under ``torch.func.grad``): the Function returns gradients for
+its inputs only, so its gradient was a silent zero. What does not compose, and why
+(``NotImplementedError`` before any communication): higher-order derivatives (grad of grad, ``hessian``) and forward mode
 (``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward, which
 an outer derivative would take for constants (a silent zero); ``vmap`` of the pipeline: its
 forward is per-rank schedules of backward passes and point-to-point collectives, with no
@@ -906,9 +906,9 @@ class _Stacked(torch.Tensor):
 class _Run:
     """One pipeline call's static parts; ``__call__`` runs the schedule on the local blocks."""
 
-    def __init__(self, sched, group, fns, defs, metas, act, need, levels=frozenset()):
+    def __init__(self, sched, group, fns, defs, metas, act, need, transformed=False):
         self.sched, self.group = sched, group
-        self.levels = levels  # the torch.func grad level the call is under, if any (_watch)
+        self.transformed = transformed  # under a torch.func grad level (_watch)
         self.stage_fn, self.loss_fn, self.input_fn = fns
         self.defs, self.metas, self.need = defs, metas, need  # per input group
         self.act = act  # the stage input's local shape, dtype and layout
@@ -1213,7 +1213,7 @@ class _Run:
         """Under a ``torch.func`` grad level, the block in :class:`_NoOuterLevel` (where
         ``check``): a tensor of that level that ``what`` takes from outside its arguments
         would be a constant to the Function's forward."""
-        if check and self.levels:
+        if check and self.transformed:
             return _NoOuterLevel(what)
         return contextlib.nullcontext()
 
@@ -1224,7 +1224,7 @@ class _Run:
         (:func:`_differentiated_by_caller`): the Function's backward returns gradients for
         its inputs only, so that leaf's would be silently lost. Plain autograd only: under a
         ``torch.func`` level such a tensor is not in the graph (:meth:`_watch`)."""
-        if self.levels or not isinstance(root, torch.Tensor) or root.grad_fn is None:
+        if self.transformed or not isinstance(root, torch.Tensor) or root.grad_fn is None:
             return
         found = _foreign(root, ours, seen)
         if found:
@@ -1815,10 +1815,10 @@ def _needs_grad(tree) -> bool:
     )
 
 
-def _refuse_transforms() -> frozenset:
+def _refuse_transforms() -> bool:
     """The Function's backward returns gradients its forward computed: correct for one reverse
-    pass, constants (a silent zero) to a second one, and it has no jvp or vmap rule. The
-    ``torch.func`` grad level active (the one allowed), if any."""
+    pass, constants (a silent zero) to a second one, and it has no jvp or vmap rule. Whether a
+    ``torch.func`` grad level (the one allowed) is active."""
     stack = torch._C._functorch.get_interpreter_stack() or []
     kinds = [ci.key() for ci in stack]
     grads = sum(k == _TransformType.Grad for k in kinds)
@@ -1832,7 +1832,7 @@ def _refuse_transforms() -> frozenset:
             "mode (jvp, jacfwd, hessian) and vmap are not available. vmap inside stage_fn "
             "instead, or differentiate the stages without the pipeline"
         )
-    return frozenset(ci.level() for ci in stack if ci.key() == _TransformType.Grad)
+    return grads == 1
 
 
 def pipeline(
@@ -1947,7 +1947,7 @@ def pipeline(
         raise ValueError(f"pipeline: mesh must be a fshard.Mesh with axis {axis!r}, got {mesh!r}")
     if input_fn is not None:
         _check_activation(activation, mesh, axis)
-    levels = _refuse_transforms()
+    transformed = _refuse_transforms()
     pp = mesh.size(axis)
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -1994,7 +1994,7 @@ def pipeline(
         else:
             act = _Act.of_template(activation, auto)
         fns = (stage_fn, loss_fn, input_fn)
-        run = _Run(sched, g, fns, defs, metas, act, need, levels)
+        run = _Run(sched, g, fns, defs, metas, act, need, transformed)
         # Values replicated over the axis are used by one stage's rank only: pcast them, so
         # their gradient (zero on the other ranks) is summed over the axis once. Those held by
         # their stage's ranks are not: their gradient is computed where they are held. (The
