@@ -637,6 +637,52 @@ def test_remat_around_the_pipeline(world2, schedule):
     assert world2.run(remat_around_rank_fn, schedule) == [True, True]
 
 
+def autocast_rank_fn():
+    """Under ``torch.autocast`` a stage computes in bfloat16 and returns a bfloat16 activation
+    where the pipeline's transfers carry float32 (its input's dtype): refused, the error now
+    saying autocast did it and what to do; the stage that returns ``.to(x.dtype)`` (one of the
+    fixes it names) gives dense autocast's loss and gradient (the casts are exact both ways)."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x, tgt, _ = _tanh_chain(2, 4, seed=5)
+
+    def loss(w, cast):
+        def stage(w, x):
+            y = torch.tanh(x @ w)
+            return y.to(x.dtype) if cast else y
+
+        return pipeline(stage, w, x, mesh, loss_fn=lambda _, y, t: ((y.float() - t) ** 2).sum(),
+                        targets=tgt, schedule="1f1b")  # fmt: skip
+
+    def dense(w):
+        total = 0
+        for k in range(4):
+            y = x[k]
+            for s in range(2):
+                y = torch.tanh(y @ w[s])
+            total = total + ((y.float() - tgt[k]) ** 2).sum()
+        return total / 4
+
+    out = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value, grad = fs.value_and_grad(loss)(w, True)
+        want_grad, want_value = torch.func.grad_and_value(dense)(w)
+        # (the microbatches' sums in another order: not bitwise)
+        out.append(
+            torch.allclose(value, want_value, **TOL) and torch.allclose(grad, want_grad, **TOL)
+        )
+        try:  # last: the failing stage gives the group up
+            fs.value_and_grad(loss)(w, False)
+        except (ValueError, fs.mesh.PeerFailed) as e:
+            out.append((type(e).__name__, "torch.autocast is on" in str(e)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_autocast_is_named_in_the_dtype_refusal(world2):
+    assert world2.run(autocast_rank_fn) == [[True, ("ValueError", True)],
+                                            [True, ("PeerFailed", True)]]  # fmt: skip
+
+
 def exchange_blocks_rank_fn(schedule):
     """A tick's ppermute takes an empty block from a rank that sends nothing and gives one to
     a rank that receives nothing (no zero-filled activation either way), with the loss,

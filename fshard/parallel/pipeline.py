@@ -1550,7 +1550,7 @@ def _as_layout(out, act: _Act, what: str) -> torch.Tensor:
         if act.layout is None or (out.layout.shape, out.dtype) != (shape, act.dtype):
             raise ValueError(
                 f"{what} must return {whose} shape and dtype {shape} {act.dtype}, got "
-                f"{tuple(out.shape)} {out.dtype}"
+                f"{tuple(out.shape)} {out.dtype}{_autocast_hint(out, act.dtype)}"
             )
         return reshard_one(out, act.layout.spec).local
     if not isinstance(out, torch.Tensor):
@@ -1558,9 +1558,24 @@ def _as_layout(out, act: _Act, what: str) -> torch.Tensor:
     if tuple(out.shape) != act.shape or out.dtype != act.dtype:
         raise ValueError(
             f"{what} must return {whose} shape and dtype {act.shape} {act.dtype}, got "
-            f"{tuple(out.shape)} {out.dtype}"
+            f"{tuple(out.shape)} {out.dtype}{_autocast_hint(out, act.dtype)}"
         )
     return out
+
+
+def _autocast_hint(out: torch.Tensor, want: torch.dtype) -> str:
+    """Where ``torch.autocast`` made the output's dtype: what to do instead (every transfer
+    buffer has the activation's one dtype)."""
+    device = out.device.type
+    if out.dtype == want or not torch.is_autocast_enabled(device):
+        return ""
+    if out.dtype != torch.get_autocast_dtype(device):
+        return ""
+    return (
+        f" (torch.autocast is on and computed it in {out.dtype}: give the pipeline "
+        f"{out.dtype} activations, return out.to({want}) from the stage, or use fshard's "
+        "mixed precision, fs.nn.MixedPrecisionPolicy, instead of autocast)"
+    )
 
 
 def _scalar(loss) -> tuple[torch.Tensor, AxisGroup | None]:
