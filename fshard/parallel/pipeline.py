@@ -82,11 +82,11 @@ param, or a value computed from it) is refused, naming the function and the argu
 it through, at each stage's first forward of a step (:func:`_foreign`, a walk of the stage's
 graph; :class:`_NoOuterLevel` under ``torch.func.grad``): the Function returns gradients for
 its inputs only, so its gradient was a silent zero. What does not compose, and why
-(``NotImplementedError`` before any communication): higher-order derivatives (grad of grad, ``hessian``) and forward mode
-(``jvp``, ``jacfwd``): the Function's backward returns gradients computed in its forward, which
-an outer derivative would take for constants (a silent zero); ``vmap`` of the pipeline: its
-forward is per-rank schedules of backward passes and point-to-point collectives, with no
-batching rule.
+(``NotImplementedError`` before any communication): higher-order derivatives (grad of grad,
+``hessian``) and forward mode (``jvp``, ``jacfwd``): the Function's backward returns gradients
+computed in its forward, which an outer derivative would take for constants (a silent zero);
+``vmap`` of the pipeline: its forward is per-rank schedules of backward passes and
+point-to-point collectives, with no batching rule.
 
 Failures: a stage that raises (``stage_fn``, ``loss_fn`` or ``input_fn``, at any tick) gives
 the ``axis`` group up (:func:`fshard._comm.abandon`: its error posted in the c10d store, its Gloo
@@ -1022,6 +1022,11 @@ class _Run:
         listed: dict = {}  # stage -> (stand-ins made when read, weights(stage))
         checked: set = set()  # the stages whose first forward of the step was checked
 
+        def made_here(*leaves) -> set:
+            """The ids of ``leaves`` (this step's) and of every stand-in the reducer has made:
+            what a graph of the step may reach (:meth:`_check_seen`)."""
+            return {*map(id, leaves), *map(id, sync.stand_ins())}
+
         def weights(s: int) -> list:
             """The leaves whose gradients stage ``s`` accumulates (in their ``.grad``): its
             weights and their pcasts' stand-ins. Read once per stage while no stand-in is
@@ -1045,8 +1050,7 @@ class _Run:
                         out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
                     first = _as_layout(out, act_meta.stacked(m), "input_fn")
                 if grad_on:  # input_params differentiated or not: a closed-over value
-                    ws = [_block(lf) for lf in ip_leaves]
-                    ours = {*map(id, ws), *map(id, sync.stand_ins())}
+                    ours = made_here(*(_block(lf) for lf in ip_leaves))
                     self._check_seen(first, ours, set(), "input_fn", sync)
                 # each microbatch's stage input a leaf, as given inputs are: their cotangents
                 # gather in x_grad, and input_fn's backward runs once, after the schedule, from
@@ -1092,8 +1096,8 @@ class _Run:
                         out = _as_layout(out, act_meta, "stage_fn")
                         if check:
                             checked.add(s)
-                            ours = {id(inp), *map(id, weights(s)), *map(id, sync.stand_ins())}
-                            seen: set = set()
+                            seen: set = set()  # the stage's nodes, not walked again for the loss
+                            ours = made_here(inp, *weights(s))
                             self._check_seen(out, ours, seen, f"stage_fn (stage {s})", sync)
                         if s == last:
                             target = optree.tree_unflatten(
@@ -1102,8 +1106,8 @@ class _Run:
                             with self._watch(check, "loss_fn"):
                                 y = act_meta.wrap(out)
                                 loss, over = _scalar(self.loss_fn(lp_tree, y, target))
-                            if check:
-                                ours |= set(map(id, weights(s)))
+                            if check:  # with the stand-ins loss_fn's pcasts made
+                                ours = made_here(inp, *weights(s))
                                 self._check_seen(loss, ours, seen, "loss_fn", sync)
                             loss = loss / m
                             if over is None:
