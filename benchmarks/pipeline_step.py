@@ -1,14 +1,18 @@
 """Pipeline schedules on 2 local Gloo ranks (pp=2, CPU): step time and peak memory of
 ``fs.parallel.pipeline``'s GPipe, 1F1B, interleaved 1F1B and ZB-H1 next to
-``torch.distributed.pipelining``'s ScheduleGPipe and Schedule1F1B, on the same model and the
-same microbatches.
+``torch.distributed.pipelining``'s ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B, on
+the same model and the same microbatches, with torch's two zero-bubble schedules
+(ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble, 2 stages a rank: torch has no ZB-H1)
+as the measure of what splitting the backward gains at the size run.
 
     python benchmarks/pipeline_step.py [--layers 4] [--dim 64] [--ctx 32] [--batch 8] [--mb 4]
-        [--interleave ROUNDS [--attribute]]
+        [--interleave ROUNDS [--attribute] | --calls [--steps N]]
 
 The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
-head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``. fshard's stages are the
+head, the loss ``F.cross_entropy`` in the schedule's ``loss_fn``; with 2 stages a rank, 4 stages of
+``layers / 4`` blocks each, the ends as above: stages 0 and 2 on rank 0, 1 and 3 on rank 1 (ZBV's
+V: 0 and 3 on rank 0, 1 and 2 on rank 1). fshard's stages are the
 blocks stacked over ``pp`` (``fs.parallel.stack_stages``), the embeddings in ``input_fn`` (on
 rank 0 only, as torch's), the final norm, head and loss in ``loss_fn``, each end's params held
 by its rank only (``fs.parallel.on_stage``, as torch's stage modules hold them); a stage runs its
@@ -37,7 +41,10 @@ rank's main-thread CPU time a step in buckets (:class:`_Attribution`: the blocks
 both libraries run on the same modules, each backward by who called it, the rest), to tell the
 compute the libraries share from their own costs, and the step's two ends in wall time (the call
 to the first block forward, the schedule's last backward to the return: on rank 0, the 1F1B
-critical path's Python). Comparing two versions
+critical path's Python). ``--calls`` counts each configuration's Python calls a step and rank
+(cProfile's count, C functions included) by source: where the compute is small (the default
+size) a step's Python is what separates the libraries, and a count does not move with the
+machine's load as a time does. Comparing two versions
 of fshard: run it from each checkout's directory with ``PYTHONPATH`` set to it, in turn (the
 ranks' fork server puts its working directory first on their ``sys.path``; it prints the
 ranks' fshard).
@@ -66,6 +73,9 @@ from fshard.launch import World  # noqa: E402
 CONFIGS = [
     ("torch GPipe", "torch", "gpipe", 1),
     ("torch 1F1B", "torch", "1f1b", 1),
+    ("torch interleaved v=2", "torch", "interleaved", 2),
+    ("torch interleaved ZB v=2", "torch", "izb", 2),
+    ("torch ZBV v=2", "torch", "zbv", 2),
     ("fshard gpipe", "fshard", "gpipe", 1),
     ("fshard 1f1b", "fshard", "1f1b", 1),
     ("fshard interleaved v=2", "fshard", "interleaved", 2),
@@ -80,6 +90,17 @@ class _First(nn.Module):
 
     def forward(self, tokens):
         x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _Middle(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
         for b in self.blocks:
             x = b(x)
         return x
@@ -138,21 +159,48 @@ def _ce(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _torch_step(gpt, schedule, tokens, targets, mb):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _torch_step(gpt, schedule, virtual, tokens, targets, mb):
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
-    rank, half = dist.get_rank(), len(gpt.blocks) // 2
-    module = _First(gpt, gpt.blocks[:half]) if rank == 0 else _Last(gpt, gpt.blocks[half:])
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, n_microbatches=mb, loss_fn=_ce)
+    # stage j * 2 + rank on this rank (fshard's order: fs.parallel.stage_order; ZBV's V: 0
+    # and 3 on rank 0, 1 and 2 on rank 1), each of layers / (2 * virtual) blocks; the first
+    # also embeds, the last also norms and projects
+    rank, stages = dist.get_rank(), 2 * virtual
+    per = len(gpt.blocks) // stages
+    held = [(0, 3), (1, 2)][rank] if schedule == "zbv" else range(rank, stages, 2)
+    modules = []
+    for s in held:
+        blocks = gpt.blocks[s * per : (s + 1) * per]
+        if s == 0:
+            modules.append(_First(gpt, blocks))
+        elif s == stages - 1:
+            modules.append(_Last(gpt, blocks))
+        else:
+            modules.append(_Middle(blocks))
+    built = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(modules, held)]
+    kind = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved": ScheduleInterleaved1F1B,
+        "izb": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+    }[schedule]
+    sched = kind(built if virtual > 1 else built[0], n_microbatches=mb, loss_fn=_ce)
+    first, last = 0 in held, stages - 1 in held
 
     def step():
-        module.zero_grad(set_to_none=True)
-        if rank == 0:
-            sched.step(tokens)
-        else:
-            sched.step(target=targets, losses=[])
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        args = (tokens,) if first else ()
+        kwargs = {"target": targets, "losses": []} if last else {}
+        sched.step(*args, **kwargs)
 
     return step
 
@@ -223,16 +271,17 @@ def _step(lib, schedule, virtual, layers, dim, ctx, batch, mb):
     ids = torch.randint(0, 256, (batch, ctx + 1), generator=gen)
     tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     if lib == "torch":
-        return _torch_step(gpt, schedule, tokens, targets, mb)
+        return _torch_step(gpt, schedule, virtual, tokens, targets, mb)
     return _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
 
 
 class _Attribution:
     """Main-thread CPU time of a step in buckets (``--attribute``): the GPT blocks' forward
     (``Block.forward``, the same modules in both libraries), each ``torch.autograd.backward``
-    by its caller's function (torch's ``stage_backward``; fshard's ``_steps``, a stage's
-    backward per microbatch and ``input_fn``'s, and ``_top_level``, ``fs.value_and_grad``'s
-    backward through the pipeline's Function), and the rest of the step (schedule, transfers,
+    (or ``torch.autograd.grad``: the zero-bubble schedules' split backward) by its caller's
+    function (torch's ``stage_backward``; fshard's ``_steps``, a stage's backward per
+    microbatch and ``input_fn``'s, and ``_top_level``, ``fs.value_and_grad``'s backward
+    through the pipeline's Function), and the rest of the step (schedule, transfers,
     loss and embedding forwards, each library's own bookkeeping). A call inside another counted
     one counts in the outer one only. Also the step's two ends in wall time: from
     the call to the rank's first block forward, and from its last backward of the schedule
@@ -316,6 +365,7 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False
     if attribution is not None:
         attribution.wrap(tg.Block, "forward", "blocks forward")
         attribution.wrap(torch.autograd, "backward", None)
+        attribution.wrap(torch.autograd, "grad", None)  # the zero-bubble schedules' split
     steps = {c[0]: _step(*c[1:], layers, dim, ctx, batch, mb) for c in configs}
     for step in steps.values():
         for _ in range(2):
@@ -342,6 +392,46 @@ def interleaved_fn(configs, layers, dim, ctx, batch, mb, rounds, attribute=False
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             wall[name].append(float(dt))
     return wall, cpu, str(Path(fs.__file__).parent), buckets, faults, ends
+
+
+def calls_fn(configs, layers, dim, ctx, batch, mb, steps):
+    """``--calls``: per configuration, the Python function calls (C functions included) this
+    rank makes a step, counted by ``cProfile`` over ``steps`` steps after two warm-up steps:
+    ``(calls a step, {source: calls a step})``, sources an fshard module's path, a torch
+    file's path under ``torch/``, or ``builtins`` (the C functions). A count, not a time: it
+    does not move with the machine's load, and a step's Python costs about in proportion to
+    it (what separates the libraries where the compute is small)."""
+    import cProfile
+    import pstats
+
+    import train_gpt as tg  # noqa: F401  (the model's module, imported before the counts)
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, *cfg in configs:
+        step = _step(*cfg, layers, dim, ctx, batch, mb)
+        for _ in range(2):
+            step()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        per: dict = {}
+        for (path, _, _), row in pstats.Stats(prof).stats.items():
+            if path == "~":
+                source = "builtins"
+            elif "/fshard/" in path:
+                source = "fshard/" + path.rsplit("/fshard/", 1)[1]
+            elif "/torch/" in path:
+                source = "torch/" + path.rsplit("/torch/", 1)[1]
+            else:
+                source = Path(path).name
+            per[source] = per.get(source, 0) + row[1] / steps
+        out[name] = (sum(per.values()), per)
+        dist.barrier()
+    return out
 
 
 def rank_fn(lib, schedule, virtual, layers, dim, ctx, batch, mb, steps, reps):
@@ -382,7 +472,7 @@ def main(argv=None):
         metavar="ROUNDS",
         help="instead: every configuration in one pair of ranks, one step each in turn for "
         "ROUNDS rounds; prints the step time (slowest rank) and its per-round ratio to "
-        "torch's same schedule (GPipe for interleaved v=2; both 1F1Bs for ZB-H1), and each "
+        "torch's same schedule (both 1F1Bs for ZB-H1), and each "
         "rank's process CPU ms a step, the measure to use on a shared machine",
     )
     ap.add_argument(
@@ -397,9 +487,17 @@ def main(argv=None):
         help="with --interleave: the fshard configurations to run (torch's always run), e.g. "
         "'fshard 1f1b' 'fshard zb (ZB-H1)'",
     )
+    ap.add_argument(
+        "--calls",
+        action="store_true",
+        help="instead: each configuration's Python calls a step and rank (cProfile's count, "
+        "C functions included, over --steps steps), by source; a count, not a time",
+    )
     a = ap.parse_args(argv)
     if a.layers % 4 or a.batch % a.mb or a.mb % 2:
         ap.error("--layers must divide by 4, --batch by --mb, --mb by 2")
+    if a.calls:
+        return _calls(a)
     if a.interleave:
         return _interleaved(a)
     rows = []
@@ -429,14 +527,37 @@ def main(argv=None):
               f"(theory {s.theory_bubble:.3f})  peak stash per rank {s.peak_stash}")  # fmt: skip
 
 
-#: each schedule's reference in ``--interleave``: torch's same schedule (GPipe for interleaved,
-#: which torch has as ScheduleInterleaved1F1B over other stage modules), and for ZB-H1 both 1F1Bs
+#: each schedule's reference in ``--interleave``: torch's same schedule, and for ZB-H1 (which
+#: torch has only interleaved or V-shaped) both 1F1Bs
 _REFS = {
     "gpipe": ("torch GPipe",),
     "1f1b": ("torch 1F1B",),
-    "interleaved": ("torch GPipe",),
+    "interleaved": ("torch interleaved v=2",),
+    "izb": ("torch interleaved v=2",),
+    "zbv": ("torch interleaved v=2",),
     "zb": ("torch 1F1B", "fshard 1f1b"),
 }
+
+
+def _calls(a) -> None:
+    configs = [c for c in CONFIGS if not a.only or c[0] in a.only or c[1] == "torch"]
+    world = World(2, timeout=1800)
+    try:
+        res = world.run(calls_fn, configs, a.layers, a.dim, a.ctx, a.batch, a.mb, a.steps)
+    finally:
+        world.close()
+    print(f"pp=2, GPT layers={a.layers} d_model={a.dim} ctx={a.ctx}, batch {a.batch} in "
+          f"{a.mb} microbatches; Python calls a step and rank (cProfile, {a.steps} steps), "
+          "r0 / r1, and the sources with the most calls (both ranks' mean)")  # fmt: skip
+    for name, *_ in configs:
+        totals = " / ".join(f"{r[name][0]:.0f}" for r in res)
+        print(f"{name:24s} {totals:>15s}")
+        mean: dict = {}
+        for r in res:
+            for source, n in r[name][1].items():
+                mean[source] = mean.get(source, 0) + n / len(res)
+        top = sorted(mean.items(), key=lambda kv: -kv[1])[:8]
+        print("    " + ", ".join(f"{source} {n:.0f}" for source, n in top))
 
 
 def _interleaved(a) -> None:
@@ -472,7 +593,7 @@ def _interleaved(a) -> None:
         return sum(statistics.median(c[name]) for c in cpus)
 
     for name, _, schedule, _ in configs:
-        refs = [r for r in _REFS[schedule] if r in wall and r != name] if name[0] == "f" else []
+        refs = [r for r in _REFS[schedule] if r in wall and r != name]
         ratios = [
             f"{statistics.median(x / y for x, y in zip(wall[name], wall[r])):.3f}x {r}"
             for r in refs
