@@ -405,12 +405,17 @@ def closed_over_rank_fn(where, how):
     function uses it raises a ValueError naming that function and the argument to pass it
     through; the other rank raises PeerFailed naming that error, at once. ``where`` says which
     function closes over ``k``; the loss is ``mean_m(k^a w0 w1 x_m)`` with every ``x_m``
-    through the functions."""
+    through the functions. ``"vjp in stage_fn"``: ``stage_fn`` uses ``k`` only inside a
+    ``torch.func.vjp`` of its own, whose level reuses the number of the outer
+    ``torch.func.grad``'s (popped while the pipeline's Function runs): inside it ``k`` counted
+    as that vjp's own, and d/dk was silently 0 under ``torch.func.grad`` too."""
     mesh = fs.Mesh.create((2,), ("pp",))
     w, x, k = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1), torch.tensor([1.5])
 
     def loss(w, k):
         stage = (lambda w, x: w * x * k) if where == "stage_fn" else (lambda w, x: w * x)
+        if where == "vjp in stage_fn":
+            stage = lambda w, x: torch.func.vjp(lambda h: h * k, w * x)[0]  # noqa: E731
         kw = {"input_fn": lambda e, mb: mb * k, "input_params": torch.ones(()),
               "activation": torch.empty(1)} if where == "input_fn" else {}  # fmt: skip
         scale = k if where == "loss_fn" else 1.0
@@ -424,20 +429,20 @@ def closed_over_rank_fn(where, how):
         else:
             torch.func.grad(lambda w, k: fs.gather(loss(w, k)), argnums=(0, 1))(w, k)
     except Exception as e:  # noqa: BLE001 (each rank's error is the result)
-        text = str(e)
-        named = f"pipeline: {where} " in text
+        text, fn = str(e), where.split()[-1]
+        named = f"pipeline: {fn} " in text
         if isinstance(e, ValueError):  # the fix: the argument to pass it through
             named = named and {"stage_fn": "stage_params", "loss_fn": "loss_params",
-                               "input_fn": "input_params"}[where] in text  # fmt: skip
+                               "input_fn": "input_params"}[fn] in text  # fmt: skip
         return type(e).__name__, named, time.perf_counter() - start < 15
     return "no error"
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["value_and_grad", "func.grad"])
-@pytest.mark.parametrize("where", ["stage_fn", "loss_fn", "input_fn"])
+@pytest.mark.parametrize("where", ["stage_fn", "loss_fn", "input_fn", "vjp in stage_fn"])
 def test_a_closed_over_differentiated_value_is_refused(world2, where, how):
-    user = {"stage_fn": 0, "loss_fn": 1, "input_fn": 0}[where]  # the rank that sees it first
+    user = 1 if where == "loss_fn" else 0  # the rank that sees it first
     got = world2.run(closed_over_rank_fn, where, how)
     assert got[user] == ("ValueError", True, True)
     assert got[1 - user] == ("PeerFailed", True, True)
@@ -490,6 +495,62 @@ def test_a_closed_over_constant_is_a_constant(world2):
     got = world2.run(closed_over_constant_rank_fn)
     assert got[0] == [True, True, True, True, ("ValueError", True)]
     assert got[1] == [True, True, True, True, ("PeerFailed", True)]
+
+
+#: stage functions with grad transforms of their own, over what they are given or make
+_OWN_TRANSFORMS = {
+    "vjp": lambda w, x: torch.func.vjp(lambda h: h.sin(), w * x)[0],
+    "vjp of a param": lambda w, x: torch.func.vjp(lambda v: v * x, w)[0],
+    "vjps chained": lambda w, x: torch.func.vjp(
+        lambda h: h.sin(), torch.func.vjp(lambda h: h * w, x)[0]
+    )[0],
+    "vjp_fn after the vjp": lambda w, x: (
+        x * w + torch.func.vjp(lambda h: h * h, x * w)[1](torch.ones_like(x))[0]
+    ),
+    "grad": lambda w, x: x * w + torch.func.grad(lambda h: (h * h).sum())(x * w),
+    "remat": lambda w, x: fs.remat(lambda h: (h * w).sin())(x),
+    "vmap": lambda w, x: torch.vmap(lambda r: r * w[0])(x),
+    "a constant in a vjp": lambda w, x: torch.func.vjp(lambda h: h * _K, w * x)[0],
+    "a constant, detached, as a vjp's primal": lambda w, x: (
+        w * x * torch.func.vjp(lambda k: k * 2, _K.detach())[0]
+    ),
+}
+_K = torch.tensor([1.5])
+
+
+def own_transforms_rank_fn():
+    """``stage_fn`` running grad transforms of its own (``torch.func.vjp`` / ``grad``,
+    ``fs.remat``, ``vmap``) on its arguments and what it computes: each gradient equal to the
+    dense one under ``fs.value_and_grad`` and ``torch.func.grad``. Under ``torch.func.grad``
+    their levels reuse the outer one's number, which the closed-over-value check reads; the
+    ``vjp_fn`` called after its vjp returned met a wrapper of a level no longer live and was
+    refused as a closed-over value before the check read dead wrappers."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w, x = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1) + 1
+    out = {}
+    for name, stage in _OWN_TRANSFORMS.items():
+
+        def dense(w, stage=stage):
+            y = x
+            for i in range(2):
+                y = stage(w[i], y)
+            return y.sum() / 4  # the pipeline's loss: the microbatches' mean
+
+        def run(w, stage=stage):
+            return pipeline(stage, w, x, mesh, loss_fn=lambda _, y, t: (y * t).sum(),
+                            targets=torch.ones(4, 1), schedule="1f1b")  # fmt: skip
+
+        want = torch.func.grad(dense)(w)
+        got_vg = fs.value_and_grad(run)(w)[1]
+        got_func = torch.func.grad(lambda w: fs.gather(run(w)))(w)
+        out[name] = torch.allclose(got_vg, want) and torch.allclose(got_func, want)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_stages_own_transforms_equal_dense(world2):
+    got = world2.run(own_transforms_rank_fn)
+    assert got == [dict.fromkeys(_OWN_TRANSFORMS, True)] * 2
 
 
 class _Passes(torch.utils._python_dispatch.TorchDispatchMode):

@@ -135,6 +135,7 @@ import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
 from torch._C._functorch import get_unwrapped as _unwrapped
+from torch._C._functorch import is_dead_tensor_wrapper as _is_dead
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
 from torch._C._functorch import is_gradtrackingtensor as _is_grad_tracking
 from torch._C._functorch import maybe_get_level as _level_of
@@ -795,31 +796,73 @@ class _NoOuterLevel(torch.overrides.TorchFunctionMode):
     value or one computed from it: a grad-tracking wrapper, under any wrappers of the block's
     own transforms, e.g. a ``vmap`` inside ``stage_fn``) as an argument of any torch function
     the block calls. The pipeline's Function runs its forward with that level off the
-    interpreter stack, where such a tensor taken from outside the Function's inputs (a value
-    ``stage_fn`` closes over) counts as a constant: its gradient would be a silent zero. A
-    grad level of the block's own (``fs.remat``'s vjp) is on the stack: its tensors pass.
-    (Level numbers are reused below the popped level, so a tensor's level is read against the
-    live grad levels, not against the outer one's number.)"""
+    interpreter stack (alive, not on it), where such a tensor taken from outside the Function's
+    inputs (a value ``stage_fn`` closes over) counts as a constant: its gradient would be a
+    silent zero.
 
-    def __init__(self, what: str):
+    Level numbers are reused below the popped level: a grad transform of the block's own
+    (``torch.func.vjp`` or ``fs.remat`` inside ``stage_fn``) gets the popped level's number, and
+    inside it such a tensor counts as one of its own (its gradient silently lost). So a
+    grad-tracking tensor of a level that was not live when the block began must have been made
+    inside the block: it, or a tensor it wraps, is one of ``given`` (the block's arguments) or
+    was returned by a torch function the block called (recorded here). The same holds for one of
+    a level no longer live, unless that level has ended (a dead wrapper, which functorch reads
+    as the tensor it wraps: a transform of the block's own that returned, whose ``vjp_fn`` the
+    block calls afterwards, or one from outside, a constant). A tensor from outside the block
+    that the block's own transform differentiates without an op first
+    (``torch.func.vjp(f, closed_over)``) is refused too; ``.detach()`` or passing it in makes it
+    the block's."""
+
+    def __init__(self, what: str, given=()):
         super().__init__()
         self.what = what
+        self.entry = _live_grad_levels()  # the block's own grad levels are the others
+        self.made: set = set()  # ids of what the block was given or a torch function made
+        for leaf in optree.tree_leaves(given, is_leaf=is_sharded):
+            t = leaf.local if type(leaf) is ShardedArray else leaf
+            self._record(t)
+            self._record(getattr(t, "rows", ()))  # a _Stacked weight's rows: its w[i]
+
+    def _record(self, out) -> None:
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            while isinstance(t, torch.Tensor):
+                self.made.add(id(t))
+                # an output of the block's own transform: what the transform will hand back
+                # unwrapped is the block's too
+                t = _unwrapped(t) if _is_wrapped(t) else None
+
+    def _made_here(self, t: torch.Tensor) -> bool:
+        while isinstance(t, torch.Tensor):
+            if id(t) in self.made:
+                return True
+            t = _unwrapped(t) if _is_wrapped(t) else None
+        return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        live = None
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 if type(t) is ShardedArray:
                     t = t.local
                 while isinstance(t, torch.Tensor) and _is_wrapped(t):
-                    if (
-                        _is_grad_tracking(t)
-                        and t.requires_grad  # the transform's other inputs are lifted too
-                        and _level_of(t) not in _live_grad_levels()
-                    ):
-                        raise _unseen(self.what, tuple(t.shape))
+                    # requires_grad: the transform's other inputs are lifted too
+                    if _is_grad_tracking(t) and t.requires_grad:
+                        live = _live_grad_levels() if live is None else live
+                        level = _level_of(t)
+                        if level in live:
+                            foreign = level not in self.entry and not self._made_here(t)
+                        else:
+                            foreign = not _is_dead(t) and not self._made_here(t)
+                        if foreign:
+                            raise _unseen(self.what, tuple(t.shape))
                     t = _unwrapped(t)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if type(out) is torch.Tensor and not _is_wrapped(out):  # most ops: one add
+            self.made.add(id(out))
+        else:
+            self._record(out)
+        return out
 
 
 def _live_grad_levels() -> set:
@@ -1046,8 +1089,9 @@ class _Run:
             if self.input_fn is not None and r == 0:  # the first stage's piece, once a step
                 data = [mt.wrap(t) for mt, t in zip(x_meta, xs)]
                 with torch.set_grad_enabled(grad_on):
-                    with self._watch(grad_on, "input_fn"):
-                        out = self.input_fn(ip_tree, optree.tree_unflatten(x_def, data))
+                    given = (ip_tree, optree.tree_unflatten(x_def, data))
+                    with self._watch(grad_on, "input_fn", given):
+                        out = self.input_fn(*given)
                     first = _as_layout(out, act_meta.stacked(m), "input_fn")
                 if grad_on:  # input_params differentiated or not: a closed-over value
                     ours = made_here(*(_block(lf) for lf in ip_leaves))
@@ -1091,8 +1135,9 @@ class _Run:
                         # an alias: the activation is an intermediate of the step, not a leaf
                         # (a pending-sum activation gets the invariant cotangent, no Claim)
                         act = act_meta.wrap(inp.view_as(inp) if inp.requires_grad else inp)
-                        with self._watch(check, f"stage_fn (stage {s})"):
-                            out = self.stage_fn(chunks[s // pp][1], act)
+                        given = (chunks[s // pp][1], act)
+                        with self._watch(check, f"stage_fn (stage {s})", given):
+                            out = self.stage_fn(*given)
                         out = _as_layout(out, act_meta, "stage_fn")
                         if check:
                             checked.add(s)
@@ -1103,9 +1148,9 @@ class _Run:
                             target = optree.tree_unflatten(
                                 t_def, [mt.wrap(tt[mb]) for mt, tt in zip(t_meta, targets)]
                             )
-                            with self._watch(check, "loss_fn"):
-                                y = act_meta.wrap(out)
-                                loss, over = _scalar(self.loss_fn(lp_tree, y, target))
+                            given = (lp_tree, act_meta.wrap(out), target)
+                            with self._watch(check, "loss_fn", given):
+                                loss, over = _scalar(self.loss_fn(*given))
                             if check:  # with the stand-ins loss_fn's pcasts made
                                 ours = made_here(inp, *weights(s))
                                 self._check_seen(loss, ours, seen, "loss_fn", sync)
@@ -1213,12 +1258,12 @@ class _Run:
                 grads.append(torch.zeros_like(t) if g is None else g)
         return (summed(), *grads)
 
-    def _watch(self, check: bool, what: str):
+    def _watch(self, check: bool, what: str, given: tuple):
         """Under a ``torch.func`` grad level, the block in :class:`_NoOuterLevel` (where
         ``check``): a tensor of that level that ``what`` takes from outside its arguments
-        would be a constant to the Function's forward."""
+        (``given``) would be a constant to the Function's forward."""
         if check and self.transformed:
-            return _NoOuterLevel(what)
+            return _NoOuterLevel(what, given)
         return contextlib.nullcontext()
 
     def _check_seen(self, root, ours: set, seen: set, what: str, sync: GradSync) -> None:
