@@ -1823,6 +1823,44 @@ def test_parallelize_remat_with_fsdp_under_torch_func_matches_dense(world4):
         assert max(worsts) < 1e-4, worsts
 
 
+def remat_pp_torch_func_rank_fn() -> list:
+    """parallelize(remat=True) with pp=2 (x dp_shard=2, x tp=2) on a transformers Llama, one
+    step under torch.func.grad_and_value: the worst difference from dense. Each decoder layer's
+    fs.remat is a grad transform of the stage's own inside the pipeline, whose level reuses the
+    number of the outer torch.func.grad's (popped while the pipeline's Function runs): the
+    closed-over-value check passes what the layer's vjp wraps, the stage's own tensors."""
+    worsts = []
+    for degrees in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "tp": 2}):
+        model = _hf_model("llama")
+        dims = fs.parallel.ParallelDims(**degrees)
+        params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=True)
+        ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+        grads, value = torch.func.grad_and_value(loss)(params, {"input_ids": ids})
+        for g, p in zip(fs.tree_leaves(grads), fs.tree_leaves(params)):
+            assert g.layout == p.layout
+
+        def dense_loss(ps, model=model, ids=ids):
+            kwargs = {"labels": ids, "use_cache": False}
+            return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+        dense = {k: p.detach() for k, p in model.named_parameters()}
+        want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+        worst = abs(float(value) - float(want_value))
+        got = _by_name(grads, dims)
+        assert set(got) == set(want)
+        for k, g in got.items():
+            worst = max(worst, float((g - want[k]).abs().max()) / (float(want[k].abs().max()) + 1e-6))  # fmt: skip
+        worsts.append(worst)
+    return worsts
+
+
+@pytest.mark.timeout(600)
+def test_parallelize_remat_with_pp_under_torch_func_matches_dense(world4):
+    pytest.importorskip("transformers")
+    for worsts in world4.run(remat_pp_torch_func_rank_fn):
+        assert max(worsts) < 1e-4, worsts
+
+
 def remat_sums_rank_fn(degrees: dict):
     """parallelize(remat=True) on a transformers Llama, one fs.value_and_grad step: the worst
     difference from dense and every all_reduce over cp or dp_replicate (bytes, count)."""
