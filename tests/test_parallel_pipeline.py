@@ -497,6 +497,60 @@ def test_a_closed_over_constant_is_a_constant(world2):
     assert got[1] == [True, True, True, True, ("PeerFailed", True)]
 
 
+def second_derivative_rank_fn() -> list:
+    """A second derivative through the pipeline's gradients: ``fs.value_and_grad`` of a
+    function of ``fs.value_and_grad``'s gradient (the inner one runs as ``torch.func.grad``,
+    its argument taking part in the outer graph) gave **0** where dense gives its value (the
+    Function hands back the gradients its forward computed, which autograd sees as constants;
+    torch's ``once_differentiable`` guarded only a cotangent that requires grad). Now each
+    second derivative that reaches them raises NotImplementedError on every rank; the first
+    derivatives under ``create_graph`` or of an ``nn.Parameter`` under ``torch.func.grad`` stay
+    the dense ones (requiring grad, as dense ones there do)."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    w0, x = torch.tensor([[2.0], [3.0]]), torch.arange(4.0).reshape(4, 1) + 1
+
+    def loss(w):
+        return pipeline(lambda w, x: (w * x).sin(), w, x, mesh, schedule="1f1b",
+                        loss_fn=lambda _, y, t: (y * t).sum(), targets=torch.ones(4, 1))  # fmt: skip
+
+    def dense(w):
+        y = x
+        for i in range(2):
+            y = (w[i] * y).sin()
+        return y.sum() / 4  # the pipeline's loss: the microbatches' mean
+
+    want = torch.func.grad(dense)(w0)
+    out = []
+    w = w0.clone().requires_grad_()
+    fs.gather(loss(w)).backward(create_graph=True)
+    out.append(torch.allclose(w.grad, want) and w.grad.requires_grad)
+    g = torch.func.grad(lambda w: fs.gather(loss(w)))(torch.nn.Parameter(w0.clone()))
+    out.append(torch.allclose(g, want) and g.requires_grad)
+    param = torch.nn.Parameter(w0.clone())
+
+    def of_func_grad():  # torch.func.grad's gradient of a param, differentiated by autograd
+        return torch.autograd.grad(
+            torch.func.grad(lambda v: fs.gather(loss(v)))(param).sum(), param
+        )
+
+    for second in (
+        lambda: fs.value_and_grad(lambda w: fs.value_and_grad(loss)(w)[1].sum())(w0),
+        lambda: w.grad.sum().backward(),
+        of_func_grad,
+    ):
+        try:
+            second()
+            out.append("no error")
+        except NotImplementedError as e:
+            out.append("a second derivative reached the pipeline's gradients" in str(e))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_second_derivative_through_the_pipeline_is_refused(world2):
+    assert world2.run(second_derivative_rank_fn) == [[True, True, True, True, True]] * 2
+
+
 #: stage functions with grad transforms of their own, over what they are given or make
 _OWN_TRANSFORMS = {
     "vjp": lambda w, x: torch.func.vjp(lambda h: h.sin(), w * x)[0],

@@ -134,11 +134,13 @@ from typing import NamedTuple
 import optree
 import torch
 from torch._C._functorch import TransformType as _TransformType
+from torch._C._functorch import get_interpreter_stack as _interpreters
 from torch._C._functorch import get_unwrapped as _unwrapped
 from torch._C._functorch import is_dead_tensor_wrapper as _is_dead
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
 from torch._C._functorch import is_gradtrackingtensor as _is_grad_tracking
 from torch._C._functorch import maybe_get_level as _level_of
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from .. import _comm, _compat, axis_env, config, consistency, lax
 from ..api import _on_mesh_device, shard
@@ -1664,16 +1666,72 @@ class _Pipeline(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         need = (*run.need, False) if run.need is not None else (False,) * 5
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
+        # the differentiated inputs a plain autograd graph holds (under any torch.func level):
+        # a second derivative through their gradients can reach them (_differentiable_once)
+        held = [_base(t) for t, has in zip(inputs[1:], ctx.slots) if has]
+        ctx.held = held if any(t.requires_grad for t in held) else None
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
         if g is None:  # grads are not materialised: no cotangent reached the loss
             return (None,) * (1 + len(ctx.slots))
-        saved = iter(ctx.saved_tensors)
+        saved = ctx.saved_tensors
+        if ctx.held is not None and torch.is_grad_enabled():  # create_graph: differentiable
+            saved = _differentiable_once(saved, ctx.held)
+        saved = iter(saved)
         one = _is_one(g)  # a cotangent of exactly 1: the gradient itself, not a copy
         out = [(next(saved) if one else g * next(saved)) if has else None for has in ctx.slots]
         return (None, *out)
+
+
+class _Once(torch.autograd.Function):
+    """A gradient of the pipeline's (``grad``) under ``create_graph``, as it is (a view), with
+    an edge to the input it is the gradient of (``wrt``, in a plain autograd graph): a second
+    derivative that reaches it raises instead of reading it as a constant
+    (:func:`_differentiable_once`)."""
+
+    @staticmethod
+    def forward(grad, wrt):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, _):
+        raise NotImplementedError(
+            "pipeline: a second derivative reached the pipeline's gradients (a gradient of a "
+            "gradient, a gradient penalty, fs.value_and_grad of fs.value_and_grad): the "
+            "pipelined loss is differentiable once in reverse mode, its backward hands back "
+            "gradients its forward computed, which depend on the params in a way autograd does "
+            "not see. Differentiate the stages without the pipeline for higher derivatives"
+        )
+
+
+def _differentiable_once(saved: tuple, held: list) -> list:
+    """The gradients the forward computed (``saved``), each joined to its input in the plain
+    autograd graph (``held``) by :class:`_Once`: the backward runs under ``create_graph``
+    (``.backward(create_graph=True)``, ``torch.func.grad``) while a plain graph holds the
+    inputs, and what it hands back depends on the params through these, which autograd does not
+    see, so a second derivative would read them as constants: a silent zero
+    (``fs.value_and_grad`` of ``fs.value_and_grad``'s gradient gave 0 where dense gives 29.9).
+    torch's ``once_differentiable`` guards only where a cotangent requires grad, which the
+    loss's ``1`` does not, and its guard hangs off a leaf of its own, which a second derivative
+    asked for the params' gradients never reaches. Made on the plain tensors with the
+    interpreter stack cleared: a ``torch.func`` transform then lifts each as a constant of its
+    level, and the plain graph below it, where a derivative around the transform runs, meets
+    the guard. The gradients require grad then, as dense ones under ``create_graph`` do."""
+    levels = temporarily_clear_interpreter_stack() if _interpreters() else contextlib.nullcontext()
+    with levels:
+        return [_Once.apply(_base(g).detach(), wrt) for g, wrt in zip(saved, held, strict=True)]
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """``t`` under every ``torch.func`` wrapper: the plain tensor."""
+    while _is_wrapped(t):
+        t = _unwrapped(t)
+    return t
 
 
 def _is_one(g: torch.Tensor) -> bool:
@@ -1979,6 +2037,9 @@ def pipeline(
             or ``input_fn`` uses a differentiated value that is not one of the pipeline's
             arguments (one it closes over), naming the argument to pass it through: its
             gradient would be lost (the other stages raise PeerFailed naming that error).
+        NotImplementedError: under ``vmap``, ``jvp`` or nested grad transforms, at the call;
+            and where a second derivative reaches the gradients (a gradient penalty,
+            ``fs.value_and_grad`` of ``fs.value_and_grad``'s gradient), in that backward.
 
     Example:
         >>> mesh = fs.Mesh.create((2,), ("pp",))
