@@ -146,6 +146,26 @@ def untracked(t: torch.Tensor) -> torch.Tensor | None:
     return None if t.requires_grad else t
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every ``torch.func`` wrapper of ``t``."""
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+def under_plain_graph(*tensors) -> bool:
+    """Whether a ``torch.func`` level is open while a plain autograd graph holds one of
+    ``tensors`` (under its wrappers): a derivative around the transform (``fs.value_and_grad``
+    at top level over a function that runs as ``torch.func.grad``, a ``torch.func.grad`` of an
+    ``nn.Parameter`` differentiated again by ``torch.autograd.grad``) can then differentiate
+    what the transform computes, a gradient included. A Function whose backward computes
+    without autograd (overlapped transfers, gradients its forward computed) would hand that
+    derivative constants there."""
+    return bool(get_interpreter_stack()) and any(
+        isinstance(t, torch.Tensor) and plain(t).requires_grad for t in tensors
+    )
+
+
 def _unwrap(a, level: int):
     """Operand ``a`` one grad/jvp level down: a tensor unwrapped from ``level``, and so is each
     tensor of a tuple (``fs.lax.apply``'s boxed ``done``, a result computed at this level: kept

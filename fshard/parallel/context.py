@@ -19,9 +19,12 @@ called inside :func:`fshard.shard_map` (or any body where ``axis`` names a manua
   squares, as the kernel skips masked keys only in blocks of 512), the blocks' outputs merged
   and their gradients summed in place; on other devices (CUDA: not wired, untested here) and
   dtypes the blocks are matmuls. Under other transforms
-  (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, and
-  for an eager ``create_graph=True`` backward, the ring is differentiated op by op (each
-  ppermute's transpose is the inverse rotation): every composition of the plain ops holds.
+  (``vmap``, ``jvp``, grad of grad, ``torch.compile``), where a transfer cannot run ahead, for
+  an eager ``create_graph=True`` backward, and under a ``torch.func`` grad level whose inputs a
+  plain autograd graph holds (``fs.value_and_grad`` of a function of ``fs.value_and_grad``'s
+  gradient: the outer one differentiates the inner one's gradient), the ring is differentiated
+  op by op (each ppermute's transpose is the inverse rotation): every composition of the plain
+  ops holds.
 - :func:`ulysses_attention` (DeepSpeed-Ulysses): one all_to_all turns heads-split-sequence-
   whole into sequence-split-heads-whole (needs ``heads % cp == 0``), dense sdpa, one all_to_all
   back.
@@ -60,6 +63,7 @@ import torch.nn.functional as F
 from torch._C._functorch import get_interpreter_stack
 
 from .. import axis_env, lax
+from .._function import under_plain_graph
 from ..api import gather, reshard, shard
 from ..array import ShardedArray
 from ..axis_env import current_mesh
@@ -452,7 +456,10 @@ def ring_attention(
     keep = None if padding_mask is None else _gathered_mask(padding_mask, axis, mesh)
     kv = torch.stack([k, v])
     call = _RingCall(axis, m, cp, index, bool(causal), load_balanced, c, scale)
-    if not _overlappable():  # autograd (or the transform) differentiates the ring op by op
+    # autograd (or the transform) differentiates the ring op by op: where transfers cannot run
+    # ahead, and where a plain graph around a torch.func level may differentiate the gradient
+    # (_Ring's backward under a level computes it without autograd: a silent zero there)
+    if not _overlappable() or under_plain_graph(q, k, v):
         return _ring_forward(call, qg, kv, keep)[0].flatten(-4, -3).to(q.dtype)
     tracker = axis_env.tracker(m)
     if tracker is not None:  # as the ops would: an operand invariant where another varies

@@ -143,6 +143,7 @@ from torch._C._functorch import maybe_get_level as _level_of
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from .. import _comm, _compat, axis_env, config, consistency, lax
+from .._function import plain
 from ..api import _on_mesh_device, shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
@@ -1668,7 +1669,7 @@ class _Pipeline(torch.autograd.Function):
         ctx.slots = [has for d, has in zip(run.defs, need) for _ in range(d.num_leaves)]
         # the differentiated inputs a plain autograd graph holds (under any torch.func level):
         # a second derivative through their gradients can reach them (_differentiable_once)
-        held = [_base(t) for t, has in zip(inputs[1:], ctx.slots) if has]
+        held = [plain(t) for t, has in zip(inputs[1:], ctx.slots) if has]
         ctx.held = held if any(t.requires_grad for t in held) else None
 
     @staticmethod
@@ -1724,14 +1725,7 @@ def _differentiable_once(saved: tuple, held: list) -> list:
     the guard. The gradients require grad then, as dense ones under ``create_graph`` do."""
     levels = temporarily_clear_interpreter_stack() if _interpreters() else contextlib.nullcontext()
     with levels:
-        return [_Once.apply(_base(g).detach(), wrt) for g, wrt in zip(saved, held, strict=True)]
-
-
-def _base(t: torch.Tensor) -> torch.Tensor:
-    """``t`` under every ``torch.func`` wrapper: the plain tensor."""
-    while _is_wrapped(t):
-        t = _unwrapped(t)
-    return t
+        return [_Once.apply(plain(g).detach(), wrt) for g, wrt in zip(saved, held, strict=True)]
 
 
 def _is_one(g: torch.Tensor) -> bool:
