@@ -551,6 +551,38 @@ def test_a_second_derivative_through_the_pipeline_is_refused(world2):
     assert world2.run(second_derivative_rank_fn) == [[True, True, True, True, True]] * 2
 
 
+def untouched_stage_rank_fn(schedule: str) -> list:
+    """Stages that pass their input on untouched (``stage_fn = lambda w, x: x``): the output of
+    a first stage whose input is a plain batch depends on nothing differentiated, so its
+    backward has nothing to run. It raised torch's "element 0 of tensors does not require grad
+    and does not have a grad_fn" (ZB-H1's split too), where dense code gives the weights a zero
+    gradient. Each schedule: the weights' gradient 0 and, differentiated, the microbatches'
+    the dense one, under ``fs.value_and_grad`` and ``torch.func.grad``."""
+    mesh = fs.Mesh.create((2,), ("pp",))
+    virtual = 2 if schedule == "interleaved" else 1
+    w, x = torch.arange(1.0, 2 * virtual + 1).reshape(-1, 1), torch.arange(4.0).reshape(4, 1)
+
+    def loss(w, x):
+        return pipeline(lambda w, x: x, w, x, mesh, loss_fn=lambda _, y, t: (y * y * t).sum(),
+                        targets=torch.ones(4, 1), schedule=schedule, virtual=virtual)  # fmt: skip
+
+    want_x = x / 2  # d/dx of mean_m(x_m^2)
+    out = []
+    _, gw = fs.value_and_grad(loss)(w, x)
+    out.append(torch.equal(gw, torch.zeros_like(w)))
+    _, (gw, gx) = fs.value_and_grad(loss, argnums=(0, 1))(w, x)
+    out.append(torch.equal(gw, torch.zeros_like(w)) and torch.allclose(gx, want_x))
+    gw, gx = torch.func.grad(lambda w, x: fs.gather(loss(w, x)), argnums=(0, 1))(w, x)
+    out.append(torch.equal(gw, torch.zeros_like(w)) and torch.allclose(gx, want_x))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
+def test_stages_passing_their_input_on(world2, schedule):
+    assert world2.run(untouched_stage_rank_fn, schedule) == [[True, True, True]] * 2
+
+
 #: stage functions with grad transforms of their own, over what they are given or make
 _OWN_TRANSFORMS = {
     "vjp": lambda w, x: torch.func.vjp(lambda h: h.sin(), w * x)[0],

@@ -1183,12 +1183,14 @@ class _Run:
                         saved[(s, mb)] = _split_backward(out, ct, ins, weights(s))
                     else:  # none on a first stage where only loss_params are differentiated
                         inputs = ins + weights(s)
-                        if inputs:
+                        # an output of nothing differentiated (a first stage passing its plain
+                        # input on): every gradient of this microbatch here is 0
+                        if inputs and out.requires_grad:
                             torch.autograd.backward(out, ct, inputs=inputs)
-                    if ins:
+                    if ins:  # no .grad where the output does not depend on it: 0
                         if s > 0:
-                            sent_b = inp.grad
-                        else:
+                            sent_b = inp.grad  # None: zeros go out
+                        elif inp.grad is not None:
                             x_grad[mb] = inp.grad
                 elif a is not None and grad_on and (a.stage, a.microbatch) not in joined:  # W
                     saved.pop((a.stage, a.microbatch))()
@@ -1540,6 +1542,8 @@ def _split_backward(out, ct, ins: list, weights: list) -> Callable[[], None]:
     torch.distributed.pipelining's split, which groups by shared weights, reran the stage's
     whole backward in W). Without an input gradient wanted, W is the whole backward."""
     weights = [w for w in weights if w.requires_grad]
+    if not out.requires_grad:  # an output of nothing differentiated: no gradient here
+        return lambda: None
     edge = torch.autograd.graph.get_gradient_edge
     found = None
     if ins and out.grad_fn is not None:
