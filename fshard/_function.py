@@ -146,6 +146,14 @@ def untracked(t: torch.Tensor) -> torch.Tensor | None:
     return None if t.requires_grad else t
 
 
+def unwrappings(t: torch.Tensor):
+    """``t``, then each tensor under its ``torch.func`` wrappers, down to the plain one."""
+    yield t
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+        yield t
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under every ``torch.func`` wrapper of ``t``."""
     while is_functorch_wrapped_tensor(t):

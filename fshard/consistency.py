@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import config
+from ._function import plain
 from .mesh import AxisGroup, Mesh
 from .spec import PartitionSpec, Parts
 
@@ -218,8 +219,7 @@ def _canonical(obj):
 def _content_hash(t: torch.Tensor) -> str:
     """A hash of the bytes of ``t`` (the physical tensor under any torch.func wrappers)."""
     with torch._C._DisableFuncTorch():
-        while torch._C._functorch.is_functorch_wrapped_tensor(t):
-            t = torch._C._functorch.get_unwrapped(t)
+        t = plain(t)
         if t.is_meta:  # no data: its dtype and shape (hashed with it) are all there is
             return "meta"
         t = t.detach().cpu().contiguous()

@@ -39,6 +39,7 @@ import optree
 import torch
 
 from . import axis_env, lax
+from ._function import plain
 from .array import ShardedArray, is_sharded
 from .collectives import AllGather, AllToAll, Pcast, Ppermute, Psum, PsumScatter
 from .executor import claimed_local
@@ -171,9 +172,7 @@ class _Deposit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        while _FUNCTORCH.is_functorch_wrapped_tensor(g):
-            g = _FUNCTORCH.get_unwrapped(g)
-        ctx.sync.deposit(ctx.k, g)
+        ctx.sync.deposit(ctx.k, plain(g))
         return None, None, None
 
 

@@ -456,10 +456,7 @@ def ring_attention(
     keep = None if padding_mask is None else _gathered_mask(padding_mask, axis, mesh)
     kv = torch.stack([k, v])
     call = _RingCall(axis, m, cp, index, bool(causal), load_balanced, c, scale)
-    # autograd (or the transform) differentiates the ring op by op: where transfers cannot run
-    # ahead, and where a plain graph around a torch.func level may differentiate the gradient
-    # (_Ring's backward under a level computes it without autograd: a silent zero there)
-    if not _overlappable() or under_plain_graph(q, k, v):
+    if not _overlappable(q, k, v):  # autograd (or the transform) differentiates op by op
         return _ring_forward(call, qg, kv, keep)[0].flatten(-4, -3).to(q.dtype)
     tracker = axis_env.tracker(m)
     if tracker is not None:  # as the ops would: an operand invariant where another varies
@@ -485,13 +482,20 @@ class _RingCall(NamedTuple):
     scale: float
 
 
-def _overlappable() -> bool:
+def _overlappable(*inputs: torch.Tensor) -> bool:
     """Whether the ring runs as :class:`_Ring` (its backward's transfers overlapped): where
     ``fs.lax.ppermute_start`` is asynchronous (no transform but autograd and ``torch.func``
-    grad levels, no tracing, no remat) and at most one grad level is open (the Function's
-    backward is differentiated once). Elsewhere (vmap, jvp, grad of grad, compile) the ring's
-    ops are differentiated one by one, where each ppermute's transpose runs."""
-    return lax.computable_ahead() and len(get_interpreter_stack() or ()) <= 1
+    grad levels, no tracing, no remat), at most one grad level is open (the Function's
+    backward is differentiated once) and no plain autograd graph around that level holds the
+    ``inputs`` (where one could differentiate the gradient, which the Function's backward
+    computes without autograd under the level: a silent zero there). Elsewhere (vmap, jvp, grad
+    of grad, compile, a derivative of the gradient) the ring's ops are differentiated one by
+    one, where each ppermute's transpose runs."""
+    return (
+        lax.computable_ahead()
+        and len(get_interpreter_stack() or ()) <= 1
+        and not under_plain_graph(*inputs)
+    )
 
 
 @contextlib.contextmanager

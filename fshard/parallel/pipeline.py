@@ -143,7 +143,7 @@ from torch._C._functorch import maybe_get_level as _level_of
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from .. import _comm, _compat, axis_env, config, consistency, lax
-from .._function import plain
+from .._function import plain, unwrappings
 from ..api import _on_mesh_device, shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
@@ -828,18 +828,13 @@ class _NoOuterLevel(torch.overrides.TorchFunctionMode):
 
     def _record(self, out) -> None:
         for t in out if isinstance(out, (list, tuple)) else (out,):
-            while isinstance(t, torch.Tensor):
-                self.made.add(id(t))
+            if isinstance(t, torch.Tensor):
                 # an output of the block's own transform: what the transform will hand back
                 # unwrapped is the block's too
-                t = _unwrapped(t) if _is_wrapped(t) else None
+                self.made.update(map(id, unwrappings(t)))
 
-    def _made_here(self, t: torch.Tensor) -> bool:
-        while isinstance(t, torch.Tensor):
-            if id(t) in self.made:
-                return True
-            t = _unwrapped(t) if _is_wrapped(t) else None
-        return False
+    def _of_block(self, t: torch.Tensor) -> bool:
+        return any(id(u) in self.made for u in unwrappings(t))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -854,9 +849,9 @@ class _NoOuterLevel(torch.overrides.TorchFunctionMode):
                         live = _live_grad_levels() if live is None else live
                         level = _level_of(t)
                         if level in live:
-                            foreign = level not in self.entry and not self._made_here(t)
+                            foreign = level not in self.entry and not self._of_block(t)
                         else:
-                            foreign = not _is_dead(t) and not self._made_here(t)
+                            foreign = not _is_dead(t) and not self._of_block(t)
                         if foreign:
                             raise _unseen(self.what, tuple(t.shape))
                     t = _unwrapped(t)
@@ -869,11 +864,7 @@ class _NoOuterLevel(torch.overrides.TorchFunctionMode):
 
 
 def _live_grad_levels() -> set:
-    return {
-        ci.level()
-        for ci in torch._C._functorch.get_interpreter_stack() or ()
-        if ci.key() == _TransformType.Grad
-    }
+    return {ci.level() for ci in _interpreters() or () if ci.key() == _TransformType.Grad}
 
 
 def _unseen(what: str, shape: tuple) -> ValueError:
