@@ -342,9 +342,13 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
     Args:
         fn: a function of positional pytrees of tensors / :class:`~fshard.ShardedArray` values
             (other leaves, e.g. Python numbers, are passed through as constants) returning a
-            pytree of them. It must be deterministic: the backward runs it again (a dropout
-            inside needs a generator state passed in as an input). Tensors and ShardedArrays
-            it closes over (``fs.remat(lambda h: block(h, weights))``, default arguments, a
+            pytree of them. The backward runs it again from the random state its forward
+            started from, as ``torch.utils.checkpoint`` does (``preserve_rng_state=True``): the
+            default CPU generator, the default CUDA generator of each device its tensor inputs
+            are on, and any ``torch.Generator`` passed as an argument, so a dropout inside
+            draws the forward's mask again (a generator it closes over is not restored: pass
+            it as an argument); the generators are left as the forward left them. Tensors and
+            ShardedArrays it closes over (``fs.remat(lambda h: block(h, weights))``, default arguments, a
             ``functools.partial``'s arguments, the closures of the user functions it calls)
             get their gradients as arguments do (as ``torch.utils.checkpoint``'s non-reentrant
             mode); a tensor needing a gradient that it reads from anywhere else (a global, a
@@ -405,6 +409,9 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         slots = _captured(fn) if differentiated else []
         extra = [t for slot in slots for t in slot.tensors]
         out_def: list = []  # the output structure, set by each run (the same every time)
+        # the random state fn's forward drew from, which each recompute draws from again
+        randomness: list = []
+        generators = [v for v in leaves if isinstance(v, torch.Generator)]
 
         # Called in a shard_map body, the backward's recompute runs in that body's axis
         # environment again (its mesh for fs.lax, its varying-axes tracker for the pcasts).
@@ -456,6 +463,10 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
                 reads = None
                 if run.first and differentiated:
                     reads = stack.enter_context(_Reads(tensors, len(where)))
+                if randomness:  # a recompute: a dropout's mask is the forward's
+                    stack.enter_context(randomness[0].replayed())
+                elif differentiated and not torch.compiler.is_compiling():
+                    randomness.append(_Randomness(tensors, generators))
                 out = fn(*optree.tree_unflatten(treedef, filled))
             if reads is not None:  # the forward: which captured inputs fn read
                 run.first = False
@@ -498,6 +509,39 @@ def remat(fn: Callable, policy: str | None = None) -> Callable:
         return optree.tree_unflatten(out_def[0], list(outs))
 
     return rematted
+
+
+class _Randomness:
+    """The random state a forward of ``fn`` starts from, as ``torch.utils.checkpoint``
+    (``preserve_rng_state=True``) keeps it: the default CPU generator's, the default CUDA
+    generator's of each device ``fn``'s tensor inputs are on, and that of each
+    ``torch.Generator`` passed as an argument. :meth:`replayed` runs a recompute from it, so a
+    dropout inside ``fn`` draws the forward's mask again (without it the backward
+    differentiated another mask than the loss used: a silently wrong gradient); the
+    generators are left as they were before the recompute."""
+
+    __slots__ = ("cpu", "devices", "cuda", "given")
+
+    def __init__(self, tensors, generators):
+        self.cpu = torch.get_rng_state()
+        self.devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.given = [(g, g.get_state()) for g in generators]
+
+    @contextlib.contextmanager
+    def replayed(self):
+        now = [(g, g.get_state()) for g, _ in self.given]
+        with torch.random.fork_rng(devices=self.devices, device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            for d, state in zip(self.devices, self.cuda):
+                torch.cuda.set_rng_state(state, d)
+            for g, state in self.given:
+                g.set_state(state)
+            try:
+                yield
+            finally:
+                for g, state in now:
+                    g.set_state(state)
 
 
 @contextlib.contextmanager
