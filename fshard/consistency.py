@@ -194,13 +194,18 @@ def _canonical(obj):
     """A deterministic, repr-able stand-in for ``obj`` (tensors by dtype, shape and bytes; a
     :class:`~fshard.P` and a :class:`~fshard.Parts` by their value, as they compare:
     ``P('x')`` and ``P('x', None)`` are one spec, which ranks may spell either way)."""
-    if type(obj) in _ATOMS:
+    kind = type(obj)
+    if kind in _ATOMS:
         return obj
-    if type(obj) is PartitionSpec:
+    if kind is dict:  # before Mapping's isinstance, an ABC's (a check's fields)
+        return ("dict", tuple((repr(k), _canonical(v)) for k, v in obj.items()))
+    if kind is tuple or kind is list:
+        return (kind.__name__, tuple(_canonical(v) for v in obj))
+    if kind is PartitionSpec:
         return ("P", obj.dims, tuple(sorted(obj.partial)))
-    if type(obj) is Parts:
+    if kind is Parts:
         return ("Parts", _canonical(obj.spec), obj.dim, obj.sizes)
-    if type(obj) is Static:
+    if kind is Static:
         try:
             return ("static", _cached_hash(obj.value))
         except TypeError:  # an unhashable part (a list): walked, as any value

@@ -1875,13 +1875,13 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tupl
     if not plain and not held:
         return trees
     stand_in = ShardedArray._raw(  # what shard() of it gave: it, on the mesh's device
-        _on_mesh_device(_PLACEHOLDER, mesh), Layout(mesh, P(), (0,), _PLACEHOLDER.dtype)
+        _on_mesh_device(_PLACEHOLDER, mesh), _replicated(mesh, (0,), _PLACEHOLDER.dtype)
     )
     out = []
     with config.consistency(False):  # checked above, all at once
         for what, (leaves, treedef) in zip(_INPUTS, flat):
             leaves = [
-                shard(leaf, mesh, plain[(what, i)][1])
+                _sharded(leaf, mesh, plain[(what, i)][1])
                 if (what, i) in plain
                 else stand_in
                 if leaf is _PLACEHOLDER
@@ -1890,6 +1890,22 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tupl
             ]
             out.append(optree.tree_unflatten(treedef, leaves))
     return tuple(out)
+
+
+def _sharded(t: torch.Tensor, mesh: Mesh, spec: P) -> ShardedArray:
+    """``shard(t, mesh, spec)`` (checked by the caller): a replicated value on the mesh's device
+    is ``t`` itself in its layout (what ``shard`` returns for it, without its checks and
+    reshard plan: a step's batch, targets and plain head weights, every step)."""
+    if spec.dims or spec.partial or t.device != mesh.device() or type(t) is not torch.Tensor:
+        return shard(t, mesh, spec)
+    if t.layout is not torch.strided:  # shard's error
+        return shard(t, mesh, spec)
+    return ShardedArray._raw(t, _replicated(mesh, tuple(t.shape), t.dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _replicated(mesh: Mesh, shape: tuple, dtype: torch.dtype) -> Layout:
+    return Layout(mesh, P(), shape, dtype)
 
 
 def _program(schedule: str, virtual: int, axis: str, activation, differentiated: bool) -> tuple:
