@@ -597,6 +597,41 @@ def check_collective(op: str, g: AxisGroup, t: torch.Tensor, **fields) -> None:
         _agree(g, f"a collective over mesh axes {g.axes}", described, t.device)
 
 
+def check_draw(g: AxisGroup, device: torch.device, what: str) -> None:
+    """Before a random draw every rank of ``g`` must make alike: an op rule that draws a whole
+    tensor on every rank and keeps its block (``dropout``'s mask on a value replicated over
+    ``g``'s axes) gives one value only where the ranks' default generators of ``device`` are in
+    one state. With per-rank seeds (``torch.manual_seed(seed + rank)``, as data-parallel scripts
+    set them) each rank would apply its own mask to the one value it holds: ranks that silently
+    disagree on a replicated value. Default mode: the generator's state is folded into ``g``'s
+    running digest (no communication; compared at the group's next exchange, its first use
+    included, naming this draw); ``"every"``: compared now. No-op when checks are off, on one
+    rank and on a simulated group.
+
+    Example:
+        >>> consistency.check_draw(mesh.group("tp"), torch.device("cpu"), "dropout")  # doctest: +SKIP
+    """
+    if g.size == 1 or g.simulated:
+        return
+    mode = _active_mode()
+    if mode == "off":
+        return
+    state = _content_hash(rng_state(None, device))
+    if mode == "every":
+        _agree(g, f"{what}: the generator state every rank draws from", {"rng": state})
+        return
+    desc = (what, g.axes, None, (("generator state", state),))
+    site = _site()
+    r = _running(g)
+    r.digest = _fold(_fold(r.digest, _hash(desc)), _cached_hash(site))  # a state: not cached
+    r.seq += 1
+    r.history.append((r.seq, desc, site))
+    if not r.exchanged or r.seq % max(1, int(config.consistency_interval)) == 0:
+        _check_running(
+            g, f"{what} over mesh axes {g.axes} (event #{r.seq} on the group)", [r], 0, {}
+        )
+
+
 def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:
     """A boundary a training loop crosses every step (``fs.optim.step``, ``fs.gather(dst=)``): in
     the default mode, at its 1st, 2nd, 4th, ... crossing up to

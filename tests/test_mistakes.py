@@ -151,6 +151,54 @@ def collective_on_one_rank_after_some_steps(path):
     return fs.gather(w)
 
 
+def _dropout_loss(model, x):
+    def loss(ps):
+        h = fs.nn.functional_call(model, ps, (x,))
+        out = torch.nn.functional.dropout(h, 0.5, training=True).pow(2).sum()
+        return fs.gather(out) if isinstance(out, fs.ShardedArray) else out
+
+    return loss
+
+
+def per_rank_seeds_before_dropout(path):
+    """Per-rank seeds (``torch.manual_seed(seed + rank)``, as a data-parallel script sets them)
+    and a dropout on the output of a tensor-parallel layer (one value, replicated over the tp
+    axis), in a training loop. Was: each rank drew its own mask for the one value, no error:
+    the ranks' losses and the 'replicated' params apart."""
+    mesh, model = _mesh(), _model()
+    plan = fs.nn.megatron_plan(column=["0"], row=["2"], axis="x")
+    params = fs.nn.shard_params(model, mesh, plan)
+    tx = fs.optim.sgd(0.1)
+    state = tx.init(params)
+    torch.manual_seed(10 + mesh.rank)
+    for _ in range(2):
+        grads = fs.grad(_dropout_loss(model, torch.ones(3, 4)))(params)
+        params, state = fs.optim.step(tx, grads, state, params)
+    return fs.gather(params["0.weight"])
+
+
+def per_rank_seeds_before_dropout_on_split_rows(path):
+    """The same seeds with the batch's rows split over the axis (data parallel, params
+    replicated): every rank draws the whole mask from its own generator and keeps its rows, a
+    valid mask (rank r's rows from seed 10 + r), so no error: the gradient equals dense with
+    that mask (the oracle draws both ranks' masks)."""
+    mesh, model = _mesh(), _model()
+    params = fs.nn.shard_params(model, mesh, {})
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(10 + mesh.rank)
+    got = fs.grad(_dropout_loss(model, fs.shard(x, mesh, fs.P("x"))))(params)
+    masks = []
+    for r in range(2):
+        torch.manual_seed(10 + r)
+        masks.append(torch.empty(4, 4).bernoulli_(0.5)[2 * r : 2 * r + 2])
+    mask = torch.cat(masks) / 0.5
+    dense = {k: v.detach() for k, v in model.named_parameters()}
+    want = torch.func.grad(
+        lambda ps: (torch.func.functional_call(model, ps, (x,)) * mask).pow(2).sum()
+    )(dense)
+    return max(float((fs.gather(got[k]) - want[k]).abs().max()) for k in dense)
+
+
 _DISAGREE = ("ranks that disagree", "FSHARD_CHECK_CONSISTENCY=every")
 
 #: mistake -> ("value", check) or (exception type names, words the message must contain)
@@ -175,6 +223,11 @@ EXPECT = {
     "mesh_larger_than_the_world": (("ValueError",), ("4 ranks", "world size is 2")),
     "loss_that_is_not_a_scalar": (("TypeError",), ("must return a scalar loss", "(3, 4)")),
     "values_from_two_meshes": (("ValueError",), ("different meshes",)),
+    "per_rank_seeds_before_dropout": (
+        ("ConsistencyError",),
+        ("dropout over ('x',)", "generator state", "a per-rank seed"),
+    ),
+    "per_rank_seeds_before_dropout_on_split_rows": ("value", lambda err: err < 1e-5),
     # last under torchrun: it leaves the process group broken
     "collective_on_one_rank_after_some_steps": (
         ("TimeoutError", "RankError", "RuntimeError"),  # RuntimeError: its peer closed first

@@ -18,7 +18,10 @@ None of them gathers a split dim:
   math path with the mask drawn for the global shape (equal to dense for the same seed);
 - ``dropout``: every rank draws the full mask from the default generator (so generators stay
   in step) and keeps its block: the same mask as dense ``F.dropout`` with the same seed. Under
-  ``vmap`` the mask is shared across the batch.
+  ``vmap`` the mask is shared across the batch. Where the value is replicated or pending over a
+  mesh axis, the ranks of those axes must draw one mask: their generators' states are compared
+  (:func:`fshard.consistency.check_draw`; per-rank seeds raise a ``ConsistencyError``), as the
+  attention weights' of ``dropout_p > 0``.
 
 Example:
     >>> loss = F.cross_entropy(logits, target)  # logits P(None, "tp"): O(batch) bytes moved  # doctest: +SKIP
@@ -31,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import consistency
 from ..spec import BaseLayout, Layout
 from . import rows
 from ._common import (
@@ -312,11 +316,14 @@ def sdpa_rule(op, args, kwargs):
     out = out_layout(q.mesh, out_dims, (), meta)
     block = None if q.mesh.is_abstract else out.shard_metadata(q.mesh.rank).slices()
     shape = (*batch, q.shape[-2], k.shape[-2])  # the attention weights' global shape
+    drawers = _drawing_group(out)
 
     def local(b):
         p = b["dropout_p"]
         if not p:
             return op(**b)
+        if drawers is not None:
+            consistency.check_draw(drawers, b["query"].device, "scaled_dot_product_attention")
         return _sdpa_dropout(b, p, shape, block)
 
     return OpSharding(specs, out, local, by_name=True)
@@ -349,6 +356,18 @@ def _sdpa_dropout(b, p, shape, block):
 # -- dropout --------------------------------------------------------------------------------
 
 
+def _drawing_group(out: Layout):
+    """The group of the mesh axes ``out`` is replicated or pending over, whose ranks must draw
+    one mask (each draws the whole one and keeps its block; ``None``: every axis splits it, or
+    an abstract mesh): :func:`fshard.consistency.check_draw` compares their generators."""
+    mesh = out.mesh
+    if mesh.is_abstract:
+        return None
+    split = {a for d in out.dim_axes for a in d}
+    axes = tuple(a for a in mesh.axis_names if a not in split and mesh.size(a) > 1)
+    return mesh.group(axes) if axes else None
+
+
 def dropout_rule(op, args, kwargs):
     bound = bind(op, args, kwargs)
     x = bound["input"]
@@ -360,6 +379,7 @@ def dropout_rule(op, args, kwargs):
         return OpSharding([None], out, lambda t, *a, **k: t)
     block = None if x.mesh.is_abstract else x.shard_metadata(x.mesh.rank).slices()
     shape = x.shape
+    drawers = _drawing_group(out)
 
     def local(b):
         t, p = b["input"], b["p"]
@@ -367,6 +387,8 @@ def dropout_rule(op, args, kwargs):
             return t
         if p == 1:
             return t * torch.zeros_like(t)
+        if drawers is not None:
+            consistency.check_draw(drawers, t.device, "dropout")
         noise = torch.empty(shape, dtype=t.dtype, device=t.device).bernoulli_(1 - p)
         noise.div_(1 - p)
         return t * noise[block]
