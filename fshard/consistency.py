@@ -597,13 +597,16 @@ def check_collective(op: str, g: AxisGroup, t: torch.Tensor, **fields) -> None:
         _agree(g, f"a collective over mesh axes {g.axes}", described, t.device)
 
 
-def check_draw(g: AxisGroup, device: torch.device, what: str) -> None:
+def check_draw(
+    g: AxisGroup, device: torch.device, what: str, generator: torch.Generator | None = None
+) -> None:
     """Before a random draw every rank of ``g`` must make alike: an op rule that draws a whole
     tensor on every rank and keeps its block (``dropout``'s mask on a value replicated over
     ``g``'s axes) gives one value only where the ranks' default generators of ``device`` are in
     one state. With per-rank seeds (``torch.manual_seed(seed + rank)``, as data-parallel scripts
     set them) each rank would apply its own mask to the one value it holds: ranks that silently
-    disagree on a replicated value. Default mode: the generator's state is folded into ``g``'s
+    disagree on a replicated value (``generator``: that one's state, else the device default's).
+    Default mode: the generator's state is folded into ``g``'s
     running digest (no communication; compared at the group's next exchange, its first use
     included, naming this draw); ``"every"``: compared now. No-op when checks are off, on one
     rank and on a simulated group.
@@ -616,7 +619,7 @@ def check_draw(g: AxisGroup, device: torch.device, what: str) -> None:
     mode = _active_mode()
     if mode == "off":
         return
-    state = _content_hash(rng_state(None, device))
+    state = _content_hash(rng_state(generator, device))
     if mode == "every":
         _agree(g, f"{what}: the generator state every rank draws from", {"rng": state})
         return

@@ -2124,3 +2124,50 @@ def test_parallelize_remat_with_dropout_in_pipeline_stages(world2, schedule):
     pytest.importorskip("transformers")
     for loss_diff, worst in world2.run(dropout_remat_pp_rank_fn, schedule):
         assert loss_diff < 1e-6 and worst < 1e-6, (loss_diff, worst)
+
+
+def router_jitter_rank_fn(degrees: dict, remat: bool) -> tuple:
+    """parallelize on transformers' Mixtral in train mode with its router jitter
+    (``router_jitter_noise=0.3``: each MoE layer multiplies its input by
+    ``torch.empty_like(h).uniform_(0.7, 1.3)``; PhiMoE ships 0.01), one fs.value_and_grad step
+    against dense torch.func on the same weights from the same seed: the loss's difference and
+    the worst gradient's (relative)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        router_jitter_noise=0.3,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(cfg).train()
+    dims = fs.parallel.ParallelDims(**degrees)
+    params, loss = fs.parallel.parallelize(model, dims.mesh(), dims, remat=remat)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    dense = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def dense_loss(ps):
+        kwargs = {"labels": ids, "use_cache": False}
+        return torch.func.functional_call(model, ps, (ids,), kwargs).loss
+
+    torch.manual_seed(5)
+    value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    torch.manual_seed(5)
+    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    got = _by_name(grads, dims)
+    worst = max(
+        float((got[k] - want[k]).abs().max()) / (float(want[k].abs().max()) + 1e-6) for k in want
+    )
+    return abs(float(value) - float(want_value)), worst
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("degrees", [{"ep": 2}, {"tp": 2}], ids=["ep", "tp"])
+def test_parallelize_router_jitter_in_train_mode_matches_dense(world2, degrees):
+    """Was: TypeError (in-place Tensor.uniform_ has no functional form) at the first MoE layer;
+    now equal to dense, with and without remat (the recompute draws the forward's jitter)."""
+    pytest.importorskip("transformers")
+    for remat in (False, True):
+        for loss_diff, worst in world2.run(router_jitter_rank_fn, degrees, remat):
+            assert loss_diff < 1e-5 and worst < 1e-4, (remat, loss_diff, worst)

@@ -4,7 +4,7 @@
 :class:`~fshard.ShardedArray` values dispatch here (``ShardedArray.__torch_function__``, Tensor
 method forwarding and Python operators all call :func:`dispatch`). Each op family has one rule
 (:mod:`.elementwise`, :mod:`.reduction`, :mod:`.linalg`, :mod:`.shape`, :mod:`.indexing`,
-:mod:`.nn`; in-place forms: :mod:`.inplace`; custom autograd Functions and other code torch
+:mod:`.nn`; random draws: :mod:`.random`; in-place forms: :mod:`.inplace`; custom autograd Functions and other code torch
 runs without dispatching: :mod:`.opaque`); see
 :mod:`.registry` for the rule protocol, :mod:`.binding` for arguments by name, and :func:`register_rule` to add your own.
 
@@ -18,7 +18,19 @@ Example:
 """
 
 from ..array import Indexing, install_indexing
-from . import elementwise, indexing, inplace, linalg, loss, nn, opaque, reduction, shape, whole
+from . import (
+    elementwise,
+    indexing,
+    inplace,
+    linalg,
+    loss,
+    nn,
+    opaque,
+    random,
+    reduction,
+    shape,
+    whole,
+)
 from .binding import bind
 from .registry import (
     SCALAR,
@@ -64,4 +76,5 @@ __all__ = [
     "indexing",
     "inplace",
     "opaque",
+    "random",
 ]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import BaseLayout, Layout
-from . import parts, rows
+from . import parts, random, rows
 from ._common import meta_call, out_layout, spec
 from .registry import SCALAR, SHAPE_ONLY, OpSharding, register_rule, tensor_inputs
 
@@ -131,6 +131,31 @@ def like_rule(op, args, kwargs):
     (x,) = tensor_inputs(args, kwargs)
     meta = meta_call(op, args, kwargs)
     return OpSharding([None], out_layout(x.mesh, x.dim_axes, (), meta))
+
+
+#: ``torch.<op>_like`` -> the fill that draws its values (``torch.rand_like(x)`` is
+#: ``torch.empty_like(x).uniform_()``, the numbers of ``torch.rand(x.shape)``)
+RANDOM_LIKE = {"rand_like": "uniform_", "randn_like": "normal_", "randint_like": "random_"}
+
+
+def random_like_rule(op, args, kwargs):
+    """``torch.rand_like(x)`` & co.: ``x``'s dims, not pending, the op's dtype; every rank
+    draws the whole tensor and keeps its block (:mod:`.random`): dense's values for the same
+    seed."""
+    (x,) = tensor_inputs(args, kwargs)
+    if kwargs.get("generator") is not None:
+        raise TypeError(f"ShardedArray: torch.{op.__name__}(generator=) is not supported")
+    fill = RANDOM_LIKE[op.__name__]
+    out = Layout(x.mesh, spec(x.dim_axes), tuple(x.shape), kwargs.get("dtype") or x.dtype)
+
+    def local(t, *bounds, **k):  # randint_like(x, high) or (x, low, high)
+        device = k.get("device") or t.device
+        fill_args = (0, *bounds)[-2:] if bounds else ()
+        what = f"torch.{op.__name__}"
+        drawn = random.whole(out, out.shape, out.dtype, device, fill, fill_args, what=what)
+        return random.block_of(out, drawn, device).contiguous()
+
+    return OpSharding([None], out, local)
 
 
 def _cast_target(op, args, kwargs) -> tuple[torch.dtype | None, torch.device | None]:
@@ -406,6 +431,8 @@ def _register():
         register_rule(getattr(torch.Tensor, n), elementwise_rule(NONLINEAR))
     for n in LIKE:
         register_rule(getattr(torch, n), parts.aligned(like_rule, parts.pointwise_groups))
+    for n in RANDOM_LIKE:
+        register_rule(getattr(torch, n), random_like_rule)
 
 
 _register()

@@ -48,6 +48,7 @@ import torch
 from ..array import PYTREE_SHARED, ShardedArray
 from ..executor import reshard_one
 from ..spec import BaseLayout
+from . import random
 
 __all__ = ["rebind", "inplace_method", "inplace_keyword", "link_views", "InplaceCall"]
 
@@ -330,6 +331,11 @@ _FUNCTIONAL = {
     "index_put_": lambda x, indices, values, accumulate=False: torch.Tensor.index_put(
         x, indices, values, accumulate
     ),
+    # a random fill is a fresh draw (every rank draws the whole tensor, keeps its block)
+    **{
+        name: lambda x, *args, name=name, **kwargs: random.filled(x, name, args, kwargs)
+        for name in random.FILLS
+    },
 }
 
 

@@ -34,9 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import consistency
 from ..spec import BaseLayout, Layout
-from . import rows
+from . import random, rows
 from ._common import (
     block_bounds,
     group_of,
@@ -316,20 +315,17 @@ def sdpa_rule(op, args, kwargs):
     out = out_layout(q.mesh, out_dims, (), meta)
     block = None if q.mesh.is_abstract else out.shard_metadata(q.mesh.rank).slices()
     shape = (*batch, q.shape[-2], k.shape[-2])  # the attention weights' global shape
-    drawers = _drawing_group(out)
 
     def local(b):
         p = b["dropout_p"]
         if not p:
             return op(**b)
-        if drawers is not None:
-            consistency.check_draw(drawers, b["query"].device, "scaled_dot_product_attention")
-        return _sdpa_dropout(b, p, shape, block)
+        return _sdpa_dropout(b, p, shape, block, out)
 
     return OpSharding(specs, out, local, by_name=True)
 
 
-def _sdpa_dropout(b, p, shape, block):
+def _sdpa_dropout(b, p, shape, block, out):
     """Attention with dropout on local blocks: the math path of dense sdpa, with the weights'
     dropout mask drawn for the global shape from the default generator and sliced to this
     rank's block, so it equals dense ``F.scaled_dot_product_attention`` for the same seed."""
@@ -348,24 +344,14 @@ def _sdpa_dropout(b, p, shape, block):
     elif mask is not None:
         scores = scores + mask
     weights = torch.softmax(scores, -1)
-    noise = torch.empty(shape, dtype=weights.dtype, device=weights.device).bernoulli_(1 - p)
+    noise = random.whole(
+        out, shape, weights.dtype, weights.device, "bernoulli_", (1 - p,), what="sdpa dropout_p"
+    )
     noise = noise[(*block[:-2], slice(None), slice(None))] if block is not None else noise
     return (weights * noise.div_(1 - p)) @ v
 
 
 # -- dropout --------------------------------------------------------------------------------
-
-
-def _drawing_group(out: Layout):
-    """The group of the mesh axes ``out`` is replicated or pending over, whose ranks must draw
-    one mask (each draws the whole one and keeps its block; ``None``: every axis splits it, or
-    an abstract mesh): :func:`fshard.consistency.check_draw` compares their generators."""
-    mesh = out.mesh
-    if mesh.is_abstract:
-        return None
-    split = {a for d in out.dim_axes for a in d}
-    axes = tuple(a for a in mesh.axis_names if a not in split and mesh.size(a) > 1)
-    return mesh.group(axes) if axes else None
 
 
 def dropout_rule(op, args, kwargs):
@@ -379,7 +365,6 @@ def dropout_rule(op, args, kwargs):
         return OpSharding([None], out, lambda t, *a, **k: t)
     block = None if x.mesh.is_abstract else x.shard_metadata(x.mesh.rank).slices()
     shape = x.shape
-    drawers = _drawing_group(out)
 
     def local(b):
         t, p = b["input"], b["p"]
@@ -387,9 +372,7 @@ def dropout_rule(op, args, kwargs):
             return t
         if p == 1:
             return t * torch.zeros_like(t)
-        if drawers is not None:
-            consistency.check_draw(drawers, t.device, "dropout")
-        noise = torch.empty(shape, dtype=t.dtype, device=t.device).bernoulli_(1 - p)
+        noise = random.whole(out, shape, t.dtype, t.device, "bernoulli_", (1 - p,), what="dropout")
         noise.div_(1 - p)
         return t * noise[block]
 
