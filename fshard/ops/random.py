@@ -69,8 +69,10 @@ def whole(
     args=(),
     generator=None,
     what: str | None = None,
+    kwargs=None,
 ) -> torch.Tensor:
-    """``torch.empty(shape, dtype).<fill>(*args, generator=generator)`` drawn on ``device`` (the
+    """``torch.empty(shape, dtype).<fill>(*args, **kwargs, generator=generator)`` drawn on
+    ``device`` (the
     generator's, when one is given), after the generators of the ranks that hold one value of
     ``layout`` are compared (a disagreement names ``what``, the op drawing): the caller keeps
     its block."""
@@ -80,7 +82,9 @@ def whole(
         consistency.check_draw(group, torch.device(device), name, generator)
     where = device if generator is None else generator.device
     out = torch.empty(shape, dtype=dtype, device=where)
-    kwargs = {} if generator is None else {"generator": generator}
+    kwargs = dict(kwargs or {})
+    if generator is not None:
+        kwargs["generator"] = generator
     return getattr(out, fill)(*args, **kwargs)
 
 
@@ -95,17 +99,18 @@ def block_of(layout: Layout, t: torch.Tensor, device) -> torch.Tensor:
 def filled(x: ShardedArray, fill: str, args: tuple, kwargs: dict) -> ShardedArray:
     """``x.<fill>(*args, **kwargs)`` as a fresh value: ``x``'s dims, not pending (the draw is
     the value), every rank's block of one whole draw."""
+    kwargs = dict(kwargs)
     generator = kwargs.pop("generator", None)
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if kwargs or tensors or type(x.layout) is not Layout:
-        what = "tensor arguments" if tensors else f"arguments {sorted(kwargs)}" if kwargs else ""
+    tensors = any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+    if tensors or type(x.layout) is not Layout:
+        what = "tensor arguments" if tensors else f"a {type(x.layout).__name__}"
         raise TypeError(
-            f"ShardedArray: Tensor.{fill} with {what or type(x.layout).__name__} is not "
-            f"supported (fshard draws the whole tensor with scalar arguments and keeps each "
-            f"rank's block); draw a full tensor and fs.shard it"
+            f"ShardedArray: Tensor.{fill} with {what} is not supported (fshard draws the whole "
+            "tensor with scalar arguments and keeps each rank's block of a Layout); draw a "
+            "full tensor and fs.shard it"
         )
     lay = x.layout
     out = Layout(lay.mesh, spec_of_dims(lay.dim_axes, ()), lay.shape, lay.dtype)
     device = x.local.device
-    drawn = whole(out, out.shape, out.dtype, device, fill, args, generator)
+    drawn = whole(out, out.shape, out.dtype, device, fill, args, generator, kwargs=kwargs)
     return ShardedArray._raw(block_of(out, drawn, device).contiguous(), out)

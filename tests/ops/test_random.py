@@ -22,6 +22,7 @@ DRAWS = {
     # a router's jitter (Mixtral, PhiMoE, MiniMax): torch.empty_like(h).uniform_(1 - e, 1 + e)
     "empty_like().uniform_": lambda x: x * torch.empty_like(x).uniform_(0.9, 1.1),
     "normal_(1, 2)": lambda x: x * torch.empty_like(x).normal_(1.0, 2.0),
+    "normal_(mean=, std=)": lambda x: x * torch.empty_like(x).normal_(mean=-1.0, std=0.5),
     "exponential_": lambda x: x * torch.empty_like(x).exponential_(2.0),
     "cauchy_": lambda x: x * torch.empty_like(x).cauchy_(),
     "log_normal_": lambda x: x * torch.empty_like(x).log_normal_(),
