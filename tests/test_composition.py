@@ -2038,20 +2038,41 @@ def test_parallelize_keeps_a_float64_loss_in_float64(world2, degrees):
     assert max(world2.run(_float64_loss, degrees)) < 1e-13
 
 
-def dropout_remat_rank_fn(degrees: dict, remat: bool) -> tuple:
-    """parallelize on transformers' GPT-2 modules in train mode with its dropouts (residual and
-    embedding, p=0.3: GPT-2 ships 0.1), one fs.value_and_grad step against dense torch.func on
-    the same weights from the same seed (fshard's dropout draws dense's mask on every rank and
-    keeps its block): the loss's difference and the worst gradient's (relative)."""
+def _seeded_against_dense(loss, params, ids, dense_loss, dense, dims, layers: str) -> tuple:
+    """One fs.value_and_grad step of ``loss`` and dense torch.func of ``dense_loss`` on the same
+    weights, each from seed 5 (their random draws alike): the loss's difference and the worst
+    gradient's (relative to its largest entry)."""
+    torch.manual_seed(5)
+    value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
+    torch.manual_seed(5)
+    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    got = _by_name(grads, dims, layers)
+    worst = max(
+        float((got[k] - want[k]).abs().max()) / (float(want[k].abs().max()) + 1e-6) for k in want
+    )
+    return abs(float(value) - float(want_value)), worst
+
+
+def _gpt2_with_dropout(layers: int) -> torch.nn.Module:
+    """transformers' GPT-2 modules (:class:`_Gpt2`) in train mode, residual and embedding
+    dropout 0.3 (GPT-2 ships 0.1), built from seed 0."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.3,
+        n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.3,
         embd_pdrop=0.3, attn_pdrop=0.0, attn_implementation="sdpa",
     )  # fmt: skip
-    model = _Gpt2(transformers.GPT2LMHeadModel(cfg)).train()
+    return _Gpt2(transformers.GPT2LMHeadModel(cfg)).train()
+
+
+def dropout_remat_rank_fn(degrees: dict, remat: bool) -> tuple:
+    """parallelize on transformers' GPT-2 modules in train mode with its dropouts (residual and
+    embedding, p=0.3: GPT-2 ships 0.1), one fs.value_and_grad step against dense torch.func on
+    the same weights from the same seed (fshard's dropout draws dense's mask on every rank and
+    keeps its block): the loss's difference and the worst gradient's (relative)."""
+    model = _gpt2_with_dropout(2)
     dims = fs.parallel.ParallelDims(**degrees)
     params, loss = fs.parallel.parallelize(
         model, dims.mesh(), dims, parts=_gpt2_parts(model), remat=remat
@@ -2063,15 +2084,7 @@ def dropout_remat_rank_fn(degrees: dict, remat: bool) -> tuple:
         logits = torch.func.functional_call(model, ps, (ids,))[:, :-1]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
-    torch.manual_seed(5)
-    value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
-    torch.manual_seed(5)
-    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
-    got = _by_name(grads, dims, "h")
-    worst = max(
-        float((got[k] - want[k]).abs().max()) / (float(want[k].abs().max()) + 1e-6) for k in want
-    )
-    return abs(float(value) - float(want_value)), worst
+    return _seeded_against_dense(loss, params, ids, dense_loss, dense, dims, "h")
 
 
 @pytest.mark.timeout(600)
@@ -2090,17 +2103,9 @@ def dropout_remat_pp_rank_fn(schedule: str) -> tuple:
     fs.value_and_grad step with remat=False and with remat=True from the same seed: each stage
     draws its masks on its own rank (no dense order to compare with), so the oracle is the same
     pipeline without remat. The loss's difference and the worst gradient's (relative)."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
     runs = []
     for remat in (False, True):
-        torch.manual_seed(0)
-        cfg = transformers.GPT2Config(
-            n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.3,
-            embd_pdrop=0.3, attn_pdrop=0.0, attn_implementation="sdpa",
-        )  # fmt: skip
-        model = _Gpt2(transformers.GPT2LMHeadModel(cfg)).train()
+        model = _gpt2_with_dropout(4)
         dims = fs.parallel.ParallelDims(pp=2, pp_schedule=schedule)
         params, loss = fs.parallel.parallelize(
             model, dims.mesh(), dims, parts=_gpt2_parts(model), remat=remat
@@ -2151,15 +2156,7 @@ def router_jitter_rank_fn(degrees: dict, remat: bool) -> tuple:
         kwargs = {"labels": ids, "use_cache": False}
         return torch.func.functional_call(model, ps, (ids,), kwargs).loss
 
-    torch.manual_seed(5)
-    value, grads = fs.value_and_grad(loss)(params, {"input_ids": ids})
-    torch.manual_seed(5)
-    want, want_value = torch.func.grad_and_value(dense_loss)(dense)
-    got = _by_name(grads, dims)
-    worst = max(
-        float((got[k] - want[k]).abs().max()) / (float(want[k].abs().max()) + 1e-6) for k in want
-    )
-    return abs(float(value) - float(want_value)), worst
+    return _seeded_against_dense(loss, params, ids, dense_loss, dense, dims, "model.layers")
 
 
 @pytest.mark.timeout(600)
