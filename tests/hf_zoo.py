@@ -141,8 +141,22 @@ def _shrink(cfg, depth: int = 0) -> None:
             setattr(cfg, key, value[:n])
 
 
-def tiny_config(arch: str):
-    """The default config of ``arch`` shrunk to a tiny size (no download), or raise.
+#: what :func:`tiny_config`'s ``dropout`` sets: the dropout probabilities and a router's jitter
+#: (not layer drop, drop path or masking: those draw plain per-layer scalars)
+_DRAWN = ("dropout", "pdrop", "jitter")
+
+
+def _with_dropout(cfg, p: float, depth: int = 0) -> None:
+    for key, value in list(vars(cfg).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type") and depth < 3:
+            _with_dropout(value, p, depth + 1)
+        elif isinstance(value, float) and any(d in key for d in _DRAWN) and "layer" not in key:
+            setattr(cfg, key, p)
+
+
+def tiny_config(arch: str, dropout: float = 0.0):
+    """The default config of ``arch`` shrunk to a tiny size (no download), or raise;
+    ``dropout``: its dropout probabilities and router jitter set to it (else off).
 
     Example:
         >>> cfg = tiny_config("llama")
@@ -153,6 +167,8 @@ def tiny_config(arch: str):
 
     cfg = CONFIG_MAPPING[arch]()
     _shrink(cfg)
+    if dropout:
+        _with_dropout(cfg, dropout)
     cfg.use_cache = False
     cfg.num_labels = LABELS
     if hasattr(cfg, "pad_token_id") and cfg.pad_token_id is not None:
@@ -160,12 +176,13 @@ def tiny_config(arch: str):
     return cfg
 
 
-def build(arch: str) -> torch.nn.Module:
-    """The seeded tiny model of ``arch``'s main task head (every rank builds the same)."""
+def build(arch: str, dropout: float = 0.0) -> torch.nn.Module:
+    """The seeded tiny model of ``arch``'s main task head (every rank builds the same);
+    ``dropout``: see :func:`tiny_config`."""
     import transformers
 
     task, cls = architectures()[arch]
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, dropout)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -341,6 +358,85 @@ def zoo_rank_fn(arch: str, modes=("dp", "tp", "fsdp")) -> dict:
             result[mode] = _in_float64(model, task, mode, plan, kwargs, labels, result[mode][1])
             fs.nn.load_params(model, initial)
             model.float()
+    return result
+
+
+def dropout_rank_fn(arch: str, modes=("dp", "tp"), p: float = 0.2) -> dict:
+    """``{mode: (outcome, detail)}`` of ``arch`` in train mode with its dropouts and router
+    jitter at ``p`` (:func:`tiny_config`): one fs.value_and_grad step in each mode (dp: the
+    batch split, tp: :func:`tp_plan`) against dense torch.func on the same weights, each drawn
+    from one seed (torch's, numpy's, Python's): fshard's draws are the dense ones whatever the
+    layout (``fshard/ops/random.py``), so the loss and every gradient must agree. The batch
+    is unpadded (a padded row's masked scores meet the attention's dropout: NaN in dense too);
+    a dense forward runs first, as a model building modules in its first forward (BigBird) draws
+    their initialisation there. ``equal``, ``wrong`` (relative differences), ``refused``."""
+    import random
+
+    import numpy as np
+    import transformers
+
+    import fshard as fs
+    from tests.test_hf import _arch_loss
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    task = architectures()[arch][0]
+
+    def seeded():
+        torch.manual_seed(5)
+        np.random.seed(5)
+        random.seed(5)
+
+    try:
+        model = build(arch, dropout=p).train()
+        kwargs, labels = inputs(model, task)
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["attention_mask"])
+        count = int((labels[:, 1:] if task == "causal" else labels).ne(-100).sum())
+        dense = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+        def dense_loss(ps):
+            out = torch.func.functional_call(model, ps, (), kwargs)
+            return _arch_loss(task, out, labels, count)
+
+        dense_loss(dense)
+        seeded()
+        want, want_value = torch.func.grad_and_value(dense_loss)(dense)
+    except Exception as e:
+        return dict.fromkeys(modes, ("not buildable", _outcome(e)[1]))
+    result = {}
+    for mode in modes:
+        try:
+            plan, which = tp_plan(model) if mode == "tp" else ({}, "")
+            if which == "none":
+                result[mode] = ("refused", "no tp plan: ships none, no usual Linear names")
+                continue
+            mesh = fs.Mesh.create((2,), ("tp" if mode == "tp" else "dp",))
+            params = fs.nn.shard_params(model, mesh, plan)
+            spec = fs.P() if mode == "tp" else fs.P("dp")
+            sharded = {k: fs.shard(v, mesh, spec) for k, v in kwargs.items()}
+            ys = fs.shard(labels, mesh, spec)
+
+            def loss_fn(ps, sharded=sharded, ys=ys):
+                out = fs.nn.functional_call(model, ps, (), sharded)
+                return fs.gather(_arch_loss(task, out, ys, count))
+
+            seeded()
+            value, grads = fs.value_and_grad(loss_fn)(params)
+            loss_diff = abs(float(value) - float(want_value)) / (abs(float(want_value)) + 1e-6)
+            worst = max(
+                float((fs.gather(grads[k]) - want[k]).abs().max())
+                / (float(want[k].abs().max()) + 1e-6)
+                for k in want
+            )
+            ok = loss_diff < 1e-4 and worst < 1e-3
+            result[mode] = (
+                ("equal", "") if ok else ("wrong", f"loss {loss_diff:.1e} grad {worst:.1e}")
+            )
+        except Exception as e:
+            result[mode] = _outcome(e)
+        finally:
+            fs.nn.load_params(model, dense)
     return result
 
 

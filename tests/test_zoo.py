@@ -36,6 +36,21 @@ def test_zoo_sample_matches_dense(world2, arch):
         ), result
 
 
+#: ``python tools/zoo.py --dropout 0.2``'s sample, one per kind of draw: GPT-2's dropouts on
+#: the residual, the embedding and the attention weights (sdpa's dropout_p), BERT's (an encoder,
+#: masked LM), Mixtral's attention dropout and router jitter (``empty_like(h).uniform_``), T5's
+#: (encoder-decoder), ViT's (image)
+DROPOUT_SAMPLE = ["gpt2", "bert", "mixtral", "t5", "vit"]
+
+
+@pytest.mark.parametrize("arch", DROPOUT_SAMPLE)
+def test_zoo_sample_with_dropout_matches_dense(world2, arch):
+    """Train mode, dropout and jitter 0.2: one step in dp and tp equal to dense from one seed
+    (was: Mixtral's jitter refused, ``in-place Tensor.uniform_ is not supported``)."""
+    for result in world2.run(hf_zoo.dropout_rank_fn, arch):
+        assert {m: o[0] for m, o in result.items()} == {"dp": "equal", "tp": "equal"}, result
+
+
 #: ``python tools/zoo.py --parallelize``'s sample: architectures the composition tests do not
 #: name, in the configurations where the sweep found them wrong or refused before the fix
 PARALLELIZE_SAMPLE = [

@@ -12,6 +12,8 @@ Usage::
     PYTHONPATH=$PWD python tools/zoo.py --from-json out.json --write-docs  # a saved run's table
     PYTHONPATH=$PWD python tools/zoo.py --parallelize [archs]  # the causal LMs through
         # fs.parallel.parallelize on 4 ranks (hf_zoo.PARALLELIZE_CONFIGS) against dense
+    PYTHONPATH=$PWD python tools/zoo.py --dropout 0.2 [archs]  # train mode with dropout and
+        # router jitter: one step in dp and tp against dense from one seed (2 ranks)
 """
 
 from __future__ import annotations
@@ -235,9 +237,14 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--configs", help='with --parallelize: these configurations only ("tp2 pp2,ep2 tp2")'
     )
+    parser.add_argument(
+        "--dropout", type=float, help="train mode with dropout and router jitter at this p"
+    )
     args = parser.parse_args(argv)
     if args.parallelize:
         return main_parallelize(args)
+    if args.dropout:
+        return main_dropout(args)
     command = "python tools/zoo.py" + (f" --every {args.every}" if args.every > 1 else "")
     command += f" --offset {args.offset}" if args.offset else ""
     t = time.time()
@@ -274,6 +281,36 @@ def main_parallelize(args) -> int:
         write_docs(f"{time.strftime('%Y-%m-%d', time.gmtime())}: {text}", PBEGIN, PEND)
     wrong = any(o[0] == "wrong" for r in results.values() for o in r.values())
     return 1 if wrong else 0
+
+
+def main_dropout(args) -> int:
+    """Every selected architecture through :func:`hf_zoo.dropout_rank_fn` (2 ranks): the
+    counts per mode and the rows that are not equal."""
+    t = time.time()
+    modes = ("dp", "tp")
+    results: dict = {}
+    world = World(2, timeout=args.timeout)
+    try:
+        for arch in select(args.archs, args.every, args.offset):
+            try:
+                ranks = world.run(hf_zoo.dropout_rank_fn, arch, modes, args.dropout)
+                got = {
+                    m: next((r[m] for r in ranks if r[m][0] == "wrong"), ranks[0][m]) for m in modes
+                }
+            except Exception as e:
+                got = dict.fromkeys(modes, ("refused", f"rank failure: {_first(e)}"))
+            results[arch] = got
+            if any(o[0] != "equal" for o in got.values()):
+                print(arch, got, flush=True)
+    finally:
+        world.close()
+    for m in modes:
+        counts = collections.Counter(r[m][0] for r in results.values())
+        print(f"{m}: {dict(counts)}")
+    print(f"{len(results)} architectures, dropout {args.dropout}, {time.time() - t:.0f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 1 if any(o[0] == "wrong" for r in results.values() for o in r.values()) else 0
 
 
 if __name__ == "__main__":
