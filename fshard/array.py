@@ -351,13 +351,16 @@ _DISPATCH = _no_dispatcher
 
 class Indexing(NamedTuple):
     """What :mod:`fshard.ops` gives ShardedArray for the forms that are not torch functions:
-    ``x[key] = value`` (``set_item(x, key, value)``), ``x.at`` (``at(x)``) and in-place Tensor
-    methods (``inplace_method(name)``: the method, or ``None`` where none exists). Installed
-    with :func:`install_indexing` when the ops are imported, as the dispatcher is."""
+    ``x[key] = value`` (``set_item(x, key, value)``), ``x.at`` (``at(x)``), in-place Tensor
+    methods (``inplace_method(name)``: the method, or ``None`` where none exists) and augmented
+    assignment (``augmented(x, name, y, frame)``: ``x`` updated, or ``NotImplemented`` for
+    Python's ``x = x op y``; ``frame`` the statement's). Installed with
+    :func:`install_indexing` when the ops are imported, as the dispatcher is."""
 
     set_item: Callable
     at: Callable
     inplace_method: Callable
+    augmented: Callable
 
 
 def install_indexing(indexing: Indexing) -> None:
@@ -371,7 +374,11 @@ def _no_indexing(*args):
     _no_dispatcher(None, args, {})
 
 
-_INDEXING = Indexing(_no_indexing, _no_indexing, _no_indexing)
+def _no_augmented(*args):
+    return NotImplemented
+
+
+_INDEXING = Indexing(_no_indexing, _no_indexing, _no_indexing, _no_augmented)
 _NO_KWARGS: dict = {}  # never mutated: dispatch only reads kwargs
 _new = object.__new__
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -438,6 +445,23 @@ def _tensor_operators() -> dict:
 _INPLACE_NAMES = ("add", "sub", "mul", "truediv", "matmul", "pow", "and", "or", "xor", "mod")
 _INPLACE_NAMES += ("floordiv", "lshift", "rshift", "div")
 _TENSOR_OPERATORS = _tensor_operators()
+
+
+def _augmented(name: str):
+    """``x op= y``: :attr:`Indexing.augmented` decides (see :mod:`fshard.ops.inplace`)."""
+
+    def op(self, other):
+        if _dynamo_compiling():  # traced: x = x op y (the graph has no holders to update)
+            return NotImplemented
+        return _INDEXING.augmented(self, name, other, sys._getframe(1))
+
+    op.__name__ = f"__i{name}__"
+    return op
+
+
+for _name in _INPLACE_NAMES:
+    if _name != "div":  # Python 2's: never called
+        setattr(ShardedArray, f"__i{_name}__", _augmented(_name))
 ShardedArray.__hash__ = object.__hash__
 
 

@@ -55,7 +55,7 @@ def _set_item(x, key, value) -> None:
     )
 
 
-install_indexing(Indexing(_set_item, indexing.At, inplace.inplace_method))
+install_indexing(Indexing(_set_item, indexing.At, inplace.inplace_method, inplace.augmented))
 
 __all__ = [
     "OpSharding",

@@ -50,7 +50,7 @@ from ..executor import reshard_one
 from ..spec import BaseLayout
 from . import random
 
-__all__ = ["rebind", "inplace_method", "inplace_keyword", "link_views", "InplaceCall"]
+__all__ = ["rebind", "inplace_method", "inplace_keyword", "link_views", "InplaceCall", "augmented"]
 
 _set_alias = ShardedArray.__dict__["_alias"].__set__
 _set_local = ShardedArray.__dict__["local"].__set__
@@ -304,6 +304,35 @@ def rebind(x: ShardedArray, compute, what: str, functional: str) -> ShardedArray
             )
         new = new.to(x.dtype)
     _assign(x, new)
+    return x
+
+
+def augmented(x: ShardedArray, name: str, other, frame):
+    """``x op= y`` (``name``: ``"add"``, ``"mul"``...) in the statement of ``frame``.
+
+    In a ``torch.nn.Module``'s method (the frame's ``self`` is a module: model code, written
+    for torch tensors) it means what torch's in-place operator means: the object ``x`` becomes
+    ``x op y`` in ``x``'s dtype, so every holder of it sees the update (transformers' MiniMax
+    jitters its MoE input with ``hidden_states *= ...`` while its decoder layer keeps that input
+    as the residual, which torch jitters too), without moving ``x``'s blocks back to its layout
+    (a layout is how a value is held, not what it is). Elsewhere, and where the in-place form
+    would be refused (``x`` shares its data with a live view, or crossed a pytree boundary),
+    ``NotImplemented``: Python's ``x = x op y``, the name rebound, as ``jax.Array`` does."""
+    owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
+    if not isinstance(owner, torch.nn.Module) or _refusal(x, "", ""):
+        return NotImplemented
+    new = getattr(x, f"__{name}__")(other)
+    if not isinstance(new, ShardedArray) or tuple(new.shape) != tuple(x.shape):
+        return new  # a broadcast that grows x: the name rebound to the result
+    if new.dtype != x.dtype:
+        if not torch.can_cast(new.dtype, x.dtype):
+            return new
+        new = new.to(x.dtype)
+    if type(_alias(x)) is _SliceOf:  # written through into its base, at x's layout
+        _assign(x, new)
+    else:
+        _set_local(x, new.local)
+        _set_layout(x, new.layout)
     return x
 
 
