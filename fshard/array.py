@@ -35,7 +35,9 @@ class ShardedArray:
 
     Updates are functional, as in JAX: ``x.at[idx].set(v)`` (also ``add``, ``multiply``,
     ``min``, ``max``, ``get``) returns a new value; ``x += y`` rebinds the name ``x`` to
-    ``x + y`` (nothing another name holds changes, as ``jax.Array``). The in-place forms models
+    ``x + y`` (nothing another name holds changes, as ``jax.Array``), except in a
+    ``torch.nn.Module``'s method, model code, where it is torch's in-place operator (every holder
+    of the object sees the update). The in-place forms models
     use (``x[idx] = v``, ``x.masked_fill_(m, v)``, ``x.index_add_(...)``, ``x.zero_()``...)
     rebind the object ``x`` to the functional result, and are refused with a ``TypeError``
     where that could differ from torch: when ``x`` shares its data with another live value (a

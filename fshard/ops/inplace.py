@@ -6,7 +6,9 @@ A ShardedArray never changes its local tensor. The in-place forms a model uses
 the functional result (``x.at[idx].set(v)``, ``x.masked_fill(m, v)``...) and *rebind* the
 object ``x`` to it: every name bound to that same object sees the new value, as with a torch
 tensor. Augmented assignment (``x += y``) rebinds the *name* instead, as ``jax.Array`` does:
-``x = x + y``, nothing another name holds changes.
+``x = x + y``, nothing another name holds changes; in a ``torch.nn.Module``'s method (model
+code, written for torch tensors) it is torch's in-place operator instead: the object becomes
+``x + y``, which every holder sees (:func:`augmented`).
 
 Rebinding is exact as long as no other value shares ``x``'s data. In torch a view
 (``x[:, :2]``, ``x.view(...)``, ``x.T``, ``x.detach()``...) sees an in-place update of its base and
