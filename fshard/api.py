@@ -28,6 +28,7 @@ from ._leaf_errors import LeafErrors, paths
 from .array import ShardedArray, is_sharded
 from .executor import check_plain_tensor, reshard_one
 from .mesh import Mesh
+from .ops import random
 from .planner import plan
 from .spec import Layout, P, Parts, PartsLayout, _layout
 
@@ -416,9 +417,7 @@ def _random(draw, shape, mesh, spec, dtype, generator) -> ShardedArray:
     # mesh); only the block moves to the mesh's device.
     device = mesh.device() if generator is None else generator.device
     whole = draw(layout.shape, generator=generator, dtype=layout.dtype, device=device)
-    block = whole[layout.shard_metadata(mesh.rank).slices()]
-    block = block.clone() if block.device == mesh.device() else block.to(mesh.device())
-    return ShardedArray._raw(block.contiguous(), layout)
+    return ShardedArray._raw(random.block_of(layout, whole, mesh.device()).contiguous(), layout)
 
 
 def rand(shape, mesh: Mesh, spec: P, *, dtype=None, generator=None) -> ShardedArray:

@@ -393,14 +393,21 @@ def _collective_default(op: str, g: AxisGroup, t: torch.Tensor, fields: dict) ->
     except TypeError:  # an unhashable field (a list of sizes)
         desc = (op, g.axes, t.dtype, tuple((k, _canonical(v)) for k, v in fields.items()))
         h = _cached_hash(desc)
+    _fold_event(g, desc, h, "collective", t.device)
+
+
+def _fold_event(g: AxisGroup, desc: tuple, h: int, kind: str, device=None) -> None:
+    """Fold the event ``desc`` (``(name, axes, dtype, fields)``, hashed to ``h``) and its call
+    site into ``g``'s running digest; exchange at the group's first event and every
+    ``consistency_interval``-th."""
     site = _site()
     r = _running(g)
     r.digest = _fold(_fold(r.digest, h), _cached_hash(site))
     r.seq += 1
     r.history.append((r.seq, desc, site))
     if not r.exchanged or r.seq % max(1, int(config.consistency_interval)) == 0:
-        what = f"{op} over mesh axes {g.axes} (collective #{r.seq} on the group)"
-        _check_running(g, what, [r], 0, {}, t.device)
+        what = f"{desc[0]} over mesh axes {g.axes} ({kind} #{r.seq} on the group)"
+        _check_running(g, what, [r], 0, {}, device)
 
 
 def _check_running(
@@ -624,15 +631,7 @@ def check_draw(
         _agree(g, f"{what}: the generator state every rank draws from", {"rng": state})
         return
     desc = (what, g.axes, None, (("generator state", state),))
-    site = _site()
-    r = _running(g)
-    r.digest = _fold(_fold(r.digest, _hash(desc)), _cached_hash(site))  # a state: not cached
-    r.seq += 1
-    r.history.append((r.seq, desc, site))
-    if not r.exchanged or r.seq % max(1, int(config.consistency_interval)) == 0:
-        _check_running(
-            g, f"{what} over mesh axes {g.axes} (event #{r.seq} on the group)", [r], 0, {}
-        )
+    _fold_event(g, desc, _hash(desc), "event")  # a state: hashed, not cached
 
 
 def boundary(group: Mesh | AxisGroup | None, what: str, **fields) -> None:

@@ -146,7 +146,7 @@ def random_like_rule(op, args, kwargs):
     if kwargs.get("generator") is not None:
         raise TypeError(f"ShardedArray: torch.{op.__name__}(generator=) is not supported")
     fill = RANDOM_LIKE[op.__name__]
-    out = Layout(x.mesh, spec(x.dim_axes), tuple(x.shape), kwargs.get("dtype") or x.dtype)
+    out = like_rule(op, args, kwargs).out  # zeros_like's layout: x's dims, the op's dtype
 
     def local(t, *bounds, **k):  # randint_like(x, high) or (x, low, high)
         device = k.get("device") or t.device
