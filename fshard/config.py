@@ -87,20 +87,25 @@ consistency_boundary_interval: int = int(
 )
 
 
-@contextlib.contextmanager
-def consistency(enabled: bool | str = True):
+class consistency(contextlib.ContextDecorator):  # noqa: N801 (used as a function)
     """Set the consistency mode within the block (``True``/``"default"``, ``"every"``,
-    ``False``), overriding ``check_consistency``.
+    ``False``), overriding ``check_consistency``. Also a decorator. (A class, not a generator
+    context manager: the pipeline enters one at each transfer.)
 
     Example:
         >>> with fs.config.consistency("every"):  # doctest: +SKIP
         ...     y = fs.reshard(x, fs.P())  # ranks exchange a digest before each collective
     """
-    token = _CONSISTENCY.set(_mode(enabled, "fs.config.consistency(enabled)"))
-    try:
-        yield
-    finally:
-        _CONSISTENCY.reset(token)
+
+    def __init__(self, enabled: bool | str = True):
+        self._mode = _mode(enabled, "fs.config.consistency(enabled)")
+        self._tokens: list = []  # a decorated function may recurse
+
+    def __enter__(self) -> None:
+        self._tokens.append(_CONSISTENCY.set(self._mode))
+
+    def __exit__(self, *exc) -> None:
+        _CONSISTENCY.reset(self._tokens.pop())
 
 
 def consistency_mode() -> str:

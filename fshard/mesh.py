@@ -310,7 +310,7 @@ class Mesh:
 
     # -- queries ------------------------------------------------------------------------
     def __eq__(self, other) -> bool:
-        return (
+        return self is other or (
             isinstance(other, Mesh)
             and self.shape == other.shape
             and self.axis_names == other.axis_names

@@ -596,19 +596,20 @@ def _inputs(args: tuple, in_specs, body: _Body) -> tuple[tuple, list]:
     marks: list = []
     seen: dict = {}
     new = []
+    nested = body.outer is not None
     for spec, _, leaves, sub_def in inputs:
         locals_ = []
+        spec_axes = frozenset(spec.axes) if spec is not None else _EMPTY  # once per subtree
         for _, leaf in leaves:
-            prior = body.outer_vma(leaf)
             value = _local_input(leaf, spec, body)
             if spec is not None and isinstance(value, (torch.Tensor, ShardedArray)):
                 local = _block(value)
-                axes = frozenset(spec.axes) | prior
+                axes = spec_axes | body.outer_vma(leaf) if nested else spec_axes
                 # a view where the mark would overwrite another's: one object under two
                 # specs, or (nested) the enclosing body's block, whose mark the enclosing
                 # tracker reads after this body (overwritten, it read the block as invariant
                 # and pcast it: its other uses' gradients summed over the outer axes)
-                if seen.setdefault(id(local), axes) != axes or body.outer is not None:
+                if seen.setdefault(id(local), axes) != axes or nested:
                     local = local.view_as(local)
                     if isinstance(value, ShardedArray):
                         value = ShardedArray._raw(local, value.layout)

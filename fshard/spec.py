@@ -72,9 +72,11 @@ class PartitionSpec:
         True
         >>> P(partial="tp").partial
         ('tp',)
+        >>> P(("x", "y"), partial="z").axes  # every axis it names, dims first
+        ('x', 'y', 'z')
     """
 
-    __slots__ = ("_entries", "dims", "partial", "_key")
+    __slots__ = ("_entries", "dims", "partial", "axes", "_key")
 
     def __init__(self, *entries: AxisEntry, partial: str | Sequence[str] = ()):
         dims = tuple(_normalize_entry(e, i) for i, e in enumerate(entries))
@@ -96,6 +98,10 @@ class PartitionSpec:
         while trimmed and not trimmed[-1]:
             trimmed.pop()
         object.__setattr__(self, "dims", tuple(trimmed))
+        # every mesh axis the spec names (dims first, then partial), e.g.
+        # P(("x", "y"), partial="z").axes == ("x", "y", "z"): read by every op rule and
+        # boundary, so made once
+        object.__setattr__(self, "axes", tuple(a for d in self.dims for a in d) + partial)
         object.__setattr__(self, "_key", (self.dims, tuple(sorted(partial))))
 
     def __setattr__(self, name, value):
@@ -115,7 +121,7 @@ class PartitionSpec:
         return self._fmt(self._entries, self.partial)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, PartitionSpec) and self._key == other._key
+        return self is other or (isinstance(other, PartitionSpec) and self._key == other._key)
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -125,16 +131,6 @@ class PartitionSpec:
 
     def __iter__(self):
         return iter(self.dims)
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """Every mesh axis the spec names (dims first, then partial).
-
-        Example:
-            >>> P(("x", "y"), partial="z").axes
-            ('x', 'y', 'z')
-        """
-        return tuple(a for d in self.dims for a in d) + self.partial
 
     def padded(self, ndim: int) -> tuple[tuple[str, ...], ...]:
         """The per-dim axis tuples, padded with ``()`` to ``ndim`` entries.
@@ -533,7 +529,7 @@ class Layout(BaseLayout):
         self._set_value(mesh, shape, dtype, (mesh, spec, shape, dtype))
 
     def __eq__(self, other) -> bool:
-        return (
+        return self is other or (
             isinstance(other, Layout)
             and self._hash == other._hash
             and self.shape == other.shape
@@ -773,7 +769,7 @@ class ExplicitLayout(BaseLayout):
         self._set_value(mesh, shape, dtype, ("explicit", mesh, boxes, shape, dtype))
 
     def __eq__(self, other) -> bool:
-        return (
+        return self is other or (
             isinstance(other, ExplicitLayout)
             and self._hash == other._hash
             and self.shape == other.shape
@@ -971,7 +967,7 @@ class PartsLayout(BaseLayout):
         self._set_value(mesh, base.shape, dtype, ("parts", mesh, canonical, base.shape, dtype))
 
     def __eq__(self, other) -> bool:
-        return (
+        return self is other or (
             isinstance(other, PartsLayout)
             and self._hash == other._hash
             and self.spec == other.spec

@@ -127,6 +127,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -143,7 +144,7 @@ from torch._C._functorch import maybe_get_level as _level_of
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from .. import _comm, _compat, axis_env, config, consistency, lax
-from .._function import plain, unwrappings
+from .._function import call, plain, unwrappings
 from ..api import _on_mesh_device, shard
 from ..array import ShardedArray, is_sharded
 from ..collectives import Bound, Ppermute, Psum
@@ -687,19 +688,19 @@ def _without_dim0(lay: Layout | PartsLayout) -> Layout | PartsLayout:
     return Layout(lay.mesh, spec, tuple(lay.shape[1:]), lay.dtype)
 
 
-def _take_held(tree) -> tuple:
-    """``tree`` with its leaves of a :class:`~fshard.spec.HeldLayout` replaced by an empty
-    placeholder, and ``{leaf index: the held value}``."""
-    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
+def _take_held(flat: tuple) -> tuple:
+    """A flattened tree, ``(leaves, treedef)``, with its leaves of a
+    :class:`~fshard.spec.HeldLayout` replaced by an empty placeholder, and ``{leaf index: the
+    held value}``."""
+    leaves, treedef = flat
     held = {
         i: x
         for i, x in enumerate(leaves)
-        if isinstance(x, ShardedArray) and isinstance(x.layout, HeldLayout)
+        if type(x) is ShardedArray and isinstance(x.layout, HeldLayout)
     }
     if not held:
-        return tree, held
-    leaves = [_PLACEHOLDER if i in held else x for i, x in enumerate(leaves)]
-    return optree.tree_unflatten(treedef, leaves), held
+        return flat, held
+    return ([_PLACEHOLDER if i in held else x for i, x in enumerate(leaves)], treedef), held
 
 
 #: What stands for a held param in the pipeline's shard_map inputs (never read).
@@ -765,20 +766,27 @@ def _leaf_tensor(t: torch.Tensor, need: bool) -> torch.Tensor:
 def _foreign(root: torch.Tensor, ours: set, seen: set) -> list:
     """The leaves requiring grad that ``root``'s autograd graph reaches besides ``ours`` (ids),
     nodes in ``seen`` (grown) not walked again: tensors a stage's code took from outside its
-    arguments. (~50 us for a 2-block GPT stage's graph.)"""
+    arguments. Runs at each stage's first forward of a step: its nodes are read in C (the
+    edges' nodes by ``map``, a leaf's node by its type), not by a generator and a ``getattr``
+    that fails on every other node (~550 Python calls a step of a 2-block GPT pipeline, 100
+    nodes a stage)."""
     found, stack = [], [root.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf that requires grad
-        if leaf is not None:
+        if type(node) is _ACCUMULATE_GRAD:  # a leaf that requires grad
+            leaf = node.variable
             if id(leaf) not in ours:
                 found.append(leaf)
             continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        stack += map(_first, node.next_functions)
     return found
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+_first = operator.itemgetter(0)
 
 
 def _differentiated_by_caller(found: list, sync: GradSync) -> list:
@@ -898,8 +906,11 @@ class _Stacked(torch.Tensor):
         return stack
 
     def __getitem__(self, index):
-        if type(index) is int and -len(self.rows) <= index < len(self.rows):
-            return self.rows[index]
+        if type(index) is int:
+            try:
+                return self.rows[index]  # a row, negative indices as the stack's
+            except IndexError:
+                pass  # the tensor's error
         return super().__getitem__(index)
 
     def stack_rows(self) -> None:
@@ -1736,59 +1747,70 @@ def _is_one(g: torch.Tensor) -> bool:
     )
 
 
-def _leaves(tree, what: str) -> tuple[list, object]:
-    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, (torch.Tensor, ShardedArray)):
-            raise TypeError(
-                f"pipeline: {what} leaf {i} is a {type(leaf).__name__}; give tensors or "
-                "ShardedArrays"
-            )
-    return leaves, treedef
+def _flat_inputs(trees: tuple) -> tuple:
+    """Each of ``trees`` (:data:`_INPUTS`) as ``(leaves, treedef)``, flattened once a call: every
+    check and step below reads these (each tree was flattened ~4 times a step)."""
+    flat = tuple(optree.tree_flatten(t, is_leaf=is_sharded) for t in trees)
+    for what, (leaves, _) in zip(_INPUTS, flat):
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, (torch.Tensor, ShardedArray)):
+                raise TypeError(
+                    f"pipeline: {what} leaf {i} is a {type(leaf).__name__}; give tensors or "
+                    "ShardedArrays"
+                )
+    return flat
 
 
-def _check_inputs(
-    stage_params, microbatches, input_params, loss_params, targets, mesh, axis, stages, inputs
-):
-    p_leaves, _ = _leaves(stage_params, "stage_params")
+@functools.lru_cache(maxsize=1024)
+def _stage_layout_problem(lay: Layout | PartsLayout, axis: str) -> str | None:
+    """What is wrong with the layout of a stage_params leaf, dim 0 the stages (a step's are the
+    last step's: cached), or ``None``."""
+    # a fused projection's per-part split (fs.Parts, stack_stages') keeps its parts in each
+    # stage's slice: the stages on dim 0 over the axis, the parts past it
+    parts = isinstance(lay, PartsLayout)
+    spec = lay.base.spec if parts else None if lay.is_explicit else lay.spec
+    dims = spec.padded(len(lay.shape)) if spec is not None else None
+    if (
+        spec is None
+        or dims[0] != (axis,)
+        or any(axis in d for d in dims[1:])
+        or spec.partial
+        or (parts and lay.dim == 0)
+    ):
+        return (
+            f"has layout {lay.spec or lay}; dim 0 (the stages) must be split over {axis!r} "
+            f"alone (P({axis!r}, ...), or a fs.Parts whose parts dim is not dim 0), the other "
+            f"dims not over {axis!r}, and no pending sum"
+        )
+    return None
+
+
+def _check_inputs(flat: tuple, mesh, axis, stages, inputs) -> int:
+    """The inputs' layouts and shapes checked (``flat``: :func:`_flat_inputs`); the number of
+    microbatches."""
+    (p_leaves, _), (x_leaves, _), (ip_leaves, _), (lp_leaves, _), (t_leaves, _) = flat
     if not p_leaves:
         raise ValueError("pipeline: stage_params has no tensors")
+    pp = mesh.size(axis)
     for i, leaf in enumerate(p_leaves):
-        if leaf.ndim == 0 or leaf.shape[0] != stages:
-            raise ValueError(
-                f"pipeline: stage_params leaf {i} has shape {tuple(leaf.shape)}; its dim 0 must "
-                f"hold the {stages} stages (pp={mesh.size(axis)} x virtual), got "
-                f"{leaf.shape[0] if leaf.ndim else 'no dim 0'}"
+        shape, problem = leaf.shape, None
+        if not shape or shape[0] != stages:
+            problem = (
+                f"has shape {tuple(shape)}; its dim 0 must hold the {stages} stages (pp={pp} x "
+                f"virtual), got {shape[0] if shape else 'no dim 0'}"
             )
-        if isinstance(leaf, ShardedArray):
-            lay = leaf.layout
-            # a fused projection's per-part split (fs.Parts, stack_stages') keeps its parts
-            # in each stage's slice: the stages on dim 0 over the axis, the parts past it
-            parts = isinstance(lay, PartsLayout)
-            spec = lay.base.spec if parts else None if lay.is_explicit else lay.spec
-            dims = spec.padded(leaf.ndim) if spec is not None else None
-            if (
-                spec is None
-                or dims[0] != (axis,)
-                or any(axis in d for d in dims[1:])
-                or spec.partial
-                or (parts and lay.dim == 0)
-            ):
-                raise ValueError(
-                    f"pipeline: stage_params leaf {i} has layout {lay.spec or lay}; dim 0 (the "
-                    f"stages) must be split over {axis!r} alone (P({axis!r}, ...), or a "
-                    f"fs.Parts whose parts dim is not dim 0), the other dims not over "
-                    f"{axis!r}, and no pending sum"
-                )
-    x_leaves, _ = _leaves(microbatches, "microbatches")
+        elif type(leaf) is ShardedArray:  # the same layouts every step: checked once each
+            problem = _stage_layout_problem(leaf.layout, axis)
+        if problem is not None:
+            raise ValueError(f"pipeline: stage_params leaf {i} {problem}")
     if (len(x_leaves) != 1 and not inputs) or not x_leaves or x_leaves[0].ndim < 1:
         raise ValueError(
             "pipeline: microbatches must be one tensor / ShardedArray of shape (M, ...)"
             + (" (or, with input_fn, a pytree of them)" if not inputs else " per leaf")
         )
     m = x_leaves[0].shape[0]
-    for what, tree in (("microbatches", microbatches), ("targets", targets)):
-        for i, leaf in enumerate(_leaves(tree, what)[0]):
+    for what, leaves in (("microbatches", x_leaves), ("targets", t_leaves)):
+        for i, leaf in enumerate(leaves):
             if leaf.ndim < 1 or leaf.shape[0] != m:
                 raise ValueError(
                     f"pipeline: {what} leaf {i} has shape {tuple(leaf.shape)}; dim 0 must be "
@@ -1802,11 +1824,11 @@ def _check_inputs(
                     f"microbatches) must not be split, and nothing over {axis!r}"
                 )
     pp = mesh.size(axis)
-    for what, tree, who, index in (
-        ("loss_params", loss_params, "the last stage uses it", pp - 1),
-        ("input_params", input_params, "the first stage uses it", 0),
+    for what, leaves, who, index in (
+        ("loss_params", lp_leaves, "the last stage uses it", pp - 1),
+        ("input_params", ip_leaves, "the first stage uses it", 0),
     ):
-        for i, leaf in enumerate(_leaves(tree, what)[0]):
+        for i, leaf in enumerate(leaves):
             if not isinstance(leaf, ShardedArray):
                 continue
             lay = leaf.layout
@@ -1832,7 +1854,7 @@ def _check_inputs(
 _INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targets")
 
 
-def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tuple:
+def _shard_plain(flat: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tuple:
     """``trees`` with their plain tensors sharded to their group's spec, after one consistency
     check that every rank passes the same inputs: the plain tensors' layout and values, the
     shard_map call's signature (what shard_map's call would check in an exchange of its own)
@@ -1846,16 +1868,14 @@ def _shard_plain(trees: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tupl
     forward overlap the exchange, which waited 0.7-3 ms at the step's start on 2 Gloo ranks, by load);
     the caller takes it at the latest when it leaves (``consistency.wait_pending``)."""
     plain: dict = {}
-    flat = []
     held = False
-    for what, tree, spec in zip(_INPUTS, trees, specs):
-        leaves, treedef = optree.tree_flatten(tree, is_leaf=is_sharded)
+    for what, (leaves, _), spec in zip(_INPUTS, flat, specs):
         for i, leaf in enumerate(leaves):
             if leaf is _PLACEHOLDER:  # a held param's stand-in: no values, its place in the
                 held = True  # call's signature below; replicated as it is (no shard, no hash)
-            elif isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray):
+            elif not isinstance(leaf, ShardedArray):
                 plain[(what, i)] = (leaf, spec)
-        flat.append((leaves, treedef))
+    trees = tuple(optree.tree_unflatten(treedef, leaves) for leaves, treedef in flat)
     if consistency.enabled():
         # the layouts are static (hashed once per distinct value), the values not
         fields = {
@@ -1934,12 +1954,15 @@ def _check_activation(activation, mesh: Mesh, axis: str) -> None:
         )
 
 
-def _needs_grad(tree) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad
-        for t in optree.tree_leaves(tree, is_leaf=is_sharded, none_is_leaf=False)
-        for t in ([t.local] if isinstance(t, ShardedArray) else [t])
-    )
+def _needs_grad(leaves: list) -> bool:
+    """Whether any of ``leaves`` (tensors and ShardedArrays) is differentiated (requires grad,
+    grad mode on)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in leaves:  # noqa: SIM110 (a loop: no generator frame per leaf)
+        if (t.local if type(t) is ShardedArray else t).requires_grad:
+            return True
+    return False
 
 
 def _refuse_transforms() -> bool:
@@ -2083,17 +2106,15 @@ def pipeline(
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"pipeline: virtual must be a positive int, got {virtual!r}")
-    m = _check_inputs(
-        stage_params, microbatches, input_params, loss_params, targets, mesh, axis,
-        pp * virtual, input_fn is not None,
-    )  # fmt: skip
+    flat = _flat_inputs((stage_params, microbatches, input_params, loss_params, targets))
+    m = _check_inputs(flat, mesh, axis, pp * virtual, input_fn is not None)
     try:
         sched = pipeline_schedule(schedule, pp, m, virtual)
     except ValueError as e:
         raise ValueError(f"pipeline: {e}") from None
     # which gradients the backward actions compute (None: a forward-only schedule); under
     # torch.func.grad the differentiated inputs' wrappers require grad, closed-over ones not
-    need = tuple(map(_needs_grad, (stage_params, microbatches, input_params, loss_params)))
+    need = tuple(_needs_grad(leaves) for leaves, _ in flat[:4])
     if input_fn is not None and need[1]:
         raise ValueError(
             "pipeline: with input_fn the microbatches are its data and get no gradient; pass "
@@ -2102,8 +2123,9 @@ def pipeline(
     need = need if any(need) else None
     # the params held by their stage's ranks (fs.parallel.on_stage) do not cross the shard_map
     # (its in_specs are P layouts): a placeholder takes their place, the body reads them here
-    input_params, ip_held = _take_held(input_params)
-    loss_params, lp_held = _take_held(loss_params)
+    ip_flat, ip_held = _take_held(flat[2])
+    lp_flat, lp_held = _take_held(flat[3])
+    flat = (flat[0], flat[1], ip_flat, lp_flat, flat[4])
 
     def body(params, xs, iparams, lparams, tgts):
         g = axis_env.current_mesh().group((axis,))
@@ -2140,7 +2162,13 @@ def pipeline(
         if tracker is not None:
             tracker.paused += 1
         try:
-            out = _Pipeline.apply(run, *tensors)  # paused: the tracker is off the mode stack
+            # paused: the tracker is off the mode stack. Outside torch.func, the Function applied
+            # as fshard's collectives are (fshard._function.call: no inspect.signature binding
+            # of its 20-odd arguments each step); under its grad level, by torch's apply
+            if torch._C._are_functorch_transforms_active():
+                out = _Pipeline.apply(run, *tensors)
+            else:
+                out = call(_Pipeline, run, *tensors)
         finally:
             if tracker is not None:
                 tracker.paused -= 1
@@ -2161,9 +2189,8 @@ def pipeline(
     specs = (P(axis), P(), P(), P(), P())
     try:
         inputs = _shard_plain(
-            (stage_params, microbatches, input_params, loss_params, targets), specs, mesh,
-            _program(schedule, virtual, axis, activation, need is not None),
-        )  # fmt: skip
+            flat, specs, mesh, _program(schedule, virtual, axis, activation, need is not None)
+        )
         # checked by _shard_plain's exchange, with the inputs: one a step
         mapped = shard_map_checked_by_caller(body, mesh, specs, P(), axis_names={axis})
         loss = mapped(*inputs)
