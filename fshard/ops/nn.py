@@ -22,6 +22,11 @@ None of them gathers a split dim:
   mesh axis, the ranks of those axes must draw one mask: their generators' states are compared
   (:func:`fshard.consistency.check_draw`; per-rank seeds raise a ``ConsistencyError``), as the
   attention weights' of ``dropout_p > 0``.
+- the rest of the family, drawn the same way: channel-wise dropout (``dropout1d/2d/3d``,
+  ``torch.feature_dropout``: one draw per (sample, channel), as ATen's feature noise of shape
+  ``(N, C, 1, ...)``, an unbatched input's channels first), alpha dropout
+  (``alpha_dropout``, ``feature_alpha_dropout``: ATen's ``a * noise`` and ``b`` from the one
+  draw; a pending sum is reduced first, the map being affine) and ``torch.dropout``.
 
 Example:
     >>> loss = F.cross_entropy(logits, target)  # logits P(None, "tp"): O(batch) bytes moved  # doctest: +SKIP
@@ -379,6 +384,69 @@ def dropout_rule(op, args, kwargs):
     return OpSharding([None], out, local, by_name=True)
 
 
+#: the dropout family: op -> (feature noise, alpha, the rank of an unbatched input, which the op
+#: treats as one sample: ``dropout1d``'s ``(C, L)``, ``dropout3d``'s ``(C, D, H, W)``)
+_DROPOUTS = {
+    torch.dropout: (False, False, None),
+    torch.feature_dropout: (True, False, None),
+    torch.alpha_dropout: (False, True, None),
+    torch.feature_alpha_dropout: (True, True, None),
+    F.dropout1d: (True, False, 2),
+    F.dropout2d: (True, False, None),
+    F.dropout3d: (True, False, 4),
+    F.alpha_dropout: (False, True, None),
+    F.feature_alpha_dropout: (True, True, None),
+}
+#: ATen's alpha dropout constant (SELU's scale times its alpha)
+_ALPHA = 1.7580993408473766
+
+
+def dropout_family_rule(op, args, kwargs):
+    """Channel-wise and alpha dropout (see the module docstring): ATen's ``_dropout_impl`` on
+    the whole noise, drawn once for the global shape, each rank keeping its block of it."""
+    feature, alpha, unbatched = _DROPOUTS[op]
+    bound = bind(op, args, kwargs)
+    x = bound["input"]
+    if bound.get("inplace"):
+        raise TypeError(f"ShardedArray is immutable: {op.__name__}(inplace=True) is not supported")
+    meta = meta_call(op, args, kwargs)  # torch's checks and warnings (p's range, the rank)
+    training = bound["training"] if "training" in bound else bound["train"]
+    affine = alpha and training  # a pending sum is reduced first: b is added once
+    out = out_layout(x.mesh, x.dim_axes, () if affine else x.partial, meta)
+    if not training:
+        return OpSharding([None], out, lambda t, *a, **k: t)
+    shape = tuple(x.shape)
+    if not feature or len(shape) < 2:
+        noise_shape = shape  # (a feature dropout of fewer dims: torch's error, from meta_call)
+    elif len(shape) == unbatched:  # one sample: its channels are dim 0
+        noise_shape = (shape[0],) + (1,) * (len(shape) - 1)
+    else:
+        noise_shape = shape[:2] + (1,) * (len(shape) - 2)
+    block = None
+    if not x.mesh.is_abstract:
+        slices = x.shard_metadata(x.mesh.rank).slices()
+        block = tuple(sl if n > 1 else slice(None) for sl, n in zip(slices, noise_shape))
+    what = op.__name__
+
+    def local(b):
+        t, p = b["input"], b["p"]
+        if p == 0 or math.prod(shape) == 0:  # ATen returns the input
+            return t
+        if p == 1:
+            return t * torch.zeros((), dtype=t.dtype, device=t.device)
+        noise = random.whole(out, noise_shape, t.dtype, t.device, "bernoulli_", (1 - p,), what=what)
+        if not alpha:
+            noise.div_(1 - p)
+            return t * noise[block]
+        a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
+        shift = noise.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * p)
+        noise.mul_(a)
+        return t * noise[block] + shift[block]
+
+    in_specs = [spec(x.dim_axes)] if affine and x.partial else [None]
+    return OpSharding(in_specs, out, local, by_name=True)
+
+
 def _register():
     for name in ("softmax", "log_softmax"):
         register_rule(
@@ -393,6 +461,8 @@ def _register():
     cross_entropy_rule.explicit_layouts = True
     register_rule(F.scaled_dot_product_attention, sdpa_rule)
     register_rule(F.dropout, dropout_rule)
+    for op in _DROPOUTS:
+        register_rule(op, dropout_family_rule)
 
 
 _register()

@@ -21,7 +21,13 @@ their axes, so the op runs unchanged on the local blocks:
   margin losses...);
 - :func:`batched_rule`: functions of the matrices in the last dims (``torch.linalg``), whose
   batch dims keep their axes;
-- every dim: ``torch._grouped_mm`` (``F.grouped_mm``, MoE experts: the offsets index rows).
+- every dim: ``torch._grouped_mm`` (``F.grouped_mm``, MoE experts: the offsets index rows);
+- every dim, drawn: random ops whose draw depends on their input's values (``bernoulli`` with
+  a tensor of probabilities, ``multinomial``, ``normal`` with a tensor mean or std,
+  ``poisson``, ``F.rrelu``, ``F.gumbel_softmax``: :func:`drawn_rule`). Every rank
+  runs the dense op on the whole input from its generator, after the generators of the mesh's
+  ranks are compared (:func:`fshard.consistency.check_draw`): the dense op's values for the
+  same seed, replicated.
 
 A dim where some rank's block would be empty is made whole (an empty channel block of
 ``avg_pool1d`` or ``interpolate`` raises where the global shape does not; some backward
@@ -45,7 +51,9 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from .. import consistency
 from ..spec import BaseLayout, P, _layout
+from . import random
 from ._common import meta_call, norm_dim, norm_dims, out_layout, spec
 from .binding import bind
 from .contraction import contract
@@ -509,7 +517,39 @@ FFT = (
 )
 
 
+_WHOLE = None  # whole_dims_rule(_all), made below
+
+
+def drawn_rule(op, args, kwargs):
+    """A random op whose draw depends on its input's values (the module docstring): every input
+    gathered whole, the op run by every rank on it, after the generators that draw are
+    compared over the mesh's axes (all of them hold the one replicated result)."""
+    plan = _WHOLE(op, args, kwargs)
+    out = plan.out
+    group = random.drawing_group(out) if isinstance(out, BaseLayout) else None
+    run = plan.local or op
+    if group is None:
+        return OpSharding(plan.in_specs, out, run)
+    what = f"{op.__name__} (its draw)"
+
+    def local(*a, **k):
+        generator = k.get("generator")
+        if generator is None:
+            generator = next((v for v in a if isinstance(v, torch.Generator)), None)
+        device = next(v.device for v in (*a, *k.values()) if isinstance(v, torch.Tensor))
+        consistency.check_draw(group, device, what, generator)
+        return run(*a, **k)
+
+    return OpSharding(plan.in_specs, out, local)
+
+
+#: The random ops :func:`drawn_rule` runs (``register_table``'s names).
+DRAWN = "bernoulli multinomial normal poisson F.rrelu"
+
+
 def _register_table():
+    global _WHOLE
+    _WHOLE = whole_dims_rule(_all)
     along_linear = whole_dims_rule(along(), linear=True)
     along_aligned = whole_dims_rule(along(), align_others=True)
     register_table(
@@ -547,6 +587,7 @@ def _register_table():
             whole_dims_rule(lambda op, x, a, k: set(), linear=True): "Tensor.sum_to_size",
             whole_dims_rule(normalized): "native_layer_norm",
             whole_dims_rule(_all): "linspace logspace native_group_norm",
+            drawn_rule: DRAWN,
         }
     )
     for k in (1, 2, 3):
@@ -567,6 +608,8 @@ def _register_table():
     for op in (torch.linalg.matrix_norm, torch.linalg.norm):
         register_rule(op, norms, float_valued=True)
     register_rule(torch.linalg.cond, batched_rule(2), float_valued=True)
+    # its eps (deprecated) warns when not its default: the plan sees the floats' values
+    register_rule(F.gumbel_softmax, drawn_rule, float_valued=True)
 
 
 _register_table()

@@ -4,6 +4,7 @@ gradients of what they multiply), on 2 ranks, replicated, split and pending; and
 generators' states of the ranks holding one value compared (per-rank seeds raise)."""
 
 import torch
+import torch.nn.functional as F
 
 import fshard as fs
 from fshard.consistency import ConsistencyError
@@ -102,3 +103,81 @@ def test_draws_that_need_the_whole_input_are_refused(world2):
     whole on every rank): refused by name, before any draw."""
     for message in world2.run(refused_case):
         assert "bernoulli_ with tensor arguments is not supported" in message, message
+
+
+#: the rest of the dropout family (fshard/ops/nn.py's dropout_family_rule): channel-wise noise
+#: of ATen's feature shape (an unbatched input's channels first) and alpha dropout's affine map
+#: from the one draw; x (4, 6) reshaped to each op's rank, so the split dims land on the batch,
+#: the channels and the spatial dims in turn
+FAMILY = {
+    "dropout1d (N, C, L)": lambda x: F.dropout1d(x.reshape(4, 3, 2), 0.4).reshape(4, 6),
+    "dropout1d (C, L)": lambda x: F.dropout1d(x, 0.4),
+    "dropout2d": lambda x: F.dropout2d(x.reshape(4, 3, 2, 1), 0.4).reshape(4, 6),
+    "dropout3d (N, C, D, H, W)": lambda x: F.dropout3d(x.reshape(2, 2, 3, 2, 1), 0.4).reshape(4, 6),
+    "dropout3d (C, D, H, W)": lambda x: F.dropout3d(x.reshape(4, 3, 2, 1), 0.4).reshape(4, 6),
+    "alpha_dropout": lambda x: F.alpha_dropout(x, 0.3, training=True),
+    "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(
+        x.reshape(4, 3, 2), 0.3, True
+    ).reshape(4, 6),
+    "torch.dropout": lambda x: torch.dropout(x, 0.4, True),
+    "torch.feature_dropout": lambda x: torch.feature_dropout(x, 0.4, True),
+    "torch.alpha_dropout p=1": lambda x: torch.alpha_dropout(x, 1.0, True),
+    "dropout2d eval": lambda x: F.dropout2d(x.reshape(4, 3, 2, 1), 0.4, False).reshape(4, 6),
+    # random ops whose draw reads the input's values (fshard/ops/whole.py's drawn_rule): run
+    # on the whole input by every rank, replicated
+    "bernoulli(p)": lambda x: x * torch.bernoulli(torch.sigmoid(x)),
+    "x.bernoulli()": lambda x: x * torch.sigmoid(x).bernoulli(),
+    "multinomial": lambda x: torch.multinomial(torch.softmax(x, -1), 3),
+    "multinomial(replacement=True)": lambda x: torch.multinomial(x.exp(), 5, replacement=True),
+    "normal(mean, std)": lambda x: torch.normal(x, 0.5),
+    "normal(mean, std tensor)": lambda x: torch.normal(x, x.abs() + 0.1),
+    "poisson": lambda x: torch.poisson(x.abs()),
+    "rrelu(training=True)": lambda x: F.rrelu(x, training=True),
+    "gumbel_softmax": lambda x: F.gumbel_softmax(x, tau=0.5),
+    "gumbel_softmax(hard=True, dim=0)": lambda x: F.gumbel_softmax(x, hard=True, dim=0),
+}
+
+
+def family_cases():
+    mesh = fs.Mesh.create((2,), ("x",))
+    a = randn(4, 6)
+    n = 0
+    for s in (P(), P("x"), P(None, "x"), P(partial="x")):
+        for label, draw in FAMILY.items():
+            check(mesh, _seeded(draw), [a], [s], label=f"{label} {s}")
+            n += 1
+    return n
+
+
+def test_the_dropout_family_and_value_dependent_draws_equal_dense(world2):
+    """Were refused by name (NotImplementedError: no sharding rule for dropout1d/2d/3d,
+    alpha_dropout, feature_alpha_dropout, torch.dropout, bernoulli with a tensor of
+    probabilities, multinomial, normal with a tensor mean, poisson, rrelu in training,
+    gumbel_softmax): values and gradients against dense from one seed."""
+    assert world2.run(family_cases) == [4 * len(FAMILY)] * 2
+
+
+def per_rank_seed_family_cases():
+    """Per-rank seeds: a value-dependent draw is replicated (raises, whatever its input's
+    split); channel-wise dropout of a value split over the batch is each rank's own draw."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    torch.manual_seed(30 + mesh.rank)
+    raised = []
+    with fs.config.consistency("every"):
+        for s in (P(), P("x")):
+            x = fs.shard(torch.ones(4, 6), mesh, s)
+            try:
+                torch.bernoulli(x * 0.5)
+            except ConsistencyError as e:
+                raised.append("generator state" in str(e) and "bernoulli" in str(e))
+        split = fs.gather(F.dropout2d(fs.shard(torch.ones(4, 3, 2, 1), mesh, P("x")), 0.5))
+    own = [torch.Generator().manual_seed(30 + r) for r in range(2)]
+    noise = [torch.empty(4, 3, 1, 1).bernoulli_(0.5, generator=g) / 0.5 for g in own]
+    want = torch.cat([noise[r][2 * r : 2 * r + 2].expand(2, 3, 2, 1) for r in range(2)])
+    return raised, torch.equal(split, want)
+
+
+def test_per_rank_seeds_before_a_value_dependent_draw_raise(world2):
+    for raised, split_equal in world2.run(per_rank_seed_family_cases):
+        assert raised == [True, True], raised
+        assert split_equal
