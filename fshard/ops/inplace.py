@@ -312,16 +312,17 @@ def rebind(x: ShardedArray, compute, what: str, functional: str) -> ShardedArray
 def augmented(x: ShardedArray, name: str, other, frame):
     """``x op= y`` (``name``: ``"add"``, ``"mul"``...) in the statement of ``frame``.
 
-    In a ``torch.nn.Module``'s method (the frame's ``self`` is a module: model code, written
-    for torch tensors) it means what torch's in-place operator means: the object ``x`` becomes
+    In model code, written for torch tensors (a ``torch.nn.Module``'s method, or a function it
+    calls: a frame up the stack has a module as ``self``, as transformers' helpers such as
+    ``apply_rotary_pos_emb`` are called from ``forward``), it means what torch's in-place
+    operator means: the object ``x`` becomes
     ``x op y`` in ``x``'s dtype, so every holder of it sees the update (transformers' MiniMax
     jitters its MoE input with ``hidden_states *= ...`` while its decoder layer keeps that input
     as the residual, which torch jitters too), without moving ``x``'s blocks back to its layout
     (a layout is how a value is held, not what it is). Elsewhere, and where the in-place form
     would be refused (``x`` shares its data with a live view, or crossed a pytree boundary),
     ``NotImplemented``: Python's ``x = x op y``, the name rebound, as ``jax.Array`` does."""
-    owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
-    if not isinstance(owner, torch.nn.Module) or _refusal(x, "", ""):
+    if not _in_model_code(frame) or _refusal(x, "", ""):
         return NotImplemented
     new = getattr(x, f"__{name}__")(other)
     if not isinstance(new, ShardedArray) or tuple(new.shape) != tuple(x.shape):
@@ -336,6 +337,21 @@ def augmented(x: ShardedArray, name: str, other, frame):
         _set_local(x, new.local)
         _set_layout(x, new.layout)
     return x
+
+
+def _in_model_code(frame) -> bool:
+    """Whether ``frame`` or a frame that called it runs a ``torch.nn.Module``'s method (its
+    first argument, ``self``, a module)."""
+    while frame is not None:
+        code = frame.f_code
+        if (
+            code.co_argcount
+            and code.co_varnames[0] == "self"
+            and isinstance(frame.f_locals.get("self"), torch.nn.Module)
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _assign(x: ShardedArray, new: ShardedArray) -> None:

@@ -417,21 +417,43 @@ class _KeepsItsInput(torch.nn.Module):
         return residual * 2.0 + h  # torch: 2 (3x + 1) + 3x + 1
 
 
+def _jitter(h):
+    """A helper model code calls (transformers' apply_rotary_pos_emb, a router's jitter): not a
+    module's method, but torch code all the same."""
+    h *= 3.0
+    h += 1.0
+    return h
+
+
+class _KeepsItsInputThroughAHelper(torch.nn.Module):
+    def forward(self, x):
+        h = x * 1.0
+        residual = h
+        h = _jitter(h)
+        return residual * 2.0 + h  # torch: 2 (3x + 1) + 3x + 1
+
+
 def module_augmented_cases():
     mesh = fs.Mesh.create((2,), ("x",))
-    layer = _KeepsItsInput()
     a = randn(4, 6)
-    want = layer(a)
-    assert torch.allclose(want, 9 * a + 3)  # the torch semantics the test pins
-    dense = grad(lambda t: layer(t).pow(2).sum())(a)
     n = 0
-    for spec in (P(), P("x"), P(None, "x")):
-        x = fs.shard(a, mesh, spec)
-        torch.testing.assert_close(fs.gather(layer(x)), want)
-        g = fs.grad(lambda t: fs.gather(layer(t)).pow(2).sum())(x)
-        assert g.layout == x.layout
-        torch.testing.assert_close(fs.gather(g), dense)
-        n += 1
+    # in a module's method, and in a function it calls (was: the name rebound there)
+    for layer in (_KeepsItsInput(), _KeepsItsInputThroughAHelper()):
+        want = layer(a)
+        assert torch.allclose(want, 9 * a + 3)  # the torch semantics the test pins
+        dense = grad(lambda t, layer=layer: layer(t).pow(2).sum())(a)
+        for spec in (P(), P("x"), P(None, "x")):
+            x = fs.shard(a, mesh, spec)
+            torch.testing.assert_close(fs.gather(layer(x)), want)
+            g = fs.grad(lambda t, layer=layer: fs.gather(layer(t)).pow(2).sum())(x)
+            assert g.layout == x.layout
+            torch.testing.assert_close(fs.gather(g), dense)
+            n += 1
+    # the helper called from outside any module: the name rebound, the caller's value kept
+    x = fs.shard(a, mesh, P("x")) * 1.0
+    kept = x
+    torch.testing.assert_close(fs.gather(_jitter(x)), 3 * a + 1)
+    torch.testing.assert_close(fs.gather(kept), a)
     # outside a module's method the name is rebound, as jax.Array: the other name keeps its value
     x = fs.shard(a, mesh, P("x")) * 1.0
     same = x
@@ -444,5 +466,5 @@ def module_augmented_cases():
 def test_augmented_assignment_in_a_module_updates_every_holder(world2):
     """Was: ``x *= y`` rebound the name in module code too, so a second holder kept the old
     value (MiniMax trained with an unjittered residual: loss 9e-4, gradients 0.26 off dense's,
-    no error)."""
-    assert world2.run(module_augmented_cases) == [3, 3]
+    no error); and, until the second change that day, in a helper function the forward calls."""
+    assert world2.run(module_augmented_cases) == [6, 6]
