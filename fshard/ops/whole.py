@@ -517,7 +517,7 @@ FFT = (
 )
 
 
-_WHOLE = None  # whole_dims_rule(_all), made below
+_WHOLE = whole_dims_rule(_all)  # every input gathered whole
 
 
 def drawn_rule(op, args, kwargs):
@@ -548,8 +548,6 @@ DRAWN = "bernoulli multinomial normal poisson F.rrelu"
 
 
 def _register_table():
-    global _WHOLE
-    _WHOLE = whole_dims_rule(_all)
     along_linear = whole_dims_rule(along(), linear=True)
     along_aligned = whole_dims_rule(along(), align_others=True)
     register_table(

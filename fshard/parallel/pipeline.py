@@ -1823,7 +1823,6 @@ def _check_inputs(flat: tuple, mesh, axis, stages, inputs) -> int:
                     f"pipeline: {what} leaf {i} has layout {leaf.spec}; dim 0 (the "
                     f"microbatches) must not be split, and nothing over {axis!r}"
                 )
-    pp = mesh.size(axis)
     for what, leaves, who, index in (
         ("loss_params", lp_leaves, "the last stage uses it", pp - 1),
         ("input_params", ip_leaves, "the first stage uses it", 0),
@@ -1855,7 +1854,8 @@ _INPUTS = ("stage_params", "microbatches", "input_params", "loss_params", "targe
 
 
 def _shard_plain(flat: tuple, specs: tuple, mesh: Mesh, program: tuple) -> tuple:
-    """``trees`` with their plain tensors sharded to their group's spec, after one consistency
+    """The input trees (``flat``: each ``(leaves, treedef)``, :func:`_flat_inputs`) with their
+    plain tensors sharded to their group's spec, after one consistency
     check that every rank passes the same inputs: the plain tensors' layout and values, the
     shard_map call's signature (what shard_map's call would check in an exchange of its own)
     and ``program``, the pipeline's own arguments that, with the inputs' shapes, decide every
