@@ -583,3 +583,32 @@ def test_a_generator_passed_in_is_replayed():
     (got, after), (want, want_after) = run(fs.remat(masked)), run(masked)
     _close(got, want, "grad")
     assert torch.equal(after, want_after)
+
+
+def _family_block(x, w):
+    """Channel-wise, alpha and value-dependent draws on ShardedArrays (fshard/ops/nn.py's
+    dropout family, fshard/ops/whole.py's drawn_rule) in one block."""
+    h = F.dropout2d((x @ w).reshape(4, 3, 2, 1), 0.3).reshape(4, 6)
+    h = F.alpha_dropout(torch.tanh(h), 0.2, training=True)
+    return (h * torch.bernoulli(torch.sigmoid(h.detach()))).sum()
+
+
+def _sharded_draws_under_remat():
+    """The recompute of a block drawing through the dropout family and a value-dependent draw on
+    ShardedArrays draws the forward's numbers: gradients equal to the block without remat
+    and to dense, each from one seed, replicated and split over the batch."""
+    mesh = fs.Mesh.create((2,), ("x",))
+    X, W = _gen(0, 4, 5), _gen(1, 5, 6)
+    torch.manual_seed(5)
+    want = grad(_family_block, argnums=1)(X, W)
+    for spec in (P(), P("x")):
+        x, w = fs.shard(X, mesh, spec), fs.shard(W, mesh, P())
+        for what, f in (("plain", _family_block), ("remat", fs.remat(_family_block))):
+            torch.manual_seed(5)
+            _, g = fs.value_and_grad(lambda w, f=f, x=x: f(x, w), argnums=0)(w)
+            _close(fs.gather(g), want, f"{spec} {what}")
+    return True
+
+
+def test_sharded_random_draws_inside_remat(world2):
+    assert world2.run(_sharded_draws_under_remat) == [True, True]
