@@ -99,7 +99,10 @@ class consistency(contextlib.ContextDecorator):  # noqa: N801 (used as a functio
 
     def __init__(self, enabled: bool | str = True):
         self._mode = _mode(enabled, "fs.config.consistency(enabled)")
-        self._tokens: list = []  # a decorated function may recurse
+        self._tokens: list = []  # one instance entered again within its block
+
+    def _recreate_cm(self):  # a decorated function's each call: its own (threads, recursion)
+        return type(self)(self._mode)
 
     def __enter__(self) -> None:
         self._tokens.append(_CONSISTENCY.set(self._mode))
