@@ -892,13 +892,8 @@ class _Generate(torch.nn.Module):
 def generate_rank_fn():
     """transformers' ``generate`` on a tensor-parallel Llama (hf_tp_plan: the head's logits
     split over the vocab), greedy and sampling, against the dense model's from one seed."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=16, intermediate_size=32, vocab_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    model = build("llama", "sdpa").eval()
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
     mesh = fs.Mesh.create((2,), ("tp",))
     params = fs.nn.shard_params(model, mesh, fs.nn.hf_tp_plan(model))
     out = []
