@@ -383,7 +383,20 @@ _FUNCTIONAL = {
         name: lambda x, *args, name=name, **kwargs: random.filled(x, name, args, kwargs)
         for name in random.FILLS
     },
+    "bernoulli_": lambda x, p=0.5, *, generator=None: _bernoulli(x, p, generator),
 }
+
+
+def _bernoulli(x: ShardedArray, p, generator):
+    """``x.bernoulli_(p)``: a float ``p`` is a fill; a tensor ``p`` (broadcast to ``x``, in its
+    own dtype, which picks torch's draw) is ``torch.bernoulli`` of it, whose draws read its
+    values (:func:`fshard.ops.whole.drawn_rule`: gathered whole, every rank drawing the dense
+    draw), in ``x``'s dtype: dense ``x.bernoulli_(p)``'s values for the same seed."""
+    if not isinstance(p, (torch.Tensor, ShardedArray)):
+        kwargs = {} if generator is None else {"generator": generator}
+        return random.filled(x, "bernoulli_", (p,), kwargs)
+    probs = torch.zeros_like(x, dtype=p.dtype) + p
+    return torch.bernoulli(probs, generator=generator).to(x.dtype)
 
 
 def inplace_method(name: str):

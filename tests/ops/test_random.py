@@ -93,22 +93,6 @@ def test_per_rank_seeds_before_a_replicated_draw_raise(world2):
         assert split_equal
 
 
-def refused_case():
-    x = fs.shard(torch.ones(4), fs.Mesh.create((2,), ("x",)), P("x"))
-    try:
-        x.bernoulli_(torch.full((4,), 0.5))
-    except TypeError as e:
-        return str(e)
-    return "no error"
-
-
-def test_draws_that_need_the_whole_input_are_refused(world2):
-    """``Tensor.bernoulli_(p)`` with a tensor of probabilities (its values would have to be
-    whole on every rank): refused by name, before any draw."""
-    for message in world2.run(refused_case):
-        assert "bernoulli_ with tensor arguments is not supported" in message, message
-
-
 #: the rest of the dropout family (fshard/ops/nn.py's dropout_family_rule): channel-wise noise
 #: of ATen's feature shape (an unbatched input's channels first) and alpha dropout's affine map
 #: from the one draw; x (4, 6) reshaped to each op's rank, so the split dims land on the batch,
@@ -131,6 +115,11 @@ FAMILY = {
     # on the whole input by every rank, replicated
     "bernoulli(p)": lambda x: x * torch.bernoulli(torch.sigmoid(x)),
     "x.bernoulli()": lambda x: x * torch.sigmoid(x).bernoulli(),
+    # in place, with a tensor of probabilities (broadcast; its dtype picks torch's draw)
+    "x.bernoulli_(p)": lambda x: x * (x * 1).bernoulli_(torch.sigmoid(x)),
+    "x.bernoulli_(plain row, float64)": lambda x: (
+        x * (x * 1).bernoulli_(torch.linspace(0.1, 0.9, 6, dtype=torch.float64))
+    ),
     "multinomial": lambda x: torch.multinomial(torch.softmax(x, -1), 3),
     "multinomial(replacement=True)": lambda x: torch.multinomial(x.exp(), 5, replacement=True),
     "normal(mean, std)": lambda x: torch.normal(x, 0.5),
@@ -146,7 +135,8 @@ def test_the_dropout_family_and_value_dependent_draws_equal_dense(world2):
     """Were refused by name (NotImplementedError: no sharding rule for dropout1d/2d/3d,
     alpha_dropout, feature_alpha_dropout, torch.dropout, bernoulli with a tensor of
     probabilities, multinomial, normal with a tensor mean, poisson, rrelu in training,
-    gumbel_softmax): values and gradients against dense from one seed."""
+    gumbel_softmax; TypeError: bernoulli_ with tensor arguments): values and gradients against
+    dense from one seed."""
     assert world2.run(draw_cases, "FAMILY") == [4 * len(FAMILY)] * 2
 
 
