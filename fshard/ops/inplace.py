@@ -382,6 +382,7 @@ _FUNCTIONAL = {
     **{
         name: lambda x, *args, name=name, **kwargs: random.filled(x, name, args, kwargs)
         for name in random.FILLS
+        if name != "bernoulli_"
     },
     "bernoulli_": lambda x, p=0.5, *, generator=None: _bernoulli(x, p, generator),
 }

@@ -359,34 +359,10 @@ def _sdpa_dropout(b, p, shape, block, out):
 # -- dropout --------------------------------------------------------------------------------
 
 
-def dropout_rule(op, args, kwargs):
-    bound = bind(op, args, kwargs)
-    x = bound["input"]
-    if bound["inplace"]:
-        raise TypeError("ShardedArray is immutable: dropout(inplace=True) is not supported")
-    meta = meta_call(op, args, kwargs)
-    out = out_layout(x.mesh, x.dim_axes, x.partial, meta)
-    if not bound["training"]:
-        return OpSharding([None], out, lambda t, *a, **k: t)
-    block = None if x.mesh.is_abstract else x.shard_metadata(x.mesh.rank).slices()
-    shape = x.shape
-
-    def local(b):
-        t, p = b["input"], b["p"]
-        if p == 0:
-            return t
-        if p == 1:
-            return t * torch.zeros_like(t)
-        noise = random.whole(out, shape, t.dtype, t.device, "bernoulli_", (1 - p,), what="dropout")
-        noise.div_(1 - p)
-        return t * noise[block]
-
-    return OpSharding([None], out, local, by_name=True)
-
-
 #: the dropout family: op -> (feature noise, alpha, the rank of an unbatched input, which the op
 #: treats as one sample: ``dropout1d``'s ``(C, L)``, ``dropout3d``'s ``(C, D, H, W)``)
 _DROPOUTS = {
+    F.dropout: (False, False, None),
     torch.dropout: (False, False, None),
     torch.feature_dropout: (True, False, None),
     torch.alpha_dropout: (False, True, None),
@@ -402,8 +378,9 @@ _ALPHA = 1.7580993408473766
 
 
 def dropout_family_rule(op, args, kwargs):
-    """Channel-wise and alpha dropout (see the module docstring): ATen's ``_dropout_impl`` on
-    the whole noise, drawn once for the global shape, each rank keeping its block of it."""
+    """Dropout, channel-wise and alpha dropout (see the module docstring): ATen's
+    ``_dropout_impl`` on the whole noise, drawn once for the global shape, each rank keeping its
+    block of it."""
     feature, alpha, unbatched = _DROPOUTS[op]
     bound = bind(op, args, kwargs)
     x = bound["input"]
@@ -460,7 +437,6 @@ def _register():
     register_rule(F.cross_entropy, cross_entropy_rule)
     cross_entropy_rule.explicit_layouts = True
     register_rule(F.scaled_dot_product_attention, sdpa_rule)
-    register_rule(F.dropout, dropout_rule)
     for op in _DROPOUTS:
         register_rule(op, dropout_family_rule)
 
