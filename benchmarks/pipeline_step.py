@@ -6,7 +6,7 @@ the same model and the same microbatches, with torch's two zero-bubble schedules
 as the measure of what splitting the backward gains at the size run.
 
     python benchmarks/pipeline_step.py [--layers 4] [--dim 64] [--ctx 32] [--batch 8] [--mb 4]
-        [--interleave ROUNDS [--attribute] | --calls [--steps N]]
+        [--interleave ROUNDS [--attribute] [--floor] | --calls [--steps N]]
 
 The model is ``examples/train_gpt.py``'s GPT (fp32). torch's stages are modules: rank 0 the
 embeddings and the first half of the blocks, rank 1 the second half, the final norm and the
@@ -41,7 +41,12 @@ rank's main-thread CPU time a step in buckets (:class:`_Attribution`: the blocks
 both libraries run on the same modules, each backward by who called it, the rest), to tell the
 compute the libraries share from their own costs, and the step's two ends in wall time (the call
 to the first block forward, the schedule's last backward to the return: on rank 0, the 1F1B
-critical path's Python). ``--calls`` counts each configuration's Python calls a step and rank
+critical path's Python). ``--floor`` adds two rows that tell what a cross-rank agreement a
+step costs from what a library costs: torch's 1F1B with a 4-word all_reduce before each step
+(the shape of fshard's default consistency check of a step's plain inputs: one small exchange
+whose verdict the step's first transfer waits for) and fshard's 1F1B with the checks off
+(``fs.config.consistency(False)``); fshard's rows are also given as a ratio to the first.
+``--calls`` counts each configuration's Python calls a step and rank
 (cProfile's count, C functions included) by source: where the compute is small (the default
 size) a step's Python is what separates the libraries, and a count does not move with the
 machine's load as a time does. Comparing two versions
@@ -80,6 +85,16 @@ CONFIGS = [
     ("fshard 1f1b", "fshard", "1f1b", 1),
     ("fshard interleaved v=2", "fshard", "interleaved", 2),
     ("fshard zb (ZB-H1)", "fshard", "zb", 1),
+]
+
+#: ``--floor``'s rows: what one cross-rank agreement a step costs, apart from the library that
+#: makes it. fshard's default consistency check exchanges the step's plain inputs' digest in
+#: one small all_reduce whose verdict comes before the step's first transfer (no data moves
+#: between ranks that disagree); torch's 1F1B is given the same shape of agreement (a 4-word
+#: all_reduce, MAX, before each step), and fshard's 1F1B is run with the checks off
+FLOOR = [
+    ("torch 1F1B + all_reduce", "torch+agree", "1f1b", 1),
+    ("fshard 1f1b, checks off", "fshard-unchecked", "1f1b", 1),
 ]
 
 
@@ -272,7 +287,18 @@ def _step(lib, schedule, virtual, layers, dim, ctx, batch, mb):
     tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     if lib == "torch":
         return _torch_step(gpt, schedule, virtual, tokens, targets, mb)
-    return _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
+    if lib == "torch+agree":  # --floor: an agreement of the consistency exchange's shape first
+        step, words = _torch_step(gpt, schedule, virtual, tokens, targets, mb), torch.zeros(4)
+
+        def agreed():
+            dist.all_reduce(words, op=dist.ReduceOp.MAX)
+            step()
+
+        return agreed
+    step = _fshard_step(gpt, schedule, virtual, tokens, targets, mb)
+    if lib == "fshard-unchecked":  # --floor: the consistency checks off (fs.config.consistency)
+        return fs.config.consistency(False)(step)
+    return step
 
 
 class _Attribution:
@@ -488,6 +514,13 @@ def main(argv=None):
         "'fshard 1f1b' 'fshard zb (ZB-H1)'",
     )
     ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="with --interleave: also torch's 1F1B with a 4-word all_reduce before each step "
+        "(the shape of fshard's consistency exchange) and fshard's 1F1B with the checks off: "
+        "what one cross-rank agreement a step costs, whichever library makes it",
+    )
+    ap.add_argument(
         "--calls",
         action="store_true",
         help="instead: each configuration's Python calls a step and rank (cProfile's count, "
@@ -541,6 +574,7 @@ _REFS = {
 
 def _calls(a) -> None:
     configs = [c for c in CONFIGS if not a.only or c[0] in a.only or c[1] == "torch"]
+    configs += FLOOR if a.floor else []
     world = World(2, timeout=1800)
     try:
         res = world.run(calls_fn, configs, a.layers, a.dim, a.ctx, a.batch, a.mb, a.steps)
@@ -562,6 +596,7 @@ def _calls(a) -> None:
 
 def _interleaved(a) -> None:
     configs = [c for c in CONFIGS if not a.only or c[0] in a.only or c[1] == "torch"]
+    configs += FLOOR if a.floor else []
     world = World(2, timeout=1800)
     try:
         res = world.run(
@@ -592,8 +627,10 @@ def _interleaved(a) -> None:
     def cpu_sum(name):
         return sum(statistics.median(c[name]) for c in cpus)
 
-    for name, _, schedule, _ in configs:
-        refs = [r for r in _REFS[schedule] if r in wall and r != name]
+    for name, lib, schedule, _ in configs:
+        # fshard's 1F1B also against torch's with the agreement its default check makes
+        agreed = ("torch 1F1B + all_reduce",) if lib.startswith("fshard") else ()
+        refs = [r for r in (*_REFS[schedule], *agreed) if r in wall and r != name]
         ratios = [
             f"{statistics.median(x / y for x, y in zip(wall[name], wall[r])):.3f}x {r}"
             for r in refs
