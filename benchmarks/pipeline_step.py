@@ -516,9 +516,9 @@ def main(argv=None):
     ap.add_argument(
         "--floor",
         action="store_true",
-        help="with --interleave: also torch's 1F1B with a 4-word all_reduce before each step "
-        "(the shape of fshard's consistency exchange) and fshard's 1F1B with the checks off: "
-        "what one cross-rank agreement a step costs, whichever library makes it",
+        help="with --interleave or --calls: also torch's 1F1B with a 4-word all_reduce before "
+        "each step (the shape of fshard's consistency exchange) and fshard's 1F1B with the "
+        "checks off: what one cross-rank agreement a step costs, whichever library makes it",
     )
     ap.add_argument(
         "--calls",
@@ -572,9 +572,15 @@ _REFS = {
 }
 
 
-def _calls(a) -> None:
+def _configs(a) -> list:
+    """The configurations to run: torch's, the fshard ones ``--only`` names (all without it),
+    and ``--floor``'s rows."""
     configs = [c for c in CONFIGS if not a.only or c[0] in a.only or c[1] == "torch"]
-    configs += FLOOR if a.floor else []
+    return configs + (FLOOR if a.floor else [])
+
+
+def _calls(a) -> None:
+    configs = _configs(a)
     world = World(2, timeout=1800)
     try:
         res = world.run(calls_fn, configs, a.layers, a.dim, a.ctx, a.batch, a.mb, a.steps)
@@ -595,8 +601,7 @@ def _calls(a) -> None:
 
 
 def _interleaved(a) -> None:
-    configs = [c for c in CONFIGS if not a.only or c[0] in a.only or c[1] == "torch"]
-    configs += FLOOR if a.floor else []
+    configs = _configs(a)
     world = World(2, timeout=1800)
     try:
         res = world.run(
@@ -629,7 +634,7 @@ def _interleaved(a) -> None:
 
     for name, lib, schedule, _ in configs:
         # fshard's 1F1B also against torch's with the agreement its default check makes
-        agreed = ("torch 1F1B + all_reduce",) if lib.startswith("fshard") else ()
+        agreed = ("torch 1F1B + all_reduce",) if lib != "torch" and schedule == "1f1b" else ()
         refs = [r for r in (*_REFS[schedule], *agreed) if r in wall and r != name]
         ratios = [
             f"{statistics.median(x / y for x, y in zip(wall[name], wall[r])):.3f}x {r}"

@@ -552,7 +552,7 @@ def _register_table():
     along_aligned = whole_dims_rule(along(), align_others=True)
     register_table(
         {
-            whole_dims_rule(_all): EVERYTHING,
+            _WHOLE: f"{EVERYTHING} linspace logspace native_group_norm",
             along_linear: "unsafe_split unsafe_chunk split_with_sizes split_with_sizes_copy "
             "take_along_dim",
             whole_dims_rule(dims(1, 0), linear=True): "fliplr hsplit",
@@ -584,7 +584,6 @@ def _register_table():
             whole_dims_rule(last(1), align_others=True): "searchsorted",
             whole_dims_rule(lambda op, x, a, k: set(), linear=True): "Tensor.sum_to_size",
             whole_dims_rule(normalized): "native_layer_norm",
-            whole_dims_rule(_all): "linspace logspace native_group_norm",
             drawn_rule: DRAWN,
         }
     )
